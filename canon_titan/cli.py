@@ -1,0 +1,104 @@
+"""The ``canon-titan`` command.
+
+  canon-titan train --config FILE.toml [--nproc N] [--section.key value ...]
+  canon-titan config show FILE.toml [--section.key value ...]
+  canon-titan config validate FILE.toml [FILE.toml ...] [--world-size N] [--section.key value ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+
+
+def _split(argv: list[str], parser: argparse.ArgumentParser):
+    """Known options via argparse; ``--section.key`` overrides (with their values) pass through."""
+    args, rest = parser.parse_known_args(argv)
+    return args, rest
+
+
+def _load_or_report(path: str, overrides: list[str]):
+    from canon_titan.config import ConfigError, load
+
+    try:
+        return load(path, overrides), None
+    except ConfigError as e:
+        return None, str(e)
+
+
+def cmd_train(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="canon-titan train", description="Single-node training launch (torchrun --standalone).")
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--nproc", type=int, default=1, help="processes (GPUs, or CPU ranks) on this node")
+    parser.add_argument("--log-ranks", default="0", help="ranks whose output is shown (torchrun --local-ranks-filter)")
+    args, overrides = _split(argv, parser)
+    if args.nproc < 1:
+        parser.error("--nproc must be >= 1")
+    os.environ["WORLD_SIZE"] = str(args.nproc)
+    run, error = _load_or_report(args.config, overrides)
+    del os.environ["WORLD_SIZE"]
+    if error:
+        print(f"canon-titan: config error: {error}", file=sys.stderr)
+        return 2
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
+           "--local-ranks-filter", args.log_ranks, "--role", "rank", "--tee", "3",
+           "-m", "canon_titan.train", "--config", args.config, *overrides]
+    print("+ " + " ".join(cmd), flush=True)
+    return subprocess.call(cmd)
+
+
+def cmd_config(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="canon-titan config")
+    sub = parser.add_subparsers(dest="action", required=True)
+    show = sub.add_parser("show", help="print the resolved config (defaults and overrides applied) as TOML")
+    show.add_argument("file")
+    validate = sub.add_parser("validate", help="check config files; exit status 2 if any is invalid")
+    validate.add_argument("files", nargs="+")
+    validate.add_argument("--world-size", type=int, help="also check the parallelism degrees against N ranks")
+    # Overrides start with "--section.": keep them away from argparse's positional matching.
+    split = next((i for i, a in enumerate(argv) if a.startswith("--") and "." in a.split("=")[0]), len(argv))
+    args, unknown = parser.parse_known_args(argv[:split])
+    overrides = unknown + argv[split:]
+
+    from canon_titan.config import dumps
+
+    if args.action == "show":
+        run, error = _load_or_report(args.file, overrides)
+        if error:
+            print(f"canon-titan: config error: {error}", file=sys.stderr)
+            return 2
+        print(f"# resolved from {args.file}" + (f" with {' '.join(overrides)}" if overrides else ""))
+        print(dumps(run.sections), end="")
+        return 0
+
+    if args.world_size is not None:
+        os.environ["WORLD_SIZE"] = str(args.world_size)
+    failed = 0
+    for path in args.files:
+        run, error = _load_or_report(path, overrides)
+        if error:
+            failed += 1
+            print(f"INVALID {error}", file=sys.stderr)
+        else:
+            print(f"ok      {path} ({run['model']['name']} {run['model']['flavor']})")
+    return 2 if failed else 0
+
+
+COMMANDS = {"train": cmd_train, "config": cmd_config}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        print(__doc__.strip())
+        if argv and argv[0] not in ("-h", "--help"):
+            print(f"\ncanon-titan: unknown command {argv[0]!r}; commands: {', '.join(COMMANDS)}", file=sys.stderr)
+            return 2
+        return 0
+    return COMMANDS[argv[0]](argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

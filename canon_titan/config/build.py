@@ -1,0 +1,110 @@
+"""A resolved ``RunConfig`` -> the TorchTitan ``Trainer.Config`` (our subclass) that runs it."""
+
+from __future__ import annotations
+
+import os
+
+from canon_titan.config.loader import ConfigError, RunConfig
+from canon_titan.config.toml_writer import dumps
+
+
+def _model_spec(run: RunConfig):
+    import model_registry
+
+    model = run["model"]
+    spec = model_registry.model_spec(model["name"], model["flavor"], {
+        k: v for k, v in model.items() if k not in ("name", "flavor")
+    })
+    f8 = run["float8"]
+    if f8["enable"]:
+        from torchtitan.components.quantization import Float8LinearConverter
+
+        converter = Float8LinearConverter.Config(
+            recipe_name=f8["recipe_name"],
+            emulate=f8["emulate"],
+            filter_fqns=list(f8["filter_fqns"]),
+            model_compile_enabled=run["compile"]["enable"] and "model" in run["compile"]["components"],
+        )
+        spec.model = converter.build().convert(spec.model)
+    return spec
+
+
+def _activation_checkpoint(section: dict):
+    from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+
+    kwargs = {k: section[k] for k in ("preserve_rng_state", "determinism_check", "debug")}
+    if section["mode"] == "selective":
+        return SelectiveAC.Config(**kwargs)
+    if section["mode"] == "full":
+        return FullAC.Config(**kwargs)
+    return None
+
+
+def _set_wandb_env(metrics: dict) -> None:
+    os.environ.setdefault("WANDB_MODE", metrics["wandb_mode"])
+    os.environ.setdefault("WANDB_PROJECT", metrics["wandb_project"])
+
+
+def build_trainer_config(run: RunConfig):
+    """Construct the trainer config; TorchTitan's own config checks surface as ConfigError."""
+    from torchtitan.components.checkpointer import CheckpointManager
+    from torchtitan.components.loss import CrossEntropyLoss
+    from torchtitan.components.metrics import MetricsProcessor
+    from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer
+    from torchtitan.components.optimizer.optimizer import ParamGroupConfig
+    from torchtitan.components.tokenizer import HuggingFaceTokenizer
+    from torchtitan.config.configs import CommConfig, CompileConfig, DebugConfig, ParallelismConfig, TrainingConfig
+
+    from canon_titan.data.builtin import ASSET_DIR
+    from canon_titan.data.packed import PackedTextDataLoader
+    from canon_titan.loss import ZLossCrossEntropy
+    from canon_titan.trainer import CanonTrainer
+
+    opt, job, metrics = run["optimizer"], run["job"], run["metrics"]
+    _set_wandb_env(metrics)
+    spec = _model_spec(run)
+    loss = (ZLossCrossEntropy.Config() if run.model_args.z_loss
+            else CrossEntropyLoss.Config(global_vocab_size=run.model_args.vocab_size))
+    section = None
+    try:
+        section = "parallelism"
+        parallelism = ParallelismConfig(**run["parallelism"])
+        section = "compile"
+        compile_config = CompileConfig(**run["compile"])
+        section = "checkpoint"
+        checkpoint = CheckpointManager.Config(**run["checkpoint"])
+        section = "training"
+        config = CanonTrainer.Config(
+            model_spec=spec,
+            hf_assets_path=run["tokenizer"]["path"] or str(ASSET_DIR),
+            dump_folder=job["dump_folder"],
+            tokenizer=HuggingFaceTokenizer.Config(),
+            dataloader=PackedTextDataLoader.Config(**run["dataloader"]),
+            optimizer=OptimizersContainer.Config(
+                param_groups=[ParamGroupConfig(
+                    pattern=r".*",
+                    optimizer_name=opt["name"],
+                    optimizer_kwargs={"lr": opt["lr"], "betas": tuple(opt["betas"]), "eps": opt["eps"],
+                                      "weight_decay": opt["weight_decay"]},
+                )],
+                implementation=opt["implementation"],
+            ),
+            lr_scheduler=LRSchedulersContainer.Config(**run["lr_scheduler"]),
+            training=TrainingConfig(**run["training"]),
+            parallelism=parallelism,
+            checkpoint=checkpoint,
+            activation_checkpoint=_activation_checkpoint(run["activation_checkpoint"]),
+            compile=compile_config,
+            comm=CommConfig(**run["comm"]),
+            metrics=MetricsProcessor.Config(**{
+                k: metrics[k] for k in ("log_freq", "enable_tensorboard", "save_tb_folder",
+                                        "save_for_all_ranks", "enable_wandb", "disable_color_printing")
+            }),
+            debug=DebugConfig(seed=job["seed"], deterministic=job["deterministic"],
+                              print_config=job["print_config"]),
+            loss=loss,
+            run_toml=dumps(run.sections),
+        )
+    except ValueError as e:
+        raise ConfigError(run.source, f"[{section}]", str(e)) from e
+    return config

@@ -1,0 +1,149 @@
+"""Value and cross-section checks: impossible runs fail here, before any process group starts."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from canon_titan.config.loader import CLI, ConfigError, RunConfig
+
+
+def _fail(run: RunConfig, section: str, key: str, message: str):
+    raise ConfigError(run.origins.get((section, key), run.source), f"[{section}] {key}", message)
+
+
+def _positive(run: RunConfig, section: str, *keys: str) -> None:
+    for key in keys:
+        if run[section][key] <= 0:
+            _fail(run, section, key, f"must be > 0, got {run[section][key]}")
+
+
+def _world_size() -> int | None:
+    value = os.environ.get("WORLD_SIZE")
+    return int(value) if value and value.isdigit() else None
+
+
+def check_model(run: RunConfig) -> None:
+    for key, message in run.model_args.validate():
+        _fail(run, "model", key, message)
+
+
+def check_training(run: RunConfig) -> None:
+    _positive(run, "training", "local_batch_size", "seq_len", "steps", "max_norm")
+    gbs = run["training"]["global_batch_size"]
+    if gbs != -1 and gbs <= 0:
+        _fail(run, "training", "global_batch_size", f"must be > 0 or -1 (local batch x dp), got {gbs}")
+    opt = run["optimizer"]
+    _positive(run, "optimizer", "lr")
+    if len(opt["betas"]) != 2 or not all(0 <= b < 1 for b in opt["betas"]):
+        _fail(run, "optimizer", "betas", f"must be two numbers in [0, 1), got {opt['betas']}")
+    if opt["weight_decay"] < 0 or opt["eps"] <= 0:
+        _fail(run, "optimizer", "weight_decay" if opt["weight_decay"] < 0 else "eps", "must be >= 0 (eps > 0)")
+    sched = run["lr_scheduler"]
+    if sched["warmup_steps"] < 0:
+        _fail(run, "lr_scheduler", "warmup_steps", "must be >= 0")
+    if not 0 <= sched["min_lr_factor"] <= 1:
+        _fail(run, "lr_scheduler", "min_lr_factor", f"must be in [0, 1], got {sched['min_lr_factor']}")
+    if sched["decay_ratio"] is not None and not 0 <= sched["decay_ratio"] <= 1:
+        _fail(run, "lr_scheduler", "decay_ratio", f"must be in [0, 1] (WSD decay share), got {sched['decay_ratio']}")
+    if run["metrics"]["log_freq"] <= 0:
+        _fail(run, "metrics", "log_freq", "must be > 0")
+    ckpt = run["checkpoint"]
+    if ckpt["enable"] and ckpt["interval"] <= 0:
+        _fail(run, "checkpoint", "interval", f"must be > 0, got {ckpt['interval']}")
+    if ckpt["last_save_in_hf"] and not ckpt["last_save_model_only"]:
+        _fail(run, "checkpoint", "last_save_in_hf", "needs last_save_model_only = true (HF files hold weights only)")
+
+
+def check_parallelism(run: RunConfig) -> None:
+    par, training, args = run["parallelism"], run["training"], run.model_args
+    for key in ("data_parallel_replicate_degree", "tensor_parallel_degree", "pipeline_parallel_degree",
+                "context_parallel_degree", "expert_parallel_degree", "pipeline_parallel_microbatch_size"):
+        if par[key] < 1:
+            _fail(run, "parallelism", key, f"must be >= 1, got {par[key]}")
+    if par["data_parallel_shard_degree"] == 0 or par["data_parallel_shard_degree"] < -1:
+        _fail(run, "parallelism", "data_parallel_shard_degree", "must be >= 1, or -1 for the remaining ranks")
+    tp, pp = par["tensor_parallel_degree"], par["pipeline_parallel_degree"]
+    others = par["data_parallel_replicate_degree"] * tp * pp * par["context_parallel_degree"]
+    world = _world_size()
+    if world is not None:
+        shard = par["data_parallel_shard_degree"]
+        if shard == -1:
+            if world % others:
+                _fail(run, "parallelism", "tensor_parallel_degree",
+                      f"replicate x tp x pp x cp = {others} does not divide the world size {world}")
+            shard = world // others
+        elif others * shard != world:
+            _fail(run, "parallelism", "data_parallel_shard_degree",
+                  f"replicate x shard x tp x pp x cp = {others * shard} but the world size is {world}")
+        dp = shard * par["data_parallel_replicate_degree"]
+        gbs = training["global_batch_size"]
+        if gbs != -1 and gbs % (training["local_batch_size"] * dp):
+            _fail(run, "training", "global_batch_size",
+                  f"must be a multiple of local_batch_size x data-parallel degree "
+                  f"({training['local_batch_size']} x {dp})")
+    for name, heads in (("n_heads", args.n_heads), ("n_kv_heads", args.kv_heads)):
+        if heads % tp:
+            _fail(run, "parallelism", "tensor_parallel_degree", f"({tp}) must divide model {name} ({heads})")
+    if tp > 1 and par["enable_sequence_parallel"] and training["seq_len"] % tp:
+        _fail(run, "training", "seq_len", f"must be divisible by tensor_parallel_degree ({tp}) with sequence parallel")
+    if pp > 1:
+        if training["local_batch_size"] % par["pipeline_parallel_microbatch_size"]:
+            _fail(run, "parallelism", "pipeline_parallel_microbatch_size",
+                  f"must divide training.local_batch_size ({training['local_batch_size']})")
+        from torch.distributed.pipelining.schedules import get_schedule_class
+
+        try:
+            get_schedule_class(par["pipeline_parallel_schedule"])
+        except ValueError as e:
+            _fail(run, "parallelism", "pipeline_parallel_schedule", str(e))
+    if par["context_parallel_degree"] > 1:
+        _fail(run, "parallelism", "context_parallel_degree",
+              "context parallelism is not supported: Canon layers and the SDPA attention need the whole sequence")
+
+
+def check_features(run: RunConfig) -> None:
+    f8, compile_ = run["float8"], run["compile"]
+    if f8["enable"]:
+        from torchtitan.tools.utils import has_cuda_capability
+
+        if f8["emulate"] and compile_["enable"]:
+            _fail(run, "float8", "emulate", "emulated float8 runs in eager mode only; set [compile] enable = false")
+        if not f8["emulate"] and not has_cuda_capability(8, 9):
+            _fail(run, "float8", "enable",
+                  "real float8 needs an NVIDIA GPU with compute capability >= 8.9 (Ada/Hopper); "
+                  "none is visible. Use [float8] emulate = true to test the code path")
+    for component in compile_["components"]:
+        if component not in ("model", "loss"):
+            _fail(run, "compile", "components", f"entries must be 'model' or 'loss', got {component!r}")
+
+
+def check_data(run: RunConfig) -> None:
+    from canon_titan.data.builtin import ASSET_DIR
+    from canon_titan.data.packed import DataConfigError, resolve_paths
+
+    data = run["dataloader"]
+    try:
+        resolve_paths(data["dataset"], data["dataset_path"])
+    except DataConfigError as e:
+        _fail(run, "dataloader", "dataset_path" if data["dataset"] == "jsonl" else "dataset", str(e))
+    tok_path = Path(run["tokenizer"]["path"] or ASSET_DIR)
+    if not (tok_path / "tokenizer.json").is_file():
+        _fail(run, "tokenizer", "path", f"{tok_path} has no tokenizer.json")
+    from tokenizers import Tokenizer
+
+    vocab = Tokenizer.from_file(str(tok_path / "tokenizer.json")).get_vocab_size()
+    if vocab > run.model_args.vocab_size:
+        _fail(run, "model", "vocab_size",
+              f"({run.model_args.vocab_size}) is smaller than the tokenizer's vocabulary ({vocab}) at {tok_path}")
+
+
+def check_run(run: RunConfig) -> None:
+    check_model(run)
+    check_training(run)
+    check_parallelism(run)
+    check_features(run)
+    check_data(run)
+
+
+__all__ = ["check_run", "CLI"]

@@ -1,0 +1,117 @@
+"""The TOML sections: which dataclass defines each section's keys, and canon-titan's defaults.
+
+Sections backed by a TorchTitan config expose its fields verbatim (same names, same meaning), so
+TorchTitan's documentation applies. The rest are small dataclasses of our own, defined here.
+``[model]`` is special: its keys are ``name``, ``flavor`` and the fields of that model family's
+args dataclass (``model_registry/<name>.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from torchtitan.components.checkpointer import CheckpointManager
+from torchtitan.components.optimizer import LRSchedulersContainer
+from torchtitan.config.configs import CommConfig, CompileConfig, ParallelismConfig, TrainingConfig
+
+from canon_titan.data.packed import PackedTextDataLoader
+
+
+@dataclass(kw_only=True)
+class JobSection:
+    description: str = ""
+    dump_folder: str = "./outputs"
+    """Where checkpoints, TensorBoard events, wandb files and the resolved config go."""
+    seed: int | None = 777
+    """Base RNG seed (model init, dropout); None draws one on rank 0."""
+    deterministic: bool = False
+    """torch.use_deterministic_algorithms (slower)."""
+    print_config: bool = False
+
+
+@dataclass(kw_only=True)
+class TokenizerSection:
+    path: str | None = None
+    """Folder with tokenizer.json / tokenizer_config.json; None uses the built-in tokenizer."""
+
+
+@dataclass(kw_only=True)
+class OptimizerSection:
+    name: Literal["AdamW", "Adam"] = "AdamW"
+    lr: float = 8e-4
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    """Applied to every parameter (norms, embeddings, Canon weights too), as in the reference."""
+    implementation: Literal["for-loop", "foreach", "fused"] = "fused"
+
+
+@dataclass(kw_only=True)
+class ActivationCheckpointSection:
+    mode: Literal["none", "selective", "full"] = "none"
+    preserve_rng_state: bool = True
+    determinism_check: str = "default"
+    debug: bool = False
+
+
+@dataclass(kw_only=True)
+class Float8Section:
+    enable: bool = False
+    recipe_name: Literal["rowwise", "rowwise_with_gw_hp"] = "rowwise"
+    emulate: bool = False
+    """Emulate float8 matmuls in high precision (testing on hardware without float8; eager only)."""
+    filter_fqns: list[str] = field(default_factory=list)
+    """Linear layers whose name contains one of these stay in high precision."""
+
+
+@dataclass(kw_only=True)
+class MetricsSection:
+    log_freq: int = 10
+    enable_tensorboard: bool = True
+    save_tb_folder: str = "tb"
+    save_for_all_ranks: bool = False
+    enable_wandb: bool = False
+    wandb_mode: Literal["offline", "online", "disabled"] = "offline"
+    """Sets WANDB_MODE unless the environment already does."""
+    wandb_project: str = "canon-titan"
+    disable_color_printing: bool = False
+
+
+@dataclass(frozen=True)
+class Section:
+    cls: type
+    defaults: dict = field(default_factory=dict)
+    """canon-titan's defaults where they differ from the dataclass's."""
+    hidden: tuple[str, ...] = ()
+    """Fields of a TorchTitan dataclass that a TOML file cannot set."""
+
+
+SECTIONS: dict[str, Section] = {
+    "job": Section(JobSection),
+    "tokenizer": Section(TokenizerSection),
+    "training": Section(
+        TrainingConfig,
+        # CUDA graphs are new in TorchTitan 0.3 and do not support PP; the reference has none.
+        defaults={"disable_cuda_graphs": True, "steps": 1000, "local_batch_size": 8, "seq_len": 4096},
+    ),
+    "optimizer": Section(OptimizerSection),
+    "lr_scheduler": Section(
+        LRSchedulersContainer.Config,
+        defaults={"warmup_steps": 200, "decay_type": "cosine", "min_lr_factor": 0.01},
+    ),
+    "dataloader": Section(PackedTextDataLoader.Config),
+    "parallelism": Section(
+        ParallelismConfig,
+        # spmd_types needs fully_shard to convert SPMD annotations (torch >= 2.14);
+        # partial_dtensor (DTensor for model-parallel axes) works on every supported torch.
+        defaults={"spmd_backend": "partial_dtensor"},
+        hidden=("context_parallel_ptrr_mask_key", "pipeline_parallel_schedule_csv"),
+    ),
+    "checkpoint": Section(CheckpointManager.Config, hidden=("initial_load_in_hf_quantized",)),
+    "activation_checkpoint": Section(ActivationCheckpointSection),
+    "compile": Section(CompileConfig, hidden=("enable_async_tensor_parallel",)),
+    "float8": Section(Float8Section),
+    "metrics": Section(MetricsSection),
+    "comm": Section(CommConfig, hidden=("mode", "trace_buf_size", "save_traces_folder", "save_traces_file_prefix")),
+}

@@ -1,0 +1,146 @@
+"""Packed-token dataloader whose global batches do not depend on the data-parallel layout.
+
+Documents are tokenized with BOS/EOS and concatenated into one token stream, cut into windows of
+``seq_len + 1`` tokens (input = first ``seq_len``, labels = shifted by one), packed across
+document boundaries with plain causal attention, as in the reference. Window order is a seeded
+permutation per epoch. Global sample ``i`` is the same window for any number of ranks: each
+``next()`` consumes ``local_batch_size * dp_world_size`` global samples and rank ``r`` takes the
+``r``-th slice, so 1 rank with batch 4 and 2 ranks with batch 2 see the same global batch. The
+checkpointed state is the global sample counter, so a run can also resume on another layout.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from torchtitan.components.dataloader import BaseDataLoader
+from torchtitan.tools.logging import logger
+
+from canon_titan.data.builtin import ASSET_DIR, CORPUS_FILE
+
+
+class DataConfigError(ValueError):
+    pass
+
+
+def read_jsonl_texts(paths: list[str], text_key: str = "text") -> Iterator[str]:
+    for path in paths:
+        with open(path, encoding="utf-8") as f:
+            for line_no, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DataConfigError(f"{path}:{line_no}: not a JSON object ({e.msg})") from e
+                if not isinstance(record, dict) or text_key not in record:
+                    raise DataConfigError(f"{path}:{line_no}: missing the {text_key!r} field")
+                yield record[text_key]
+
+
+def resolve_paths(dataset: str, dataset_path: str | None) -> list[str]:
+    if dataset == "builtin":
+        return [str(ASSET_DIR / CORPUS_FILE)]
+    if dataset == "jsonl":
+        if not dataset_path:
+            raise DataConfigError("dataloader.dataset_path is required when dataloader.dataset = 'jsonl'")
+        paths = sorted(glob.glob(dataset_path))
+        if not paths:
+            raise DataConfigError(f"dataloader.dataset_path {dataset_path!r} matches no file")
+        return paths
+    raise DataConfigError(f"unknown dataloader.dataset {dataset!r}; available: builtin, jsonl")
+
+
+def tokenize_stream(texts, tokenizer, add_bos: bool, add_eos: bool) -> np.ndarray:
+    dtype = np.uint16 if tokenizer.get_vocab_size() <= np.iinfo(np.uint16).max + 1 else np.uint32
+    chunks = [np.asarray(tokenizer.encode(t, add_bos=add_bos, add_eos=add_eos), dtype=dtype) for t in texts]
+    return np.concatenate(chunks) if chunks else np.zeros(0, dtype=dtype)
+
+
+class PackedTextDataLoader(BaseDataLoader):
+    @dataclass(kw_only=True, slots=True)
+    class Config(BaseDataLoader.Config):
+        dataset: str = "builtin"
+        """'builtin' (the project's story corpus) or 'jsonl' (files with a "text" field)."""
+        dataset_path: str | None = None
+        """File or glob of JSON-lines files, for dataset = 'jsonl'."""
+        seed: int = 777
+        """Seed of the per-epoch window permutation."""
+        shuffle: bool = True
+        add_bos: bool = True
+        add_eos: bool = True
+        infinite: bool = True
+        """Start a new (re-shuffled) epoch when the windows run out, instead of stopping."""
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        dp_world_size: int,
+        dp_rank: int,
+        tokenizer,
+        seq_len: int,
+        local_batch_size: int,
+        **kwargs,
+    ):
+        self.config = config
+        self.dp_world_size, self.dp_rank = dp_world_size, dp_rank
+        self.seq_len, self.local_batch_size = seq_len, local_batch_size
+        paths = resolve_paths(config.dataset, config.dataset_path)
+        self.tokens = tokenize_stream(read_jsonl_texts(paths), tokenizer, config.add_bos, config.add_eos)
+        self.num_windows = (len(self.tokens) - 1) // seq_len
+        if self.num_windows < local_batch_size * dp_world_size:
+            raise DataConfigError(
+                f"dataset {config.dataset!r} has {len(self.tokens)} tokens: fewer than one global "
+                f"batch of {local_batch_size * dp_world_size} x {seq_len + 1} tokens"
+            )
+        self.next_sample = 0
+        self._perm_epoch, self._perm = -1, None
+        logger.info(
+            f"Packed dataset {config.dataset!r}: {len(self.tokens):,} tokens, "
+            f"{self.num_windows:,} windows of {seq_len} (dp rank {dp_rank}/{dp_world_size})"
+        )
+
+    def _window_start(self, sample: int) -> int:
+        epoch, offset = divmod(sample, self.num_windows)
+        if not self.config.shuffle:
+            return offset * self.seq_len
+        if epoch != self._perm_epoch:
+            rng = np.random.default_rng([self.config.seed, epoch])
+            self._perm, self._perm_epoch = rng.permutation(self.num_windows), epoch
+        return int(self._perm[offset]) * self.seq_len
+
+    def batch(self, first_sample: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """The local batch whose global batch starts at ``first_sample``."""
+        start = first_sample + self.dp_rank * self.local_batch_size
+        rows = [
+            self.tokens[s : s + self.seq_len + 1]
+            for s in (self._window_start(start + j) for j in range(self.local_batch_size))
+        ]
+        data = torch.from_numpy(np.stack(rows).astype(np.int64))
+        return {"input": data[:, :-1]}, data[:, 1:]
+
+    def __iter__(self):
+        global_batch = self.local_batch_size * self.dp_world_size
+        while True:
+            if not self.config.infinite and self.next_sample + global_batch > self.num_windows:
+                return
+            first = self.next_sample
+            self.next_sample += global_batch
+            yield self.batch(first)
+
+    def state_dict(self) -> dict:
+        # Identical on every rank (a global position), so DCP keeps one copy.
+        return {"next_sample": self.next_sample}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        if not state_dict:
+            return
+        self.next_sample = int(state_dict["next_sample"])
+        logger.info(f"Dataloader resumes at global sample {self.next_sample:,}")

@@ -1,0 +1,1 @@
+"""Model code: torchtitan ``Module`` trees for the canon-titan model families."""

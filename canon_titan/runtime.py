@@ -1,0 +1,189 @@
+"""Compatibility shims that let TorchTitan 0.3.0's real Trainer run on CPU (gloo) and torch 2.13.
+
+Every shim is guarded by a feature check, never by a version string: on a CUDA machine with
+torch >= 2.14 none of them applies. ``apply()`` must run before ``torchtitan.trainer`` is used;
+it also rebinds names in already-imported torchtitan modules, so import order does not matter.
+
+Not shimmed on purpose: FlexAttention has no CPU backward, but canon-titan's attention calls
+causal SDPA directly (as the reference does), so the trainer never builds flex masks for it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import sys
+import types
+
+import torch
+import torch.distributed as dist
+
+from torchtitan.tools.logging import logger
+
+_applied: list[str] = []
+
+
+class CpuDeviceModule:
+    """The part of ``torch.cuda``'s surface that the trainer and metrics use, for CPU.
+
+    TorchTitan falls back to ``device_type="cuda"`` when no accelerator is present and then calls
+    ``torch.cuda.set_device``, which the CPU wheel lacks. Memory statistics are not tracked on
+    CPU, so the metrics show zero memory.
+    """
+
+    def __getattr__(self, name):
+        return getattr(torch.cpu, name)
+
+    def set_device(self, device) -> None:
+        pass
+
+    def device_count(self) -> int:
+        return 1
+
+    def current_device(self) -> int:
+        return 0
+
+    def synchronize(self, *args, **kwargs) -> None:
+        pass
+
+    def get_device_name(self, device=None) -> str:
+        return "cpu"
+
+    def get_device_properties(self, device=None):
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return types.SimpleNamespace(total_memory=total, name="cpu")
+
+    def memory_stats(self, device=None) -> dict:
+        return {}
+
+    def reset_peak_memory_stats(self, *args, **kwargs) -> None:
+        pass
+
+    def empty_cache(self) -> None:
+        pass
+
+
+def _use_cpu_device() -> None:
+    import torchtitan.tools.utils as tt_utils
+
+    if torch._utils._get_available_device_type() is not None:
+        return
+    old_type, old_module = tt_utils.device_type, tt_utils.device_module
+    cpu_module = CpuDeviceModule()
+    # Modules such as components.metrics bind these names at import time.
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("torchtitan"):
+            continue
+        if getattr(module, "device_module", None) is old_module:
+            module.device_module = cpu_module
+        if getattr(module, "device_type", None) == old_type:
+            module.device_type = "cpu"
+    _applied.append("cpu-device")
+
+
+def _gloo_safe_fsdp_reduction() -> None:
+    """Gloo has no ReduceOp.PREMUL_SUM, which FSDP2 uses once the divide factor is set to 1."""
+    import torchtitan.distributed.fsdp as tt_fsdp
+    from torch.distributed.fsdp import FSDPModule
+
+    if torch._utils._get_available_device_type() is not None:
+        return
+    original = tt_fsdp.disable_fsdp_gradient_division
+    if getattr(original, "_canon_titan_shim", False):
+        return
+
+    def disable_division_with_sum_reduction(model):
+        original(model)
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_force_sum_reduction_for_comms(True)
+
+    disable_division_with_sum_reduction._canon_titan_shim = True
+    tt_fsdp.disable_fsdp_gradient_division = disable_division_with_sum_reduction
+    _applied.append("gloo-fsdp-sum-reduction")
+
+
+def _gloo_safe_barrier() -> None:
+    """Gloo's barrier rejects device ids; TorchTitan passes the current device's index."""
+    if torch._utils._get_available_device_type() is not None:
+        return
+    original = dist.barrier
+    if getattr(original, "_canon_titan_shim", False):
+        return
+
+    def barrier(*args, device_ids=None, **kwargs):
+        if device_ids is not None and dist.get_backend(kwargs.get("group")) == "gloo":
+            device_ids = None
+        return original(*args, device_ids=device_ids, **kwargs)
+
+    barrier._canon_titan_shim = True
+    dist.barrier = barrier
+    _applied.append("gloo-barrier")
+
+
+def _set_timeout() -> None:
+    """TorchTitan calls ``dist.set_timeout`` after step 1; older torch only has the private form."""
+    if hasattr(dist, "set_timeout"):
+        return
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    def set_timeout(timeout, group=None):
+        _set_pg_timeout(timeout, group)
+
+    dist.set_timeout = set_timeout
+    _applied.append("dist-set-timeout")
+
+
+def _pipeline_step_with_microbatches() -> None:
+    """TorchTitan passes pre-split microbatches (``arg_mbs=``) to ``schedule.step``.
+
+    Schedules whose ``step`` predates that keyword get a wrapper that routes such calls to
+    ``_step_microbatches`` after the per-iteration stage reset that ``step`` would do.
+    """
+    from torch.distributed.pipelining import schedules
+
+    for cls in (schedules.PipelineScheduleSingle, schedules.PipelineScheduleMulti):
+        original = cls.step
+        if "arg_mbs" in inspect.signature(original).parameters:
+            continue
+        if getattr(original, "_canon_titan_shim", False):
+            continue
+
+        def step(self, *args, arg_mbs=None, kwarg_mbs=None, target_mbs=None,
+                 losses=None, return_outputs=True, loss_kwargs=None,
+                 _original=original, **kwargs):
+            if arg_mbs is None and kwarg_mbs is None and target_mbs is None:
+                return _original(self, *args, losses=losses, return_outputs=return_outputs,
+                                 loss_kwargs=loss_kwargs, **kwargs)
+            stages = getattr(self, "_stages", None) or [self._stage]
+            for stage in stages:
+                stage.has_backward = self._has_backward
+                stage.clear_runtime_states()
+            self._step_microbatches(arg_mbs, kwarg_mbs, target_mbs, losses,
+                                    return_outputs, loss_kwargs=loss_kwargs)
+            return None
+
+        step._canon_titan_shim = True
+        cls.step = step
+        _applied.append(f"pp-step-microbatches:{cls.__name__}")
+
+
+def apply() -> list[str]:
+    """Apply every shim this machine needs; returns their names (also logged once)."""
+    if _applied:
+        return list(_applied)
+    _use_cpu_device()
+    _gloo_safe_fsdp_reduction()
+    _gloo_safe_barrier()
+    _set_timeout()
+    _pipeline_step_with_microbatches()
+    if not _applied:
+        _applied.append("none")
+    logger.info(f"canon-titan runtime shims: {', '.join(_applied)}")
+    return list(_applied)
+
+
+def device_type() -> str:
+    import torchtitan.tools.utils as tt_utils
+
+    return tt_utils.device_type

@@ -1,0 +1,58 @@
+"""Training entry point: ``torchrun ... -m canon_titan.train --config FILE.toml [--section.key value ...]``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from canon_titan import runtime
+
+
+def parse_args(argv: list[str]) -> tuple[str, list[str]]:
+    parser = argparse.ArgumentParser(
+        prog="canon_titan.train", description=__doc__,
+        epilog="Any other argument is an override of the form --section.key value.",
+    )
+    parser.add_argument("--config", required=True, help="TOML run config (see train_configs/)")
+    args, overrides = parser.parse_known_args(argv)
+    return args.config, overrides
+
+
+def main(argv: list[str] | None = None) -> int:
+    import torch
+
+    from torchtitan.tools.logging import init_logger, logger
+
+    from canon_titan.config import ConfigError, build_trainer_config, load
+
+    path, overrides = parse_args(sys.argv[1:] if argv is None else argv)
+    init_logger()
+    try:
+        run = load(path, overrides)
+        config = build_trainer_config(run)
+    except ConfigError as e:
+        print(f"canon-titan: config error: {e}", file=sys.stderr)
+        return 2
+    runtime.apply()
+    logger.info(f"Run config {run.source} ({run['model']['name']} {run['model']['flavor']})")
+
+    trainer = None
+    try:
+        trainer = config.build()
+        if config.checkpoint.create_seed_checkpoint:
+            if torch.distributed.get_world_size() != 1:
+                raise SystemExit("canon-titan: a seed checkpoint must be created by a single process")
+            trainer.checkpointer.save(curr_step=0, last_step=True)
+            logger.info("Created seed checkpoint")
+        else:
+            trainer.train()
+    finally:
+        if trainer is not None:
+            trainer.close()
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

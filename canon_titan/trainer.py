@@ -1,0 +1,53 @@
+"""TorchTitan's Trainer with canon-titan's additions: the resolved TOML saved with the run, and
+progress (step, percentage, ETA) logged with the metrics."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Annotated
+
+import torch
+import tyro
+
+from torchtitan.tools.logging import logger
+from torchtitan.trainer import Trainer
+
+RUN_CONFIG_FILE = "run_config.toml"
+
+
+class CanonTrainer(Trainer):
+    @dataclass(kw_only=True, slots=True)
+    class Config(Trainer.Config):
+        run_toml: Annotated[str, tyro.conf.Suppress] = ""
+        """The resolved TOML of this run, written to ``{dump_folder}/run_config.toml``."""
+
+    def __init__(self, config: Config):
+        super().__init__(config)
+        self._progress_origin: tuple[float, int] | None = None
+        if config.run_toml and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
+            os.makedirs(config.dump_folder, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=config.dump_folder, prefix=f".{RUN_CONFIG_FILE}.")
+            with os.fdopen(fd, "w") as f:
+                f.write(config.run_toml)
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, os.path.join(config.dump_folder, RUN_CONFIG_FILE))
+
+    def train_step(self, data_iterator):
+        if self._progress_origin is None:
+            self._progress_origin = (time.perf_counter(), self.step - 1)
+        super().train_step(data_iterator)
+        if self.metrics_processor.should_log(self.step):
+            self._log_progress()
+
+    def _log_progress(self) -> None:
+        total = self.config.training.steps
+        start_time, start_step = self._progress_origin
+        done = self.step - start_step
+        elapsed = time.perf_counter() - start_time
+        eta = datetime.timedelta(seconds=round(elapsed / done * (total - self.step))) if done else "?"
+        logger.info(f"progress: step {self.step}/{total} ({100 * self.step / total:.0f}%), "
+                    f"elapsed {datetime.timedelta(seconds=round(elapsed))}, ETA {eta}")

@@ -1,0 +1,83 @@
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+DEBUG_CONFIG = REPO / "train_configs" / "llama_debug.toml"
+
+
+def torchrun_cmd(nproc: int, config: Path, overrides: list[str]) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+            "-m", "canon_titan.train", "--config", str(config), *overrides]
+
+
+def train_env() -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="offline")
+    env.pop("WORLD_SIZE", None)
+    return env
+
+
+def run_training(nproc: int, overrides: list[str], config: Path = DEBUG_CONFIG, timeout: int = 600) -> str:
+    """Run a real torchrun training job; returns its output, fails the test on a non-zero exit."""
+    proc = subprocess.run(torchrun_cmd(nproc, config, overrides), cwd=REPO, env=train_env(),
+                          capture_output=True, text=True, timeout=timeout)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"training failed (exit {proc.returncode}):\n{out[-6000:]}"
+    return out
+
+
+def descendants(pid: int) -> list[int]:
+    """All live descendant pids (from /proc): torchrun starts its workers in new sessions."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, stack = [], [pid]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            found.append(child)
+            stack.append(child)
+    return found
+
+
+def kill_tree(pid: int) -> None:
+    for p in [pid, *descendants(pid)]:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def run_training_until(nproc: int, overrides: list[str], stop_marker: str, config: Path = DEBUG_CONFIG,
+                       timeout: int = 600) -> str:
+    """Start training and SIGKILL torchrun and every worker once ``stop_marker`` is printed."""
+    proc = subprocess.Popen(torchrun_cmd(nproc, config, overrides), cwd=REPO, env=train_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if stop_marker in line:
+                kill_tree(proc.pid)
+                break
+        proc.wait(timeout=timeout)
+    finally:
+        kill_tree(proc.pid)
+    out = "".join(lines)
+    assert stop_marker in out, f"never saw {stop_marker!r}:\n{out[-6000:]}"
+    assert proc.returncode == -signal.SIGKILL
+    return out
+
+
+@pytest.fixture
+def repo() -> Path:
+    return REPO

@@ -1,0 +1,157 @@
+"""TOML config: resolution, overrides, and the errors users see (file, key, allowed values)."""
+
+import tomllib
+
+import pytest
+
+from canon_titan import cli
+from canon_titan.config import ConfigError, build_trainer_config, dumps, load, parse_overrides
+from conftest import DEBUG_CONFIG
+
+
+def write(tmp_path, text, name="run.toml"):
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+MINIMAL = '[model]\nname = "llama"\nflavor = "debug"\n[training]\nseq_len = 64\n'
+
+
+def test_file_values_defaults_and_override_precedence(tmp_path):
+    path = write(tmp_path, MINIMAL + "steps = 5\n[optimizer]\nlr = 0.01\n")
+    run = load(path, ["--training.steps", "9", "--optimizer.betas=[0.8, 0.9]", "--model.qk_norm", "false"])
+    assert run["training"]["steps"] == 9  # command line beats the file
+    assert run["training"]["seq_len"] == 64  # from the file
+    assert run["optimizer"]["lr"] == 0.01
+    assert run["optimizer"]["betas"] == [0.8, 0.9]
+    assert run["parallelism"]["spmd_backend"] == "partial_dtensor"  # canon-titan default
+    assert run.model_args.qk_norm is False and run.model_args.dim == 128  # flavor + override
+    assert run.origins[("training", "steps")] == "command line"
+
+
+def test_integers_widen_to_float_but_bools_are_not_ints(tmp_path):
+    run = load(write(tmp_path, MINIMAL + "max_norm = 2\n"))
+    assert run["training"]["max_norm"] == 2
+    with pytest.raises(ConfigError, match=r"\[training\] steps: expected an integer, got True"):
+        load(write(tmp_path, MINIMAL + "steps = true\n"))
+
+
+def test_unknown_key_names_file_key_and_allowed(tmp_path):
+    path = write(tmp_path, MINIMAL + "stepz = 3\n")
+    with pytest.raises(ConfigError) as e:
+        load(path)
+    msg = str(e.value)
+    assert str(path) in msg and "[training] stepz" in msg and "allowed keys:" in msg and "steps" in msg
+
+
+def test_unknown_model_key_lists_family_fields(tmp_path):
+    with pytest.raises(ConfigError, match=r"\[model\] hidden_size: unknown key; allowed keys: .*ffn_hidden_dim"):
+        load(write(tmp_path, MINIMAL.replace('flavor = "debug"', 'flavor = "debug"\nhidden_size = 3')))
+
+
+def test_wrong_type_names_expected_type(tmp_path):
+    path = write(tmp_path, MINIMAL + 'steps = "ten"\n')
+    with pytest.raises(ConfigError, match=r"run.toml: \[training\] steps: expected an integer, got 'ten'"):
+        load(path)
+    with pytest.raises(ConfigError, match=r"\[training\] dtype: expected one of 'bfloat16', 'float32', got 'fp8'"):
+        load(write(tmp_path, MINIMAL), ["--training.dtype", "fp8"])
+
+
+def test_bad_flavor_and_name_list_what_exists(tmp_path):
+    with pytest.raises(ConfigError, match=r"\[model\] flavor: unknown flavor '2B'.*available: debug, 1B, 3B, 8B"):
+        load(write(tmp_path, MINIMAL.replace('"debug"', '"2B"')))
+    with pytest.raises(ConfigError, match=r"\[model\] name: unknown model name 'gpt2'; available: llama"):
+        load(write(tmp_path, MINIMAL.replace('"llama"', '"gpt2"')))
+
+
+def test_missing_file_and_bad_toml(tmp_path):
+    with pytest.raises(ConfigError, match=r"nope.toml: config file not found"):
+        load(tmp_path / "nope.toml")
+    with pytest.raises(ConfigError, match=r"bad.toml: not valid TOML"):
+        load(write(tmp_path, "[model\nname=", "bad.toml"))
+
+
+def test_unknown_section_and_missing_model(tmp_path):
+    with pytest.raises(ConfigError, match=r"\[trainer\]: unknown section; allowed sections: model, job"):
+        load(write(tmp_path, MINIMAL + "[trainer]\nsteps = 1\n"))
+    with pytest.raises(ConfigError, match=r"\[model\] name: required"):
+        load(write(tmp_path, "[training]\nsteps = 1\n"))
+
+
+@pytest.mark.parametrize("override, key, message", [
+    (["--model.rope_dim", "7"], "[model] rope_dim", "even number"),
+    (["--model.n_kv_heads", "3"], "[model] n_kv_heads", "divide n_heads"),
+    (["--parallelism.tensor_parallel_degree", "3"], "[parallelism] tensor_parallel_degree", "must divide model n_heads"),
+    (["--float8.enable"], "[float8] enable", "compute capability"),
+    (["--float8.enable", "--float8.emulate", "--compile.enable"], "[float8] emulate", "eager mode only"),
+    (["--lr_scheduler.min_lr_factor", "1.5"], "[lr_scheduler] min_lr_factor", "[0, 1]"),
+    (["--model.vocab_size", "100"], "[model] vocab_size", "smaller than the tokenizer"),
+    (["--dataloader.dataset", "jsonl", "--dataloader.dataset_path", "/no/such/*.jsonl"],
+     "[dataloader] dataset_path", "matches no file"),
+    (["--parallelism.context_parallel_degree", "2"], "[parallelism] context_parallel_degree", "not supported"),
+])
+def test_impossible_values_fail_before_training(override, key, message):
+    with pytest.raises(ConfigError) as e:
+        load(DEBUG_CONFIG, override)
+    assert e.value.source == "command line" and e.value.key == key and message in e.value.message
+
+
+def test_world_size_checks(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    load(DEBUG_CONFIG, ["--parallelism.tensor_parallel_degree", "2"])  # shard = -1 -> 2
+    with pytest.raises(ConfigError, match="replicate x shard x tp x pp x cp = 6 but the world size is 4"):
+        load(DEBUG_CONFIG, ["--parallelism.data_parallel_shard_degree", "3", "--parallelism.tensor_parallel_degree", "2"])
+    with pytest.raises(ConfigError, match=r"\[training\] global_batch_size: must be a multiple"):
+        load(DEBUG_CONFIG, ["--training.global_batch_size", "6"])
+
+
+def test_override_syntax_errors():
+    with pytest.raises(ConfigError, match="expected an override of the form"):
+        parse_overrides(["training.steps", "3"])
+    assert parse_overrides(["--checkpoint.enable", "--model.flavor", "1B"]) == [
+        ("checkpoint", "enable", True), ("model", "flavor", "1B")]
+
+
+def test_show_output_is_a_config_that_resolves_identically(tmp_path):
+    run = load(DEBUG_CONFIG, ["--training.steps", "3"])
+    text = dumps(run.sections)
+    again = load(write(tmp_path, text))
+    assert again.sections == run.sections
+    assert tomllib.loads(text)["training"]["steps"] == 3
+
+
+def test_trainer_config_mapping():
+    run = load(DEBUG_CONFIG, ["--activation_checkpoint.mode", "full", "--optimizer.lr", "0.002",
+                              "--lr_scheduler.decay_ratio", "0.2"])
+    cfg = build_trainer_config(run)
+    from torchtitan.distributed.activation_checkpoint import FullAC
+    from canon_titan.loss import ZLossCrossEntropy
+
+    assert isinstance(cfg.activation_checkpoint, FullAC.Config)
+    assert isinstance(cfg.loss, ZLossCrossEntropy.Config)  # debug flavor has z_loss on
+    group = cfg.optimizer.param_groups[0]
+    assert group.optimizer_kwargs["lr"] == 0.002 and group.optimizer_kwargs["betas"] == (0.9, 0.95)
+    assert cfg.lr_scheduler.decay_ratio == 0.2 and cfg.lr_scheduler.min_lr_factor == 0.01
+    assert cfg.model_spec.model.layers[0].attention.q_norm is not None
+    assert "[training]" in cfg.run_toml
+
+
+def test_cli_validate_and_show_exit_codes(tmp_path, capsys):
+    bad = write(tmp_path, MINIMAL + "stepz = 1\n", "bad.toml")
+    assert cli.main(["config", "validate", str(DEBUG_CONFIG)]) == 0
+    assert cli.main(["config", "validate", str(DEBUG_CONFIG), str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "INVALID" in err and "bad.toml" in err and "stepz" in err
+    assert cli.main(["config", "show", str(DEBUG_CONFIG), "--training.steps", "4"]) == 0
+    assert "steps = 4" in capsys.readouterr().out
+    assert cli.main(["config", "validate", str(DEBUG_CONFIG), "--world-size", "3",
+                     "--parallelism.tensor_parallel_degree", "2"]) == 2
+    assert cli.main(["train", "--config", str(bad)]) == 2
+
+
+def test_every_shipped_config_validates(repo):
+    files = sorted((repo / "train_configs").glob("*.toml"))
+    assert files
+    for path in files:
+        load(path)
