@@ -1,8 +1,8 @@
 """The ``canon-titan`` command.
 
   canon-titan train --config FILE.toml [--nproc N] [--section.key value ...]
-  canon-titan config show FILE.toml [--section.key value ...]
-  canon-titan config validate FILE.toml [FILE.toml ...] [--world-size N] [--section.key value ...]
+  canon-titan config show FILE.toml [--static] [--section.key value ...]
+  canon-titan config validate FILE.toml [FILE.toml ...] [--static] [--world-size N] [--section.key value ...]
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ def _split(argv: list[str], parser: argparse.ArgumentParser):
     return args, rest
 
 
-def _load_or_report(path: str, overrides: list[str]):
+def _load_or_report(path: str, overrides: list[str], environment: bool = True):
     from canon_titan.config import ConfigError, load
 
     try:
-        return load(path, overrides), None
+        return load(path, overrides, environment), None
     except ConfigError as e:
         return None, str(e)
 
@@ -54,9 +54,12 @@ def cmd_config(argv: list[str]) -> int:
     sub = parser.add_subparsers(dest="action", required=True)
     show = sub.add_parser("show", help="print the resolved config (defaults and overrides applied) as TOML")
     show.add_argument("file")
+    show.add_argument("--static", action="store_true", help="do not check data paths, tokenizer files or hardware")
     validate = sub.add_parser("validate", help="check config files; exit status 2 if any is invalid")
     validate.add_argument("files", nargs="+")
     validate.add_argument("--world-size", type=int, help="also check the parallelism degrees against N ranks")
+    validate.add_argument("--static", action="store_true",
+                          help="check the files alone: not data paths, tokenizer files or hardware")
     # Overrides start with "--section.": keep them away from argparse's positional matching.
     split = next((i for i, a in enumerate(argv) if a.startswith("--") and "." in a.split("=")[0]), len(argv))
     args, unknown = parser.parse_known_args(argv[:split])
@@ -65,7 +68,7 @@ def cmd_config(argv: list[str]) -> int:
     from canon_titan.config import dumps
 
     if args.action == "show":
-        run, error = _load_or_report(args.file, overrides)
+        run, error = _load_or_report(args.file, overrides, not args.static)
         if error:
             print(f"canon-titan: config error: {error}", file=sys.stderr)
             return 2
@@ -77,7 +80,7 @@ def cmd_config(argv: list[str]) -> int:
         os.environ["WORLD_SIZE"] = str(args.world_size)
     failed = 0
     for path in args.files:
-        run, error = _load_or_report(path, overrides)
+        run, error = _load_or_report(path, overrides, not args.static)
         if error:
             failed += 1
             print(f"INVALID {error}", file=sys.stderr)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 
-FAMILIES = ("llama",)
+FAMILIES = ("llama", "llama_canon")
 
 
 class UnknownModelError(ValueError):

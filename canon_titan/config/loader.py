@@ -220,7 +220,10 @@ def _model_schema(name: str, flavor: str, sources: dict[str, str]) -> tuple[Any,
     return args_cls, schema
 
 
-def resolve(path: str | os.PathLike, overrides: list[tuple[str, str, Any]] = ()) -> RunConfig:
+def resolve(path: str | os.PathLike, overrides: list[tuple[str, str, Any]] = (),
+            environment: bool = True) -> RunConfig:
+    """``environment=False`` checks the config alone: not data paths, tokenizer files, the
+    hardware (float8, CUDA kernels) or the world size."""
     source = str(path)
     raw = load_toml(path)
     _check_sections(raw, source)
@@ -268,9 +271,9 @@ def resolve(path: str | os.PathLike, overrides: list[tuple[str, str, Any]] = ())
     run = RunConfig(source=source, sections=sections, model_args=model_args, origins=origins)
     from canon_titan.config.checks import check_run
 
-    check_run(run)
+    check_run(run, environment)
     return run
 
 
-def load(path: str | os.PathLike, argv: list[str] = ()) -> RunConfig:
-    return resolve(path, parse_overrides(list(argv)))
+def load(path: str | os.PathLike, argv: list[str] = (), environment: bool = True) -> RunConfig:
+    return resolve(path, parse_overrides(list(argv)), environment)

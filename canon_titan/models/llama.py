@@ -1,8 +1,13 @@
-"""Llama of the PhysicsLM4 release, as a TorchTitan ``Decoder``.
+"""Llama and LlamaCanon of the PhysicsLM4 release, as a TorchTitan ``Decoder``.
 
 Pre-norm blocks with float32 RMSNorm, SwiGLU, untied embeddings, GQA, interleaved (partial) RoPE,
 optional QK-norm over the flat q/k projections (one statistic across all heads), causal SDPA over
 the packed sequence, and the Lingua initialisation (truncated normal, std ``fan_in ** -0.5``).
+
+Canon layers (LlamaCanon) sit at four places in a block:
+  A: after the attention norm;  B: on concat(q, k, v) after QK-norm, before RoPE;
+  C: after the FFN norm;        D: on concat(gate, up) before the SiLU.
+``canon_set = ""`` builds no Canon module at all: the model is then exactly ``llama``.
 """
 
 from __future__ import annotations
@@ -19,7 +24,9 @@ from torchtitan.models.common import Embedding, Linear
 from torchtitan.models.common.decoder import Decoder
 from torchtitan.models.utils import get_dense_model_nparams_and_flops
 from torchtitan.protocols.module import Module
+from torchtitan.tools.logging import logger
 
+from canon_titan.models.canon import CANON_POSITIONS, CanonConv, canon_bias_init, canon_weight_init, resolve_backend
 from canon_titan.models.norms import RMSNorm
 from canon_titan.models.rope import PartialRoPE
 
@@ -46,6 +53,7 @@ class Attention(Module):
         rope: PartialRoPE.Config
         q_norm: RMSNorm.Config | None = None
         k_norm: RMSNorm.Config | None = None
+        canonB: CanonConv.Config | None = None
 
     def __init__(self, config: Config):
         super().__init__()
@@ -58,6 +66,7 @@ class Attention(Module):
         self.q_norm = config.q_norm.build() if config.q_norm is not None else None
         self.k_norm = config.k_norm.build() if config.k_norm is not None else None
         self.rope = config.rope.build()
+        self.canonB = config.canonB.build() if config.canonB is not None else None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         batch, seq_len, _ = x.shape
@@ -65,6 +74,9 @@ class Attention(Module):
         if self.q_norm is not None:
             # Normalised over the whole flat projection, before splitting into heads.
             q, k = self.q_norm(q), self.k_norm(k)
+        if self.canonB is not None:
+            sizes = (q.shape[-1], k.shape[-1], v.shape[-1])
+            q, k, v = self.canonB(torch.cat((q, k, v), dim=-1)).split(sizes, dim=-1)
         q = q.view(batch, seq_len, -1, self.head_dim)
         k = k.view(batch, seq_len, -1, self.head_dim)
         v = v.view(batch, seq_len, -1, self.head_dim)
@@ -77,22 +89,27 @@ class Attention(Module):
 
 
 class FeedForward(Module):
-    """SwiGLU: ``w2(silu(w1 x) * w3 x)``."""
+    """SwiGLU: ``w2(silu(gate) * up)`` with ``gate, up = w1 x, w3 x`` (Canon-D on [gate | up])."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(Module.Config):
         w1: Linear.Config
         w2: Linear.Config
         w3: Linear.Config
+        canonD: CanonConv.Config | None = None
 
     def __init__(self, config: Config):
         super().__init__()
         self.w1 = config.w1.build()
         self.w2 = config.w2.build()
         self.w3 = config.w3.build()
+        self.canonD = config.canonD.build() if config.canonD is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        gate, up = self.w1(x), self.w3(x)
+        if self.canonD is not None:
+            gate, up = self.canonD(torch.cat((gate, up), dim=-1)).chunk(2, dim=-1)
+        return self.w2(F.silu(gate) * up)
 
 
 class LlamaBlock(Module):
@@ -102,6 +119,8 @@ class LlamaBlock(Module):
         feed_forward: FeedForward.Config
         attention_norm: RMSNorm.Config
         ffn_norm: RMSNorm.Config
+        canonA: CanonConv.Config | None = None
+        canonC: CanonConv.Config | None = None
 
     def __init__(self, config: Config):
         super().__init__()
@@ -109,10 +128,18 @@ class LlamaBlock(Module):
         self.attention = config.attention.build()
         self.ffn_norm = config.ffn_norm.build()
         self.feed_forward = config.feed_forward.build()
+        self.canonA = config.canonA.build() if config.canonA is not None else None
+        self.canonC = config.canonC.build() if config.canonC is not None else None
 
     def forward(self, x: torch.Tensor, attention_masks=None, positions: torch.Tensor | None = None):
-        h = x + self.attention(self.attention_norm(x), positions)
-        return h + self.feed_forward(self.ffn_norm(h))
+        a = self.attention_norm(x)
+        if self.canonA is not None:
+            a = self.canonA(a)
+        h = x + self.attention(a, positions)
+        m = self.ffn_norm(h)
+        if self.canonC is not None:
+            m = self.canonC(m)
+        return h + self.feed_forward(m)
 
 
 class LlamaModel(Decoder):
@@ -207,6 +234,10 @@ class LlamaArgs:
             problems.append(("norm_eps", "must be > 0"))
         return problems
 
+    def canon(self, position: str, channels: int) -> CanonConv.Config | None:
+        """The Canon layer at ``position`` (one of ABCD), or None; plain Llama has none."""
+        return None
+
     def block_config(self) -> LlamaBlock.Config:
         dim, hd, hidden = self.dim, self.head_dim, self.hidden_dim
         n_q, n_kv = self.n_heads * hd, self.kv_heads * hd
@@ -229,6 +260,7 @@ class LlamaArgs:
                 ),
                 q_norm=norm(dim=n_q) if self.qk_norm else None,
                 k_norm=norm(dim=n_kv) if self.qk_norm else None,
+                canonB=self.canon("B", n_q + 2 * n_kv),
             ),
             feed_forward=FeedForward.Config(
                 w1=Linear.Config(in_features=dim, out_features=hidden, param_init=linear_init),
@@ -236,7 +268,10 @@ class LlamaArgs:
                 w2=Linear.Config(
                     in_features=hidden, out_features=dim, param_init=truncated_normal_init(hidden**-0.5)
                 ),
+                canonD=self.canon("D", 2 * hidden),
             ),
+            canonA=self.canon("A", dim),
+            canonC=self.canon("C", dim),
         )
 
     def model_config(self) -> LlamaModel.Config:
@@ -253,3 +288,53 @@ class LlamaArgs:
             ),
             layers=[self.block_config() for _ in range(self.n_layers)],
         )
+
+
+@dataclass(kw_only=True)
+class LlamaCanonArgs(LlamaArgs):
+    canon_set: str = "ABCD"
+    """Canon positions to enable: any subset of "ABCD" ("" = plain Llama)."""
+    canon_kernel: int = 4
+    canon_residual: bool = True
+    canon_activation: bool = False
+    canon_bias: bool = False
+    canon_backend: str = "auto"
+    """'auto' (causal-conv1d on CUDA when installed, else torch), 'torch' or 'causal_conv1d'."""
+
+    def validate(self) -> list[tuple[str, str]]:
+        problems = LlamaArgs.validate(self)
+        bad = [c for c in self.canon_set if c not in CANON_POSITIONS]
+        if bad or len(set(self.canon_set)) != len(self.canon_set):
+            problems.append(("canon_set", f"must be distinct letters from {CANON_POSITIONS!r}, got {self.canon_set!r}"))
+        if self.canon_kernel not in (2, 3, 4):
+            problems.append(("canon_kernel", f"must be 2, 3 or 4, got {self.canon_kernel}"))
+        if self.canon_backend not in ("auto", "torch", "causal_conv1d"):
+            problems.append(("canon_backend", f"must be 'auto', 'torch' or 'causal_conv1d', got {self.canon_backend!r}"))
+        elif self.canon_set and self.canon_kernel in (2, 3, 4):
+            try:
+                resolve_backend(self.canon_backend, self.canon_kernel)
+            except ValueError as e:
+                problems.append(("canon_backend", str(e)))
+        return problems
+
+    def canon(self, position: str, channels: int) -> CanonConv.Config | None:
+        if position not in self.canon_set:
+            return None
+        kernel = self.canon_kernel
+        return CanonConv.Config(
+            channels=channels,
+            kernel_size=kernel,
+            residual=self.canon_residual,
+            activation=self.canon_activation,
+            bias=self.canon_bias,
+            backend=self._backend,
+            param_init={"weight": canon_weight_init, "bias": partial(canon_bias_init, kernel_size=kernel)},
+        )
+
+    def model_config(self) -> LlamaModel.Config:
+        self._backend = resolve_backend(self.canon_backend, self.canon_kernel)
+        if self.canon_set:
+            logger.info(f"Canon layers {self.canon_set!r}: kernel {self.canon_kernel}, residual "
+                        f"{self.canon_residual}, activation {self.canon_activation}, bias {self.canon_bias}, "
+                        f"backend {self._backend} (requested {self.canon_backend})")
+        return LlamaArgs.model_config(self)

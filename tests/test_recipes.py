@@ -1,0 +1,62 @@
+"""Every released Llama/LlamaCanon recipe resolves to the values of spec section 4.2."""
+
+import pytest
+
+from canon_titan.config import load
+from conftest import REPO
+
+# name: (gpus, bs/gpu, steps, lr, wd, warmup) -- transcribed from the spec's per-file table.
+RECIPES = {
+    "Llama-1B-Nemo-1T-lr0.002": (128, 8, 240000, 0.002, 0.02, 8000),
+    "Llama-1B-Nemo-1T-lr0.003": (128, 8, 240000, 0.003, 0.0133, 8000),
+    "Llama-1B-Nemo-2T-lr0.003": (256, 8, 240000, 0.003, 0.0133, 8000),
+    "Llama-1B-Nemo-2T-lr0.005": (256, 8, 240000, 0.005, 0.008, 8000),
+    "LlamaCanon-1B-Nemo-1T-lr0.002": (128, 8, 240000, 0.002, 0.02, 8000),
+    "LlamaCanon-1B-Nemo-1T-lr0.003": (128, 8, 240000, 0.003, 0.0133, 8000),
+    "LlamaCanon-1B-Nemo-2T-lr0.003": (256, 8, 240000, 0.003, 0.0133, 8000),
+    "LlamaCanon-1B-Nemo-2T-lr0.005": (256, 8, 240000, 0.005, 0.008, 8000),
+    "Llama-3B-Nemo-1T-lr0.002": (256, 6, 160000, 0.002, 0.03, 4000),
+    "Llama-3B-Nemo-1T-lr0.003": (256, 6, 160000, 0.003, 0.02, 4000),
+    "LlamaCanon-3B-Nemo-1T-lr0.002": (256, 6, 160000, 0.002, 0.03, 4000),
+    "LlamaCanon-3B-Nemo-1T-lr0.003": (256, 6, 160000, 0.003, 0.02, 4000),
+    "Llama-8B-Nemo-1T-lr0.002": (512, 3, 160000, 0.002, 0.03, 3000),
+    "Llama-8B-Nemo-1T-lr0.003": (512, 3, 160000, 0.003, 0.02, 3000),
+    "LlamaCanon-8B-Nemo-1T-lr0.002": (512, 3, 160000, 0.002, 0.03, 3000),
+    "LlamaCanon-8B-Nemo-1T-lr0.003": (512, 3, 160000, 0.003, 0.02, 3000),
+}
+# size: (dim, layers, heads, kv, ffn, vocab, theta, qk_norm, z_loss, canon rope_dim)
+SHAPES = {
+    "1B": (2048, 24, 32, 32, 5632, 32000, 1e4, True, True, 16),
+    "3B": (3072, 26, 24, 24, 8192, 32000, 1e4, True, True, 32),
+    "8B": (4096, 32, 32, 8, 14336, 128256, 1e5, False, False, 32),
+}
+
+
+def test_all_sixteen_recipes_exist():
+    files = {p.stem for p in (REPO / "train_configs").glob("Llama*-Nemo-*.toml")}
+    assert files == set(RECIPES)
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_recipe_resolves_to_spec(name):
+    gpus, bs, steps, lr, wd, warmup = RECIPES[name]
+    size = name.split("-")[1]
+    dim, layers, heads, kv, ffn, vocab, theta, qk_norm, z_loss, canon_rope = SHAPES[size]
+    run = load(REPO / "train_configs" / f"{name}.toml", environment=False)
+    args, training, opt, sched = run.model_args, run["training"], run["optimizer"], run["lr_scheduler"]
+    canon = name.startswith("LlamaCanon")
+    assert run["model"]["name"] == ("llama_canon" if canon else "llama")
+    assert (args.dim, args.n_layers, args.n_heads, args.kv_heads, args.hidden_dim, args.vocab_size) == (
+        dim, layers, heads, kv, ffn, vocab)
+    assert args.rope_theta == theta and args.qk_norm == qk_norm and args.z_loss == z_loss
+    assert getattr(args, "canon_set", "") == ("ABCD" if canon else "")
+    assert (args.rope_dim or args.head_dim) == (canon_rope if canon else args.head_dim)
+    assert training["seq_len"] == 4096 and training["steps"] == steps
+    assert training["local_batch_size"] == bs and training["global_batch_size"] == gpus * bs
+    assert training["max_norm"] == 1.0 and training["mixed_precision_param"] == "bfloat16"
+    assert opt["name"] == "AdamW" and opt["lr"] == lr and opt["weight_decay"] == wd
+    assert opt["betas"] == [0.9, 0.95] and opt["eps"] == 1e-8
+    assert sched["warmup_steps"] == warmup and sched["decay_type"] == "cosine" and sched["min_lr_factor"] == 0.01
+    assert run["compile"]["enable"] and run["activation_checkpoint"]["mode"] == "none"
+    assert run["job"]["seed"] == 777
+    assert ("llama3" if size == "8B" else "llama2") in run["tokenizer"]["path"]
