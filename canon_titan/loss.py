@@ -4,9 +4,25 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Shard
 
-from torchtitan.components.loss import IGNORE_INDEX, BaseLoss
+from torchtitan.components.loss import IGNORE_INDEX, BaseLoss, _LossParallelCrossEntropy
 from torchtitan.config import CompileConfig
+
+
+def token_nll(pred: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Per-token NLL in fp32 (0 for ignored labels); vocab-parallel when ``pred`` is a DTensor
+    sharded over the vocabulary (tensor parallelism)."""
+    if isinstance(pred, DTensor):
+        if tuple(pred.placements) != (Shard(pred.ndim - 1),):
+            raise ValueError(f"expected logits sharded on the vocabulary, got {pred.placements}")
+        return _LossParallelCrossEntropy.apply(
+            pred.to_local().flatten(0, 1).float(), labels.flatten(0, 1),
+            pred.device_mesh.get_group(), pred.shape[-1], "none",
+        )
+    return F.cross_entropy(
+        pred.flatten(0, 1).float(), labels.flatten(0, 1), reduction="none", ignore_index=IGNORE_INDEX
+    )
 
 
 def squared_nll_loss(pred: torch.Tensor, labels: torch.Tensor, coefficient: float) -> torch.Tensor:
@@ -15,9 +31,7 @@ def squared_nll_loss(pred: torch.Tensor, labels: torch.Tensor, coefficient: floa
     This is the reference's ``z_loss`` (PhysicsLM4 / Lingua): it squares the cross-entropy,
     not PaLM's ``log Z``. Ignored labels contribute nothing.
     """
-    nll = F.cross_entropy(
-        pred.flatten(0, 1).float(), labels.flatten(0, 1), reduction="none", ignore_index=IGNORE_INDEX
-    )
+    nll = token_nll(pred, labels)
     return (nll + coefficient * nll.square()).sum()
 
 

@@ -34,15 +34,16 @@ def model_args(name: str, flavor: str, overrides: dict | None = None):
 
 def model_spec(name: str, flavor: str, overrides: dict | None = None):
     from torchtitan.distributed.pipeline_parallel import pipeline_llm
-    from torchtitan.models.llama3.parallelize import parallelize_llama
     from torchtitan.protocols.model_spec import ModelSpec
+
+    from canon_titan.parallelize import parallelize_llama_canon
 
     args = model_args(name, flavor, overrides)
     return ModelSpec(
         name=name,
         flavor=flavor,
         model=args.model_config(),
-        parallelize_fn=parallelize_llama,
+        parallelize_fn=parallelize_llama_canon,
         pipelining_fn=pipeline_llm,
         post_optimizer_build_fn=None,
         state_dict_adapter=None,

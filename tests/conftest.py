@@ -1,5 +1,7 @@
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -8,6 +10,33 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 DEBUG_CONFIG = REPO / "train_configs" / "llama_debug.toml"
+CONFIGS = {name: REPO / "train_configs" / f"{name}_debug.toml" for name in ("llama", "llama_canon")}
+# Short sequences and a loss/grad-norm value at every step, in TensorBoard, for comparisons.
+COMMON = ["--training.seq_len", "128", "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "true"]
+_seeds: dict[str, Path] = {}
+
+
+def seed_checkpoint(model: str, tmp_path_factory) -> Path:
+    """Initial weights written once (per session) by one process, so runs on any layout start
+    from identical weights."""
+    if model not in _seeds:
+        out = tmp_path_factory.mktemp(f"seed_{model}")
+        run_training(1, COMMON + ["--job.dump_folder", str(out), "--checkpoint.enable",
+                                  "--checkpoint.create_seed_checkpoint"], config=CONFIGS[model])
+        _seeds[model] = out / "checkpoint" / "step-0"
+    return _seeds[model]
+
+
+def start_from(seed_dir: Path, dump: Path) -> Path:
+    (dump / "checkpoint").mkdir(parents=True)
+    shutil.copytree(seed_dir, dump / "checkpoint" / "step-0")
+    return dump
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def torchrun_cmd(nproc: int, config: Path, overrides: list[str]) -> list[str]:

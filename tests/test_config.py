@@ -90,6 +90,15 @@ def test_unknown_section_and_missing_model(tmp_path):
     (["--dataloader.dataset", "jsonl", "--dataloader.dataset_path", "/no/such/*.jsonl"],
      "[dataloader] dataset_path", "matches no file"),
     (["--parallelism.context_parallel_degree", "2"], "[parallelism] context_parallel_degree", "not supported"),
+    (["--parallelism.spmd_backend", "spmd_types"], "[parallelism] spmd_backend", "only 'partial_dtensor'"),
+    (["--float8.enable", "--float8.emulate", "--parallelism.tensor_parallel_degree", "2"],
+     "[float8] enable", "tensor parallelism is not supported"),
+    (["--float8.recipe_name", "mxfp8"], "[float8] recipe_name", "expected one of 'tensorwise', 'rowwise'"),
+    (["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "Bogus"],
+     "[parallelism] pipeline_parallel_schedule", "Bogus"),
+    (["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "3",
+      "--parallelism.pipeline_parallel_microbatch_size", "2"],
+     "[parallelism] pipeline_parallel_microbatch_size", "must divide training.local_batch_size (3)"),
 ])
 def test_impossible_values_fail_before_training(override, key, message):
     with pytest.raises(ConfigError) as e:

@@ -1,45 +1,23 @@
 """Real TorchTitan training with torchrun + gloo, checked against single-process runs."""
 
 import math
-import shutil
 
 import pytest
 
 from canon_titan.metrics import read_scalars
-from conftest import REPO, run_training, run_training_until
+from conftest import COMMON, CONFIGS, run_training, run_training_until, seed_checkpoint, start_from
 
 pytestmark = pytest.mark.slow
 
-COMMON = ["--training.seq_len", "128", "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "true"]
-
-
-CONFIGS = {name: REPO / "train_configs" / f"{name}_debug.toml" for name in ("llama", "llama_canon")}
-_seeds = {}
-
-
-def seed_for(model, tmp_path_factory):
-    """Initial weights written once by one process, so runs on any layout start identically."""
-    if model not in _seeds:
-        out = tmp_path_factory.mktemp(f"seed_{model}")
-        run_training(1, COMMON + ["--job.dump_folder", str(out), "--checkpoint.enable",
-                                  "--checkpoint.create_seed_checkpoint"], config=CONFIGS[model])
-        _seeds[model] = out / "checkpoint" / "step-0"
-    return _seeds[model]
-
 
 @pytest.fixture
-def seed_checkpoint(tmp_path_factory):
-    return seed_for("llama", tmp_path_factory)
-
-
-def start_from(seed_dir, dump):
-    (dump / "checkpoint").mkdir(parents=True)
-    shutil.copytree(seed_dir, dump / "checkpoint" / "step-0")
+def llama_seed(tmp_path_factory):
+    return seed_checkpoint("llama", tmp_path_factory)
 
 
 @pytest.mark.parametrize("model", sorted(CONFIGS))
 def test_fsdp_two_processes_match_one_process(model, tmp_path, tmp_path_factory):
-    seed = seed_for(model, tmp_path_factory)
+    seed = seed_checkpoint(model, tmp_path_factory)
     steps = ["--training.steps", "8", "--checkpoint.enable", "--checkpoint.interval", "100"]
     one, two = tmp_path / "one", tmp_path / "two"
     start_from(seed, one)
@@ -61,12 +39,12 @@ def test_fsdp_two_processes_match_one_process(model, tmp_path, tmp_path_factory)
     assert loss1[8] < loss1[1] - 1.0
 
 
-def test_kill_and_resume_equals_uninterrupted(seed_checkpoint, tmp_path):
+def test_kill_and_resume_equals_uninterrupted(llama_seed, tmp_path):
     args = COMMON + ["--training.steps", "12", "--checkpoint.enable", "--checkpoint.interval", "4",
                      "--training.local_batch_size", "2"]
     ref, interrupted = tmp_path / "ref", tmp_path / "interrupted"
-    start_from(seed_checkpoint, ref)
-    start_from(seed_checkpoint, interrupted)
+    start_from(llama_seed, ref)
+    start_from(llama_seed, interrupted)
     run_training(2, args + ["--job.dump_folder", str(ref)])
     reference = read_scalars(ref)
     # SIGKILL the job while it trains step 10: step-8 is the newest complete checkpoint.

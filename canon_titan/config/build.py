@@ -17,15 +17,10 @@ def _model_spec(run: RunConfig):
     })
     f8 = run["float8"]
     if f8["enable"]:
-        from torchtitan.components.quantization import Float8LinearConverter
+        from canon_titan.float8 import float8_converter
 
-        converter = Float8LinearConverter.Config(
-            recipe_name=f8["recipe_name"],
-            emulate=f8["emulate"],
-            filter_fqns=list(f8["filter_fqns"]),
-            model_compile_enabled=run["compile"]["enable"] and "model" in run["compile"]["components"],
-        )
-        spec.model = converter.build().convert(spec.model)
+        compiled = run["compile"]["enable"] and "model" in run["compile"]["components"]
+        spec.model = float8_converter(f8, compiled).convert(spec.model)
     return spec
 
 

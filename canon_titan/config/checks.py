@@ -99,6 +99,9 @@ def check_parallelism(run: RunConfig, environment: bool) -> None:
             get_schedule_class(par["pipeline_parallel_schedule"])
         except ValueError as e:
             _fail(run, "parallelism", "pipeline_parallel_schedule", str(e))
+    if par["spmd_backend"] != "partial_dtensor":
+        _fail(run, "parallelism", "spmd_backend",
+              "canon-titan's models use DTensor tensor-parallel plans: only 'partial_dtensor' is supported")
     if par["context_parallel_degree"] > 1:
         _fail(run, "parallelism", "context_parallel_degree",
               "context parallelism is not supported: Canon layers and the SDPA attention need the whole sequence")
@@ -109,8 +112,12 @@ def check_features(run: RunConfig, environment: bool) -> None:
     if f8["enable"]:
         from torchtitan.tools.utils import has_cuda_capability
 
-        if f8["emulate"] and compile_["enable"]:
-            _fail(run, "float8", "emulate", "emulated float8 runs in eager mode only; set [compile] enable = false")
+        if environment and f8["emulate"] and compile_["enable"] and not has_cuda_capability(8, 9):
+            _fail(run, "float8", "emulate", "emulated float8 runs in eager mode only on hardware without "
+                  "float8; set [compile] enable = false")
+        if run["parallelism"]["tensor_parallel_degree"] > 1:
+            _fail(run, "float8", "enable", "float8 with tensor parallelism is not supported yet; "
+                  "use FSDP/HSDP/PP, or disable float8")
         if environment and not f8["emulate"] and not has_cuda_capability(8, 9):
             _fail(run, "float8", "enable",
                   "real float8 needs an NVIDIA GPU with compute capability >= 8.9 (Ada/Hopper); "

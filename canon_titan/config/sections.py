@@ -58,10 +58,10 @@ class ActivationCheckpointSection:
 @dataclass(kw_only=True)
 class Float8Section:
     enable: bool = False
-    recipe_name: Literal["rowwise", "rowwise_with_gw_hp"] = "rowwise"
+    recipe_name: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] = "rowwise"
     emulate: bool = False
-    """Emulate float8 matmuls in high precision (testing on hardware without float8; eager only)."""
-    filter_fqns: list[str] = field(default_factory=list)
+    """Emulate float8 matmuls in high precision: tests the float8 path on hardware without it."""
+    filter_fqns: list[str] = field(default_factory=lambda: ["lm_head"])
     """Linear layers whose name contains one of these stay in high precision."""
 
 

@@ -25,6 +25,8 @@ import torch.nn.functional as F
 
 from torchtitan.protocols.module import Module
 
+from canon_titan.models.tensor_parallel import ChannelShard, local
+
 CANON_POSITIONS = "ABCD"
 FAST_KERNEL_SIZES = (2, 3, 4)
 
@@ -88,6 +90,8 @@ class CanonConv(Module):
         self.residual, self.activation, self.backend = config.residual, config.activation, config.backend
         self.weight = nn.Parameter(torch.empty(config.channels, 1, config.kernel_size))
         self.bias = nn.Parameter(torch.empty(config.channels)) if config.bias else None
+        # Set by tensor parallelism for Canon-B/D, whose channels follow column-sharded projections.
+        self.channel_shard: ChannelShard | None = None
 
     def reset_parameters(self) -> None:
         canon_weight_init(self.weight)
@@ -96,17 +100,21 @@ class CanonConv(Module):
 
     def conv(self, x: torch.Tensor) -> torch.Tensor:
         """The causal convolution alone (no residual); x is [batch, seq, channels]."""
+        weight, bias = local(self.weight, x), local(self.bias, x)
+        if self.channel_shard is not None:
+            weight = self.channel_shard.rows(weight)
+            bias = self.channel_shard.rows(bias) if bias is not None else None
+        weight = weight.squeeze(1)
         if self.backend == "causal_conv1d" and x.is_cuda:
-            y = _causal_conv1d_cuda(x.transpose(1, 2).contiguous(), self.weight.squeeze(1), self.bias, self.activation)
+            y = _causal_conv1d_cuda(x.transpose(1, 2).contiguous(), weight, bias, self.activation)
             return y.transpose(1, 2)
         k, seq_len = self.kernel_size, x.shape[1]
-        weight = self.weight.squeeze(1)
         padded = F.pad(x, (0, 0, k - 1, 0))
         y = x * weight[:, k - 1]
         for j in range(k - 1):
             y = y + padded[:, j : j + seq_len] * weight[:, j]
-        if self.bias is not None:
-            y = y + self.bias
+        if bias is not None:
+            y = y + bias
         return F.silu(y) if self.activation else y
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

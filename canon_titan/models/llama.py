@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from torchtitan.models.common import Embedding, Linear
+from torchtitan.models.common import Linear
 from torchtitan.models.common.decoder import Decoder
 from torchtitan.models.utils import get_dense_model_nparams_and_flops
 from torchtitan.protocols.module import Module
@@ -29,6 +29,19 @@ from torchtitan.tools.logging import logger
 from canon_titan.models.canon import CANON_POSITIONS, CanonConv, canon_bias_init, canon_weight_init, resolve_backend
 from canon_titan.models.norms import RMSNorm
 from canon_titan.models.rope import PartialRoPE
+
+
+class Embedding(nn.Embedding, Module):
+    """``nn.Embedding`` as a torchtitan Module. TorchTitan's own Embedding unwraps a DTensor
+    weight to its local shard, which breaks DTensor vocab-parallel (RowwiseParallel) lookup."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Module.Config):
+        num_embeddings: int
+        embedding_dim: int
+
+    def __init__(self, config: Config):
+        super().__init__(config.num_embeddings, config.embedding_dim)
 
 
 def truncated_normal_init(std: float) -> dict:

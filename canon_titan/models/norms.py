@@ -5,12 +5,16 @@ import torch.nn as nn
 
 from torchtitan.protocols.module import Module
 
+from canon_titan.models.tensor_parallel import local, tp_sum
+
 
 class RMSNorm(Module):
     """RMSNorm computed in float32 and cast back, as the reference (Lingua) does.
 
     ``torch.nn.RMSNorm`` normalises in the input dtype, which under bf16 mixed precision gives
-    different numerics from the released models.
+    different numerics from the released models. With ``tp_group`` set (flat QK-norm under tensor
+    parallelism) each rank holds a slice of the channels and the mean square is summed over the
+    group, so the statistic still spans every head.
     """
 
     @dataclass(kw_only=True, slots=True)
@@ -22,11 +26,18 @@ class RMSNorm(Module):
         super().__init__()
         self.eps = config.eps
         self.weight = nn.Parameter(torch.empty(config.dim))
+        self.tp_group = None
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = local(self.weight, x)
         xf = x.float()
-        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (normed * self.weight.float()).type_as(x)
+        if self.tp_group is None:
+            mean_square = xf.pow(2).mean(-1, keepdim=True)
+        else:
+            channels = xf.shape[-1] * torch.distributed.get_world_size(self.tp_group)
+            mean_square = tp_sum(xf.pow(2).sum(-1, keepdim=True), self.tp_group) / channels
+        normed = xf * torch.rsqrt(mean_square + self.eps)
+        return (normed * weight.float()).type_as(x)

@@ -1,0 +1,63 @@
+"""Tensor-parallel helpers used inside model forwards (the plans live in canon_titan.parallelize)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed.nn.functional as dist_fn
+from torch.distributed.tensor import DTensor
+
+
+def local(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor | None:
+    """A DTensor parameter as a plain tensor when the activation it meets is plain.
+
+    Used for parameters replicated over the TP mesh whose inputs are identical on every TP
+    rank, so their local gradients are already the full, identical gradients.
+    """
+    if isinstance(t, DTensor) and not isinstance(like, DTensor):
+        return t.to_local()
+    return t
+
+
+class _SumGradients(torch.autograd.Function):
+    """Identity forward; backward all-reduces (sums) the gradient over ``group``."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def tp_sum(x: torch.Tensor, group) -> torch.Tensor:
+    """Differentiable all-reduce (sum) over ``group``."""
+    return dist_fn.all_reduce(x, op=dist.ReduceOp.SUM, group=group)
+
+
+class ChannelShard:
+    """Which channels of a concatenated ``[seg_0 | seg_1 | ...]`` tensor one TP rank holds.
+
+    A column-sharded projection gives each rank a contiguous slice of every segment (q, k, v or
+    gate, up), so a layer with per-channel weights over the concatenation (Canon-B, Canon-D)
+    needs the matching rows of each segment. The full weight stays replicated: every rank's rows
+    get gradients only from that rank, so the gradient is summed over the TP group.
+    """
+
+    def __init__(self, segments: tuple[int, ...], rank: int, size: int, group):
+        if any(s % size for s in segments):
+            raise ValueError(f"channel segments {segments} are not divisible by the TP degree {size}")
+        self.segments, self.rank, self.size, self.group = segments, rank, size, group
+
+    def rows(self, weight: torch.Tensor) -> torch.Tensor:
+        weight = _SumGradients.apply(weight, self.group)
+        parts, offset = [], 0
+        for seg in self.segments:
+            chunk = seg // self.size
+            parts.append(weight[offset + self.rank * chunk : offset + (self.rank + 1) * chunk])
+            offset += seg
+        return torch.cat(parts)

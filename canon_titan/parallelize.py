@@ -1,0 +1,126 @@
+"""Parallelisms for the Llama/LlamaCanon models: TP (+SP), activation checkpointing, per-block
+compile, FSDP2/HSDP (in that order, as TorchTitan's llama3 does). PP is TorchTitan's
+``pipeline_llm``, which calls this function on every stage.
+
+Tensor parallelism, exact with Canon layers:
+- q/k/v and gate/up projections are column-sharded, wo and w2 row-sharded; the embedding is
+  vocab-sharded and ``lm_head`` column-sharded with a vocab-parallel loss.
+- Canon-B and Canon-D are depthwise, so each rank applies the rows of its own q/k/v (gate/up)
+  channels (``ChannelShard``); the full weight stays replicated and its gradient is summed.
+- Canon-A and Canon-C mix along the sequence: with sequence parallelism the activations are
+  all-gathered *before* them, so they always see the whole sequence.
+- The flat QK-norm spans all heads: its weight is sharded with the columns and the mean square
+  is summed over the TP group.
+- Every other parameter is replicated over the TP mesh, so all parameters share one mesh layout
+  under FSDP x TP (which gradient-norm clipping needs).
+"""
+
+from __future__ import annotations
+
+import torch.nn as nn
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from torchtitan.config import TORCH_DTYPE_MAP
+from torchtitan.distributed.compile import apply_compile
+from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
+from torchtitan.tools.logging import logger
+
+from canon_titan.models.tensor_parallel import ChannelShard
+
+
+def _gather_sequence(n_args: int) -> PrepareModuleInput:
+    """All-gather a sequence-sharded first input and hand the module a plain full tensor."""
+    return PrepareModuleInput(
+        input_layouts=(Shard(1),) + (None,) * (n_args - 1),
+        desired_input_layouts=(Replicate(),) + (None,) * (n_args - 1),
+        use_local_output=True,
+    )
+
+
+def _block_plan(block, enable_sp: bool) -> dict:
+    residual = Shard(1) if enable_sp else Replicate()
+    plan = {
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=residual),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w3": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=residual),
+    }
+    if enable_sp:
+        plan["attention_norm"] = SequenceParallel()
+        plan["ffn_norm"] = SequenceParallel()
+        # Gather before the first sequence-mixing module: Canon-A/C if present, else the sublayer.
+        plan["canonA" if block.canonA is not None else "attention"] = _gather_sequence(
+            1 if block.canonA is not None else 2)
+        plan["canonC" if block.canonC is not None else "feed_forward"] = _gather_sequence(1)
+    return plan
+
+
+def _shard_channels(block, tp_mesh) -> None:
+    rank, size, group = tp_mesh.get_local_rank(), tp_mesh.size(), tp_mesh.get_group()
+    attn, ffn = block.attention, block.feed_forward
+    n_q, n_kv = attn.wq.out_features, attn.wk.out_features
+    for norm in (attn.q_norm, attn.k_norm):
+        if norm is not None:
+            norm.weight = nn.Parameter(distribute_tensor(norm.weight, tp_mesh, [Shard(0)]))
+            norm.tp_group = group
+    if attn.canonB is not None:
+        attn.canonB.channel_shard = ChannelShard((n_q, n_kv, n_kv), rank, size, group)
+    if ffn.canonD is not None:
+        hidden = ffn.w1.out_features
+        ffn.canonD.channel_shard = ChannelShard((hidden, hidden), rank, size, group)
+
+
+def _replicate_remaining(model: nn.Module, tp_mesh) -> None:
+    from torch.distributed.tensor import DTensor
+
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            if not isinstance(param, DTensor):
+                module.register_parameter(name, nn.Parameter(
+                    distribute_tensor(param, tp_mesh, [Replicate()]), requires_grad=param.requires_grad))
+
+
+def apply_tp(model: nn.Module, tp_mesh, *, enable_sp: bool) -> None:
+    residual = Shard(1) if enable_sp else Replicate()
+    root_plan = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=residual),
+        "lm_head": ColwiseParallel(input_layouts=residual, output_layouts=Shard(-1), use_local_output=False),
+    }
+    if enable_sp:
+        root_plan["norm"] = SequenceParallel()
+    parallelize_module(model, tp_mesh, {k: v for k, v in root_plan.items() if getattr(model, k, None) is not None})
+    for block in model.layers.values():
+        _shard_channels(block, tp_mesh)
+        parallelize_module(block, tp_mesh, _block_plan(block, enable_sp))
+    _replicate_remaining(model, tp_mesh)
+    logger.info(f"Applied tensor parallelism (degree {tp_mesh.size()}, sequence parallel {enable_sp})")
+
+
+def parallelize_llama_canon(model, *, parallel_dims, training, parallelism, compile_config, ac_config, dump_folder):
+    if parallel_dims.tp_enabled:
+        apply_tp(model, parallel_dims.get_mesh("tp"), enable_sp=parallelism.enable_sequence_parallel)
+    if ac_config is not None:
+        ac_config.build(dump_folder=dump_folder).apply(model)
+    if compile_config.enable and "model" in compile_config.components:
+        apply_compile(model, compile_config=compile_config, parallel_dims=parallel_dims)
+    names = ["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]
+    apply_fsdp_to_decoder(
+        model,
+        parallel_dims.get_mesh(names),
+        param_dtype=TORCH_DTYPE_MAP[training.mixed_precision_param],
+        reduce_dtype=TORCH_DTYPE_MAP[training.mixed_precision_reduce],
+        pp_enabled=parallel_dims.pp_enabled,
+        cpu_offload=training.enable_cpu_offload,
+        reshard_after_forward_policy=parallelism.fsdp_reshard_after_forward,
+    )
+    return model
