@@ -1,0 +1,1 @@
+"""Checkpoint conversion between TorchTitan DCP and Hugging Face formats."""

@@ -1,0 +1,139 @@
+"""Reading and writing DCP checkpoints one tensor at a time, in a single process.
+
+DCP stores every tensor by its global shape whatever the FSDP/TP/PP layout that saved it, so a
+checkpoint of any layout reads the same way. Reading loads one tensor per call; writing hands DCP
+placeholder tensors (right shape and dtype, no storage) and produces each real tensor only when
+the writer asks for it, so peak memory stays near the largest tensor, not the model.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+# Non-model entries TorchTitan saves next to the flattened model FQNs.
+TRAINING_STATE_PREFIXES = ("optimizer", "lr_scheduler", "dataloader", "train_state")
+
+
+class ConversionError(ValueError):
+    pass
+
+
+def find_step_dir(path: str | Path) -> Path:
+    """A DCP step folder: ``path`` itself, or the newest complete ``step-N`` inside it."""
+    path = Path(path)
+    if not path.is_dir():
+        raise ConversionError(f"checkpoint directory {path} does not exist")
+    if (path / ".metadata").is_file():
+        return path
+    steps = [(int(m.group(1)), p) for p in path.iterdir()
+             if (m := re.fullmatch(r"step-(\d+)", p.name)) and (p / ".metadata").is_file()]
+    if not steps:
+        raise ConversionError(f"{path} is not a DCP checkpoint (no .metadata) and has no complete step-N folder")
+    return max(steps)[1]
+
+
+def model_tensor_metadata(step_dir: Path) -> dict[str, TensorStorageMetadata]:
+    metadata = FileSystemReader(str(step_dir)).read_metadata()
+    return {k: v for k, v in metadata.state_dict_metadata.items()
+            if isinstance(v, TensorStorageMetadata) and not k.startswith(TRAINING_STATE_PREFIXES)}
+
+
+def check_against_model(found: dict[str, TensorStorageMetadata], expected: dict[str, torch.Size],
+                        where: str, what: str) -> None:
+    """Every expected tensor present with its shape, and nothing else: names the first problem."""
+    for name, shape in expected.items():
+        if name not in found:
+            raise ConversionError(f"{where}: tensor {name!r} of the model in {what} is missing")
+        if tuple(found[name].size) != tuple(shape):
+            raise ConversionError(f"{where}: tensor {name!r} has shape {tuple(found[name].size)}, "
+                                  f"the model in {what} expects {tuple(shape)}")
+    extra = sorted(set(found) - set(expected))
+    if extra:
+        raise ConversionError(f"{where}: tensor {extra[0]!r} is not part of the model in {what} "
+                              f"({len(extra)} unexpected tensors): a different model or Canon set?")
+
+
+def load_tensor(step_dir: Path, name: str, meta: TensorStorageMetadata) -> torch.Tensor:
+    tensor = torch.empty(meta.size, dtype=meta.properties.dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "no process group: loading in a single process"
+        dcp.load({name: tensor}, checkpoint_id=str(step_dir))
+    return tensor
+
+
+class _LazySavePlanner(DefaultSavePlanner):
+    """Produces each tensor when the writer asks for it and frees the previous one.
+
+    torch's FileSystemWriter keeps a reference to every tensor it wrote (for its safetensors
+    format), which would hold the whole model. With ``per_thread_copy_ahead=0`` the writer asks
+    for tensors strictly one after another, so when tensor n+1 is requested tensor n is on disk
+    and its storage can be released.
+    """
+
+    def __init__(self, produce: Callable[[str], torch.Tensor]):
+        super().__init__()
+        self._produce = produce
+        self._previous: torch.Tensor | None = None
+
+    def resolve_data(self, write_item):
+        self.release()
+        self._previous = self._produce(write_item.index.fqn)
+        return self._previous
+
+    def release(self) -> None:
+        if self._previous is not None:
+            self._previous.untyped_storage().resize_(0)
+            self._previous = None
+
+
+def save_lazily(out_dir: Path, specs: dict[str, tuple[torch.Size, torch.dtype]],
+                produce: Callable[[str], torch.Tensor]) -> None:
+    """Write a DCP checkpoint of ``specs`` whose tensors ``produce(name)`` creates on demand."""
+    placeholders = {name: torch.empty((), dtype=dtype).expand(shape) for name, (shape, dtype) in specs.items()}
+
+    def checked(name: str) -> torch.Tensor:
+        tensor = produce(name)
+        shape, dtype = specs[name]
+        if tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype:
+            raise ConversionError(f"tensor {name!r}: produced {tuple(tensor.shape)} {tensor.dtype}, "
+                                  f"expected {tuple(shape)} {dtype}")
+        storage = tensor.untyped_storage()
+        if not tensor.is_contiguous() or storage.nbytes() != tensor.nbytes or not storage.resizable():
+            tensor = tensor.contiguous().clone()  # a tensor that owns exactly its storage, freeable later
+        return tensor
+
+    planner = _LazySavePlanner(checked)
+    writer = FileSystemWriter(str(out_dir), thread_count=1, per_thread_copy_ahead=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(placeholders, storage_writer=writer, planner=planner)
+    planner.release()
+
+
+def load_model(run, ckpt_dir) -> torch.nn.Module:
+    """The run's model on CPU (fp32, eval mode) with the weights of a DCP checkpoint."""
+    import model_registry
+
+    model_section = run["model"]
+    spec = model_registry.model_spec(model_section["name"], model_section["flavor"],
+                                     {k: v for k, v in model_section.items() if k not in ("name", "flavor")})
+    model = spec.model.build()
+    model.init_states()
+    step_dir = find_step_dir(ckpt_dir)
+    expected = {k: v.shape for k, v in model.state_dict().items()}
+    check_against_model(model_tensor_metadata(step_dir), expected, str(step_dir), run.source)
+    state = model.state_dict()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(state, checkpoint_id=str(step_dir))
+    model.load_state_dict(state)
+    return model.eval()

@@ -1,0 +1,279 @@
+"""``canon-titan convert to-hf`` and ``from-hf``.
+
+to-hf: DCP checkpoint (any parallel layout) -> sharded safetensors + index + config.json +
+generation_config.json + tokenizer files. A ``llama`` model with full RoPE and no QK-norm (and no
+Canon layer) becomes a standard ``LlamaForCausalLM``; anything else a ``LlamaCanonForCausalLM``
+whose modeling code is written next to the weights (``auto_map``), so transformers loads it with
+``trust_remote_code=True`` without canon-titan installed.
+
+from-hf: the reverse, giving a DCP folder to use as ``[checkpoint] initial_load_path``.
+
+Both stream tensor by tensor, write into a temporary folder beside OUT_DIR and rename it at the
+end: a failure leaves no OUT_DIR behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from torchtitan.tools.logging import logger
+
+from canon_titan.convert.dcp_io import (
+    ConversionError,
+    check_against_model,
+    find_step_dir,
+    load_tensor,
+    model_tensor_metadata,
+    save_lazily,
+)
+from canon_titan.convert.names import from_hf_name, relayout, to_hf_name
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+HF_MODELING_DIR = Path(__file__).resolve().parent.parent / "hf"
+REMOTE_CODE_FILES = ("configuration_llama_canon.py", "modeling_llama_canon.py")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
+
+
+@contextmanager
+def atomic_output_dir(out_dir: Path):
+    """Yield a temporary folder beside ``out_dir``; rename it to ``out_dir`` on success."""
+    out_dir = Path(out_dir)
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise ConversionError(f"output directory {out_dir} already exists and is not empty")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.partial-"))
+    try:
+        yield tmp
+        if out_dir.exists():
+            out_dir.rmdir()
+        os.replace(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def model_shapes(run) -> dict[str, torch.Size]:
+    """Parameter names and shapes of the run's model (built on the meta device)."""
+    import model_registry
+
+    model = run["model"]
+    spec = model_registry.model_spec(model["name"], model["flavor"],
+                                     {k: v for k, v in model.items() if k not in ("name", "flavor")})
+    with torch.device("meta"):
+        module = spec.model.build()
+    return {name: t.shape for name, t in module.state_dict().items()}
+
+
+def is_plain_llama(args) -> bool:
+    return (not getattr(args, "canon_set", "") and not args.qk_norm
+            and (args.rope_dim is None or args.rope_dim == args.head_dim))
+
+
+def hf_config(args, plain: bool, rope_layout: str, dtype: str, max_seq_len: int, tokenizer) -> dict:
+    common = {
+        "vocab_size": args.vocab_size,
+        "hidden_size": args.dim,
+        "intermediate_size": args.hidden_dim,
+        "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.kv_heads,
+        "head_dim": args.head_dim,
+        "rms_norm_eps": args.norm_eps,
+        "max_position_embeddings": max_seq_len,
+        "tie_word_embeddings": False,
+        "bos_token_id": tokenizer.get("bos_token_id"),
+        "eos_token_id": tokenizer.get("eos_token_id"),
+        "dtype": {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[dtype],
+    }
+    if plain:
+        return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **common,
+                "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
+                "rope_parameters": {"rope_type": "default", "rope_theta": args.rope_theta}}
+    rope_dim = args.rope_dim or args.head_dim
+    return {
+        "architectures": ["LlamaCanonForCausalLM"],
+        "model_type": "LlamaCanon",
+        "auto_map": {"AutoConfig": "configuration_llama_canon.LlamaCanonConfig",
+                     "AutoModelForCausalLM": "modeling_llama_canon.LlamaCanonForCausalLM"},
+        **common,
+        "rope_theta": args.rope_theta,
+        "rope_dim": rope_dim,
+        "partial_rotary_factor": rope_dim / args.head_dim,
+        "rope_version": rope_layout,
+        "qk_norm": args.qk_norm,
+        "canon_set": getattr(args, "canon_set", ""),
+        "canon_kernel": getattr(args, "canon_kernel", 4),
+        "canon_residual": getattr(args, "canon_residual", True),
+        "canon_activation": getattr(args, "canon_activation", False),
+        "canon_bias": getattr(args, "canon_bias", False),
+    }
+
+
+def tokenizer_info(run) -> tuple[Path, dict]:
+    from canon_titan.data.builtin import ASSET_DIR
+
+    path = Path(run["tokenizer"]["path"] or ASSET_DIR)
+    info = {}
+    if (path / "tokenizer.json").is_file():
+        from torchtitan.components.tokenizer import HuggingFaceTokenizer
+
+        tok = HuggingFaceTokenizer(tokenizer_path=str(path))
+        info = {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id}
+    return path, info
+
+
+def _plan_shards(sizes: dict[str, int], max_shard_bytes: int) -> list[list[str]]:
+    shards, current, current_bytes = [], [], 0
+    for name, size in sizes.items():
+        if current and current_bytes + size > max_shard_bytes:
+            shards.append(current)
+            current, current_bytes = [], 0
+        current.append(name)
+        current_bytes += size
+    return shards + ([current] if current else [])
+
+
+def to_hf(ckpt_dir, out_dir, run, *, dtype: str = "fp32", rope_layout: str = "lingua",
+          max_shard_size: int = 5 * 2**30) -> Path:
+    from safetensors.torch import save_file
+
+    start = time.perf_counter()
+    step_dir = find_step_dir(ckpt_dir)
+    args = run.model_args
+    expected = model_shapes(run)
+    found = model_tensor_metadata(step_dir)
+    check_against_model(found, expected, str(step_dir), f"{run.source} ({run['model']['name']} {run['model']['flavor']})")
+    plain = is_plain_llama(args)
+    rotate_half = plain or rope_layout == "huggingface"
+    target = DTYPES[dtype]
+    element = torch.empty((), dtype=target).element_size()
+    sizes = {name: element * torch.Size(shape).numel() for name, shape in expected.items()}
+    shards = _plan_shards(sizes, max_shard_size)
+    tok_path, tok_info = tokenizer_info(run)
+    with atomic_output_dir(Path(out_dir)) as tmp:
+        weight_map = {}
+        for index, names in enumerate(shards, 1):
+            filename = f"model-{index:05d}-of-{len(shards):05d}.safetensors"
+            tensors = {}
+            for name in names:
+                tensor = load_tensor(step_dir, name, found[name])
+                if rotate_half:
+                    tensor = relayout(name, tensor, args, to_rotate_half=True)
+                tensors[to_hf_name(name)] = tensor.to(target).contiguous()
+                weight_map[to_hf_name(name)] = filename
+            save_file(tensors, str(tmp / filename), metadata={"format": "pt"})
+            del tensors
+            logger.info(f"wrote {filename} ({len(names)} tensors)")
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}, indent=2) + "\n")
+        config = hf_config(args, plain, rope_layout, dtype, run["training"]["seq_len"], tok_info)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        generation = {"bos_token_id": tok_info.get("bos_token_id"), "eos_token_id": tok_info.get("eos_token_id"),
+                      "pad_token_id": tok_info.get("eos_token_id")}
+        (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+        if not plain:
+            for name in REMOTE_CODE_FILES:
+                shutil.copy(HF_MODELING_DIR / name, tmp / name)
+        for name in TOKENIZER_FILES:
+            if (tok_path / name).is_file():
+                shutil.copy(tok_path / name, tmp / name)
+    logger.info(f"Exported {step_dir} to {out_dir} as {config['architectures'][0]} "
+                f"({len(expected)} tensors, {dtype}, {time.perf_counter() - start:.1f}s)")
+    return Path(out_dir)
+
+
+def _read_hf_index(hf_dir: Path) -> dict[str, str]:
+    index = hf_dir / "model.safetensors.index.json"
+    if index.is_file():
+        return json.loads(index.read_text())["weight_map"]
+    single = hf_dir / "model.safetensors"
+    if not single.is_file():
+        raise ConversionError(f"{hf_dir} has neither model.safetensors.index.json nor model.safetensors")
+    from safetensors import safe_open
+
+    with _open_safetensors(single, safe_open) as f:
+        return {name: single.name for name in f.keys()}
+
+
+@contextmanager
+def _open_safetensors(path: Path, safe_open):
+    try:
+        handle = safe_open(str(path), framework="pt")
+    except Exception as e:  # safetensors raises its own error types for corrupt headers
+        raise ConversionError(f"{path}: not a readable safetensors file ({e})") from e
+    with handle as f:
+        yield f
+
+
+def check_hf_config(hf: dict, args, where: str) -> tuple[bool, bool]:
+    """The HF config must describe the run's model; returns (plain llama, rotate-half layout)."""
+    model_type = hf.get("model_type")
+    if model_type not in ("llama", "LlamaCanon"):
+        raise ConversionError(f"{where}: model_type {model_type!r} is not 'llama' or 'LlamaCanon'")
+    plain = model_type == "llama"
+    checks = {
+        "hidden_size": args.dim, "num_hidden_layers": args.n_layers, "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.kv_heads, "intermediate_size": args.hidden_dim, "vocab_size": args.vocab_size,
+    }
+    if not plain:
+        checks.update({"canon_set": getattr(args, "canon_set", ""), "qk_norm": args.qk_norm,
+                       "rope_dim": args.rope_dim or args.head_dim})
+    elif not is_plain_llama(args):
+        raise ConversionError(f"{where}: a plain Llama checkpoint cannot fill a model with Canon layers, "
+                              "QK-norm or partial RoPE")
+    for key, value in checks.items():
+        if hf.get(key, value if key == "num_key_value_heads" else None) != value:
+            raise ConversionError(f"{where}: {key} is {hf.get(key)!r}, the run config expects {value!r}")
+    return plain, plain or hf.get("rope_version") == "huggingface"
+
+
+def from_hf(hf_dir, out_dir, run) -> Path:
+    from safetensors import safe_open
+
+    start = time.perf_counter()
+    hf_dir = Path(hf_dir)
+    if not (hf_dir / "config.json").is_file():
+        raise ConversionError(f"{hf_dir} has no config.json (is it a Hugging Face model folder?)")
+    args = run.model_args
+    _, rotate_half = check_hf_config(json.loads((hf_dir / "config.json").read_text()), args, str(hf_dir / "config.json"))
+    expected = model_shapes(run)
+    weight_map = {}
+    for hf_name, filename in _read_hf_index(hf_dir).items():
+        try:
+            weight_map[from_hf_name(hf_name)] = (hf_name, hf_dir / filename)
+        except KeyError as e:
+            raise ConversionError(f"{hf_dir}: {e.args[0]}") from None
+    shapes = {}
+    for name, (hf_name, path) in weight_map.items():
+        with _open_safetensors(path, safe_open) as f:
+            shapes[name] = tuple(f.get_slice(hf_name).get_shape())
+
+    class _Meta:
+        def __init__(self, size):
+            self.size = size
+
+    check_against_model({k: _Meta(v) for k, v in shapes.items()}, expected, str(hf_dir),
+                        f"{run.source} ({run['model']['name']} {run['model']['flavor']})")
+
+    def produce(name: str) -> torch.Tensor:
+        hf_name, path = weight_map[name]
+        with _open_safetensors(path, safe_open) as f:
+            try:
+                tensor = f.get_tensor(hf_name)
+            except Exception as e:
+                raise ConversionError(f"{path}: cannot read tensor {hf_name!r} ({e})") from e
+        if rotate_half:
+            tensor = relayout(name, tensor, args, to_rotate_half=False)
+        return tensor.to(torch.float32)
+
+    with atomic_output_dir(Path(out_dir)) as tmp:
+        save_lazily(tmp, {name: (torch.Size(shape), torch.float32) for name, shape in expected.items()}, produce)
+    logger.info(f"Imported {hf_dir} into DCP {out_dir} ({len(expected)} tensors, {time.perf_counter() - start:.1f}s)")
+    return Path(out_dir)
