@@ -176,3 +176,10 @@ def test_static_mode_skips_only_environment_checks(tmp_path):
     load(path, environment=False)
     with pytest.raises(ConfigError, match=r"\[training\] stepz"):
         load(path, ["--training.stepz", "1"], environment=False)
+
+
+@pytest.mark.skipif(__import__("torch")._utils._get_available_device_type() is not None,
+                    reason="only a machine without an accelerator rejects CPU offload")
+def test_cpu_offload_without_accelerator_is_a_config_error():
+    with pytest.raises(ConfigError, match=r"\[training\] enable_cpu_offload: .*no accelerator"):
+        load(DEBUG_CONFIG, ["--training.enable_cpu_offload", "true"])

@@ -122,6 +122,12 @@ def check_features(run: RunConfig, environment: bool) -> None:
             _fail(run, "float8", "enable",
                   "real float8 needs an NVIDIA GPU with compute capability >= 8.9 (Ada/Hopper); "
                   "none is visible. Use [float8] emulate = true to test the code path")
+    if environment and run["training"]["enable_cpu_offload"]:
+        import torch
+
+        if torch._utils._get_available_device_type() is None:
+            _fail(run, "training", "enable_cpu_offload",
+                  "offloads accelerator memory to the CPU; this machine has no accelerator and trains on the CPU already")
     for component in compile_["components"]:
         if component not in ("model", "loss"):
             _fail(run, "compile", "components", f"entries must be 'model' or 'loss', got {component!r}")
