@@ -5,6 +5,8 @@
   canon-titan config validate FILE.toml [FILE.toml ...] [--static] [--world-size N] [--section.key value ...]
   canon-titan convert to-hf CKPT_DIR OUT_DIR --config FILE.toml [--dtype fp32|bf16|fp16] [--rope-layout lingua|huggingface] [--section.key value ...]
   canon-titan convert from-hf HF_DIR OUT_DIR --config FILE.toml [--section.key value ...]
+  canon-titan data tokenize --input GLOB [--input GLOB ...] --out DIR --tokenizer PATH [--tokenizer-kind hf|sentencepiece|tiktoken] [--workers N]
+  canon-titan data inspect DIR [--samples N]
 """
 
 from __future__ import annotations
@@ -140,7 +142,66 @@ def cmd_convert(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"train": cmd_train, "config": cmd_config, "convert": cmd_convert}
+def cmd_data(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="canon-titan data")
+    sub = parser.add_subparsers(dest="action", required=True)
+    tok = sub.add_parser("tokenize", help="document files -> memory-mappable token shards (resumable)")
+    tok.add_argument("--input", action="append", required=True, help="glob of .jsonl/.json/.zst/.parquet files")
+    tok.add_argument("--out", required=True)
+    tok.add_argument("--tokenizer", required=True, help="tokenizer file or folder")
+    tok.add_argument("--tokenizer-kind", choices=["hf", "sentencepiece", "tiktoken"], default="hf")
+    tok.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    tok.add_argument("--text-key", default="text")
+    tok.add_argument("--on-error", choices=["fail", "skip"], default="fail")
+    inspect = sub.add_parser("inspect", help="token counts per shard, and decoded samples")
+    inspect.add_argument("folder")
+    inspect.add_argument("--samples", type=int, default=2)
+    inspect.add_argument("--max-chars", type=int, default=400)
+    args = parser.parse_args(argv)
+
+    from canon_titan.data.documents import DataError
+    from canon_titan.data.pretokenize import open_shards, read_index, tokenize_files
+    from canon_titan.data.tokenizers import build_tokenizer
+
+    try:
+        if args.action == "tokenize":
+            index = tokenize_files(args.input, args.out, kind=args.tokenizer_kind, tokenizer_path=args.tokenizer,
+                                   workers=args.workers, text_key=args.text_key, on_error=args.on_error)
+            skipped = sum(s["skipped"] for s in index["shards"])
+            print(f"[tokenize] done: {sum(s['tokens'] for s in index['shards']):,} tokens in "
+                  f"{len(index['shards'])} shards at {args.out}" + (f"; skipped {skipped} bad records" if skipped else ""))
+            return 0
+        index = read_index(args.folder)
+        tok_info = index["tokenizer"]
+        print(f"{args.folder}: tokenizer {tok_info['kind']} {tok_info['path']} ({tok_info['vocab_size']} ids), "
+              f"dtype {index['dtype']}")
+        print(f"{'shard':<12} {'tokens':>14} {'documents':>10} {'skipped':>8}  source")
+        for shard in index["shards"]:
+            print(f"{shard['shard']:<12} {shard['tokens']:>14,} {shard['documents']:>10,} {shard['skipped']:>8}  {shard['source']}")
+        total = sum(s["tokens"] for s in index["shards"])
+        print(f"{'total':<12} {total:>14,} {sum(s['documents'] for s in index['shards']):>10,}")
+        if args.samples:
+            tokenizer = build_tokenizer(tok_info["kind"], tok_info["path"])
+            store = open_shards(args.folder, tokenizer)
+            stream = store.slice(0, min(len(store), 200_000)).tolist()
+            documents, current = [], []
+            for token in stream:
+                current.append(token)
+                if token == tok_info["eos_id"]:
+                    documents.append(current)
+                    current = []
+                    if len(documents) == args.samples:
+                        break
+            for i, doc in enumerate(documents):
+                text = tokenizer.decode([t for t in doc if t not in (tok_info["bos_id"], tok_info["eos_id"])])
+                print(f"--- document {i} ({len(doc)} tokens)\n{text[: args.max_chars]}")
+        return 0
+    except (DataError, FileNotFoundError) as e:
+        print(f"canon-titan: data error: {e}", file=sys.stderr)
+        return 2
+
+
+COMMANDS = {"train": cmd_train, "config": cmd_config, "convert": cmd_convert, "data": cmd_data}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -86,8 +86,9 @@ def test_unknown_section_and_missing_model(tmp_path):
     (["--float8.enable"], "[float8] enable", "compute capability"),
     (["--float8.enable", "--float8.emulate", "--compile.enable"], "[float8] emulate", "eager mode only"),
     (["--lr_scheduler.min_lr_factor", "1.5"], "[lr_scheduler] min_lr_factor", "[0, 1]"),
-    (["--model.vocab_size", "100"], "[model] vocab_size", "smaller than the tokenizer"),
-    (["--dataloader.dataset", "jsonl", "--dataloader.dataset_path", "/no/such/*.jsonl"],
+    (["--model.vocab_size", "100"], "[model] vocab_size", "but the hf tokenizer at"),
+    (["--tokenizer.kind", "sentencepiece"], "[tokenizer] kind", "needs a [tokenizer] path"),
+    (["--dataloader.dataset", "files", "--dataloader.dataset_path", "/no/such/*.jsonl"],
      "[dataloader] dataset_path", "matches no file"),
     (["--parallelism.context_parallel_degree", "2"], "[parallelism] context_parallel_degree", "not supported"),
     (["--parallelism.spmd_backend", "spmd_types"], "[parallelism] spmd_backend", "only 'partial_dtensor'"),
@@ -171,7 +172,7 @@ def test_every_shipped_config_validates(repo):
 
 def test_static_mode_skips_only_environment_checks(tmp_path):
     path = write(tmp_path, MINIMAL + '[tokenizer]\npath = "/nonexistent/tok"\n')
-    with pytest.raises(ConfigError, match=r"\[tokenizer\] path: /nonexistent/tok has no tokenizer.json"):
+    with pytest.raises(ConfigError, match=r"\[tokenizer\] path: no hf tokenizer at /nonexistent/tok"):
         load(path)
     load(path, environment=False)
     with pytest.raises(ConfigError, match=r"\[training\] stepz"):
@@ -183,3 +184,13 @@ def test_static_mode_skips_only_environment_checks(tmp_path):
 def test_cpu_offload_without_accelerator_is_a_config_error():
     with pytest.raises(ConfigError, match=r"\[training\] enable_cpu_offload: .*no accelerator"):
         load(DEBUG_CONFIG, ["--training.enable_cpu_offload", "true"])
+
+
+def test_model_vocabulary_follows_the_tokenizer(tmp_path):
+    from canon_titan.data.builtin import ASSET_DIR
+    from tokenizers import Tokenizer
+
+    vocab = Tokenizer.from_file(str(ASSET_DIR / "tokenizer.json")).get_vocab_size()
+    run = load(DEBUG_CONFIG)
+    assert run.model_args.vocab_size == run["model"]["vocab_size"] == vocab != 2048  # flavor says 2048
+    assert load(DEBUG_CONFIG, ["--model.vocab_size", str(vocab)]).model_args.vocab_size == vocab

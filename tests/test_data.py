@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from canon_titan.data.builtin import ASSET_DIR, CORPUS_FILE, corpus_jsonl, generate_corpus
-from canon_titan.data.packed import DataConfigError, PackedTextDataLoader, read_jsonl_texts, tokenize_stream
+from canon_titan.data.documents import DataError, iter_documents
+from canon_titan.data.packed import DataConfigError, PackedTextDataLoader, tokenize_stream
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +38,7 @@ def test_tokenizer_round_trip_and_specials(tokenizer):
 
 def test_windows_are_slices_of_the_bos_eos_stream(tokenizer):
     dl = loader(tokenizer, shuffle=False)
-    texts = list(read_jsonl_texts([str(ASSET_DIR / CORPUS_FILE)]))[:3]
+    texts = list(iter_documents(str(ASSET_DIR / CORPUS_FILE)))[:3]
     expected = np.concatenate([tokenizer.encode(t, add_bos=True, add_eos=True) for t in texts])
     inputs, labels = next(iter(dl))
     stream = torch.cat([inputs["input"][0], labels[0][-1:]])
@@ -86,18 +87,11 @@ def test_finite_loader_stops(tokenizer):
     assert len(batches) == dl.num_windows // 8
 
 
-def test_jsonl_errors_name_file_and_line(tmp_path, tokenizer):
-    bad = tmp_path / "bad.jsonl"
-    bad.write_text(json.dumps({"text": "ok"}) + "\n{not json\n")
-    with pytest.raises(DataConfigError, match=r"bad.jsonl:2: not a JSON object"):
-        list(read_jsonl_texts([str(bad)]))
-    bad.write_text(json.dumps({"body": "x"}) + "\n")
-    with pytest.raises(DataConfigError, match=r"bad.jsonl:1: missing the 'text' field"):
-        list(read_jsonl_texts([str(bad)]))
+def test_small_dataset_is_rejected(tmp_path, tokenizer):
     small = tmp_path / "small.jsonl"
     small.write_text(json.dumps({"text": "tiny"}) + "\n")
     with pytest.raises(DataConfigError, match="fewer than one global batch"):
-        loader(tokenizer, dataset="jsonl", dataset_path=str(small))
+        loader(tokenizer, dataset="files", dataset_path=str(small))
 
 
 def test_stream_dtype_fits_vocabulary(tokenizer):

@@ -60,3 +60,5 @@ def test_recipe_resolves_to_spec(name):
     assert run["compile"]["enable"] and run["activation_checkpoint"]["mode"] == "none"
     assert run["job"]["seed"] == 777
     assert ("llama3" if size == "8B" else "llama2") in run["tokenizer"]["path"]
+    assert run["tokenizer"]["kind"] == ("tiktoken" if size == "8B" else "sentencepiece")
+    assert run["dataloader"]["dataset"] == "tokens"

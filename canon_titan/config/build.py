@@ -47,11 +47,11 @@ def build_trainer_config(run: RunConfig):
     from torchtitan.components.metrics import MetricsProcessor
     from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer
     from torchtitan.components.optimizer.optimizer import ParamGroupConfig
-    from torchtitan.components.tokenizer import HuggingFaceTokenizer
     from torchtitan.config.configs import CommConfig, CompileConfig, DebugConfig, ParallelismConfig, TrainingConfig
 
     from canon_titan.data.builtin import ASSET_DIR
     from canon_titan.data.packed import PackedTextDataLoader
+    from canon_titan.data.tokenizers import tokenizer_config
     from canon_titan.loss import ZLossCrossEntropy
     from canon_titan.trainer import CanonTrainer
 
@@ -73,7 +73,7 @@ def build_trainer_config(run: RunConfig):
             model_spec=spec,
             hf_assets_path=run["tokenizer"]["path"] or str(ASSET_DIR),
             dump_folder=job["dump_folder"],
-            tokenizer=HuggingFaceTokenizer.Config(),
+            tokenizer=tokenizer_config(run["tokenizer"]["kind"]),
             dataloader=PackedTextDataLoader.Config(**run["dataloader"]),
             optimizer=OptimizersContainer.Config(
                 param_groups=[ParamGroupConfig(

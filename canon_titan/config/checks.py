@@ -133,24 +133,48 @@ def check_features(run: RunConfig, environment: bool) -> None:
             _fail(run, "compile", "components", f"entries must be 'model' or 'loss', got {component!r}")
 
 
-def check_data(run: RunConfig) -> None:
-    from canon_titan.data.builtin import ASSET_DIR
+def check_data(run: RunConfig, environment: bool) -> None:
     from canon_titan.data.packed import DataConfigError, resolve_paths
 
     data = run["dataloader"]
-    try:
-        resolve_paths(data["dataset"], data["dataset_path"])
-    except DataConfigError as e:
-        _fail(run, "dataloader", "dataset_path" if data["dataset"] == "jsonl" else "dataset", str(e))
-    tok_path = Path(run["tokenizer"]["path"] or ASSET_DIR)
-    if not (tok_path / "tokenizer.json").is_file():
-        _fail(run, "tokenizer", "path", f"{tok_path} has no tokenizer.json")
-    from tokenizers import Tokenizer
+    if environment:
+        try:
+            resolve_paths(data["dataset"], data["dataset_path"])
+        except DataConfigError as e:
+            _fail(run, "dataloader", "dataset_path" if data["dataset"] in ("files", "tokens") else "dataset", str(e))
+    if not tokenizer_vocab(run) and environment:
+        kind, path = run["tokenizer"]["kind"], run["tokenizer"]["path"]
+        _fail(run, "tokenizer", "path", f"no {kind} tokenizer at {path}")
 
-    vocab = Tokenizer.from_file(str(tok_path / "tokenizer.json")).get_vocab_size()
-    if vocab > run.model_args.vocab_size:
-        _fail(run, "model", "vocab_size",
-              f"({run.model_args.vocab_size}) is smaller than the tokenizer's vocabulary ({vocab}) at {tok_path}")
+
+def tokenizer_vocab(run: RunConfig) -> int | None:
+    """Make the model's vocabulary follow the tokenizer, when the tokenizer can be read.
+
+    An explicit ``[model] vocab_size`` must match it; otherwise the flavor's value is replaced.
+    Returns the tokenizer's vocabulary size, or None when the tokenizer files are not there.
+    """
+    from canon_titan.data.builtin import ASSET_DIR
+    from canon_titan.data.tokenizers import build_tokenizer
+
+    kind, path = run["tokenizer"]["kind"], run["tokenizer"]["path"]
+    if path is None and kind != "hf":
+        _fail(run, "tokenizer", "kind", f"{kind!r} needs a [tokenizer] path (the built-in tokenizer is kind 'hf')")
+    try:
+        vocab = build_tokenizer(kind, path or str(ASSET_DIR)).get_vocab_size()
+    except (FileNotFoundError, OSError):
+        return None
+    except Exception as e:  # a corrupt or wrong-kind tokenizer file
+        _fail(run, "tokenizer", "path", f"cannot load a {kind} tokenizer from {path}: {e}")
+    args = run.model_args
+    if ("model", "vocab_size") in run.origins:
+        if args.vocab_size != vocab:
+            _fail(run, "model", "vocab_size",
+                  f"is {args.vocab_size} but the {kind} tokenizer at {path or ASSET_DIR} has {vocab} ids; "
+                  "remove the key to follow the tokenizer")
+    elif args.vocab_size != vocab:
+        args.vocab_size = vocab
+        run["model"]["vocab_size"] = vocab
+    return vocab
 
 
 def check_run(run: RunConfig, environment: bool = True) -> None:
@@ -158,8 +182,7 @@ def check_run(run: RunConfig, environment: bool = True) -> None:
     check_training(run)
     check_parallelism(run, environment)
     check_features(run, environment)
-    if environment:
-        check_data(run)
+    check_data(run, environment)
 
 
 __all__ = ["check_run", "CLI"]

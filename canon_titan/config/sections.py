@@ -32,8 +32,10 @@ class JobSection:
 
 @dataclass(kw_only=True)
 class TokenizerSection:
+    kind: Literal["hf", "sentencepiece", "tiktoken"] = "hf"
+    """hf: tokenizer.json folder; sentencepiece: Llama-2 tokenizer.model; tiktoken: Llama-3 BPE ranks file."""
     path: str | None = None
-    """Folder with tokenizer.json / tokenizer_config.json; None uses the built-in tokenizer."""
+    """The tokenizer file or its folder; None uses the built-in tokenizer (kind = "hf")."""
 
 
 @dataclass(kw_only=True)

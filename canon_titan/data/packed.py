@@ -11,10 +11,8 @@ checkpointed state is the global sample counter, so a run can also resume on ano
 
 from __future__ import annotations
 
-import glob
-import json
-from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import torch
@@ -23,38 +21,55 @@ from torchtitan.components.dataloader import BaseDataLoader
 from torchtitan.tools.logging import logger
 
 from canon_titan.data.builtin import ASSET_DIR, CORPUS_FILE
+from canon_titan.data.documents import DataError, ReadStats, expand_inputs, file_kind, iter_documents
 
 
 class DataConfigError(ValueError):
     pass
 
 
-def read_jsonl_texts(paths: list[str], text_key: str = "text") -> Iterator[str]:
-    for path in paths:
-        with open(path, encoding="utf-8") as f:
-            for line_no, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise DataConfigError(f"{path}:{line_no}: not a JSON object ({e.msg})") from e
-                if not isinstance(record, dict) or text_key not in record:
-                    raise DataConfigError(f"{path}:{line_no}: missing the {text_key!r} field")
-                yield record[text_key]
+class TokenStore:
+    """One logical token stream over several arrays (in memory or memory-mapped shards)."""
+
+    def __init__(self, arrays: list[np.ndarray]):
+        self.arrays = [a for a in arrays if len(a)]
+        self.offsets = np.cumsum([0] + [len(a) for a in self.arrays])
+
+    def __len__(self) -> int:
+        return int(self.offsets[-1])
+
+    def slice(self, start: int, stop: int) -> np.ndarray:
+        first = int(np.searchsorted(self.offsets, start, side="right")) - 1
+        pieces, position = [], start
+        for index in range(first, len(self.arrays)):
+            if position >= stop:
+                break
+            local = position - int(self.offsets[index])
+            take = min(stop - position, len(self.arrays[index]) - local)
+            pieces.append(self.arrays[index][local : local + take])
+            position += take
+        return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
 
 
 def resolve_paths(dataset: str, dataset_path: str | None) -> list[str]:
     if dataset == "builtin":
         return [str(ASSET_DIR / CORPUS_FILE)]
-    if dataset == "jsonl":
+    if dataset in ("files", "tokens"):
         if not dataset_path:
-            raise DataConfigError("dataloader.dataset_path is required when dataloader.dataset = 'jsonl'")
-        paths = sorted(glob.glob(dataset_path))
-        if not paths:
-            raise DataConfigError(f"dataloader.dataset_path {dataset_path!r} matches no file")
+            raise DataConfigError(f"dataloader.dataset_path is required when dataloader.dataset = {dataset!r}")
+        if dataset == "tokens":
+            from canon_titan.data.pretokenize import read_index
+
+            read_index(dataset_path)
+            return [dataset_path]
+        try:
+            paths = expand_inputs(dataset_path)
+        except DataError as e:
+            raise DataConfigError(f"dataloader.dataset_path {e}") from None
+        for path in paths:
+            file_kind(path)
         return paths
-    raise DataConfigError(f"unknown dataloader.dataset {dataset!r}; available: builtin, jsonl")
+    raise DataConfigError(f"unknown dataloader.dataset {dataset!r}; available: builtin, files, tokens")
 
 
 def tokenize_stream(texts, tokenizer, add_bos: bool, add_eos: bool) -> np.ndarray:
@@ -63,13 +78,31 @@ def tokenize_stream(texts, tokenizer, add_bos: bool, add_eos: bool) -> np.ndarra
     return np.concatenate(chunks) if chunks else np.zeros(0, dtype=dtype)
 
 
+def load_token_store(config, tokenizer) -> TokenStore:
+    if config.dataset == "tokens":
+        from canon_titan.data.pretokenize import open_shards
+
+        return open_shards(config.dataset_path, tokenizer)
+    stats = ReadStats()
+    texts = (text for path in resolve_paths(config.dataset, config.dataset_path)
+             for text in iter_documents(path, config.text_key, config.on_error, stats))
+    store = TokenStore([tokenize_stream(texts, tokenizer, config.add_bos, config.add_eos)])
+    if stats.skipped:
+        logger.warning(f"skipped {stats.skipped} bad records ({stats.documents} documents read)")
+    return store
+
+
 class PackedTextDataLoader(BaseDataLoader):
     @dataclass(kw_only=True, slots=True)
     class Config(BaseDataLoader.Config):
         dataset: str = "builtin"
-        """'builtin' (the project's story corpus) or 'jsonl' (files with a "text" field)."""
+        """'builtin' (the project's story corpus), 'files' (JSON lines / .zst / Parquet documents,
+        tokenized at start-up) or 'tokens' (a folder written by ``canon-titan data tokenize``)."""
         dataset_path: str | None = None
-        """File or glob of JSON-lines files, for dataset = 'jsonl'."""
+        """Glob of document files (dataset = 'files') or the token folder (dataset = 'tokens')."""
+        text_key: str = "text"
+        on_error: Literal["fail", "skip"] = "fail"
+        """What a bad record does (a line that is not JSON, no text field, a truncated .zst)."""
         seed: int = 777
         """Seed of the per-epoch window permutation."""
         shuffle: bool = True
@@ -92,8 +125,10 @@ class PackedTextDataLoader(BaseDataLoader):
         self.config = config
         self.dp_world_size, self.dp_rank = dp_world_size, dp_rank
         self.seq_len, self.local_batch_size = seq_len, local_batch_size
-        paths = resolve_paths(config.dataset, config.dataset_path)
-        self.tokens = tokenize_stream(read_jsonl_texts(paths), tokenizer, config.add_bos, config.add_eos)
+        try:
+            self.tokens = load_token_store(config, tokenizer)
+        except DataError as e:
+            raise DataConfigError(str(e)) from None
         self.num_windows = (len(self.tokens) - 1) // seq_len
         if self.num_windows < local_batch_size * dp_world_size:
             raise DataConfigError(
@@ -120,7 +155,7 @@ class PackedTextDataLoader(BaseDataLoader):
         """The local batch whose global batch starts at ``first_sample``."""
         start = first_sample + self.dp_rank * self.local_batch_size
         rows = [
-            self.tokens[s : s + self.seq_len + 1]
+            self.tokens.slice(s, s + self.seq_len + 1)
             for s in (self._window_start(start + j) for j in range(self.local_batch_size))
         ]
         data = torch.from_numpy(np.stack(rows).astype(np.int64))

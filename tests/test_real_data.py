@@ -1,0 +1,191 @@
+"""Tokenizers (built at test time, no downloads), document formats, pre-tokenization."""
+
+import base64
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from canon_titan.config import ConfigError, load
+from canon_titan.data.builtin import ASSET_DIR, generate_corpus
+from canon_titan.data.documents import DataError, ReadStats, iter_documents
+from canon_titan.data.packed import PackedTextDataLoader, tokenize_stream
+from canon_titan.data.pretokenize import open_shards, tokenize_files
+from canon_titan.data.tokenizers import LLAMA3_PATTERN, build_tokenizer
+from canon_titan.metrics import read_scalars
+from conftest import CONFIGS, run_training
+
+TEXTS = generate_corpus(400, seed=11)
+
+
+@pytest.fixture(scope="module")
+def sp_path(tmp_path_factory):
+    import sentencepiece as spm
+
+    folder = tmp_path_factory.mktemp("sp")
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(TEXTS), model_prefix=str(folder / "tokenizer"),
+                                   vocab_size=320, model_type="bpe", unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
+                                   minloglevel=2)
+    return folder / "tokenizer.model"
+
+
+@pytest.fixture(scope="module")
+def tiktoken_path(tmp_path_factory):
+    from tiktoken._educational import bpe_train
+
+    ranks = bpe_train(data="\n".join(TEXTS[:80]), vocab_size=300, pat_str=LLAMA3_PATTERN, visualise=None)
+    path = tmp_path_factory.mktemp("tt") / "tokenizer.model"
+    path.write_text("".join(f"{base64.b64encode(t).decode()} {r}\n" for t, r in sorted(ranks.items(), key=lambda x: x[1])))
+    return path
+
+
+def test_sentencepiece_ids_specials_round_trip(sp_path):
+    tok = build_tokenizer("sentencepiece", str(sp_path.parent))  # a folder works as well as the file
+    assert (tok.get_vocab_size(), tok.bos_id, tok.eos_id) == (320, 1, 2)  # Llama-2 layout
+    text = "Mia lived in Oakford with a cat called Pip."
+    ids = tok.encode(text, add_bos=True, add_eos=True)
+    assert ids[0] == 1 and ids[-1] == 2 and 1 not in ids[1:-1] and 2 not in ids[1:-1]
+    assert tok.decode(ids[1:-1]) == text
+    assert tok.encode(text) == ids[1:-1]
+
+
+def test_tiktoken_specials_follow_the_ranks(tiktoken_path):
+    tok = build_tokenizer("tiktoken", str(tiktoken_path))
+    base = 300  # ranks in the file; Llama-3 has 128,000, so BOS 128000 and EOS 128001
+    assert (tok.get_vocab_size(), tok.bos_id, tok.eos_id) == (base + 256, base, base + 1)
+    text = "Leo said, \"I found it near the old mill.\" <|end_of_text|> 42"
+    ids = tok.encode(text, add_bos=True, add_eos=True)
+    assert ids[0] == base and ids[-1] == base + 1
+    assert all(i < base for i in ids[1:-1])  # special-token text inside a document is plain text
+    assert tok.decode(ids[1:-1]) == text
+
+
+def test_model_vocab_follows_tokenizer_kind(sp_path, tiktoken_path):
+    run = load(CONFIGS["llama"], ["--tokenizer.kind", "sentencepiece", "--tokenizer.path", str(sp_path)])
+    assert run.model_args.vocab_size == 320
+    run = load(CONFIGS["llama"], ["--tokenizer.kind", "tiktoken", "--tokenizer.path", str(tiktoken_path)])
+    assert run.model_args.vocab_size == 556
+    with pytest.raises(ConfigError, match=r"\[model\] vocab_size: is 2048 but the sentencepiece tokenizer .* has 320 ids"):
+        load(CONFIGS["llama"], ["--tokenizer.kind", "sentencepiece", "--tokenizer.path", str(sp_path),
+                                "--model.vocab_size", "2048"])
+    with pytest.raises(ConfigError, match=r"\[tokenizer\] path: cannot load a tiktoken tokenizer"):
+        load(CONFIGS["llama"], ["--tokenizer.kind", "tiktoken", "--tokenizer.path", str(sp_path)])
+
+
+def write_formats(folder, texts):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import zstandard
+
+    lines = "".join(json.dumps({"text": t, "id": i}) + "\n" for i, t in enumerate(texts))
+    (folder / "a.jsonl").write_text(lines)
+    (folder / "b.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(lines.encode()))
+    pq.write_table(pa.table({"text": texts}), folder / "c.parquet")
+    return [folder / "a.jsonl", folder / "b.jsonl.zst", folder / "c.parquet"]
+
+
+def test_all_formats_read_the_same_documents(tmp_path):
+    for path in write_formats(tmp_path, TEXTS[:50]):
+        assert list(iter_documents(str(path))) == TEXTS[:50], path
+
+
+def test_corrupt_inputs_name_file_and_line_and_can_be_skipped(tmp_path):
+    import zstandard
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"text": "a"}) + "\n{oops\n" + json.dumps({"body": "b"}) + "\n" + json.dumps({"text": "c"}) + "\n")
+    with pytest.raises(DataError, match=r"bad.jsonl:2: not a JSON object.*on_error"):
+        list(iter_documents(str(bad)))
+    stats = ReadStats()
+    assert list(iter_documents(str(bad), on_error="skip", stats=stats)) == ["a", "c"]
+    assert stats.skipped == 2 and "bad.jsonl:3: missing the 'text' text field" in stats.problems[1]
+    frames = [zstandard.ZstdCompressor().compress("".join(json.dumps({"text": t}) + "\n" for t in TEXTS[i : i + 50]).encode())
+              for i in range(0, 200, 50)]
+    truncated = tmp_path / "cut.jsonl.zst"
+    truncated.write_bytes(b"".join(frames)[:-100])  # cut inside the last of 4 frames
+    with pytest.raises(DataError, match=r"cut.jsonl.zst:\d+: unreadable data after line \d+"):
+        list(iter_documents(str(truncated)))
+    stats = ReadStats()
+    kept = list(iter_documents(str(truncated), on_error="skip", stats=stats))
+    assert kept == TEXTS[:150] and stats.skipped == 1
+
+
+def test_pretokenized_shards_equal_online_tokenization_and_resume(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    paths = write_formats(src, TEXTS[:120])
+    out = tmp_path / "tokens"
+    index = tokenize_files(str(src / "*"), out, kind="hf", tokenizer_path=str(ASSET_DIR), workers=2, log=lambda m: None)
+    tok = build_tokenizer("hf", str(ASSET_DIR))
+    expected = np.concatenate([tokenize_stream(TEXTS[:120], tok, True, True)] * 3)
+    store = open_shards(out, tok)
+    assert len(store) == len(expected) and np.array_equal(store.slice(0, len(store)), expected)
+    # Windows across shard boundaries are stitched.
+    cut = int(store.offsets[1])
+    assert np.array_equal(store.slice(cut - 5, cut + 5), expected[cut - 5 : cut + 5])
+    assert [s["source"] for s in index["shards"]] == [str(p) for p in paths]
+    # Resume: only the shard without its completion marker is redone, with the same result.
+    (out / "00001.json").unlink()
+    messages = []
+    tokenize_files(str(src / "*"), out, kind="hf", tokenizer_path=str(ASSET_DIR), workers=1, log=messages.append)
+    assert "2 of 3 files already done" in messages[0] and len(messages) == 2
+    assert np.array_equal(open_shards(out, tok).slice(0, len(expected)), expected)
+
+
+def test_token_folder_checks_the_tokenizer(tmp_path, sp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    write_formats(src, TEXTS[:20])
+    tokenize_files(str(src / "a.jsonl"), tmp_path / "tokens", kind="hf", tokenizer_path=str(ASSET_DIR), log=lambda m: None)
+    with pytest.raises(DataError, match="tokenized with a 784-id tokenizer"):
+        open_shards(tmp_path / "tokens", build_tokenizer("sentencepiece", str(sp_path)))
+    with pytest.raises(DataError, match="holds tokens of another tokenizer"):
+        tokenize_files(str(src / "a.jsonl"), tmp_path / "tokens", kind="sentencepiece", tokenizer_path=str(sp_path),
+                       log=lambda m: None)
+
+
+def test_token_loader_is_layout_independent_and_resumable(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    write_formats(src, TEXTS)
+    tokenize_files(str(src / "*"), tmp_path / "tokens", kind="hf", tokenizer_path=str(ASSET_DIR), log=lambda m: None)
+    tok = build_tokenizer("hf", str(ASSET_DIR))
+
+    def make(rank, world, batch):
+        cfg = PackedTextDataLoader.Config(dataset="tokens", dataset_path=str(tmp_path / "tokens"))
+        return PackedTextDataLoader(cfg, dp_world_size=world, dp_rank=rank, tokenizer=tok, seq_len=96,
+                                    local_batch_size=batch)
+
+    single = iter(make(0, 1, 4))
+    quads = [iter(make(r, 4, 1)) for r in range(4)]
+    for _ in range(6):
+        x, y = next(single)
+        parts = [next(it) for it in quads]
+        assert torch.equal(x["input"], torch.cat([p[0]["input"] for p in parts]))
+        assert torch.equal(y, torch.cat([p[1] for p in parts]))
+    dl = make(1, 2, 2)
+    it = iter(dl)
+    for _ in range(5):
+        next(it)
+    state, expected = dl.state_dict(), next(it)
+    resumed = make(1, 2, 2)
+    resumed.load_state_dict(state)
+    got = next(iter(resumed))
+    assert torch.equal(got[0]["input"], expected[0]["input"]) and torch.equal(got[1], expected[1])
+
+
+@pytest.mark.slow
+def test_training_on_pretokenized_data_with_sentencepiece(tmp_path, sp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    write_formats(src, generate_corpus(900, seed=21)[:300])
+    tokenize_files(str(src / "*"), tmp_path / "tokens", kind="sentencepiece", tokenizer_path=str(sp_path),
+                   log=lambda m: None)
+    dump = tmp_path / "run"
+    run_training(2, ["--tokenizer.kind", "sentencepiece", "--tokenizer.path", str(sp_path),
+                     "--dataloader.dataset", "tokens", "--dataloader.dataset_path", str(tmp_path / "tokens"),
+                     "--training.steps", "30", "--training.seq_len", "128", "--metrics.log_freq", "1",
+                     "--checkpoint.enable", "false", "--job.dump_folder", str(dump)], config=CONFIGS["llama_canon"])
+    losses = read_scalars(dump)
+    assert len(losses) == 30 and losses[30] < losses[1] - 1.0
