@@ -189,3 +189,86 @@ def test_training_on_pretokenized_data_with_sentencepiece(tmp_path, sp_path):
                      "--checkpoint.enable", "false", "--job.dump_folder", str(dump)], config=CONFIGS["llama_canon"])
     losses = read_scalars(dump)
     assert len(losses) == 30 and losses[30] < losses[1] - 1.0
+
+
+def stream_loader(sources, rank=0, world=1, workers=2, batch=2, seq_len=64, **kw):
+    from canon_titan.data.streaming import StreamingTextDataLoader
+
+    cfg = StreamingTextDataLoader.Config(sources=[str(s) for s in sources], num_workers=workers, **kw)
+    return StreamingTextDataLoader(cfg, dp_world_size=world, dp_rank=rank, tokenizer=build_tokenizer("hf", str(ASSET_DIR)),
+                                   seq_len=seq_len, local_batch_size=batch)
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 4])
+def test_streaming_units_read_every_document_exactly_once(tmp_path, ranks):
+    from canon_titan.data.streaming import SourceReader
+
+    src = tmp_path / "src"
+    src.mkdir()
+    files = [str(p) for p in write_formats(src, TEXTS[:101])]  # 3 files x 101 documents
+    def one_epoch(unit, units):
+        reader, docs = SourceReader(files, unit, units, "text", "fail"), []
+        while True:
+            text = reader.next()
+            if reader.epoch > 0:  # the reader wrapped around: the epoch is complete
+                return docs
+            docs.append(text)
+
+    expected = one_epoch(0, 1)
+    assert len(expected) == 303
+    units = ranks * 2  # 2 loader workers per rank
+    per_unit = [one_epoch(u, units) for u in range(units)]
+    assert all(per_unit)  # every unit has documents
+    assert sorted(d for docs in per_unit for d in docs) == sorted(expected)  # each exactly once
+
+
+def test_streaming_resume_with_workers_gives_the_same_batches(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    write_formats(src, TEXTS[:200])
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "x.jsonl").write_text("".join(json.dumps({"text": t.upper()}) + "\n" for t in TEXTS[200:260]))
+    sources, weights = [src / "*", other / "*.jsonl"], [3.0, 1.0]
+    reference = stream_loader(sources, weights=weights, shuffle_buffer=8)
+    it = iter(reference)
+    expected = [next(it) for _ in range(9)]
+    first = stream_loader(sources, weights=weights, shuffle_buffer=8)
+    it = iter(first)
+    for _ in range(4):
+        next(it)
+    state = first.state_dict()
+    del it, first
+    resumed = stream_loader(sources, weights=weights, shuffle_buffer=8)
+    resumed.load_state_dict(state)
+    got = [b for _, b in zip(range(5), iter(resumed))]
+    for (x, y), (gx, gy) in zip(expected[4:], got):
+        assert torch.equal(x["input"], gx["input"]) and torch.equal(y, gy)
+    # Both sources contribute (upper-case text only comes from the second).
+    tok = build_tokenizer("hf", str(ASSET_DIR))
+    text = " ".join(tok.decode(x["input"].flatten().tolist()) for x, _ in expected)
+    assert "MIA" in text or "LIVED" in text
+
+
+@pytest.mark.slow
+def test_streaming_training_kill_and_resume(tmp_path):
+    from conftest import COMMON, run_training_until
+
+    src = tmp_path / "src"
+    src.mkdir()
+    write_formats(src, generate_corpus(600, seed=31)[:200])
+    args = COMMON + ["--dataloader.dataset", "stream", "--dataloader.sources", f'["{src}/*"]',
+                     "--dataloader.num_workers", "1", "--dataloader.shuffle_buffer", "16",
+                     "--training.steps", "12", "--training.local_batch_size", "2",
+                     "--checkpoint.enable", "--checkpoint.interval", "4"]
+    ref, interrupted = tmp_path / "ref", tmp_path / "interrupted"
+    run_training(2, args + ["--job.dump_folder", str(ref)], config=CONFIGS["llama"])
+    run_training_until(2, args + ["--job.dump_folder", str(interrupted)], stop_marker="step: 10",
+                       config=CONFIGS["llama"])
+    out = run_training(2, args + ["--job.dump_folder", str(interrupted), "--metrics.save_tb_folder", "tb2"],
+                       config=CONFIGS["llama"])
+    assert "Training starts at step 9" in out
+    reference, resumed = read_scalars(ref), read_scalars(interrupted, tb_folder="tb2")
+    assert list(resumed) == [9, 10, 11, 12]
+    for step, value in resumed.items():
+        assert value == reference[step], step

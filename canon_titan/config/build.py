@@ -35,6 +35,18 @@ def _activation_checkpoint(section: dict):
     return None
 
 
+def _dataloader(section: dict):
+    from canon_titan.data.packed import PackedTextDataLoader
+    from canon_titan.data.streaming import StreamingTextDataLoader
+
+    common = ("dataset", "text_key", "on_error", "seed", "add_bos", "add_eos")
+    if section["dataset"] == "stream":
+        keys = common + ("sources", "weights", "shuffle_buffer", "num_workers")
+        return StreamingTextDataLoader.Config(**{k: section[k] for k in keys})
+    keys = common + ("dataset_path", "shuffle", "infinite")
+    return PackedTextDataLoader.Config(**{k: section[k] for k in keys})
+
+
 def _set_wandb_env(metrics: dict) -> None:
     os.environ.setdefault("WANDB_MODE", metrics["wandb_mode"])
     os.environ.setdefault("WANDB_PROJECT", metrics["wandb_project"])
@@ -50,7 +62,6 @@ def build_trainer_config(run: RunConfig):
     from torchtitan.config.configs import CommConfig, CompileConfig, DebugConfig, ParallelismConfig, TrainingConfig
 
     from canon_titan.data.builtin import ASSET_DIR
-    from canon_titan.data.packed import PackedTextDataLoader
     from canon_titan.data.tokenizers import tokenizer_config
     from canon_titan.loss import ZLossCrossEntropy
     from canon_titan.trainer import CanonTrainer
@@ -74,7 +85,7 @@ def build_trainer_config(run: RunConfig):
             hf_assets_path=run["tokenizer"]["path"] or str(ASSET_DIR),
             dump_folder=job["dump_folder"],
             tokenizer=tokenizer_config(run["tokenizer"]["kind"]),
-            dataloader=PackedTextDataLoader.Config(**run["dataloader"]),
+            dataloader=_dataloader(run["dataloader"]),
             optimizer=OptimizersContainer.Config(
                 param_groups=[ParamGroupConfig(
                     pattern=r".*",

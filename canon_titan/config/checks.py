@@ -137,7 +137,23 @@ def check_data(run: RunConfig, environment: bool) -> None:
     from canon_titan.data.packed import DataConfigError, resolve_paths
 
     data = run["dataloader"]
-    if environment:
+    if data["dataset"] == "stream":
+        if not data["sources"]:
+            _fail(run, "dataloader", "sources", "dataset = 'stream' needs at least one glob in sources")
+        if data["weights"] and (len(data["weights"]) != len(data["sources"]) or min(data["weights"]) <= 0):
+            _fail(run, "dataloader", "weights", f"needs one positive weight per source ({len(data['sources'])})")
+        if data["shuffle_buffer"] < 1 or data["num_workers"] < 0:
+            _fail(run, "dataloader", "shuffle_buffer" if data["shuffle_buffer"] < 1 else "num_workers",
+                  "shuffle_buffer must be >= 1 and num_workers >= 0")
+        if environment:
+            from canon_titan.data.documents import DataError, expand_inputs, file_kind
+
+            try:
+                for path in expand_inputs(data["sources"]):
+                    file_kind(path)
+            except DataError as e:
+                _fail(run, "dataloader", "sources", str(e))
+    elif environment:
         try:
             resolve_paths(data["dataset"], data["dataset_path"])
         except DataConfigError as e:

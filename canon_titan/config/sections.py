@@ -15,7 +15,6 @@ from torchtitan.components.checkpointer import CheckpointManager
 from torchtitan.components.optimizer import LRSchedulersContainer
 from torchtitan.config.configs import CommConfig, CompileConfig, ParallelismConfig, TrainingConfig
 
-from canon_titan.data.packed import PackedTextDataLoader
 
 
 @dataclass(kw_only=True)
@@ -36,6 +35,34 @@ class TokenizerSection:
     """hf: tokenizer.json folder; sentencepiece: Llama-2 tokenizer.model; tiktoken: Llama-3 BPE ranks file."""
     path: str | None = None
     """The tokenizer file or its folder; None uses the built-in tokenizer (kind = "hf")."""
+
+
+@dataclass(kw_only=True)
+class DataloaderSection:
+    dataset: Literal["builtin", "files", "tokens", "stream"] = "builtin"
+    """builtin: the project's corpus; files: document files tokenized in memory at start-up;
+    tokens: a folder from `canon-titan data tokenize` (memory-mapped); stream: documents read and
+    tokenized while training, from `sources` mixed by `weights`."""
+    dataset_path: str | None = None
+    """files: glob of documents; tokens: the token folder."""
+    sources: list[str] = field(default_factory=list)
+    """stream: one glob of document files per source."""
+    weights: list[float] = field(default_factory=list)
+    """stream: mixture weights, one per source (default equal)."""
+    text_key: str = "text"
+    on_error: Literal["fail", "skip"] = "fail"
+    """A bad record (not JSON, no text field, truncated .zst): fail, or skip and count it."""
+    seed: int = 777
+    shuffle: bool = True
+    """builtin/files/tokens: shuffle the windows per epoch."""
+    shuffle_buffer: int = 64
+    """stream: windows held in the shuffle buffer (1 = no shuffle)."""
+    num_workers: int = 0
+    """stream: loader worker processes per rank (0 = read in the training process)."""
+    add_bos: bool = True
+    add_eos: bool = True
+    infinite: bool = True
+    """builtin/files/tokens: start a new epoch when the data runs out, instead of stopping."""
 
 
 @dataclass(kw_only=True)
@@ -102,7 +129,7 @@ SECTIONS: dict[str, Section] = {
         LRSchedulersContainer.Config,
         defaults={"warmup_steps": 200, "decay_type": "cosine", "min_lr_factor": 0.01},
     ),
-    "dataloader": Section(PackedTextDataLoader.Config),
+    "dataloader": Section(DataloaderSection),
     "parallelism": Section(
         ParallelismConfig,
         # spmd_types needs fully_shard to convert SPMD annotations (torch >= 2.14);

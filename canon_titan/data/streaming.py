@@ -1,0 +1,189 @@
+"""Online (streaming) loading: documents are read and tokenized while training runs.
+
+Each data-parallel rank runs ``num_workers`` loader workers (or reads in-process with 0); every
+(rank, worker) pair is a *unit*. Each file of a source is cut into ``ceil(units / files)`` line
+slices (line i of a file belongs to slice ``i mod slices``) and the slices are dealt to the units
+round-robin, so every document is read by exactly one unit, for any number of ranks and workers.
+
+A unit draws each next document from a source picked at random by the mixture weights (seeded),
+wraps it in BOS/EOS, packs the tokens into ``seq_len + 1`` windows across document boundaries,
+and passes the windows through a seeded shuffle buffer. Its state (file positions, leftover
+tokens, shuffle buffer, random generators) is checkpointed, so a resumed run continues with the
+same windows; resuming needs the same number of ranks and workers.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+from torchtitan.components.dataloader import ParallelAwareDataloader
+from torchtitan.tools.logging import logger
+
+from canon_titan.data.documents import ReadStats, expand_inputs, file_kind, iter_documents
+
+
+def unit_slices(files: list[str], unit: int, units: int) -> list[tuple[str, int, int]]:
+    """The (file, slice, slices) pieces of a source that ``unit`` of ``units`` reads."""
+    slices = max(1, math.ceil(units / len(files)))
+    pieces = [(path, s, slices) for path in files for s in range(slices)]
+    return pieces[unit::units]
+
+
+class SourceReader:
+    """Documents of one source for one unit, endlessly (epochs), with a resumable position."""
+
+    def __init__(self, files, unit, units, text_key, on_error):
+        self.pieces = unit_slices(files, unit, units)
+        self.text_key, self.on_error = text_key, on_error
+        self.epoch, self.piece, self.line = 0, 0, 0
+        self.stats = ReadStats()
+        self._iter = None
+
+    def state(self) -> dict:
+        return {"epoch": self.epoch, "piece": self.piece, "line": self.line}
+
+    def load(self, state: dict) -> None:
+        self.epoch, self.piece, self.line = state["epoch"], state["piece"], state["line"]
+        self._iter = None
+
+    def _documents(self):
+        """Documents from (piece, line) on; ``line`` counts this slice's documents already read."""
+        found_in_epoch = self.line > 0
+        while self.pieces:
+            path, index, slices = self.pieces[self.piece]
+            for n, text in enumerate(iter_documents(path, self.text_key, self.on_error, self.stats)):
+                if n % slices != index or n // slices < self.line:
+                    continue
+                self.line += 1
+                found_in_epoch = True
+                yield text
+            self.piece, self.line = self.piece + 1, 0
+            if self.piece == len(self.pieces):
+                if not found_in_epoch:
+                    return  # every slice of this unit is empty
+                self.piece, self.epoch, found_in_epoch = 0, self.epoch + 1, False
+
+    def next(self) -> str | None:
+        if self._iter is None:
+            self._iter = self._documents()
+        return next(self._iter, None)
+
+
+class StreamingTextDataset(IterableDataset):
+    def __init__(self, config, *, tokenizer, seq_len, dp_rank, dp_world_size):
+        self.config, self.tokenizer, self.seq_len = config, tokenizer, seq_len
+        self.dp_rank, self.dp_world_size = dp_rank, dp_world_size
+        self.sources = [expand_inputs(pattern) for pattern in config.sources]
+        for files in self.sources:
+            for path in files:
+                file_kind(path)
+        self._state = None
+        self._unit = None
+
+    def _setup(self):
+        info = get_worker_info()
+        workers, worker = (info.num_workers, info.id) if info else (1, 0)
+        unit, units = self.dp_rank * workers + worker, self.dp_world_size * workers
+        cfg = self.config
+        self.readers = [SourceReader(files, unit, units, cfg.text_key, cfg.on_error) for files in self.sources]
+        self.mixture_rng = random.Random(f"{cfg.seed}-mix-{unit}")
+        self.shuffle_rng = random.Random(f"{cfg.seed}-shuffle-{unit}")
+        self.buffer = np.zeros(0, dtype=np.int64)
+        self.shuffle = []
+        self._unit = unit
+        if self._state is not None:
+            self._restore(self._state)
+
+    def _next_window(self) -> np.ndarray:
+        need = self.seq_len + 1
+        while len(self.buffer) < need:
+            weights = self.config.weights or [1.0] * len(self.readers)
+            reader = self.mixture_rng.choices(self.readers, weights=weights)[0]
+            text = reader.next()
+            if text is None:
+                raise RuntimeError("a data source has no documents for this rank/worker")
+            ids = self.tokenizer.encode(text, add_bos=self.config.add_bos, add_eos=self.config.add_eos)
+            self.buffer = np.concatenate([self.buffer, np.asarray(ids, dtype=np.int64)])
+        window, self.buffer = self.buffer[:need], self.buffer[need:]
+        return window
+
+    def __iter__(self):
+        if self._unit is None:
+            self._setup()
+        size = self.config.shuffle_buffer
+        while True:
+            window = self._next_window()
+            if size > 1:
+                if len(self.shuffle) < size:
+                    self.shuffle.append(window)
+                    continue
+                i = self.shuffle_rng.randrange(size)
+                window, self.shuffle[i] = self.shuffle[i], window
+            data = torch.from_numpy(window)
+            yield {"input": data[:-1]}, data[1:]
+
+    def state_dict(self) -> dict:
+        if self._unit is None:
+            return self._state or {}
+        return {
+            "readers": [r.state() for r in self.readers],
+            "mixture_rng": self.mixture_rng.getstate(),
+            "shuffle_rng": self.shuffle_rng.getstate(),
+            "buffer": self.buffer.tolist(),
+            "shuffle": [w.tolist() for w in self.shuffle],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self._state = state
+        if self._unit is not None and state:
+            self._restore(state)
+
+    def _restore(self, state: dict) -> None:
+        if not state:
+            return
+        for reader, s in zip(self.readers, state["readers"], strict=True):
+            reader.load(s)
+        self.mixture_rng.setstate(_as_rng_state(state["mixture_rng"]))
+        self.shuffle_rng.setstate(_as_rng_state(state["shuffle_rng"]))
+        self.buffer = np.asarray(state["buffer"], dtype=np.int64)
+        self.shuffle = [np.asarray(w, dtype=np.int64) for w in state["shuffle"]]
+
+
+def _as_rng_state(state):
+    version, internal, gauss = state
+    return version, tuple(internal), gauss
+
+
+class StreamingTextDataLoader(ParallelAwareDataloader):
+    @dataclass(kw_only=True, slots=True)
+    class Config(ParallelAwareDataloader.Config):
+        sources: list[str] = field(default_factory=list)
+        """Globs of document files (.jsonl, .json, .jsonl.zst/.zst, .parquet), one per source."""
+        weights: list[float] = field(default_factory=list)
+        """Mixture weights, one per source (default: equal)."""
+        text_key: str = "text"
+        on_error: Literal["fail", "skip"] = "fail"
+        seed: int = 777
+        shuffle_buffer: int = 64
+        """Windows held for shuffling (1 = no shuffle)."""
+        add_bos: bool = True
+        add_eos: bool = True
+
+    def __init__(self, config: Config, *, dp_world_size, dp_rank, tokenizer, seq_len, local_batch_size, **kwargs):
+        dataset = StreamingTextDataset(config, tokenizer=tokenizer, seq_len=seq_len, dp_rank=dp_rank,
+                                       dp_world_size=dp_world_size)
+        loader_kwargs = {"batch_size": local_batch_size, "num_workers": config.num_workers,
+                         "persistent_workers": config.persistent_workers, "pin_memory": config.pin_memory,
+                         "prefetch_factor": config.prefetch_factor}
+        if kwargs.get("snapshot_every_n_steps") is not None:
+            loader_kwargs["snapshot_every_n_steps"] = kwargs["snapshot_every_n_steps"]
+        super().__init__(dataset, dp_rank=dp_rank, dp_world_size=dp_world_size, **loader_kwargs)
+        logger.info(f"Streaming {len(config.sources)} source(s) with {config.num_workers} worker(s) "
+                    f"on dp rank {dp_rank}/{dp_world_size}")
