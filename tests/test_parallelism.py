@@ -158,3 +158,14 @@ def test_slurm_template_launches_a_two_node_job(seed, reference, tmp_path):
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     assert_matches(reference, dump)
+
+
+def test_document_masking_under_tensor_parallel(seed, tmp_path):
+    """Per-document attention (positions from the loader) is exact under TP with SP too."""
+    masked = ["--dataloader.document_masking", "true"]
+    one = start_from(seed, tmp_path / "one")
+    run_training(1, COMMON + STEPS + masked + ["--job.dump_folder", str(one), "--training.local_batch_size", "4"],
+                 config=CONFIGS["llama_canon"])
+    dump, _ = train(seed, tmp_path, 2, masked + ["--parallelism.tensor_parallel_degree", "2"])
+    reference = (read_scalars(one), read_scalars(one, "grad_norm"))
+    assert_matches(reference, dump)

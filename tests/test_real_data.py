@@ -272,3 +272,67 @@ def test_streaming_training_kill_and_resume(tmp_path):
     assert list(resumed) == [9, 10, 11, 12]
     for step, value in resumed.items():
         assert value == reference[step], step
+
+
+def test_document_masking_isolates_packed_documents():
+    import model_registry
+
+    spec = model_registry.model_spec("llama", "debug", {"qk_norm": False})
+    torch.manual_seed(0)
+    model = spec.model.build()
+    model.init_states()
+    bos = 0
+    doc1, doc2 = torch.randint(2, 2048, (1, 7)), torch.randint(2, 2048, (1, 9))
+    doc1[0, 0] = doc2[0, 0] = bos
+    packed = torch.cat([doc1, doc2], dim=1)
+    from canon_titan.data.packed import document_positions
+
+    positions = document_positions(packed, bos)
+    assert positions[0].tolist() == list(range(7)) + list(range(9))
+    with torch.no_grad():
+        alone, together = model(doc2), model(packed, positions)
+        plain = model(packed)
+    torch.testing.assert_close(together[:, 7:], alone, rtol=1e-5, atol=1e-5)  # doc 1 is invisible
+    assert not torch.allclose(plain[:, 7:], alone, atol=1e-3)  # without masking it is seen
+
+
+def test_loaders_emit_document_positions(tmp_path):
+    tok = build_tokenizer("hf", str(ASSET_DIR))
+    cfg = PackedTextDataLoader.Config(document_masking=True)
+    dl = PackedTextDataLoader(cfg, dp_world_size=1, dp_rank=0, tokenizer=tok, seq_len=256, local_batch_size=2)
+    inputs, _ = next(iter(dl))
+    positions, tokens = inputs["positions"], inputs["input"]
+    assert (positions[tokens == tok.bos_id] == 0).all() and (positions[:, 0] == 0).all()
+    assert (positions[:, 1:] - positions[:, :-1])[tokens[:, 1:] != tok.bos_id].eq(1).all()
+
+
+def test_hub_sources_stream_exactly_once(tmp_path, monkeypatch):
+    """The Hub reader, with datasets.load_dataset pointed at a local streaming dataset."""
+    import datasets
+
+    from canon_titan.data.streaming import HubSourceReader
+
+    path = tmp_path / "hub.jsonl"
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS[:30]))
+    real_load = datasets.load_dataset
+    calls = []
+
+    def fake_load(name, subset=None, split=None, streaming=False):
+        calls.append((name, subset, split, streaming))
+        return real_load("json", data_files=str(path), split="train", streaming=True)
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load)
+
+    def one_epoch(unit, units, line=0):
+        reader = HubSourceReader("hf:org/corpus:high:train", unit, units, "text", "fail")
+        reader.line = line
+        docs = []
+        while True:
+            text = reader.next()
+            if reader.epoch > 0:
+                return docs
+            docs.append(text)
+
+    assert calls == [] and sorted(one_epoch(0, 3) + one_epoch(1, 3) + one_epoch(2, 3)) == sorted(TEXTS[:30])
+    assert calls[0] == ("org/corpus", "high", "train", True)
+    assert one_epoch(1, 3, line=4) == one_epoch(1, 3)[4:]  # resume skips what was read

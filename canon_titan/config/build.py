@@ -39,7 +39,7 @@ def _dataloader(section: dict):
     from canon_titan.data.packed import PackedTextDataLoader
     from canon_titan.data.streaming import StreamingTextDataLoader
 
-    common = ("dataset", "text_key", "on_error", "seed", "add_bos", "add_eos")
+    common = ("dataset", "text_key", "on_error", "seed", "add_bos", "add_eos", "document_masking")
     if section["dataset"] == "stream":
         keys = common + ("sources", "weights", "shuffle_buffer", "num_workers")
         return StreamingTextDataLoader.Config(**{k: section[k] for k in keys})

@@ -149,7 +149,7 @@ def check_data(run: RunConfig, environment: bool) -> None:
             from canon_titan.data.documents import DataError, expand_inputs, file_kind
 
             try:
-                for path in expand_inputs(data["sources"]):
+                for path in expand_inputs([x for x in data["sources"] if not x.startswith("hf:")] or []):
                     file_kind(path)
             except DataError as e:
                 _fail(run, "dataloader", "sources", str(e))

@@ -46,7 +46,7 @@ class DataloaderSection:
     dataset_path: str | None = None
     """files: glob of documents; tokens: the token folder."""
     sources: list[str] = field(default_factory=list)
-    """stream: one glob of document files per source."""
+    """stream: per source, a glob of document files or "hf:NAME[:CONFIG[:SPLIT]]" (Hub streaming)."""
     weights: list[float] = field(default_factory=list)
     """stream: mixture weights, one per source (default equal)."""
     text_key: str = "text"
@@ -63,6 +63,9 @@ class DataloaderSection:
     add_eos: bool = True
     infinite: bool = True
     """builtin/files/tokens: start a new epoch when the data runs out, instead of stopping."""
+    document_masking: bool = False
+    """Attention only within each packed document (positions restart at every BOS, RoPE too).
+    The reference attends across documents; Canon layers always do."""
 
 
 @dataclass(kw_only=True)

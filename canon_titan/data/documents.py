@@ -31,6 +31,8 @@ class ReadStats:
 def expand_inputs(patterns: list[str] | str) -> list[str]:
     patterns = [patterns] if isinstance(patterns, str) else patterns
     paths: list[str] = []
+    if not patterns:
+        return paths
     for pattern in patterns:
         matched = sorted(glob.glob(pattern, recursive=True))
         if not matched:

@@ -72,6 +72,15 @@ def resolve_paths(dataset: str, dataset_path: str | None) -> list[str]:
     raise DataConfigError(f"unknown dataloader.dataset {dataset!r}; available: builtin, files, tokens")
 
 
+def document_positions(tokens: torch.Tensor, bos_id: int) -> torch.Tensor:
+    """Position of each token within its document; a window starts at position 0 and every BOS
+    starts a new document."""
+    index = torch.arange(tokens.shape[-1], device=tokens.device).expand_as(tokens)
+    starts = torch.where(tokens == bos_id, index, torch.zeros_like(index))
+    starts[..., 0] = 0
+    return index - torch.cummax(starts, dim=-1).values
+
+
 def tokenize_stream(texts, tokenizer, add_bos: bool, add_eos: bool) -> np.ndarray:
     dtype = np.uint16 if tokenizer.get_vocab_size() <= np.iinfo(np.uint16).max + 1 else np.uint32
     chunks = [np.asarray(tokenizer.encode(t, add_bos=add_bos, add_eos=add_eos), dtype=dtype) for t in texts]
@@ -110,6 +119,9 @@ class PackedTextDataLoader(BaseDataLoader):
         add_eos: bool = True
         infinite: bool = True
         """Start a new (re-shuffled) epoch when the windows run out, instead of stopping."""
+        document_masking: bool = False
+        """Emit positions that restart at every BOS: attention stays within documents and RoPE
+        counts from each document's start. Canon layers still mix across document boundaries."""
 
     def __init__(
         self,
@@ -135,6 +147,9 @@ class PackedTextDataLoader(BaseDataLoader):
                 f"dataset {config.dataset!r} has {len(self.tokens)} tokens: fewer than one global "
                 f"batch of {local_batch_size * dp_world_size} x {seq_len + 1} tokens"
             )
+        self.bos_id = tokenizer.bos_id if config.document_masking else None
+        if config.document_masking and self.bos_id is None:
+            raise DataConfigError("dataloader.document_masking needs a tokenizer with a BOS token")
         self.next_sample = 0
         self._perm_epoch, self._perm = -1, None
         logger.info(
@@ -159,7 +174,10 @@ class PackedTextDataLoader(BaseDataLoader):
             for s in (self._window_start(start + j) for j in range(self.local_batch_size))
         ]
         data = torch.from_numpy(np.stack(rows).astype(np.int64))
-        return {"input": data[:, :-1]}, data[:, 1:]
+        inputs = {"input": data[:, :-1]}
+        if self.bos_id is not None:
+            inputs["positions"] = document_positions(inputs["input"], self.bos_id)
+        return inputs, data[:, 1:]
 
     def __iter__(self):
         global_batch = self.local_batch_size * self.dp_world_size

@@ -14,6 +14,7 @@ same windows; resuming needs the same number of ranks and workers.
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 from dataclasses import dataclass, field
@@ -26,7 +27,8 @@ from torch.utils.data import IterableDataset, get_worker_info
 from torchtitan.components.dataloader import ParallelAwareDataloader
 from torchtitan.tools.logging import logger
 
-from canon_titan.data.documents import ReadStats, expand_inputs, file_kind, iter_documents
+from canon_titan.data.documents import DataError, ReadStats, expand_inputs, file_kind, iter_documents
+from canon_titan.data.packed import document_positions
 
 
 def unit_slices(files: list[str], unit: int, units: int) -> list[tuple[str, int, int]]:
@@ -76,13 +78,67 @@ class SourceReader:
         return next(self._iter, None)
 
 
+class HubSourceReader(SourceReader):
+    """A Hugging Face dataset streamed from the Hub (``hf:NAME[:CONFIG[:SPLIT]]``), split across
+    units by ``datasets.distributed.split_dataset_by_node``; the position is the number of this
+    unit's documents already read (skipped on resume)."""
+
+    def __init__(self, spec, unit, units, text_key, on_error):
+        parts = spec[len("hf:"):].split(":")
+        self.name, self.subset = parts[0], parts[1] if len(parts) > 1 and parts[1] else None
+        self.split = parts[2] if len(parts) > 2 else "train"
+        self.unit, self.units = unit, units
+        self.pieces = [spec]
+        self.text_key, self.on_error = text_key, on_error
+        self.epoch, self.piece, self.line = 0, 0, 0
+        self.stats = ReadStats()
+        self._iter = None
+
+    def _documents(self):
+        from datasets import load_dataset
+        from datasets.distributed import split_dataset_by_node
+
+        while True:
+            try:
+                dataset = load_dataset(self.name, self.subset, split=self.split, streaming=True)
+            except Exception as e:
+                raise DataError(f"cannot stream Hugging Face dataset {self.name!r} "
+                                f"(config {self.subset}, split {self.split}): {e}") from e
+            dataset = split_dataset_by_node(dataset, rank=self.unit, world_size=self.units)
+            # Resume by reading past this unit's consumed records: datasets' skip() after a node
+            # split counts records of the whole stream, not of this node's share.
+            records = itertools.islice(dataset, self.line, None)
+            found = False
+            for record in records:
+                text = record.get(self.text_key) if isinstance(record, dict) else None
+                if not isinstance(text, str):
+                    problem = f"{self.name}[{self.split}] document {self.line}: missing the {self.text_key!r} text field"
+                    if self.on_error == "fail":
+                        raise DataError(problem)
+                    self.stats.skipped += 1
+                    self.line += 1
+                    continue
+                self.line += 1
+                found = True
+                yield text
+            if not found and self.line == 0:
+                return
+            self.epoch, self.line = self.epoch + 1, 0
+
+
+def make_reader(source, files, unit, units, text_key, on_error):
+    if source.startswith("hf:"):
+        return HubSourceReader(source, unit, units, text_key, on_error)
+    return SourceReader(files, unit, units, text_key, on_error)
+
+
 class StreamingTextDataset(IterableDataset):
     def __init__(self, config, *, tokenizer, seq_len, dp_rank, dp_world_size):
         self.config, self.tokenizer, self.seq_len = config, tokenizer, seq_len
         self.dp_rank, self.dp_world_size = dp_rank, dp_world_size
-        self.sources = [expand_inputs(pattern) for pattern in config.sources]
+        self.sources = [None if pattern.startswith("hf:") else expand_inputs(pattern) for pattern in config.sources]
         for files in self.sources:
-            for path in files:
+            for path in files or []:
                 file_kind(path)
         self._state = None
         self._unit = None
@@ -92,7 +148,8 @@ class StreamingTextDataset(IterableDataset):
         workers, worker = (info.num_workers, info.id) if info else (1, 0)
         unit, units = self.dp_rank * workers + worker, self.dp_world_size * workers
         cfg = self.config
-        self.readers = [SourceReader(files, unit, units, cfg.text_key, cfg.on_error) for files in self.sources]
+        self.readers = [make_reader(source, files, unit, units, cfg.text_key, cfg.on_error)
+                        for source, files in zip(cfg.sources, self.sources)]
         self.mixture_rng = random.Random(f"{cfg.seed}-mix-{unit}")
         self.shuffle_rng = random.Random(f"{cfg.seed}-shuffle-{unit}")
         self.buffer = np.zeros(0, dtype=np.int64)
@@ -127,7 +184,10 @@ class StreamingTextDataset(IterableDataset):
                 i = self.shuffle_rng.randrange(size)
                 window, self.shuffle[i] = self.shuffle[i], window
             data = torch.from_numpy(window)
-            yield {"input": data[:-1]}, data[1:]
+            inputs = {"input": data[:-1]}
+            if self.config.document_masking:
+                inputs["positions"] = document_positions(inputs["input"], self.tokenizer.bos_id)
+            yield inputs, data[1:]
 
     def state_dict(self) -> dict:
         if self._unit is None:
@@ -165,7 +225,8 @@ class StreamingTextDataLoader(ParallelAwareDataloader):
     @dataclass(kw_only=True, slots=True)
     class Config(ParallelAwareDataloader.Config):
         sources: list[str] = field(default_factory=list)
-        """Globs of document files (.jsonl, .json, .jsonl.zst/.zst, .parquet), one per source."""
+        """One per source: a glob of document files (.jsonl, .json, .jsonl.zst/.zst, .parquet), or
+        ``hf:NAME[:CONFIG[:SPLIT]]`` to stream a Hugging Face Hub dataset."""
         weights: list[float] = field(default_factory=list)
         """Mixture weights, one per source (default: equal)."""
         text_key: str = "text"
@@ -175,6 +236,7 @@ class StreamingTextDataLoader(ParallelAwareDataloader):
         """Windows held for shuffling (1 = no shuffle)."""
         add_bos: bool = True
         add_eos: bool = True
+        document_masking: bool = False
 
     def __init__(self, config: Config, *, dp_world_size, dp_rank, tokenizer, seq_len, local_batch_size, **kwargs):
         dataset = StreamingTextDataset(config, tokenizer=tokenizer, seq_len=seq_len, dp_rank=dp_rank,

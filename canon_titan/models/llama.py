@@ -52,6 +52,14 @@ def truncated_normal_init(std: float) -> dict:
 ONES_INIT = {"weight": nn.init.ones_}
 
 
+def document_causal_mask(positions: torch.Tensor) -> torch.Tensor:
+    """[batch, 1, seq, seq] mask: causal, and only within a document (positions restart at 0)."""
+    document = torch.cumsum(positions == 0, dim=1)
+    same = document[:, :, None] == document[:, None, :]
+    causal = torch.ones(positions.shape[1], positions.shape[1], dtype=torch.bool, device=positions.device).tril()
+    return (same & causal)[:, None]
+
+
 class Attention(Module):
     @dataclass(kw_only=True, slots=True)
     class Config(Module.Config):
@@ -94,9 +102,10 @@ class Attention(Module):
         k = k.view(batch, seq_len, -1, self.head_dim)
         v = v.view(batch, seq_len, -1, self.head_dim)
         q, k = self.rope(q, k, positions)
+        mask = None if positions is None else document_causal_mask(positions)
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-            is_causal=True, enable_gqa=self.enable_gqa,
+            attn_mask=mask, is_causal=mask is None, enable_gqa=self.enable_gqa,
         )
         return self.wo(out.transpose(1, 2).flatten(2))
 
