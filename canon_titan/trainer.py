@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import tempfile
 import time
 from dataclasses import dataclass
 from typing import Annotated
@@ -15,6 +14,8 @@ import tyro
 
 from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
+
+from canon_titan.fileio import write_atomic
 
 RUN_CONFIG_FILE = "run_config.toml"
 
@@ -30,11 +31,7 @@ class CanonTrainer(Trainer):
         self._progress_origin: tuple[float, int] | None = None
         if config.run_toml and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
             os.makedirs(config.dump_folder, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=config.dump_folder, prefix=f".{RUN_CONFIG_FILE}.")
-            with os.fdopen(fd, "w") as f:
-                f.write(config.run_toml)
-            os.chmod(tmp, 0o644)
-            os.replace(tmp, os.path.join(config.dump_folder, RUN_CONFIG_FILE))
+            write_atomic(os.path.join(config.dump_folder, RUN_CONFIG_FILE), config.run_toml)
 
     def train_step(self, data_iterator):
         if self._progress_origin is None:

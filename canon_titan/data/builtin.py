@@ -9,10 +9,10 @@ and refers back to them later, so a model has both local syntax and longer-range
 from __future__ import annotations
 
 import json
-import os
 import random
-import tempfile
 from pathlib import Path
+
+from canon_titan.fileio import write_atomic
 
 ASSET_DIR = Path(__file__).resolve().parent.parent / "assets" / "builtin"
 CORPUS_FILE = "corpus.jsonl"
@@ -89,14 +89,6 @@ def train_tokenizer(texts: list[str], vocab_size: int = VOCAB_SIZE):
     return tokenizer
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
-
-
 def corpus_jsonl(texts: list[str]) -> str:
     return "".join(json.dumps({"text": t}) + "\n" for t in texts)
 
@@ -104,9 +96,9 @@ def corpus_jsonl(texts: list[str]) -> str:
 def write_assets(out_dir: Path = ASSET_DIR) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     texts = generate_corpus()
-    _write_atomic(out_dir / CORPUS_FILE, corpus_jsonl(texts))
+    write_atomic(out_dir / CORPUS_FILE, corpus_jsonl(texts))
     tokenizer = train_tokenizer(texts)
-    _write_atomic(out_dir / "tokenizer.json", tokenizer.to_str())
+    write_atomic(out_dir / "tokenizer.json", tokenizer.to_str())
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": BOS_TOKEN,
@@ -116,7 +108,7 @@ def write_assets(out_dir: Path = ASSET_DIR) -> None:
         "add_eos_token": False,
         "model_max_length": 4096,
     }
-    _write_atomic(out_dir / "tokenizer_config.json", json.dumps(config, indent=2) + "\n")
+    write_atomic(out_dir / "tokenizer_config.json", json.dumps(config, indent=2) + "\n")
 
 
 if __name__ == "__main__":

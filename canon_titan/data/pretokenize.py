@@ -19,17 +19,10 @@ from pathlib import Path
 import numpy as np
 
 from canon_titan.data.documents import DataError, ReadStats, expand_inputs, file_kind, iter_documents
+from canon_titan.fileio import write_atomic
 
 INDEX = "index.json"
 FORMAT = "canon-titan-tokens-v1"
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -63,7 +56,7 @@ def _tokenize_file(job: tuple) -> dict:
     os.replace(tmp, out_dir / f"{index:05d}.bin")
     info = {"shard": f"{index:05d}.bin", "source": source, "tokens": tokens,
             "documents": stats.documents, "skipped": stats.skipped, "problems": stats.problems}
-    _write_atomic(out_dir / f"{index:05d}.json", (json.dumps(info, indent=1) + "\n").encode())
+    write_atomic(out_dir / f"{index:05d}.json", (json.dumps(info, indent=1) + "\n").encode())
     return info
 
 
@@ -106,7 +99,7 @@ def tokenize_files(inputs: list[str] | str, out_dir: str | Path, *, kind: str, t
                 f"{total_tokens / elapsed:,.0f} tokens/s, ETA {eta:.0f}s ({info['source']})")
     index = {"format": FORMAT, "tokenizer": tokenizer_info, "dtype": str(token_dtype(tok.get_vocab_size())),
              "shards": [done[i] for i in range(len(sources))]}
-    _write_atomic(out_dir / INDEX, (json.dumps(index, indent=1) + "\n").encode())
+    write_atomic(out_dir / INDEX, (json.dumps(index, indent=1) + "\n").encode())
     return index
 
 
