@@ -251,16 +251,21 @@ def test_streaming_resume_with_workers_gives_the_same_batches(tmp_path):
 
 
 @pytest.mark.slow
-def test_streaming_training_kill_and_resume(tmp_path):
+@pytest.mark.parametrize("dataset", ["stream", "tokens"])
+def test_kill_and_resume_online_and_pretokenized(tmp_path, dataset):
     from conftest import COMMON, run_training_until
 
     src = tmp_path / "src"
     src.mkdir()
     write_formats(src, generate_corpus(600, seed=31)[:200])
-    args = COMMON + ["--dataloader.dataset", "stream", "--dataloader.sources", f'["{src}/*"]',
-                     "--dataloader.num_workers", "1", "--dataloader.shuffle_buffer", "16",
-                     "--training.steps", "12", "--training.local_batch_size", "2",
-                     "--checkpoint.enable", "--checkpoint.interval", "4"]
+    if dataset == "stream":
+        data = ["--dataloader.dataset", "stream", "--dataloader.sources", f'["{src}/*"]',
+                "--dataloader.num_workers", "1", "--dataloader.shuffle_buffer", "16"]
+    else:
+        tokenize_files(str(src / "*"), tmp_path / "tokens", kind="hf", tokenizer_path=str(ASSET_DIR), log=lambda m: None)
+        data = ["--dataloader.dataset", "tokens", "--dataloader.dataset_path", str(tmp_path / "tokens")]
+    args = COMMON + data + ["--training.steps", "12", "--training.local_batch_size", "2",
+                            "--checkpoint.enable", "--checkpoint.interval", "4"]
     ref, interrupted = tmp_path / "ref", tmp_path / "interrupted"
     run_training(2, args + ["--job.dump_folder", str(ref)], config=CONFIGS["llama"])
     run_training_until(2, args + ["--job.dump_folder", str(interrupted)], stop_marker="step: 10",
