@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from synthetic_data import brevo, depo
+from synthetic_data import brevo, depo, mano
 from synthetic_data.common import BOS, sample_rng, sample_size, split_words
 
 
@@ -81,3 +81,27 @@ def test_same_seed_same_samples_and_ranks_differ():
     b = brevo.generate(brevo.BREVO2, sample_rng(5, 0, 7)).tokens
     assert b == brevo.generate(brevo.BREVO2, sample_rng(5, 0, 7)).tokens
     assert b != brevo.generate(brevo.BREVO2, sample_rng(5, 1, 7)).tokens
+
+
+@pytest.mark.parametrize("params", [mano.MANO, mano.ManoParams(L=6, operators="+-*/", knowledge_augment=False)])
+def test_mano_answers_equal_the_expression_mod_23(params):
+    lengths = set()
+    for index in range(300):
+        sample = mano.generate(params, sample_rng(4, 0, index), test=index % 10 == 0)
+        tokens = sample.tokens
+        length = (tokens[1] - tokens[1] % 10) // 10
+        assert tokens[0] in (9999, 9998) and tokens[-2] // 10 == length and tokens[-2] % 10 in (4, 5)
+        expression = tokens[2:-2]
+        assert sum(1 for t in expression if t < mano.LEAF_BASE) == length  # l operators
+        assert mano.evaluate_prefix(expression) == tokens[-1] - mano.LEAF_BASE == sample.meta["answer"]
+        assert sample.labels == [0] * (len(tokens) - 1) + [1]
+        lengths.add(length)
+    assert lengths == set(range(1, params.L + 1))
+    if not params.knowledge_augment:
+        assert all(t <= 4 for t in expression if t < mano.LEAF_BASE)
+
+
+def test_mano_hand_example():
+    # (3 + 5) x 4 = 32 = 9 mod 23 ; 7 / 2 = 7 x 12 = 84 = 15 mod 23
+    assert mano.evaluate_prefix([3, 1, 5003, 5005, 5004]) == 9
+    assert mano.evaluate_prefix([4, 5007, 5002]) == 15
