@@ -1,5 +1,6 @@
 """Synthetic generators: every answer checked by re-deriving it from the sequence alone."""
 
+import json
 import random
 
 import pytest
@@ -105,3 +106,48 @@ def test_mano_hand_example():
     # (3 + 5) x 4 = 32 = 9 mod 23 ; 7 / 2 = 7 x 12 = 84 = 15 mod 23
     assert mano.evaluate_prefix([3, 1, 5003, 5005, 5004]) == 9
     assert mano.evaluate_prefix([4, 5007, 5002]) == 15
+
+
+from synthetic_data import lano  # noqa: E402
+
+# A hand-written grammar in the reference layout: root -> A B | B A ; A -> 1 2 | 2 2 2 ; B -> 3 1
+TINY = {"depth": 2, "sizes": [1, 2, 3], "idx": [[6], [4, 5], [1, 2, 3]], "all": [
+    [{"name": "S", "id": 6, "children": [[0, 1], [1, 0]]}],
+    [{"name": "A", "id": 4, "children": [[0, 1], [1, 1, 1]]}, {"name": "B", "id": 5, "children": [[2, 0]]}],
+    [{"name": "t1", "id": 1, "children": []}, {"name": "t2", "id": 2, "children": []},
+     {"name": "t3", "id": 3, "children": []}],
+]}
+
+
+def test_lano_membership_on_a_hand_grammar():
+    g = lano.Grammar.from_json(TINY)
+    for sentence in ([1, 2, 3, 1], [2, 2, 2, 3, 1], [3, 1, 1, 2], [3, 1, 2, 2, 2]):
+        assert g.accepts(sentence), sentence
+    for sentence in ([1, 2], [1, 2, 3, 1, 1], [3, 1, 3, 1], [2, 2, 3, 1], [], [1, 2, 3, 4]):
+        assert not g.accepts(sentence), sentence
+    assert lano.Grammar.from_json(g.to_json()) == g
+    with pytest.raises(ValueError, match="points outside level 2"):
+        lano.Grammar.from_json({**TINY, "all": [TINY["all"][0], [{"name": "A", "children": [[0, 7]]}, TINY["all"][1][1]],
+                                               TINY["all"][2]]})
+
+
+def test_lano_generated_sentences_are_accepted_and_edits_mostly_rejected():
+    rng = random.Random(0)
+    grammar = lano.sample_grammar(rng, [1, 3, 3, 3, 3, 3])  # depth 5, 3 symbols per level (like cfg3)
+    rejected = total = 0
+    for index in range(40):
+        sentence = grammar.generate(sample_rng(6, 0, index))
+        assert 2**5 <= len(sentence) <= 3**5 and grammar.accepts(sentence)
+        edited = list(sentence)
+        position = rng.randrange(len(edited))
+        edited[position] = rng.choice([t for t in (1, 2, 3) if t != edited[position]])
+        total += 1
+        rejected += not grammar.accepts(edited)
+    assert rejected / total > 0.6, (rejected, total)  # a random edit rarely stays in the language
+
+
+def test_lano_grammar_round_trips_through_a_file(tmp_path):
+    grammar = lano.sample_grammar(random.Random(1), [1, 3, 3, 3, 3])
+    path = tmp_path / "cfg.json"
+    path.write_text(json.dumps(grammar.to_json()))
+    assert lano.Grammar.load(path) == grammar
