@@ -17,12 +17,6 @@ import subprocess
 import sys
 
 
-def _split(argv: list[str], parser: argparse.ArgumentParser):
-    """Known options via argparse; ``--section.key`` overrides (with their values) pass through."""
-    args, rest = parser.parse_known_args(argv)
-    return args, rest
-
-
 def _load_or_report(path: str, overrides: list[str], environment: bool = True):
     from canon_titan.config import ConfigError, load
 
@@ -37,7 +31,7 @@ def cmd_train(argv: list[str]) -> int:
     parser.add_argument("--config", required=True)
     parser.add_argument("--nproc", type=int, default=1, help="processes (GPUs, or CPU ranks) on this node")
     parser.add_argument("--log-ranks", default="0", help="ranks whose output is shown (torchrun --local-ranks-filter)")
-    args, overrides = _split(argv, parser)
+    args, overrides = parser.parse_known_args(argv)  # --section.key overrides pass through
     if args.nproc < 1:
         parser.error("--nproc must be >= 1")
     os.environ["WORLD_SIZE"] = str(args.nproc)
@@ -63,7 +57,7 @@ def cmd_config(argv: list[str]) -> int:
     validate.add_argument("files", nargs="+")
     validate.add_argument("--world-size", type=int, help="also check the parallelism degrees against N ranks")
     validate.add_argument("--static", action="store_true",
-                          help="check the files alone: not data paths, tokenizer files or hardware")
+                          help="do not check data paths, tokenizer files or hardware (--world-size still applies)")
     # Overrides start with "--section.": keep them away from argparse's positional matching.
     split = next((i for i, a in enumerate(argv) if a.startswith("--") and "." in a.split("=")[0]), len(argv))
     args, unknown = parser.parse_known_args(argv[:split])

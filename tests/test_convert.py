@@ -9,7 +9,6 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-import model_registry
 from canon_titan.config import load
 from canon_titan.convert.dcp_io import (
     ConversionError,
@@ -28,11 +27,8 @@ CANON_CONFIG = CONFIGS["llama_canon"]
 def make_checkpoint(tmp_path, overrides, config=CANON_CONFIG, seed=0):
     """A randomly initialised model saved as a DCP checkpoint (model tensors only)."""
     run = load(config, overrides, environment=False)
-    section = run["model"]
-    spec = model_registry.model_spec(section["name"], section["flavor"],
-                                     {k: v for k, v in section.items() if k not in ("name", "flavor")})
     torch.manual_seed(seed)
-    model = spec.model.build()
+    model = run.model_spec().model.build()
     model.init_states()
     step = tmp_path / "ckpt" / "step-0"
     with warnings.catch_warnings():

@@ -341,3 +341,19 @@ def test_hub_sources_stream_exactly_once(tmp_path, monkeypatch):
     assert calls == [] and sorted(one_epoch(0, 3) + one_epoch(1, 3) + one_epoch(2, 3)) == sorted(TEXTS[:30])
     assert calls[0] == ("org/corpus", "high", "train", True)
     assert one_epoch(1, 3, line=4) == one_epoch(1, 3)[4:]  # resume skips what was read
+
+
+def test_export_ships_a_sentencepiece_tokenizer_file(tmp_path, sp_path):
+    import torch.distributed.checkpoint as dcp
+
+    from canon_titan.convert.hf import to_hf
+
+    run = load(CONFIGS["llama"], ["--tokenizer.kind", "sentencepiece", "--tokenizer.path", str(sp_path)])
+    model = run.model_spec().model.build()
+    model.init_states()
+    dcp.save(model.state_dict(), checkpoint_id=str(tmp_path / "ckpt"))
+    out = to_hf(tmp_path / "ckpt", tmp_path / "hf", run)
+    generation = json.loads((out / "generation_config.json").read_text())
+    assert (generation["bos_token_id"], generation["eos_token_id"]) == (1, 2)
+    assert (out / "tokenizer.model").read_bytes() == sp_path.read_bytes()
+    assert json.loads((out / "config.json").read_text())["vocab_size"] == 320

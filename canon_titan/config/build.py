@@ -9,12 +9,7 @@ from canon_titan.config.toml_writer import dumps
 
 
 def _model_spec(run: RunConfig):
-    import model_registry
-
-    model = run["model"]
-    spec = model_registry.model_spec(model["name"], model["flavor"], {
-        k: v for k, v in model.items() if k not in ("name", "flavor")
-    })
+    spec = run.model_spec()
     f8 = run["float8"]
     if f8["enable"]:
         from canon_titan.float8 import float8_converter

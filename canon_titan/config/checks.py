@@ -67,7 +67,7 @@ def check_parallelism(run: RunConfig, environment: bool) -> None:
         _fail(run, "parallelism", "data_parallel_shard_degree", "must be >= 1, or -1 for the remaining ranks")
     tp, pp = par["tensor_parallel_degree"], par["pipeline_parallel_degree"]
     others = par["data_parallel_replicate_degree"] * tp * pp * par["context_parallel_degree"]
-    world = _world_size() if environment else None
+    world = _world_size()
     if world is not None:
         shard = par["data_parallel_shard_degree"]
         if shard == -1:

@@ -45,6 +45,12 @@ class RunConfig:
     def __getitem__(self, section: str) -> dict[str, Any]:
         return self.sections[section]
 
+    def model_spec(self):
+        """The TorchTitan ModelSpec of this run's model (without float8 conversion)."""
+        model = self.sections["model"]
+        return model_registry.model_spec(model["name"], model["flavor"],
+                                         {k: v for k, v in model.items() if k not in ("name", "flavor")})
+
 
 # ----------------------------------------------------------------------------- types
 
@@ -222,8 +228,8 @@ def _model_schema(name: str, flavor: str, sources: dict[str, str]) -> tuple[Any,
 
 def resolve(path: str | os.PathLike, overrides: list[tuple[str, str, Any]] = (),
             environment: bool = True) -> RunConfig:
-    """``environment=False`` checks the config alone: not data paths, tokenizer files, the
-    hardware (float8, CUDA kernels) or the world size."""
+    """``environment=False`` checks the config alone: not data paths, tokenizer files or the
+    hardware (float8, CUDA kernels). A world size given in WORLD_SIZE is checked either way."""
     source = str(path)
     raw = load_toml(path)
     _check_sections(raw, source)

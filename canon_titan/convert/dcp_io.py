@@ -47,14 +47,14 @@ def model_tensor_metadata(step_dir: Path) -> dict[str, TensorStorageMetadata]:
             if isinstance(v, TensorStorageMetadata) and not k.startswith(TRAINING_STATE_PREFIXES)}
 
 
-def check_against_model(found: dict[str, TensorStorageMetadata], expected: dict[str, torch.Size],
+def check_against_model(found: dict[str, tuple[int, ...]], expected: dict[str, torch.Size],
                         where: str, what: str) -> None:
     """Every expected tensor present with its shape, and nothing else: names the first problem."""
     for name, shape in expected.items():
         if name not in found:
             raise ConversionError(f"{where}: tensor {name!r} of the model in {what} is missing")
-        if tuple(found[name].size) != tuple(shape):
-            raise ConversionError(f"{where}: tensor {name!r} has shape {tuple(found[name].size)}, "
+        if tuple(found[name]) != tuple(shape):
+            raise ConversionError(f"{where}: tensor {name!r} has shape {tuple(found[name])}, "
                                   f"the model in {what} expects {tuple(shape)}")
     extra = sorted(set(found) - set(expected))
     if extra:
@@ -121,16 +121,12 @@ def save_lazily(out_dir: Path, specs: dict[str, tuple[torch.Size, torch.dtype]],
 
 def load_model(run, ckpt_dir) -> torch.nn.Module:
     """The run's model on CPU (fp32, eval mode) with the weights of a DCP checkpoint."""
-    import model_registry
-
-    model_section = run["model"]
-    spec = model_registry.model_spec(model_section["name"], model_section["flavor"],
-                                     {k: v for k, v in model_section.items() if k not in ("name", "flavor")})
-    model = spec.model.build()
+    model = run.model_spec().model.build()
     model.init_states()
     step_dir = find_step_dir(ckpt_dir)
     expected = {k: v.shape for k, v in model.state_dict().items()}
-    check_against_model(model_tensor_metadata(step_dir), expected, str(step_dir), run.source)
+    check_against_model({k: m.size for k, m in model_tensor_metadata(step_dir).items()}, expected,
+                        str(step_dir), run.source)
     state = model.state_dict()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

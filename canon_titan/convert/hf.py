@@ -61,13 +61,8 @@ def atomic_output_dir(out_dir: Path):
 
 def model_shapes(run) -> dict[str, torch.Size]:
     """Parameter names and shapes of the run's model (built on the meta device)."""
-    import model_registry
-
-    model = run["model"]
-    spec = model_registry.model_spec(model["name"], model["flavor"],
-                                     {k: v for k, v in model.items() if k not in ("name", "flavor")})
     with torch.device("meta"):
-        module = spec.model.build()
+        module = run.model_spec().model.build()
     return {name: t.shape for name, t in module.state_dict().items()}
 
 
@@ -116,17 +111,18 @@ def hf_config(args, plain: bool, rope_layout: str, dtype: str, max_seq_len: int,
     }
 
 
-def tokenizer_info(run) -> tuple[Path, dict]:
+def tokenizer_info(run) -> tuple[list[Path], dict]:
+    """The run's tokenizer files to ship with an export, and its BOS/EOS ids (empty if absent)."""
     from canon_titan.data.builtin import ASSET_DIR
+    from canon_titan.data.tokenizers import build_tokenizer
 
     path = Path(run["tokenizer"]["path"] or ASSET_DIR)
-    info = {}
-    if (path / "tokenizer.json").is_file():
-        from torchtitan.components.tokenizer import HuggingFaceTokenizer
-
-        tok = HuggingFaceTokenizer(tokenizer_path=str(path))
-        info = {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id}
-    return path, info
+    try:
+        tok = build_tokenizer(run["tokenizer"]["kind"], str(path))
+    except (FileNotFoundError, OSError):
+        return [], {}
+    files = [path] if path.is_file() else [path / n for n in TOKENIZER_FILES if (path / n).is_file()]
+    return files, {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id}
 
 
 def _plan_shards(sizes: dict[str, int], max_shard_bytes: int) -> list[list[str]]:
@@ -149,14 +145,15 @@ def to_hf(ckpt_dir, out_dir, run, *, dtype: str = "fp32", rope_layout: str = "li
     args = run.model_args
     expected = model_shapes(run)
     found = model_tensor_metadata(step_dir)
-    check_against_model(found, expected, str(step_dir), f"{run.source} ({run['model']['name']} {run['model']['flavor']})")
+    check_against_model({k: m.size for k, m in found.items()}, expected, str(step_dir),
+                        f"{run.source} ({run['model']['name']} {run['model']['flavor']})")
     plain = is_plain_llama(args)
     rotate_half = plain or rope_layout == "huggingface"
     target = DTYPES[dtype]
     element = torch.empty((), dtype=target).element_size()
     sizes = {name: element * torch.Size(shape).numel() for name, shape in expected.items()}
     shards = _plan_shards(sizes, max_shard_size)
-    tok_path, tok_info = tokenizer_info(run)
+    tok_files, tok_info = tokenizer_info(run)
     with atomic_output_dir(Path(out_dir)) as tmp:
         weight_map = {}
         for index, names in enumerate(shards, 1):
@@ -181,9 +178,8 @@ def to_hf(ckpt_dir, out_dir, run, *, dtype: str = "fp32", rope_layout: str = "li
         if not plain:
             for name in REMOTE_CODE_FILES:
                 shutil.copy(HF_MODELING_DIR / name, tmp / name)
-        for name in TOKENIZER_FILES:
-            if (tok_path / name).is_file():
-                shutil.copy(tok_path / name, tmp / name)
+        for path in tok_files:
+            shutil.copy(path, tmp / path.name)
     logger.info(f"Exported {step_dir} to {out_dir} as {config['architectures'][0]} "
                 f"({len(expected)} tensors, {dtype}, {time.perf_counter() - start:.1f}s)")
     return Path(out_dir)
@@ -254,12 +250,7 @@ def from_hf(hf_dir, out_dir, run) -> Path:
     for name, (hf_name, path) in weight_map.items():
         with _open_safetensors(path, safe_open) as f:
             shapes[name] = tuple(f.get_slice(hf_name).get_shape())
-
-    class _Meta:
-        def __init__(self, size):
-            self.size = size
-
-    check_against_model({k: _Meta(v) for k, v in shapes.items()}, expected, str(hf_dir),
+    check_against_model(shapes, expected, str(hf_dir),
                         f"{run.source} ({run['model']['name']} {run['model']['flavor']})")
 
     def produce(name: str) -> torch.Tensor:

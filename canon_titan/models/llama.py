@@ -349,14 +349,14 @@ class LlamaCanonArgs(LlamaArgs):
             residual=self.canon_residual,
             activation=self.canon_activation,
             bias=self.canon_bias,
-            backend=self._backend,
+            backend=resolve_backend(self.canon_backend, kernel),
             param_init={"weight": canon_weight_init, "bias": partial(canon_bias_init, kernel_size=kernel)},
         )
 
     def model_config(self) -> LlamaModel.Config:
-        self._backend = resolve_backend(self.canon_backend, self.canon_kernel)
         if self.canon_set:
+            backend = resolve_backend(self.canon_backend, self.canon_kernel)
             logger.info(f"Canon layers {self.canon_set!r}: kernel {self.canon_kernel}, residual "
                         f"{self.canon_residual}, activation {self.canon_activation}, bias {self.canon_bias}, "
-                        f"backend {self._backend} (requested {self.canon_backend})")
+                        f"backend {backend} (requested {self.canon_backend})")
         return LlamaArgs.model_config(self)
