@@ -7,6 +7,8 @@
   canon-titan convert from-hf HF_DIR OUT_DIR --config FILE.toml [--section.key value ...]
   canon-titan data tokenize --input GLOB [--input GLOB ...] --out DIR --tokenizer PATH [--tokenizer-kind hf|sentencepiece|tiktoken] [--workers N]
   canon-titan data inspect DIR [--samples N]
+  canon-titan data capo-people --config FILE.toml --out FILE.jsonl [--section.key value ...]
+  canon-titan eval synthetic --config FILE.toml [--checkpoint DIR] [--count N] [--seed S] [--out FILE.json] [--section.key value ...]
 """
 
 from __future__ import annotations
@@ -151,7 +153,15 @@ def cmd_data(argv: list[str]) -> int:
     inspect.add_argument("folder")
     inspect.add_argument("--samples", type=int, default=2)
     inspect.add_argument("--max-chars", type=int, default=400)
-    args = parser.parse_args(argv)
+    people = sub.add_parser("capo-people", help="the Capo population of a config as JSON lines, with a "
+                            "prompt per person for writing bioR biographies")
+    people.add_argument("--config", required=True, help="a TOML with [dataloader] dataset = 'capo_bios'")
+    people.add_argument("--out", required=True)
+    args, overrides = parser.parse_known_args(argv)
+    if overrides and args.action != "capo-people":
+        parser.error(f"unrecognized arguments: {' '.join(overrides)}")
+    if args.action == "capo-people":
+        return _capo_people(args, overrides)
 
     from canon_titan.data.documents import DataError
     from canon_titan.data.pretokenize import open_shards, read_index, tokenize_files
@@ -195,7 +205,75 @@ def cmd_data(argv: list[str]) -> int:
         return 2
 
 
-COMMANDS = {"train": cmd_train, "config": cmd_config, "convert": cmd_convert, "data": cmd_data}
+def _capo_people(args, overrides: list[str]) -> int:
+    import dataclasses
+    import json
+    import random
+
+    from canon_titan.config import ConfigError, load
+    from canon_titan.fileio import write_atomic
+    from synthetic_data import capo
+
+    try:
+        run = load(args.config, overrides, environment=False)
+    except ConfigError as e:
+        print(f"canon-titan: config error: {e}", file=sys.stderr)
+        return 2
+    if run["dataloader"]["dataset"] != "capo_bios":
+        print(f"canon-titan: config error: {args.config}: [dataloader] dataset must be 'capo_bios', "
+              f"not {run['dataloader']['dataset']!r}", file=sys.stderr)
+        return 2
+    params = capo.CapoParams(**{k: v for k, v in run["capo"].items() if v is not None})
+    rng = random.Random(f"bior-prompts/{params.population_seed}")
+    lines = [json.dumps({**dataclasses.asdict(p), "name": p.name, "pronoun": p.pronoun,
+                         "prompt": capo.bior_prompt(p, rng)}) for p in capo.population(params)]
+    write_atomic(args.out, "\n".join(lines) + "\n")
+    print(f"[capo] {len(lines)} people -> {args.out}; write bioR lines as {{\"id\": ..., \"text\": ...}} "
+          "and set [capo] bior_path")
+    return 0
+
+
+def cmd_eval(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="canon-titan eval")
+    sub = parser.add_subparsers(dest="kind", required=True)
+    syn = sub.add_parser("synthetic", help="greedy accuracy on a synthetic task's held-out test set")
+    syn.add_argument("--config", required=True,
+                     help="the run's TOML (or its {dump_folder}/run_config.toml): model and [dataloader] task")
+    syn.add_argument("--checkpoint", help="a step-N folder or a checkpoint folder (newest step); "
+                     "default: {dump_folder}/checkpoint of the config")
+    syn.add_argument("--count", type=int, default=100, help="test items per group (Brevo: 4x this many graphs)")
+    syn.add_argument("--seed", type=int, help="test-set seed (default: the fixed held-out one)")
+    syn.add_argument("--out", help="JSON results (default: {dump_folder}/eval_synthetic.json)")
+    args, overrides = parser.parse_known_args(argv)
+    if args.count < 1:
+        parser.error("--count must be >= 1")
+
+    from torchtitan.tools.logging import init_logger
+
+    from canon_titan.config import ConfigError, load
+    from canon_titan.convert.dcp_io import ConversionError
+    from canon_titan.synthetic_eval import DEFAULT_TEST_SEED, EvalError, evaluate, format_table, write_result
+
+    init_logger()
+    try:
+        run = load(args.config, overrides, environment=False)
+        checkpoint = args.checkpoint or os.path.join(run["job"]["dump_folder"], run["checkpoint"]["folder"])
+        result = evaluate(run, checkpoint, count=args.count,
+                          seed=DEFAULT_TEST_SEED if args.seed is None else args.seed)
+    except ConfigError as e:
+        print(f"canon-titan: config error: {e}", file=sys.stderr)
+        return 2
+    except (ConversionError, EvalError) as e:
+        print(f"canon-titan: eval error: {e}", file=sys.stderr)
+        return 2
+    print(format_table(result))
+    out = args.out or os.path.join(run["job"]["dump_folder"], "eval_synthetic.json")
+    write_result(result, out)
+    print(f"[eval] wrote {out}")
+    return 0
+
+
+COMMANDS = {"train": cmd_train, "config": cmd_config, "convert": cmd_convert, "data": cmd_data, "eval": cmd_eval}
 
 
 def main(argv: list[str] | None = None) -> int:

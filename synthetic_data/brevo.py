@@ -90,7 +90,19 @@ def generate(params: BrevoParams, rng: random.Random, *, test: bool = False) -> 
     answer_tokens = [ANSWER] + [t for v in answer for t in names[v]] + [ANSWER]
     tokens += answer_tokens
     labels += [1] * len(answer_tokens)
-    return Sample(tokens, labels, {"n": n, "depth_nodes": len(answer)})
+    return Sample(tokens, labels, {"n": n, "depth": depth(parents, query), "answer_nodes": len(answer)})
+
+
+def depth(parents: list[list[int]], node: int) -> int:
+    """Shortest number of edges from ``node`` up to a node without parents (spec 6.2's depth)."""
+    frontier, distance, seen = [node], 0, {node}
+    while frontier:
+        if any(not parents[v] for v in frontier):
+            return distance
+        frontier = [p for v in frontier for p in parents[v] if p not in seen]
+        seen.update(frontier)
+        distance += 1
+    raise ValueError("the graph has a cycle")
 
 
 def parse(tokens: list[int], params: BrevoParams):

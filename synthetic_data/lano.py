@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import random
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
@@ -131,3 +131,41 @@ def sample_grammar(rng: random.Random, sizes: list[int], rules_per_symbol: tuple
             level_rules.append(chosen)
         rules.append(level_rules)
     return Grammar(depth, list(sizes), rules)
+
+
+@dataclass
+class LanoParams:
+    grammar: str | None = None
+    """A grammar JSON file in the reference layout (e.g. cfg3f.json); None samples one."""
+    sizes: list[int] = field(default_factory=lambda: [1, 3, 3, 3, 3, 3, 3])
+    """Sampled grammar: symbols per level, root (1) to terminals (like cfg3f: depth 6, 3 per level)."""
+    rules_per_symbol: list[int] = field(default_factory=lambda: [3, 4])
+    """Sampled grammar: [min, max] rules per non-terminal."""
+    rule_lengths: list[int] = field(default_factory=lambda: [2, 3])
+    grammar_seed: int = 0
+
+
+LANO = LanoParams()
+
+
+def build_grammar(params: LanoParams) -> Grammar:
+    if params.grammar:
+        return Grammar.load(params.grammar)
+    if len(params.sizes) < 2 or params.sizes[0] != 1 or min(params.sizes) < 1:
+        raise ValueError(f"sizes {params.sizes}: need a root level of 1 symbol and at least one more level")
+    for name in ("rules_per_symbol", "rule_lengths"):
+        low_high = getattr(params, name)
+        if len(low_high) != 2 or not 1 <= low_high[0] <= low_high[1]:
+            raise ValueError(f"{name} {low_high}: expected [min, max] with 1 <= min <= max")
+    return sample_grammar(random.Random(f"lano-grammar/{params.grammar_seed}"), params.sizes,
+                          tuple(params.rules_per_symbol), tuple(params.rule_lengths))
+
+
+def length_range(grammar: Grammar) -> tuple[int, int]:
+    """Shortest and longest sentence the grammar can generate."""
+    low = [1] * grammar.sizes[grammar.depth]
+    high = list(low)
+    for level in range(grammar.depth - 1, -1, -1):
+        low = [min(sum(low[c] for c in rule) for rule in rules) for rules in grammar.rules[level]]
+        high = [max(sum(high[c] for c in rule) for rule in rules) for rules in grammar.rules[level]]
+    return low[0], high[0]

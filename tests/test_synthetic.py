@@ -151,3 +151,146 @@ def test_lano_grammar_round_trips_through_a_file(tmp_path):
     path = tmp_path / "cfg.json"
     path.write_text(json.dumps(grammar.to_json()))
     assert lano.Grammar.load(path) == grammar
+
+
+# ------------------------------------------------------------------------------------- Capo
+from synthetic_data import capo  # noqa: E402
+from synthetic_data.tasks import PRESETS, make_task, summarize  # noqa: E402
+
+
+def test_capo_lists_meet_the_spec_sizes():
+    sizes = {"first_names": 400, "middle_names": 400, "last_names": 1000, "cities": 200, "companies": 263,
+             "fields": 100, "universities": 300}
+    for name, minimum in sizes.items():
+        entries = capo.word_list(name)
+        assert len(entries) >= minimum and len(set(entries)) == len(entries), name
+    assert all(len(c.split(";")) == 2 for c in capo.word_list("companies"))
+    for attribute in capo.ATTRIBUTES:
+        lines = capo.templates(attribute)
+        assert len(lines) >= 46 and all(t.startswith("{subject} ") and t.count("{value}") == 1 for t in lines)
+
+
+def test_capo_names_unique_and_each_bio_states_each_attribute_once():
+    params = capo.CapoParams(individuals=3000, population_seed=3)
+    people = capo.population(params)
+    assert len({p.name for p in people}) == len(people) == 3000
+    assert capo.population(params) == people and capo.population(capo.CapoParams(individuals=3000)) != people
+    rng = random.Random(0)
+    orders = set()
+    for person in people[:200]:
+        bio = capo.bio_s(person, rng, permute=True)
+        values = {a: getattr(person, a) for a in capo.ATTRIBUTES}
+        assert set(bio.spans) == set(capo.ATTRIBUTES)
+        for attribute, (start, end) in bio.spans.items():
+            assert bio.text[start:end] == values[attribute]
+        spans = sorted(bio.spans.values())
+        assert all(a[1] < b[0] for a, b in zip(spans, spans[1:]))  # one sentence each, no overlap
+        assert bio.text.count(".") == 6 and bio.text.count(person.name) == 1
+        first = min(bio.spans, key=lambda a: bio.spans[a][0])
+        assert bio.text.startswith(person.name)
+        for attribute, value in values.items():
+            if any(value in other and value != other for other in values.values()):
+                continue  # e.g. a field name inside another value: counted below through that one
+            assert bio.text.count(value) == sum(v == value for v in values.values()), (attribute, bio.text)
+        orders.add(tuple(sorted(bio.spans, key=lambda a: bio.spans[a][0])))
+        assert bio.text[bio.spans[first][0]:].count(".") == 6  # the full-name sentence comes first
+    assert len(orders) > 50  # permutation augmentation
+    fixed = {tuple(sorted(b.spans, key=lambda a: b.spans[a][0]))
+             for b in (capo.bio_s(p, rng, permute=False) for p in people[:20])}
+    assert fixed == {capo.ATTRIBUTES}
+
+
+def test_capo_multiplicity_and_permuted_free_text(tmp_path):
+    params = capo.CapoParams(individuals=10, multiplicity=2)
+    person = capo.population(params)[4]
+    bios = {capo.person_bio(params, person, random.Random(i)) for i in range(40)}
+    assert len(bios) == 2
+    fresh = capo.CapoParams(individuals=10, multiplicity=0)
+    assert len({capo.person_bio(fresh, person, random.Random(i)) for i in range(40)}) > 30
+    text = f"{person.name} was born in Ohio. {person.pronoun} liked maps. {person.pronoun} moved West."
+    for seed in range(10):
+        out = capo.permute_text(text, person, random.Random(seed))
+        assert out.startswith(person.name + " ") and out.count(person.name) == 1 and len(out.split(". ")) == 3
+    path = tmp_path / "bior.jsonl"
+    path.write_text('{"id": 3, "text": "x"}\n{"id": 99, "text": "y"}\n')
+    with pytest.raises(ValueError, match=r"bior.jsonl:2: id 99 outside"):
+        capo.load_bior(path, capo.population(params))
+
+
+# ------------------------------------------------------------------------------- scorers
+SMALL = {"depo1": {"N": 12, "K": 4}, "depo2": {"N": 8, "K": 4}, "brevo1": {"N": 12}, "brevo2": {"N": 8},
+         "mano": {"L": 4}, "lano": {"sizes": [1, 3, 3, 3, 3]}, "capo_bios": {"individuals": 50}}
+
+
+def _corrupt(task, item, answer):
+    """A wrong continuation built from the right one."""
+    if task.text:
+        return " Nowhere Special."
+    answer = list(answer)
+    if task.name.startswith("depo"):
+        v = task.params.mini_vocab  # another end-of-word token: a different word
+        return answer[:-1] + [v + (answer[-1] - v) % v + 1]
+    if task.name == "mano":
+        return [5000 + (answer[0] - 5000 + 1) % 23]
+    if task.name.startswith("brevo"):
+        word = task.word
+        return answer[word:]  # drops the first (a parent-less) node of the ancestor set
+    position = random.Random(len(answer)).randrange(len(answer) - 1)
+    return answer[:position] + [answer[position] % task.grammar.num_terminals + 1] + answer[position + 1:]
+
+
+@pytest.mark.parametrize("dataset", list(PRESETS))
+def test_scorers_accept_ground_truth_and_reject_corruptions(dataset):
+    task = make_task(dataset, **SMALL[dataset])
+    items = task.test_items(11, 12)
+    assert items == task.test_items(11, 12) and items != task.test_items(12, 12)
+    truth = summarize(task, items, [item.answer for item in items])
+    assert truth["overall"]["accuracy"] == 1.0 and len(truth["groups"]) >= 2
+    wrong = summarize(task, items, [_corrupt(task, item, item.answer) for item in items])
+    assert wrong["overall"]["accuracy"] < 0.5, wrong
+    assert summarize(task, items, [[] if not task.text else "" for _ in items])["overall"]["correct"] == 0
+
+
+def test_brevo_scorer_accepts_any_valid_order():
+    task = make_task("brevo1", N=14)
+    other_orders = 0
+    for item in task.test_items(5, 10):
+        parents, query, _ = brevo.parse(item.prompt + item.answer, task.params)
+        answer = list(item.answer[:-1])
+        for seed in range(5):  # shuffle within "ready" sets: Kahn's algorithm again with other choices
+            rng = random.Random(seed)
+            waiting = {v: {p[0] for p in parents[(v,)] if p[0] in answer} for v in answer}
+            order = []
+            while waiting:
+                ready = sorted(v for v, ps in waiting.items() if not ps and (v != query[0] or len(waiting) == 1))
+                chosen = rng.choice(ready)
+                order.append(chosen)
+                del waiting[chosen]
+                for ps in waiting.values():
+                    ps.discard(chosen)
+            other_orders += order != answer
+            assert task.score(item, order + [brevo.ANSWER])
+    assert other_orders > 0
+
+
+def test_depo_test_items_have_fixed_hops_and_full_cycles():
+    task = make_task("depo2", N=10, K=8)
+    items = task.test_items(1, 7)
+    assert [i.group for i in items] == [f"k={k}" for k in (1, 2, 4, 8) for _ in range(7)]
+    for item in items:
+        k = int(item.group[2:])
+        nxt = depo.successor_map(item.prompt, task.params)
+        assert len(nxt) == 10 and item.prompt[-1] == depo.ANSWER
+        hop_at = max(i for i, t in enumerate(item.prompt) if depo.HOP_BASE <= t < depo.ANSWER)
+        assert item.prompt[hop_at] == depo.HOP_BASE + k
+        node = tuple(item.prompt[hop_at + 1 : -1])
+        for _ in range(k):
+            node = nxt[node]
+        assert node == tuple(item.answer)
+
+
+@pytest.mark.parametrize("dataset", [d for d in PRESETS if d not in ("lano", "capo_bios")])
+def test_max_length_bounds_every_training_sample(dataset):
+    task = make_task(dataset, **SMALL[dataset])
+    lengths = [len(task.train_sample(sample_rng(8, 0, i)).tokens) for i in range(2000)]
+    assert max(lengths) <= task.max_length() < 2 * max(lengths)

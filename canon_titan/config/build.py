@@ -30,10 +30,17 @@ def _activation_checkpoint(section: dict):
     return None
 
 
-def _dataloader(section: dict):
+def _dataloader(run: RunConfig):
     from canon_titan.data.packed import PackedTextDataLoader
     from canon_titan.data.streaming import StreamingTextDataLoader
+    from canon_titan.data.synthetic import SyntheticDataLoader
+    from synthetic_data.tasks import SECTION
 
+    section = run["dataloader"]
+    if section["dataset"] in SECTION:
+        task = {k: v for k, v in run[SECTION[section["dataset"]]].items() if v is not None}
+        return SyntheticDataLoader.Config(dataset=section["dataset"], task=task, seed=section["seed"],
+                                          answer_only_loss=section["answer_only_loss"])
     common = ("dataset", "text_key", "on_error", "seed", "add_bos", "add_eos", "document_masking")
     if section["dataset"] == "stream":
         keys = common + ("sources", "weights", "shuffle_buffer", "num_workers")
@@ -80,7 +87,7 @@ def build_trainer_config(run: RunConfig):
             hf_assets_path=run["tokenizer"]["path"] or str(ASSET_DIR),
             dump_folder=job["dump_folder"],
             tokenizer=tokenizer_config(run["tokenizer"]["kind"]),
-            dataloader=_dataloader(run["dataloader"]),
+            dataloader=_dataloader(run),
             optimizer=OptimizersContainer.Config(
                 param_groups=[ParamGroupConfig(
                     pattern=r".*",

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
 from canon_titan.config.loader import CLI, ConfigError, RunConfig
+from canon_titan.config.sections import SYNTHETIC_DATASETS, TASK_SECTIONS
 
 
 def _fail(run: RunConfig, section: str, key: str, message: str):
@@ -137,7 +139,15 @@ def check_data(run: RunConfig, environment: bool) -> None:
     from canon_titan.data.packed import DataConfigError, resolve_paths
 
     data = run["dataloader"]
-    if data["dataset"] == "stream":
+    _drop_task_sections(run)
+    if data["dataset"] in SYNTHETIC_DATASETS:
+        check_synthetic(run, environment)
+        if data["dataset"] != "capo_bios":
+            return
+    elif data["answer_only_loss"]:
+        _fail(run, "dataloader", "answer_only_loss",
+              f"applies to the synthetic integer-token tasks, not dataset = {data['dataset']!r}")
+    elif data["dataset"] == "stream":
         if not data["sources"]:
             _fail(run, "dataloader", "sources", "dataset = 'stream' needs at least one glob in sources")
         if data["weights"] and (len(data["weights"]) != len(data["sources"]) or min(data["weights"]) <= 0):
@@ -161,6 +171,74 @@ def check_data(run: RunConfig, environment: bool) -> None:
     if not tokenizer_vocab(run) and environment:
         kind, path = run["tokenizer"]["kind"], run["tokenizer"]["path"]
         _fail(run, "tokenizer", "path", f"no {kind} tokenizer at {path}")
+
+
+def _drop_task_sections(run: RunConfig) -> None:
+    """Task sections other than the chosen dataset's must stay unset; they leave the resolved config."""
+    from synthetic_data.tasks import SECTION
+
+    dataset = run["dataloader"]["dataset"]
+    own = SECTION.get(dataset)
+    for name in TASK_SECTIONS:
+        if name == own:
+            continue
+        for key, value in run[name].items():
+            if value is not None:
+                reads = f"reads [{own}]" if own else "is not a synthetic task"
+                _fail(run, name, key, f"is set, but [dataloader] dataset = {dataset!r} {reads}")
+        del run.sections[name]
+
+
+def check_synthetic(run: RunConfig, environment: bool) -> None:
+    """The chosen dataset's task section resolves to a task whose samples fit ``seq_len``; the
+    resolved config shows the task's full parameters. Integer-token tasks set the vocabulary."""
+    from synthetic_data.tasks import SECTION, VOCAB, make_task
+
+    dataset = run["dataloader"]["dataset"]
+    own = SECTION[dataset]
+    overrides = {k: v for k, v in run[own].items() if v is not None}
+    files = [k for k in ("grammar", "bior_path") if overrides.get(k)]
+    if files and not environment:
+        return
+    try:
+        task = make_task(dataset, **overrides)
+    except (ValueError, OSError) as e:
+        _fail(run, own, files[0] if files and isinstance(e, OSError) else "", str(e))
+    run[own].update(dataclasses.asdict(task.params))
+    seq_len = run["training"]["seq_len"]
+    longest, shortest = task.max_length(), getattr(task, "min_length", lambda: None)()
+    if longest is not None and longest > seq_len + 1:
+        _fail(run, "training", "seq_len", f"is {seq_len}, but {dataset} samples with these [{own}] settings can "
+              f"be {longest} tokens long; use seq_len >= {longest - 1} or a smaller task")
+    if shortest is not None and shortest > seq_len + 1:
+        _fail(run, "training", "seq_len", f"is {seq_len}, but the shortest {dataset} sample has {shortest} tokens")
+    if task.text:
+        if run["dataloader"]["answer_only_loss"]:
+            _fail(run, "dataloader", "answer_only_loss", f"{dataset} trains on whole biographies; set it to false")
+        if environment:  # biography lengths depend on the tokenizer: measure a few hundred
+            import random
+
+            from canon_titan.data.builtin import ASSET_DIR
+            from canon_titan.data.tokenizers import build_tokenizer
+
+            try:
+                tokenizer = build_tokenizer(run["tokenizer"]["kind"], run["tokenizer"]["path"] or str(ASSET_DIR))
+            except (FileNotFoundError, OSError):
+                return  # reported by the tokenizer check
+            rng = random.Random(0)
+            longest = max(len(tokenizer.encode(task.train_sample(rng), add_bos=True, add_eos=True))
+                          for _ in range(200))
+            if longest > seq_len + 1:
+                _fail(run, "training", "seq_len", f"is {seq_len}, but {dataset} biographies reach {longest} tokens "
+                      f"with this tokenizer; use seq_len >= {2 * longest}")
+        return
+    args = run.model_args
+    if ("model", "vocab_size") in run.origins:
+        if args.vocab_size < VOCAB:
+            _fail(run, "model", "vocab_size", f"is {args.vocab_size}; {dataset} uses token ids up to {VOCAB - 1}, "
+                  f"so it must be >= {VOCAB} (or remove the key)")
+    else:
+        args.vocab_size = run["model"]["vocab_size"] = VOCAB
 
 
 def tokenizer_vocab(run: RunConfig) -> int | None:

@@ -8,12 +8,16 @@ args dataclass (``model_registry/<name>.py``).
 
 from __future__ import annotations
 
+import dataclasses
+import typing
 from dataclasses import dataclass, field
 from typing import Literal
 
 from torchtitan.components.checkpointer import CheckpointManager
 from torchtitan.components.optimizer import LRSchedulersContainer
 from torchtitan.config.configs import CommConfig, CompileConfig, ParallelismConfig, TrainingConfig
+
+from synthetic_data.tasks import PARAMS, PRESETS
 
 
 
@@ -39,10 +43,13 @@ class TokenizerSection:
 
 @dataclass(kw_only=True)
 class DataloaderSection:
-    dataset: Literal["builtin", "files", "tokens", "stream"] = "builtin"
+    dataset: Literal["builtin", "files", "tokens", "stream",
+                     "depo1", "depo2", "brevo1", "brevo2", "mano", "lano", "capo_bios"] = "builtin"
     """builtin: the project's corpus; files: document files tokenized in memory at start-up;
     tokens: a folder from `canon-titan data tokenize` (memory-mapped); stream: documents read and
-    tokenized while training, from `sources` mixed by `weights`."""
+    tokenized while training, from `sources` mixed by `weights`. depo1 ... capo_bios: a synthetic
+    playground task generated on the fly, with its parameters in [depo], [brevo], [mano], [lano]
+    or [capo]."""
     dataset_path: str | None = None
     """files: glob of documents; tokens: the token folder."""
     sources: list[str] = field(default_factory=list)
@@ -65,7 +72,11 @@ class DataloaderSection:
     """builtin/files/tokens: start a new epoch when the data runs out, instead of stopping."""
     document_masking: bool = False
     """Attention only within each packed document (positions restart at every BOS, RoPE too).
-    The reference attends across documents; Canon layers always do."""
+    The reference attends across documents; Canon layers always do. Synthetic tasks always
+    restart positions at every sample."""
+    answer_only_loss: bool = False
+    """Synthetic integer-token tasks: train only on answer tokens (the reference's choice); the
+    other labels are ignored by the loss."""
 
 
 @dataclass(kw_only=True)
@@ -110,6 +121,21 @@ class MetricsSection:
     disable_color_printing: bool = False
 
 
+def _task_section(params_cls: type) -> type:
+    """A TOML section with the keys of a synthetic task's parameters, all defaulting to None
+    (= the preset of the chosen dataset, e.g. depo1's or depo2's N)."""
+    hints = typing.get_type_hints(params_cls)
+    return dataclasses.make_dataclass(
+        params_cls.__name__.replace("Params", "Section"),
+        [(f.name, hints[f.name] | None, field(default=None)) for f in dataclasses.fields(params_cls)],
+        kw_only=True,
+    )
+
+
+TASK_SECTIONS = {name: _task_section(cls) for name, cls in PARAMS.items()}
+SYNTHETIC_DATASETS = tuple(PRESETS)
+
+
 @dataclass(frozen=True)
 class Section:
     cls: type
@@ -146,4 +172,5 @@ SECTIONS: dict[str, Section] = {
     "float8": Section(Float8Section),
     "metrics": Section(MetricsSection),
     "comm": Section(CommConfig, hidden=("mode", "trace_buf_size", "save_traces_folder", "save_traces_file_prefix")),
+    **{name: Section(cls) for name, cls in TASK_SECTIONS.items()},
 }

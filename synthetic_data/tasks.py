@@ -1,0 +1,266 @@
+"""The playground tasks behind one interface: training samples, held-out test items and scorers.
+
+``make_task(dataset, **overrides)`` returns a ``Task`` for ``depo1``, ``depo2``, ``brevo1``,
+``brevo2``, ``mano``, ``lano`` or ``capo_bios``, starting from the reference preset of that
+dataset. The dataloader packs ``train_sample`` outputs; evaluation feeds each ``TestItem.prompt``
+to the model, generates greedily (stopping at ``stop_ids``, after ``stop_chars`` decoded
+characters for text tasks, or after ``max_new`` tokens) and asks ``score`` whether the
+continuation is right. Test items come from their own random streams, disjoint from training's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from dataclasses import dataclass
+from typing import Any
+
+from synthetic_data import brevo, capo, depo, lano, mano
+from synthetic_data.common import BOS, Sample, sample_rng
+
+VOCAB = 10000
+"""Integer-token tasks use ids below this (BOS = 9999); models need at least this vocabulary."""
+PAD = 0
+"""Fills the end of a packed window; no generator emits it."""
+
+
+@dataclass
+class TestItem:
+    prompt: list[int] | str
+    group: str
+    """Row of the accuracy table (a hop count, a depth, a length, an attribute)."""
+    answer: Any
+    """One correct continuation (token ids, or text for text tasks); scorers may accept others."""
+    max_new: int
+    stop_ids: frozenset[int] = frozenset()
+    """Generation ends after one of these tokens."""
+    stop_chars: int | None = None
+    """Text tasks: generation may end once this many characters are decoded."""
+
+
+def _test_rng(seed: int, group: str, index: int) -> random.Random:
+    # Training windows use "seed/window/i" streams; tests never collide with them.
+    return sample_rng(seed, f"test-{group}", index)
+
+
+class Task:
+    name: str
+    params: Any
+    text = False
+    """Text tasks give strings (the run's tokenizer encodes them); the others give token ids."""
+
+    def train_sample(self, rng: random.Random) -> Sample | str:
+        raise NotImplementedError
+
+    def max_length(self) -> int | None:
+        """Longest training sample in tokens (None: not bounded, long samples are redrawn)."""
+        return None
+
+    def test_items(self, seed: int, count: int) -> list[TestItem]:
+        raise NotImplementedError
+
+    def score(self, item: TestItem, continuation) -> bool:
+        raise NotImplementedError
+
+    def groups(self, items: list[TestItem]) -> list[str]:
+        return list(dict.fromkeys(item.group for item in items))
+
+
+class DepoTask(Task):
+    def __init__(self, name: str, params: depo.DepoParams):
+        self.name, self.params = name, params
+        if params.N < 3 or params.K < 1:
+            raise ValueError(f"N = {params.N} must be >= 3 and K = {params.K} >= 1")
+
+    def train_sample(self, rng):
+        return depo.generate(self.params, rng)
+
+    def max_length(self) -> int:
+        p, w = self.params, self.params.max_word_len
+        return 1 + p.N * (int(p.separator) + 2 * w) + min(p.N, p.queries) * (2 + 2 * w)
+
+    def test_items(self, seed, count):
+        p, items = self.params, []
+        for k in depo.test_hops(p.K):
+            index = 0
+            group = []
+            while len(group) < count:
+                sample = depo.generate(p, _test_rng(seed, f"depo-k{k}", index), test=True, hops=k)
+                marks = [i for i, t in enumerate(sample.tokens) if t == depo.ANSWER]
+                for at, query in zip(marks, sample.meta["queries"]):
+                    group.append(TestItem(sample.tokens[: at + 1], f"k={k}", query["answer"], p.max_word_len,
+                                          frozenset(range(p.mini_vocab + 1, 2 * p.mini_vocab + 1))))
+                index += 1
+            items += group[:count]
+        return items
+
+    def score(self, item, continuation):
+        return tuple(continuation) == tuple(item.answer)
+
+
+class BrevoTask(Task):
+    def __init__(self, name: str, params: brevo.BrevoParams):
+        self.name, self.params = name, params
+        if params.N < 3:
+            raise ValueError(f"N = {params.N} must be >= 3")
+        self.word = params.max_word_len if params.multi_token else 1
+
+    def train_sample(self, rng):
+        return brevo.generate(self.params, rng)
+
+    def max_length(self) -> int:
+        # Node i (after the first) has at most min(i, 4) parents.
+        n, w = self.params.N, self.word
+        edges = sum(min(i, brevo.MAX_DEGREE) for i in range(1, n))
+        return 1 + edges * 2 * w + 1 + w + 1 + n * w + 1
+
+    def test_items(self, seed, count):
+        """``4 * count`` graphs of N nodes, grouped by the query's depth."""
+        items = []
+        for index in range(4 * count):
+            sample = brevo.generate(self.params, _test_rng(seed, "brevo", index), test=True)
+            at = sample.tokens.index(brevo.ANSWER)
+            items.append(TestItem(sample.tokens[: at + 1], f"depth={sample.meta['depth']}", sample.tokens[at + 1 :],
+                                  self.params.N * self.word + 1, frozenset({brevo.ANSWER})))
+        return sorted(items, key=lambda item: int(item.group.split("=")[1]))
+
+    def score(self, item, continuation):
+        continuation = list(continuation)
+        if not continuation or continuation[-1] != brevo.ANSWER:
+            return False
+        try:
+            return brevo.is_correct(list(item.prompt) + continuation, self.params)
+        except ValueError:  # not parseable: a word cut short, or several query nodes
+            return False
+
+
+class ManoTask(Task):
+    def __init__(self, name: str, params: mano.ManoParams):
+        self.name, self.params = name, params
+        if params.L < 1 or not params.operators or set(params.operators) - set(mano.OPERATORS):
+            raise ValueError(f"L = {params.L} must be >= 1 and operators {params.operators!r} a subset of '+-*/'")
+
+    def train_sample(self, rng):
+        return mano.generate(self.params, rng)
+
+    def max_length(self) -> int:
+        return 2 + 2 * self.params.L + 1 + 2
+
+    def test_lengths(self) -> list[int]:
+        L = self.params.L
+        return sorted({max(1, L * i // 4) for i in range(1, 5)})
+
+    def test_items(self, seed, count):
+        items = []
+        for length in self.test_lengths():
+            for index in range(count):
+                sample = mano.generate(dataclasses.replace(self.params, L=length),
+                                       _test_rng(seed, f"mano-l{length}", index), test=True)
+                items.append(TestItem(sample.tokens[:-1], f"L={length}", sample.tokens[-1:], 1))
+        return items
+
+    def score(self, item, continuation):
+        return list(continuation)[:1] == list(item.answer)
+
+
+class LanoTask(Task):
+    def __init__(self, name: str, params: lano.LanoParams):
+        self.name, self.params = name, params
+        self.grammar = lano.build_grammar(params)
+        self.eos = self.grammar.num_terminals + 1
+        if self.eos >= BOS:
+            raise ValueError(f"{self.grammar.num_terminals} terminals: ids must stay below {BOS}")
+        self.shortest, self.longest = lano.length_range(self.grammar)
+
+    def train_sample(self, rng):
+        sentence = self.grammar.generate(rng)
+        return Sample([BOS] + sentence + [self.eos], [0] + [1] * (len(sentence) + 1), {"length": len(sentence)})
+
+    def min_length(self) -> int:
+        return self.shortest + 2
+
+    def test_items(self, seed, count):
+        """Held-out sentences cut after 25% or 50% of their tokens; the model completes them."""
+        items = []
+        for percent in (25, 50):
+            for index in range(count):
+                sentence = self.grammar.generate(_test_rng(seed, "lano", index))
+                cut = max(1, len(sentence) * percent // 100)
+                items.append(TestItem([BOS] + sentence[:cut], f"cut={percent}%", sentence[cut:] + [self.eos],
+                                      self.longest - cut + 1, frozenset({self.eos})))
+        return items
+
+    def score(self, item, continuation):
+        continuation = list(continuation)
+        if not continuation or continuation[-1] != self.eos:
+            return False
+        return self.grammar.accepts(list(item.prompt[1:]) + continuation[:-1])
+
+
+class CapoTask(Task):
+    text = True
+
+    def __init__(self, name: str, params: capo.CapoParams):
+        self.name, self.params = name, params
+        if params.multiplicity < 0:
+            raise ValueError(f"multiplicity = {params.multiplicity} must be >= 0")
+        self.people = capo.population(params)
+        self.bior = capo.load_bior(params.bior_path, self.people) if params.bior_path else None
+
+    def train_sample(self, rng):
+        if self.bior is not None:
+            pid, text = self.bior[rng.randrange(len(self.bior))]
+            return capo.permute_text(text, self.people[pid], rng) if self.params.permute else text
+        return capo.person_bio(self.params, self.people[rng.randrange(len(self.people))], rng)
+
+    def test_items(self, seed, count):
+        """Attribute recall for ``count`` people of the population (it is what was memorised)."""
+        rng = _test_rng(seed, "capo", 0)
+        people = rng.sample(self.people, min(count, len(self.people)))
+        items = []
+        for attribute in capo.ATTRIBUTES:
+            for person in people:
+                prompt, expected = capo.question(person, attribute, rng)
+                items.append(TestItem(prompt, attribute, expected, 48, stop_chars=len(expected)))
+        return items
+
+    def score(self, item, continuation):
+        return str(continuation).startswith(item.answer)
+
+
+PRESETS = {
+    "depo1": (DepoTask, depo.DEPO1),
+    "depo2": (DepoTask, depo.DEPO2),
+    "brevo1": (BrevoTask, brevo.BREVO1),
+    "brevo2": (BrevoTask, brevo.BREVO2),
+    "mano": (ManoTask, mano.MANO),
+    "lano": (LanoTask, lano.LANO),
+    "capo_bios": (CapoTask, capo.CAPO),
+}
+SECTION = {"depo1": "depo", "depo2": "depo", "brevo1": "brevo", "brevo2": "brevo", "mano": "mano",
+           "lano": "lano", "capo_bios": "capo"}
+"""The TOML section holding each dataset's parameters."""
+PARAMS = {"depo": depo.DepoParams, "brevo": brevo.BrevoParams, "mano": mano.ManoParams,
+          "lano": lano.LanoParams, "capo": capo.CapoParams}
+
+
+def make_task(dataset: str, **overrides) -> Task:
+    """The task of ``dataset``: its reference preset with ``overrides`` (keys of its params)."""
+    if dataset not in PRESETS:
+        raise KeyError(f"unknown synthetic dataset {dataset!r}; available: {', '.join(PRESETS)}")
+    cls, preset = PRESETS[dataset]
+    return cls(dataset, dataclasses.replace(preset, **overrides))
+
+
+
+def summarize(task: Task, items: list[TestItem], continuations: list) -> dict:
+    """Accuracy per group (in the order of the items) and overall."""
+    groups: dict[str, dict] = {}
+    for item, continuation in zip(items, continuations, strict=True):
+        group = groups.setdefault(item.group, {"correct": 0, "total": 0})
+        group["total"] += 1
+        group["correct"] += bool(task.score(item, continuation))
+    correct, total = sum(g["correct"] for g in groups.values()), sum(g["total"] for g in groups.values())
+    for group in groups.values():
+        group["accuracy"] = group["correct"] / group["total"]
+    return {"groups": groups, "overall": {"correct": correct, "total": total, "accuracy": correct / max(total, 1)}}

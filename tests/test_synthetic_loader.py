@@ -1,0 +1,265 @@
+"""The synthetic tasks as a dataloader, in TOML, and scored through greedy generation."""
+
+import json
+import random
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from canon_titan.config import ConfigError, load
+from canon_titan.data.synthetic import SyntheticDataLoader
+from canon_titan.data.tokenizers import build_tokenizer
+from canon_titan.data.builtin import ASSET_DIR
+from canon_titan.synthetic_eval import format_table, greedy_continuation
+from synthetic_data import brevo, depo, mano
+from synthetic_data.common import BOS
+from synthetic_data.tasks import PAD, make_task, summarize
+from torchtitan.components.loss import IGNORE_INDEX
+
+from conftest import REPO
+
+PLAYGROUND = REPO / "train_configs" / "playground"
+DEPO = {"N": 10, "K": 4, "mini_vocab": 8}
+
+
+def loader(dataset="depo1", task=None, rank=0, world=1, batch=4, seq_len=128, answer_only=True, seed=5,
+           tokenizer=None):
+    config = SyntheticDataLoader.Config(dataset=dataset, task=dict(DEPO if task is None else task), seed=seed,
+                                        answer_only_loss=answer_only)
+    return SyntheticDataLoader(config, dp_world_size=world, dp_rank=rank, seq_len=seq_len,
+                               local_batch_size=batch, tokenizer=tokenizer)
+
+
+def segments(row_input, row_positions):
+    """The samples of a window's input: runs of positions that count up from 0. The last run is
+    left out: the input lacks the window's last token (it is only a target)."""
+    starts = [i for i, p in enumerate(row_positions.tolist()) if p == 0]
+    return [row_input[a:b].tolist() for a, b in zip(starts, starts[1:])]
+
+
+def test_windows_hold_whole_valid_samples_and_answer_only_targets():
+    dl = loader()
+    params = dl.task.params
+    inputs, targets = dl.batch(0)
+    checked = 0
+    for row in range(4):
+        x, pos, y = inputs["input"][row], inputs["positions"][row], targets[row]
+        assert torch.equal(y[:-1][y[:-1] != IGNORE_INDEX], x[1:][y[:-1] != IGNORE_INDEX])  # targets = next token
+        for sample in segments(x, pos):
+            if sample[0] == PAD:
+                assert set(sample) == {PAD}
+                continue
+            assert sample[0] == BOS
+            # Every query of the sample is answered by the k-th successor of the written cycle.
+            nxt = depo.successor_map(sample, params)
+            marks = [i for i, t in enumerate(sample) if t == depo.ANSWER]
+            for at in marks:
+                hop_at = max(i for i in range(at) if depo.HOP_BASE <= sample[i] < depo.ANSWER)
+                node = tuple(sample[hop_at + 1 : at])
+                for _ in range(sample[hop_at] - depo.HOP_BASE):
+                    node = nxt[node]
+                end = at + 1 + len(node)
+                assert tuple(sample[at + 1 : end]) == node
+                checked += 1
+        # The loss sees exactly the answer markers and the answer words.
+        counted = [int(x[i + 1]) for i in range(len(x) - 1) if y[i] != IGNORE_INDEX]
+        assert counted.count(depo.ANSWER) == int((x == depo.ANSWER).sum()) - int(x[-1] == depo.ANSWER)
+        assert all(t == depo.ANSWER or t <= 2 * params.mini_vocab for t in counted)
+    assert checked > 20
+
+
+def test_all_tokens_loss_and_pad_and_sample_starts_are_ignored():
+    dl = loader(answer_only=False)
+    inputs, targets = dl.batch(0)
+    x, pos, y = inputs["input"], inputs["positions"], targets
+    nxt_is_start = torch.cat([pos[:, 1:] == 0, torch.ones_like(pos[:, :1], dtype=torch.bool)], dim=1)
+    nxt_is_pad = torch.cat([x[:, 1:] == PAD, torch.zeros_like(x[:, :1], dtype=torch.bool)], dim=1)
+    interior = ~nxt_is_start & ~nxt_is_pad
+    assert torch.equal(y[:, :-1] != IGNORE_INDEX, interior[:, :-1])
+
+
+def test_same_seed_same_batches_ranks_disjoint_and_layout_independent():
+    a, b = loader(seed=9), loader(seed=9)
+    assert all(torch.equal(u, v) for u, v in zip(a.batch(8)[0].values(), b.batch(8)[0].values()))
+    assert not torch.equal(loader(seed=10).batch(8)[0]["input"], a.batch(8)[0]["input"])
+    whole = loader(batch=4).batch(0)
+    halves = [loader(batch=2, rank=r, world=2).batch(0) for r in (0, 1)]
+    assert torch.equal(torch.cat([h[0]["input"] for h in halves]), whole[0]["input"])
+    assert torch.equal(torch.cat([h[1] for h in halves]), whole[1])
+    # Ranks read disjoint windows: no sample of rank 0 appears on rank 1 over several steps.
+    seen = [set(), set()]
+    for r in (0, 1):
+        it = iter(loader(batch=2, rank=r, world=2))
+        for _ in range(5):
+            x = next(it)[0]
+            for row in range(2):
+                seen[r].update(tuple(s) for s in segments(x["input"][row], x["positions"][row]) if s[0] == BOS)
+    assert seen[0] and seen[1] and not seen[0] & seen[1]
+
+
+def test_resume_gives_the_next_batch_of_an_uninterrupted_run():
+    straight = iter(loader(world=2, rank=1, batch=2))
+    expected = [next(straight) for _ in range(5)][3:]
+    first = loader(world=2, rank=1, batch=2)
+    it = iter(first)
+    next(it), next(it), next(it)
+    state = first.state_dict()
+    resumed = loader(world=2, rank=1, batch=2)
+    resumed.load_state_dict(state)
+    it = iter(resumed)
+    for want in expected:
+        got = next(it)
+        assert torch.equal(got[0]["input"], want[0]["input"]) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("dataset,task,seq", [("brevo2", {"N": 10}, 256), ("mano", {"L": 6}, 64),
+                                              ("lano", {"sizes": [1, 3, 3, 3, 3]}, 128)])
+def test_other_integer_tasks_pack_valid_samples(dataset, task, seq):
+    dl = loader(dataset, task, seq_len=seq)
+    inputs, targets = dl.batch(3)
+    found = 0
+    for row in range(4):
+        for sample in segments(inputs["input"][row], inputs["positions"][row]):
+            if sample[0] != BOS and not (dataset == "mano" and sample[0] == BOS - 1):
+                continue
+            found += 1
+            if dataset == "brevo2":
+                assert brevo.is_correct(sample, dl.task.params)
+            elif dataset == "mano":
+                assert mano.evaluate_prefix(sample[2:-2]) == sample[-1] - mano.LEAF_BASE
+            else:
+                assert sample[-1] == dl.task.eos and dl.task.grammar.accepts(sample[1:-1])
+    assert found >= 4
+
+
+def test_capo_windows_are_tokenized_biographies():
+    tokenizer = build_tokenizer("hf", str(ASSET_DIR))
+    dl = loader("capo_bios", {"individuals": 20}, answer_only=False, seq_len=256, tokenizer=tokenizer)
+    inputs, targets = dl.batch(0)
+    names = {p.name for p in dl.task.people}
+    bios = 0
+    for row in range(4):
+        for sample in segments(inputs["input"][row], inputs["positions"][row]):
+            if sample[0] == tokenizer.bos_id:
+                text = tokenizer.decode(sample[1:-1])
+                assert any(text.startswith(n) for n in names) and text.count(".") == 6, text
+                bios += 1
+    assert bios >= 4
+    with pytest.raises(ValueError, match="answer_only_loss"):
+        loader("capo_bios", {"individuals": 20}, answer_only=True, tokenizer=tokenizer)
+    with pytest.raises(ValueError, match=r"more than a window of seq_len \+ 1 = 65: raise \[training\] seq_len"):
+        loader("capo_bios", {"individuals": 20}, answer_only=False, seq_len=64, tokenizer=tokenizer)
+    with pytest.raises(ValueError, match="100 samples in a row were too long"):
+        loader("lano", {"sizes": [1, 3, 3, 3, 3]}, seq_len=8)
+
+
+# ----------------------------------------------------------------------------- TOML
+
+
+def test_playground_configs_resolve_with_task_vocab_and_sections(tmp_path):
+    run = load(PLAYGROUND / "depo.toml", [], environment=True)
+    assert run["model"]["vocab_size"] == 10000 and run["depo"]["N"] == 16 and run["depo"]["separator"] is True
+    assert "brevo" not in run.sections and "capo" not in run.sections
+    config = tmp_path / "depo2.toml"
+    config.write_text('[model]\nname = "llama"\nflavor = "debug"\n[training]\nseq_len = 512\n'
+                      '[dataloader]\ndataset = "depo2"\n[depo]\nN = 6\n')
+    run = load(config, [])
+    assert (run["depo"]["N"], run["depo"]["K"], run["depo"]["mini_vocab"]) == (6, 16, 3)  # depo2's preset
+
+
+@pytest.mark.parametrize("config,overrides,key,message", [
+    ("depo", ["--depo.hops", "3"], "[depo] hops", "unknown key"),
+    ("depo", ["--brevo.N", "9"], "[brevo] N", "reads [depo]"),
+    ("depo", ["--depo.N", "400"], "[training] seq_len", "seq_len >= "),
+    ("depo", ["--model.vocab_size", "5000"], "[model] vocab_size", ">= 10000"),
+    ("text", ["--dataloader.dataset", "capo_bios", "--dataloader.answer_only_loss", "true"],
+     "[dataloader] answer_only_loss", "whole biographies"),
+    ("text", ["--dataloader.answer_only_loss", "true"], "[dataloader] answer_only_loss", "not dataset = 'builtin'"),
+    ("text", ["--mano.L", "3"], "[mano] L", "is not a synthetic task"),
+    ("text", ["--dataloader.dataset", "lano", "--lano.grammar", "/nope.json"], "[lano] grammar", "nope.json"),
+    ("text", ["--dataloader.dataset", "mano", "--mano.operators", "+%"], "[mano] ", "subset of"),
+])
+def test_task_config_errors_name_the_key(config, overrides, key, message):
+    path = PLAYGROUND / "depo.toml" if config == "depo" else REPO / "train_configs" / "llama_debug.toml"
+    with pytest.raises(ConfigError) as e:
+        load(path, overrides)
+    assert e.value.key == key and message in e.value.message, str(e.value)
+
+
+# ------------------------------------------------------------------------------ scoring
+
+
+class Oracle(torch.nn.Module):
+    """A 'model' whose next-token logits solve Depo or Mano from the tokens alone."""
+
+    def __init__(self, solve):
+        super().__init__()
+        self.solve = solve
+
+    def forward(self, tokens):
+        ids = tokens[0].tolist()
+        logits = torch.zeros(1, len(ids), 10000)
+        logits[0, -1, self.solve(ids)] = 1.0
+        return logits
+
+
+def depo_oracle(params):
+    def solve(ids):
+        hop_at = max(i for i, t in enumerate(ids) if depo.HOP_BASE <= t < depo.ANSWER)
+        at = ids.index(depo.ANSWER, hop_at)
+        node = tuple(ids[hop_at + 1 : at])
+        for _ in range(ids[hop_at] - depo.HOP_BASE):
+            node = depo.successor_map(ids, params)[node]
+        return node[len(ids) - at - 1]
+    return solve
+
+
+def test_greedy_generation_with_an_oracle_scores_100_and_a_constant_model_near_0():
+    task = make_task("depo1", N=12, K=4, mini_vocab=8)
+    items = task.test_items(3, 10)
+    right = [greedy_continuation(Oracle(depo_oracle(task.params)), item) for item in items]
+    assert summarize(task, items, right)["overall"]["accuracy"] == 1.0
+    constant = [greedy_continuation(Oracle(lambda ids: 9), item) for item in items]
+    assert all(c == [9] for c in constant)  # 9 ends a word (ids 9..16 with mini_vocab 8): one token
+    assert summarize(task, items, constant)["overall"]["accuracy"] < 0.3
+    mano_task = make_task("mano", L=4)
+    mano_items = mano_task.test_items(3, 10)
+    solved = [greedy_continuation(Oracle(lambda ids: 5000 + mano.evaluate_prefix(ids[2:-1])), i) for i in mano_items]
+    result = summarize(mano_task, mano_items, solved)
+    assert result["overall"]["accuracy"] == 1.0 and list(result["groups"]) == ["L=1", "L=2", "L=3", "L=4"]
+    table = format_table({**result, "dataset": "mano", "model": "oracle"})
+    assert "L=4" in table and "100.0%" in table
+
+
+def test_eval_cli_reports_a_missing_checkpoint(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "canon_titan.cli", "eval", "synthetic", "--config",
+                           str(PLAYGROUND / "depo.toml"), "--checkpoint", str(tmp_path / "none")],
+                          cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 2 and "eval error" in proc.stderr and "does not exist" in proc.stderr
+
+
+def test_capo_people_export_and_bior_training_texts(tmp_path):
+    config = tmp_path / "capo.toml"
+    config.write_text('[model]\nname = "llama"\nflavor = "debug"\n[dataloader]\ndataset = "capo_bios"\n'
+                      '[capo]\nindividuals = 12\npopulation_seed = 4\n')
+    people_file = tmp_path / "people.jsonl"
+    proc = subprocess.run([sys.executable, "-m", "canon_titan.cli", "data", "capo-people", "--config", str(config),
+                           "--out", str(people_file)], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    people = [json.loads(line) for line in people_file.read_text().splitlines()]
+    task = make_task("capo_bios", individuals=12, population_seed=4)
+    assert [p["name"] for p in people] == [p.name for p in task.people]
+    assert all(p["university"] in p["prompt"] and p["birthday"] in p["prompt"] for p in people)
+    # bioR: free texts about these people, sentence order permuted per sample, name first.
+    bior = tmp_path / "bior.jsonl"
+    bior.write_text("".join(json.dumps({"id": p["id"], "text": f"{p['name']} grew up in {p['birth_city']}. "
+                                        f"{p['pronoun']} studied {p['field']}. {p['pronoun']} likes tea."}) + "\n"
+                            for p in people))
+    task = make_task("capo_bios", individuals=12, population_seed=4, bior_path=str(bior))
+    texts = [task.train_sample(random.Random(i)) for i in range(30)]
+    assert len(set(texts)) > 12 and all(any(t.startswith(p["name"] + " ") for p in people) for t in texts)
+    run = load(config, ["--capo.bior_path", str(bior)])
+    assert run["capo"]["bior_path"] == str(bior)
