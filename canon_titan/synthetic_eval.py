@@ -40,12 +40,15 @@ def task_of(run):
 @torch.inference_mode()
 def greedy_continuation(model, item: TestItem, tokenizer=None, max_len: int | None = None) -> list[int] | str:
     """Greedy tokens after ``item.prompt`` until a stop token, ``max_new`` tokens, ``stop_chars``
-    decoded characters (text tasks) or the model's context ``max_len``."""
+    decoded characters (text tasks) or the model's context ``max_len`` (the longest input it
+    was trained on). Text is decoded together with the prompt and cut after it, so tokenizers
+    that drop a leading space when decoding a fragment (SentencePiece) score correctly."""
     text = isinstance(item.prompt, str)
     ids = tokenizer.encode(item.prompt, add_bos=True, add_eos=False) if text else list(item.prompt)
+    prompt_text = tokenizer.decode(ids) if text else ""
     new: list[int] = []
     decoded = ""
-    while len(new) < item.max_new and (max_len is None or len(ids) < max_len):
+    while len(new) < item.max_new and (max_len is None or len(ids) <= max_len):
         logits = model(torch.tensor([ids]))
         token = int(logits[0, -1].argmax())
         ids.append(token)
@@ -53,7 +56,7 @@ def greedy_continuation(model, item: TestItem, tokenizer=None, max_len: int | No
         if token in item.stop_ids:
             break
         if text:
-            decoded = tokenizer.decode(new)
+            decoded = tokenizer.decode(ids)[len(prompt_text):]
             if item.stop_chars is not None and len(decoded) >= item.stop_chars:
                 break
     return decoded if text else new
@@ -75,7 +78,7 @@ def evaluate(run, checkpoint: str | Path, count: int = 100, seed: int = DEFAULT_
         tokenizer = build_tokenizer(run["tokenizer"]["kind"], run["tokenizer"]["path"] or str(ASSET_DIR))
     items = task.test_items(seed, count)
     max_len = run["training"]["seq_len"]
-    too_long = [i for i in items if not isinstance(i.prompt, str) and len(i.prompt) >= max_len]
+    too_long = [i for i in items if not isinstance(i.prompt, str) and len(i.prompt) > max_len]
     if too_long:
         raise EvalError(f"{len(too_long)} test prompts are longer than the model's context "
                         f"([training] seq_len = {max_len})")

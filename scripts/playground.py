@@ -15,9 +15,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
+import tomllib
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -30,7 +32,7 @@ def run(cmd: list[str], log: Path) -> None:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for line in proc.stdout:
             f.write(line)
-            if "progress:" in line or "error" in line.lower() or "greedy accuracy" in line:
+            if any(mark in line for mark in ("progress:", "config error", "Traceback", "Error:")):
                 print("  " + line.split(" - INFO - ")[-1].rstrip(), flush=True)
         if proc.wait():
             sys.exit(f"playground: command failed (exit {proc.returncode}); log: {log}")
@@ -39,11 +41,17 @@ def run(cmd: list[str], log: Path) -> None:
 def train_and_score(task: str, model: str, args) -> dict:
     out = args.out / task / model
     result_file = out / "eval.json"
-    if result_file.is_file():
-        print(f"[playground] {task}/{model}: reusing {result_file}")
-        return json.loads(result_file.read_text())
-    out.mkdir(parents=True, exist_ok=True)
     config = REPO / "train_configs" / "playground" / f"{task}.toml"
+    with open(config, "rb") as f:
+        steps = args.steps or tomllib.load(f)["training"]["steps"]
+    if result_file.is_file():
+        previous = json.loads(result_file.read_text())
+        if previous.get("steps") == steps and previous.get("count") == args.count:
+            print(f"[playground] {task}/{model}: reusing {result_file}")
+            return previous
+        print(f"[playground] {task}/{model}: {result_file} is for another budget or test size; redoing it")
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
     overrides = ["--model.name", model, "--job.dump_folder", str(out)]
     if args.steps:
         overrides += ["--training.steps", str(args.steps), "--checkpoint.interval", str(args.steps)]
@@ -55,6 +63,7 @@ def train_and_score(task: str, model: str, args) -> dict:
                "--out", str(result_file)], out / "eval.log")
     result = json.loads(result_file.read_text())
     result["train_seconds"] = round(trained, 1)
+    result["steps"] = steps
     result_file.write_text(json.dumps(result, indent=2) + "\n")
     return result
 

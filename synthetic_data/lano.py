@@ -149,14 +149,27 @@ LANO = LanoParams()
 
 
 def build_grammar(params: LanoParams) -> Grammar:
+    from synthetic_data.tasks import TaskParamError
+
     if params.grammar:
-        return Grammar.load(params.grammar)
+        try:
+            return Grammar.load(params.grammar)
+        except OSError as e:
+            raise TaskParamError("grammar", f"cannot read {params.grammar}: {e.strerror or e}") from None
+        except (ValueError, KeyError, TypeError, IndexError) as e:
+            raise TaskParamError("grammar", f"{params.grammar} is not a grammar in the reference JSON layout "
+                                 f"(depth, sizes, idx, all): {type(e).__name__}: {e}") from None
     if len(params.sizes) < 2 or params.sizes[0] != 1 or min(params.sizes) < 1:
-        raise ValueError(f"sizes {params.sizes}: need a root level of 1 symbol and at least one more level")
+        raise TaskParamError("sizes", f"is {params.sizes}; need a root level of 1 symbol and at least one more level")
     for name in ("rules_per_symbol", "rule_lengths"):
         low_high = getattr(params, name)
         if len(low_high) != 2 or not 1 <= low_high[0] <= low_high[1]:
-            raise ValueError(f"{name} {low_high}: expected [min, max] with 1 <= min <= max")
+            raise TaskParamError(name, f"is {low_high}; expected [min, max] with 1 <= min <= max")
+    narrowest = min(params.sizes[1:])
+    possible = sum(narrowest**n for n in range(params.rule_lengths[0], params.rule_lengths[1] + 1))
+    if params.rules_per_symbol[1] > possible:
+        raise TaskParamError("rules_per_symbol", f"is {params.rules_per_symbol}, but a level of {narrowest} "
+                             f"symbols allows only {possible} distinct rules of {params.rule_lengths} symbols")
     return sample_grammar(random.Random(f"lano-grammar/{params.grammar_seed}"), params.sizes,
                           tuple(params.rules_per_symbol), tuple(params.rule_lengths))
 

@@ -24,6 +24,27 @@ PAD = 0
 """Fills the end of a packed window; no generator emits it."""
 
 
+class TaskParamError(ValueError):
+    """A task parameter that cannot work; ``key`` names it."""
+
+    def __init__(self, key: str, message: str):
+        self.key = key
+        super().__init__(message)
+
+
+def _word_params(params, largest_n: int) -> None:
+    if params.min_word_len < 1:
+        raise TaskParamError("min_word_len", f"is {params.min_word_len}; words need at least 1 token")
+    if params.max_word_len < params.min_word_len:
+        raise TaskParamError("max_word_len", f"is {params.max_word_len}, below min_word_len = {params.min_word_len}")
+    if params.mini_vocab < 1:
+        raise TaskParamError("mini_vocab", f"is {params.mini_vocab}; it must be >= 1")
+    capacity = sum(params.mini_vocab**n for n in range(params.min_word_len, params.max_word_len + 1))
+    if capacity < largest_n:
+        raise TaskParamError("N", f"is {largest_n}, but mini_vocab = {params.mini_vocab} with words of "
+                             f"{params.min_word_len}-{params.max_word_len} tokens makes only {capacity} distinct words")
+
+
 @dataclass
 class TestItem:
     prompt: list[int] | str
@@ -69,8 +90,15 @@ class Task:
 class DepoTask(Task):
     def __init__(self, name: str, params: depo.DepoParams):
         self.name, self.params = name, params
-        if params.N < 3 or params.K < 1:
-            raise ValueError(f"N = {params.N} must be >= 3 and K = {params.K} >= 1")
+        if params.N < 3:
+            raise TaskParamError("N", f"is {params.N}; cycles need at least 3 words")
+        if not 1 <= params.K < depo.ANSWER - depo.HOP_BASE:
+            raise TaskParamError("K", f"is {params.K}; hop tokens 9000+k need 1 <= K < 500")
+        if params.queries < 1:
+            raise TaskParamError("queries", f"is {params.queries}; it must be >= 1")
+        if 2 * params.mini_vocab >= depo.HOP_BASE:
+            raise TaskParamError("mini_vocab", f"is {params.mini_vocab}; word tokens must stay below 9000")
+        _word_params(params, params.N)
 
     def train_sample(self, rng):
         return depo.generate(self.params, rng)
@@ -101,8 +129,12 @@ class DepoTask(Task):
 class BrevoTask(Task):
     def __init__(self, name: str, params: brevo.BrevoParams):
         self.name, self.params = name, params
-        if params.N < 3:
-            raise ValueError(f"N = {params.N} must be >= 3")
+        if not 3 <= params.N < brevo.QUERY:
+            raise TaskParamError("N", f"is {params.N}; graphs need 3 <= N < 9997 nodes")
+        if params.multi_token:
+            _word_params(params, params.N)
+            if 2 * params.mini_vocab >= brevo.QUERY:
+                raise TaskParamError("mini_vocab", f"is {params.mini_vocab}; word tokens must stay below 9997")
         self.word = params.max_word_len if params.multi_token else 1
 
     def train_sample(self, rng):
@@ -137,8 +169,10 @@ class BrevoTask(Task):
 class ManoTask(Task):
     def __init__(self, name: str, params: mano.ManoParams):
         self.name, self.params = name, params
-        if params.L < 1 or not params.operators or set(params.operators) - set(mano.OPERATORS):
-            raise ValueError(f"L = {params.L} must be >= 1 and operators {params.operators!r} a subset of '+-*/'")
+        if not 1 <= params.L < 499:
+            raise TaskParamError("L", f"is {params.L}; length tokens 10*L+5 need 1 <= L < 499")
+        if not params.operators or set(params.operators) - set(mano.OPERATORS):
+            raise TaskParamError("operators", f"is {params.operators!r}; use a non-empty subset of '+-*/'")
 
     def train_sample(self, rng):
         return mano.generate(self.params, rng)
@@ -169,7 +203,8 @@ class LanoTask(Task):
         self.grammar = lano.build_grammar(params)
         self.eos = self.grammar.num_terminals + 1
         if self.eos >= BOS:
-            raise ValueError(f"{self.grammar.num_terminals} terminals: ids must stay below {BOS}")
+            raise TaskParamError("grammar" if params.grammar else "sizes",
+                                 f"{self.grammar.num_terminals} terminals: ids must stay below {BOS}")
         self.shortest, self.longest = lano.length_range(self.grammar)
 
     def train_sample(self, rng):
@@ -203,7 +238,9 @@ class CapoTask(Task):
     def __init__(self, name: str, params: capo.CapoParams):
         self.name, self.params = name, params
         if params.multiplicity < 0:
-            raise ValueError(f"multiplicity = {params.multiplicity} must be >= 0")
+            raise TaskParamError("multiplicity", f"is {params.multiplicity}; it must be >= 0")
+        if params.individuals < 1:
+            raise TaskParamError("individuals", f"is {params.individuals}; it must be >= 1")
         self.people = capo.population(params)
         self.bior = capo.load_bior(params.bior_path, self.people) if params.bior_path else None
 

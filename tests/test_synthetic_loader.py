@@ -66,7 +66,7 @@ def test_windows_hold_whole_valid_samples_and_answer_only_targets():
                 checked += 1
         # The loss sees exactly the answer markers and the answer words.
         counted = [int(x[i + 1]) for i in range(len(x) - 1) if y[i] != IGNORE_INDEX]
-        assert counted.count(depo.ANSWER) == int((x == depo.ANSWER).sum()) - int(x[-1] == depo.ANSWER)
+        assert counted.count(depo.ANSWER) == int((x[1:] == depo.ANSWER).sum())
         assert all(t == depo.ANSWER or t <= 2 * params.mini_vocab for t in counted)
     assert checked > 20
 
@@ -161,7 +161,7 @@ def test_capo_windows_are_tokenized_biographies():
 
 def test_playground_configs_resolve_with_task_vocab_and_sections(tmp_path):
     run = load(PLAYGROUND / "depo.toml", [], environment=True)
-    assert run["model"]["vocab_size"] == 10000 and run["depo"]["N"] == 16 and run["depo"]["separator"] is True
+    assert run["model"]["vocab_size"] == 10000 and run["depo"]["N"] == 8 and run["depo"]["separator"] is True
     assert "brevo" not in run.sections and "capo" not in run.sections
     config = tmp_path / "depo2.toml"
     config.write_text('[model]\nname = "llama"\nflavor = "debug"\n[training]\nseq_len = 512\n'
@@ -173,17 +173,26 @@ def test_playground_configs_resolve_with_task_vocab_and_sections(tmp_path):
 @pytest.mark.parametrize("config,overrides,key,message", [
     ("depo", ["--depo.hops", "3"], "[depo] hops", "unknown key"),
     ("depo", ["--brevo.N", "9"], "[brevo] N", "reads [depo]"),
-    ("depo", ["--depo.N", "400"], "[training] seq_len", "seq_len >= "),
+    ("depo", ["--depo.N", "60", "--depo.max_word_len", "2"], "[training] seq_len", "seq_len >= 360"),
     ("depo", ["--model.vocab_size", "5000"], "[model] vocab_size", ">= 10000"),
     ("text", ["--dataloader.dataset", "capo_bios", "--dataloader.answer_only_loss", "true"],
      "[dataloader] answer_only_loss", "whole biographies"),
     ("text", ["--dataloader.answer_only_loss", "true"], "[dataloader] answer_only_loss", "not dataset = 'builtin'"),
     ("text", ["--mano.L", "3"], "[mano] L", "is not a synthetic task"),
     ("text", ["--dataloader.dataset", "lano", "--lano.grammar", "/nope.json"], "[lano] grammar", "nope.json"),
-    ("text", ["--dataloader.dataset", "mano", "--mano.operators", "+%"], "[mano] ", "subset of"),
+    ("text", ["--dataloader.dataset", "mano", "--mano.operators", "+%"], "[mano] operators", "subset of"),
+    ("depo", ["--depo.mini_vocab", "2", "--depo.max_word_len", "1"], "[depo] N", "only 2 distinct words"),
+    ("depo", ["--depo.K", "600"], "[depo] K", "1 <= K < 500"),
+    ("depo", ["--depo.min_word_len", "3", "--depo.max_word_len", "2"], "[depo] max_word_len", "below min_word_len"),
+    ("text", ["--dataloader.dataset", "lano", "--lano.sizes", "[1, 1]", "--lano.rule_lengths", "[2, 2]"],
+     "[lano] rules_per_symbol", "only 1 distinct rules"),
+    ("text", ["--dataloader.dataset", "lano", "--lano.grammar", "BAD_GRAMMAR"], "[lano] grammar", "reference JSON layout"),
 ])
-def test_task_config_errors_name_the_key(config, overrides, key, message):
+def test_task_config_errors_name_the_key(config, overrides, key, message, tmp_path):
     path = PLAYGROUND / "depo.toml" if config == "depo" else REPO / "train_configs" / "llama_debug.toml"
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"depth": 1}')
+    overrides = [str(bad) if o == "BAD_GRAMMAR" else o for o in overrides]
     with pytest.raises(ConfigError) as e:
         load(path, overrides)
     assert e.value.key == key and message in e.value.message, str(e.value)
@@ -263,3 +272,61 @@ def test_capo_people_export_and_bior_training_texts(tmp_path):
     assert len(set(texts)) > 12 and all(any(t.startswith(p["name"] + " ") for p in people) for t in texts)
     run = load(config, ["--capo.bior_path", str(bior)])
     assert run["capo"]["bior_path"] == str(bior)
+
+
+def test_playground_report_table_and_plot(tmp_path):
+    import importlib.util
+
+    from PIL import Image
+
+    spec = importlib.util.spec_from_file_location("playground", REPO / "scripts" / "playground.py")
+    playground = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(playground)
+    task = make_task("depo1", **DEPO)
+    items = task.test_items(1, 4)
+    results = {}
+    for model, right in (("llama", 1), ("llama_canon", 3)):  # answers right for the first `right` of each group
+        continuations = [item.answer if i % 4 < right else [] for i, item in enumerate(items)]
+        results[model] = {**summarize(task, items, continuations), "dataset": "depo1", "count": 4}
+    text = playground.table("depo", results)
+    assert "| llama | 25.0 | 25.0 | 25.0 | 25.0 |  |" in text and "| llama_canon | 75.0 |" in text
+    playground.plot({"depo": results}, tmp_path / "accuracy.png")
+    image = np.asarray(Image.open(tmp_path / "accuracy.png").convert("L"))
+    assert image.shape[0] > 200 and image.shape[1] > 300 and image.std() > 10  # drawn, not blank
+
+
+def test_trainer_config_carries_the_task():
+    from canon_titan.config.build import build_trainer_config
+
+    run = load(PLAYGROUND / "depo.toml", ["--depo.N", "9"])
+    config = build_trainer_config(run)
+    assert isinstance(config.dataloader, SyntheticDataLoader.Config)
+    assert config.dataloader.task["N"] == 9 and config.dataloader.answer_only_loss is True
+    assert config.model_spec.model.tok_embeddings.num_embeddings == 10000
+
+
+@pytest.mark.parametrize("kind", ["hf", "sentencepiece"])
+def test_capo_recall_through_real_tokenizers(kind, tmp_path):
+    """An oracle emitting the tokens of prompt + answer scores 100% through greedy generation,
+    for a byte-level BPE and for SentencePiece (which drops a leading space decoding a fragment)."""
+    task = make_task("capo_bios", individuals=40)
+    if kind == "hf":
+        tokenizer = build_tokenizer("hf", str(ASSET_DIR))
+    else:
+        import sentencepiece as spm
+
+        bios = [task.train_sample(random.Random(i)) for i in range(400)]
+        spm.SentencePieceTrainer.train(sentence_iterator=iter(bios), model_prefix=str(tmp_path / "tokenizer"),
+                                       vocab_size=400, model_type="bpe", unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
+                                       character_coverage=1.0, minloglevel=2)
+        tokenizer = build_tokenizer("sentencepiece", str(tmp_path / "tokenizer.model"))
+    items = task.test_items(2, 5)
+    continuations = []
+    for item in items:
+        full = tokenizer.encode(item.prompt + item.answer, add_bos=True, add_eos=False)
+        model = Oracle(lambda ids, full=full: full[len(ids)] if len(ids) < len(full) else tokenizer.eos_id)
+        continuations.append(greedy_continuation(model, item, tokenizer))
+    assert summarize(task, items, continuations)["overall"]["accuracy"] == 1.0, continuations[:3]
+    other = [greedy_continuation(Oracle(lambda ids: tokenizer.encode(" Boston.", add_bos=False, add_eos=False)[0]),
+                                 item, tokenizer) for item in items[:6]]
+    assert summarize(task, items[:6], other)["overall"]["correct"] == 0

@@ -192,18 +192,31 @@ def _drop_task_sections(run: RunConfig) -> None:
 def check_synthetic(run: RunConfig, environment: bool) -> None:
     """The chosen dataset's task section resolves to a task whose samples fit ``seq_len``; the
     resolved config shows the task's full parameters. Integer-token tasks set the vocabulary."""
-    from synthetic_data.tasks import SECTION, VOCAB, make_task
+    from synthetic_data.tasks import SECTION, VOCAB, TaskParamError, make_task
 
     dataset = run["dataloader"]["dataset"]
     own = SECTION[dataset]
     overrides = {k: v for k, v in run[own].items() if v is not None}
-    files = [k for k in ("grammar", "bior_path") if overrides.get(k)]
-    if files and not environment:
-        return
+    if dataset == "capo_bios" and run["dataloader"]["answer_only_loss"]:
+        _fail(run, "dataloader", "answer_only_loss", f"{dataset} trains on whole biographies; set it to false")
+    if dataset != "capo_bios":  # integer-token tasks: ids up to 9999, no tokenizer
+        args = run.model_args
+        if ("model", "vocab_size") in run.origins:
+            if args.vocab_size < VOCAB:
+                _fail(run, "model", "vocab_size", f"is {args.vocab_size}; {dataset} uses token ids up to "
+                      f"{VOCAB - 1}, so it must be >= {VOCAB} (or remove the key)")
+        else:
+            args.vocab_size = run["model"]["vocab_size"] = VOCAB
+    if not environment and any(overrides.get(k) for k in ("grammar", "bior_path")):
+        return  # the task needs its file
     try:
         task = make_task(dataset, **overrides)
-    except (ValueError, OSError) as e:
-        _fail(run, own, files[0] if files and isinstance(e, OSError) else "", str(e))
+    except TaskParamError as e:
+        _fail(run, own, e.key, str(e))
+    except OSError as e:
+        _fail(run, own, "bior_path", f"cannot read {overrides.get('bior_path')}: {e.strerror or e}")
+    except ValueError as e:  # a bad bioR file: its path and line are in the message
+        _fail(run, own, "bior_path", str(e))
     run[own].update(dataclasses.asdict(task.params))
     seq_len = run["training"]["seq_len"]
     longest, shortest = task.max_length(), getattr(task, "min_length", lambda: None)()
@@ -212,33 +225,21 @@ def check_synthetic(run: RunConfig, environment: bool) -> None:
               f"be {longest} tokens long; use seq_len >= {longest - 1} or a smaller task")
     if shortest is not None and shortest > seq_len + 1:
         _fail(run, "training", "seq_len", f"is {seq_len}, but the shortest {dataset} sample has {shortest} tokens")
-    if task.text:
-        if run["dataloader"]["answer_only_loss"]:
-            _fail(run, "dataloader", "answer_only_loss", f"{dataset} trains on whole biographies; set it to false")
-        if environment:  # biography lengths depend on the tokenizer: measure a few hundred
-            import random
+    if task.text and environment:  # biography lengths depend on the tokenizer: measure a few hundred
+        import random
 
-            from canon_titan.data.builtin import ASSET_DIR
-            from canon_titan.data.tokenizers import build_tokenizer
+        from canon_titan.data.builtin import ASSET_DIR
+        from canon_titan.data.tokenizers import build_tokenizer
 
-            try:
-                tokenizer = build_tokenizer(run["tokenizer"]["kind"], run["tokenizer"]["path"] or str(ASSET_DIR))
-            except (FileNotFoundError, OSError):
-                return  # reported by the tokenizer check
-            rng = random.Random(0)
-            longest = max(len(tokenizer.encode(task.train_sample(rng), add_bos=True, add_eos=True))
-                          for _ in range(200))
-            if longest > seq_len + 1:
-                _fail(run, "training", "seq_len", f"is {seq_len}, but {dataset} biographies reach {longest} tokens "
-                      f"with this tokenizer; use seq_len >= {2 * longest}")
-        return
-    args = run.model_args
-    if ("model", "vocab_size") in run.origins:
-        if args.vocab_size < VOCAB:
-            _fail(run, "model", "vocab_size", f"is {args.vocab_size}; {dataset} uses token ids up to {VOCAB - 1}, "
-                  f"so it must be >= {VOCAB} (or remove the key)")
-    else:
-        args.vocab_size = run["model"]["vocab_size"] = VOCAB
+        try:
+            tokenizer = build_tokenizer(run["tokenizer"]["kind"], run["tokenizer"]["path"] or str(ASSET_DIR))
+        except (FileNotFoundError, OSError):
+            return  # reported by the tokenizer check
+        rng = random.Random(0)
+        longest = max(len(tokenizer.encode(task.train_sample(rng), add_bos=True, add_eos=True)) for _ in range(200))
+        if longest > seq_len + 1:
+            _fail(run, "training", "seq_len", f"is {seq_len}, but {dataset} biographies reach {longest} tokens "
+                  f"with this tokenizer; use seq_len >= {longest} (rarer longer ones are skipped)")
 
 
 def tokenizer_vocab(run: RunConfig) -> int | None:

@@ -62,7 +62,7 @@ class SyntheticDataLoader(BaseDataLoader):
         self.next_sample = 0
         probe = [self.window(w) for w in range(4)]
         fill = np.mean([(p[2] != IGNORE_INDEX).sum() / seq_len for p in probe])
-        samples = np.mean([int((p[1] == 0).sum()) for p in probe])
+        samples = np.mean([int(((p[1] == 0) & (p[0] != PAD)).sum()) for p in probe])
         logger.info(f"Synthetic dataset {config.dataset!r} ({self.task.params}): ~{samples:.1f} samples per "
                     f"window of {seq_len}, {100 * fill:.1f}% of positions in the loss "
                     f"(dp rank {dp_rank}/{dp_world_size})")
