@@ -8,6 +8,7 @@
   canon-titan data tokenize --input GLOB [--input GLOB ...] --out DIR --tokenizer PATH [--tokenizer-kind hf|sentencepiece|tiktoken] [--workers N]
   canon-titan data inspect DIR [--samples N]
   canon-titan data capo-people --config FILE.toml --out FILE.jsonl [--section.key value ...]
+  canon-titan data multihop --background FILE --out FILE.jsonl [--hops 1|2] [--people N] [--context-tokens M] [--count N] [--seed S] [--tokenizer PATH --tokenizer-kind KIND]
   canon-titan eval synthetic --config FILE.toml [--checkpoint DIR] [--count N] [--seed S] [--out FILE.json] [--section.key value ...]
 """
 
@@ -157,7 +158,23 @@ def cmd_data(argv: list[str]) -> int:
                             "prompt per person for writing bioR biographies")
     people.add_argument("--config", required=True, help="a TOML with [dataloader] dataset = 'capo_bios'")
     people.add_argument("--out", required=True)
+    hop = sub.add_parser("multihop", help="multi-hop birth-year test file: people's birth years scattered in "
+                         "background text (JSON lines: prompt, answer)")
+    hop.add_argument("--background", required=True, help="plain text, or documents (.jsonl/.zst/.parquet) with --text-key")
+    hop.add_argument("--text-key", default="text", help="document field holding the text (reference Wikipedia: plaintext)")
+    hop.add_argument("--out", required=True)
+    hop.add_argument("--hops", type=int, default=1, help="k: 1 (people per group 5 by default) or 2 (3)")
+    hop.add_argument("--people", type=int, help="n, people per group (default 5 for 1 hop, 3 otherwise)")
+    hop.add_argument("--context-tokens", type=int, default=0, help="M: background tokens stay below this")
+    hop.add_argument("--count", type=int, default=200)
+    hop.add_argument("--seed", type=int, default=42)
+    hop.add_argument("--tokenizer", help="tokenizer counting M (default: the built-in one)")
+    hop.add_argument("--tokenizer-kind", choices=["hf", "sentencepiece", "tiktoken"], default="hf")
     args, overrides = parser.parse_known_args(argv)
+    if args.action == "multihop":
+        if overrides:
+            parser.error(f"unrecognized arguments: {' '.join(overrides)}")
+        return _multihop(args)
     if overrides and args.action != "capo-people":
         parser.error(f"unrecognized arguments: {' '.join(overrides)}")
     if args.action == "capo-people":
@@ -203,6 +220,31 @@ def cmd_data(argv: list[str]) -> int:
     except (DataError, FileNotFoundError) as e:
         print(f"canon-titan: data error: {e}", file=sys.stderr)
         return 2
+
+
+def _multihop(args) -> int:
+    import json
+
+    from canon_titan.data.builtin import ASSET_DIR
+    from canon_titan.data.tokenizers import build_tokenizer
+    from canon_titan.evaluation import multihop
+    from canon_titan.fileio import write_atomic
+
+    if args.hops < 1 or args.count < 1 or args.context_tokens < 0:
+        print("canon-titan: data error: --hops and --count must be >= 1, --context-tokens >= 0", file=sys.stderr)
+        return 2
+    try:
+        tokenizer = build_tokenizer(args.tokenizer_kind, args.tokenizer or str(ASSET_DIR))
+        background = multihop.read_background(args.background, args.text_key)
+        records = multihop.generate(args.people or (5 if args.hops == 1 else 3), args.hops, args.context_tokens,
+                                    args.count, args.seed, background,
+                                    lambda text: len(tokenizer.encode(text, add_bos=False, add_eos=False)))
+    except (OSError, ValueError) as e:
+        print(f"canon-titan: data error: {e}", file=sys.stderr)
+        return 2
+    write_atomic(args.out, "".join(json.dumps(r) + "\n" for r in records))
+    print(f"[multihop] {len(records)} prompts ({args.hops}-hop, < {args.context_tokens} background tokens) -> {args.out}")
+    return 0
 
 
 def _capo_people(args, overrides: list[str]) -> int:

@@ -1,0 +1,1 @@
+"""Evaluation helpers: test-set generators and prompt formats (lm-eval tasks live in eval/)."""
