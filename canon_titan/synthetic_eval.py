@@ -62,16 +62,14 @@ def greedy_continuation(model, item: TestItem, tokenizer=None, max_len: int | No
     return decoded if text else new
 
 
-def evaluate(run, checkpoint: str | Path, count: int = 100, seed: int = DEFAULT_TEST_SEED,
-             model=None, tokenizer=None) -> dict:
+def evaluate(run, checkpoint: str | Path, count: int = 100, seed: int = DEFAULT_TEST_SEED) -> dict:
     from canon_titan.convert.dcp_io import find_step_dir, load_model
 
     task = task_of(run)
-    step_dir = None
-    if model is None:
-        step_dir = find_step_dir(checkpoint)
-        model = load_model(run, step_dir)
-    if task.text and tokenizer is None:
+    step_dir = find_step_dir(checkpoint)
+    model = load_model(run, step_dir)
+    tokenizer = None
+    if task.text:
         from canon_titan.data.builtin import ASSET_DIR
         from canon_titan.data.tokenizers import build_tokenizer
 
@@ -91,7 +89,7 @@ def evaluate(run, checkpoint: str | Path, count: int = 100, seed: int = DEFAULT_
                         f"ETA {elapsed / n * (len(items) - n):.0f}s")
     result = summarize(task, items, continuations)
     result.update({"dataset": task.name, "params": vars(task.params), "model": run["model"]["name"],
-                   "checkpoint": str(step_dir or checkpoint), "count": count, "seed": seed})
+                   "checkpoint": str(step_dir), "count": count, "seed": seed})
     return result
 
 

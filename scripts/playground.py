@@ -13,14 +13,16 @@ interrupted experiment continues where it stopped.
 from __future__ import annotations
 
 import argparse
+import io
 import json
-import os
 import shutil
 import subprocess
 import sys
 import time
 import tomllib
 from pathlib import Path
+
+from canon_titan.fileio import write_atomic
 
 REPO = Path(__file__).resolve().parent.parent
 MODELS = ("llama", "llama_canon")
@@ -64,7 +66,7 @@ def train_and_score(task: str, model: str, args) -> dict:
     result = json.loads(result_file.read_text())
     result["train_seconds"] = round(trained, 1)
     result["steps"] = steps
-    result_file.write_text(json.dumps(result, indent=2) + "\n")
+    write_atomic(result_file, json.dumps(result, indent=2) + "\n")
     return result
 
 
@@ -100,9 +102,9 @@ def plot(all_results: dict[str, dict[str, dict]], path: Path) -> None:
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()
-    tmp = path.with_name("." + path.name)
-    fig.savefig(tmp, dpi=110, format="png")
-    os.replace(tmp, path)
+    png = io.BytesIO()
+    fig.savefig(png, dpi=110, format="png")
+    write_atomic(path, png.getvalue())
 
 
 def main() -> int:
@@ -130,8 +132,8 @@ def main() -> int:
                   f"(elapsed {elapsed / 60:.1f} min{eta})", flush=True)
             all_results[task][model] = train_and_score(task, model, args)
     report = "\n\n".join(table(task, results) for task, results in all_results.items()) + "\n"
-    (args.out / "results.md").write_text(report)
-    (args.out / "results.json").write_text(json.dumps(all_results, indent=2) + "\n")
+    write_atomic(args.out / "results.md", report)
+    write_atomic(args.out / "results.json", json.dumps(all_results, indent=2) + "\n")
     plot(all_results, args.out / "accuracy.png")
     print("\n" + report)
     print(f"[playground] done in {(time.monotonic() - started) / 60:.1f} min: {args.out}/results.md, "

@@ -83,23 +83,32 @@ def templates(attribute: str) -> tuple[str, ...]:
     return word_list(f"templates_{attribute}")
 
 
+def unique_names(rng: random.Random, count: int) -> list[tuple[str, str, str]]:
+    """``count`` distinct (first, middle, last) names drawn from the lists."""
+    first, middle, last = word_list("first_names"), word_list("middle_names"), word_list("last_names")
+    if count > len(first) * len(middle) * len(last) // 2:
+        raise ValueError(f"{count} people are too many for the name lists")
+    names: dict[tuple[str, str, str], None] = {}
+    while len(names) < count:
+        names.setdefault((rng.choice(first), rng.choice(middle), rng.choice(last)))
+    return list(names)
+
+
 def population(params: CapoParams) -> list[Person]:
     """The people, deterministic from ``population_seed``; full names are unique."""
-    first, middle, last = word_list("first_names"), word_list("middle_names"), word_list("last_names")
-    if params.individuals > len(first) * len(middle) * len(last) // 2:
-        raise ValueError(f"individuals = {params.individuals} is too many for the name lists")
+    from synthetic_data.tasks import TaskParamError
+
     if params.min_year > params.max_year:
-        raise ValueError(f"min_year {params.min_year} > max_year {params.max_year}")
+        raise TaskParamError("max_year", f"is {params.max_year}, below min_year = {params.min_year}")
     rng = random.Random(f"capo-population/{params.population_seed}")
+    try:
+        names = unique_names(rng, params.individuals)
+    except ValueError as e:
+        raise TaskParamError("individuals", str(e)) from None
     cities, companies = word_list("cities"), word_list("companies")
     universities, fields = word_list("universities"), word_list("fields")
-    names: set[tuple[str, str, str]] = set()
     people = []
-    while len(people) < params.individuals:
-        name = (rng.choice(first), rng.choice(middle), rng.choice(last))
-        if name in names:
-            continue
-        names.add(name)
+    for name in names:
         company, company_city = (part.strip() for part in rng.choice(companies).split(";"))
         birthday = f"{rng.choice(MONTHS)} {rng.randint(1, 28)}, {rng.randint(params.min_year, params.max_year)}"
         people.append(Person(len(people), *name, birthday=birthday, birth_city=rng.choice(cities),
@@ -188,12 +197,12 @@ def load_bior(path: str | Path, people: list[Person]) -> list[tuple[int, str]]:
     return records
 
 
-def bior_prompt(person: Person, rng: random.Random, words: str = "50-200") -> str:
+def bior_prompt(person: Person, rng: random.Random) -> str:
     """A prompt asking a language model for a bioR biography of ``person`` (facts in random order)."""
     facts = [f"was born on {person.birthday}", f"was born in {person.birth_city}", f"studied at {person.university}",
              f"majored in {person.field}", f"worked for {person.company}", f"worked in {person.company_city}"]
     rng.shuffle(facts)
-    return (f"Write a {words} word biography of a fictional person named {person.name} "
+    return (f"Write a 50-200 word biography of a fictional person named {person.name} "
             f"({person.pronoun.lower()}/{person.possessive}) who " + ", ".join(facts[:-1]) + f" and {facts[-1]}. "
             "Mention every one of these facts exactly once, and nothing else that could contradict them.")
 

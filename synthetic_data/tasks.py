@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,27 +65,28 @@ def _test_rng(seed: int, group: str, index: int) -> random.Random:
     return sample_rng(seed, f"test-{group}", index)
 
 
-class Task:
+class Task(ABC):
     name: str
     params: Any
     text = False
     """Text tasks give strings (the run's tokenizer encodes them); the others give token ids."""
 
-    def train_sample(self, rng: random.Random) -> Sample | str:
-        raise NotImplementedError
+    @abstractmethod
+    def train_sample(self, rng: random.Random) -> Sample | str: ...
 
     def max_length(self) -> int | None:
         """Longest training sample in tokens (None: not bounded, long samples are redrawn)."""
         return None
 
-    def test_items(self, seed: int, count: int) -> list[TestItem]:
-        raise NotImplementedError
+    def min_length(self) -> int | None:
+        """Shortest training sample in tokens, where that can exceed a small window."""
+        return None
 
-    def score(self, item: TestItem, continuation) -> bool:
-        raise NotImplementedError
+    @abstractmethod
+    def test_items(self, seed: int, count: int) -> list[TestItem]: ...
 
-    def groups(self, items: list[TestItem]) -> list[str]:
-        return list(dict.fromkeys(item.group for item in items))
+    @abstractmethod
+    def score(self, item: TestItem, continuation) -> bool: ...
 
 
 class DepoTask(Task):

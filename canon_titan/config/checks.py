@@ -219,7 +219,7 @@ def check_synthetic(run: RunConfig, environment: bool) -> None:
         _fail(run, own, "bior_path", str(e))
     run[own].update(dataclasses.asdict(task.params))
     seq_len = run["training"]["seq_len"]
-    longest, shortest = task.max_length(), getattr(task, "min_length", lambda: None)()
+    longest, shortest = task.max_length(), task.min_length()
     if longest is not None and longest > seq_len + 1:
         _fail(run, "training", "seq_len", f"is {seq_len}, but {dataset} samples with these [{own}] settings can "
               f"be {longest} tokens long; use seq_len >= {longest - 1} or a smaller task")

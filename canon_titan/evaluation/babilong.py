@@ -11,8 +11,10 @@ are read from local files.
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -107,9 +109,6 @@ def is_correct(task: str, continuation: str, target: str) -> bool:
 
 def read_samples(path) -> list[dict]:
     """Babilong samples from JSON lines with "input" (the context), "question" and "target"."""
-    import json
-    from pathlib import Path
-
     samples = []
     for number, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():

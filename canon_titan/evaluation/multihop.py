@@ -39,18 +39,10 @@ class Problem:
     answer: str
 
 
-def unique_names(rng: random.Random, count: int) -> list[str]:
-    first, middle, last = capo.word_list("first_names"), capo.word_list("middle_names"), capo.word_list("last_names")
-    names: dict[str, None] = {}
-    while len(names) < count:
-        names.setdefault(f"{rng.choice(first)} {rng.choice(middle)} {rng.choice(last)}")
-    return list(names)
-
-
 def make_problem(rng: random.Random, n: int, k: int) -> Problem:
     if n < 1 or k < 1 or n > len(YEARS):
         raise ValueError(f"need 1 <= n <= {len(YEARS)} and k >= 1, got n={n}, k={k}")
-    names = unique_names(rng, n * k)
+    names = [" ".join(name) for name in capo.unique_names(rng, n * k)]
     groups = [names[i * n : (i + 1) * n] for i in range(k)]
     years = rng.sample(list(YEARS), n)
     sentences = [f"{name} was born in the year of {year}." for name, year in zip(groups[0], years)]
