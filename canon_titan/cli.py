@@ -8,8 +8,10 @@
   canon-titan data tokenize --input GLOB [--input GLOB ...] --out DIR --tokenizer PATH [--tokenizer-kind hf|sentencepiece|tiktoken] [--workers N]
   canon-titan data inspect DIR [--samples N]
   canon-titan data capo-people --config FILE.toml --out FILE.jsonl [--section.key value ...]
-  canon-titan data multihop --background FILE --out FILE.jsonl [--hops 1|2] [--people N] [--context-tokens M] [--count N] [--seed S] [--tokenizer PATH --tokenizer-kind KIND]
+  canon-titan data multihop --background FILE (--out FILE.jsonl | --out-dir DIR) [--hops 1|2] [--people N] [--context-tokens M] [--count N] [--seed S] [--tokenizer PATH --tokenizer-kind KIND]
   canon-titan eval synthetic --config FILE.toml [--checkpoint DIR] [--count N] [--seed S] [--out FILE.json] [--section.key value ...]
+  canon-titan eval lm --model HF_DIR|CKPT_DIR --suite avg10|all13|TASK ... [--dtype bf16|fp32] [--limit N] [--data-dir DIR] [--out FILE.json]
+  canon-titan report RUN_DIR [RUN_DIR ...] --out FILE.png [--html FILE.html] [--labels A,B,...]
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import argparse
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 
 def _load_or_report(path: str, overrides: list[str], environment: bool = True):
@@ -162,7 +165,10 @@ def cmd_data(argv: list[str]) -> int:
                          "background text (JSON lines: prompt, answer)")
     hop.add_argument("--background", required=True, help="plain text, or documents (.jsonl/.zst/.parquet) with --text-key")
     hop.add_argument("--text-key", default="text", help="document field holding the text (reference Wikipedia: plaintext)")
-    hop.add_argument("--out", required=True)
+    where = hop.add_mutually_exclusive_group(required=True)
+    where.add_argument("--out", help="one test file, for --hops/--context-tokens")
+    where.add_argument("--out-dir", help="the reference grid for the eval/ tasks: OUT_DIR/multihop/{1hop,2hop}_"
+                       "{0k,0.5k,1k,2k,3k,4k,5k,6k}.jsonl (1-hop N=5, 2-hop N=3; k = 1024 tokens)")
     hop.add_argument("--hops", type=int, default=1, help="k: 1 (people per group 5 by default) or 2 (3)")
     hop.add_argument("--people", type=int, help="n, people per group (default 5 for 1 hop, 3 otherwise)")
     hop.add_argument("--context-tokens", type=int, default=0, help="M: background tokens stay below this")
@@ -233,17 +239,25 @@ def _multihop(args) -> int:
     if args.hops < 1 or args.count < 1 or args.context_tokens < 0:
         print("canon-titan: data error: --hops and --count must be >= 1, --context-tokens >= 0", file=sys.stderr)
         return 2
+    if args.out_dir:
+        from canon_titan.evaluation.lm_tasks import MULTIHOP_CONTEXTS, MULTIHOP_HOPS
+
+        jobs = [(Path(args.out_dir) / "multihop" / f"{hops}_{label}.jsonl", n, k, tokens)
+                for hops, (n, k) in MULTIHOP_HOPS.items() for label, tokens in MULTIHOP_CONTEXTS.items()]
+    else:
+        jobs = [(Path(args.out), args.people or (5 if args.hops == 1 else 3), args.hops, args.context_tokens)]
     try:
         tokenizer = build_tokenizer(args.tokenizer_kind, args.tokenizer or str(ASSET_DIR))
         background = multihop.read_background(args.background, args.text_key)
-        records = multihop.generate(args.people or (5 if args.hops == 1 else 3), args.hops, args.context_tokens,
-                                    args.count, args.seed, background,
-                                    lambda text: len(tokenizer.encode(text, add_bos=False, add_eos=False)))
+        for out, n, k, tokens in jobs:
+            records = multihop.generate(n, k, tokens, args.count, args.seed, background,
+                                        lambda text: len(tokenizer.encode(text, add_bos=False, add_eos=False)))
+            out.parent.mkdir(parents=True, exist_ok=True)
+            write_atomic(out, "".join(json.dumps(r) + "\n" for r in records))
+            print(f"[multihop] {len(records)} prompts ({k}-hop, N={n}, < {tokens} background tokens) -> {out}")
     except (OSError, ValueError) as e:
         print(f"canon-titan: data error: {e}", file=sys.stderr)
         return 2
-    write_atomic(args.out, "".join(json.dumps(r) + "\n" for r in records))
-    print(f"[multihop] {len(records)} prompts ({args.hops}-hop, < {args.context_tokens} background tokens) -> {args.out}")
     return 0
 
 
@@ -286,7 +300,26 @@ def cmd_eval(argv: list[str]) -> int:
     syn.add_argument("--count", type=int, default=100, help="test items per group (Brevo: 4x this many graphs)")
     syn.add_argument("--seed", type=int, help="test-set seed (default: the fixed held-out one)")
     syn.add_argument("--out", help="JSON results (default: {dump_folder}/eval_synthetic.json)")
+    lm = sub.add_parser("lm", help="lm-eval tasks and suites on an HF export or a DCP checkpoint (no BOS added)")
+    lm.add_argument("--model", required=True, help="an HF export folder (convert to-hf) or a DCP checkpoint "
+                    "folder (step-N, or the checkpoint folder: newest step), converted in memory")
+    lm.add_argument("--config", help="DCP only: the run's TOML (default: the run_config.toml the run wrote)")
+    lm.add_argument("--suite", nargs="+", required=True, metavar="NAME",
+                    help="avg10, all13 (the reference suites), or any lm-eval task/group, incl. those in eval/ "
+                    "(multihop_1hop, multihop_2hop, babilong_avg20, ...)")
+    lm.add_argument("--dtype", choices=["bf16", "fp32", "fp16"], default="bf16")
+    lm.add_argument("--limit", type=float, help="items per task (a fraction if < 1), for quick checks")
+    lm.add_argument("--batch-size", type=int, default=1)
+    lm.add_argument("--data-dir", help="folder of the local test files of eval/ tasks (default $CANON_EVAL_DATA "
+                    "or ./eval_data)")
+    lm.add_argument("--include-path", action="append", default=[], help="another folder of lm-eval task YAMLs")
+    lm.add_argument("--device", default="cuda" if _cuda() else "cpu")
+    lm.add_argument("--out", help="JSON results (default: eval_lm.json beside the model folder)")
     args, overrides = parser.parse_known_args(argv)
+    if args.kind == "lm":
+        if overrides:
+            parser.error(f"unrecognized arguments: {' '.join(overrides)}")
+        return _eval_lm(args)
     if args.count < 1:
         parser.error("--count must be >= 1")
 
@@ -315,7 +348,65 @@ def cmd_eval(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"train": cmd_train, "config": cmd_config, "convert": cmd_convert, "data": cmd_data, "eval": cmd_eval}
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _eval_lm(args) -> int:
+    from torchtitan.tools.logging import init_logger
+
+    from canon_titan.config import ConfigError
+    from canon_titan.convert.dcp_io import ConversionError
+    from canon_titan.evaluation import lm
+
+    init_logger()
+    try:
+        lm.require_lm_eval()
+        model, tokenizer, max_length = lm.load_for_eval(args.model, args.dtype, args.config)
+        result = lm.evaluate(model.to(args.device), tokenizer, args.suite, max_length=max_length, limit=args.limit,
+                             batch_size=args.batch_size, data_dir=args.data_dir, include_paths=args.include_path)
+    except ConfigError as e:
+        print(f"canon-titan: config error: {e}", file=sys.stderr)
+        return 2
+    except (ConversionError, lm.LMEvalError, FileNotFoundError) as e:
+        print(f"canon-titan: eval error: {e}", file=sys.stderr)
+        return 2
+    record = lm.evaluation_record(result, model=args.model, dtype=args.dtype, limit=args.limit, tasks=args.suite)
+    print(lm.table(result)[1])
+    out = args.out or os.path.join(os.path.dirname(os.path.abspath(args.model)), "eval_lm.json")
+    lm.write_json(record, out)
+    print(f"[eval] wrote {out}")
+    return 0
+
+
+def cmd_report(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="canon-titan report",
+                                     description="loss and eval metrics vs tokens for several runs side by side")
+    parser.add_argument("runs", nargs="+", metavar="RUN_DIR", help="dump folders of training runs")
+    parser.add_argument("--out", required=True, help="the PNG to write")
+    parser.add_argument("--html", help="also a self-contained HTML page (figure inline, last values)")
+    parser.add_argument("--labels", help="comma-separated names, one per run (default: [job] description or folder)")
+    parser.add_argument("--smooth", type=float, default=0.0, help="EMA factor for the loss curve, 0 <= s < 1")
+    args = parser.parse_args(argv)
+    if not 0 <= args.smooth < 1:
+        parser.error("--smooth must be in [0, 1)")
+
+    from canon_titan.report import ReportError, write_report
+
+    try:
+        runs = write_report(args.runs, args.out, args.html, args.labels.split(",") if args.labels else None,
+                            args.smooth)
+    except ReportError as e:
+        print(f"canon-titan: report error: {e}", file=sys.stderr)
+        return 2
+    print(f"[report] {len(runs)} runs -> {args.out}" + (f" and {args.html}" if args.html else ""))
+    return 0
+
+
+COMMANDS = {"train": cmd_train, "config": cmd_config, "convert": cmd_convert, "data": cmd_data, "eval": cmd_eval,
+            "report": cmd_report}
 
 
 def main(argv: list[str] | None = None) -> int:

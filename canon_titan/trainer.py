@@ -1,5 +1,5 @@
-"""TorchTitan's Trainer with canon-titan's additions: the resolved TOML saved with the run, and
-progress (step, percentage, ETA) logged with the metrics."""
+"""TorchTitan's Trainer with canon-titan's additions: the resolved TOML saved with the run,
+progress (step, percentage, ETA) logged with the metrics, and evaluation during training."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import tyro
 from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
+from canon_titan.evaluation.in_training import EvalSettings, InTrainingEval
 from canon_titan.fileio import write_atomic
 
 RUN_CONFIG_FILE = "run_config.toml"
@@ -25,10 +26,15 @@ class CanonTrainer(Trainer):
     class Config(Trainer.Config):
         run_toml: Annotated[str, tyro.conf.Suppress] = ""
         """The resolved TOML of this run, written to ``{dump_folder}/run_config.toml``."""
+        evaluation: Annotated[EvalSettings | None, tyro.conf.Suppress] = None
+        """``[eval]``: evaluation during training (None = off)."""
 
     def __init__(self, config: Config):
         super().__init__(config)
         self._progress_origin: tuple[float, int] | None = None
+        self.evaluator = None
+        if config.evaluation is not None:
+            self.evaluator = InTrainingEval(config.evaluation, self.parallel_dims, self.device, config.training.steps)
         if config.run_toml and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
             os.makedirs(config.dump_folder, exist_ok=True)
             write_atomic(os.path.join(config.dump_folder, RUN_CONFIG_FILE), config.run_toml)
@@ -39,6 +45,14 @@ class CanonTrainer(Trainer):
         super().train_step(data_iterator)
         if self.metrics_processor.should_log(self.step):
             self._log_progress()
+        if self.evaluator is not None and self.evaluator.due(self.step):
+            metrics = self.evaluator.run(self.model_parts, self.step)
+            self.metrics_processor.logger.log(metrics, self.step)
+
+    def close(self) -> None:
+        if self.evaluator is not None:
+            self.evaluator.close()
+        super().close()
 
     def _log_progress(self) -> None:
         total = self.config.training.steps

@@ -51,7 +51,6 @@ class Grammar:
         return cls(depth, sizes, rules)
 
     def to_json(self) -> dict:
-        ids, next_id, idx = [], 1, []
         # Terminals take ids 1..sizes[depth]; non-terminals follow, level by level from the bottom.
         level_ids = {self.depth: list(range(1, self.num_terminals + 1))}
         next_id = self.num_terminals + 1

@@ -27,6 +27,54 @@ def seed_checkpoint(model: str, tmp_path_factory) -> Path:
     return _seeds[model]
 
 
+def make_checkpoint(tmp_path, overrides, config=CONFIGS["llama_canon"], seed=0):
+    """A randomly initialised model saved as a DCP checkpoint (model tensors only), with the
+    run's resolved TOML beside it as a training run writes it: returns (run, step dir, model)."""
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from canon_titan.config import load
+    from canon_titan.config.toml_writer import dumps
+
+    run = load(config, overrides, environment=False)
+    torch.manual_seed(seed)
+    model = run.model_spec().model.build()
+    model.init_states()
+    step = tmp_path / "ckpt" / "step-0"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(model.state_dict(), checkpoint_id=str(step))
+    (tmp_path / "run_config.toml").write_text(dumps(run.sections))
+    return run, step, model.eval()
+
+
+MC = [{"q": f"Item {i}: the sky on a clear day is", "choices": [" blue", " a green cat", " red"], "label": i % 3}
+      for i in range(6)]
+PPL = [{"text": f"Once upon a time there were {i} cats in a small house by the sea."} for i in range(3)]
+TINY_TASKS = {
+    "tiny_mc": "output_type: multiple_choice\ndoc_to_text: q\ndoc_to_choice: choices\ndoc_to_target: label\n"
+               "target_delimiter: ''\nmetric_list:\n  - metric: acc\n  - metric: acc_norm\n",
+    "tiny_gen": "output_type: generate_until\ndoc_to_text: q\ndoc_to_target: a\ntarget_delimiter: ''\n"
+                "generation_kwargs:\n  until: ['\\n']\n  max_gen_toks: 6\n  do_sample: false\n"
+                "metric_list:\n  - metric: exact_match\n",
+    "tiny_ppl": "output_type: loglikelihood_rolling\ndoc_to_text: ''\ndoc_to_target: text\n"
+                "metric_list:\n  - metric: word_perplexity\n  - metric: bits_per_byte\n",
+}
+
+
+def write_tiny_tasks(folder: Path, gen_rows: list[dict]) -> None:
+    """Three local lm-eval tasks (multiple choice, generation, rolling perplexity) on JSON lines."""
+    import json
+
+    for name, rows in (("tiny_mc", MC), ("tiny_gen", gen_rows), ("tiny_ppl", PPL)):
+        data = folder / f"{name}.jsonl"
+        data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (folder / f"{name}.yaml").write_text(f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+                                             f"    test: {data}\ntest_split: test\n" + TINY_TASKS[name])
+
+
 def start_from(seed_dir: Path, dump: Path) -> Path:
     (dump / "checkpoint").mkdir(parents=True)
     shutil.copytree(seed_dir, dump / "checkpoint" / "step-0")

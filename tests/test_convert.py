@@ -3,11 +3,9 @@
 import json
 import subprocess
 import sys
-import warnings
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
 
 from canon_titan.config import load
 from canon_titan.convert.dcp_io import (
@@ -18,23 +16,10 @@ from canon_titan.convert.dcp_io import (
     model_tensor_metadata,
 )
 from canon_titan.convert.hf import from_hf, to_hf
-from conftest import COMMON, CONFIGS, REPO, run_training, seed_checkpoint, start_from
 from canon_titan.metrics import read_scalars
+from conftest import COMMON, CONFIGS, make_checkpoint, run_training, seed_checkpoint, start_from
 
 CANON_CONFIG = CONFIGS["llama_canon"]
-
-
-def make_checkpoint(tmp_path, overrides, config=CANON_CONFIG, seed=0):
-    """A randomly initialised model saved as a DCP checkpoint (model tensors only)."""
-    run = load(config, overrides, environment=False)
-    torch.manual_seed(seed)
-    model = run.model_spec().model.build()
-    model.init_states()
-    step = tmp_path / "ckpt" / "step-0"
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        dcp.save(model.state_dict(), checkpoint_id=str(step))
-    return run, step, model.eval()
 
 
 def dcp_tensors(step_dir):

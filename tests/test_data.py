@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from canon_titan.data.builtin import ASSET_DIR, CORPUS_FILE, corpus_jsonl, generate_corpus
-from canon_titan.data.documents import DataError, iter_documents
+from canon_titan.data.documents import iter_documents
 from canon_titan.data.packed import DataConfigError, PackedTextDataLoader, tokenize_stream
 
 

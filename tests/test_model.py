@@ -4,7 +4,6 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import model_registry
 from canon_titan.loss import squared_nll_loss

@@ -9,7 +9,6 @@ missing all-reduce, a mis-scaled micro-batch) shows at >= 1e-3.
 """
 
 import subprocess
-import sys
 
 import pytest
 

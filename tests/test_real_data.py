@@ -357,3 +357,17 @@ def test_export_ships_a_sentencepiece_tokenizer_file(tmp_path, sp_path):
     assert (generation["bos_token_id"], generation["eos_token_id"]) == (1, 2)
     assert (out / "tokenizer.model").read_bytes() == sp_path.read_bytes()
     assert json.loads((out / "config.json").read_text())["vocab_size"] == 320
+
+
+@pytest.mark.parametrize("kind", ["hf", "sentencepiece", "tiktoken"])
+def test_hf_tokenizer_for_lm_eval_matches_ours(kind, sp_path, tiktoken_path):
+    """lm-eval sees the run's tokenizer as a transformers tokenizer: same ids, no BOS/EOS added."""
+    from canon_titan.evaluation.lm import hf_tokenizer
+
+    path = {"hf": str(ASSET_DIR), "sentencepiece": str(sp_path), "tiktoken": str(tiktoken_path)}[kind]
+    ours, theirs = build_tokenizer(kind, path), hf_tokenizer(kind, path)
+    for text in TEXTS[:20] + ["Mia lived in Oakford.\n\nAnswer me: Ann was born in the year of "]:
+        assert theirs.encode(text, add_special_tokens=False) == ours.encode(text)
+    for text in TEXTS[:20]:  # (decoding an unknown piece differs: "<unk>" vs sentencepiece's " ⁇ ")
+        assert theirs.decode(ours.encode(text)) == ours.decode(ours.encode(text))
+    assert (theirs.bos_token_id, theirs.eos_token_id) == (ours.bos_id, ours.eos_id)

@@ -49,6 +49,22 @@ def _dataloader(run: RunConfig):
     return PackedTextDataLoader.Config(**{k: section[k] for k in keys})
 
 
+def _eval_settings(run: RunConfig, tokenizer_path: str):
+    from canon_titan.evaluation.in_training import EvalSettings
+    from canon_titan.synthetic_eval import DEFAULT_TEST_SEED
+    from synthetic_data.tasks import SECTION
+
+    section = run["eval"]
+    if not section["every"]:
+        return None
+    dataset = run["dataloader"]["dataset"]
+    task = {k: v for k, v in run[SECTION[dataset]].items() if v is not None} if dataset in SECTION else {}
+    return EvalSettings(**section, model_args=run.model_args, model_config=run.model_spec().model,
+                        tokenizer_kind=run["tokenizer"]["kind"], tokenizer_path=tokenizer_path,
+                        seq_len=run["training"]["seq_len"], dataset=dataset, task_params=task,
+                        test_seed=DEFAULT_TEST_SEED)
+
+
 def _set_wandb_env(metrics: dict) -> None:
     os.environ.setdefault("WANDB_MODE", metrics["wandb_mode"])
     os.environ.setdefault("WANDB_PROJECT", metrics["wandb_project"])
@@ -112,6 +128,7 @@ def build_trainer_config(run: RunConfig):
                               print_config=job["print_config"]),
             loss=loss,
             run_toml=dumps(run.sections),
+            evaluation=_eval_settings(run, run["tokenizer"]["path"] or str(ASSET_DIR)),
         )
     except ValueError as e:
         raise ConfigError(run.source, f"[{section}]", str(e)) from e

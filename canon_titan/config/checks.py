@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from pathlib import Path
 
 from canon_titan.config.loader import CLI, ConfigError, RunConfig
 from canon_titan.config.sections import SYNTHETIC_DATASETS, TASK_SECTIONS
@@ -272,12 +271,33 @@ def tokenizer_vocab(run: RunConfig) -> int | None:
     return vocab
 
 
+def check_eval(run: RunConfig, environment: bool) -> None:
+    section = run["eval"]
+    if section["every"] < 0:
+        _fail(run, "eval", "every", "must be >= 0 (0 = no evaluation during training)")
+    if section["every"] and not section["tasks"] and not section["synthetic"]:
+        _fail(run, "eval", "every", "is set, but there is nothing to evaluate: set tasks and/or synthetic = true")
+    if section["synthetic"] and run["dataloader"]["dataset"] not in SYNTHETIC_DATASETS:
+        _fail(run, "eval", "synthetic", f"needs a synthetic [dataloader] dataset ({', '.join(SYNTHETIC_DATASETS)}), "
+              f"not {run['dataloader']['dataset']!r}")
+    for key in ("synthetic_count", "limit", "batch_size", "max_seconds"):
+        if section[key] is not None and section[key] <= 0:
+            _fail(run, "eval", key, "must be > 0")
+    if section["tasks"] and environment and section["every"]:
+        try:
+            import lm_eval  # noqa: F401
+        except ImportError:
+            _fail(run, "eval", "tasks", "lm-eval is not installed: install the eval extra "
+                  "(scripts/setup.sh dev,eval or pip install -e '.[eval]')")
+
+
 def check_run(run: RunConfig, environment: bool = True) -> None:
     check_model(run, environment)
     check_training(run)
     check_parallelism(run, environment)
     check_features(run, environment)
     check_data(run, environment)
+    check_eval(run, environment)
 
 
 __all__ = ["check_run", "CLI"]

@@ -121,6 +121,31 @@ class MetricsSection:
     disable_color_printing: bool = False
 
 
+@dataclass(kw_only=True)
+class EvalSection:
+    every: int = 0
+    """Evaluate every this many steps and at the last step (0 = never)."""
+    tasks: list[str] = field(default_factory=list)
+    """lm-eval tasks, groups or suites (avg10, all13, eval/ tasks such as multihop_1hop)."""
+    synthetic: bool = False
+    """Score the run's synthetic task (its held-out test set) with greedy generation."""
+    synthetic_count: int = 20
+    """Synthetic test items per group (e.g. per hop count)."""
+    limit: int | None = 100
+    """Items per lm-eval task (None = all)."""
+    ranks: Literal["first", "all"] = "first"
+    """first: rank 0 evaluates while the others wait; all: synthetic items are split over all
+    ranks (each holds a full copy of the weights). lm-eval tasks always run on rank 0."""
+    max_seconds: float = 600.0
+    """Time budget per evaluation: remaining synthetic items and lm-eval tasks are skipped."""
+    dtype: Literal["fp32", "bf16"] = "bf16"
+    batch_size: int = 1
+    data_dir: str | None = None
+    """Folder of the local test files of the eval/ tasks (default $CANON_EVAL_DATA or ./eval_data)."""
+    include_path: list[str] = field(default_factory=list)
+    """More folders of lm-eval task YAMLs."""
+
+
 def _task_section(params_cls: type) -> type:
     """A TOML section with the keys of a synthetic task's parameters, all defaulting to None
     (= the preset of the chosen dataset, e.g. depo1's or depo2's N)."""
@@ -171,6 +196,7 @@ SECTIONS: dict[str, Section] = {
     "compile": Section(CompileConfig, hidden=("enable_async_tensor_parallel",)),
     "float8": Section(Float8Section),
     "metrics": Section(MetricsSection),
+    "eval": Section(EvalSection),
     "comm": Section(CommConfig, hidden=("mode", "trace_buf_size", "save_traces_folder", "save_traces_file_prefix")),
     **{name: Section(cls) for name, cls in TASK_SECTIONS.items()},
 }

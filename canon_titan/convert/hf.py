@@ -19,6 +19,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable, Iterable
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -136,6 +137,45 @@ def _plan_shards(sizes: dict[str, int], max_shard_bytes: int) -> list[list[str]]
     return shards + ([current] if current else [])
 
 
+def hf_tensor(name: str, tensor: torch.Tensor, args, rotate_half: bool, dtype: torch.dtype) -> torch.Tensor:
+    """One canon-titan tensor as the HF model stores it (RoPE rows re-laid out if needed)."""
+    if rotate_half:
+        tensor = relayout(name, tensor, args, to_rotate_half=True)
+    return tensor.to(dtype).contiguous()
+
+
+def hf_model_in_memory(args, read: Callable[[str], torch.Tensor], names: Iterable[str], *, dtype: str,
+                       max_seq_len: int, tokenizer_ids: dict) -> torch.nn.Module:
+    """The transformers model ``to-hf`` would export, built in memory from tensors that
+    ``read(name)`` returns (a DCP checkpoint or live training weights), in eval mode."""
+    from transformers.initialization import no_init_weights
+
+    plain = is_plain_llama(args)
+    config = hf_config(args, plain, "lingua", dtype, max_seq_len, tokenizer_ids)
+    if plain:
+        from transformers import LlamaConfig as config_cls, LlamaForCausalLM as model_cls
+    else:
+        from canon_titan.hf.configuration_llama_canon import LlamaCanonConfig as config_cls
+        from canon_titan.hf.modeling_llama_canon import LlamaCanonForCausalLM as model_cls
+    with no_init_weights():
+        model = model_cls(config_cls(**config))
+    state = {to_hf_name(name): hf_tensor(name, read(name), args, plain, DTYPES[dtype]) for name in names}
+    model.load_state_dict(state, strict=True)
+    return model.to(DTYPES[dtype]).eval()
+
+
+def dcp_to_hf_model(ckpt_dir, run, dtype: str = "fp32") -> torch.nn.Module:
+    """A DCP checkpoint of ``run``'s model as a transformers model, converted in memory."""
+    step_dir = find_step_dir(ckpt_dir)
+    found = model_tensor_metadata(step_dir)
+    expected = model_shapes(run)
+    check_against_model({k: m.size for k, m in found.items()}, expected, str(step_dir),
+                        f"{run.source} ({run['model']['name']} {run['model']['flavor']})")
+    _, tok_info = tokenizer_info(run)
+    return hf_model_in_memory(run.model_args, lambda name: load_tensor(step_dir, name, found[name]), expected,
+                              dtype=dtype, max_seq_len=run["training"]["seq_len"], tokenizer_ids=tok_info)
+
+
 def to_hf(ckpt_dir, out_dir, run, *, dtype: str = "fp32", rope_layout: str = "lingua",
           max_shard_size: int = 5 * 2**30) -> Path:
     from safetensors.torch import save_file
@@ -160,10 +200,8 @@ def to_hf(ckpt_dir, out_dir, run, *, dtype: str = "fp32", rope_layout: str = "li
             filename = f"model-{index:05d}-of-{len(shards):05d}.safetensors"
             tensors = {}
             for name in names:
-                tensor = load_tensor(step_dir, name, found[name])
-                if rotate_half:
-                    tensor = relayout(name, tensor, args, to_rotate_half=True)
-                tensors[to_hf_name(name)] = tensor.to(target).contiguous()
+                tensor = hf_tensor(name, load_tensor(step_dir, name, found[name]), args, rotate_half, target)
+                tensors[to_hf_name(name)] = tensor
                 weight_map[to_hf_name(name)] = filename
             save_file(tensors, str(tmp / filename), metadata={"format": "pt"})
             del tensors

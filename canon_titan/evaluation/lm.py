@@ -1,0 +1,301 @@
+"""lm-eval on canon-titan models: ``canon-titan eval lm`` and the in-training evaluator.
+
+A model is evaluated as a transformers model through lm-eval's ``HFLM`` (the harness the
+reference's headline table used), never with a BOS token prepended. It comes from an HF export
+(``convert to-hf``), from a DCP checkpoint converted in memory, or from live training weights.
+Task definitions live in the repository's ``eval/`` folder (the reference suites, multi-hop,
+Babilong) next to lm-eval's built-in tasks.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+
+from torchtitan.tools.logging import logger
+
+EVAL_DIR = Path(__file__).resolve().parents[2] / "eval"
+"""The repository's lm-eval task folder (an editable install keeps it next to the package)."""
+
+DATA_DIR_ENV = "CANON_EVAL_DATA"
+"""Where the ``eval/`` tasks that read local files (multi-hop, Babilong) find them."""
+
+
+@dataclass(frozen=True)
+class Column:
+    label: str
+    task: str
+    metric: str
+
+
+# The reference table's columns, in its order. Which of acc / acc_norm the reference reported is
+# not recorded (spec §8); we take acc_norm where lm-eval offers a length-normalised score for a
+# multiple-choice task with multi-token choices, acc elsewhere, and print the metric in the JSON.
+COLUMNS = (
+    Column("LMB", "lambada_openai", "acc"),
+    Column("PIQA", "piqa", "acc_norm"),
+    Column("Hella", "hellaswag", "acc_norm"),
+    Column("Wino", "winogrande", "acc"),
+    Column("ARC-e", "arc_easy", "acc_norm"),
+    Column("ARC-c", "arc_challenge", "acc_norm"),
+    Column("SIQA", "social_iqa", "acc"),
+    Column("BoolQ", "boolq", "acc"),
+    Column("COPA", "copa", "acc"),
+    Column("OBQA", "openbookqa", "acc_norm"),
+    Column("RACE", "race", "acc"),
+    Column("CSQA", "commonsense_qa", "acc"),
+    Column("MMLU", "mmlu", "acc"),
+)
+AVG10 = ("PIQA", "Hella", "Wino", "ARC-e", "ARC-c", "SIQA", "OBQA", "RACE", "CSQA", "MMLU")
+SUITES = {"avg10": "canon_avg10", "all13": "canon_all13"}
+"""Suite names on the command line -> the lm-eval groups defined in ``eval/suites/``."""
+
+
+class LMEvalError(RuntimeError):
+    pass
+
+
+def require_lm_eval() -> None:
+    try:
+        import lm_eval  # noqa: F401
+    except ImportError as e:
+        raise LMEvalError("lm-eval is not installed: install canon-titan's eval extra "
+                          "(scripts/setup.sh dev,eval, or pip install -e '.[eval]')") from e
+
+
+def task_manager(tasks: list[str], data_dir: str | None = None, include_paths: list[str] = ()):
+    """An lm-eval TaskManager that knows ``eval/`` (and lm-eval's own tasks unless every
+    requested name is one of ours: indexing lm-eval's ~15,000 task files takes seconds)."""
+    from lm_eval.tasks import TaskManager
+
+    if not EVAL_DIR.is_dir():
+        raise LMEvalError(f"the task folder {EVAL_DIR} is missing: install canon-titan from its "
+                          "repository in editable mode (scripts/setup.sh)")
+    metadata = {"data_dir": data_dir or os.environ.get(DATA_DIR_ENV) or "eval_data"}
+    paths = [str(EVAL_DIR), *map(str, include_paths)]
+    ours = TaskManager(include_path=paths, include_defaults=False, metadata=metadata)
+    if all(t in ours.task_index for t in tasks) and not leaf_tasks(ours, tasks, missing=True):
+        return ours
+    manager = TaskManager(include_path=paths, metadata=metadata)
+    unknown = [t for t in tasks if t not in manager.all_tasks]
+    if unknown:
+        raise LMEvalError(f"unknown lm-eval task or group {unknown[0]!r}; suites: {', '.join(SUITES)}; "
+                          f"tasks are lm-eval's (lm_eval ls tasks) and those in {EVAL_DIR}")
+    return manager
+
+
+def expand_suites(names: list[str]) -> list[str]:
+    return [SUITES.get(name, name) for name in names]
+
+
+def leaf_tasks(manager, names: list[str], missing: bool = False) -> list[str]:
+    """The tasks that ``names`` (tasks, groups, tags) expand to, from lm-eval's index; with
+    ``missing``, the names met along the way that the index does not know instead."""
+    from lm_eval.tasks._index import Kind
+
+    index, leaves, unknown, pending = manager.task_index, [], [], list(names)
+    while pending:
+        name = pending.pop(0)
+        entry = index.get(name)
+        if entry is None:
+            unknown.append(name)
+            continue
+        if name in leaves:
+            continue
+        if entry.kind == Kind.GROUP:
+            children = (entry.cfg or {}).get("task", [])
+            pending += [c if isinstance(c, str) else c.get("task") for c in children]
+        elif entry.kind == Kind.TAG:
+            pending += [n for n, e in index.items() if name in e.tags and e.kind != Kind.TAG]
+        else:
+            leaves.append(name)
+    return unknown if missing else leaves
+
+
+def missing_datasets(manager, names: list[str]) -> list[str]:
+    """Running offline (``HF_DATASETS_OFFLINE=1``): the datasets that the tasks read and that are
+    neither local files nor in the HF cache, each as "dataset (its tasks)"."""
+    import datasets
+
+    if not datasets.config.HF_DATASETS_OFFLINE:
+        return []
+    missing: dict[str, list[str]] = {}
+    for name in leaf_tasks(manager, names):
+        try:
+            manager.load(name)
+        except Exception as e:  # datasets raises ConnectionError or FileNotFoundError offline
+            found = re.search(r"reach '([^']+)'", str(e))
+            missing.setdefault(found.group(1) if found else str(e).splitlines()[0], []).append(name)
+    return [f"{dataset} (task{'s' if len(tasks) > 1 else ''} {', '.join(tasks[:3])}"
+            f"{f' and {len(tasks) - 3} more' if len(tasks) > 3 else ''})" for dataset, tasks in missing.items()]
+
+
+def datasets_cache() -> str:
+    import datasets
+
+    return str(datasets.config.HF_DATASETS_CACHE)
+
+
+def hf_tokenizer(kind: str, path: str):
+    """The run's tokenizer as a transformers fast tokenizer (what HFLM needs), adding nothing."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    from canon_titan.data.tokenizers import _find_file, build_tokenizer
+
+    ours = build_tokenizer(kind, path)
+    specials = {}
+    if kind == "hf":
+        folder = Path(path) if Path(path).is_dir() else Path(path).parent
+        if (folder / "tokenizer_config.json").is_file():
+            tok = AutoTokenizer.from_pretrained(str(folder))
+        else:
+            tok = PreTrainedTokenizerFast(tokenizer_file=str(_find_file(path, ("tokenizer.json",))))
+    elif kind == "sentencepiece":
+        # transformers' converted (tokenizers-based) Llama tokenizer can split text differently
+        # from sentencepiece's BPE; this backend calls sentencepiece itself.
+        from transformers.tokenization_utils_sentencepiece import SentencePieceBackend
+
+        pieces = {name: ours.model.id_to_piece(i) for name, i in
+                  (("bos_token", ours.bos_id), ("eos_token", ours.eos_id), ("unk_token", ours.model.unk_id()))
+                  if i is not None and i >= 0}
+        tok = SentencePieceBackend(vocab_file=str(_find_file(path, ("tokenizer.model",))), **pieces)
+    else:
+        from transformers.convert_slow_tokenizer import TikTokenConverter
+
+        from canon_titan.data.tokenizers import LLAMA3_PATTERN, tiktoken_special_tokens
+
+        file = _find_file(path, ("tokenizer.model", "tokenizer.tiktoken"))
+        from tiktoken.load import load_tiktoken_bpe
+
+        names = list(tiktoken_special_tokens(len(load_tiktoken_bpe(str(file)))))
+        converted = TikTokenConverter(vocab_file=str(file), pattern=LLAMA3_PATTERN,
+                                      extra_special_tokens=names).converted()
+        tok = PreTrainedTokenizerFast(tokenizer_object=converted)
+    for attr, token_id in (("bos_token", ours.bos_id), ("eos_token", ours.eos_id)):
+        if token_id is not None and getattr(tok, attr) is None:
+            specials[attr] = tok.convert_ids_to_tokens(token_id)
+    if specials:
+        tok.add_special_tokens(specials)
+    return tok
+
+
+def run_config_near(checkpoint: Path):
+    """The ``run_config.toml`` a training run wrote, found from one of its checkpoint folders."""
+    from canon_titan.trainer import RUN_CONFIG_FILE
+
+    for folder in [checkpoint, *checkpoint.parents][:4]:
+        if (folder / RUN_CONFIG_FILE).is_file():
+            return folder / RUN_CONFIG_FILE
+    raise LMEvalError(f"{checkpoint}: no {RUN_CONFIG_FILE} in it or the three folders above it; "
+                      "pass the run's TOML with --config")
+
+
+def load_for_eval(model: str | Path, dtype: str, config: str | None = None):
+    """(transformers model, tokenizer, max length) from an HF export or a DCP checkpoint."""
+    from canon_titan.config import load
+    from canon_titan.convert.hf import DTYPES, dcp_to_hf_model
+
+    model = Path(model)
+    if (model / "config.json").is_file():
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        hf = AutoModelForCausalLM.from_pretrained(str(model), trust_remote_code=True, dtype=DTYPES[dtype]).eval()
+        tok = AutoTokenizer.from_pretrained(str(model), trust_remote_code=True)
+        return hf, tok, hf.config.max_position_embeddings
+    if not model.is_dir():
+        raise LMEvalError(f"--model {model}: no such folder (an HF export or a DCP checkpoint folder)")
+    run = load(config or run_config_near(model), environment=False)
+    from canon_titan.data.builtin import ASSET_DIR
+
+    tok = hf_tokenizer(run["tokenizer"]["kind"], run["tokenizer"]["path"] or str(ASSET_DIR))
+    return dcp_to_hf_model(model, run, dtype), tok, run["training"]["seq_len"]
+
+
+def quiet_lm_eval() -> None:
+    """lm-eval logs every request batch at INFO, and warns on every call that it was handed a
+    model object (which is how canon-titan always calls it)."""
+    logging.getLogger("lm_eval").setLevel(logging.WARNING)
+    logging.getLogger("lm_eval.models.huggingface").setLevel(logging.ERROR)
+
+
+def evaluate(hf_model, tokenizer, tasks: list[str], *, max_length: int, limit: float | None = None,
+             batch_size: int = 1, data_dir: str | None = None, include_paths: list[str] = (),
+             manager=None) -> dict:
+    """lm-eval results for ``tasks`` (names, suites expanded) on a transformers model."""
+    import lm_eval
+    from lm_eval.models.huggingface import HFLM
+
+    quiet_lm_eval()
+    tasks = expand_suites(tasks)
+    manager = manager or task_manager(tasks, data_dir, include_paths)
+    missing = missing_datasets(manager, tasks)
+    if missing:
+        raise LMEvalError("running offline (HF_DATASETS_OFFLINE=1), and the data of these tasks is not in the "
+                          f"local Hugging Face cache ({datasets_cache()}): {'; '.join(missing)}. "
+                          "Download them once with network access (e.g. python -c \"import datasets; "
+                          "datasets.load_dataset('NAME', 'CONFIG')\") or drop those tasks.")
+    lm = HFLM(pretrained=hf_model, tokenizer=tokenizer, backend="causal", add_bos_token=False,
+              max_length=max_length, batch_size=batch_size, device=str(next(hf_model.parameters()).device))
+    try:
+        out = lm_eval.simple_evaluate(model=lm, tasks=tasks, limit=limit, task_manager=manager,
+                                      log_samples=False, bootstrap_iters=0, verbosity="WARNING")
+    except ConnectionError as e:
+        raise LMEvalError(f"a dataset could not be downloaded: {e}") from e
+    return {"results": out["results"], "groups": out.get("groups", {}), "n-samples": out.get("n-samples", {}),
+            "configs": {k: {"num_fewshot": v.get("num_fewshot")} for k, v in out.get("configs", {}).items()}}
+
+
+def metric_values(result: dict) -> dict[str, float]:
+    """Flat ``task/metric`` -> value for every numeric score (stderr and aliases dropped)."""
+    flat = {}
+    for task, metrics in result["results"].items():
+        for key, value in metrics.items():
+            if "," not in key or "_stderr" in key or not isinstance(value, (int, float)):
+                continue
+            metric, filt = key.split(",", 1)
+            name = f"{task}/{metric}" if filt == "none" else f"{task}/{metric}[{filt}]"
+            flat[name] = float(value)
+    return flat
+
+
+def table(result: dict) -> tuple[dict[str, float | None], str]:
+    """The reference columns found in the results (%), Avg10 when all ten are there, and the
+    printed table; tasks outside the columns are listed below it with all their scores."""
+    values: dict[str, float | None] = {}
+    for col in COLUMNS:
+        score = result["results"].get(col.task, {}).get(f"{col.metric},none")
+        values[col.label] = None if score is None else 100 * float(score)
+    avg = [values[label] for label in AVG10]
+    values["Avg10"] = sum(avg) / len(avg) if all(v is not None for v in avg) else None
+    shown = [label for label, v in values.items() if v is not None]
+    lines = []
+    if shown:
+        lines += ["  ".join(f"{label:>6}" for label in shown),
+                  "  ".join(f"{values[label]:6.1f}" for label in shown)]
+    covered = {c.task for c in COLUMNS} | set(SUITES.values())
+    others = {k: v for k, v in metric_values(result).items()
+              if k.split("/")[0] not in covered and not k.startswith("mmlu_")}
+    if others:
+        width = max(len(k) for k in others)
+        lines += [""] if shown else []
+        lines += [f"{k:<{width}}  {v:.4f}" if not math.isnan(v) else f"{k:<{width}}  nan" for k, v in others.items()]
+    return values, "\n".join(lines)
+
+
+def evaluation_record(result: dict, *, model: str, dtype: str, limit, tasks: list[str]) -> dict:
+    values, _ = table(result)
+    return {"model": str(model), "dtype": dtype, "limit": limit, "tasks": tasks,
+            "columns": values, "metrics": {c.label: c.metric for c in COLUMNS}, **result}
+
+
+def write_json(record: dict, path: str | Path) -> None:
+    from canon_titan.fileio import write_atomic
+
+    write_atomic(Path(path), json.dumps(record, indent=2, default=str) + "\n")
+    logger.info(f"wrote {path}")

@@ -1,0 +1,174 @@
+"""Training curves of several runs side by side: ``canon-titan report RUN_DIR ... --out F.png``.
+
+Each run is a dump folder with TensorBoard events (``[metrics] enable_tensorboard``). One panel
+shows the training loss, one panel each the evaluation metrics logged during training
+(``[eval]``), all against tokens seen, one colour per run. ``--html`` also writes a
+self-contained page: the figure inline plus a table of each run's last values.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+from canon_titan.metrics import LOSS_TAG
+
+TOKENS_TAG = "n_tokens_seen"
+MAX_PANELS = 16
+# Per-evaluation bookkeeping, not a score worth a panel.
+_NOT_PLOTTED = ("eval/seconds", "/items")
+
+
+class ReportError(ValueError):
+    pass
+
+
+@dataclass
+class RunCurves:
+    label: str
+    folder: Path
+    series: dict[str, dict[int, float]]
+    """tag -> step -> value"""
+    tokens: dict[int, float]
+
+    def tokens_at(self, steps: list[int]) -> list[float]:
+        """Tokens seen after each step, interpolated between the steps where they were logged."""
+        import numpy as np
+
+        known = sorted(self.tokens.items())
+        if not known:
+            return [float(s) for s in steps]
+        xs, ys = [0] + [s for s, _ in known], [0.0] + [t for _, t in known]
+        per_step = ys[-1] / xs[-1] if xs[-1] else 1.0
+        return [float(np.interp(s, xs, ys)) if s <= xs[-1] else ys[-1] + (s - xs[-1]) * per_step for s in steps]
+
+
+def _events_folder(run_dir: Path) -> Path:
+    config = run_dir / "run_config.toml"
+    tb = "tb"
+    if config.is_file():
+        tb = tomllib.loads(config.read_text()).get("metrics", {}).get("save_tb_folder", "tb")
+    return run_dir / tb
+
+
+def read_run(run_dir: str | Path, label: str | None = None) -> RunCurves:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run_dir = Path(run_dir)
+    files = sorted(_events_folder(run_dir).rglob("events.out.tfevents.*"), key=lambda p: p.stat().st_mtime)
+    if not files:
+        raise ReportError(f"{run_dir}: no TensorBoard event files under {_events_folder(run_dir)} "
+                          "(was [metrics] enable_tensorboard on?)")
+    series: dict[str, dict[int, float]] = {}
+    for path in files:  # later files (a resumed run) overwrite earlier values of the same step
+        acc = EventAccumulator(str(path), size_guidance={"scalars": 0})
+        acc.Reload()
+        for tag in acc.Tags()["scalars"]:
+            series.setdefault(tag, {}).update({e.step: e.value for e in acc.Scalars(tag)})
+    if label is None:
+        config = run_dir / "run_config.toml"
+        description = tomllib.loads(config.read_text()).get("job", {}).get("description") if config.is_file() else None
+        label = description or run_dir.name
+    return RunCurves(label, run_dir, series, series.pop(TOKENS_TAG, {}))
+
+
+def panels(runs: list[RunCurves]) -> list[str]:
+    """The loss, then every eval metric any run logged (first MAX_PANELS)."""
+    tags = sorted({t for r in runs for t in r.series if t.startswith("eval/") and not any(x in t for x in _NOT_PLOTTED)})
+    return ([LOSS_TAG] if any(LOSS_TAG in r.series for r in runs) else []) + tags[: MAX_PANELS - 1]
+
+
+def _ema(values: list[float], alpha: float) -> list[float]:
+    """Exponential moving average, debiased as TensorBoard's smoothing slider is (no pull
+    towards the first value)."""
+    out, current = [], 0.0
+    for i, v in enumerate(values, 1):
+        current = alpha * current + (1 - alpha) * v
+        out.append(current / (1 - alpha**i))
+    return out
+
+
+def figure(runs: list[RunCurves], smooth: float = 0.0):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tags = panels(runs)
+    if not tags:
+        raise ReportError("the runs logged neither a training loss nor eval metrics")
+    cols = min(3, len(tags))
+    rows = -(-len(tags) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 3.6 * rows), squeeze=False)
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for ax, tag in zip(axes.flat, tags):
+        for i, run in enumerate(runs):
+            points = sorted(run.series.get(tag, {}).items())
+            if not points:
+                continue
+            steps, values = zip(*points)
+            values = _ema(list(values), smooth) if tag == LOSS_TAG and smooth else list(values)
+            marker = "o" if tag != LOSS_TAG else None
+            ax.plot(run.tokens_at(list(steps)), values, color=colours[i % len(colours)], marker=marker,
+                    markersize=3, label=run.label)
+        ax.set_title("training loss" if tag == LOSS_TAG else tag.removeprefix("eval/"), fontsize=10)
+        ax.set_xlabel("tokens")
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(tags):]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def last_values(runs: list[RunCurves]) -> tuple[list[str], list[list[str]]]:
+    tags = panels(runs)
+    rows = []
+    for run in runs:
+        row = [run.label]
+        for tag in tags:
+            points = run.series.get(tag)
+            row.append(f"{points[max(points)]:.4g}" if points else "")
+        tokens = run.tokens_at([max(run.series.get(LOSS_TAG, {0: 0}))])[0]
+        rows.append(row + [f"{tokens:,.0f}"])
+    return ["run", *(t.removeprefix("eval/") for t in tags), "tokens"], rows
+
+
+def write_report(run_dirs: list[str], out_png: str | Path, html_path: str | Path | None = None,
+                 labels: list[str] | None = None, smooth: float = 0.0) -> list[RunCurves]:
+    from canon_titan.fileio import write_atomic
+
+    if labels is not None and len(labels) != len(run_dirs):
+        raise ReportError(f"--labels has {len(labels)} names for {len(run_dirs)} runs")
+    runs = [read_run(d, labels[i] if labels else None) for i, d in enumerate(run_dirs)]
+    names = [r.label for r in runs]
+    for run in runs:
+        if names.count(run.label) > 1:  # two runs with one description: tell them apart by folder
+            run.label = f"{run.label} ({run.folder.name})"
+    Path(out_png).parent.mkdir(parents=True, exist_ok=True)
+    fig = figure(runs, smooth)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=110)
+    png = buffer.getvalue()
+    write_atomic(Path(out_png), png)
+    if html_path:
+        header, rows = last_values(runs)
+        cells = "".join(f"<th>{html.escape(h)}</th>" for h in header)
+        body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in rows)
+        folders = "".join(f"<li>{html.escape(r.label)}: <code>{html.escape(str(r.folder))}</code></li>" for r in runs)
+        page = (
+            "<!doctype html><html><head><meta charset='utf-8'><title>canon-titan report</title>"
+            "<style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}"
+            "td,th{border:1px solid #ccc;padding:4px 8px;text-align:right}td:first-child{text-align:left}</style>"
+            "</head><body><h1>canon-titan report</h1>"
+            f"<img alt='training curves' src='data:image/png;base64,{base64.b64encode(png).decode()}'>"
+            f"<h2>Last logged values</h2><table><tr>{cells}</tr>{body}</table>"
+            f"<h2>Runs</h2><ul>{folders}</ul></body></html>\n"
+        )
+        Path(html_path).parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(Path(html_path), page)
+    return runs
