@@ -71,6 +71,25 @@ def test_plain_llama_exports_as_standard_llama(tmp_path):
     torch.testing.assert_close(logits, reference, rtol=1e-5, atol=1e-5 * reference.abs().max().item())
 
 
+@pytest.mark.parametrize("config,overrides,architecture", [
+    (CONFIGS["llama"], ["--model.qk_norm", "false"], "LlamaForCausalLM"),
+    (CANON_CONFIG, [], "LlamaCanonForCausalLM"),
+])
+def test_in_memory_conversion_equals_the_export(tmp_path, config, overrides, architecture):
+    """What `eval lm` and in-training evaluation build from DCP tensors without writing files
+    is the model `to-hf` exports, with canon-titan's logits."""
+    from canon_titan.convert.hf import dcp_to_hf_model
+
+    run, step, model = make_checkpoint(tmp_path, overrides, config=config)
+    in_memory = dcp_to_hf_model(step, run, dtype="fp32")
+    exported, _ = hf_logits(to_hf(step, tmp_path / "hf", run), TOKENS)
+    with torch.no_grad():
+        logits, reference = in_memory(TOKENS).logits, model(TOKENS)
+    assert type(in_memory).__name__ == architecture and not in_memory.training
+    torch.testing.assert_close(logits, exported, rtol=0, atol=0)
+    torch.testing.assert_close(logits, reference, rtol=1e-5, atol=1e-5 * reference.abs().max().item())
+
+
 def test_remote_code_loads_without_canon_titan(tmp_path):
     run, step, model = make_checkpoint(tmp_path, ["--model.canon_set", "ABCD"])
     out = to_hf(step, tmp_path / "hf", run)
