@@ -58,14 +58,19 @@ def test_synthetic_scores_equal_the_standalone_scorer_and_respect_the_time_limit
 
 
 @pytest.mark.slow
-def test_two_process_training_logs_lm_eval_scores_equal_to_eval_lm(tmp_path):
+@pytest.mark.parametrize("layout", [
+    [],  # FSDP over both ranks: rank 0 gathers the full weights
+    ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"],
+], ids=["fsdp", "pp"])
+def test_two_process_training_logs_lm_eval_scores_equal_to_eval_lm(tmp_path, layout):
     tasks = tmp_path / "tasks"
     tasks.mkdir()
     write_tiny_tasks(tasks, [{"q": "Count: 1, 2,", "a": " 3"}])
     dump = tmp_path / "run"
-    run_training(2, COMMON + ["--job.dump_folder", str(dump), "--training.steps", "4", "--checkpoint.enable",
-                              "--eval.every", "2", "--eval.tasks", '["tiny_mc", "tiny_ppl"]', "--eval.include_path",
-                              f'["{tasks}"]', "--eval.dtype", "fp32"], config=CONFIGS["llama_canon"])
+    run_training(2, COMMON + layout + [
+        "--job.dump_folder", str(dump), "--training.steps", "4", "--checkpoint.enable", "--eval.every", "2",
+        "--eval.tasks", '["tiny_mc", "tiny_ppl"]', "--eval.include_path", f'["{tasks}"]', "--eval.dtype", "fp32",
+    ], config=CONFIGS["llama_canon"])
     bpb = read_scalars(str(dump), "eval/tiny_ppl/bits_per_byte")
     assert sorted(bpb) == [2, 4]
     assert sorted(read_scalars(str(dump), "eval/tiny_mc/acc")) == [2, 4]
