@@ -35,7 +35,7 @@ from torchtitan.tools.logging import logger
 from canon_titan.models.tensor_parallel import ChannelShard
 
 
-def _gather_sequence(n_args: int) -> PrepareModuleInput:
+def gather_sequence(n_args: int) -> PrepareModuleInput:
     """All-gather a sequence-sharded first input and hand the module a plain full tensor."""
     return PrepareModuleInput(
         input_layouts=(Shard(1),) + (None,) * (n_args - 1),
@@ -59,9 +59,9 @@ def _block_plan(block, enable_sp: bool) -> dict:
         plan["attention_norm"] = SequenceParallel()
         plan["ffn_norm"] = SequenceParallel()
         # Gather before the first sequence-mixing module: Canon-A/C if present, else the sublayer.
-        plan["canonA" if block.canonA is not None else "attention"] = _gather_sequence(
+        plan["canonA" if block.canonA is not None else "attention"] = gather_sequence(
             1 if block.canonA is not None else 2)
-        plan["canonC" if block.canonC is not None else "feed_forward"] = _gather_sequence(1)
+        plan["canonC" if block.canonC is not None else "feed_forward"] = gather_sequence(1)
     return plan
 
 
@@ -90,7 +90,14 @@ def _replicate_remaining(model: nn.Module, tp_mesh) -> None:
                     distribute_tensor(param, tp_mesh, [Replicate()]), requires_grad=param.requires_grad))
 
 
-def apply_tp(model: nn.Module, tp_mesh, *, enable_sp: bool) -> None:
+def _parallelize_llama_block(block, tp_mesh, enable_sp: bool) -> None:
+    _shard_channels(block, tp_mesh)
+    parallelize_module(block, tp_mesh, _block_plan(block, enable_sp))
+
+
+def apply_tp(model: nn.Module, tp_mesh, *, enable_sp: bool, parallelize_block=_parallelize_llama_block) -> None:
+    """Vocab-parallel embedding and output, ``parallelize_block(block, tp_mesh, enable_sp)`` on every
+    block, and every other parameter replicated."""
     residual = Shard(1) if enable_sp else Replicate()
     root_plan = {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=residual),
@@ -100,8 +107,7 @@ def apply_tp(model: nn.Module, tp_mesh, *, enable_sp: bool) -> None:
         root_plan["norm"] = SequenceParallel()
     parallelize_module(model, tp_mesh, {k: v for k, v in root_plan.items() if getattr(model, k, None) is not None})
     for block in model.layers.values():
-        _shard_channels(block, tp_mesh)
-        parallelize_module(block, tp_mesh, _block_plan(block, enable_sp))
+        parallelize_block(block, tp_mesh, enable_sp)
     _replicate_remaining(model, tp_mesh)
     logger.info(f"Applied tensor parallelism (degree {tp_mesh.size()}, sequence parallel {enable_sp})")
 
@@ -109,10 +115,29 @@ def apply_tp(model: nn.Module, tp_mesh, *, enable_sp: bool) -> None:
 def parallelize_llama_canon(model, *, parallel_dims, training, parallelism, compile_config, ac_config, dump_folder):
     if parallel_dims.tp_enabled:
         apply_tp(model, parallel_dims.get_mesh("tp"), enable_sp=parallelism.enable_sequence_parallel)
+    apply_ac_compile_fsdp(model, parallel_dims=parallel_dims, training=training, parallelism=parallelism,
+                          compile_config=compile_config, ac_config=ac_config, dump_folder=dump_folder)
+    return model
+
+
+def _has_opaque_kernels(model: nn.Module) -> bool:
+    """Whether a module runs a CUDA kernel that is hidden from torch.compile (``backend`` other than torch)."""
+    return any(getattr(m, "backend", "torch") != "torch" for m in model.modules())
+
+
+def apply_ac_compile_fsdp(model, *, parallel_dims, training, parallelism, compile_config, ac_config, dump_folder):
+    """What every model family applies after its own tensor parallelism: activation checkpointing,
+    per-block compile and FSDP2/HSDP."""
     if ac_config is not None:
         ac_config.build(dump_folder=dump_folder).apply(model)
     if compile_config.enable and "model" in compile_config.components:
         apply_compile(model, compile_config=compile_config, parallel_dims=parallel_dims)
+        if _has_opaque_kernels(model):
+            # TorchTitan compiles each block with fullgraph=True, which refuses the graph break
+            # around a torch.compiler.disable'd CUDA kernel (causal-conv1d, fla, mamba-ssm).
+            for block in model.layers.values():
+                block.compile(backend=compile_config.backend, fullgraph=False)
+            logger.info("Compiled blocks allow graph breaks around the CUDA kernels")
     names = ["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]
     apply_fsdp_to_decoder(
         model,
@@ -123,4 +148,3 @@ def parallelize_llama_canon(model, *, parallel_dims, training, parallelism, comp
         cpu_offload=training.enable_cpu_offload,
         reshard_after_forward_policy=parallelism.fsdp_reshard_after_forward,
     )
-    return model

@@ -9,7 +9,8 @@ from __future__ import annotations
 import dataclasses
 import importlib
 
-FAMILIES = ("llama", "llama_canon")
+FAMILIES = ("llama", "llama_canon", "gla5", "gdn2", "mamba2")
+LINEAR_FAMILIES = ("gla5", "gdn2", "mamba2")
 
 
 class UnknownModelError(ValueError):
@@ -37,13 +38,14 @@ def model_spec(name: str, flavor: str, overrides: dict | None = None):
     from torchtitan.protocols.model_spec import ModelSpec
 
     from canon_titan.parallelize import parallelize_llama_canon
+    from canon_titan.parallelize_linear import parallelize_linear
 
     args = model_args(name, flavor, overrides)
     return ModelSpec(
         name=name,
         flavor=flavor,
         model=args.model_config(),
-        parallelize_fn=parallelize_llama_canon,
+        parallelize_fn=parallelize_linear if name in LINEAR_FAMILIES else parallelize_llama_canon,
         pipelining_fn=pipeline_llm,
         post_optimizer_build_fn=None,
         state_dict_adapter=None,

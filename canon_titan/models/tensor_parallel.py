@@ -34,6 +34,12 @@ class _SumGradients(torch.autograd.Function):
         return grad, None
 
 
+def sum_gradients(x: torch.Tensor, group) -> torch.Tensor:
+    """Identity whose backward sums the gradient over ``group``: for a replicated weight that each
+    TP rank applies to its own heads only."""
+    return _SumGradients.apply(x, group)
+
+
 def tp_sum(x: torch.Tensor, group) -> torch.Tensor:
     """Differentiable all-reduce (sum) over ``group``."""
     return dist_fn.all_reduce(x, op=dist.ReduceOp.SUM, group=group)
