@@ -3,10 +3,11 @@
 import tomllib
 
 import pytest
+import torch
 
 from canon_titan import cli
 from canon_titan.config import ConfigError, build_trainer_config, dumps, load, parse_overrides
-from conftest import DEBUG_CONFIG
+from conftest import DEBUG_CONFIG, REPO
 
 
 def write(tmp_path, text, name="run.toml"):
@@ -105,6 +106,28 @@ def test_impossible_values_fail_before_training(override, key, message):
     with pytest.raises(ConfigError) as e:
         load(DEBUG_CONFIG, override)
     assert e.value.source == "command line" and e.value.key == key and message in e.value.message
+
+
+@pytest.mark.parametrize("config, override, key, message", [
+    ("mamba2", ["--parallelism.tensor_parallel_degree", "2"], "[parallelism] tensor_parallel_degree",
+     "Mamba2 has no tensor-parallel plan"),
+    ("gdn2", ["--dataloader.document_masking", "true"], "[dataloader] document_masking", "cannot restart it"),
+    ("gla5", ["--model.canon_set", "ABCD"], "[model] canon_set", "Canon-B is not available"),
+    ("gla5", ["--model.kernel_backend", "mamba_ssm"], "[model] kernel_backend", "must be one of 'auto', 'torch', 'fla'"),
+])
+def test_linear_model_config_errors(config, override, key, message):
+    with pytest.raises(ConfigError) as e:
+        load(REPO / "train_configs" / f"{config}_debug.toml", override)
+    assert e.value.key == key and message in e.value.message
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
+def test_cuda_kernel_backend_is_checked_only_for_this_machine():
+    """A recipe forcing the fla kernels validates statically (for the GPU cluster), not for a CPU run."""
+    config = REPO / "train_configs" / "gla5_debug.toml"
+    load(config, ["--model.kernel_backend", "fla"], environment=False)
+    with pytest.raises(ConfigError, match="runs on CUDA tensors only"):
+        load(config, ["--model.kernel_backend", "fla"])
 
 
 def test_world_size_checks(monkeypatch):

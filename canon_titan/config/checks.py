@@ -7,6 +7,7 @@ import os
 
 from canon_titan.config.loader import CLI, ConfigError, RunConfig
 from canon_titan.config.sections import SYNTHETIC_DATASETS, TASK_SECTIONS
+from model_registry import LINEAR_FAMILIES
 
 
 def _fail(run: RunConfig, section: str, key: str, message: str):
@@ -24,11 +25,21 @@ def _world_size() -> int | None:
     return int(value) if value and value.isdigit() else None
 
 
+# What a CUDA-only backend reports on a machine without it; static validation (``environment =
+# False``) checks a config for another machine and skips these.
+_HARDWARE_MESSAGES = {"canon_backend": ("needs a CUDA GPU",),
+                      "kernel_backend": ("runs on CUDA tensors only", "which does not import here")}
+
+
 def check_model(run: RunConfig, environment: bool) -> None:
     for key, message in run.model_args.validate():
-        if key == "canon_backend" and not environment and "needs a CUDA GPU" in message:
+        if not environment and any(m in message for m in _HARDWARE_MESSAGES.get(key, ())):
             continue
         _fail(run, "model", key, message)
+    if run["model"]["name"] in LINEAR_FAMILIES and run["dataloader"]["document_masking"]:
+        _fail(run, "dataloader", "document_masking", f"the linear models carry their recurrent state across "
+              f"packed documents, as the release does; {run['model']['name']} cannot restart it at a BOS "
+              "(set false)")
 
 
 def check_training(run: RunConfig) -> None:
@@ -85,6 +96,9 @@ def check_parallelism(run: RunConfig, environment: bool) -> None:
             _fail(run, "training", "global_batch_size",
                   f"must be a multiple of local_batch_size x data-parallel degree "
                   f"({training['local_batch_size']} x {dp})")
+    if tp > 1 and run["model"]["name"] == "mamba2":
+        _fail(run, "parallelism", "tensor_parallel_degree", "Mamba2 has no tensor-parallel plan (its in_proj "
+              "interleaves z, x, B, C and dt); use FSDP/HSDP and PP, or tensor parallelism with gla5/gdn2")
     for name, heads in (("n_heads", args.n_heads), ("n_kv_heads", args.kv_heads)):
         if heads % tp:
             _fail(run, "parallelism", "tensor_parallel_degree", f"({tp}) must divide model {name} ({heads})")

@@ -77,9 +77,11 @@ class InTrainingEval:
         if settings.tasks and self.rank == 0:
             from canon_titan.evaluation import lm
 
-            # Unknown task names fail here, before training starts, not at the first evaluation.
-            self._task_manager = lm.task_manager(lm.expand_suites(settings.tasks), settings.data_dir,
-                                                 settings.include_path)
+            # Unknown task names and, offline, uncached datasets fail here, before training starts,
+            # not at the first evaluation hours later.
+            tasks = lm.expand_suites(settings.tasks)
+            self._task_manager = lm.task_manager(tasks, settings.data_dir, settings.include_path)
+            lm.check_datasets(self._task_manager, tasks)
 
     def due(self, step: int) -> bool:
         every = self.settings.every

@@ -136,6 +136,15 @@ def missing_datasets(manager, names: list[str]) -> list[str]:
             f"{f' and {len(tasks) - 3} more' if len(tasks) > 3 else ''})" for dataset, tasks in missing.items()]
 
 
+def check_datasets(manager, tasks: list[str]) -> None:
+    missing = missing_datasets(manager, tasks)
+    if missing:
+        raise LMEvalError("running offline (HF_DATASETS_OFFLINE=1), and the data of these tasks is not in the "
+                          f"local Hugging Face cache ({datasets_cache()}): {'; '.join(missing)}. "
+                          "Download them once with network access (e.g. python -c \"import datasets; "
+                          "datasets.load_dataset('NAME', 'CONFIG')\") or drop those tasks.")
+
+
 def datasets_cache() -> str:
     import datasets
 
@@ -234,12 +243,7 @@ def evaluate(hf_model, tokenizer, tasks: list[str], *, max_length: int, limit: f
     quiet_lm_eval()
     tasks = expand_suites(tasks)
     manager = manager or task_manager(tasks, data_dir, include_paths)
-    missing = missing_datasets(manager, tasks)
-    if missing:
-        raise LMEvalError("running offline (HF_DATASETS_OFFLINE=1), and the data of these tasks is not in the "
-                          f"local Hugging Face cache ({datasets_cache()}): {'; '.join(missing)}. "
-                          "Download them once with network access (e.g. python -c \"import datasets; "
-                          "datasets.load_dataset('NAME', 'CONFIG')\") or drop those tasks.")
+    check_datasets(manager, tasks)
     lm = HFLM(pretrained=hf_model, tokenizer=tokenizer, backend="causal", add_bos_token=False,
               max_length=max_length, batch_size=batch_size, device=str(next(hf_model.parameters()).device))
     try:
