@@ -1,17 +1,15 @@
 """canon-titan: pretraining Canon-augmented language models on TorchTitan."""
 
+import importlib.util
+
 
 def _register_with_transformers() -> None:
-    """Make ``AutoConfig`` / ``AutoModelForCausalLM`` know LlamaCanon once canon_titan is imported."""
-    try:
-        from transformers import AutoConfig, AutoModelForCausalLM
-    except ImportError:  # conversion and evaluation need transformers; training does not
+    """Make ``AutoConfig`` / ``AutoModelForCausalLM`` know our model types once canon_titan is imported."""
+    if importlib.util.find_spec("transformers") is None:  # conversion and evaluation need it; training does not
         return
-    from canon_titan.hf.configuration_llama_canon import LlamaCanonConfig
-    from canon_titan.hf.modeling_llama_canon import LlamaCanonForCausalLM
+    from canon_titan.hf import register_with_transformers
 
-    AutoConfig.register(LlamaCanonConfig.model_type, LlamaCanonConfig, exist_ok=True)
-    AutoModelForCausalLM.register(LlamaCanonConfig, LlamaCanonForCausalLM, exist_ok=True)
+    register_with_transformers()
 
 
 _register_with_transformers()

@@ -2,9 +2,10 @@
 
 to-hf: DCP checkpoint (any parallel layout) -> sharded safetensors + index + config.json +
 generation_config.json + tokenizer files. A ``llama`` model with full RoPE and no QK-norm (and no
-Canon layer) becomes a standard ``LlamaForCausalLM``; anything else a ``LlamaCanonForCausalLM``
-whose modeling code is written next to the weights (``auto_map``), so transformers loads it with
-``trust_remote_code=True`` without canon-titan installed.
+Canon layer) becomes a standard ``LlamaForCausalLM``; anything else one of our classes
+(``LlamaCanonForCausalLM``, ``GLACanonForCausalLM``, ``GatedDeltaNetCanonForCausalLM``,
+``Mamba2CanonForCausalLM``) whose modeling code is written next to the weights (``auto_map``), so
+transformers loads it with ``trust_remote_code=True`` without canon-titan installed.
 
 from-hf: the reverse, giving a DCP folder to use as ``[checkpoint] initial_load_path``.
 
@@ -35,11 +36,11 @@ from canon_titan.convert.dcp_io import (
     model_tensor_metadata,
     save_lazily,
 )
-from canon_titan.convert.names import from_hf_name, relayout, to_hf_name
+from canon_titan.convert.hf_config import check_hf_config, hf_config, hf_model, uses_rope
+from canon_titan.convert.names import HFTensor, hf_layout, hf_shapes, relayout, titan_rows
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 HF_MODELING_DIR = Path(__file__).resolve().parent.parent / "hf"
-REMOTE_CODE_FILES = ("configuration_llama_canon.py", "modeling_llama_canon.py")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
 
 
@@ -67,51 +68,6 @@ def model_shapes(run) -> dict[str, torch.Size]:
     return {name: t.shape for name, t in module.state_dict().items()}
 
 
-def is_plain_llama(args) -> bool:
-    return (not getattr(args, "canon_set", "") and not args.qk_norm
-            and (args.rope_dim is None or args.rope_dim == args.head_dim))
-
-
-def hf_config(args, plain: bool, rope_layout: str, dtype: str, max_seq_len: int, tokenizer) -> dict:
-    common = {
-        "vocab_size": args.vocab_size,
-        "hidden_size": args.dim,
-        "intermediate_size": args.hidden_dim,
-        "num_hidden_layers": args.n_layers,
-        "num_attention_heads": args.n_heads,
-        "num_key_value_heads": args.kv_heads,
-        "head_dim": args.head_dim,
-        "rms_norm_eps": args.norm_eps,
-        "max_position_embeddings": max_seq_len,
-        "tie_word_embeddings": False,
-        "bos_token_id": tokenizer.get("bos_token_id"),
-        "eos_token_id": tokenizer.get("eos_token_id"),
-        "dtype": {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[dtype],
-    }
-    if plain:
-        return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **common,
-                "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
-                "rope_parameters": {"rope_type": "default", "rope_theta": args.rope_theta}}
-    rope_dim = args.rope_dim or args.head_dim
-    return {
-        "architectures": ["LlamaCanonForCausalLM"],
-        "model_type": "LlamaCanon",
-        "auto_map": {"AutoConfig": "configuration_llama_canon.LlamaCanonConfig",
-                     "AutoModelForCausalLM": "modeling_llama_canon.LlamaCanonForCausalLM"},
-        **common,
-        "rope_theta": args.rope_theta,
-        "rope_dim": rope_dim,
-        "partial_rotary_factor": rope_dim / args.head_dim,
-        "rope_version": rope_layout,
-        "qk_norm": args.qk_norm,
-        "canon_set": getattr(args, "canon_set", ""),
-        "canon_kernel": getattr(args, "canon_kernel", 4),
-        "canon_residual": getattr(args, "canon_residual", True),
-        "canon_activation": getattr(args, "canon_activation", False),
-        "canon_bias": getattr(args, "canon_bias", False),
-    }
-
-
 def tokenizer_info(run) -> tuple[list[Path], dict]:
     """The run's tokenizer files to ship with an export, and its BOS/EOS ids (empty if absent)."""
     from canon_titan.data.builtin import ASSET_DIR
@@ -137,10 +93,15 @@ def _plan_shards(sizes: dict[str, int], max_shard_bytes: int) -> list[list[str]]
     return shards + ([current] if current else [])
 
 
-def hf_tensor(name: str, tensor: torch.Tensor, args, rotate_half: bool, dtype: torch.dtype) -> torch.Tensor:
-    """One canon-titan tensor as the HF model stores it (RoPE rows re-laid out if needed)."""
-    if rotate_half:
-        tensor = relayout(name, tensor, args, to_rotate_half=True)
+def hf_tensor(spec: HFTensor, read: Callable[[str], torch.Tensor], args, rotate_half: bool,
+              dtype: torch.dtype) -> torch.Tensor:
+    """One tensor of the HF model from canon-titan tensors that ``read(name)`` returns (RoPE rows
+    re-laid out if needed, fused projections stacked)."""
+    if spec.fixed is not None:
+        return spec.fixed.to(dtype)
+    parts = [relayout(name, read(name), args, to_rotate_half=True) if rotate_half else read(name)
+             for name in spec.sources]
+    tensor = parts[0] if len(parts) == 1 else torch.cat(parts)
     return tensor.to(dtype).contiguous()
 
 
@@ -150,16 +111,17 @@ def hf_model_in_memory(args, read: Callable[[str], torch.Tensor], names: Iterabl
     ``read(name)`` returns (a DCP checkpoint or live training weights), in eval mode."""
     from transformers.initialization import no_init_weights
 
-    plain = is_plain_llama(args)
-    config = hf_config(args, plain, "lingua", dtype, max_seq_len, tokenizer_ids)
-    if plain:
+    classes = hf_model(args)
+    config = hf_config(args, "lingua", dtype, max_seq_len, tokenizer_ids)
+    if classes is None:
         from transformers import LlamaConfig as config_cls, LlamaForCausalLM as model_cls
     else:
-        from canon_titan.hf.configuration_llama_canon import LlamaCanonConfig as config_cls
-        from canon_titan.hf.modeling_llama_canon import LlamaCanonForCausalLM as model_cls
+        config_cls, model_cls = classes.classes()
     with no_init_weights():
         model = model_cls(config_cls(**config))
-    state = {to_hf_name(name): hf_tensor(name, read(name), args, plain, DTYPES[dtype]) for name in names}
+    rotate_half = classes is None
+    state = {hf_name: hf_tensor(spec, read, args, rotate_half, DTYPES[dtype])
+             for hf_name, spec in hf_layout(args, names).items()}
     model.load_state_dict(state, strict=True)
     return model.to(DTYPES[dtype]).eval()
 
@@ -187,39 +149,42 @@ def to_hf(ckpt_dir, out_dir, run, *, dtype: str = "fp32", rope_layout: str = "li
     found = model_tensor_metadata(step_dir)
     check_against_model({k: m.size for k, m in found.items()}, expected, str(step_dir),
                         f"{run.source} ({run['model']['name']} {run['model']['flavor']})")
-    plain = is_plain_llama(args)
-    rotate_half = plain or rope_layout == "huggingface"
+    classes = hf_model(args)
+    # RoPE: Llama only (the linear models have no positional encoding).
+    rotate_half = uses_rope(args) and (classes is None or rope_layout == "huggingface")
+    layout = hf_layout(args, expected)
+    shapes = hf_shapes(layout, expected)
     target = DTYPES[dtype]
     element = torch.empty((), dtype=target).element_size()
-    sizes = {name: element * torch.Size(shape).numel() for name, shape in expected.items()}
+    sizes = {name: element * torch.Size(shape).numel() for name, shape in shapes.items()}
     shards = _plan_shards(sizes, max_shard_size)
     tok_files, tok_info = tokenizer_info(run)
+
+    def read(name: str) -> torch.Tensor:
+        return load_tensor(step_dir, name, found[name])
+
     with atomic_output_dir(Path(out_dir)) as tmp:
         weight_map = {}
         for index, names in enumerate(shards, 1):
             filename = f"model-{index:05d}-of-{len(shards):05d}.safetensors"
-            tensors = {}
-            for name in names:
-                tensor = hf_tensor(name, load_tensor(step_dir, name, found[name]), args, rotate_half, target)
-                tensors[to_hf_name(name)] = tensor
-                weight_map[to_hf_name(name)] = filename
+            tensors = {name: hf_tensor(layout[name], read, args, rotate_half, target) for name in names}
+            weight_map.update(dict.fromkeys(names, filename))
             save_file(tensors, str(tmp / filename), metadata={"format": "pt"})
             del tensors
             logger.info(f"wrote {filename} ({len(names)} tensors)")
         (tmp / "model.safetensors.index.json").write_text(json.dumps(
             {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}, indent=2) + "\n")
-        config = hf_config(args, plain, rope_layout, dtype, run["training"]["seq_len"], tok_info)
+        config = hf_config(args, rope_layout, dtype, run["training"]["seq_len"], tok_info)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         generation = {"bos_token_id": tok_info.get("bos_token_id"), "eos_token_id": tok_info.get("eos_token_id"),
                       "pad_token_id": tok_info.get("eos_token_id")}
         (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-        if not plain:
-            for name in REMOTE_CODE_FILES:
-                shutil.copy(HF_MODELING_DIR / name, tmp / name)
+        for name in classes.files if classes is not None else ():
+            shutil.copy(HF_MODELING_DIR / name, tmp / name)
         for path in tok_files:
             shutil.copy(path, tmp / path.name)
     logger.info(f"Exported {step_dir} to {out_dir} as {config['architectures'][0]} "
-                f"({len(expected)} tensors, {dtype}, {time.perf_counter() - start:.1f}s)")
+                f"({len(layout)} tensors, {dtype}, {time.perf_counter() - start:.1f}s)")
     return Path(out_dir)
 
 
@@ -246,28 +211,6 @@ def _open_safetensors(path: Path, safe_open):
         yield f
 
 
-def check_hf_config(hf: dict, args, where: str) -> tuple[bool, bool]:
-    """The HF config must describe the run's model; returns (plain llama, rotate-half layout)."""
-    model_type = hf.get("model_type")
-    if model_type not in ("llama", "LlamaCanon"):
-        raise ConversionError(f"{where}: model_type {model_type!r} is not 'llama' or 'LlamaCanon'")
-    plain = model_type == "llama"
-    checks = {
-        "hidden_size": args.dim, "num_hidden_layers": args.n_layers, "num_attention_heads": args.n_heads,
-        "num_key_value_heads": args.kv_heads, "intermediate_size": args.hidden_dim, "vocab_size": args.vocab_size,
-    }
-    if not plain:
-        checks.update({"canon_set": getattr(args, "canon_set", ""), "qk_norm": args.qk_norm,
-                       "rope_dim": args.rope_dim or args.head_dim})
-    elif not is_plain_llama(args):
-        raise ConversionError(f"{where}: a plain Llama checkpoint cannot fill a model with Canon layers, "
-                              "QK-norm or partial RoPE")
-    for key, value in checks.items():
-        if hf.get(key, value if key == "num_key_value_heads" else None) != value:
-            raise ConversionError(f"{where}: {key} is {hf.get(key)!r}, the run config expects {value!r}")
-    return plain, plain or hf.get("rope_version") == "huggingface"
-
-
 def from_hf(hf_dir, out_dir, run) -> Path:
     from safetensors import safe_open
 
@@ -276,28 +219,27 @@ def from_hf(hf_dir, out_dir, run) -> Path:
     if not (hf_dir / "config.json").is_file():
         raise ConversionError(f"{hf_dir} has no config.json (is it a Hugging Face model folder?)")
     args = run.model_args
-    _, rotate_half = check_hf_config(json.loads((hf_dir / "config.json").read_text()), args, str(hf_dir / "config.json"))
+    hf = json.loads((hf_dir / "config.json").read_text())
+    rotate_half = check_hf_config(hf, args, str(hf_dir / "config.json"))
     expected = model_shapes(run)
-    weight_map = {}
-    for hf_name, filename in _read_hf_index(hf_dir).items():
-        try:
-            weight_map[from_hf_name(hf_name)] = (hf_name, hf_dir / filename)
-        except KeyError as e:
-            raise ConversionError(f"{hf_dir}: {e.args[0]}") from None
+    gla_plain_gate_norm = hf.get("model_type") == "GLACanon" and bool(hf.get("zeyuan_layernorm"))
+    layout = hf_layout(args, expected, gla_plain_gate_norm=gla_plain_gate_norm)
+    files = {hf_name: hf_dir / filename for hf_name, filename in _read_hf_index(hf_dir).items()}
     shapes = {}
-    for name, (hf_name, path) in weight_map.items():
+    for hf_name, path in files.items():
         with _open_safetensors(path, safe_open) as f:
-            shapes[name] = tuple(f.get_slice(hf_name).get_shape())
-    check_against_model(shapes, expected, str(hf_dir),
+            shapes[hf_name] = tuple(f.get_slice(hf_name).get_shape())
+    check_against_model(shapes, hf_shapes(layout, expected), str(hf_dir),
                         f"{run.source} ({run['model']['name']} {run['model']['flavor']})")
+    rows = titan_rows(layout, expected)
 
     def produce(name: str) -> torch.Tensor:
-        hf_name, path = weight_map[name]
-        with _open_safetensors(path, safe_open) as f:
+        hf_name, first, end = rows[name]
+        with _open_safetensors(files[hf_name], safe_open) as f:
             try:
-                tensor = f.get_tensor(hf_name)
+                tensor = f.get_tensor(hf_name)[first:end]
             except Exception as e:
-                raise ConversionError(f"{path}: cannot read tensor {hf_name!r} ({e})") from e
+                raise ConversionError(f"{files[hf_name]}: cannot read tensor {hf_name!r} ({e})") from e
         if rotate_half:
             tensor = relayout(name, tensor, args, to_rotate_half=False)
         return tensor.to(torch.float32)
