@@ -10,18 +10,24 @@ import sys
 LOSS_TAG = "loss_metrics/global_avg_loss"
 
 
-def read_scalars(dump_folder: str, tag: str = LOSS_TAG, tb_folder: str = "tb") -> dict[int, float]:
-    """step -> value for ``tag`` over every event file of the run (later files win)."""
+def read_all_scalars(dump_folder: str, tb_folder: str = "tb") -> dict[str, dict[int, float]]:
+    """tag -> step -> value over every event file of the run (later files, e.g. of a resumed
+    run, overwrite earlier values of the same step)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    values: dict[int, float] = {}
+    series: dict[str, dict[int, float]] = {}
     for path in sorted(glob.glob(os.path.join(dump_folder, tb_folder, "**", "events.out.tfevents.*"), recursive=True),
                        key=os.path.getmtime):
         acc = EventAccumulator(path, size_guidance={"scalars": 0})
         acc.Reload()
-        if tag in acc.Tags()["scalars"]:
-            values.update({e.step: e.value for e in acc.Scalars(tag)})
-    return dict(sorted(values.items()))
+        for tag in acc.Tags()["scalars"]:
+            series.setdefault(tag, {}).update({e.step: e.value for e in acc.Scalars(tag)})
+    return {tag: dict(sorted(values.items())) for tag, values in series.items()}
+
+
+def read_scalars(dump_folder: str, tag: str = LOSS_TAG, tb_folder: str = "tb") -> dict[int, float]:
+    """step -> value for ``tag`` (empty if the run never logged it)."""
+    return read_all_scalars(dump_folder, tb_folder).get(tag, {})
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,7 +15,7 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-from canon_titan.metrics import LOSS_TAG
+from canon_titan.metrics import LOSS_TAG, read_all_scalars
 
 TOKENS_TAG = "n_tokens_seen"
 MAX_PANELS = 16
@@ -47,32 +47,16 @@ class RunCurves:
         return [float(np.interp(s, xs, ys)) if s <= xs[-1] else ys[-1] + (s - xs[-1]) * per_step for s in steps]
 
 
-def _events_folder(run_dir: Path) -> Path:
-    config = run_dir / "run_config.toml"
-    tb = "tb"
-    if config.is_file():
-        tb = tomllib.loads(config.read_text()).get("metrics", {}).get("save_tb_folder", "tb")
-    return run_dir / tb
-
-
 def read_run(run_dir: str | Path, label: str | None = None) -> RunCurves:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
     run_dir = Path(run_dir)
-    files = sorted(_events_folder(run_dir).rglob("events.out.tfevents.*"), key=lambda p: p.stat().st_mtime)
-    if not files:
-        raise ReportError(f"{run_dir}: no TensorBoard event files under {_events_folder(run_dir)} "
+    config_file = run_dir / "run_config.toml"
+    config = tomllib.loads(config_file.read_text()) if config_file.is_file() else {}
+    tb = config.get("metrics", {}).get("save_tb_folder", "tb")
+    series = read_all_scalars(str(run_dir), tb)
+    if not series:
+        raise ReportError(f"{run_dir}: no TensorBoard event files under {run_dir / tb} "
                           "(was [metrics] enable_tensorboard on?)")
-    series: dict[str, dict[int, float]] = {}
-    for path in files:  # later files (a resumed run) overwrite earlier values of the same step
-        acc = EventAccumulator(str(path), size_guidance={"scalars": 0})
-        acc.Reload()
-        for tag in acc.Tags()["scalars"]:
-            series.setdefault(tag, {}).update({e.step: e.value for e in acc.Scalars(tag)})
-    if label is None:
-        config = run_dir / "run_config.toml"
-        description = tomllib.loads(config.read_text()).get("job", {}).get("description") if config.is_file() else None
-        label = description or run_dir.name
+    label = label or config.get("job", {}).get("description") or run_dir.name
     return RunCurves(label, run_dir, series, series.pop(TOKENS_TAG, {}))
 
 

@@ -9,10 +9,9 @@ mis-scaled micro-batch shows at >= 1e-3.
 import warnings
 
 import pytest
-import torch
 
 from canon_titan.metrics import read_scalars
-from conftest import COMMON, REPO, run_training, start_from
+from conftest import COMMON, REPO, make_checkpoint, run_training, start_from
 
 pytestmark = pytest.mark.slow
 
@@ -41,25 +40,11 @@ def final_weights(name, dump) -> dict:
     return state
 
 
-def seed_checkpoint(name, folder):
-    """Initial weights as a model-only step-0 checkpoint (what --checkpoint.create_seed_checkpoint
-    writes), built in this process to save a launch."""
-    import torch.distributed.checkpoint as dcp
-
-    torch.manual_seed(0)
-    model = build(name)
-    model.init_states()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        dcp.save(model.state_dict(), checkpoint_id=str(folder / "step-0"))
-    return folder / "step-0"
-
-
 @pytest.fixture(scope="module", params=FAMILIES)
 def family(request, tmp_path_factory):
     """(name, seed checkpoint, (losses, grad norms, final weights) of one process)."""
     name = request.param
-    seed = seed_checkpoint(name, tmp_path_factory.mktemp(f"seed_{name}"))
+    _, seed, _ = make_checkpoint(tmp_path_factory.mktemp(f"seed_{name}"), [], config=CONFIGS[name])
     dump = start_from(seed, tmp_path_factory.mktemp(f"reference_{name}"))
     run_training(1, COMMON + STEPS + ["--job.dump_folder", str(dump), "--training.local_batch_size", str(GLOBAL_BATCH)],
                  config=CONFIGS[name])
@@ -109,10 +94,10 @@ def test_pipeline_parallel(family, tmp_path):
     assert_matches(family, dump)
 
 
+# Mamba2 has no tensor-parallel plan; test_config / test_linear_models check the refusal.
+@pytest.mark.parametrize("family", ["gla5", "gdn2"], indirect=True)
 def test_tensor_parallel(family, tmp_path):
     name = family[0]
-    if name == "mamba2":
-        pytest.skip("Mamba2 has no tensor parallelism (test_linear_models checks the refusal)")
     sp = "true" if name == "gla5" else "false"  # both layouts, one launch per family
     dump, out = train(family, tmp_path, 2, ["--parallelism.tensor_parallel_degree", "2",
                                             "--parallelism.enable_sequence_parallel", sp])

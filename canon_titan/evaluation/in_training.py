@@ -74,6 +74,7 @@ class InTrainingEval:
         self._task_manager = None
         self._task = None
         self._tokenizer = None
+        self._hf_tokenizer = None
         if settings.tasks and self.rank == 0:
             from canon_titan.evaluation import lm
 
@@ -168,7 +169,9 @@ class InTrainingEval:
         from canon_titan.evaluation import lm
 
         s = self.settings
-        tokenizer = lm.hf_tokenizer(s.tokenizer_kind, s.tokenizer_path)
+        if self._hf_tokenizer is None:
+            self._hf_tokenizer = lm.hf_tokenizer(s.tokenizer_kind, s.tokenizer_path)
+        tokenizer = self._hf_tokenizer
         ids = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
         model = hf_model_in_memory(s.model_args, state.__getitem__, list(state), dtype=s.dtype,
                                    max_seq_len=s.seq_len, tokenizer_ids=ids).to(self.device)

@@ -242,8 +242,9 @@ def evaluate(hf_model, tokenizer, tasks: list[str], *, max_length: int, limit: f
 
     quiet_lm_eval()
     tasks = expand_suites(tasks)
-    manager = manager or task_manager(tasks, data_dir, include_paths)
-    check_datasets(manager, tasks)
+    if manager is None:  # a caller passing its manager has checked the datasets already
+        manager = task_manager(tasks, data_dir, include_paths)
+        check_datasets(manager, tasks)
     lm = HFLM(pretrained=hf_model, tokenizer=tokenizer, backend="causal", add_bos_token=False,
               max_length=max_length, batch_size=batch_size, device=str(next(hf_model.parameters()).device))
     try:

@@ -20,6 +20,7 @@ unchanged (the release's frozen identity kernel), as the reference does.
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from functools import partial
 
@@ -192,7 +193,7 @@ def _kernel_device() -> str:
 
 
 @dataclass(kw_only=True)
-class LinearArgs:
+class LinearArgs(ABC):
     """The TOML ``[model]`` keys every linear family has; subclasses add theirs and build the mixer."""
 
     dim: int
@@ -293,14 +294,14 @@ class LinearArgs:
             backend=resolve_canon_backend(self.canon_backend, SHORT_CONV_SIZE), param_init=param_init,
         )
 
-    def linear_init(self) -> dict:
-        raise NotImplementedError
+    @abstractmethod
+    def linear_init(self) -> dict: ...
 
-    def embedding_std(self) -> float:
-        raise NotImplementedError
+    @abstractmethod
+    def embedding_std(self) -> float: ...
 
-    def mixer_config(self, kernel_backend: str) -> Module.Config:
-        raise NotImplementedError
+    @abstractmethod
+    def mixer_config(self, kernel_backend: str) -> Module.Config: ...
 
     def block_config(self, kernel_backend: str) -> LinearBlock.Config:
         dim, hidden, init = self.dim, self.hidden_dim, self.linear_init()
