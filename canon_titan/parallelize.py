@@ -8,7 +8,9 @@ Tensor parallelism, exact with Canon layers:
 - Canon-B and Canon-D are depthwise, so each rank applies the rows of its own q/k/v (gate/up)
   channels (``ChannelShard``); the full weight stays replicated and its gradient is summed.
 - Canon-A and Canon-C mix along the sequence: with sequence parallelism the activations are
-  all-gathered *before* them, so they always see the whole sequence.
+  all-gathered *before* them, so they always see the whole sequence. They run the RMSNorm before
+  them themselves (fused), so there the gather moves before the norm, which every TP rank then
+  computes on the whole sequence (its replicated weight gets the same full gradient on each).
 - The flat QK-norm spans all heads: its weight is sharded with the columns and the mean square
   is summed over the TP group.
 - Every other parameter is replicated over the TP mesh, so all parameters share one mesh layout
@@ -44,6 +46,21 @@ def gather_sequence(n_args: int) -> PrepareModuleInput:
     )
 
 
+def sequence_parallel_plan(block, halves: tuple[tuple[str, str, str, int], ...]) -> dict:
+    """Plan entries for sequence parallelism over a block's halves, each given as (Canon layer,
+    norm, sublayer, sublayer's positional inputs): the norm runs on the sequence shard and the
+    activations are gathered before the sublayer; where the Canon layer exists it takes the norm
+    inside, so the block's stream is gathered before it instead."""
+    plan = {}
+    for canon, norm, sublayer, n_args in halves:
+        if getattr(block, canon) is not None:
+            plan[canon] = gather_sequence(2)  # (x, norm)
+        else:
+            plan[norm] = SequenceParallel()
+            plan[sublayer] = gather_sequence(n_args)
+    return plan
+
+
 def _block_plan(block, enable_sp: bool) -> dict:
     residual = Shard(1) if enable_sp else Replicate()
     plan = {
@@ -56,28 +73,21 @@ def _block_plan(block, enable_sp: bool) -> dict:
         "feed_forward.w2": RowwiseParallel(output_layouts=residual),
     }
     if enable_sp:
-        plan["attention_norm"] = SequenceParallel()
-        plan["ffn_norm"] = SequenceParallel()
-        # Gather before the first sequence-mixing module: Canon-A/C if present, else the sublayer.
-        plan["canonA" if block.canonA is not None else "attention"] = gather_sequence(
-            1 if block.canonA is not None else 2)
-        plan["canonC" if block.canonC is not None else "feed_forward"] = gather_sequence(1)
+        plan.update(sequence_parallel_plan(block, (("canonA", "attention_norm", "attention", 2),
+                                                   ("canonC", "ffn_norm", "feed_forward", 1))))
     return plan
 
 
 def _shard_channels(block, tp_mesh) -> None:
     rank, size, group = tp_mesh.get_local_rank(), tp_mesh.size(), tp_mesh.get_group()
     attn, ffn = block.attention, block.feed_forward
-    n_q, n_kv = attn.wq.out_features, attn.wk.out_features
     for norm in (attn.q_norm, attn.k_norm):
         if norm is not None:
             norm.weight = nn.Parameter(distribute_tensor(norm.weight, tp_mesh, [Shard(0)]))
             norm.tp_group = group
-    if attn.canonB is not None:
-        attn.canonB.channel_shard = ChannelShard((n_q, n_kv, n_kv), rank, size, group)
-    if ffn.canonD is not None:
-        hidden = ffn.w1.out_features
-        ffn.canonD.channel_shard = ChannelShard((hidden, hidden), rank, size, group)
+    for canon in (attn.canonB, ffn.canonD):
+        if canon is not None:
+            canon.channel_shard = ChannelShard(rank, size, group)
 
 
 def _replicate_remaining(model: nn.Module, tp_mesh) -> None:

@@ -22,14 +22,13 @@ from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInputOutput,
     RowwiseParallel,
-    SequenceParallel,
     parallelize_module,
 )
 
 from canon_titan.models.gdn2 import GDN2Mixer
 from canon_titan.models.gla5 import GLA5Mixer
 from canon_titan.models.tensor_parallel import ChannelShard
-from canon_titan.parallelize import apply_ac_compile_fsdp, apply_tp, gather_sequence
+from canon_titan.parallelize import apply_ac_compile_fsdp, apply_tp, sequence_parallel_plan
 
 # mixer type -> (column-sharded linears, replicated linears, per-head parameters, gated norm)
 _MIXER_LAYOUT = {
@@ -56,7 +55,7 @@ def _shard_heads(mixer, tp_mesh, per_head: tuple[str, ...], norm: str) -> None:
     getattr(mixer, norm).tp_group = group
     for conv in (mixer.q_conv1d, mixer.k_conv1d, mixer.v_conv1d):
         if conv is not None:
-            conv.channel_shard = ChannelShard((conv.weight.shape[0],), rank, size, group)
+            conv.channel_shard = ChannelShard(rank, size, group)
 
 
 def _parallelize_linear_block(block, tp_mesh, enable_sp: bool) -> None:
@@ -67,9 +66,7 @@ def _parallelize_linear_block(block, tp_mesh, enable_sp: bool) -> None:
     colwise, replicated, per_head, norm = _MIXER_LAYOUT[type(mixer)]
     _shard_heads(mixer, tp_mesh, per_head, norm)
     if ffn.canonD is not None:
-        hidden = ffn.w1.out_features
-        ffn.canonD.channel_shard = ChannelShard((hidden, hidden), tp_mesh.get_local_rank(), tp_mesh.size(),
-                                                tp_mesh.get_group())
+        ffn.canonD.channel_shard = ChannelShard(tp_mesh.get_local_rank(), tp_mesh.size(), tp_mesh.get_group())
     residual = Shard(1) if enable_sp else Replicate()
     plan = {f"mixer.{name}": ColwiseParallel() for name in colwise}
     plan.update({f"mixer.{name}": _replicated_linear() for name in replicated})
@@ -78,11 +75,8 @@ def _parallelize_linear_block(block, tp_mesh, enable_sp: bool) -> None:
     plan["feed_forward.w3"] = ColwiseParallel()
     plan["feed_forward.w2"] = RowwiseParallel(output_layouts=residual)
     if enable_sp:
-        plan["mixer_norm"] = SequenceParallel()
-        plan["ffn_norm"] = SequenceParallel()
-        # Gather before the first sequence-mixing module: Canon-A/C if present, else the sublayer.
-        plan["canonA" if block.canonA is not None else "mixer"] = gather_sequence(1)
-        plan["canonC" if block.canonC is not None else "feed_forward"] = gather_sequence(1)
+        plan.update(sequence_parallel_plan(block, (("canonA", "mixer_norm", "mixer", 1),
+                                                   ("canonC", "ffn_norm", "feed_forward", 1))))
     parallelize_module(block, tp_mesh, plan)
 
 

@@ -7,6 +7,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+# Triton decides when a kernel module is imported whether its kernels run in the interpreter; on a
+# machine without a GPU the tests run them there, on CPU tensors (the training subprocesses
+# inherit it). TRITON_INTERPRET only makes 'triton' backends usable; 'auto' still picks torch.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 REPO = Path(__file__).resolve().parent.parent
 DEBUG_CONFIG = REPO / "train_configs" / "llama_debug.toml"

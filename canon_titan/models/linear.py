@@ -35,7 +35,7 @@ from torchtitan.tools.logging import logger
 
 from canon_titan.kernels import resolve_backend as resolve_kernel_backend
 from canon_titan.kernels.backends import CUDA_BACKENDS
-from canon_titan.models.canon import CanonConv, canon_bias_init, canon_weight_init
+from canon_titan.models.canon import CanonConv, backend_problems, canon_bias_init, canon_weight_init
 from canon_titan.models.canon import resolve_backend as resolve_canon_backend
 from canon_titan.models.llama import ONES_INIT, Embedding, FeedForward
 from canon_titan.models.norms import RMSNorm
@@ -148,13 +148,10 @@ class LinearBlock(Module):
         # Same signature as the attention blocks. Document boundaries (positions restarting at 0)
         # are ignored: the recurrent state and the convolutions run across the documents of a
         # packed sequence, as in the release's training.
-        a = self.mixer_norm(x)
-        if self.canonA is not None:
-            a = self.canonA(a)
+        # Canon-A/C apply the norm before them themselves (fused).
+        a = self.canonA(x, self.mixer_norm) if self.canonA is not None else self.mixer_norm(x)
         h = x + self.mixer(a)
-        m = self.ffn_norm(h)
-        if self.canonC is not None:
-            m = self.canonC(m)
+        m = self.canonC(h, self.ffn_norm) if self.canonC is not None else self.ffn_norm(h)
         return h + self.feed_forward(m)
 
 
@@ -212,7 +209,8 @@ class LinearArgs(ABC):
     canon_activation: bool = False
     canon_bias: bool = False
     canon_backend: str = "auto"
-    """Convolution backend of Canon A/C/D and of b: 'auto', 'torch' or 'causal_conv1d'."""
+    """Convolution backend of Canon A/C/D and of b: 'auto' (Triton on a CUDA GPU, else torch), 'torch' or
+    'triton'."""
     kernel_backend: str = "auto"
     """Recurrence kernel: 'auto' (the CUDA kernel on a GPU when its package imports, else torch),
     'torch', or the family's CUDA package ('fla' for GLA5/GDN2, 'mamba_ssm' for Mamba2)."""
@@ -262,15 +260,7 @@ class LinearArgs(ABC):
                                           f"got {self.canon_set!r}"))
         if self.canon_kernel not in (2, 3, 4):
             problems.append(("canon_kernel", f"must be 2, 3 or 4, got {self.canon_kernel}"))
-        if self.canon_backend not in ("auto", "torch", "causal_conv1d"):
-            problems.append(("canon_backend",
-                             f"must be 'auto', 'torch' or 'causal_conv1d', got {self.canon_backend!r}"))
-        elif self.canon_set and self.canon_kernel in (2, 3, 4):
-            try:
-                resolve_canon_backend(self.canon_backend, self.canon_kernel)
-            except ValueError as e:
-                problems.append(("canon_backend", str(e)))
-        return problems
+        return problems + backend_problems(self.canon_backend, self.canon_kernel)
 
     # --- pieces the families combine --------------------------------------------------------
 

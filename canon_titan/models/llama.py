@@ -26,7 +26,8 @@ from torchtitan.models.utils import get_dense_model_nparams_and_flops
 from torchtitan.protocols.module import Module
 from torchtitan.tools.logging import logger
 
-from canon_titan.models.canon import CANON_POSITIONS, CanonConv, canon_bias_init, canon_weight_init, resolve_backend
+from canon_titan.models.canon import (CANON_POSITIONS, CanonConv, backend_problems, canon_bias_init,
+                                     canon_weight_init, resolve_backend)
 from canon_titan.models.norms import RMSNorm
 from canon_titan.models.rope import PartialRoPE
 
@@ -92,12 +93,11 @@ class Attention(Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         batch, seq_len, _ = x.shape
         q, k, v = self.wq(x), self.wk(x), self.wv(x)
-        if self.q_norm is not None:
-            # Normalised over the whole flat projection, before splitting into heads.
-            q, k = self.q_norm(q), self.k_norm(k)
+        # QK-norm: over the whole flat projection, before splitting into heads (fused into Canon-B).
         if self.canonB is not None:
-            sizes = (q.shape[-1], k.shape[-1], v.shape[-1])
-            q, k, v = self.canonB(torch.cat((q, k, v), dim=-1)).split(sizes, dim=-1)
+            q, k, v = self.canonB.segments(q, k, v, norms=(self.q_norm, self.k_norm, None))
+        elif self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(batch, seq_len, -1, self.head_dim)
         k = k.view(batch, seq_len, -1, self.head_dim)
         v = v.view(batch, seq_len, -1, self.head_dim)
@@ -130,7 +130,7 @@ class FeedForward(Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.w1(x), self.w3(x)
         if self.canonD is not None:
-            gate, up = self.canonD(torch.cat((gate, up), dim=-1)).chunk(2, dim=-1)
+            return self.w2(self.canonD.swiglu(gate, up))
         return self.w2(F.silu(gate) * up)
 
 
@@ -154,13 +154,10 @@ class LlamaBlock(Module):
         self.canonC = config.canonC.build() if config.canonC is not None else None
 
     def forward(self, x: torch.Tensor, attention_masks=None, positions: torch.Tensor | None = None):
-        a = self.attention_norm(x)
-        if self.canonA is not None:
-            a = self.canonA(a)
+        # Canon-A/C apply the norm before them themselves (fused).
+        a = self.canonA(x, self.attention_norm) if self.canonA is not None else self.attention_norm(x)
         h = x + self.attention(a, positions)
-        m = self.ffn_norm(h)
-        if self.canonC is not None:
-            m = self.canonC(m)
+        m = self.canonC(h, self.ffn_norm) if self.canonC is not None else self.ffn_norm(h)
         return h + self.feed_forward(m)
 
 
@@ -321,7 +318,7 @@ class LlamaCanonArgs(LlamaArgs):
     canon_activation: bool = False
     canon_bias: bool = False
     canon_backend: str = "auto"
-    """'auto' (causal-conv1d on CUDA when installed, else torch), 'torch' or 'causal_conv1d'."""
+    """'auto' (the Triton kernels on a CUDA GPU, else torch), 'torch' or 'triton'."""
 
     def validate(self) -> list[tuple[str, str]]:
         problems = LlamaArgs.validate(self)
@@ -330,14 +327,7 @@ class LlamaCanonArgs(LlamaArgs):
             problems.append(("canon_set", f"must be distinct letters from {CANON_POSITIONS!r}, got {self.canon_set!r}"))
         if self.canon_kernel not in (2, 3, 4):
             problems.append(("canon_kernel", f"must be 2, 3 or 4, got {self.canon_kernel}"))
-        if self.canon_backend not in ("auto", "torch", "causal_conv1d"):
-            problems.append(("canon_backend", f"must be 'auto', 'torch' or 'causal_conv1d', got {self.canon_backend!r}"))
-        elif self.canon_set and self.canon_kernel in (2, 3, 4):
-            try:
-                resolve_backend(self.canon_backend, self.canon_kernel)
-            except ValueError as e:
-                problems.append(("canon_backend", str(e)))
-        return problems
+        return problems + backend_problems(self.canon_backend, self.canon_kernel)
 
     def canon(self, position: str, channels: int) -> CanonConv.Config | None:
         if position not in self.canon_set:

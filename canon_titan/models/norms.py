@@ -31,13 +31,16 @@ class RMSNorm(Module):
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = local(self.weight, x)
+    def inverse_rms(self, x: torch.Tensor) -> torch.Tensor:
+        """``1 / sqrt(mean(x^2) + eps)`` over the channels (all ranks' channels with ``tp_group``),
+        float32, [..., 1]. Canon layers after the norm take it and the weight to fuse the norm."""
         xf = x.float()
         if self.tp_group is None:
             mean_square = xf.pow(2).mean(-1, keepdim=True)
         else:
             channels = xf.shape[-1] * torch.distributed.get_world_size(self.tp_group)
             mean_square = tp_sum(xf.pow(2).sum(-1, keepdim=True), self.tp_group) / channels
-        normed = xf * torch.rsqrt(mean_square + self.eps)
-        return (normed * weight.float()).type_as(x)
+        return torch.rsqrt(mean_square + self.eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x.float() * self.inverse_rms(x) * local(self.weight, x).float()).type_as(x)

@@ -46,24 +46,24 @@ def tp_sum(x: torch.Tensor, group) -> torch.Tensor:
 
 
 class ChannelShard:
-    """Which channels of a concatenated ``[seg_0 | seg_1 | ...]`` tensor one TP rank holds.
-
-    A column-sharded projection gives each rank a contiguous slice of every segment (q, k, v or
-    gate, up), so a layer with per-channel weights over the concatenation (Canon-B, Canon-D)
-    needs the matching rows of each segment. The full weight stays replicated: every rank's rows
-    get gradients only from that rank, so the gradient is summed over the TP group.
+    """Which channels of a per-channel weight one TP rank applies, when its inputs come from
+    column-sharded projections: each input (q, k, v; gate, up) holds a contiguous 1/size of its
+    channels, so the rank needs those rows of each input's block of the weight. The full weight
+    stays replicated: every rank's rows get gradients only from that rank, so the gradient is
+    summed over the TP group.
     """
 
-    def __init__(self, segments: tuple[int, ...], rank: int, size: int, group):
-        if any(s % size for s in segments):
-            raise ValueError(f"channel segments {segments} are not divisible by the TP degree {size}")
-        self.segments, self.rank, self.size, self.group = segments, rank, size, group
+    def __init__(self, rank: int, size: int, group):
+        self.rank, self.size, self.group = rank, size, group
 
-    def rows(self, weight: torch.Tensor) -> torch.Tensor:
+    def rows(self, weight: torch.Tensor, local_sizes: list[int]) -> list[torch.Tensor]:
+        """This rank's rows for consecutive inputs of ``local_sizes`` channels each (per rank)."""
         weight = _SumGradients.apply(weight, self.group)
         parts, offset = [], 0
-        for seg in self.segments:
-            chunk = seg // self.size
-            parts.append(weight[offset + self.rank * chunk : offset + (self.rank + 1) * chunk])
-            offset += seg
-        return torch.cat(parts)
+        for size in local_sizes:
+            parts.append(weight[offset + self.rank * size : offset + (self.rank + 1) * size])
+            offset += size * self.size
+        if offset != weight.shape[0]:
+            raise ValueError(f"inputs of {local_sizes} channels per rank x {self.size} ranks do not cover the "
+                             f"{weight.shape[0]} channels of the weight")
+        return parts
