@@ -130,24 +130,14 @@ def parallelize_llama_canon(model, *, parallel_dims, training, parallelism, comp
     return model
 
 
-def _has_opaque_kernels(model: nn.Module) -> bool:
-    """Whether a module runs a CUDA kernel that is hidden from torch.compile (``backend`` other than torch)."""
-    return any(getattr(m, "backend", "torch") != "torch" for m in model.modules())
-
-
 def apply_ac_compile_fsdp(model, *, parallel_dims, training, parallelism, compile_config, ac_config, dump_folder):
     """What every model family applies after its own tensor parallelism: activation checkpointing,
     per-block compile and FSDP2/HSDP."""
     if ac_config is not None:
         ac_config.build(dump_folder=dump_folder).apply(model)
     if compile_config.enable and "model" in compile_config.components:
+        # Every kernel backend is a torch custom op: TorchTitan's fullgraph per-block compile holds.
         apply_compile(model, compile_config=compile_config, parallel_dims=parallel_dims)
-        if _has_opaque_kernels(model):
-            # TorchTitan compiles each block with fullgraph=True, which refuses the graph break
-            # around a torch.compiler.disable'd CUDA kernel (causal-conv1d, fla, mamba-ssm).
-            for block in model.layers.values():
-                block.compile(backend=compile_config.backend, fullgraph=False)
-            logger.info("Compiled blocks allow graph breaks around the CUDA kernels")
     names = ["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]
     apply_fsdp_to_decoder(
         model,

@@ -2,7 +2,7 @@
 """Train-step throughput, memory and sequence-length scaling of the linear models (gla5, gdn2,
 mamba2; Canon 'AbbCD' and the conv baseline 'bb') against ``llama_canon`` (Canon-ABCD attention).
 
-Two markdown tables (ready for the README):
+Markdown tables (ready for the README):
 
 1. throughput: every model at one width (``--dim``, ``--layers``) and shape (``--batch`` x
    ``--seq-len``): tokens/s, step time, parameters and peak memory (CPU: the process's peak RSS
@@ -13,7 +13,13 @@ Two markdown tables (ready for the README):
    ``--scaling-batch``): tokens/s and step time. Linear models keep tokens/s about flat (step time
    x8 from 1k to 8k tokens); attention's quadratic term makes it fall.
 
-A step is forward + backward + AdamW on random tokens, after ``--warmup`` untimed steps; the tables
+3. trainer (``--tables trainer``, for a GPU): the real trainer (torchrun, TorchTitan's metrics,
+   compile, bf16) for llama, llama_canon and the three linear models with Canon-AbCD at
+   ``--trainer-flavor`` (1B) for each of ``--trainer-seqs`` (4096, 16384) with ``--trainer-tokens``
+   tokens per step: tokens/s, MFU and peak memory, and each model's tokens/s over Llama's
+   (targets: >= 0.9 at 4096, >= 1.5 at 16384). The kernels each run used are listed.
+
+For tables 1 and 2, a step is forward + backward + AdamW on random tokens, after ``--warmup`` untimed steps; the tables
 give the median of the timed steps. Each model runs in its own process (its cases in order, the
 scaling sequences ascending, so the process's peak RSS after a case is that case's peak). CPU runs
 fp32 with the torch kernels; CUDA runs bf16 autocast with ``--kernel-backend`` (``auto`` picks fla /
@@ -25,6 +31,7 @@ steps up to ~1.7x slower and very noisy. Progress goes to stderr, tables to stdo
   .venv/bin/python scripts/bench_linear.py --device cuda --dim 1024 --layers 8 --batch 8 --seq-len 2048 \\
       --scaling-dim 512 --scaling-seqs 2048,4096,8192,16384,32768      # on a GPU
   .venv/bin/python scripts/bench_linear.py --tables scaling --models gla5:bb,llama_canon
+  .venv/bin/python scripts/bench_linear.py --tables trainer                              # on a GPU
 """
 
 from __future__ import annotations
@@ -38,6 +45,8 @@ import sys
 import time
 
 DEFAULT_MODELS = "gla5:AbbCD,gla5:bb,gdn2:AbbCD,gdn2:bb,mamba2:AbbCD,mamba2:bb,llama_canon:ABCD"
+TRAINER_MODELS = "llama,llama_canon:ABCD,gla5:AbbCD,gdn2:AbbCD,mamba2:AbbCD"
+TRAINER_TARGETS = {4096: 0.9, 16384: 1.5}
 LINEAR = ("gla5", "gdn2", "mamba2")
 BASELINE = "llama_canon:ABCD"
 
@@ -53,7 +62,7 @@ def parse_args(argv=None):
                         "(fla for gla5/gdn2, mamba_ssm for mamba2)")
     p.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", 2)),
                    help="torch CPU threads (default $OMP_NUM_THREADS or 2)")
-    p.add_argument("--tables", default="throughput,scaling", help="comma list of throughput, scaling")
+    p.add_argument("--tables", default="throughput,scaling", help="comma list of throughput, scaling, trainer")
     # table 1
     p.add_argument("--dim", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
@@ -83,6 +92,14 @@ def parse_args(argv=None):
                    help="keep: run the workers with glibc's MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_ raised so "
                         "freed activations stay mapped instead of being page-faulted in again every step (on a "
                         "small VM the faults cost up to half the step time); default: glibc as is")
+    # table 3
+    p.add_argument("--trainer-models", default=TRAINER_MODELS, help="family[:canon_set] list; the first is the baseline")
+    p.add_argument("--trainer-flavor", default="1B")
+    p.add_argument("--trainer-seqs", default="4096,16384")
+    p.add_argument("--trainer-tokens", type=int, default=8192, help="tokens per step and process (batch = tokens // seq)")
+    p.add_argument("--trainer-steps", type=int, default=30)
+    p.add_argument("--trainer-warmup", type=int, default=10, help="steps left out of the medians (compile, autotuning)")
+    p.add_argument("--trainer-no-compile", dest="trainer_compile", action="store_false")
     p.add_argument("--json", help="also write the raw results here")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -340,6 +357,53 @@ def scaling_table(results: list[dict], args, seqs: list[int]) -> str:
     return "\n".join(lines)
 
 
+def run_trainer_table(args) -> tuple[list[dict], str]:
+    import tempfile
+
+    from trainer_bench import run_case
+
+    seqs = sorted(int(s) for s in args.trainer_seqs.split(",") if s)
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for spec in args.trainer_models.split(","):
+            family, canon = parse_model(spec)
+            keys = {"name": family, "flavor": args.trainer_flavor, **({"canon_set": canon} if canon else {})}
+            for seq in seqs:
+                batch = max(1, args.trainer_tokens // seq)
+                print(f"[bench_linear] trainer: {spec} {args.trainer_flavor}, batch {batch} x seq {seq} ...",
+                      file=sys.stderr, flush=True)
+                try:
+                    r = run_case(keys, os.path.join(tmp, f"{family}-{seq}"), seq_len=seq, batch=batch,
+                                 steps=args.trainer_steps, warmup=args.trainer_warmup, compile=args.trainer_compile)
+                except RuntimeError as e:
+                    FAILED.append(f"trainer {spec} seq {seq}")
+                    print(f"[bench_linear] {e}", file=sys.stderr)
+                    continue
+                results.append({**r, "spec": spec, "canon": canon})
+    by = {(r["spec"], r["seq_len"]): r for r in results}
+    base = args.trainer_models.split(",")[0]
+    lines = [f"**Trainer** — flavor {args.trainer_flavor}, {args.trainer_tokens} tokens per step, compile "
+             f"{args.trainer_compile}, medians over steps {args.trainer_warmup + 1}-{args.trainer_steps}; "
+             f"cells: tokens/s (x {base}), MFU %, peak reserved GiB", "",
+             "| model | canon_set | " + " | ".join(f"T={s}" for s in seqs) + " |", "|---|---|" + "---:|" * len(seqs)]
+    for spec in args.trainer_models.split(","):
+        cells = []
+        for seq in seqs:
+            r, b = by.get((spec, seq)), by.get((base, seq))
+            if r is None:
+                cells.append("failed")
+                continue
+            ratio = r["tokens_per_s"] / b["tokens_per_s"] if b else float("nan")
+            target = TRAINER_TARGETS.get(seq) if spec.split(":")[0] in LINEAR else None
+            mark = "" if target is None else (" ok" if ratio >= target else f" < {target}")
+            cells.append(f"{r['tokens_per_s']:,.0f} (x{ratio:.2f}{mark}), {r['mfu_pct']:.1f}%, "
+                         f"{r['peak_reserved_gib']:.1f}")
+        lines.append(f"| {spec.split(':')[0]} | {parse_model(spec)[1] or '-'} | " + " | ".join(cells) + " |")
+    kernels = sorted({r["kernels"] for r in results if r["kernels"]})
+    lines += ["", "_Kernels: " + " / ".join(kernels) + "_"] if kernels else []
+    return results, "\n".join(lines)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.worker:
@@ -391,6 +455,11 @@ def main(argv=None) -> int:
         if results:
             all_results["scaling"] = results
             out.append(scaling_table(results, args, seqs))
+    if "trainer" in tables:
+        results, table = run_trainer_table(args)
+        if results:
+            all_results["trainer"] = results
+            out.append(table)
     elapsed = time.perf_counter() - started
     print(f"[bench_linear] done in {elapsed / 60:.1f} min", file=sys.stderr, flush=True)
     print("\n\n".join(out))

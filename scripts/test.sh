@@ -4,5 +4,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh dev,eval
+# mamba-ssm's Triton SSD kernels, for the kernel-backend tests (they run in Triton's interpreter):
+# MAMBA_SKIP_CUDA_BUILD is the package's switch to install its Python files without compiling its
+# CUDA extensions, which need a GPU toolchain (see tests/triton_interpreter.py for how it is imported).
+MAMBA_SKIP_CUDA_BUILD=TRUE MAMBA_FORCE_BUILD=TRUE .venv/bin/python -m pip install --quiet --disable-pip-version-check \
+  --no-build-isolation --no-deps -c constraints.txt mamba-ssm
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 exec .venv/bin/python -m pytest -ra "$@"

@@ -28,7 +28,7 @@ def _world_size() -> int | None:
 # What a CUDA-only backend reports on a machine without it; static validation (``environment =
 # False``) checks a config for another machine and skips these.
 _HARDWARE_MESSAGES = {"canon_backend": ("needs a CUDA GPU",),
-                      "kernel_backend": ("runs on CUDA tensors only", "which does not import here")}
+                      "kernel_backend": ("need a CUDA GPU", "does not import here", "(this machine:")}
 
 
 def check_model(run: RunConfig, environment: bool) -> None:

@@ -1,4 +1,5 @@
-"""Sequence-mixing kernels of the linear models, each with a pure-PyTorch backend and a CUDA one."""
+"""Sequence-mixing kernels (the Canon op, GLA, gated delta rule, Mamba2 SSD), each with a
+pure-PyTorch backend and a Triton one."""
 
 from canon_titan.kernels.backends import resolve_backend
 from canon_titan.kernels.delta_rule import gated_delta_rule

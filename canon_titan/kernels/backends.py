@@ -1,49 +1,128 @@
-"""Backends of the linear-attention kernels, and the chunking helpers the torch kernels share.
+"""Backends of the sequence-mixing kernels, and the chunking helpers the torch kernels share.
 
 ``torch`` is the chunked pure-PyTorch code of this package: any device, any dtype, plain autograd.
-The CUDA kernels are ``fla`` (flash-linear-attention: GLA, gated delta rule) and ``mamba_ssm``
-(Mamba2 SSD). They run only on CUDA tensors; ``auto`` picks the op's CUDA kernel when the tensors
-are on CUDA and its package imports, else ``torch``.
+The CUDA kernels are Triton kernels of other packages: ``fla`` (flash-linear-attention: GLA, gated
+delta rule) and ``mamba_ssm`` (Mamba2 SSD), each called through a torch custom op of this package
+(so compiled blocks keep no graph break). They run on CUDA tensors, or on CPU tensors when
+Triton's interpreter is on (``TRITON_INTERPRET=1`` before the first import: slow, for tests).
+
+``auto`` picks the op's CUDA kernel on a GPU when its package imports and the machine is not a
+known-bad combination (``KNOWN_BAD``), else ``torch``, and says why.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
+from dataclasses import dataclass
 
 import torch
+import triton
+from packaging.version import Version
 
 CUDA_BACKENDS = {"gla": "fla", "gated_delta_rule": "fla", "ssd": "mamba_ssm"}
 _CUDA_MODULES = {"fla": "fla.ops", "mamba_ssm": "mamba_ssm.ops.triton.ssd_combined"}
 _PACKAGES = {"fla": "flash-linear-attention", "mamba_ssm": "mamba-ssm"}
+INTERPRETED = triton.knobs.runtime.interpret
+"""Triton decides when a kernel module is imported whether its kernels run in the interpreter."""
+
+
+def triton_runs_here() -> bool:
+    """Triton kernels can run: a CUDA GPU, or the interpreter (CPU tensors)."""
+    return torch.cuda.is_available() or INTERPRETED
 
 
 @functools.cache
-def _importable(backend: str) -> bool:
+def import_problem(backend: str) -> str | None:
+    """Why the backend's package does not import here, or None."""
     try:
         importlib.import_module(_CUDA_MODULES[backend])
-    except ImportError:
-        return False
-    return True
+    except Exception as e:  # ImportError, or a package that fails while importing
+        return f"{type(e).__name__}: {e}"
+    return None
 
 
-def resolve_backend(requested: str, device: torch.device | str, *, op: str) -> str:
-    """The backend that runs ``op`` ("gla", "gated_delta_rule" or "ssd") on tensors on ``device``."""
+@dataclass(frozen=True)
+class KernelEnvironment:
+    """What decides whether a Triton kernel package runs correctly here."""
+
+    cuda_capability: tuple[int, int] | None
+    """Compute capability of the GPU, None without one."""
+    interpreter: bool
+    triton: str
+    tilelang: bool
+    """TileLang imports (fla routes some Hopper kernels to it)."""
+
+    @classmethod
+    @functools.cache
+    def current(cls) -> KernelEnvironment:
+        import importlib.util
+
+        capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
+        return cls(capability, INTERPRETED, triton.__version__, importlib.util.find_spec("tilelang") is not None)
+
+    def describe(self) -> str:
+        gpu = f"sm_{self.cuda_capability[0]}{self.cuda_capability[1]} GPU" if self.cuda_capability else "no GPU"
+        return f"{gpu}, Triton {self.triton}"
+
+
+def _hopper_triton_3_4_to_3_7(env: KernelEnvironment) -> bool:
+    return (env.cuda_capability is not None and env.cuda_capability[0] == 9
+            and Version("3.4.0") <= Version(env.triton) < Version("3.7.1") and not env.tilelang)
+
+
+KNOWN_BAD = {
+    # (backend, op): (condition, what happens and the fix)
+    ("fla", "gated_delta_rule"): (
+        _hopper_triton_3_4_to_3_7,
+        "flash-linear-attention 0.6.0 refuses the backward of chunk_gated_delta_rule on Hopper GPUs with "
+        "Triton >= 3.4 and < 3.7.1 (it computes wrong gradients there; fla issue #640), so training would stop "
+        "inside step 1. Fix: install Triton >= 3.7.1 (a release your torch build supports), or `pip install "
+        "tilelang` (fla then runs that kernel in TileLang), or set [model] kernel_backend = \"torch\""),
+}
+
+
+def backend_problem(backend: str, op: str, env: KernelEnvironment | None = None) -> str | None:
+    """Why ``backend`` cannot run ``op`` here (a sentence with the fix), or None."""
+    env = env or KernelEnvironment.current()
+    if env.cuda_capability is None and not env.interpreter:
+        return (f"{op} backend {backend!r} runs Triton kernels, which need a CUDA GPU; without one, set "
+                "TRITON_INTERPRET=1 to run them on the CPU (slow, for testing), or use 'torch' or 'auto'")
+    problem = import_problem(backend)
+    if problem:
+        return (f"{op} backend {backend!r} needs the {_PACKAGES[backend]} package, which does not import here "
+                f"({problem}); use 'torch' or 'auto'")
+    condition, message = KNOWN_BAD.get((backend, op), (None, None))
+    if condition is not None and condition(env):
+        return f"{message} (this machine: {env.describe()})"
+    return None
+
+
+def resolve_backend(requested: str, *, op: str, env: KernelEnvironment | None = None) -> tuple[str, str | None]:
+    """The backend that runs ``op`` ("gla", "gated_delta_rule" or "ssd") here, and why ``auto`` did
+    not pick the CUDA kernel (None otherwise). A forced CUDA backend that cannot run is a ValueError."""
     cuda_backend = CUDA_BACKENDS[op]
     allowed = ("auto", "torch", cuda_backend)
     if requested not in allowed:
         raise ValueError(f"{op} backend must be one of {allowed}, got {requested!r}")
     if requested == "torch":
-        return "torch"
-    on_cuda = torch.device(device).type == "cuda"
+        return "torch", None
+    env = env or KernelEnvironment.current()
     if requested == cuda_backend:
-        if not on_cuda:
-            raise ValueError(f"{op} backend {cuda_backend!r} runs on CUDA tensors only, got tensors on {device}; "
-                             "use 'torch' or 'auto'")
-        if not _importable(cuda_backend):
-            raise ValueError(f"{op} backend {cuda_backend!r} needs the {_PACKAGES[cuda_backend]} package, "
-                             "which does not import here; use 'torch' or 'auto'")
-    return cuda_backend if on_cuda and _importable(cuda_backend) else "torch"
+        problem = backend_problem(cuda_backend, op, env)
+        if problem:
+            raise ValueError(problem)
+        return cuda_backend, None
+    if env.cuda_capability is None:
+        return "torch", "no GPU"
+    problem = backend_problem(cuda_backend, op, env)
+    return ("torch", problem) if problem else (cuda_backend, None)
+
+
+def runs_cuda_kernel(backend: str, t: torch.Tensor) -> bool:
+    """Whether a resolved backend's Triton kernel runs on ``t``: its device, or the interpreter on CPU
+    (a model configured for the GPU and evaluated on a CPU falls back to torch)."""
+    return backend != "torch" and (t.is_cuda or (t.device.type == "cpu" and INTERPRETED))
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:

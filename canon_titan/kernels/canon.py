@@ -26,15 +26,10 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from canon_titan.kernels.backends import INTERPRETED, runs_cuda_kernel, triton_runs_here
+
 BACKENDS = ("auto", "torch", "triton")
 TRITON_KERNEL_SIZES = (2, 3, 4)
-INTERPRETED = triton.knobs.runtime.interpret
-"""Triton decides at decoration (this module's import) whether kernels run in its interpreter."""
-
-
-def triton_runs_here() -> bool:
-    """Triton kernels can run: a CUDA GPU, or the interpreter (TRITON_INTERPRET=1, CPU tensors)."""
-    return torch.cuda.is_available() or INTERPRETED
 
 
 def resolve_backend(requested: str, kernel_size: int) -> str:
@@ -497,9 +492,7 @@ _canon_swiglu_op.register_autograd(_canon_swiglu_grad, setup_context=_canon_swig
 
 
 def _use_triton(backend: str, x: torch.Tensor, kernel_size: int) -> bool:
-    if backend == "torch" or kernel_size not in TRITON_KERNEL_SIZES:
-        return False
-    return x.is_cuda or (x.device.type == "cpu" and INTERPRETED)
+    return kernel_size in TRITON_KERNEL_SIZES and runs_cuda_kernel(backend, x)
 
 
 def canon_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,

@@ -13,13 +13,17 @@ S0 the state entering the chunk, the corrections of one chunk satisfy
     u_i + beta_i sum_{j<i} exp(b_i - b_j) (k_i . k_j) u_j = beta_i v_i - beta_i exp(b_i) k_i^T S0,
 a unit lower-triangular system solved once for both right-hand sides (u = U - W S0); only the
 [C, K] x [K, V] products that involve S0 stay in the loop over chunks.
+
+Backends: ``torch`` (below) and ``fla``, fla 0.6.0's chunked Triton kernels
+(``chunk_gated_delta_rule_fwd`` / ``_bwd``, the halves of its ``ChunkGatedDeltaRuleFunction``)
+behind the custom ops ``canon_titan::fla_chunk_gated_delta_rule`` and its backward.
 """
 
 from __future__ import annotations
 
 import torch
 
-from canon_titan.kernels.backends import compute_dtype, decay_matrix, from_chunks, resolve_backend, to_chunks
+from canon_titan.kernels.backends import compute_dtype, decay_matrix, from_chunks, runs_cuda_kernel, to_chunks
 
 
 def gated_delta_rule(
@@ -39,19 +43,83 @@ def gated_delta_rule(
     float64 for double inputs). ``scale`` defaults to K**-0.5. ``chunk_size`` is the torch kernel's
     block length; fla uses its default (64)."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    if resolve_backend(backend, q.device, op="gated_delta_rule") == "fla":
-        return _gated_delta_rule_fla(q, k, v, log_decay, beta, scale, initial_state, output_final_state)
+    if runs_cuda_kernel(backend, q):
+        h0 = None if initial_state is None else initial_state.float()
+        o, final_state, *_ = torch.ops.canon_titan.fla_chunk_gated_delta_rule(q, k, v, log_decay, beta, h0, scale,
+                                                                              output_final_state)
+        return o, final_state if output_final_state else None
     o, final_state = _gated_delta_rule_torch(q, k, v, log_decay, beta, scale, chunk_size, initial_state)
     return o, final_state if output_final_state else None
 
 
-@torch.compiler.disable
-def _gated_delta_rule_fla(q, k, v, log_decay, beta, scale, initial_state, output_final_state):
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+FLA_CHUNK_SIZE = 64
+"""fla's default block length for the gated delta rule."""
 
-    h0 = None if initial_state is None else initial_state.float()
-    return chunk_gated_delta_rule(q, k, v, g=log_decay, beta=beta, scale=scale, initial_state=h0,
-                                  output_final_state=output_final_state)
+
+@torch.library.custom_op("canon_titan::fla_chunk_gated_delta_rule", mutates_args=())
+def _fla_chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                                beta: torch.Tensor, initial_state: torch.Tensor | None, scale: float,
+                                output_final_state: bool
+                                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """o, the final state (empty unless asked for), and for the backward fla's chunk-local
+    cumulative log decays and WY matrix A."""
+    from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_fwd
+
+    q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
+    g_cumsum, o, A, final_state, _, _ = chunk_gated_delta_rule_fwd(
+        q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=initial_state,
+        output_final_state=output_final_state, chunk_size=FLA_CHUNK_SIZE)
+    final_state = final_state if output_final_state else q.new_empty(0, dtype=torch.float32)
+    return o.to(q.dtype), final_state, g_cumsum, A
+
+
+@_fla_chunk_gated_delta_rule.register_fake
+def _(q, k, v, g, beta, initial_state, scale, output_final_state):
+    batch, seq_len, heads, dk = q.shape
+    final = (q.new_empty(batch, heads, dk, v.shape[-1], dtype=torch.float32) if output_final_state
+             else q.new_empty(0, dtype=torch.float32))
+    return (q.new_empty(*q.shape[:3], v.shape[-1]), final, g.new_empty(g.shape, dtype=torch.float32),
+            k.new_empty(batch, seq_len, heads, FLA_CHUNK_SIZE))
+
+
+@torch.library.custom_op("canon_titan::fla_chunk_gated_delta_rule_backward", mutates_args=())
+def _fla_chunk_gated_delta_rule_backward(
+        do: torch.Tensor, d_final: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        g_cumsum: torch.Tensor, beta: torch.Tensor, A: torch.Tensor, initial_state: torch.Tensor | None,
+        scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_bwd
+
+    dq, dk, dv, db, dg, dh0, _, _ = chunk_gated_delta_rule_bwd(
+        q=q, k=k, v=v, g=g_cumsum, beta=beta, A=A, scale=scale, initial_state=initial_state, do=do.contiguous(),
+        dht=d_final.contiguous() if d_final is not None else None, chunk_size=FLA_CHUNK_SIZE)
+    dh0 = dh0 if initial_state is not None else q.new_empty(0, dtype=torch.float32)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg, db.to(beta.dtype), dh0
+
+
+@_fla_chunk_gated_delta_rule_backward.register_fake
+def _(do, d_final, q, k, v, g_cumsum, beta, A, initial_state, scale):
+    dh0 = initial_state.new_empty(initial_state.shape) if initial_state is not None else q.new_empty(0,
+                                                                                                     dtype=torch.float32)
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), g_cumsum.new_empty(g_cumsum.shape),
+            beta.new_empty(beta.shape), dh0)
+
+
+def _fla_gdr_setup(ctx, inputs, output):
+    q, k, v, g, beta, initial_state, ctx.scale, ctx.output_final_state = inputs
+    ctx.g_dtype = g.dtype
+    ctx.mark_non_differentiable(output[2], output[3])
+    ctx.save_for_backward(q, k, v, output[2], beta, output[3], initial_state)
+
+
+def _fla_gdr_grad(ctx, do, d_final, _d_cumsum, _dA):
+    q, k, v, g_cumsum, beta, A, initial_state = ctx.saved_tensors
+    d_final = d_final if ctx.output_final_state else None
+    dq, dk, dv, dg, db, dh0 = torch.ops.canon_titan.fla_chunk_gated_delta_rule_backward(
+        do, d_final, q, k, v, g_cumsum, beta, A, initial_state, ctx.scale)
+    return dq, dk, dv, dg.to(ctx.g_dtype), db, dh0 if initial_state is not None else None, None, None
+
+
+_fla_chunk_gated_delta_rule.register_autograd(_fla_gdr_grad, setup_context=_fla_gdr_setup)
 
 
 def _gated_delta_rule_torch(q, k, v, log_decay, beta, scale, chunk_size, initial_state):

@@ -5,6 +5,11 @@
 q, k, g: [B, T, H, K]; v: [B, T, H, V]; g <= 0 is the log forget gate; S: [B, H, K, V].
 Same convention as fla's ``chunk_gla`` and ``naive_recurrent_gla``.
 
+Backends: ``torch`` (below) and ``fla``, fla 0.6.0's chunked Triton kernels (``chunk_gla_fwd`` /
+``chunk_gla_bwd``, the two halves of its ``ChunkGLAFunction``) behind the custom ops
+``canon_titan::fla_chunk_gla`` and its backward, which fla's own entry point (compile-disabled)
+is not.
+
 The torch kernel works on chunks of ``chunk_size`` tokens: within a chunk, masked matmuls; across
 chunks, a loop that carries the state. Decays are cumulative log gates b from the chunk start, and
 exp is only ever taken of differences b_i - b_j with i later than j (<= 0), so strong gates cannot
@@ -21,7 +26,9 @@ import math
 import torch
 import torch.nn.functional as F
 
-from canon_titan.kernels.backends import compute_dtype, from_chunks, resolve_backend, scan_states, to_chunks
+import triton
+
+from canon_titan.kernels.backends import compute_dtype, from_chunks, runs_cuda_kernel, scan_states, to_chunks
 
 SUB_CHUNK = 16
 
@@ -42,19 +49,84 @@ def gla(
     float64 for double inputs). ``scale`` defaults to K**-0.5. ``chunk_size`` is the torch kernel's
     block length; fla chooses its own."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    if resolve_backend(backend, q.device, op="gla") == "fla":
-        return _gla_fla(q, k, v, log_gate, scale, initial_state, output_final_state)
+    if runs_cuda_kernel(backend, q):
+        # fla keeps the state in float32.
+        h0 = None if initial_state is None else initial_state.float()
+        o, final_state, _ = torch.ops.canon_titan.fla_chunk_gla(q, k, v, log_gate, h0, scale, output_final_state)
+        return o, final_state if output_final_state else None
     o, final_state = _gla_torch(q, k, v, log_gate, scale, chunk_size, initial_state)
     return o, final_state if output_final_state else None
 
 
-@torch.compiler.disable
-def _gla_fla(q, k, v, log_gate, scale, initial_state, output_final_state):
-    from fla.ops.gla import chunk_gla
+def _fla_chunk_size(seq_len: int) -> int:
+    """The block length ChunkGLAFunction uses."""
+    return min(64, max(16, triton.next_power_of_2(seq_len)))
 
-    # chunk_gla asserts a float32 initial state.
-    h0 = None if initial_state is None else initial_state.float()
-    return chunk_gla(q, k, v, g=log_gate, scale=scale, initial_state=h0, output_final_state=output_final_state)
+
+@torch.library.custom_op("canon_titan::fla_chunk_gla", mutates_args=())
+def _fla_chunk_gla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                   initial_state: torch.Tensor | None, scale: float, output_final_state: bool
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """o, the final state (empty unless asked for) and fla's intra-chunk scores A (for the backward)."""
+    from fla.ops.gla.chunk import chunk_gla_fwd
+
+    q, k, v, g = (t.contiguous() for t in (q, k, v, g))
+    chunk_size = _fla_chunk_size(q.shape[1])
+    _, A, _, final_state, o = chunk_gla_fwd(q=q, k=k, v=v, g=g, g_cumsum=None, scale=scale,
+                                            initial_state=initial_state, output_final_state=output_final_state,
+                                            chunk_size=chunk_size)
+    # fla writes A [B, T, H, chunk] only where key j <= query t within the chunk; an op's outputs
+    # must not carry uninitialised memory (compiled and eager runs would differ there).
+    position = torch.arange(q.shape[1], device=A.device) % chunk_size
+    A.masked_fill_(torch.arange(chunk_size, device=A.device) > position[:, None, None], 0.0)
+    return o.to(q.dtype), final_state if output_final_state else q.new_empty(0, dtype=torch.float32), A
+
+
+@_fla_chunk_gla.register_fake
+def _(q, k, v, g, initial_state, scale, output_final_state):
+    batch, seq_len, heads, dk = q.shape
+    final = (q.new_empty(batch, heads, dk, v.shape[-1], dtype=torch.float32) if output_final_state
+             else q.new_empty(0, dtype=torch.float32))
+    A = q.new_empty(batch, seq_len, heads, _fla_chunk_size(seq_len), dtype=torch.float32)
+    return q.new_empty(*q.shape[:3], v.shape[-1]), final, A
+
+
+@torch.library.custom_op("canon_titan::fla_chunk_gla_backward", mutates_args=())
+def _fla_chunk_gla_backward(do: torch.Tensor, d_final: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor,
+                            v: torch.Tensor, g: torch.Tensor, initial_state: torch.Tensor | None, A: torch.Tensor,
+                            scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    from fla.ops.gla.chunk import chunk_gla_bwd
+
+    dq, dk, dv, dg, dh0 = chunk_gla_bwd(q=q, k=k, v=v, g=g, g_cumsum=None, scale=scale, initial_state=initial_state,
+                                        h=None, A=A, do=do.contiguous(),
+                                        dht=d_final.contiguous() if d_final is not None else None,
+                                        chunk_size=_fla_chunk_size(q.shape[1]))
+    dh0 = dh0 if initial_state is not None else q.new_empty(0, dtype=torch.float32)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), dh0
+
+
+@_fla_chunk_gla_backward.register_fake
+def _(do, d_final, q, k, v, g, initial_state, A, scale):
+    dh0 = initial_state.new_empty(initial_state.shape) if initial_state is not None else q.new_empty(0,
+                                                                                                     dtype=torch.float32)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), g.new_empty(g.shape), dh0
+
+
+def _fla_chunk_gla_setup(ctx, inputs, output):
+    q, k, v, g, initial_state, ctx.scale, ctx.output_final_state = inputs
+    ctx.mark_non_differentiable(output[2])
+    ctx.save_for_backward(q, k, v, g, initial_state, output[2])
+
+
+def _fla_chunk_gla_grad(ctx, do, d_final, _dA):
+    q, k, v, g, initial_state, A = ctx.saved_tensors
+    d_final = d_final if ctx.output_final_state else None
+    dq, dk, dv, dg, dh0 = torch.ops.canon_titan.fla_chunk_gla_backward(do, d_final, q, k, v, g, initial_state, A,
+                                                                       ctx.scale)
+    return dq, dk, dv, dg, dh0 if initial_state is not None else None, None, None
+
+
+_fla_chunk_gla.register_autograd(_fla_chunk_gla_grad, setup_context=_fla_chunk_gla_setup)
 
 
 def _gla_torch(q, k, v, log_gate, scale, chunk_size, initial_state):

@@ -8,13 +8,17 @@ A: [H], negative; B, C: [B, T, G, N], head h reading group h // (H // G); D: [H]
 The torch kernel works on chunks: within a chunk y = (C B^T * L) (dt x) with L_ij = exp(b_i - b_j)
 for j <= i (b the cumulative dt A from the chunk start, exponentiated only where <= 0), plus the
 entering state read through C; across chunks, a loop carries the state.
+
+Backends: ``torch`` (below) and ``mamba_ssm``, mamba-ssm's Triton SSD kernels
+(``_mamba_chunk_scan_combined_fwd`` / ``_bwd``, the halves of its ``MambaChunkScanCombinedFn``)
+behind the custom ops ``canon_titan::mamba_chunk_scan`` and its backward.
 """
 
 from __future__ import annotations
 
 import torch
 
-from canon_titan.kernels.backends import (compute_dtype, decay_matrix, from_chunks, resolve_backend, scan_states,
+from canon_titan.kernels.backends import (compute_dtype, decay_matrix, from_chunks, runs_cuda_kernel, scan_states,
                                           to_chunks)
 
 
@@ -35,20 +39,73 @@ def ssd(
     float64 for double inputs). ``chunk_size`` is also passed to mamba_ssm."""
     if x.shape[2] % B.shape[2]:
         raise ValueError(f"ssd: {x.shape[2]} heads do not split into {B.shape[2]} groups")
-    if resolve_backend(backend, x.device, op="ssd") == "mamba_ssm":
-        return _ssd_mamba(x, dt, A, B, C, D, chunk_size, initial_state, output_final_state)
+    if runs_cuda_kernel(backend, x):
+        y, final_state = torch.ops.canon_titan.mamba_chunk_scan(x, dt, A, B, C, D, initial_state, chunk_size,
+                                                                 output_final_state)
+        return y, final_state if output_final_state else None
     y, final_state = _ssd_torch(x, dt, A, B, C, D, chunk_size, initial_state)
     return y, final_state if output_final_state else None
 
 
-@torch.compiler.disable
-def _ssd_mamba(x, dt, A, B, C, D, chunk_size, initial_state, output_final_state):
-    from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
+@torch.library.custom_op("canon_titan::mamba_chunk_scan", mutates_args=())
+def _mamba_chunk_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                      D: torch.Tensor | None, initial_state: torch.Tensor | None, chunk_size: int,
+                      output_final_state: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """y and the final state (empty unless asked for)."""
+    from mamba_ssm.ops.triton.ssd_combined import _mamba_chunk_scan_combined_fwd
 
-    out = mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=D, initial_states=initial_state,
-                                    return_final_states=output_final_state)
-    # It returns the bare output unless asked for the final states.
-    return out if output_final_state else (out, None)
+    y, _, _, _, _, final_state, *_ = _mamba_chunk_scan_combined_fwd(x, dt, A, B, C, chunk_size, D=D,
+                                                                     initial_states=initial_state)
+    return y.to(x.dtype), final_state if output_final_state else x.new_empty(0, dtype=torch.float32)
+
+
+@_mamba_chunk_scan.register_fake
+def _(x, dt, A, B, C, D, initial_state, chunk_size, output_final_state):
+    batch, _, heads, head_dim = x.shape
+    final = (x.new_empty(batch, heads, head_dim, B.shape[-1], dtype=torch.float32) if output_final_state
+             else x.new_empty(0, dtype=torch.float32))
+    return x.new_empty(x.shape), final
+
+
+@torch.library.custom_op("canon_titan::mamba_chunk_scan_backward", mutates_args=())
+def _mamba_chunk_scan_backward(
+        dy: torch.Tensor, d_final: torch.Tensor | None, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,
+        B: torch.Tensor, C: torch.Tensor, D: torch.Tensor | None, initial_state: torch.Tensor | None, y: torch.Tensor,
+        chunk_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                  torch.Tensor]:
+    from mamba_ssm.ops.triton.ssd_combined import _mamba_chunk_scan_combined_bwd
+
+    dx, ddt, dA, dB, dC, dD, _, _, dh0 = _mamba_chunk_scan_combined_bwd(
+        dy.contiguous(), x, dt, A, B, C, y, chunk_size, D=D, initial_states=initial_state, 
+        dfinal_states=d_final.contiguous() if d_final is not None else None)
+    empty = x.new_empty(0, dtype=torch.float32)
+    return (dx.to(x.dtype), ddt.to(dt.dtype), dA.to(A.dtype), dB.to(B.dtype), dC.to(C.dtype),
+            dD.to(D.dtype) if D is not None else empty, dh0 if initial_state is not None else empty)
+
+
+@_mamba_chunk_scan_backward.register_fake
+def _(dy, d_final, x, dt, A, B, C, D, initial_state, y, chunk_size):
+    empty = x.new_empty(0, dtype=torch.float32)
+    return (x.new_empty(x.shape), dt.new_empty(dt.shape), A.new_empty(A.shape), B.new_empty(B.shape),
+            C.new_empty(C.shape), D.new_empty(D.shape) if D is not None else empty,
+            initial_state.new_empty(initial_state.shape) if initial_state is not None else empty)
+
+
+def _mamba_setup(ctx, inputs, output):
+    x, dt, A, B, C, D, initial_state, ctx.chunk_size, ctx.output_final_state = inputs
+    ctx.save_for_backward(x, dt, A, B, C, D, initial_state, output[0])
+
+
+def _mamba_grad(ctx, dy, d_final):
+    x, dt, A, B, C, D, initial_state, y = ctx.saved_tensors
+    d_final = d_final if ctx.output_final_state else None
+    dx, ddt, dA, dB, dC, dD, dh0 = torch.ops.canon_titan.mamba_chunk_scan_backward(
+        dy, d_final, x, dt, A, B, C, D, initial_state, y, ctx.chunk_size)
+    return (dx, ddt, dA, dB, dC, dD if D is not None else None, dh0 if initial_state is not None else None, None,
+            None)
+
+
+_mamba_chunk_scan.register_autograd(_mamba_grad, setup_context=_mamba_setup)
 
 
 def _ssd_torch(x, dt, A, B, C, D, chunk_size, initial_state):

@@ -34,7 +34,6 @@ from torchtitan.protocols.module import Module
 from torchtitan.tools.logging import logger
 
 from canon_titan.kernels import resolve_backend as resolve_kernel_backend
-from canon_titan.kernels.backends import CUDA_BACKENDS
 from canon_titan.models.canon import CanonConv, backend_problems, canon_bias_init, canon_weight_init
 from canon_titan.models.canon import resolve_backend as resolve_canon_backend
 from canon_titan.models.llama import ONES_INIT, Embedding, FeedForward
@@ -184,11 +183,6 @@ class LinearLM(Decoder):
             return nparams, 6 * (nparams - embedding) + 12 * state
 
 
-def _kernel_device() -> str:
-    """Where the trainer will run the model: the GPU when there is one."""
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
 @dataclass(kw_only=True)
 class LinearArgs(ABC):
     """The TOML ``[model]`` keys every linear family has; subclasses add theirs and build the mixer."""
@@ -212,8 +206,8 @@ class LinearArgs(ABC):
     """Convolution backend of Canon A/C/D and of b: 'auto' (Triton on a CUDA GPU, else torch), 'torch' or
     'triton'."""
     kernel_backend: str = "auto"
-    """Recurrence kernel: 'auto' (the CUDA kernel on a GPU when its package imports, else torch),
-    'torch', or the family's CUDA package ('fla' for GLA5/GDN2, 'mamba_ssm' for Mamba2)."""
+    """Recurrence kernel: 'auto' (the Triton kernel on a GPU when its package imports and works there,
+    else torch), 'torch', or the family's kernel package ('fla' for GLA5/GDN2, 'mamba_ssm' for Mamba2)."""
 
     family = "linear"
     kernel_op = ""
@@ -238,15 +232,10 @@ class LinearArgs(ABC):
         if self.norm_eps <= 0:
             problems.append(("norm_eps", "must be > 0"))
         problems += self._validate_canon()
-        allowed = ("auto", "torch", CUDA_BACKENDS[self.kernel_op])
-        if self.kernel_backend not in allowed:
-            problems.append(("kernel_backend", f"must be one of {', '.join(map(repr, allowed))} for "
-                                               f"{self.family}, got {self.kernel_backend!r}"))
-        else:
-            try:
-                resolve_kernel_backend(self.kernel_backend, _kernel_device(), op=self.kernel_op)
-            except ValueError as e:
-                problems.append(("kernel_backend", str(e)))
+        try:
+            resolve_kernel_backend(self.kernel_backend, op=self.kernel_op)
+        except ValueError as e:
+            problems.append(("kernel_backend", f"{e} ({self.family})"))
         return problems
 
     def _validate_canon(self) -> list[tuple[str, str]]:
@@ -311,12 +300,14 @@ class LinearArgs(ABC):
         )
 
     def model_config(self) -> LinearLM.Config:
-        kernel_backend = resolve_kernel_backend(self.kernel_backend, _kernel_device(), op=self.kernel_op)
+        kernel_backend, why_not = resolve_kernel_backend(self.kernel_backend, op=self.kernel_op)
         canon = ""
         if self.canon_set:
             canon = (f"; canon_set {self.canon_set!r} (kernel {self.canon_kernel}, residual {self.canon_residual}, "
                      f"activation {self.canon_activation}, bias {self.canon_bias}), conv backend "
                      f"{resolve_canon_backend(self.canon_backend, self.canon_kernel)} (requested {self.canon_backend})")
+        if why_not and why_not != "no GPU":
+            logger.warning(f"{self.family}: kernel_backend 'auto' runs {self.kernel_op} with torch: {why_not}")
         logger.info(f"{self.family}: {self.kernel_op} kernel backend {kernel_backend} "
                     f"(requested {self.kernel_backend}){canon}")
         dim = self.dim

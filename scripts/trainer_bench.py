@@ -1,0 +1,50 @@
+"""The benchmarks' trainer runs: one real training job (torchrun, TorchTitan's trainer, the built-in
+corpus) per case, its figures read back from the TensorBoard scalars TorchTitan's metrics write.
+Imported by bench_canon.py and bench_linear.py (this folder is first on their sys.path)."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+BASE_CONFIG = REPO / "train_configs" / "llama_debug.toml"
+METRICS = {"tokens_per_s": "throughput(tps)", "mfu_pct": "mfu(%)",
+           "peak_reserved_gib": "memory/max_reserved(GiB)", "peak_active_gib": "memory/max_active(GiB)"}
+
+
+def run_case(model: dict, dump: str, *, seq_len: int, batch: int, steps: int, warmup: int, compile: bool,
+             nproc: int = 1) -> dict:
+    """Train ``model`` (``[model]`` keys: name, flavor, overrides) for ``steps`` steps; medians of the
+    metrics over the steps after ``warmup``, and the kernel choices the run logged."""
+    import torch
+
+    overrides = [f"--training.seq_len={seq_len}", f"--training.local_batch_size={batch}",
+                 f"--training.steps={steps}", "--training.global_batch_size=-1",
+                 f"--lr_scheduler.warmup_steps={min(10, steps - 1)}", "--metrics.log_freq=1",
+                 "--metrics.enable_tensorboard=true", "--checkpoint.enable=false", f"--job.dump_folder={dump}",
+                 f"--compile.enable={'true' if compile else 'false'}"]
+    overrides += [f"--model.{key}={json.dumps(value)}" for key, value in model.items()]
+    if torch.cuda.is_available():
+        overrides += ["--training.dtype=bfloat16", "--training.mixed_precision_param=bfloat16"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           "-m", "canon_titan.train", "--config", str(BASE_CONFIG), *overrides]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=dict(os.environ, WANDB_MODE="offline"))
+    log = proc.stdout + proc.stderr
+    if proc.returncode:
+        raise RuntimeError(f"{model['name']} at seq {seq_len} failed (exit {proc.returncode}):\n{log[-4000:]}")
+    from canon_titan.metrics import read_all_scalars
+
+    scalars = read_all_scalars(dump)
+    result = {"model": model["name"], "seq_len": seq_len, "batch": batch, "nproc": nproc}
+    for name, tag in METRICS.items():
+        values = [v for step, v in scalars.get(tag, {}).items() if step > warmup]
+        result[name] = statistics.median(values) if values else float("nan")
+    # The families log their kernel choice: "... backend triton (requested auto)".
+    result["kernels"] = "; ".join(line.split(" - INFO - ", 1)[-1] for line in log.splitlines()
+                                  if "(requested " in line and " - INFO - " in line)
+    return result
