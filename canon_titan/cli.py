@@ -8,6 +8,7 @@
   canon-titan data tokenize --input GLOB [--input GLOB ...] --out DIR --tokenizer PATH [--tokenizer-kind hf|sentencepiece|tiktoken] [--workers N]
   canon-titan data inspect DIR [--samples N]
   canon-titan data capo-people --config FILE.toml --out FILE.jsonl [--section.key value ...]
+  canon-titan data synthetic TASK --n N --out FILE.jsonl [--test] [--config FILE.toml] [--seed S] [--section.key value ...]
   canon-titan data multihop --background FILE (--out FILE.jsonl | --out-dir DIR) [--hops 1|2] [--people N] [--context-tokens M] [--count N] [--seed S] [--tokenizer PATH --tokenizer-kind KIND]
   canon-titan eval synthetic --config FILE.toml [--checkpoint DIR] [--count N] [--seed S] [--out FILE.json] [--section.key value ...]
   canon-titan eval lm --model HF_DIR|CKPT_DIR --suite avg10|all13|TASK ... [--dtype bf16|fp32] [--limit N] [--data-dir DIR] [--out FILE.json]
@@ -161,6 +162,16 @@ def cmd_data(argv: list[str]) -> int:
                             "prompt per person for writing bioR biographies")
     people.add_argument("--config", required=True, help="a TOML with [dataloader] dataset = 'capo_bios'")
     people.add_argument("--out", required=True)
+    syn = sub.add_parser("synthetic", help="samples of a synthetic task as JSON lines: the training samples the "
+                         "dataloader draws (token ids, answer and loss masks), or the held-out test items")
+    syn.add_argument("task", help="depo1, depo2, brevo1, brevo2, mano, lano or capo_bios")
+    syn.add_argument("--n", type=int, required=True, help="training samples, or test items per group with --test")
+    syn.add_argument("--out", required=True)
+    syn.add_argument("--test", action="store_true", help="the held-out test items that eval synthetic scores")
+    syn.add_argument("--config", help="a run's TOML whose task section, tokenizer, seq_len and seeds apply "
+                     "(default: the built-in debug config with seq_len 2048, room for every preset)")
+    syn.add_argument("--seed", type=int, help="[dataloader] seed for training samples (default: the config's), or "
+                     "the test set's seed with --test (default: eval synthetic's)")
     hop = sub.add_parser("multihop", help="multi-hop birth-year test file: people's birth years scattered in "
                          "background text (JSON lines: prompt, answer)")
     hop.add_argument("--background", required=True, help="plain text, or documents (.jsonl/.zst/.parquet) with --text-key")
@@ -181,10 +192,12 @@ def cmd_data(argv: list[str]) -> int:
         if overrides:
             parser.error(f"unrecognized arguments: {' '.join(overrides)}")
         return _multihop(args)
-    if overrides and args.action != "capo-people":
+    if overrides and args.action not in ("capo-people", "synthetic"):
         parser.error(f"unrecognized arguments: {' '.join(overrides)}")
     if args.action == "capo-people":
         return _capo_people(args, overrides)
+    if args.action == "synthetic":
+        return _synthetic_samples(args, overrides)
 
     from canon_titan.data.documents import DataError
     from canon_titan.data.pretokenize import open_shards, read_index, tokenize_files
@@ -259,6 +272,61 @@ def _multihop(args) -> int:
         print(f"canon-titan: data error: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def _synthetic_samples(args, overrides: list[str]) -> int:
+    import json
+
+    from canon_titan.config import ConfigError, load
+    from canon_titan.data.packed import DataConfigError
+    from canon_titan.fileio import write_atomic
+
+    if args.n < 1:
+        print("canon-titan: data error: --n must be >= 1", file=sys.stderr)
+        return 2
+    config = args.config or str(Path(__file__).resolve().parent.parent / "train_configs" / "llama_debug.toml")
+    base = [] if args.config else ["--training.seq_len", "2048"]
+    seed = [] if args.seed is None or args.test else ["--dataloader.seed", str(args.seed)]
+    try:
+        run = load(config, [*base, "--dataloader.dataset", args.task, *seed, *overrides])
+    except ConfigError as e:
+        print(f"canon-titan: config error: {e}", file=sys.stderr)
+        return 2
+    from canon_titan.data.synthetic import SyntheticDataLoader, loader_config
+    from canon_titan.synthetic_eval import DEFAULT_TEST_SEED
+
+    lines = []
+    try:
+        loader = SyntheticDataLoader(loader_config(run), dp_world_size=1, dp_rank=0, tokenizer=run_tokenizer(run),
+                                     seq_len=run["training"]["seq_len"], local_batch_size=1)
+        if args.test:
+            for item in loader.task.test_items(DEFAULT_TEST_SEED if args.seed is None else args.seed, args.n):
+                lines.append({"group": item.group, "prompt": item.prompt, "answer": item.answer})
+        else:
+            for window, sample, tokens, flags in loader.samples():
+                record = {"sample": list(sample), "window": window, "tokens": tokens, "loss_mask": flags}
+                generated = loader.task.train_sample(loader.stream(sample))
+                if hasattr(generated, "labels"):
+                    record["answer_mask"] = generated.labels
+                else:
+                    record["text"] = generated
+                lines.append(record)
+                if len(lines) == args.n:
+                    break
+    except DataConfigError as e:
+        print(f"canon-titan: data error: {e}", file=sys.stderr)
+        return 2
+    write_atomic(args.out, "".join(json.dumps(line) + "\n" for line in lines))
+    what = "test items" if args.test else "training samples (in the order the dataloader trains on them)"
+    print(f"[synthetic] {len(lines)} {args.task} {what} ({loader.task.params}) -> {args.out}")
+    return 0
+
+
+def run_tokenizer(run):
+    from canon_titan.data.builtin import ASSET_DIR
+    from canon_titan.data.tokenizers import build_tokenizer
+
+    return build_tokenizer(run["tokenizer"]["kind"], run["tokenizer"]["path"] or str(ASSET_DIR))
 
 
 def _capo_people(args, overrides: list[str]) -> int:

@@ -9,5 +9,10 @@ bash scripts/setup.sh dev,eval
 # CUDA extensions, which need a GPU toolchain (see tests/triton_interpreter.py for how it is imported).
 MAMBA_SKIP_CUDA_BUILD=TRUE MAMBA_FORCE_BUILD=TRUE .venv/bin/python -m pip install --quiet --disable-pip-version-check \
   --no-build-isolation --no-deps -c constraints.txt mamba-ssm
+# transformers 4.47.1 (the PhysicsLM4 release's version) with the tokenizers and hub client it needs, in a
+# folder of its own: tests load exports in it (PYTHONPATH=.venv/transformers4) as well as in transformers 5.
+[ -f .venv/transformers4/transformers/__init__.py ] || .venv/bin/python -m pip install --quiet \
+  --disable-pip-version-check --no-deps --target .venv/transformers4 transformers==4.47.1 "tokenizers>=0.21,<0.22" \
+  "huggingface-hub>=0.24,<1.0"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 exec .venv/bin/python -m pytest -ra "$@"

@@ -29,7 +29,8 @@ class DepoParams:
     min_word_len: int = 1
     max_word_len: int = 2
     queries: int = 10
-    separator: bool = True
+    separator: bool = False
+    """Token 9700 before every edge (the release's depo_data defaults it off)."""
 
 
 DEPO1 = DepoParams(N=300, K=8, mini_vocab=50, min_word_len=1, max_word_len=2)

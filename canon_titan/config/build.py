@@ -33,14 +33,12 @@ def _activation_checkpoint(section: dict):
 def _dataloader(run: RunConfig):
     from canon_titan.data.packed import PackedTextDataLoader
     from canon_titan.data.streaming import StreamingTextDataLoader
-    from canon_titan.data.synthetic import SyntheticDataLoader
+    from canon_titan.data.synthetic import loader_config
     from synthetic_data.tasks import SECTION
 
     section = run["dataloader"]
     if section["dataset"] in SECTION:
-        task = {k: v for k, v in run[SECTION[section["dataset"]]].items() if v is not None}
-        return SyntheticDataLoader.Config(dataset=section["dataset"], task=task, seed=section["seed"],
-                                          answer_only_loss=section["answer_only_loss"])
+        return loader_config(run)
     common = ("dataset", "text_key", "on_error", "seed", "add_bos", "add_eos", "document_masking")
     if section["dataset"] == "stream":
         keys = common + ("sources", "weights", "shuffle_buffer", "num_workers")

@@ -36,7 +36,7 @@ from canon_titan.convert.dcp_io import (
     model_tensor_metadata,
     save_lazily,
 )
-from canon_titan.convert.hf_config import check_hf_config, hf_config, hf_model, uses_rope
+from canon_titan.convert.hf_config import CANON_BIAS_NOTE, check_hf_config, hf_config, hf_model, uses_rope
 from canon_titan.convert.names import HFTensor, hf_layout, hf_shapes, relayout, titan_rows
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -150,6 +150,8 @@ def to_hf(ckpt_dir, out_dir, run, *, dtype: str = "fp32", rope_layout: str = "li
     check_against_model({k: m.size for k, m in found.items()}, expected, str(step_dir),
                         f"{run.source} ({run['model']['name']} {run['model']['flavor']})")
     classes = hf_model(args)
+    if getattr(args, "canon_bias", False):
+        logger.warning(f"{out_dir}: {CANON_BIAS_NOTE} (also noted in its config.json)")
     # RoPE: Llama only (the linear models have no positional encoding).
     rotate_half = uses_rope(args) and (classes is None or rope_layout == "huggingface")
     layout = hf_layout(args, expected)

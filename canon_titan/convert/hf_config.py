@@ -39,19 +39,28 @@ def hf_model(args) -> HFModel | None:
     return None if is_plain_llama(args) else HF_MODELS["LlamaCanon"]
 
 
+CANON_BIAS_NOTE = ("canon_bias = true: the PhysicsLM4 release's LlamaCanon code cannot load this model (it has no "
+                   "Canon bias and asserts on one); load it with the modeling code shipped in this folder")
+
+
 def hf_config(args, rope_layout: str, dtype: str, max_seq_len: int, tokenizer: dict) -> dict:
     common = {
         "vocab_size": args.vocab_size,
         "tie_word_embeddings": False,
         "bos_token_id": tokenizer.get("bos_token_id"),
         "eos_token_id": tokenizer.get("eos_token_id"),
+        # transformers 5 reads "dtype", 4.x "torch_dtype".
         "dtype": DTYPE_NAMES[dtype],
+        "torch_dtype": DTYPE_NAMES[dtype],
     }
     classes = hf_model(args)
     if classes is None:
+        # transformers 5 reads rope_parameters; 4.x (the release's 4.47) reads the top-level rope_theta and
+        # would silently take 10000 without it.
         return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **common, **_llama_shape(args),
                 "max_position_embeddings": max_seq_len, "hidden_act": "silu", "attention_bias": False,
-                "mlp_bias": False, "rope_parameters": {"rope_type": "default", "rope_theta": args.rope_theta}}
+                "mlp_bias": False, "rope_theta": args.rope_theta,
+                "rope_parameters": {"rope_type": "default", "rope_theta": args.rope_theta}}
     specific = _llama_canon(args, rope_layout) if uses_rope(args) else _LINEAR_CONFIGS[args.family](args)
     return {
         "architectures": [classes.architecture],
@@ -62,6 +71,7 @@ def hf_config(args, rope_layout: str, dtype: str, max_seq_len: int, tokenizer: d
         "max_position_embeddings": max_seq_len,
         **specific,
         **{field: getattr(args, field, default) for field, default in CANON_DEFAULTS.items()},
+        **({"canon_titan_note": CANON_BIAS_NOTE} if getattr(args, "canon_bias", False) else {}),
     }
 
 
@@ -86,6 +96,7 @@ def _llama_canon(args, rope_layout: str) -> dict:
         "partial_rotary_factor": rope_dim / args.head_dim,
         "rope_version": rope_layout,
         "qk_norm": args.qk_norm,
+        "hidden_act": "silu",
     }
 
 
@@ -126,15 +137,15 @@ def _mamba2(args) -> dict:
 
 
 _LINEAR_CONFIGS = {"GLA5": _gla5, "GDN2": _gdn2, "Mamba2": _mamba2}
-# The fields an imported config must agree on with the run's model (besides the Canon fields).
-_LINEAR_CHECKED = {
-    "GLA5": ("hidden_size", "num_hidden_layers", "num_heads", "vocab_size", "intermediate_size", "expand_k",
-             "expand_v", "use_short_conv", "output_gate_rank", "norm_eps"),
-    "GDN2": ("hidden_size", "num_hidden_layers", "num_heads", "head_dim", "vocab_size", "intermediate_size",
-             "expand_v", "use_short_conv", "output_gate_rank", "norm_eps"),
-    "Mamba2": ("hidden_size", "num_hidden_layers", "num_heads", "head_dim", "state_size", "n_groups", "expand",
-               "vocab_size", "intermediate_size", "noconv1d", "layer_norm_epsilon"),
-}
+NOT_MATHS = {"architectures", "auto_map", "model_type", "dtype", "torch_dtype", "bos_token_id", "eos_token_id",
+             "pad_token_id", "max_position_embeddings", "use_cache", "initializer_range", "attn_mode", "fuse_norm",
+             "fuse_swiglu", "fuse_cross_entropy", "zeyuan_split_init", "time_step_min", "time_step_max",
+             "time_step_floor", "rescale_prenorm_residual", "residual_in_fp32", "chunk_size", "canon_titan_note",
+             "rope_version", "partial_rotary_factor", "rope_parameters", "zeyuan_layernorm", "use_l2warp"}
+"""Fields of an export's config.json that do not change the function the model computes: ids,
+initialisation, implementation choices (fused kernels, the scan's block length), and RoPE fields
+that are compared in resolved form (``rope_dim``, ``rope_theta``) or that only say how q/k rows
+are laid out (``rope_version``, handled by the import). Every other field is compared on import."""
 
 
 def canon_letters(canon_set: str) -> set[str]:
@@ -142,45 +153,61 @@ def canon_letters(canon_set: str) -> set[str]:
     return set(canon_set.replace("bb", "b"))
 
 
-def check_hf_config(hf: dict, args, where: str) -> bool:
-    """The HF config must describe the run's model; returns whether q/k use the rotate-half layout."""
+def _config_class(hf: dict, args, where: str):
     family = getattr(args, "family", None)
     if family is not None:
-        _check_linear(hf, args, family, where)
-        return False
+        config_cls, _ = HF_MODELS[family].classes()
+        if hf.get("model_type") != config_cls.model_type:
+            raise ConversionError(f"{where}: model_type {hf.get('model_type')!r} is not {config_cls.model_type!r} "
+                                  f"(the run's model is {family})")
+        return config_cls
     model_type = hf.get("model_type")
-    if model_type not in ("llama", "LlamaCanon"):
-        raise ConversionError(f"{where}: model_type {model_type!r} is not 'llama' or 'LlamaCanon'")
-    plain = model_type == "llama"
-    checks = {
-        "hidden_size": args.dim, "num_hidden_layers": args.n_layers, "num_attention_heads": args.n_heads,
-        "num_key_value_heads": args.kv_heads, "intermediate_size": args.hidden_dim, "vocab_size": args.vocab_size,
-    }
-    if not plain:
-        checks.update({"canon_set": getattr(args, "canon_set", ""), "qk_norm": args.qk_norm,
-                       "rope_dim": args.rope_dim or args.head_dim})
-    elif not is_plain_llama(args):
-        raise ConversionError(f"{where}: a plain Llama checkpoint cannot fill a model with Canon layers, "
-                              "QK-norm or partial RoPE")
-    for key, value in checks.items():
-        if hf.get(key, value if key == "num_key_value_heads" else None) != value:
-            raise ConversionError(f"{where}: {key} is {hf.get(key)!r}, the run config expects {value!r}")
-    return plain or hf.get("rope_version") == "huggingface"
+    if model_type == "llama":
+        if not is_plain_llama(args):
+            raise ConversionError(f"{where}: a plain Llama checkpoint cannot fill a model with Canon layers, "
+                                  "QK-norm or partial RoPE")
+        from transformers import LlamaConfig
+
+        return LlamaConfig
+    if model_type == "LlamaCanon":
+        return HF_MODELS["LlamaCanon"].classes()[0]
+    raise ConversionError(f"{where}: model_type {model_type!r} is not 'llama' or 'LlamaCanon'")
 
 
-def _check_linear(hf: dict, args, family: str, where: str) -> None:
-    config_cls, _ = HF_MODELS[family].classes()
-    if hf.get("model_type") != config_cls.model_type:
-        raise ConversionError(f"{where}: model_type {hf.get('model_type')!r} is not {config_cls.model_type!r} "
-                              f"(the run's model is {family})")
+def _resolved(config_cls, fields: dict, where: str):
+    """The config as transformers reads it: the class's (the release's) defaults for absent fields."""
     try:
-        config = config_cls.from_dict(hf)  # the release's defaults for absent fields
-    except ValueError as e:
+        return config_cls.from_dict(fields)
+    except (ValueError, TypeError) as e:
         raise ConversionError(f"{where}: {e}") from None
-    expected = hf_config(args, "lingua", "fp32", 0, {})
-    for key in _LINEAR_CHECKED[family] + tuple(CANON_DEFAULTS):
-        found, value = getattr(config, key), expected[key]
-        if key == "canon_set" and canon_letters(found) == canon_letters(value):
+
+
+def _rope_theta(config) -> float | None:
+    parameters = getattr(config, "rope_parameters", None) or {}
+    return parameters.get("rope_theta", getattr(config, "rope_theta", None))
+
+
+def check_hf_config(hf: dict, args, where: str) -> bool:
+    """The HF config must describe the run's model: every field that changes the maths, as
+    transformers resolves it (absent fields take the class's defaults, ``rope_dim: null`` means the
+    whole head), equals the value an export of the run would write. Returns whether q/k use the
+    rotate-half layout."""
+    config_cls = _config_class(hf, args, where)
+    found = _resolved(config_cls, hf, where)
+    expected_fields = hf_config(args, "lingua", "fp32", 0, {})
+    expected = _resolved(config_cls, expected_fields, "the run config")
+    keys = [k for k in expected_fields if k not in NOT_MATHS]
+    if uses_rope(args):
+        keys += ["rope_theta", "head_dim"] + (["rope_dim"] if config_cls.model_type == "LlamaCanon" else [])
+    for key in dict.fromkeys(keys):
+        got, want = ((_rope_theta(found), _rope_theta(expected)) if key == "rope_theta"
+                     else (getattr(found, key, None), getattr(expected, key, None)))
+        if key == "canon_set" and canon_letters(got or "") == canon_letters(want or ""):
             continue
-        if found != value:
-            raise ConversionError(f"{where}: {key} is {found!r}, the run config expects {value!r}")
+        if got != want:
+            raise ConversionError(f"{where}: {key} is {got!r}, the run config expects {want!r}")
+    rope_type = (getattr(found, "rope_parameters", None) or {}).get("rope_type", "default")
+    if rope_type != "default":
+        raise ConversionError(f"{where}: rope_parameters has rope_type {rope_type!r}; canon-titan's models use plain "
+                              "RoPE ('default')")
+    return config_cls.model_type == "llama" or hf.get("rope_version") == "huggingface"

@@ -1,12 +1,21 @@
 """Synthetic playground tasks (``synthetic_data``) as a TorchTitan dataloader.
 
-Global window ``w`` (``seq_len + 1`` tokens) is filled with whole samples drawn from its own
-random stream ``(seed, w)`` until the next one does not fit; the rest is padding that the loss
-ignores. Positions restart at every sample, so attention stays inside a sample (Canon layers,
-like the reference's, still see the previous tokens of the window). As in the packed text
-loader, a ``next()`` takes ``local_batch_size * dp_world_size`` consecutive global windows and
-rank ``r`` the ``r``-th slice: the data do not depend on the data-parallel layout, ranks get
-disjoint windows, and the checkpoint state is one global counter (exact resume).
+Packing. Every sample comes from its own random stream ``(seed, window w, draw k)``. Global
+window ``w`` (``seq_len + 1`` tokens) first takes the sample carried into it (below), then draws
+``k = 0, 1, ...`` and packs whole samples while they fit. The first sample that does not fit is not
+dropped: it is carried to window ``w + stride`` (``stride`` = windows per optimizer step, the global
+batch), where it goes first. So every drawn sample is trained on exactly once and the packed
+samples follow the generator's distribution; dropping the misfits, as a plain greedy packer does,
+would drop long samples more often than short ones (a bias toward easy items). The rest of a window
+is padding that the loss ignores. Positions restart at every sample, so attention stays inside a
+sample (Canon layers, like the reference's, still see the previous tokens of the window).
+
+Layout. As in the packed text loader, a ``next()`` takes ``local_batch_size * dp_world_size``
+consecutive global windows and rank ``r`` the ``r``-th slice: the data do not depend on the
+data-parallel layout (for a given global batch), ranks get disjoint windows, and a window's carry
+goes to the window the same rank reads one step later. The checkpoint state is the next window
+and the rank's pending carries (exact resume); a rank without them (another layout) recomputes
+them from the windows before.
 
 Labels: with ``answer_only_loss`` only answer tokens are predicted (the reference's setting);
 otherwise every token of a sample except its first.
@@ -14,7 +23,9 @@ otherwise every token of a sample except its first.
 
 from __future__ import annotations
 
+import itertools
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -31,9 +42,12 @@ from synthetic_data.tasks import PAD, make_task
 
 MAX_REDRAWS = 100
 
+SampleId = tuple[int, int]
+"""(window whose stream drew it, draw index): the sample's own random stream."""
 
-def window_rng(seed: int, window: int) -> random.Random:
-    return random.Random(f"{seed}/window/{window}")
+
+def sample_stream(seed: int, window: int, draw: int) -> random.Random:
+    return random.Random(f"{seed}/window/{window}/{draw}")
 
 
 class SyntheticDataLoader(BaseDataLoader):
@@ -44,12 +58,16 @@ class SyntheticDataLoader(BaseDataLoader):
         """The task's parameters (keys of its params dataclass) over the dataset's preset."""
         seed: int = 777
         answer_only_loss: bool = False
+        windows_per_step: int = 0
+        """The global batch in windows (a carried sample moves this many windows on); 0 means
+        local_batch_size x dp_world_size."""
 
     def __init__(self, config: Config, *, dp_world_size: int, dp_rank: int, tokenizer=None,
                  seq_len: int, local_batch_size: int, **kwargs):
         self.config = config
         self.dp_world_size, self.dp_rank = dp_world_size, dp_rank
         self.seq_len, self.local_batch_size = seq_len, local_batch_size
+        self.stride = config.windows_per_step or local_batch_size * dp_world_size
         try:
             self.task = make_task(config.dataset, **config.task)
         except (KeyError, ValueError, OSError) as e:
@@ -60,6 +78,8 @@ class SyntheticDataLoader(BaseDataLoader):
             raise DataConfigError(f"{config.dataset} has no answer tokens: answer_only_loss must be false")
         self.tokenizer = tokenizer
         self.next_sample = 0
+        self._carries: dict[int, SampleId] = {}
+        """Destination window -> the sample carried into it, for windows this rank reads next."""
         probe = [self.window(w) for w in range(4)]
         fill = np.mean([(p[2] != IGNORE_INDEX).sum() / seq_len for p in probe])
         samples = np.mean([int(((p[1] == 0) & (p[0] != PAD)).sum()) for p in probe])
@@ -67,38 +87,70 @@ class SyntheticDataLoader(BaseDataLoader):
                     f"window of {seq_len}, {100 * fill:.1f}% of positions in the loss "
                     f"(dp rank {dp_rank}/{dp_world_size})")
 
-    def _sample(self, rng: random.Random) -> tuple[list[int], list[int]]:
+    def stream(self, sample: SampleId) -> random.Random:
+        return sample_stream(self.config.seed, *sample)
+
+    def draw(self, sample: SampleId) -> tuple[list[int], list[int]]:
         """Token ids and per-token loss flags of one sample."""
-        sample = self.task.train_sample(rng)
-        if isinstance(sample, Sample):
-            labels = sample.labels if self.config.answer_only_loss else [0] + [1] * (len(sample.tokens) - 1)
-            return sample.tokens, labels
-        tokens = self.tokenizer.encode(sample, add_bos=True, add_eos=True)
+        generated = self.task.train_sample(self.stream(sample))
+        if isinstance(generated, Sample):
+            labels = generated.labels if self.config.answer_only_loss else [0] + [1] * (len(generated.tokens) - 1)
+            return generated.tokens, labels
+        tokens = self.tokenizer.encode(generated, add_bos=True, add_eos=True)
         return tokens, [0] + [1] * (len(tokens) - 1)
 
-    def window(self, index: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(input ids, positions, targets) of global window ``index``."""
-        rng, limit = window_rng(self.config.seed, index), self.seq_len + 1
-        tokens, flags, positions = [], [], []
-        redraws = 0
+    def pack(self, index: int, carried: SampleId | None) -> tuple[list[tuple[SampleId, list[int], list[int]]], SampleId]:
+        """Window ``index``'s samples in order, ``carried`` first, as (id, tokens, loss flags); and the
+        misfit it carries on."""
+        limit, used, draws, redraws = self.seq_len + 1, 0, 0, 0
+        packed = [(carried, *self.draw(carried))] if carried is not None else []
+        used = sum(len(tokens) for _, tokens, _ in packed)
         while True:
-            sample, sample_flags = self._sample(rng)
-            if len(sample) > limit:
+            sample = (index, draws)
+            draws += 1
+            tokens, flags = self.draw(sample)
+            if len(tokens) > limit:
                 # Lano sentences and tokenized biographies have no useful bound: a rare long one is
                 # replaced by the next draw. For the other tasks the config check rules this out.
                 redraws += 1
                 if self.task.max_length() is not None or redraws > MAX_REDRAWS:
                     raise DataConfigError(
-                        f"a {self.config.dataset} sample has {len(sample)} tokens (with the run's tokenizer), more "
-                        f"than a window of seq_len + 1 = {limit}: raise [training] seq_len"
+                        f"a {self.config.dataset} sample has {len(tokens)} tokens (with the run's tokenizer), "
+                        f"more than a window of seq_len + 1 = {limit}: raise [training] seq_len"
                         + (f" ({MAX_REDRAWS} samples in a row were too long)" if redraws > 1 else ""))
                 continue
-            if len(tokens) + len(sample) > limit:
-                break
-            tokens += sample
+            if used + len(tokens) > limit:
+                return packed, sample
+            packed.append((sample, tokens, flags))
+            used += len(tokens)
+
+    def carried_into(self, index: int) -> SampleId | None:
+        """The sample window ``index`` starts with: the misfit of window ``index - stride``."""
+        if index < self.stride:
+            return None
+        if index in self._carries:
+            return self._carries.pop(index)
+        carried = None  # not known here (another layout before): replay the windows before it
+        for earlier in range(index % self.stride, index, self.stride):
+            carried = self.pack(earlier, carried)[1]
+        return carried
+
+    def samples(self) -> Iterator[tuple[int, SampleId, list[int], list[int]]]:
+        """Every sample in training order, as (window, id, tokens, loss flags)."""
+        carries: dict[int, SampleId] = {}
+        for index in itertools.count():
+            packed, carries[index + self.stride] = self.pack(index, carries.pop(index, None))
+            for sample, tokens, flags in packed:
+                yield index, sample, tokens, flags
+
+    def arrays(self, packed: list[tuple[SampleId, list[int], list[int]]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(input ids, positions, targets) of a window holding ``packed``."""
+        tokens, flags, positions = [], [], []
+        for _, sample_tokens, sample_flags in packed:
+            tokens += sample_tokens
             flags += sample_flags
-            positions += range(len(sample))
-        pad = limit - len(tokens)
+            positions += range(len(sample_tokens))
+        pad = self.seq_len + 1 - len(tokens)
         tokens += [PAD] * pad
         flags += [0] * pad
         positions += range(pad)
@@ -106,9 +158,18 @@ class SyntheticDataLoader(BaseDataLoader):
         targets = np.where(np.asarray(flags[1:], dtype=bool), tokens_np[1:], IGNORE_INDEX)
         return tokens_np[:-1], np.asarray(positions[:-1], dtype=np.int64), targets
 
+    def window(self, index: int, carried: SampleId | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(input ids, positions, targets) of global window ``index`` starting with ``carried``."""
+        return self.arrays(self.pack(index, carried)[0])
+
     def batch(self, first_sample: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """This rank's rows of the ``local_batch_size * dp_world_size`` windows from ``first_sample``;
+        each row's misfit is kept for the window ``stride`` later."""
         start = first_sample + self.dp_rank * self.local_batch_size
-        rows = [self.window(start + j) for j in range(self.local_batch_size)]
+        rows = []
+        for index in range(start, start + self.local_batch_size):
+            packed, self._carries[index + self.stride] = self.pack(index, self.carried_into(index))
+            rows.append(self.arrays(packed))
         inputs = {"input": torch.from_numpy(np.stack([r[0] for r in rows])),
                   "positions": torch.from_numpy(np.stack([r[1] for r in rows]))}
         return inputs, torch.from_numpy(np.stack([r[2] for r in rows]))
@@ -120,9 +181,24 @@ class SyntheticDataLoader(BaseDataLoader):
             yield self.batch(first)
 
     def state_dict(self) -> dict:
-        return {"next_sample": self.next_sample}
+        # The carries differ by rank: under a per-rank key (the next window is the same on every rank).
+        return {"next_sample": self.next_sample,
+                f"carries_dp_rank_{self.dp_rank}": sorted(self._carries.items())}
 
     def load_state_dict(self, state_dict: dict) -> None:
         if state_dict:
             self.next_sample = int(state_dict["next_sample"])
+            carries = state_dict.get(f"carries_dp_rank_{self.dp_rank}")
+            self._carries = {int(dest): tuple(sample) for dest, sample in carries or []}
             logger.info(f"Synthetic dataloader resumes at global window {self.next_sample:,}")
+
+
+def loader_config(run) -> SyntheticDataLoader.Config:
+    """The loader of a resolved run whose dataset is a synthetic task."""
+    from synthetic_data.tasks import SECTION
+
+    section = run["dataloader"]
+    task = {k: v for k, v in run[SECTION[section["dataset"]]].items() if v is not None}
+    return SyntheticDataLoader.Config(dataset=section["dataset"], task=task, seed=section["seed"],
+                                      answer_only_loss=section["answer_only_loss"],
+                                      windows_per_step=max(run["training"]["global_batch_size"], 0))

@@ -104,7 +104,7 @@ def resolve_backend(requested: str, *, op: str, env: KernelEnvironment | None = 
     cuda_backend = CUDA_BACKENDS[op]
     allowed = ("auto", "torch", cuda_backend)
     if requested not in allowed:
-        raise ValueError(f"{op} backend must be one of {allowed}, got {requested!r}")
+        raise ValueError(f"must be one of {', '.join(map(repr, allowed))} for {op}, got {requested!r}")
     if requested == "torch":
         return "torch", None
     env = env or KernelEnvironment.current()

@@ -34,6 +34,7 @@ from torchtitan.protocols.module import Module
 from torchtitan.tools.logging import logger
 
 from canon_titan.kernels import resolve_backend as resolve_kernel_backend
+from canon_titan.kernels.backends import CUDA_BACKENDS
 from canon_titan.models.canon import CanonConv, backend_problems, canon_bias_init, canon_weight_init
 from canon_titan.models.canon import resolve_backend as resolve_canon_backend
 from canon_titan.models.llama import ONES_INIT, Embedding, FeedForward
@@ -232,10 +233,15 @@ class LinearArgs(ABC):
         if self.norm_eps <= 0:
             problems.append(("norm_eps", "must be > 0"))
         problems += self._validate_canon()
-        try:
-            resolve_kernel_backend(self.kernel_backend, op=self.kernel_op)
-        except ValueError as e:
-            problems.append(("kernel_backend", f"{e} ({self.family})"))
+        allowed = ("auto", "torch", CUDA_BACKENDS[self.kernel_op])
+        if self.kernel_backend not in allowed:
+            problems.append(("kernel_backend", f"must be one of {', '.join(map(repr, allowed))} for {self.family}, "
+                                               f"got {self.kernel_backend!r}"))
+        else:
+            try:
+                resolve_kernel_backend(self.kernel_backend, op=self.kernel_op)
+            except ValueError as e:
+                problems.append(("kernel_backend", str(e)))
         return problems
 
     def _validate_canon(self) -> list[tuple[str, str]]:
