@@ -25,19 +25,25 @@ from pathlib import Path
 
 
 def _load_or_report(path: str, overrides: list[str], environment: bool = True):
-    from canon_titan.config import ConfigError, load
+    """The resolved run, after our checks and TorchTitan's own (building its Trainer.Config), or the error."""
+    from canon_titan.config import ConfigError, build_trainer_config, load
 
     try:
-        return load(path, overrides, environment), None
+        run = load(path, overrides, environment)
+        build_trainer_config(run)
+        return run, None
     except ConfigError as e:
         return None, str(e)
 
 
 def cmd_train(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="canon-titan train", description="Single-node training launch (torchrun --standalone).")
+    parser = argparse.ArgumentParser(
+        prog="canon-titan train", description="Single-node training launch (torchrun --standalone). Any other "
+        "argument overrides a config key: --section.key value (e.g. --training.steps 100).")
     parser.add_argument("--config", required=True)
     parser.add_argument("--nproc", type=int, default=1, help="processes (GPUs, or CPU ranks) on this node")
-    parser.add_argument("--log-ranks", default="0", help="ranks whose output is shown (torchrun --local-ranks-filter)")
+    parser.add_argument("--log-ranks", help="ranks whose output is shown (torchrun --local-ranks-filter; default: "
+                        "rank 0, or with pipeline parallelism the first rank of the last stage, which has the loss)")
     args, overrides = parser.parse_known_args(argv)  # --section.key overrides pass through
     if args.nproc < 1:
         parser.error("--nproc must be >= 1")
@@ -47,11 +53,39 @@ def cmd_train(argv: list[str]) -> int:
     if error:
         print(f"canon-titan: config error: {error}", file=sys.stderr)
         return 2
+    error = _prepare_launch(run)
+    if error:
+        print(f"canon-titan: {error}", file=sys.stderr)
+        return 2
+    log_ranks = args.log_ranks
+    if log_ranks is None:
+        pp = run["parallelism"]["pipeline_parallel_degree"]
+        log_ranks = str((pp - 1) * args.nproc // pp)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
-           "--local-ranks-filter", args.log_ranks, "--role", "rank", "--tee", "3",
+           "--local-ranks-filter", log_ranks, "--role", "rank", "--tee", "3",
            "-m", "canon_titan.train", "--config", args.config, *overrides]
     print("+ " + " ".join(cmd), flush=True)
-    return subprocess.call(cmd)
+    from canon_titan.launch import torchrun_preexec
+
+    return subprocess.call(cmd, preexec_fn=torchrun_preexec)
+
+
+def _prepare_launch(run) -> str | None:
+    """What the workers would stop on before training, checked before torchrun starts: TorchTitan's
+    own config checks, a live run in the dump folder, no loadable checkpoint to resume from. Prints
+    the checkpoints that will be skipped. Returns the error, or None."""
+    from canon_titan.convert.dcp_io import NoLoadableCheckpoint, resume_step
+    from canon_titan.launch import DumpFolderInUse, lock_dump_folder
+
+    try:
+        lock_dump_folder(run["job"]["dump_folder"], hold=False)
+        if run["checkpoint"]["enable"]:
+            folder = Path(run["job"]["dump_folder"]) / run["checkpoint"]["folder"]
+            for message in resume_step(folder, run["checkpoint"]["load_step"])[1]:
+                print(f"canon-titan: warning: {message}", file=sys.stderr)
+    except (DumpFolderInUse, NoLoadableCheckpoint) as e:
+        return str(e)
+    return None
 
 
 def cmd_config(argv: list[str]) -> int:
@@ -82,6 +116,9 @@ def cmd_config(argv: list[str]) -> int:
         return 0
 
     if args.world_size is not None:
+        if args.world_size < 1:
+            print(f"canon-titan: config error: --world-size must be >= 1, got {args.world_size}", file=sys.stderr)
+            return 2
         os.environ["WORLD_SIZE"] = str(args.world_size)
     failed = 0
     for path in args.files:
@@ -140,6 +177,9 @@ def cmd_convert(argv: list[str]) -> int:
     except ConversionError as e:
         print(f"canon-titan: conversion error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # disk full, permissions: the message names the file
+        print(f"canon-titan: conversion error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -154,10 +194,13 @@ def cmd_data(argv: list[str]) -> int:
     tok.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     tok.add_argument("--text-key", default="text")
     tok.add_argument("--on-error", choices=["fail", "skip"], default="fail")
-    inspect = sub.add_parser("inspect", help="token counts per shard, and decoded samples")
+    inspect = sub.add_parser("inspect", help="token counts per shard, problems, and decoded samples; exit 2 if a "
+                             "shard is missing, has the wrong size or ids outside the vocabulary")
     inspect.add_argument("folder")
     inspect.add_argument("--samples", type=int, default=2)
     inspect.add_argument("--max-chars", type=int, default=400)
+    inspect.add_argument("--verify", action="store_true",
+                         help="also read every shard: recorded checksums and the largest id actually stored")
     people = sub.add_parser("capo-people", help="the Capo population of a config as JSON lines, with a "
                             "prompt per person for writing bioR biographies")
     people.add_argument("--config", required=True, help="a TOML with [dataloader] dataset = 'capo_bios'")
@@ -200,8 +243,7 @@ def cmd_data(argv: list[str]) -> int:
         return _synthetic_samples(args, overrides)
 
     from canon_titan.data.documents import DataError
-    from canon_titan.data.pretokenize import open_shards, read_index, tokenize_files
-    from canon_titan.data.tokenizers import build_tokenizer
+    from canon_titan.data.pretokenize import tokenize_files
 
     try:
         if args.action == "tokenize":
@@ -211,34 +253,57 @@ def cmd_data(argv: list[str]) -> int:
             print(f"[tokenize] done: {sum(s['tokens'] for s in index['shards']):,} tokens in "
                   f"{len(index['shards'])} shards at {args.out}" + (f"; skipped {skipped} bad records" if skipped else ""))
             return 0
-        index = read_index(args.folder)
-        tok_info = index["tokenizer"]
-        print(f"{args.folder}: tokenizer {tok_info['kind']} {tok_info['path']} ({tok_info['vocab_size']} ids), "
-              f"dtype {index['dtype']}")
-        print(f"{'shard':<12} {'tokens':>14} {'documents':>10} {'skipped':>8}  source")
-        for shard in index["shards"]:
-            print(f"{shard['shard']:<12} {shard['tokens']:>14,} {shard['documents']:>10,} {shard['skipped']:>8}  {shard['source']}")
-        total = sum(s["tokens"] for s in index["shards"])
-        print(f"{'total':<12} {total:>14,} {sum(s['documents'] for s in index['shards']):>10,}")
-        if args.samples:
-            tokenizer = build_tokenizer(tok_info["kind"], tok_info["path"])
-            store = open_shards(args.folder, tokenizer)
-            stream = store.slice(0, min(len(store), 200_000)).tolist()
-            documents, current = [], []
-            for token in stream:
-                current.append(token)
-                if token == tok_info["eos_id"]:
-                    documents.append(current)
-                    current = []
-                    if len(documents) == args.samples:
-                        break
-            for i, doc in enumerate(documents):
-                text = tokenizer.decode([t for t in doc if t not in (tok_info["bos_id"], tok_info["eos_id"])])
-                print(f"--- document {i} ({len(doc)} tokens)\n{text[: args.max_chars]}")
-        return 0
+        return _inspect_tokens(args)
     except (DataError, FileNotFoundError) as e:
         print(f"canon-titan: data error: {e}", file=sys.stderr)
         return 2
+
+
+def _inspect_tokens(args) -> int:
+    import numpy as np
+
+    from canon_titan.data.pretokenize import open_shards, read_index, shard_problem
+    from canon_titan.data.tokenizers import build_tokenizer
+
+    index = read_index(args.folder)
+    tok_info, dtype = index["tokenizer"], np.dtype(index["dtype"])
+    vocab = tok_info["vocab_size"]
+    print(f"{args.folder}: tokenizer {tok_info['kind']} {tok_info['path']} ({vocab} ids), dtype {dtype}")
+    print(f"{'shard':<12} {'tokens':>14} {'documents':>10} {'skipped':>8}  source")
+    problems = []
+    for shard in index["shards"]:
+        print(f"{shard['shard']:<12} {shard['tokens']:>14,} {shard['documents']:>10,} {shard['skipped']:>8}  "
+              f"{shard['source']}")
+        path = Path(args.folder) / shard["shard"]
+        problem = shard_problem(path, shard, dtype.itemsize, checksum=args.verify, vocab_size=vocab)
+        if problem:
+            problems.append(problem)
+        if args.verify and shard["tokens"] and path.is_file() and path.stat().st_size == shard["tokens"] * dtype.itemsize:
+            stored = np.memmap(path, dtype=dtype, mode="r")
+            outside = int((stored >= vocab).sum())
+            if outside:
+                problems.append(f"{path} holds {outside} token ids outside the vocabulary of {vocab} "
+                                f"(largest {int(stored.max())})")
+    total = sum(s["tokens"] for s in index["shards"])
+    print(f"{'total':<12} {total:>14,} {sum(s['documents'] for s in index['shards']):>10,}")
+    for problem in problems:
+        print(f"PROBLEM {problem}", file=sys.stderr)
+    if args.samples and not problems:
+        tokenizer = build_tokenizer(tok_info["kind"], tok_info["path"])
+        store = open_shards(args.folder, tokenizer)
+        stream = store.slice(0, min(len(store), 200_000)).tolist()
+        documents, current = [], []
+        for token in stream:
+            current.append(token)
+            if token == tok_info["eos_id"]:
+                documents.append(current)
+                current = []
+                if len(documents) == args.samples:
+                    break
+        for i, doc in enumerate(documents):
+            text = tokenizer.decode([t for t in doc if t not in (tok_info["bos_id"], tok_info["eos_id"])])
+            print(f"--- document {i} ({len(doc)} tokens)\n{text[: args.max_chars]}")
+    return 2 if problems else 0
 
 
 def _multihop(args) -> int:

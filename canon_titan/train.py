@@ -19,19 +19,31 @@ def parse_args(argv: list[str]) -> tuple[str, list[str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import os
+    import signal
+
     import torch
 
     from torchtitan.tools.logging import init_logger, logger
 
     from canon_titan.config import ConfigError, build_trainer_config, load
+    from canon_titan.convert.dcp_io import NoLoadableCheckpoint
+    from canon_titan.launch import DumpFolderInUse, die_with_parent, lock_dump_folder
 
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun worker: stop when the agent is gone
+        die_with_parent(signal.SIGKILL)
     path, overrides = parse_args(sys.argv[1:] if argv is None else argv)
     init_logger()
     try:
         run = load(path, overrides)
         config = build_trainer_config(run)
+        if int(os.environ.get("RANK", "0")) == 0:
+            lock_dump_folder(run["job"]["dump_folder"])
     except ConfigError as e:
         print(f"canon-titan: config error: {e}", file=sys.stderr)
+        return 2
+    except DumpFolderInUse as e:
+        print(f"canon-titan: {e}", file=sys.stderr)
         return 2
     runtime.apply()
     logger.info(f"Run config {run.source} ({run['model']['name']} {run['model']['flavor']})")
@@ -46,6 +58,9 @@ def main(argv: list[str] | None = None) -> int:
             logger.info("Created seed checkpoint")
         else:
             trainer.train()
+    except NoLoadableCheckpoint as e:
+        print(f"canon-titan: {e}", file=sys.stderr)
+        return 2
     finally:
         if trainer is not None:
             trainer.close()

@@ -15,6 +15,7 @@ import tyro
 from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
+from canon_titan.convert.dcp_io import resume_step
 from canon_titan.evaluation.in_training import EvalSettings, InTrainingEval
 from canon_titan.fileio import write_atomic
 
@@ -38,6 +39,19 @@ class CanonTrainer(Trainer):
         if config.run_toml and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
             os.makedirs(config.dump_folder, exist_ok=True)
             write_atomic(os.path.join(config.dump_folder, RUN_CONFIG_FILE), config.run_toml)
+
+    def train(self):
+        """Resume from the newest checkpoint that loads: a newer one with a missing or truncated
+        file, or unreadable metadata, is named and skipped (TorchTitan would pick it and fail
+        inside the load)."""
+        ckpt = self.config.checkpoint
+        if ckpt.enable:
+            step, skipped = resume_step(self.checkpointer.folder, ckpt.load_step)
+            for message in skipped:
+                logger.warning(message)
+            if skipped:
+                ckpt.load_step = step
+        super().train()
 
     def train_step(self, data_iterator):
         if self._progress_origin is None:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
+from pathlib import Path
 
 from canon_titan.config.loader import CLI, ConfigError, RunConfig
 from canon_titan.config.sections import SYNTHETIC_DATASETS, TASK_SECTIONS
@@ -18,6 +20,20 @@ def _positive(run: RunConfig, section: str, *keys: str) -> None:
     for key in keys:
         if run[section][key] <= 0:
             _fail(run, section, key, f"must be > 0, got {run[section][key]}")
+
+
+MAX_STEPS = 2**62
+"""Steps are stored as int64 in checkpoints and metrics."""
+MAX_SEQ_LEN = 2**24
+
+
+def check_finite(run: RunConfig) -> None:
+    """No NaN or infinity in any number of any section."""
+    for section, body in run.sections.items():
+        for key, value in body.items():
+            values = value if isinstance(value, list) else [value]
+            if any(isinstance(v, float) and not math.isfinite(v) for v in values):
+                _fail(run, section, key, f"must be a finite number, got {value}")
 
 
 def _world_size() -> int | None:
@@ -43,10 +59,19 @@ def check_model(run: RunConfig, environment: bool) -> None:
 
 
 def check_training(run: RunConfig) -> None:
-    _positive(run, "training", "local_batch_size", "seq_len", "steps", "max_norm")
-    gbs = run["training"]["global_batch_size"]
+    training = run["training"]
+    _positive(run, "training", "local_batch_size", "seq_len", "steps", "max_norm", "gc_freq")
+    if training["steps"] > MAX_STEPS:
+        _fail(run, "training", "steps", f"is {training['steps']}; at most {MAX_STEPS} (stored as a 64-bit integer)")
+    if training["seq_len"] > MAX_SEQ_LEN:
+        _fail(run, "training", "seq_len", f"is {training['seq_len']:,}; at most {MAX_SEQ_LEN:,} tokens per sequence")
+    gbs = training["global_batch_size"]
     if gbs != -1 and gbs <= 0:
         _fail(run, "training", "global_batch_size", f"must be > 0 or -1 (local batch x dp), got {gbs}")
+    if gbs > 0 and gbs % training["local_batch_size"]:
+        _fail(run, "training", "global_batch_size", f"must be a multiple of local_batch_size "
+              f"({training['local_batch_size']}) x the data-parallel degree, got {gbs}")
+    _positive(run, "comm", "init_timeout_seconds", "train_timeout_seconds")
     opt = run["optimizer"]
     _positive(run, "optimizer", "lr")
     if len(opt["betas"]) != 2 or not all(0 <= b < 1 for b in opt["betas"]):
@@ -62,11 +87,50 @@ def check_training(run: RunConfig) -> None:
         _fail(run, "lr_scheduler", "decay_ratio", f"must be in [0, 1] (WSD decay share), got {sched['decay_ratio']}")
     if run["metrics"]["log_freq"] <= 0:
         _fail(run, "metrics", "log_freq", "must be > 0")
+    check_checkpoint(run)
+
+
+def check_checkpoint(run: RunConfig) -> None:
+    """TorchTitan's checkpoint rules, with the key named, before any process starts."""
     ckpt = run["checkpoint"]
-    if ckpt["enable"] and ckpt["interval"] <= 0:
+    if ckpt["interval"] <= 0:
         _fail(run, "checkpoint", "interval", f"must be > 0, got {ckpt['interval']}")
+    if ckpt["keep_latest_k"] < 0 or ckpt["keep_latest_k"] == 1:
+        _fail(run, "checkpoint", "keep_latest_k", f"is {ckpt['keep_latest_k']}; 0 keeps every checkpoint, otherwise at "
+              "least 2 (the newest may still be being written)")
+    if not ckpt["folder"].strip():
+        _fail(run, "checkpoint", "folder", "must not be empty (a folder inside [job] dump_folder)")
+    if ckpt["load_step"] < -1:
+        _fail(run, "checkpoint", "load_step", f"is {ckpt['load_step']}; a step number, or -1 for the newest")
     if ckpt["last_save_in_hf"] and not ckpt["last_save_model_only"]:
         _fail(run, "checkpoint", "last_save_in_hf", "needs last_save_model_only = true (HF files hold weights only)")
+    if ckpt["initial_load_in_hf"] and not ckpt["initial_load_model_only"]:
+        _fail(run, "checkpoint", "initial_load_in_hf", "needs initial_load_model_only = true")
+    if "model" in ckpt["exclude_from_loading"]:
+        _fail(run, "checkpoint", "exclude_from_loading", "cannot exclude 'model'")
+
+
+def check_initial_load(run: RunConfig, environment: bool) -> None:
+    """``initial_load_path`` is made absolute (TorchTitan needs that; the resolved config then works
+    from any directory) and, for this machine, must be a DCP checkpoint that loads."""
+    ckpt = run["checkpoint"]
+    path = ckpt["initial_load_path"]
+    if not path:
+        return
+    if "://" not in path:
+        path = ckpt["initial_load_path"] = str(Path(path).expanduser().resolve())
+    if not environment or "://" in path or ckpt["initial_load_in_hf"]:
+        return
+    from canon_titan.convert.dcp_io import checkpoint_problem
+
+    if not Path(path).is_dir():
+        _fail(run, "checkpoint", "initial_load_path", f"{path} does not exist")
+    if not (Path(path) / ".metadata").is_file():
+        _fail(run, "checkpoint", "initial_load_path", f"{path} is not a DCP checkpoint folder (no .metadata; "
+              "`canon-titan convert from-hf` writes one)")
+    problem = checkpoint_problem(path)
+    if problem:
+        _fail(run, "checkpoint", "initial_load_path", f"cannot be loaded: {problem}")
 
 
 def check_parallelism(run: RunConfig, environment: bool) -> None:
@@ -148,11 +212,37 @@ def check_features(run: RunConfig, environment: bool) -> None:
             _fail(run, "compile", "components", f"entries must be 'model' or 'loss', got {component!r}")
 
 
+# The [dataloader] keys each kind of dataset reads (besides dataset and seed).
+_TEXT_KEYS = {"text_key", "on_error", "add_bos", "add_eos", "document_masking"}
+_READS = {
+    "builtin": _TEXT_KEYS | {"shuffle", "infinite"},
+    "files": _TEXT_KEYS | {"dataset_path", "shuffle", "infinite"},
+    "tokens": {"dataset_path", "shuffle", "infinite", "document_masking"},
+    "stream": _TEXT_KEYS | {"sources", "weights", "shuffle_buffer", "num_workers"},
+}
+
+
+def check_ignored_data_keys(run: RunConfig) -> None:
+    """A key set to something other than its default that the chosen dataset never reads (a resolved
+    config, which lists every key, keeps the defaults there)."""
+    from canon_titan.config.loader import section_schema
+
+    dataset = run["dataloader"]["dataset"]
+    reads = _READS.get(dataset, {"answer_only_loss"}) | {"dataset", "seed", "answer_only_loss"}
+    defaults = {key: default for key, (_, default) in section_schema("dataloader").items()}
+    for (section, key), _ in run.origins.items():
+        if section == "dataloader" and key not in reads and run["dataloader"][key] != defaults[key]:
+            _fail(run, "dataloader", key, f"is set, but dataset = {dataset!r} does not read it; remove it "
+                  f"(it reads {', '.join(sorted(reads - {'dataset'}))})")
+
+
 def check_data(run: RunConfig, environment: bool) -> None:
+    from canon_titan.data.documents import DataError
     from canon_titan.data.packed import DataConfigError, resolve_paths
 
     data = run["dataloader"]
     _drop_task_sections(run)
+    check_ignored_data_keys(run)
     if data["dataset"] in SYNTHETIC_DATASETS:
         check_synthetic(run, environment)
         if data["dataset"] != "capo_bios":
@@ -169,7 +259,7 @@ def check_data(run: RunConfig, environment: bool) -> None:
             _fail(run, "dataloader", "shuffle_buffer" if data["shuffle_buffer"] < 1 else "num_workers",
                   "shuffle_buffer must be >= 1 and num_workers >= 0")
         if environment:
-            from canon_titan.data.documents import DataError, expand_inputs, file_kind
+            from canon_titan.data.documents import expand_inputs, file_kind
 
             try:
                 for path in expand_inputs([x for x in data["sources"] if not x.startswith("hf:")] or []):
@@ -179,7 +269,7 @@ def check_data(run: RunConfig, environment: bool) -> None:
     elif environment:
         try:
             resolve_paths(data["dataset"], data["dataset_path"])
-        except DataConfigError as e:
+        except (DataConfigError, DataError, OSError) as e:
             _fail(run, "dataloader", "dataset_path" if data["dataset"] in ("files", "tokens") else "dataset", str(e))
     if not tokenizer_vocab(run) and environment:
         kind, path = run["tokenizer"]["kind"], run["tokenizer"]["path"]
@@ -306,8 +396,10 @@ def check_eval(run: RunConfig, environment: bool) -> None:
 
 
 def check_run(run: RunConfig, environment: bool = True) -> None:
+    check_finite(run)
     check_model(run, environment)
     check_training(run)
+    check_initial_load(run, environment)
     check_parallelism(run, environment)
     check_features(run, environment)
     check_data(run, environment)

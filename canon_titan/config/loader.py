@@ -147,6 +147,12 @@ def load_toml(path: str | os.PathLike) -> dict:
             return tomllib.load(f)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(str(path), "", f"not valid TOML: {e}") from e
+    except UnicodeDecodeError as e:
+        line = path.read_bytes()[: e.start].count(b"\n") + 1
+        raise ConfigError(str(path), "", f"not UTF-8 (line {line}: byte {e.object[e.start:e.start + 1]!r}); "
+                                         "TOML files must be UTF-8") from None
+    except OSError as e:
+        raise ConfigError(str(path), "", f"cannot be read ({e.strerror or e})") from None
 
 
 def _parse_value(text: str):

@@ -27,22 +27,96 @@ class ConversionError(ValueError):
     pass
 
 
+def read_metadata(step_dir: Path):
+    try:
+        return FileSystemReader(str(step_dir)).read_metadata()
+    except Exception as e:  # a truncated or overwritten pickle raises anything from EOFError on
+        raise ConversionError(f"{Path(step_dir) / '.metadata'}: not a readable DCP metadata file "
+                              f"({type(e).__name__}: {e})") from None
+
+
+def checkpoint_problem(step_dir: str | Path) -> str | None:
+    """Why a DCP step folder cannot load (unreadable metadata, a data file missing or shorter than
+    the metadata says), or None. Reads the metadata and file sizes only, not the data."""
+    step_dir = Path(step_dir)
+    try:
+        metadata = read_metadata(step_dir)
+    except ConversionError as e:
+        return str(e)
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        path = step_dir / name
+        if not path.is_file():
+            return f"{path} is missing"
+        if path.stat().st_size < size:
+            return f"{path} is truncated ({path.stat().st_size} of at least {size} bytes)"
+    return None
+
+
+def step_dirs(folder: str | Path) -> list[tuple[int, Path]]:
+    """The ``step-N`` folders holding a DCP metadata file, newest first."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    return sorted(((int(m.group(1)), p) for p in folder.iterdir()
+                   if (m := re.fullmatch(r"step-(\d+)", p.name)) and (p / ".metadata").is_file()), reverse=True)
+
+
+class NoLoadableCheckpoint(ConversionError):
+    pass
+
+
+def resume_step(folder: str | Path, load_step: int = -1) -> tuple[int, list[str]]:
+    """The step a run resuming from ``folder`` should load: ``load_step`` if given (it must be
+    intact), else the newest intact ``step-N`` (-1 when there is none at all, a fresh start), and one
+    message per newer checkpoint skipped because it cannot load. Raises NoLoadableCheckpoint when
+    checkpoints exist but none loads. Folders holding a Hugging Face export (``last_save_in_hf``)
+    count as loadable, as TorchTitan treats them."""
+    folder = Path(folder)
+    candidates = sorted(((int(m.group(1)), p) for p in folder.iterdir() if (m := re.fullmatch(r"step-(\d+)", p.name))
+                         and ((p / ".metadata").is_file() or (p / "model.safetensors.index.json").is_file())),
+                        reverse=True) if folder.is_dir() else []
+    if load_step != -1:
+        candidates = [(step, path) for step, path in candidates if step == load_step]
+        if not candidates:
+            raise NoLoadableCheckpoint(f"[checkpoint] load_step = {load_step}: {folder} has no complete step-{load_step}")
+    skipped = []
+    for step, path in candidates:
+        problem = checkpoint_problem(path) if (path / ".metadata").is_file() else None
+        if problem is None:
+            return step, skipped
+        skipped.append(f"checkpoint step {step} cannot be loaded and is skipped: {problem}")
+    if skipped:
+        raise NoLoadableCheckpoint(f"no checkpoint in {folder} can be loaded: " + "; ".join(skipped)
+                                   + " (move them away to start fresh)")
+    return -1, skipped
+
+
 def find_step_dir(path: str | Path) -> Path:
-    """A DCP step folder: ``path`` itself, or the newest complete ``step-N`` inside it."""
+    """A DCP step folder: ``path`` itself, or the newest complete ``step-N`` inside it; either must
+    be intact (see ``checkpoint_problem``)."""
     path = Path(path)
     if not path.is_dir():
         raise ConversionError(f"checkpoint directory {path} does not exist")
     if (path / ".metadata").is_file():
-        return path
-    steps = [(int(m.group(1)), p) for p in path.iterdir()
-             if (m := re.fullmatch(r"step-(\d+)", p.name)) and (p / ".metadata").is_file()]
-    if not steps:
-        raise ConversionError(f"{path} is not a DCP checkpoint (no .metadata) and has no complete step-N folder")
-    return max(steps)[1]
+        step_dir = path
+    else:
+        steps = step_dirs(path)
+        if not steps:
+            raise ConversionError(f"{path} is not a DCP checkpoint (no .metadata) and has no complete step-N folder")
+        step_dir = steps[0][1]
+    problem = checkpoint_problem(step_dir)
+    if problem:
+        older = [str(p) for _, p in step_dirs(step_dir.parent) if p != step_dir and not checkpoint_problem(p)]
+        hint = f"; the newest intact one is {older[0]}" if older else ""
+        raise ConversionError(f"checkpoint {step_dir} cannot be read: {problem}{hint}")
+    return step_dir
 
 
 def model_tensor_metadata(step_dir: Path) -> dict[str, TensorStorageMetadata]:
-    metadata = FileSystemReader(str(step_dir)).read_metadata()
+    metadata = read_metadata(step_dir)
     return {k: v for k, v in metadata.state_dict_metadata.items()
             if isinstance(v, TensorStorageMetadata) and not k.startswith(TRAINING_STATE_PREFIXES)}
 
@@ -64,9 +138,13 @@ def check_against_model(found: dict[str, tuple[int, ...]], expected: dict[str, t
 
 def load_tensor(step_dir: Path, name: str, meta: TensorStorageMetadata) -> torch.Tensor:
     tensor = torch.empty(meta.size, dtype=meta.properties.dtype)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "no process group: loading in a single process"
-        dcp.load({name: tensor}, checkpoint_id=str(step_dir))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "no process group: loading in a single process"
+            dcp.load({name: tensor}, checkpoint_id=str(step_dir))
+    except Exception as e:  # DCP wraps the storage error (EOFError, OSError, ...) in its own
+        raise ConversionError(f"{step_dir}: cannot read tensor {name!r} ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0] if str(e) else ''})") from None
     return tensor
 
 

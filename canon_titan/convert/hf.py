@@ -15,9 +15,11 @@ end: a failure leaves no OUT_DIR behind.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
+import socket
 import tempfile
 import time
 from collections.abc import Callable, Iterable
@@ -44,21 +46,92 @@ HF_MODELING_DIR = Path(__file__).resolve().parent.parent / "hf"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
 
 
+OWNER_FILE = ".owner"
+CHECKSUMS = "canon_titan_checksums.json"
+"""BLAKE2b of every safetensors file of an export (safetensors itself has no checksum)."""
+
+
+def _remove_stale_partials(out_dir: Path) -> None:
+    """Temporary folders of earlier conversions into ``out_dir`` whose process is gone (killed
+    before it could clean up): removed, and said so."""
+    host = socket.gethostname()
+    for partial in out_dir.parent.glob(f".{out_dir.name}.partial-*"):
+        try:
+            owner = json.loads((partial / OWNER_FILE).read_text())
+        except (OSError, ValueError):
+            owner = None
+        if owner is not None and owner.get("host") == host and _alive(owner.get("pid")):
+            continue  # a conversion into the same folder is running now
+        if owner is not None and owner.get("host") != host:
+            logger.warning(f"{partial}: left by a conversion on {owner.get('host')}; remove it if that one is done")
+            continue
+        shutil.rmtree(partial, ignore_errors=True)
+        logger.info(f"removed {partial}, left by an interrupted conversion")
+
+
+def _alive(pid) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except (ProcessLookupError, TypeError, ValueError):
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 @contextmanager
 def atomic_output_dir(out_dir: Path):
-    """Yield a temporary folder beside ``out_dir``; rename it to ``out_dir`` on success."""
+    """Yield a temporary folder beside ``out_dir``; rename it to ``out_dir`` on success. The folder
+    has the user's usual permissions (umask), like any other output."""
     out_dir = Path(out_dir)
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise ConversionError(f"output directory {out_dir} already exists and is not empty")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.partial-"))
     try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        _remove_stale_partials(out_dir)
+        tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.partial-"))
+    except OSError as e:
+        raise ConversionError(f"cannot write into {out_dir.parent}: {e.strerror or e}") from None
+    try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)
+        (tmp / OWNER_FILE).write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
         yield tmp
+        (tmp / OWNER_FILE).unlink()
+        # Writers that use private modes (safetensors: 600) get the user's umask like any other file.
+        for root, dirs, names in os.walk(tmp):
+            for name in dirs:
+                os.chmod(os.path.join(root, name), 0o777 & ~umask)
+            for name in names:
+                os.chmod(os.path.join(root, name), 0o666 & ~umask)
         if out_dir.exists():
             out_dir.rmdir()
         os.replace(tmp, out_dir)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def file_checksum(path: Path) -> str:
+    digest = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as f:
+        while block := f.read(1 << 24):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _verify_checksums(hf_dir: Path, files: Iterable[Path]) -> None:
+    manifest = hf_dir / CHECKSUMS
+    if not manifest.is_file():
+        logger.info(f"{hf_dir} has no {CHECKSUMS} (not a canon-titan export): its files are read unverified")
+        return
+    try:
+        expected = json.loads(manifest.read_text())
+    except ValueError as e:
+        raise ConversionError(f"{manifest}: not valid JSON ({e})") from None
+    for path in sorted(set(files)):
+        if path.name in expected and file_checksum(path) != expected[path.name]:
+            raise ConversionError(f"{path}: its contents changed since the export (checksum mismatch with {CHECKSUMS})")
 
 
 def model_shapes(run) -> dict[str, torch.Size]:
@@ -166,16 +239,18 @@ def to_hf(ckpt_dir, out_dir, run, *, dtype: str = "fp32", rope_layout: str = "li
         return load_tensor(step_dir, name, found[name])
 
     with atomic_output_dir(Path(out_dir)) as tmp:
-        weight_map = {}
+        weight_map, checksums = {}, {}
         for index, names in enumerate(shards, 1):
             filename = f"model-{index:05d}-of-{len(shards):05d}.safetensors"
             tensors = {name: hf_tensor(layout[name], read, args, rotate_half, target) for name in names}
             weight_map.update(dict.fromkeys(names, filename))
             save_file(tensors, str(tmp / filename), metadata={"format": "pt"})
             del tensors
+            checksums[filename] = file_checksum(tmp / filename)
             logger.info(f"wrote {filename} ({len(names)} tensors)")
         (tmp / "model.safetensors.index.json").write_text(json.dumps(
             {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}, indent=2) + "\n")
+        (tmp / CHECKSUMS).write_text(json.dumps(checksums, indent=2) + "\n")
         config = hf_config(args, rope_layout, dtype, run["training"]["seq_len"], tok_info)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         generation = {"bos_token_id": tok_info.get("bos_token_id"), "eos_token_id": tok_info.get("eos_token_id"),
@@ -190,10 +265,21 @@ def to_hf(ckpt_dir, out_dir, run, *, dtype: str = "fp32", rope_layout: str = "li
     return Path(out_dir)
 
 
+def _read_json(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except (ValueError, OSError) as e:
+        raise ConversionError(f"{path}: not readable JSON ({e})") from None
+
+
 def _read_hf_index(hf_dir: Path) -> dict[str, str]:
     index = hf_dir / "model.safetensors.index.json"
     if index.is_file():
-        return json.loads(index.read_text())["weight_map"]
+        data = _read_json(index)
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
+        if not isinstance(weight_map, dict):
+            raise ConversionError(f"{index}: no weight_map")
+        return weight_map
     single = hf_dir / "model.safetensors"
     if not single.is_file():
         raise ConversionError(f"{hf_dir} has neither model.safetensors.index.json nor model.safetensors")
@@ -221,12 +307,18 @@ def from_hf(hf_dir, out_dir, run) -> Path:
     if not (hf_dir / "config.json").is_file():
         raise ConversionError(f"{hf_dir} has no config.json (is it a Hugging Face model folder?)")
     args = run.model_args
-    hf = json.loads((hf_dir / "config.json").read_text())
+    hf = _read_json(hf_dir / "config.json")
+    if not isinstance(hf, dict):
+        raise ConversionError(f"{hf_dir / 'config.json'}: not a JSON object")
     rotate_half = check_hf_config(hf, args, str(hf_dir / "config.json"))
     expected = model_shapes(run)
     gla_plain_gate_norm = hf.get("model_type") == "GLACanon" and bool(hf.get("zeyuan_layernorm"))
     layout = hf_layout(args, expected, gla_plain_gate_norm=gla_plain_gate_norm)
     files = {hf_name: hf_dir / filename for hf_name, filename in _read_hf_index(hf_dir).items()}
+    missing = sorted({str(path) for path in files.values() if not path.is_file()})
+    if missing:
+        raise ConversionError(f"{missing[0]} is missing (listed in the index)")
+    _verify_checksums(hf_dir, files.values())
     shapes = {}
     for hf_name, path in files.items():
         with _open_safetensors(path, safe_open) as f:

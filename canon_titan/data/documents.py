@@ -65,33 +65,40 @@ def _zstd_bytes(path: str) -> Iterator[bytes]:
         raise DataError("truncated zstd stream (the file ends inside a frame)")
 
 
-def _lines(path: str) -> Iterator[str]:
+def _byte_lines(path: str) -> Iterator[bytes]:
+    """The file's lines as bytes: split before decoding, so a bad byte costs only its own line."""
     if path.endswith(".zst"):
         pending = b""
         for chunk in _zstd_bytes(path):
             *complete, pending = (pending + chunk).split(b"\n")
-            for line in complete:
-                yield line.decode("utf-8") + "\n"
+            yield from complete
         if pending:
-            yield pending.decode("utf-8")
+            yield pending
     else:
-        with open(path, encoding="utf-8") as f:
-            yield from f
+        with open(path, "rb") as f:
+            for line in f:
+                yield line.rstrip(b"\n")
 
 
 def _json_records(path: str) -> Iterator[tuple[int, object]]:
     """(line number, parsed record or the exception) for each non-empty line."""
     line_no = 0
-    lines = _lines(path)
+    lines = _byte_lines(path)
     while True:
         try:
-            line = next(lines)
+            raw = next(lines)
         except StopIteration:
             return
-        except Exception as e:  # zstd errors and decoding errors end the file
+        except Exception as e:  # a truncated or corrupt zstd stream ends the file
             yield line_no + 1, DataError(f"{path}:{line_no + 1}: unreadable data after line {line_no} ({e})")
             return
         line_no += 1
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            yield line_no, DataError(f"{path}:{line_no}: not UTF-8 (byte {e.start + 1} of the line: "
+                                     f"{raw[e.start:e.start + 1]!r})")
+            continue
         if not line.strip():
             continue
         try:
@@ -118,9 +125,10 @@ def _parquet_records(path: str, text_key: str) -> Iterator[tuple[int, object]]:
             yield row, {text_key: value}
 
 
-def iter_documents(path: str, text_key: str = "text", on_error: str = "fail",
-                   stats: ReadStats | None = None) -> Iterator[str]:
-    """The texts of one file, in order; bad records raise DataError or are skipped (counted)."""
+def iter_documents(path: str, text_key: str = "text", on_error: str = "fail", stats: ReadStats | None = None,
+                   skip_hint: str = "[dataloader] on_error = \"skip\"") -> Iterator[str]:
+    """The texts of one file, in order; bad records raise DataError (saying how to skip them:
+    ``skip_hint``) or are skipped (counted)."""
     stats = stats if stats is not None else ReadStats()
     records = _parquet_records(path, text_key) if path.endswith(".parquet") else _json_records(path)
     for line_no, record in records:
@@ -134,7 +142,7 @@ def iter_documents(path: str, text_key: str = "text", on_error: str = "fail",
             yield record[text_key]
             continue
         if on_error == "fail":
-            raise DataError(problem + " (set [dataloader] on_error = \"skip\" to skip bad records)")
+            raise DataError(f"{problem} (use {skip_hint} to skip bad records)")
         stats.skipped += 1
         if len(stats.problems) < 10:
             stats.problems.append(problem)

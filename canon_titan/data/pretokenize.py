@@ -2,13 +2,17 @@
 
 ``canon-titan data tokenize --input GLOB --tokenizer PATH --out DIR`` writes, per input file, a
 shard ``NNNNN.bin`` (raw token ids, uint16 when the vocabulary fits, else uint32; each document
-wrapped in BOS/EOS) and a sidecar ``NNNNN.json``; the sidecar is written last (atomically), so a
-shard counts as done only once complete, and re-running skips finished shards (resumable). Files
-are tokenized in parallel worker processes. ``index.json`` lists the shards and the tokenizer.
+wrapped in BOS/EOS) and a sidecar ``NNNNN.json`` (token count, largest id, BLAKE2b checksum); the
+sidecar is written last (atomically), so a shard counts as done only once complete. Re-running
+skips finished shards whose file still matches its sidecar (size and checksum) and tokenizes the
+others again (resumable). Files are tokenized in parallel worker processes. ``index.json`` lists
+the shards and the tokenizer. Opening the shards for training checks their sizes and that every
+id is inside the training vocabulary (from the recorded largest id).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import tempfile
@@ -46,16 +50,20 @@ def _tokenize_file(job: tuple) -> dict:
     stats = ReadStats()
     out_dir = Path(out_dir)
     fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=f".{index:05d}.bin.")
-    tokens = 0
+    tokens, max_id, digest = 0, -1, hashlib.blake2b(digest_size=16)
     with os.fdopen(fd, "wb") as f:
-        for text in iter_documents(source, text_key, on_error, stats):
+        for text in iter_documents(source, text_key, on_error, stats, skip_hint="--on-error skip"):
             ids = np.asarray(tok.encode(text, add_bos=True, add_eos=True), dtype=dtype)
-            f.write(ids.tobytes())
+            data = ids.tobytes()
+            f.write(data)
+            digest.update(data)
             tokens += len(ids)
+            max_id = max(max_id, int(ids.max())) if len(ids) else max_id
     os.chmod(tmp, 0o644)
     os.replace(tmp, out_dir / f"{index:05d}.bin")
-    info = {"shard": f"{index:05d}.bin", "source": source, "tokens": tokens,
-            "documents": stats.documents, "skipped": stats.skipped, "problems": stats.problems}
+    info = {"shard": f"{index:05d}.bin", "source": source, "tokens": tokens, "max_id": max_id,
+            "blake2b": digest.hexdigest(), "documents": stats.documents, "skipped": stats.skipped,
+            "problems": stats.problems}
     write_atomic(out_dir / f"{index:05d}.json", (json.dumps(info, indent=1) + "\n").encode())
     return info
 
@@ -78,12 +86,17 @@ def tokenize_files(inputs: list[str] | str, out_dir: str | Path, *, kind: str, t
         if old["tokenizer"]["vocab_size"] != tokenizer_info["vocab_size"] or old["tokenizer"]["kind"] != kind:
             raise DataError(f"{out_dir} holds tokens of another tokenizer ({old['tokenizer']}); use a new --out")
     done, jobs = {}, []
+    itemsize = token_dtype(tok.get_vocab_size()).itemsize
     for index, source in enumerate(sources):
         sidecar = out_dir / f"{index:05d}.json"
-        if sidecar.is_file() and json.loads(sidecar.read_text())["source"] == source:
-            done[index] = json.loads(sidecar.read_text())
-        else:
-            jobs.append((index, source, str(out_dir), text_key, on_error))
+        info = _read_sidecar(sidecar)
+        if info is not None and info.get("source") == source:
+            problem = shard_problem(out_dir / info["shard"], info, itemsize, checksum=True)
+            if problem is None:
+                done[index] = info
+                continue
+            log(f"[tokenize] {problem}: tokenizing {source} again")
+        jobs.append((index, source, str(out_dir), text_key, on_error))
     if done:
         log(f"[tokenize] {len(done)} of {len(sources)} files already done, resuming")
     start, total_tokens = time.perf_counter(), 0
@@ -103,13 +116,45 @@ def tokenize_files(inputs: list[str] | str, out_dir: str | Path, *, kind: str, t
     return index
 
 
+def _read_sidecar(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text()) if path.is_file() else None
+    except (ValueError, OSError):
+        return None  # a damaged sidecar: the shard is made again
+
+
+def shard_problem(path: Path, info: dict, itemsize: int, *, checksum: bool = False,
+                  vocab_size: int | None = None) -> str | None:
+    """What is wrong with a finished shard against its record (missing, wrong size, ids outside
+    the vocabulary, with ``checksum`` also changed bytes), or None."""
+    if not path.is_file():
+        return f"{path} is missing"
+    size, expected = path.stat().st_size, info["tokens"] * itemsize
+    if size != expected:
+        return f"{path} has {size} bytes, its record says {info['tokens']} tokens ({expected} bytes)"
+    if vocab_size is not None and info.get("max_id", -1) >= vocab_size:
+        return (f"{path} holds token id {info['max_id']}, outside the training vocabulary of {vocab_size} ids "
+                "(tokenized with another tokenizer?)")
+    if checksum and "blake2b" in info:
+        digest = hashlib.blake2b(digest_size=16)
+        with open(path, "rb") as f:
+            while block := f.read(1 << 24):
+                digest.update(block)
+        if digest.hexdigest() != info["blake2b"]:
+            return f"{path} does not match its recorded checksum (changed since it was written)"
+    return None
+
+
 def read_index(folder: str | Path) -> dict:
     path = Path(folder) / INDEX
     if not path.is_file():
         raise DataError(f"{folder} has no {INDEX}: not a token folder written by `canon-titan data tokenize`")
-    index = json.loads(path.read_text())
-    if index.get("format") != FORMAT:
-        raise DataError(f"{path}: unknown format {index.get('format')!r}")
+    try:
+        index = json.loads(path.read_text())
+    except (ValueError, OSError) as e:
+        raise DataError(f"{path}: not a readable token index ({e})") from None
+    if not isinstance(index, dict) or index.get("format") != FORMAT:
+        raise DataError(f"{path}: unknown format {index.get('format') if isinstance(index, dict) else None!r}")
     return index
 
 
@@ -122,11 +167,14 @@ def open_shards(folder: str | Path, tokenizer=None):
         raise DataError(f"{folder} was tokenized with a {index['tokenizer']['vocab_size']}-id tokenizer "
                         f"({index['tokenizer']['path']}), training uses {tokenizer.get_vocab_size()} ids")
     dtype = np.dtype(index["dtype"])
-    arrays = []
+    vocab = tokenizer.get_vocab_size() if tokenizer is not None else index["tokenizer"]["vocab_size"]
+    arrays, names = [], []
     for shard in index["shards"]:
         path = Path(folder) / shard["shard"]
-        if path.stat().st_size != shard["tokens"] * dtype.itemsize:
-            raise DataError(f"{path}: {path.stat().st_size} bytes, the index says {shard['tokens']} tokens")
+        problem = shard_problem(path, shard, dtype.itemsize, vocab_size=vocab)
+        if problem:
+            raise DataError(problem)
         if shard["tokens"]:
             arrays.append(np.memmap(path, dtype=dtype, mode="r"))
-    return TokenStore(arrays)
+            names.append(str(path))
+    return TokenStore(arrays, names=names, vocab_size=vocab)

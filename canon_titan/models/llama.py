@@ -251,6 +251,10 @@ class LlamaArgs:
                 )
         if self.norm_eps <= 0:
             problems.append(("norm_eps", "must be > 0"))
+        if self.rope_theta <= 0:
+            problems.append(("rope_theta", f"must be > 0, got {self.rope_theta}"))
+        if self.ffn_hidden_dim is not None and self.ffn_hidden_dim <= 0:
+            problems.append(("ffn_hidden_dim", "must be > 0 (or unset for the 8/3 rule)"))
         return problems
 
     def canon(self, position: str, channels: int) -> CanonConv.Config | None:

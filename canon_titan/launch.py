@@ -1,0 +1,82 @@
+"""Who owns a training job's processes, and which job owns a dump folder.
+
+``canon-titan train`` starts torchrun, torchrun starts the workers (each in a session of its own,
+so a signal to the launcher's process group does not reach them). Both links are tied with Linux's
+parent-death signal: torchrun gets SIGTERM when the launcher dies (and stops its workers as it
+does for a SIGTERM), a worker gets SIGKILL when its torchrun agent dies. Whatever kills the
+launcher, SIGKILL included, no worker trains on unseen.
+
+A dump folder holds one live run: global rank 0 keeps an exclusive ``flock`` on
+``{dump_folder}/.canon-titan.lock`` for the run's life (the kernel drops it when the process dies,
+however it dies), and a second run there stops before training with the holder's pid, host and
+start time. The launcher checks the same lock before it starts torchrun.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import datetime
+import fcntl
+import json
+import os
+import signal
+import socket
+import sys
+from pathlib import Path
+
+LOCK_FILE = ".canon-titan.lock"
+_PR_SET_PDEATHSIG = 1
+_held: list = []
+
+
+def die_with_parent(sig: int) -> None:
+    """Have the kernel send ``sig`` to this process when its parent exits (Linux; elsewhere a no-op)."""
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+        return
+    if os.getppid() != parent:  # the parent exited before the request took effect
+        os.kill(os.getpid(), sig)
+
+
+def torchrun_preexec() -> None:
+    """``preexec_fn`` for the launcher's torchrun: SIGTERM it when the launcher exits."""
+    die_with_parent(signal.SIGTERM)
+
+
+class DumpFolderInUse(RuntimeError):
+    pass
+
+
+def _describe_holder(path: Path) -> str:
+    try:
+        holder = json.loads(path.read_text())
+        return f"pid {holder['pid']} on {holder['host']}, started {holder['started']}"
+    except (OSError, ValueError, KeyError):
+        return "another process"
+
+
+def lock_dump_folder(dump_folder: str | os.PathLike, *, hold: bool = True) -> None:
+    """Take the dump folder's run lock (kept open for the process's life when ``hold``), or raise
+    DumpFolderInUse naming the live run that has it."""
+    folder = Path(dump_folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / LOCK_FILE
+    handle = open(path, "a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.close()
+        raise DumpFolderInUse(f"dump folder {folder} is in use by a live run ({_describe_holder(path)}); wait for "
+                              "it to end or stop it, or use another [job] dump_folder") from None
+    if not hold:
+        handle.close()
+        return
+    handle.seek(0)
+    handle.truncate()
+    handle.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                             "started": datetime.datetime.now().isoformat(timespec="seconds")}))
+    handle.flush()
+    _held.append(handle)

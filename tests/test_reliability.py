@@ -1,0 +1,290 @@
+"""Faults an operator meets: a killed launcher, two runs in one folder, a damaged checkpoint, bad
+bytes in data, damaged token shards, interrupted and damaged conversions."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from canon_titan.convert.dcp_io import ConversionError
+from canon_titan.data.builtin import ASSET_DIR
+from canon_titan.data.documents import DataError, ReadStats, iter_documents
+from canon_titan.data.pretokenize import open_shards, tokenize_files
+from canon_titan.data.tokenizers import build_tokenizer
+from conftest import COMMON, CONFIGS, DEBUG_CONFIG, REPO, descendants, make_checkpoint, train_env
+
+LONG = COMMON + ["--training.steps", "500", "--training.local_batch_size", "2", "--checkpoint.enable", "false"]
+
+
+def cli_train(dump, *extra, nproc=2, **popen):
+    cmd = [sys.executable, "-m", "canon_titan.cli", "train", "--config", str(DEBUG_CONFIG), "--nproc", str(nproc),
+           *LONG, "--job.dump_folder", str(dump), *extra]
+    return subprocess.Popen(cmd, cwd=REPO, env=train_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, **popen)
+
+
+def wait_for(proc, marker, timeout=300):
+    start, lines = time.time(), []
+    for line in proc.stdout:
+        lines.append(line)
+        if marker in line:
+            return "".join(lines)
+        if time.time() - start > timeout:
+            break
+    raise AssertionError(f"never saw {marker!r}:\n{''.join(lines)[-4000:]}")
+
+
+def all_gone(pids, timeout=60):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        alive = [p for p in pids if os.path.exists(f"/proc/{p}") and "zombie" not in _state(p)]
+        if not alive:
+            return []
+        time.sleep(0.5)
+    return alive
+
+
+def _state(pid):
+    try:
+        return open(f"/proc/{pid}/status").read().split("State:")[1].split("\n")[0]
+    except OSError:
+        return "zombie"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["process_group", "launcher_only"])
+def test_killing_the_launcher_stops_every_worker(tmp_path, how):
+    """SIGKILL of the launcher's process group (torchrun's workers live in sessions of their own),
+    or of the launcher alone: no process of the job keeps training."""
+    proc = cli_train(tmp_path / "run", start_new_session=True)
+    try:
+        wait_for(proc, "step:  2")
+        family = descendants(proc.pid)
+        commands = {p: open(f"/proc/{p}/cmdline").read().replace("\0", " ") for p in family}
+        workers = [p for p, c in commands.items() if "canon_titan.train" in c and "torch.distributed.run" not in c]
+        assert len(workers) == 2, commands
+        if how == "process_group":
+            os.killpg(proc.pid, signal.SIGKILL)
+        else:
+            os.kill(proc.pid, signal.SIGKILL)
+        assert all_gone(family) == []
+    finally:
+        for p in [proc.pid, *descendants(proc.pid)]:
+            try:
+                os.kill(p, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.wait()
+
+
+@pytest.mark.slow
+def test_a_live_run_locks_its_dump_folder(tmp_path):
+    dump = tmp_path / "run"
+    first = cli_train(dump, start_new_session=True)
+    try:
+        wait_for(first, "step:  2")
+        second = subprocess.run([sys.executable, "-m", "canon_titan.cli", "train", "--config", str(DEBUG_CONFIG),
+                                 *LONG, "--job.dump_folder", str(dump)], cwd=REPO, env=train_env(),
+                                capture_output=True, text=True, timeout=300)
+        assert second.returncode == 2 and "torch.distributed.run" not in second.stdout
+        assert f"dump folder {dump} is in use by a live run (pid " in second.stderr
+        # torchrun started directly: global rank 0 refuses before training.
+        direct = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
+                                 "-m", "canon_titan.train", "--config", str(DEBUG_CONFIG), *LONG,
+                                 "--job.dump_folder", str(dump)], cwd=REPO, env=train_env(), capture_output=True,
+                                text=True, timeout=300)
+        assert direct.returncode != 0 and "is in use by a live run" in direct.stderr
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
+    time.sleep(1)
+    after = subprocess.run([sys.executable, "-m", "canon_titan.cli", "train", "--config", str(DEBUG_CONFIG), *COMMON,
+                            "--training.steps", "1", "--training.local_batch_size", "2", "--checkpoint.enable", "false",
+                            "--job.dump_folder", str(dump)], cwd=REPO, env=train_env(), capture_output=True, text=True,
+                           timeout=300)
+    assert after.returncode == 0, after.stderr[-3000:]  # the kernel dropped the dead run's lock
+
+
+@pytest.mark.slow
+def test_resume_skips_a_damaged_newest_checkpoint(tmp_path):
+    dump = tmp_path / "run"
+    base = [sys.executable, "-m", "canon_titan.cli", "train", "--config", str(DEBUG_CONFIG), *COMMON,
+            "--training.local_batch_size", "2", "--checkpoint.enable", "--checkpoint.interval", "2",
+            "--job.dump_folder", str(dump)]
+    first = subprocess.run(base + ["--training.steps", "4"], cwd=REPO, env=train_env(), capture_output=True,
+                           text=True, timeout=600)
+    assert first.returncode == 0, first.stderr[-3000:]
+    data = sorted((dump / "checkpoint" / "step-4").glob("*.distcp"))[0]
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    resumed = subprocess.run(base + ["--training.steps", "6", "--metrics.save_tb_folder", "tb2"], cwd=REPO,
+                             env=train_env(), capture_output=True, text=True, timeout=600)
+    out = resumed.stdout + resumed.stderr
+    assert resumed.returncode == 0, out[-3000:]
+    assert f"checkpoint step 4 cannot be loaded and is skipped: {data} is truncated" in out
+    assert "Training starts at step 3" in out
+    for step in ("step-2", "step-6"):  # step-4 was written again on the way
+        data = sorted((dump / "checkpoint" / step).glob("*.distcp"))[0]
+        data.write_bytes(b"")
+    again = subprocess.run(base + ["--training.steps", "8"], cwd=REPO, env=train_env(), capture_output=True,
+                           text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "checkpoint step 6 cannot be loaded" in again.stderr and "Training starts at step 5" in again.stdout
+    for step_dir in (dump / "checkpoint").iterdir():
+        for data in step_dir.glob("*.distcp"):
+            data.write_bytes(b"")
+    none = subprocess.run(base + ["--training.steps", "10"], cwd=REPO, env=train_env(), capture_output=True,
+                          text=True, timeout=600)
+    assert none.returncode == 2 and "torch.distributed.run" not in none.stdout
+    assert f"no checkpoint in {dump / 'checkpoint'} can be loaded" in none.stderr and "Traceback" not in none.stderr
+
+
+def test_a_bad_byte_costs_one_record_with_its_line(tmp_path):
+    path = tmp_path / "docs.jsonl"
+    lines = [json.dumps({"text": f"document {i} " + "word " * 40}).encode() for i in range(1000)]
+    lines[499] = lines[499].replace(b"document", b"docum\xffent")
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    stats = ReadStats()
+    kept = list(iter_documents(str(path), on_error="skip", stats=stats))
+    assert len(kept) == 999 and stats.skipped == 1 and stats.problems == [
+        f"{path}:500: not UTF-8 (byte 16 of the line: b'\\xff')"]
+    with pytest.raises(DataError, match=r"docs.jsonl:500: not UTF-8.*--on-error skip"):
+        list(iter_documents(str(path), skip_hint="--on-error skip"))
+    index = tokenize_files(str(path), tmp_path / "tokens", kind="hf", tokenizer_path=str(ASSET_DIR),
+                           on_error="skip", log=lambda m: None)
+    assert index["shards"][0]["documents"] == 999 and index["shards"][0]["skipped"] == 1
+
+
+def _shards(tmp_path, n=3):
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(n):
+        (src / f"{i}.jsonl").write_text("".join(json.dumps({"text": f"file {i} document {j}: " + "text " * 30}) + "\n"
+                                                for j in range(40)))
+    out = tmp_path / "tokens"
+    tokenize_files(str(src / "*.jsonl"), out, kind="hf", tokenizer_path=str(ASSET_DIR), log=lambda m: None)
+    return src, out
+
+
+def test_token_ids_outside_the_vocabulary_are_named_by_shard_and_offset(tmp_path, capsys):
+    from canon_titan import cli
+
+    src, out = _shards(tmp_path)
+    tok = build_tokenizer("hf", str(ASSET_DIR))
+    shard = out / "00001.bin"
+    data = np.fromfile(shard, dtype=np.uint16)
+    data[123] = tok.get_vocab_size() + 5  # damage that keeps the size
+    data.tofile(shard)
+    store = open_shards(out, tok)
+    with pytest.raises(DataError, match=rf"00001.bin: token id {tok.get_vocab_size() + 5} at offset 123 is outside"):
+        store.slice(0, len(store))
+    assert cli.main(["data", "inspect", str(out), "--verify"]) == 2
+    assert "00001.bin holds 1 token ids outside the vocabulary" in capsys.readouterr().err
+    index = json.loads((out / "index.json").read_text())
+    index["shards"][2]["max_id"] = 10**6  # as if written by a bigger tokenizer
+    (out / "index.json").write_text(json.dumps(index))
+    with pytest.raises(DataError, match="00002.bin holds token id 1000000, outside the training vocabulary"):
+        open_shards(out, tok)
+
+
+def test_tokenize_resume_redoes_shards_that_no_longer_match(tmp_path):
+    src, out = _shards(tmp_path)
+    expected = {p.name: p.read_bytes() for p in out.glob("*.bin")}
+    (out / "00000.bin").unlink()
+    (out / "00001.bin").write_bytes(expected["00001.bin"][:-4])
+    changed = bytearray(expected["00002.bin"])
+    changed[10] ^= 1
+    (out / "00002.bin").write_bytes(bytes(changed))
+    messages = []
+    tokenize_files(str(src / "*.jsonl"), out, kind="hf", tokenizer_path=str(ASSET_DIR), log=messages.append)
+    assert any("00000.bin is missing" in m for m in messages)
+    assert any("00001.bin has" in m and "its record says" in m for m in messages)
+    assert any("00002.bin does not match its recorded checksum" in m for m in messages)
+    assert {p.name: p.read_bytes() for p in out.glob("*.bin")} == expected
+
+
+def convert_cli(*args):
+    return subprocess.run([sys.executable, "-m", "canon_titan.cli", "convert", *map(str, args)], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_conversion_faults_are_one_line_naming_the_file(tmp_path):
+    run, step, _ = make_checkpoint(tmp_path, [])
+    config = tmp_path / "run_config.toml"
+    out = tmp_path / "hf"
+    assert convert_cli("to-hf", step, out, "--config", config).returncode == 0
+    # Damaged DCP: truncated data, missing data, unreadable metadata.
+    data = sorted(step.glob("*.distcp"))[0]
+    original = data.read_bytes()
+    for damage, message in [(lambda: data.write_bytes(original[:100]), "is truncated"),
+                            (lambda: data.unlink(), "is missing"),
+                            (lambda: (step / ".metadata").write_bytes(b"garbage"), "not a readable DCP metadata file")]:
+        damage()
+        proc = convert_cli("to-hf", step, tmp_path / "x", "--config", config)
+        assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1 and str(step) in proc.stderr
+    # An output parent that cannot hold a folder.
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    proc = convert_cli("from-hf", out, blocker / "dcp", "--config", config)
+    assert proc.returncode == 2 and f"cannot write into {blocker}" in proc.stderr and "Traceback" not in proc.stderr
+    # Non-JSON config and index.
+    for name in ("config.json", "model.safetensors.index.json"):
+        broken = tmp_path / f"broken-{name}"
+        subprocess.run(["cp", "-r", str(out), str(broken)], check=True)
+        (broken / name).write_text("{not json")
+        proc = convert_cli("from-hf", broken, tmp_path / f"dcp-{name}", "--config", config)
+        assert proc.returncode == 2 and f"{broken / name}: not readable JSON" in proc.stderr, proc.stderr
+
+
+def test_flipped_bytes_in_an_export_are_caught_by_its_checksums(tmp_path):
+    from canon_titan.convert.hf import CHECKSUMS, from_hf, to_hf
+
+    run, step, _ = make_checkpoint(tmp_path, [])
+    out = to_hf(step, tmp_path / "hf", run)
+    manifest = json.loads((out / CHECKSUMS).read_text())
+    shard = out / sorted(manifest)[0]
+    payload = bytearray(shard.read_bytes())
+    payload[-10] ^= 0x40  # inside a tensor: safetensors reads it without complaint
+    shard.write_bytes(bytes(payload))
+    with pytest.raises(ConversionError, match=f"{shard}: its contents changed since the export"):
+        from_hf(out, tmp_path / "dcp", run)
+
+
+def test_interrupted_conversions_leave_no_stale_folders(tmp_path):
+    from canon_titan.convert.hf import to_hf
+
+    run, step, _ = make_checkpoint(tmp_path, [])
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = tmp_path / ".hf.partial-abc123"
+    stale.mkdir()
+    (stale / ".owner").write_text(json.dumps({"pid": dead.pid, "host": os.uname().nodename}))
+    (stale / "model-00001-of-00001.safetensors").write_bytes(b"0" * 1000)
+    out = to_hf(step, tmp_path / "hf", run)
+    assert not stale.exists() and not list(tmp_path.glob(".hf.partial-*"))
+    assert oct(out.stat().st_mode & 0o777) == oct(0o777 & ~_umask())
+    assert all(oct(p.stat().st_mode & 0o777) == oct(0o666 & ~_umask()) for p in out.iterdir())
+
+
+def _umask():
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def test_pipeline_runs_log_the_last_stage_by_default(tmp_path, monkeypatch):
+    from canon_titan import cli
+
+    launched = []
+    monkeypatch.setattr(subprocess, "call", lambda cmd, **kw: launched.append(cmd) or 0)
+    args = ["train", "--config", str(CONFIGS["llama_canon"]), "--job.dump_folder", str(tmp_path / "run")]
+    assert cli.main(args + ["--nproc", "2", "--parallelism.pipeline_parallel_degree", "2"]) == 0
+    assert cli.main(args + ["--nproc", "4", "--parallelism.pipeline_parallel_degree", "2"]) == 0
+    assert cli.main(args + ["--nproc", "2"]) == 0
+    filters = [cmd[cmd.index("--local-ranks-filter") + 1] for cmd in launched]
+    assert filters == ["1", "2", "0"]
