@@ -1,6 +1,5 @@
 """canon-titan: pretraining Canon-augmented language models on TorchTitan."""
 
-import importlib.util
 import logging
 
 
@@ -14,14 +13,4 @@ def _quiet_known_noise() -> None:
         lambda record: "is an Enum subclass and is now natively supported" not in record.getMessage())
 
 
-def _register_with_transformers() -> None:
-    """Make ``AutoConfig`` / ``AutoModelForCausalLM`` know our model types once canon_titan is imported."""
-    if importlib.util.find_spec("transformers") is None:  # conversion and evaluation need it; training does not
-        return
-    from canon_titan.hf import register_with_transformers
-
-    register_with_transformers()
-
-
 _quiet_known_noise()
-_register_with_transformers()

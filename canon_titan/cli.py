@@ -24,6 +24,11 @@ import sys
 from pathlib import Path
 
 
+OVERRIDES = ("Any further --section.key value argument overrides that key of the TOML, e.g. --training.steps 10 "
+             "or --model.flavor 1B (values are TOML literals; a bare --section.flag means true).")
+BUILTIN_TOKENIZER = Path(__file__).resolve().parent / "assets" / "builtin"
+
+
 def _load_or_report(path: str, overrides: list[str], environment: bool = True):
     """The resolved run, after our checks and TorchTitan's own (building its Trainer.Config), or the error."""
     from canon_titan.config import ConfigError, build_trainer_config, load
@@ -38,8 +43,7 @@ def _load_or_report(path: str, overrides: list[str], environment: bool = True):
 
 def cmd_train(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
-        prog="canon-titan train", description="Single-node training launch (torchrun --standalone). Any other "
-        "argument overrides a config key: --section.key value (e.g. --training.steps 100).")
+        prog="canon-titan train", description="Single-node training launch (torchrun --standalone).", epilog=OVERRIDES)
     parser.add_argument("--config", required=True)
     parser.add_argument("--nproc", type=int, default=1, help="processes (GPUs, or CPU ranks) on this node")
     parser.add_argument("--log-ranks", help="ranks whose output is shown (torchrun --local-ranks-filter; default: "
@@ -67,34 +71,49 @@ def cmd_train(argv: list[str]) -> int:
     print("+ " + " ".join(cmd), flush=True)
     from canon_titan.launch import torchrun_preexec
 
-    return subprocess.call(cmd, preexec_fn=torchrun_preexec)
+    env = dict(os.environ, CANON_TITAN_COLOR="1" if sys.stdout.isatty() else "0")
+    # Share the cores between the processes (torchrun would default to 1 and print a banner saying so).
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc)))
+    return subprocess.call(cmd, preexec_fn=torchrun_preexec, env=env)
 
 
 def _prepare_launch(run) -> str | None:
     """What the workers would stop on before training, checked before torchrun starts: TorchTitan's
     own config checks, a live run in the dump folder, no loadable checkpoint to resume from. Prints
     the checkpoints that will be skipped. Returns the error, or None."""
+    from canon_titan.config import dumps
+    from canon_titan.config.build import absolute_paths
     from canon_titan.convert.dcp_io import NoLoadableCheckpoint, resume_step
     from canon_titan.launch import DumpFolderInUse, lock_dump_folder
+    from canon_titan.trainer import RUN_CONFIG_FILE, config_changes, finished_message
 
+    dump = run["job"]["dump_folder"]
     try:
-        lock_dump_folder(run["job"]["dump_folder"], hold=False)
+        lock_dump_folder(dump, hold=False)
         if run["checkpoint"]["enable"]:
-            folder = Path(run["job"]["dump_folder"]) / run["checkpoint"]["folder"]
-            for message in resume_step(folder, run["checkpoint"]["load_step"])[1]:
+            step, skipped = resume_step(Path(dump) / run["checkpoint"]["folder"], run["checkpoint"]["load_step"])
+            for message in skipped:
                 print(f"canon-titan: warning: {message}", file=sys.stderr)
+            if step >= run["training"]["steps"]:
+                return finished_message(dump, step, run["training"]["steps"])
     except (DumpFolderInUse, NoLoadableCheckpoint) as e:
         return str(e)
+    changes = config_changes(os.path.join(dump, RUN_CONFIG_FILE), dumps(absolute_paths(run.sections)))
+    if changes:
+        print(f"canon-titan: warning: the config differs from the one of the run already in {dump}: {changes}",
+              file=sys.stderr)
     return None
 
 
 def cmd_config(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="canon-titan config")
     sub = parser.add_subparsers(dest="action", required=True)
-    show = sub.add_parser("show", help="print the resolved config (defaults and overrides applied) as TOML")
+    show = sub.add_parser("show", help="print the resolved config (defaults and overrides applied) as TOML",
+                          epilog=OVERRIDES)
     show.add_argument("file")
     show.add_argument("--static", action="store_true", help="do not check data paths, tokenizer files or hardware")
-    validate = sub.add_parser("validate", help="check config files; exit status 2 if any is invalid")
+    validate = sub.add_parser("validate", help="check config files; exit status 2 if any is invalid",
+                              epilog=OVERRIDES + " They apply to every file.")
     validate.add_argument("files", nargs="+")
     validate.add_argument("--world-size", type=int, help="also check the parallelism degrees against N ranks")
     validate.add_argument("--static", action="store_true",
@@ -142,7 +161,8 @@ def _size(text: str) -> int:
 def cmd_convert(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="canon-titan convert")
     sub = parser.add_subparsers(dest="direction", required=True)
-    to_hf = sub.add_parser("to-hf", help="DCP checkpoint (any parallel layout) -> Hugging Face folder")
+    to_hf = sub.add_parser("to-hf", help="DCP checkpoint (any parallel layout) -> Hugging Face folder",
+                           epilog=OVERRIDES)
     to_hf.add_argument("ckpt_dir", help="a step-N folder, or a checkpoint folder (its newest step is used)")
     to_hf.add_argument("out_dir", help="must not exist (or be empty); written atomically")
     to_hf.add_argument("--config", required=True,
@@ -151,7 +171,8 @@ def cmd_convert(argv: list[str]) -> int:
     to_hf.add_argument("--rope-layout", choices=["lingua", "huggingface"], default="lingua",
                        help="LlamaCanon exports: keep interleaved RoPE pairs (lingua) or permute q/k to rotate-half")
     to_hf.add_argument("--max-shard-size", type=_size, default="5GB", help="e.g. 2GB, 500MB")
-    from_hf = sub.add_parser("from-hf", help="Hugging Face folder -> DCP folder for [checkpoint] initial_load_path")
+    from_hf = sub.add_parser("from-hf", help="Hugging Face folder -> DCP folder for [checkpoint] initial_load_path",
+                             epilog=OVERRIDES)
     from_hf.add_argument("hf_dir")
     from_hf.add_argument("out_dir")
     from_hf.add_argument("--config", required=True, help="the TOML of the run that will load the weights")
@@ -189,7 +210,8 @@ def cmd_data(argv: list[str]) -> int:
     tok = sub.add_parser("tokenize", help="document files -> memory-mappable token shards (resumable)")
     tok.add_argument("--input", action="append", required=True, help="glob of .jsonl/.json/.zst/.parquet files")
     tok.add_argument("--out", required=True)
-    tok.add_argument("--tokenizer", required=True, help="tokenizer file or folder")
+    tok.add_argument("--tokenizer", required=True,
+                     help=f"tokenizer file or folder (the built-in one, kind hf, is {BUILTIN_TOKENIZER})")
     tok.add_argument("--tokenizer-kind", choices=["hf", "sentencepiece", "tiktoken"], default="hf")
     tok.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     tok.add_argument("--text-key", default="text")
@@ -201,11 +223,11 @@ def cmd_data(argv: list[str]) -> int:
     inspect.add_argument("--max-chars", type=int, default=400)
     inspect.add_argument("--verify", action="store_true",
                          help="also read every shard: recorded checksums and the largest id actually stored")
-    people = sub.add_parser("capo-people", help="the Capo population of a config as JSON lines, with a "
+    people = sub.add_parser("capo-people", epilog=OVERRIDES, help="the Capo population of a config as JSON lines, with a "
                             "prompt per person for writing bioR biographies")
     people.add_argument("--config", required=True, help="a TOML with [dataloader] dataset = 'capo_bios'")
     people.add_argument("--out", required=True)
-    syn = sub.add_parser("synthetic", help="samples of a synthetic task as JSON lines: the training samples the "
+    syn = sub.add_parser("synthetic", epilog=OVERRIDES, help="samples of a synthetic task as JSON lines: the training samples the "
                          "dataloader draws (token ids, answer and loss masks), or the held-out test items")
     syn.add_argument("task", help="depo1, depo2, brevo1, brevo2, mano, lano or capo_bios")
     syn.add_argument("--n", type=int, required=True, help="training samples, or test items per group with --test")
@@ -425,7 +447,8 @@ def _capo_people(args, overrides: list[str]) -> int:
 def cmd_eval(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="canon-titan eval")
     sub = parser.add_subparsers(dest="kind", required=True)
-    syn = sub.add_parser("synthetic", help="greedy accuracy on a synthetic task's held-out test set")
+    syn = sub.add_parser("synthetic", help="greedy accuracy on a synthetic task's held-out test set",
+                         epilog=OVERRIDES)
     syn.add_argument("--config", required=True,
                      help="the run's TOML (or its {dump_folder}/run_config.toml): model and [dataloader] task")
     syn.add_argument("--checkpoint", help="a step-N folder or a checkpoint folder (newest step); "
@@ -446,8 +469,8 @@ def cmd_eval(argv: list[str]) -> int:
     lm.add_argument("--data-dir", help="folder of the local test files of eval/ tasks (default $CANON_EVAL_DATA "
                     "or ./eval_data)")
     lm.add_argument("--include-path", action="append", default=[], help="another folder of lm-eval task YAMLs")
-    lm.add_argument("--device", default="cuda" if _cuda() else "cpu")
-    lm.add_argument("--out", help="JSON results (default: eval_lm.json beside the model folder)")
+    lm.add_argument("--device", help="torch device (default: cuda when there is a GPU, else cpu)")
+    lm.add_argument("--out", help="JSON results (default: eval_lm_<model folder>.json beside the model folder)")
     args, overrides = parser.parse_known_args(argv)
     if args.kind == "lm":
         if overrides:
@@ -494,11 +517,22 @@ def _eval_lm(args) -> int:
     from canon_titan.convert.dcp_io import ConversionError
     from canon_titan.evaluation import lm
 
+    import torch
+
     init_logger()
+    device = args.device or ("cuda" if _cuda() else "cpu")
+    try:
+        if torch.device(device).type == "cuda" and not _cuda():
+            print(f"canon-titan: eval error: --device {device}: this machine has no CUDA device; use --device cpu",
+                  file=sys.stderr)
+            return 2
+    except RuntimeError as e:
+        print(f"canon-titan: eval error: --device {device}: {e}", file=sys.stderr)
+        return 2
     try:
         lm.require_lm_eval()
         model, tokenizer, max_length = lm.load_for_eval(args.model, args.dtype, args.config)
-        result = lm.evaluate(model.to(args.device), tokenizer, args.suite, max_length=max_length, limit=args.limit,
+        result = lm.evaluate(model.to(device), tokenizer, args.suite, max_length=max_length, limit=args.limit,
                              batch_size=args.batch_size, data_dir=args.data_dir, include_paths=args.include_path)
     except ConfigError as e:
         print(f"canon-titan: config error: {e}", file=sys.stderr)
@@ -507,8 +541,11 @@ def _eval_lm(args) -> int:
         print(f"canon-titan: eval error: {e}", file=sys.stderr)
         return 2
     record = lm.evaluation_record(result, model=args.model, dtype=args.dtype, limit=args.limit, tasks=args.suite)
-    print(lm.table(result)[1])
-    out = args.out or os.path.join(os.path.dirname(os.path.abspath(args.model)), "eval_lm.json")
+    print(lm.lm_eval_tables(result))
+    reference = lm.table(result)[1]
+    if reference:
+        print(f"reference columns (%):\n{reference}")
+    out = args.out or lm.default_output(args.model)
     lm.write_json(record, out)
     print(f"[eval] wrote {out}")
     return 0

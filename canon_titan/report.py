@@ -21,6 +21,16 @@ TOKENS_TAG = "n_tokens_seen"
 MAX_PANELS = 16
 # Per-evaluation bookkeeping, not a score worth a panel.
 _NOT_PLOTTED = ("eval/seconds", "/items")
+# Fractions in the logs, shown in percent as `eval synthetic` and `eval lm` print them.
+_PERCENT = ("/accuracy", "/acc", "/acc_norm", "/exact_match")
+
+
+def is_percent(tag: str) -> bool:
+    return tag.endswith(_PERCENT)
+
+
+def shown_value(tag: str, value: float) -> float:
+    return 100 * value if is_percent(tag) else value
 
 
 class ReportError(ValueError):
@@ -96,11 +106,14 @@ def figure(runs: list[RunCurves], smooth: float = 0.0):
                 continue
             steps, values = zip(*points)
             values = _ema(list(values), smooth) if tag == LOSS_TAG and smooth else list(values)
-            marker = "o" if tag != LOSS_TAG else None
-            ax.plot(run.tokens_at(list(steps)), values, color=colours[i % len(colours)], marker=marker,
-                    markersize=3, label=run.label)
-        ax.set_title("training loss" if tag == LOSS_TAG else tag.removeprefix("eval/"), fontsize=10)
+            # Markers wherever points are few: a run that logged its loss once is still visible.
+            marker = "o" if tag != LOSS_TAG or len(points) <= 30 else None
+            ax.plot(run.tokens_at(list(steps)), [shown_value(tag, v) for v in values], color=colours[i % len(colours)],
+                    marker=marker, markersize=3, label=run.label)
+        name = tag.removeprefix("eval/")
+        ax.set_title("training loss" if tag == LOSS_TAG else name, fontsize=10)
         ax.set_xlabel("tokens")
+        ax.set_ylabel("loss" if tag == LOSS_TAG else f"{name.rsplit('/', 1)[-1]}{' (%)' if is_percent(tag) else ''}")
         ax.grid(alpha=0.3)
     for ax in list(axes.flat)[len(tags):]:
         ax.axis("off")
@@ -110,16 +123,23 @@ def figure(runs: list[RunCurves], smooth: float = 0.0):
 
 
 def last_values(runs: list[RunCurves]) -> tuple[list[str], list[list[str]]]:
+    """Per run: its last logged step, tokens seen then, and each metric's value at its own last
+    logged step (the step in parentheses when it is not the run's last)."""
     tags = panels(runs)
     rows = []
     for run in runs:
-        row = [run.label]
+        last_step = max((max(points) for points in run.series.values() if points), default=0)
+        row = [run.label, f"{last_step:,}", f"{run.tokens_at([last_step])[0]:,.0f}"]
         for tag in tags:
             points = run.series.get(tag)
-            row.append(f"{points[max(points)]:.4g}" if points else "")
-        tokens = run.tokens_at([max(run.series.get(LOSS_TAG, {0: 0}))])[0]
-        rows.append(row + [f"{tokens:,.0f}"])
-    return ["run", *(t.removeprefix("eval/") for t in tags), "tokens"], rows
+            if not points:
+                row.append("")
+                continue
+            step = max(points)
+            row.append(f"{shown_value(tag, points[step]):.4g}" + (f" (step {step:,})" if step != last_step else ""))
+        rows.append(row)
+    names = [t.removeprefix("eval/") + (" (%)" if is_percent(t) else "") for t in tags]
+    return ["run", "last step", "tokens", *("loss" if n == LOSS_TAG else n for n in names)], rows
 
 
 def write_report(run_dirs: list[str], out_png: str | Path, html_path: str | Path | None = None,

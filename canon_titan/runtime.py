@@ -27,8 +27,9 @@ class CpuDeviceModule:
     """The part of ``torch.cuda``'s surface that the trainer and metrics use, for CPU.
 
     TorchTitan falls back to ``device_type="cuda"`` when no accelerator is present and then calls
-    ``torch.cuda.set_device``, which the CPU wheel lacks. Memory statistics are not tracked on
-    CPU, so the metrics show zero memory.
+    ``torch.cuda.set_device``, which the CPU wheel lacks. Memory statistics are the process's
+    peak resident set size since the last reset (Linux: ``VmHWM``, reset through
+    ``/proc/self/clear_refs``), so the log's ``memory:`` is real memory on a CPU too.
     """
 
     def __getattr__(self, name):
@@ -54,13 +55,57 @@ class CpuDeviceModule:
         return types.SimpleNamespace(total_memory=total, name="cpu")
 
     def memory_stats(self, device=None) -> dict:
-        return {}
+        peak = _peak_rss_bytes()
+        if peak is None:
+            return {}
+        return {"active_bytes.all.peak": peak, "reserved_bytes.all.peak": peak, "num_alloc_retries": 0,
+                "num_ooms": 0}
 
     def reset_peak_memory_stats(self, *args, **kwargs) -> None:
-        pass
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # resets the peak RSS (VmHWM) to the current RSS
+        except OSError:
+            pass
 
     def empty_cache(self) -> None:
         pass
+
+
+def _peak_rss_bytes() -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _quiet_cpu_log() -> None:
+    """On a CPU, TorchTitan's notes about GPUs say nothing: no ``lspci`` and no peak-FLOPS figure
+    (MFU is left out instead, see CanonMetrics), NCCL's error-handling variable (gloo is used), and
+    DTensor's note that its random ops on a CPU mesh are less tested (the tests compare CPU runs
+    exactly). Each is dropped at its source; everything else is kept."""
+    import logging
+    import warnings
+
+    import torchtitan.tools.utils as tt_utils
+
+    if torch._utils._get_available_device_type() is not None:
+        return
+    original = tt_utils.get_peak_flops
+
+    def get_peak_flops(device_name: str) -> float:
+        return float("nan") if device_name == "cpu" else original(device_name)
+
+    tt_utils.get_peak_flops = get_peak_flops
+    noise = ("ENV[TORCH_NCCL_ASYNC_ERROR_HANDLING]", "Peak FLOPS used for computing MFU")
+    logging.getLogger().addFilter(lambda record: not record.getMessage().startswith(noise))
+    warnings.filterwarnings("ignore", message="DTensor (random operators|manual_seed\\(\\)) may not have complete "
+                                              "support on cpu device mesh")
+    _applied.append("quiet-cpu-log")
 
 
 def _use_cpu_device() -> None:
@@ -173,6 +218,7 @@ def apply() -> list[str]:
     if _applied:
         return list(_applied)
     _use_cpu_device()
+    _quiet_cpu_log()
     _gloo_safe_fsdp_reduction()
     _gloo_safe_barrier()
     _set_timeout()

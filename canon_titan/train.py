@@ -29,6 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     from canon_titan.config import ConfigError, build_trainer_config, load
     from canon_titan.convert.dcp_io import NoLoadableCheckpoint
     from canon_titan.launch import DumpFolderInUse, die_with_parent, lock_dump_folder
+    from canon_titan.trainer import FinishedRun
 
     if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun worker: stop when the agent is gone
         die_with_parent(signal.SIGKILL)
@@ -58,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
             logger.info("Created seed checkpoint")
         else:
             trainer.train()
-    except NoLoadableCheckpoint as e:
+    except (NoLoadableCheckpoint, FinishedRun) as e:
         print(f"canon-titan: {e}", file=sys.stderr)
         return 2
     finally:

@@ -12,6 +12,7 @@ from typing import Annotated
 import torch
 import tyro
 
+from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
@@ -20,6 +21,58 @@ from canon_titan.evaluation.in_training import EvalSettings, InTrainingEval
 from canon_titan.fileio import write_atomic
 
 RUN_CONFIG_FILE = "run_config.toml"
+
+
+class FinishedRun(RuntimeError):
+    pass
+
+
+def finished_message(dump_folder: str, step: int, steps: int) -> str:
+    return (f"dump folder {dump_folder} already holds a finished run: its checkpoint step-{step} reaches "
+            f"[training] steps = {steps}, so there is nothing to train. Raise steps to continue it, or use "
+            "another [job] dump_folder for a new run")
+
+
+def config_changes(previous_file: str, new_toml: str, shown: int = 8) -> str:
+    """The ``[section] key: old -> new`` differences between a run's earlier resolved config and
+    this one ("" when there is none or nothing differs)."""
+    import tomllib
+
+    try:
+        with open(previous_file, "rb") as f:
+            old = tomllib.load(f)
+    except (OSError, tomllib.TOMLDecodeError):
+        return ""
+    new = tomllib.loads(new_toml)
+    changes = [f"[{section}] {key}: {old.get(section, {}).get(key)!r} -> {value!r}"
+               for section, body in new.items() for key, value in body.items()
+               if old.get(section, {}).get(key) != value]
+    more = f" (and {len(changes) - shown} more)" if len(changes) > shown else ""
+    return "; ".join(changes[:shown]) + more
+
+
+def _duration(seconds: float) -> str:
+    if seconds > 100 * 365 * 86400:
+        return f"{seconds / (365 * 86400):.3g} years"
+    return str(datetime.timedelta(seconds=round(seconds)))
+
+
+class CanonMetrics(MetricsProcessor):
+    """TorchTitan's metrics, plus: the last step is always logged (a run shorter than ``log_freq``
+    still ends with its final loss), and on a CPU no MFU (there is no peak-FLOPS figure to divide
+    by; TorchTitan's own switch for that is the one it uses for quantized models)."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(MetricsProcessor.Config):
+        last_step: Annotated[int, tyro.conf.Suppress] = 0
+
+    def __init__(self, config: Config, **kwargs):
+        super().__init__(config, **kwargs)
+        if self.device_memory_monitor.device.type == "cpu":
+            self.has_quantization = True
+
+    def should_log(self, step: int) -> bool:
+        return super().should_log(step) or step == self.config.last_step
 
 
 class CanonTrainer(Trainer):
@@ -38,7 +91,11 @@ class CanonTrainer(Trainer):
             self.evaluator = InTrainingEval(config.evaluation, self.parallel_dims, self.device, config.training.steps)
         if config.run_toml and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
             os.makedirs(config.dump_folder, exist_ok=True)
-            write_atomic(os.path.join(config.dump_folder, RUN_CONFIG_FILE), config.run_toml)
+            path = os.path.join(config.dump_folder, RUN_CONFIG_FILE)
+            changes = config_changes(path, config.run_toml)
+            if changes:
+                logger.warning(f"the config differs from the one of the run already in {config.dump_folder}: {changes}")
+            write_atomic(path, config.run_toml)
 
     def train(self):
         """Resume from the newest checkpoint that loads: a newer one with a missing or truncated
@@ -51,6 +108,8 @@ class CanonTrainer(Trainer):
                 logger.warning(message)
             if skipped:
                 ckpt.load_step = step
+            if step >= self.config.training.steps:
+                raise FinishedRun(finished_message(self.config.dump_folder, step, self.config.training.steps))
         super().train()
 
     def train_step(self, data_iterator):
@@ -73,6 +132,6 @@ class CanonTrainer(Trainer):
         start_time, start_step = self._progress_origin
         done = self.step - start_step
         elapsed = time.perf_counter() - start_time
-        eta = datetime.timedelta(seconds=round(elapsed / done * (total - self.step))) if done else "?"
+        eta = _duration(elapsed / done * (total - self.step)) if done else "?"
         logger.info(f"progress: step {self.step}/{total} ({100 * self.step / total:.0f}%), "
-                    f"elapsed {datetime.timedelta(seconds=round(elapsed))}, ETA {eta}")
+                    f"elapsed {_duration(elapsed)}, ETA {eta}")

@@ -216,3 +216,18 @@ def test_cli_convert_reports_errors(tmp_path, capsys):
     assert code == 2 and "conversion error" in capsys.readouterr().err
     code = cli.main(["convert", "to-hf", str(tmp_path), str(tmp_path / "out"), "--config", str(tmp_path / "x.toml")])
     assert code == 2 and "config error" in capsys.readouterr().err and not (tmp_path / "out").exists()
+
+
+def test_importing_canon_titan_hf_registers_the_auto_classes(tmp_path):
+    """Plain ``import canon_titan`` leaves transformers unimported; ``canon_titan.hf`` registers the
+    model types, so an export loads without trust_remote_code."""
+    run, step, _ = make_checkpoint(tmp_path, [])
+    out = to_hf(step, tmp_path / "hf", run)
+    script = ("import sys, canon_titan\n"
+              "assert 'transformers' not in sys.modules\n"
+              "import canon_titan.hf\n"
+              "from transformers import AutoModelForCausalLM\n"
+              f"print(type(AutoModelForCausalLM.from_pretrained({str(out)!r})).__module__)\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "canon_titan.hf.modeling_llama_canon"

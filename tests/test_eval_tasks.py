@@ -60,7 +60,7 @@ def test_multihop_tasks_score_the_year(multihop_dir):
     tasks = ["multihop_1hop", "multihop_2hop_2k"]
     right = Oracle(lambda prompt: f" {multihop.solve(prompt)}. She was")
     scores = score(right, tasks, multihop_dir)
-    assert len(scores) == len(MULTIHOP_CONTEXTS) + 1
+    assert len(scores) == len(MULTIHOP_CONTEXTS) + 2  # the 1-hop group's average too
     assert all(v == 1.0 for k, v in scores.items() if k.endswith("/exact_match")), scores
     # lm-eval hands the model exactly the generated prompts: the prompt ends after "year of ".
     rows = [json.loads(line) for line in (multihop_dir / "multihop" / "2hop_2k.jsonl").read_text().splitlines()]
@@ -81,6 +81,18 @@ SAMPLES = {
              "question": "What is the garden south of?", "target": "bedroom"},
             " bedroom\nQuestion:", " office"),
 }
+
+
+def test_multihop_groups_report_the_mean_over_context_lengths(multihop_dir):
+    """Right on about half the prompts (by a hash of the prompt): the group's exact match is the
+    plain mean of its eight tasks'."""
+    import zlib
+
+    half = Oracle(lambda prompt: f" {multihop.solve(prompt)}." if zlib.crc32(prompt.encode()) % 2 else " 1066.")
+    scores = score(half, ["multihop_2hop"], multihop_dir)
+    leaves = [v for k, v in scores.items() if k.startswith("multihop_2hop_")]
+    assert len(leaves) == len(MULTIHOP_CONTEXTS) and 0 < sum(leaves) < len(leaves)
+    assert scores["multihop_2hop/exact_match"] == pytest.approx(sum(leaves) / len(leaves))
 
 
 def test_babilong_tasks_use_our_prompt_and_answer_format(tmp_path):

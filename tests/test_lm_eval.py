@@ -171,3 +171,22 @@ def test_bad_model_and_task_names_fail_clearly(setup, capsys):
     assert main(["eval", "lm", "--model", str(setup["export"]), "--suite", "no_such_task",
                  "--include-path", str(setup["tasks"])]) == 2
     assert "unknown lm-eval task or group 'no_such_task'" in capsys.readouterr().err
+
+
+def test_results_are_named_after_the_model_and_printed_with_lm_evals_table(setup, capsys):
+    """Two models under one parent keep two result files (one used to overwrite the other), and the
+    printed table is lm-eval's own, with its standard-error column."""
+    other = setup["root"] / "hf_copy"
+    if not other.exists():
+        subprocess.run(["cp", "-r", str(setup["export"]), str(other)], check=True)
+    for model in (setup["export"], other):
+        assert main(["eval", "lm", "--model", str(model), "--suite", "tiny_mc", "--include-path", str(setup["tasks"]),
+                     "--dtype", "fp32"]) == 0
+    printed = capsys.readouterr().out
+    first, second = (json.loads((setup["root"] / f"eval_lm_{name}.json").read_text()) for name in ("hf", "hf_copy"))
+    assert first["model"] == str(setup["export"]) and second["model"] == str(other)
+    assert "Tasks" in printed and "Stderr" in printed and "|tiny_mc" in printed
+    stderr = first["results"]["tiny_mc"]["acc_stderr,none"]
+    acc = first["results"]["tiny_mc"]["acc,none"]
+    n = len(MC)
+    assert stderr == pytest.approx(math.sqrt(acc * (1 - acc) / (n - 1)))  # lm-eval's sample standard error

@@ -53,8 +53,27 @@ def test_report_png_shows_every_run_and_html_embeds_it(runs, tmp_path):
     text = page.read_text()
     embedded = re.search(r"src='data:image/png;base64,([^']+)'", text).group(1)
     assert base64.b64decode(embedded) == png.read_bytes()
-    assert "<td>LlamaCanon</td>" in text and "<td>0.9</td>" in text and "<td>1</td>" in text  # last values
+    # Last values: the run's last step and tokens, accuracy in percent as the eval commands print it.
+    assert "<th>last step</th><th>tokens</th><th>loss</th><th>depo1/accuracy (%)</th>" in text
+    assert "<tr><td>LlamaCanon</td><td>10</td><td>20,000</td><td>1</td><td>90</td>" in text
     assert "seconds" not in text  # bookkeeping tags are not panels
+
+
+def test_a_run_that_logged_once_is_drawn_and_dated(tmp_path):
+    """One logged loss (a run shorter than log_freq used to log only step 1): a marker, not an empty
+    panel; the table says which step that value is from."""
+    from canon_titan.report import last_values
+
+    one = tmp_path / "one"
+    write_run(one, "short", {1: 7.0}, {("eval/depo1/accuracy", 30): 0.5}, 1000)
+    png = tmp_path / "one.png"
+    assert main(["report", str(one), "--out", str(png)]) == 0
+    image = np.asarray(Image.open(png).convert("RGB")).astype(int)
+    width = image.shape[1]
+    loss_panel = image[:, : width // 2]
+    assert (np.abs(loss_panel - (0x1F, 0x77, 0xB4)).sum(-1) < 30).sum() > 10  # the marker, in the run's colour
+    header, rows = last_values([read_run(one)])
+    assert header[:3] == ["run", "last step", "tokens"] and rows[0][:4] == ["short", "30", "30,000", "7 (step 1)"]
 
 
 def test_tokens_axis_and_panels(runs):

@@ -63,16 +63,49 @@ def _eval_settings(run: RunConfig, tokenizer_path: str):
                         test_seed=DEFAULT_TEST_SEED)
 
 
+# Keys holding paths (or globs of them), made absolute in the run_config.toml a run writes, so the
+# resolved copy works from any directory (eval, convert and report read it later from elsewhere).
+PATH_KEYS = {("job", "dump_folder"), ("tokenizer", "path"), ("dataloader", "dataset_path"), ("dataloader", "sources"),
+             ("checkpoint", "initial_load_path"), ("eval", "data_dir"), ("eval", "include_path"),
+             ("lano", "grammar"), ("capo", "bior_path")}
+
+
+def absolute_paths(sections: dict) -> dict:
+    def absolute(value):
+        if isinstance(value, list):
+            return [absolute(v) for v in value]
+        if not isinstance(value, str) or not value or "://" in value or value.startswith("hf:"):
+            return value
+        return os.path.abspath(os.path.expanduser(value))
+
+    return {name: {key: absolute(value) if (name, key) in PATH_KEYS else value for key, value in body.items()}
+            for name, body in sections.items()}
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def _set_wandb_env(metrics: dict) -> None:
     os.environ.setdefault("WANDB_MODE", metrics["wandb_mode"])
     os.environ.setdefault("WANDB_PROJECT", metrics["wandb_project"])
+
+
+def colour_output() -> bool:
+    """Colour codes in the log only for a terminal: the launcher passes on whether its output is
+    one (its workers write into pipes either way); without it, this process's stdout decides."""
+    import sys
+
+    decided = os.environ.get("CANON_TITAN_COLOR")
+    return decided == "1" if decided in ("0", "1") else sys.stdout.isatty()
 
 
 def build_trainer_config(run: RunConfig):
     """Construct the trainer config; TorchTitan's own config checks surface as ConfigError."""
     from torchtitan.components.checkpointer import CheckpointManager
     from torchtitan.components.loss import CrossEntropyLoss
-    from torchtitan.components.metrics import MetricsProcessor
     from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer
     from torchtitan.components.optimizer.optimizer import ParamGroupConfig
     from torchtitan.config.configs import CommConfig, CompileConfig, DebugConfig, ParallelismConfig, TrainingConfig
@@ -80,7 +113,7 @@ def build_trainer_config(run: RunConfig):
     from canon_titan.data.builtin import ASSET_DIR
     from canon_titan.data.tokenizers import tokenizer_config
     from canon_titan.loss import ZLossCrossEntropy
-    from canon_titan.trainer import CanonTrainer
+    from canon_titan.trainer import CanonMetrics, CanonTrainer
 
     opt, job, metrics = run["optimizer"], run["job"], run["metrics"]
     _set_wandb_env(metrics)
@@ -94,7 +127,10 @@ def build_trainer_config(run: RunConfig):
         section = "compile"
         compile_config = CompileConfig(**run["compile"])
         section = "checkpoint"
-        checkpoint = CheckpointManager.Config(**run["checkpoint"])
+        ckpt = dict(run["checkpoint"])
+        # TorchTitan warns on every run that model-only has no effect without an initial load path.
+        ckpt["initial_load_model_only"] = ckpt["initial_load_model_only"] and bool(ckpt["initial_load_path"])
+        checkpoint = CheckpointManager.Config(**ckpt)
         section = "training"
         config = CanonTrainer.Config(
             model_spec=spec,
@@ -117,15 +153,17 @@ def build_trainer_config(run: RunConfig):
             checkpoint=checkpoint,
             activation_checkpoint=_activation_checkpoint(run["activation_checkpoint"]),
             compile=compile_config,
-            comm=CommConfig(**run["comm"]),
-            metrics=MetricsProcessor.Config(**{
+            # NCCL's flight recorder (and its comm_traces/ folder) only exist with CUDA.
+            comm=CommConfig(**run["comm"], **({} if _cuda() else {"trace_buf_size": 0})),
+            metrics=CanonMetrics.Config(**{
                 k: metrics[k] for k in ("log_freq", "enable_tensorboard", "save_tb_folder",
-                                        "save_for_all_ranks", "enable_wandb", "disable_color_printing")
-            }),
+                                        "save_for_all_ranks", "enable_wandb")
+            }, disable_color_printing=metrics["disable_color_printing"] or not colour_output(),
+               last_step=run["training"]["steps"]),
             debug=DebugConfig(seed=job["seed"], deterministic=job["deterministic"],
                               print_config=job["print_config"]),
             loss=loss,
-            run_toml=dumps(run.sections),
+            run_toml=dumps(absolute_paths(run.sections)),
             evaluation=_eval_settings(run, run["tokenizer"]["path"] or str(ASSET_DIR)),
         )
     except ValueError as e:

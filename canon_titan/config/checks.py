@@ -388,11 +388,13 @@ def check_eval(run: RunConfig, environment: bool) -> None:
         if section[key] is not None and section[key] <= 0:
             _fail(run, "eval", key, "must be > 0")
     if section["tasks"] and environment and section["every"]:
+        from canon_titan.evaluation import lm
+
         try:
-            import lm_eval  # noqa: F401
-        except ImportError:
-            _fail(run, "eval", "tasks", "lm-eval is not installed: install the eval extra "
-                  "(scripts/setup.sh dev,eval or pip install -e '.[eval]')")
+            lm.require_lm_eval()
+            lm.task_manager(lm.expand_suites(section["tasks"]), section["data_dir"], section["include_path"])
+        except lm.LMEvalError as e:
+            _fail(run, "eval", "tasks", str(e))
 
 
 def check_run(run: RunConfig, environment: bool = True) -> None:

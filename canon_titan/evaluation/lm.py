@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 
-from torchtitan.tools.logging import logger
 
 EVAL_DIR = Path(__file__).resolve().parents[2] / "eval"
 """The repository's lm-eval task folder (an editable install keeps it next to the package)."""
@@ -118,29 +116,43 @@ def leaf_tasks(manager, names: list[str], missing: bool = False) -> list[str]:
     return unknown if missing else leaves
 
 
-def missing_datasets(manager, names: list[str]) -> list[str]:
-    """Running offline (``HF_DATASETS_OFFLINE=1``): the datasets that the tasks read and that are
-    neither local files nor in the HF cache, each as "dataset (its tasks)"."""
+def missing_datasets(manager, names: list[str]) -> tuple[list[str], list[str]]:
+    """Test data the tasks cannot get: local test files of the eval/ tasks that do not exist (always
+    checked), and, running offline (``HF_DATASETS_OFFLINE=1``), Hub datasets not in the HF cache,
+    each as "what (its tasks)"."""
     import datasets
 
-    if not datasets.config.HF_DATASETS_OFFLINE:
-        return []
-    missing: dict[str, list[str]] = {}
+    offline = datasets.config.HF_DATASETS_OFFLINE
+    hub: dict[str, list[str]] = {}
+    local: dict[str, list[str]] = {}
     for name in leaf_tasks(manager, names):
+        if not offline and not str(manager.task_index[name].yaml_path).startswith(str(EVAL_DIR)):
+            continue  # online, Hub datasets download on first use
         try:
             manager.load(name)
-        except Exception as e:  # datasets raises ConnectionError or FileNotFoundError offline
+        except FileNotFoundError as e:
+            if "test file" in str(e):
+                local.setdefault(str(e), []).append(name)
+            else:
+                hub.setdefault(str(e).splitlines()[0], []).append(name)
+        except Exception as e:  # datasets raises ConnectionError offline
             found = re.search(r"reach '([^']+)'", str(e))
-            missing.setdefault(found.group(1) if found else str(e).splitlines()[0], []).append(name)
-    return [f"{dataset} (task{'s' if len(tasks) > 1 else ''} {', '.join(tasks[:3])}"
-            f"{f' and {len(tasks) - 3} more' if len(tasks) > 3 else ''})" for dataset, tasks in missing.items()]
+            hub.setdefault(found.group(1) if found else str(e).splitlines()[0], []).append(name)
+
+    def named(found: dict[str, list[str]]) -> list[str]:
+        return [f"{what} (task{'s' if len(tasks) > 1 else ''} {', '.join(tasks[:3])}"
+                f"{f' and {len(tasks) - 3} more' if len(tasks) > 3 else ''})" for what, tasks in found.items()]
+
+    return named(hub), named(local)
 
 
 def check_datasets(manager, tasks: list[str]) -> None:
-    missing = missing_datasets(manager, tasks)
-    if missing:
+    hub, local = missing_datasets(manager, tasks)
+    if local:
+        raise LMEvalError(f"local test files are missing: {'; '.join(local)}")
+    if hub:
         raise LMEvalError("running offline (HF_DATASETS_OFFLINE=1), and the data of these tasks is not in the "
-                          f"local Hugging Face cache ({datasets_cache()}): {'; '.join(missing)}. "
+                          f"local Hugging Face cache ({datasets_cache()}): {'; '.join(hub)}. "
                           "Download them once with network access (e.g. python -c \"import datasets; "
                           "datasets.load_dataset('NAME', 'CONFIG')\") or drop those tasks.")
 
@@ -249,11 +261,28 @@ def evaluate(hf_model, tokenizer, tasks: list[str], *, max_length: int, limit: f
               max_length=max_length, batch_size=batch_size, device=str(next(hf_model.parameters()).device))
     try:
         out = lm_eval.simple_evaluate(model=lm, tasks=tasks, limit=limit, task_manager=manager,
-                                      log_samples=False, bootstrap_iters=0, verbosity="WARNING")
+                                      log_samples=False, bootstrap_iters=BOOTSTRAP_ITERS, verbosity="WARNING")
     except ConnectionError as e:
         raise LMEvalError(f"a dataset could not be downloaded: {e}") from e
+    # What lm-eval's own table (lm_eval.utils.make_table) reads, without the run's full configs.
     return {"results": out["results"], "groups": out.get("groups", {}), "n-samples": out.get("n-samples", {}),
+            "versions": out.get("versions", {}), "n-shot": out.get("n-shot", {}),
+            "higher_is_better": out.get("higher_is_better", {}), "group_subtasks": out.get("group_subtasks", {}),
             "configs": {k: {"num_fewshot": v.get("num_fewshot")} for k, v in out.get("configs", {}).items()}}
+
+
+BOOTSTRAP_ITERS = 1000
+"""Resamples for the standard error of metrics without a closed form (accuracy's is exact)."""
+
+
+def lm_eval_tables(result: dict) -> str:
+    """lm-eval's own tables (tasks, then groups), with its standard-error column."""
+    from lm_eval.utils import make_table
+
+    tables = [make_table(result)]
+    if result.get("groups"):
+        tables.append(make_table(result, "groups"))
+    return "\n".join(tables)
 
 
 def metric_values(result: dict) -> dict[str, float]:
@@ -270,8 +299,8 @@ def metric_values(result: dict) -> dict[str, float]:
 
 
 def table(result: dict) -> tuple[dict[str, float | None], str]:
-    """The reference columns found in the results (%), Avg10 when all ten are there, and the
-    printed table; tasks outside the columns are listed below it with all their scores."""
+    """The reference columns found in the results (%), Avg10 when all ten are there, and those
+    printed in the reference table's order ("" when none is there; lm-eval's table has the rest)."""
     values: dict[str, float | None] = {}
     for col in COLUMNS:
         score = result["results"].get(col.task, {}).get(f"{col.metric},none")
@@ -279,18 +308,10 @@ def table(result: dict) -> tuple[dict[str, float | None], str]:
     avg = [values[label] for label in AVG10]
     values["Avg10"] = sum(avg) / len(avg) if all(v is not None for v in avg) else None
     shown = [label for label, v in values.items() if v is not None]
-    lines = []
-    if shown:
-        lines += ["  ".join(f"{label:>6}" for label in shown),
-                  "  ".join(f"{values[label]:6.1f}" for label in shown)]
-    covered = {c.task for c in COLUMNS} | set(SUITES.values())
-    others = {k: v for k, v in metric_values(result).items()
-              if k.split("/")[0] not in covered and not k.startswith("mmlu_")}
-    if others:
-        width = max(len(k) for k in others)
-        lines += [""] if shown else []
-        lines += [f"{k:<{width}}  {v:.4f}" if not math.isnan(v) else f"{k:<{width}}  nan" for k, v in others.items()]
-    return values, "\n".join(lines)
+    if not shown:
+        return values, ""
+    return values, "\n".join(["  ".join(f"{label:>6}" for label in shown),
+                              "  ".join(f"{values[label]:6.1f}" for label in shown)])
 
 
 def evaluation_record(result: dict, *, model: str, dtype: str, limit, tasks: list[str]) -> dict:
@@ -303,4 +324,9 @@ def write_json(record: dict, path: str | Path) -> None:
     from canon_titan.fileio import write_atomic
 
     write_atomic(Path(path), json.dumps(record, indent=2, default=str) + "\n")
-    logger.info(f"wrote {path}")
+
+
+def default_output(model: str | Path) -> Path:
+    """``eval_lm_<model folder>.json`` beside the model folder: one file per model scored."""
+    model = Path(model).resolve()
+    return model.parent / f"eval_lm_{model.name}.json"

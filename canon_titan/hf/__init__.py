@@ -3,7 +3,9 @@ GatedDeltaNetCanon, Mamba2Canon).
 
 The modules here import only torch and transformers (and each other, relatively): ``canon-titan
 convert to-hf`` copies a model's modules next to exported weights, so the export loads with
-``trust_remote_code=True`` on machines without canon-titan.
+``trust_remote_code=True`` on machines without canon-titan. Importing this package registers the
+classes with transformers' Auto classes (then ``trust_remote_code`` is not needed); the rest of
+canon_titan imports transformers only where it converts or evaluates.
 """
 
 from dataclasses import dataclass
@@ -61,3 +63,6 @@ def register_with_transformers() -> None:
         config_cls, model_cls = hf_model.classes()
         AutoConfig.register(config_cls.model_type, config_cls, exist_ok=True)
         AutoModelForCausalLM.register(config_cls, model_cls, exist_ok=True)
+
+
+register_with_transformers()
