@@ -15,6 +15,7 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
+from canon_titan.fileio import write_atomic
 from canon_titan.metrics import LOSS_TAG, read_all_scalars
 
 TOKENS_TAG = "n_tokens_seen"
@@ -144,8 +145,6 @@ def last_values(runs: list[RunCurves]) -> tuple[list[str], list[list[str]]]:
 
 def write_report(run_dirs: list[str], out_png: str | Path, html_path: str | Path | None = None,
                  labels: list[str] | None = None, smooth: float = 0.0) -> list[RunCurves]:
-    from canon_titan.fileio import write_atomic
-
     if labels is not None and len(labels) != len(run_dirs):
         raise ReportError(f"--labels has {len(labels)} names for {len(run_dirs)} runs")
     runs = [read_run(d, labels[i] if labels else None) for i, d in enumerate(run_dirs)]

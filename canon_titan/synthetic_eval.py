@@ -16,8 +16,11 @@ import torch
 
 from torchtitan.tools.logging import logger
 
+from canon_titan.convert.dcp_io import find_step_dir, load_model
+from canon_titan.data.builtin import ASSET_DIR
+from canon_titan.data.tokenizers import build_tokenizer
 from canon_titan.fileio import write_atomic
-from synthetic_data.tasks import TestItem, make_task, summarize
+from synthetic_data.tasks import SECTION, TestItem, summarize
 
 DEFAULT_TEST_SEED = 20251121
 """Test sets come from their own streams ("test-..."), never from training windows."""
@@ -28,13 +31,11 @@ class EvalError(ValueError):
 
 
 def task_of(run):
-    from synthetic_data.tasks import SECTION
-
     dataset = run["dataloader"]["dataset"]
     if dataset not in SECTION:
         raise EvalError(f"{run.source}: [dataloader] dataset = {dataset!r} is not a synthetic task; "
                         f"available: {', '.join(SECTION)}")
-    return make_task(dataset, **{k: v for k, v in run[SECTION[dataset]].items() if v is not None})
+    return run.task
 
 
 @torch.inference_mode()
@@ -63,16 +64,11 @@ def greedy_continuation(model, item: TestItem, tokenizer=None, max_len: int | No
 
 
 def evaluate(run, checkpoint: str | Path, count: int = 100, seed: int = DEFAULT_TEST_SEED) -> dict:
-    from canon_titan.convert.dcp_io import find_step_dir, load_model
-
     task = task_of(run)
     step_dir = find_step_dir(checkpoint)
     model = load_model(run, step_dir)
     tokenizer = None
     if task.text:
-        from canon_titan.data.builtin import ASSET_DIR
-        from canon_titan.data.tokenizers import build_tokenizer
-
         tokenizer = build_tokenizer(run["tokenizer"]["kind"], run["tokenizer"]["path"] or str(ASSET_DIR))
     items = task.test_items(seed, count)
     max_len = run["training"]["seq_len"]

@@ -3,9 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
 
+import torch
+
+from torchtitan.tools.logging import init_logger, logger
+
 from canon_titan import runtime
+from canon_titan.config import ConfigError, load
+from canon_titan.config.build import build_trainer_config
+from canon_titan.convert.dcp_io import NoLoadableCheckpoint
+from canon_titan.launch import DumpFolderInUse, die_with_parent, lock_dump_folder
+from canon_titan.trainer import FinishedRun
 
 
 def parse_args(argv: list[str]) -> tuple[str, list[str]]:
@@ -19,18 +30,6 @@ def parse_args(argv: list[str]) -> tuple[str, list[str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import os
-    import signal
-
-    import torch
-
-    from torchtitan.tools.logging import init_logger, logger
-
-    from canon_titan.config import ConfigError, build_trainer_config, load
-    from canon_titan.convert.dcp_io import NoLoadableCheckpoint
-    from canon_titan.launch import DumpFolderInUse, die_with_parent, lock_dump_folder
-    from canon_titan.trainer import FinishedRun
-
     if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun worker: stop when the agent is gone
         die_with_parent(signal.SIGKILL)
     path, overrides = parse_args(sys.argv[1:] if argv is None else argv)

@@ -1,12 +1,15 @@
 """TorchTitan's Trainer with canon-titan's additions: the resolved TOML saved with the run,
-progress (step, percentage, ETA) logged with the metrics, and evaluation during training."""
+progress (step, percentage, ETA) logged with the metrics, evaluation during training, resuming
+past damaged checkpoints, and complete Hugging Face folders from ``[checkpoint] last_save_in_hf``."""
 
 from __future__ import annotations
 
 import datetime
 import os
+import shutil
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Annotated
 
 import torch
@@ -16,7 +19,8 @@ from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
-from canon_titan.convert.dcp_io import resume_step
+from canon_titan.convert.dcp_io import hf_export_steps, resume_step
+from canon_titan.convert.hf import tokenizer_info, write_hf_files
 from canon_titan.evaluation.in_training import EvalSettings, InTrainingEval
 from canon_titan.fileio import write_atomic
 
@@ -31,6 +35,18 @@ def finished_message(dump_folder: str, step: int, steps: int) -> str:
     return (f"dump folder {dump_folder} already holds a finished run: its checkpoint step-{step} reaches "
             f"[training] steps = {steps}, so there is nothing to train. Raise steps to continue it, or use "
             "another [job] dump_folder for a new run")
+
+
+def resume_point(folder: str, load_step: int, steps: int, dump_folder: str) -> tuple[int, list[str]]:
+    """The checkpoint step a run resumes from (-1: a fresh start) and the newer step folders it
+    skips; FinishedRun when a checkpoint or a Hugging Face export already reaches ``steps``."""
+    exported = max(hf_export_steps(folder), default=-1)
+    if exported >= steps:
+        raise FinishedRun(finished_message(dump_folder, exported, steps))
+    step, skipped = resume_step(folder, load_step)
+    if step >= steps:
+        raise FinishedRun(finished_message(dump_folder, step, steps))
+    return step, skipped
 
 
 def config_changes(previous_file: str, new_toml: str, shown: int = 8) -> str:
@@ -82,6 +98,8 @@ class CanonTrainer(Trainer):
         """The resolved TOML of this run, written to ``{dump_folder}/run_config.toml``."""
         evaluation: Annotated[EvalSettings | None, tyro.conf.Suppress] = None
         """``[eval]``: evaluation during training (None = off)."""
+        tokenizer_kind: Annotated[str, tyro.conf.Suppress] = "hf"
+        """``[tokenizer] kind`` (its files are ``hf_assets_path``), for Hugging Face exports."""
 
     def __init__(self, config: Config):
         super().__init__(config)
@@ -99,18 +117,36 @@ class CanonTrainer(Trainer):
 
     def train(self):
         """Resume from the newest checkpoint that loads: a newer one with a missing or truncated
-        file, or unreadable metadata, is named and skipped (TorchTitan would pick it and fail
-        inside the load)."""
+        file, unreadable metadata, or a Hugging Face export, is named and skipped (TorchTitan would
+        pick it and fail inside the load). A start from a Hugging Face folder reads its config.json
+        first (its tensor layout). A last save in HF format gets the rest of an export beside it."""
         ckpt = self.config.checkpoint
         if ckpt.enable:
-            step, skipped = resume_step(self.checkpointer.folder, ckpt.load_step)
+            step, skipped = resume_point(self.checkpointer.folder, ckpt.load_step, self.config.training.steps,
+                                         self.config.dump_folder)
             for message in skipped:
                 logger.warning(message)
             if skipped:
                 ckpt.load_step = step
-            if step >= self.config.training.steps:
-                raise FinishedRun(finished_message(self.config.dump_folder, step, self.config.training.steps))
+            if step == -1 and ckpt.initial_load_in_hf:
+                self.checkpointer.sd_adapter.read_source(ckpt.initial_load_path)
         super().train()
+        if ckpt.enable and ckpt.last_save_in_hf and not ckpt.load_only and self.step >= self.config.training.steps:
+            self._complete_hf_export()
+
+    def _complete_hf_export(self) -> None:
+        """config.json, modeling code, tokenizer and checksums beside the safetensors TorchTitan wrote."""
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()
+            if torch.distributed.get_rank() != 0:
+                return
+        folder = Path(self.checkpointer.folder) / f"step-{self.step}"
+        # The per-rank files the safetensors writer consolidated from: a second copy of the weights.
+        shutil.rmtree(folder / "sharded", ignore_errors=True)
+        dtype = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[self.config.checkpoint.export_dtype]
+        write_hf_files(folder, self.checkpointer.sd_adapter, dtype=dtype, max_seq_len=self.config.training.seq_len,
+                       tokenizer=tokenizer_info(self.config.tokenizer_kind, self.config.hf_assets_path))
+        logger.info(f"Wrote a Hugging Face export of step {self.step} to {folder}")
 
     def train_step(self, data_iterator):
         if self._progress_origin is None:

@@ -29,6 +29,12 @@ import sys
 import tempfile
 import time
 
+import torch
+from torch.autograd.graph import saved_tensors_hooks
+
+import model_registry
+from canon_titan.loss import squared_nll_loss
+
 MODELS = ("llama", "llama_canon")
 
 
@@ -67,8 +73,6 @@ def model_overrides(args, model: str, backend: str | None = None) -> dict:
 
 
 def _device():
-    import torch
-
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
@@ -110,11 +114,6 @@ def run_trainer(args) -> list[dict]:
 
 
 def raw_case(args, model_name: str, mode: str) -> dict:
-    import torch
-
-    import model_registry
-    from canon_titan.loss import squared_nll_loss
-
     device = _device()
     spec = model_registry.model_spec(model_name, args.flavor, {**model_overrides(args, model_name),
                                                                "max_seq_len": args.seq_len})
@@ -163,11 +162,6 @@ def raw_case(args, model_name: str, mode: str) -> dict:
 
 def saved_case(args, model_name: str, backend: str | None) -> dict:
     """Activation bytes per token that one compiled block saves for its backward (bf16)."""
-    import torch
-    from torch.autograd.graph import saved_tensors_hooks
-
-    import model_registry
-
     device = _device()
     overrides = {**model_overrides(args, model_name, backend), "n_layers": 1, "max_seq_len": args.seq_len}
     spec = model_registry.model_spec(model_name, args.flavor, overrides)
@@ -194,8 +188,6 @@ def saved_case(args, model_name: str, backend: str | None) -> dict:
 
 
 def run_saved(args) -> list[dict]:
-    import torch
-
     env = dict(os.environ)
     if not torch.cuda.is_available():
         env["TRITON_INTERPRET"] = "1"

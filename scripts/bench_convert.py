@@ -20,21 +20,21 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+
+from canon_titan.config import load
+from canon_titan.convert.dcp_io import save_lazily
+from canon_titan.convert.hf import from_hf, to_hf
+
 REPO = Path(__file__).resolve().parent.parent
 
 
 def stage(name: str, config: str, work: Path, dtype: str, max_shard: str) -> dict:
-    import torch
-
-    from canon_titan.config import load
-    from canon_titan.convert.dcp_io import save_lazily
-    from canon_titan.convert.hf import from_hf, model_shapes, to_hf
-
     run = load(config, environment=False)
     start = time.perf_counter()
     if name == "make":
         generator = torch.Generator().manual_seed(0)
-        shapes = model_shapes(run)
+        shapes = run.state_dict_adapter().shapes
         save_lazily(work / "dcp", {k: (v, torch.float32) for k, v in shapes.items()},
                     lambda k: torch.randn(shapes[k], generator=generator) * 0.02)
     elif name == "to-hf":
@@ -78,10 +78,7 @@ def main() -> int:
                 print(proc.stderr[-4000:], file=sys.stderr)
                 return proc.returncode
             results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
-        from canon_titan.config import load
-        from canon_titan.convert.hf import model_shapes
-
-        shapes = model_shapes(load(args.config, environment=False))
+        shapes = load(args.config, environment=False).state_dict_adapter().shapes
         n_params = sum(s.numel() for s in shapes.values())
         largest = max(s.numel() for s in shapes.values()) * 4 / 2**30
         print(f"\nmodel: {args.config} ({n_params / 1e9:.2f}B parameters; largest tensor {largest:.2f} GiB fp32)")

@@ -17,15 +17,22 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+import zstandard
+
+import model_registry
+from canon_titan.data.builtin import ASSET_DIR, generate_corpus
+from canon_titan.data.documents import iter_documents
+from canon_titan.data.packed import PackedTextDataLoader
+from canon_titan.data.pretokenize import tokenize_files
+from canon_titan.data.tokenizers import build_tokenizer
+
 H100_BF16_DENSE_PEAK = 989.5e12
+
 REPO = Path(__file__).resolve().parent.parent
 
 
 def required_tokens_per_second(model: str, flavor: str, seq_len: int, mfu: float) -> tuple[float, int]:
-    import torch
-
-    import model_registry
-
     spec = model_registry.model_spec(model, flavor)
     with torch.device("meta"):
         module = spec.model.build()
@@ -44,14 +51,6 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--mfu", type=float, default=0.4)
     args = parser.parse_args()
-
-    import zstandard
-
-    from canon_titan.data.builtin import ASSET_DIR, generate_corpus
-    from canon_titan.data.documents import iter_documents
-    from canon_titan.data.packed import PackedTextDataLoader
-    from canon_titan.data.pretokenize import tokenize_files
-    from canon_titan.data.tokenizers import build_tokenizer
 
     tok_path = args.tokenizer or str(ASSET_DIR)
     tokenizer = build_tokenizer(args.tokenizer_kind, tok_path)

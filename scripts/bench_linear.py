@@ -38,11 +38,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import statistics
 import subprocess
 import sys
 import time
+
+import torch
+import torch.nn.functional as F
+
+import model_registry
 
 DEFAULT_MODELS = "gla5:AbbCD,gla5:bb,gdn2:AbbCD,gdn2:bb,mamba2:AbbCD,mamba2:bb,llama_canon:ABCD"
 TRAINER_MODELS = "llama,llama_canon:ABCD,gla5:AbbCD,gdn2:AbbCD,mamba2:AbbCD"
@@ -171,13 +177,6 @@ def progress(msg: str) -> None:
 
 
 def run_worker(job: dict) -> None:
-    import logging
-
-    import torch
-    import torch.nn.functional as F
-
-    import model_registry
-
     logging.getLogger().setLevel(logging.WARNING)  # the families log their kernel choice at INFO
     torch.set_num_threads(job["threads"])
     device = torch.device(job["device"])
@@ -410,12 +409,8 @@ def main(argv=None) -> int:
         run_worker(json.loads(args.worker))
         return 0
     if args.device == "auto":
-        import torch
-
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.device == "cuda":
-        import torch
-
         if not torch.cuda.is_available():
             print("--device cuda: torch.cuda.is_available() is False", file=sys.stderr)
             return 2

@@ -15,4 +15,4 @@ MAMBA_SKIP_CUDA_BUILD=TRUE MAMBA_FORCE_BUILD=TRUE .venv/bin/python -m pip instal
   --disable-pip-version-check --no-deps --target .venv/transformers4 transformers==4.47.1 "tokenizers>=0.21,<0.22" \
   "huggingface-hub>=0.24,<1.0"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-exec .venv/bin/python -m pytest -ra "$@"
+exec .venv/bin/python -m pytest -ra --durations=30 "$@"

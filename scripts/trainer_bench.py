@@ -11,6 +11,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
+from canon_titan.metrics import read_all_scalars
+
 REPO = Path(__file__).resolve().parent.parent
 BASE_CONFIG = REPO / "train_configs" / "llama_debug.toml"
 METRICS = {"tokens_per_s": "throughput(tps)", "mfu_pct": "mfu(%)",
@@ -21,8 +25,6 @@ def run_case(model: dict, dump: str, *, seq_len: int, batch: int, steps: int, wa
              nproc: int = 1) -> dict:
     """Train ``model`` (``[model]`` keys: name, flavor, overrides) for ``steps`` steps; medians of the
     metrics over the steps after ``warmup``, and the kernel choices the run logged."""
-    import torch
-
     overrides = [f"--training.seq_len={seq_len}", f"--training.local_batch_size={batch}",
                  f"--training.steps={steps}", "--training.global_batch_size=-1",
                  f"--lr_scheduler.warmup_steps={min(10, steps - 1)}", "--metrics.log_freq=1",
@@ -37,7 +39,6 @@ def run_case(model: dict, dump: str, *, seq_len: int, batch: int, steps: int, wa
     log = proc.stdout + proc.stderr
     if proc.returncode:
         raise RuntimeError(f"{model['name']} at seq {seq_len} failed (exit {proc.returncode}):\n{log[-4000:]}")
-    from canon_titan.metrics import read_all_scalars
 
     scalars = read_all_scalars(dump)
     result = {"model": model["name"], "seq_len": seq_len, "batch": batch, "nproc": nproc}

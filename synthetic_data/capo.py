@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+from synthetic_data.common import TaskParamError
+
 FIELDS_DIR = Path(__file__).parent / "capo_fields"
 ATTRIBUTES = ("birthday", "birth_city", "university", "field", "company", "company_city")
 MONTHS = ("January", "February", "March", "April", "May", "June", "July", "August", "September",
@@ -96,8 +98,6 @@ def unique_names(rng: random.Random, count: int) -> list[tuple[str, str, str]]:
 
 def population(params: CapoParams) -> list[Person]:
     """The people, deterministic from ``population_seed``; full names are unique."""
-    from synthetic_data.tasks import TaskParamError
-
     if params.min_year > params.max_year:
         raise TaskParamError("max_year", f"is {params.max_year}, below min_year = {params.min_year}")
     rng = random.Random(f"capo-population/{params.population_seed}")

@@ -9,6 +9,14 @@ from dataclasses import dataclass, field
 BOS = 9999
 
 
+class TaskParamError(ValueError):
+    """A task parameter that cannot work; ``key`` names it."""
+
+    def __init__(self, key: str, message: str):
+        self.key = key
+        super().__init__(message)
+
+
 @dataclass
 class Sample:
     """One sequence: token ids, labels (1 marks tokens the loss is taken on) and facts for scoring."""

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
+from synthetic_data.common import TaskParamError
+
 
 @dataclass
 class Grammar:
@@ -148,8 +150,6 @@ LANO = LanoParams()
 
 
 def build_grammar(params: LanoParams) -> Grammar:
-    from synthetic_data.tasks import TaskParamError
-
     if params.grammar:
         try:
             return Grammar.load(params.grammar)

@@ -17,20 +17,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from synthetic_data import brevo, capo, depo, lano, mano
-from synthetic_data.common import BOS, Sample, sample_rng
+from synthetic_data.common import BOS, Sample, TaskParamError, sample_rng
 
 VOCAB = 10000
 """Integer-token tasks use ids below this (BOS = 9999); models need at least this vocabulary."""
 PAD = 0
 """Fills the end of a packed window; no generator emits it."""
-
-
-class TaskParamError(ValueError):
-    """A task parameter that cannot work; ``key`` names it."""
-
-    def __init__(self, key: str, message: str):
-        self.key = key
-        super().__init__(message)
 
 
 def _word_params(params, largest_n: int) -> None:

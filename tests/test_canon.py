@@ -7,7 +7,7 @@ import torch
 
 import model_registry
 from canon_titan.config import ConfigError, load
-from canon_titan.models.canon import CanonConv
+from canon_titan.models.common.canon import CanonConv
 from conftest import REPO
 
 
@@ -193,15 +193,15 @@ def test_triton_backend_needs_a_gpu_or_the_interpreter(interpret, ok):
         assert proc.returncode == 0, proc.stderr
     else:
         assert proc.returncode == 2
-        assert "[model] canon_backend: canon_backend 'triton' needs a CUDA GPU" in proc.stderr
+        assert "[model] canon_backend: canon backend 'triton' runs Triton kernels, which need a CUDA GPU" in proc.stderr
         assert "TRITON_INTERPRET=1" in proc.stderr
 
 
 def test_auto_backend_is_torch_without_a_gpu_even_with_the_interpreter():
-    from canon_titan.models.canon import resolve_backend
+    from canon_titan.kernels.backends import resolve_backend
 
-    assert resolve_backend("auto", 4) == ("triton" if torch.cuda.is_available() else "torch")
-    assert resolve_backend("torch", 4) == "torch"
+    assert resolve_backend("auto", op="canon")[0] == ("triton" if torch.cuda.is_available() else "torch")
+    assert resolve_backend("torch", op="canon") == ("torch", None)
 
 
 def test_canon_compiles_without_graph_breaks():

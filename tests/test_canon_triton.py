@@ -10,10 +10,10 @@ import pytest
 import torch
 
 import model_registry
-from canon_titan.kernels import canon as canon_kernels
+from canon_titan.kernels.backends import triton_runs_here
 from canon_titan.kernels.canon import canon_conv, canon_swiglu
 
-pytestmark = pytest.mark.skipif(not canon_kernels.triton_runs_here(), reason="needs a GPU or TRITON_INTERPRET=1")
+pytestmark = pytest.mark.skipif(not triton_runs_here(), reason="needs a GPU or TRITON_INTERPRET=1")
 
 # float32; only the summation order differs (tiles, per-chunk partial sums of the weight gradient).
 TOL = dict(rtol=1e-5, atol=1e-4)

@@ -5,7 +5,8 @@ import tomllib
 import pytest
 
 from canon_titan import cli
-from canon_titan.config import ConfigError, build_trainer_config, dumps, load, parse_overrides
+from canon_titan.config import ConfigError, dumps, load, parse_overrides
+from canon_titan.config.build import build_trainer_config
 from conftest import DEBUG_CONFIG, REPO
 
 

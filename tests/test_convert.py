@@ -17,6 +17,7 @@ from canon_titan.convert.dcp_io import (
 )
 from canon_titan.convert.hf import from_hf, to_hf
 from canon_titan.metrics import read_scalars
+from model_registry import register_with_transformers
 from conftest import COMMON, CONFIGS, make_checkpoint, run_training, seed_checkpoint, start_from
 
 CANON_CONFIG = CONFIGS["llama_canon"]
@@ -30,6 +31,7 @@ def dcp_tensors(step_dir):
 def hf_logits(out_dir, tokens):
     from transformers import AutoModelForCausalLM
 
+    register_with_transformers()
     model = AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         return model(tokens).logits, model
@@ -218,14 +220,17 @@ def test_cli_convert_reports_errors(tmp_path, capsys):
     assert code == 2 and "config error" in capsys.readouterr().err and not (tmp_path / "out").exists()
 
 
-def test_importing_canon_titan_hf_registers_the_auto_classes(tmp_path):
-    """Plain ``import canon_titan`` leaves transformers unimported; ``canon_titan.hf`` registers the
-    model types, so an export loads without trust_remote_code."""
+def test_hf_classes_register_with_transformers_only_when_asked(tmp_path):
+    """Importing canon_titan, the registry, the model families and the converter leaves transformers
+    unimported; ``model_registry.register_with_transformers`` registers every family's model types,
+    so an export loads without trust_remote_code."""
     run, step, _ = make_checkpoint(tmp_path, [])
     out = to_hf(step, tmp_path / "hf", run)
-    script = ("import sys, canon_titan\n"
+    script = ("import sys, canon_titan, model_registry, canon_titan.config, canon_titan.convert.hf\n"
+              "for name in model_registry.FAMILIES:\n"
+              "    model_registry.model_spec(name, 'debug')\n"
               "assert 'transformers' not in sys.modules\n"
-              "import canon_titan.hf\n"
+              "model_registry.register_with_transformers()\n"
               "from transformers import AutoModelForCausalLM\n"
               f"print(type(AutoModelForCausalLM.from_pretrained({str(out)!r})).__module__)\n")
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)

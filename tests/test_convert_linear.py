@@ -12,6 +12,7 @@ import torch
 from canon_titan.config import load
 from canon_titan.convert.dcp_io import ConversionError, find_step_dir, load_tensor, model_tensor_metadata
 from canon_titan.convert.hf import dcp_to_hf_model, from_hf, to_hf
+from model_registry import register_with_transformers
 from conftest import REPO, make_checkpoint
 
 FAMILIES = ("gla5", "gdn2", "mamba2")
@@ -45,6 +46,7 @@ def export(tmp_path_factory):
 def hf_model(out_dir):
     from transformers import AutoModelForCausalLM
 
+    register_with_transformers()
     return AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32).eval()
 
 
@@ -187,6 +189,7 @@ def test_gla_release_layernorm_names_import(export, tmp_path):
     assert all(torch.equal(original[k], restored[k]) for k in original)
     from transformers import AutoModelForCausalLM
 
+    register_with_transformers()
     model = AutoModelForCausalLM.from_pretrained(release, dtype=torch.float32).eval()
     with torch.no_grad():
         torch.testing.assert_close(model(TOKENS).logits, hf_model(out)(TOKENS).logits, rtol=0, atol=0)

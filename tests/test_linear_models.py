@@ -344,7 +344,7 @@ def test_mamba2_refuses_tensor_parallelism():
         parallelism = ParallelismConfig(tensor_parallel_degree=2)
 
     config = model_registry.model_spec("mamba2", "debug").model
-    with pytest.raises(ValueError, match="Mamba2 does not support tensor parallelism"):
+    with pytest.raises(ValueError, match="Mamba2 has no tensor-parallel plan"):
         config.update_from_config(config=Job())
     model_registry.model_spec("gla5", "debug").model.update_from_config(config=Job())
     with pytest.raises(ValueError, match=r"must divide model.n_heads \(4\)"):

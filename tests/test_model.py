@@ -7,7 +7,7 @@ import torch
 
 import model_registry
 from canon_titan.loss import squared_nll_loss
-from canon_titan.models.rope import PartialRoPE
+from canon_titan.models.common.rope import PartialRoPE
 
 
 def build(flavor="debug", device=None, **overrides):

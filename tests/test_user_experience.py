@@ -48,7 +48,7 @@ def test_a_finished_run_is_not_trained_again_silently(tmp_path):
 
 
 def test_run_config_paths_are_absolute_so_it_works_from_anywhere(tmp_path, monkeypatch):
-    from canon_titan.config import build_trainer_config
+    from canon_titan.config.build import build_trainer_config
 
     monkeypatch.chdir(tmp_path)
     run = load(CONFIGS["llama_canon"], ["--job.dump_folder", "outputs/here", "--tokenizer.path",

@@ -2,26 +2,48 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import os
+import sys
 
-from canon_titan.config.loader import ConfigError, RunConfig
+import torch
+
+from torchtitan.components.checkpointer import CheckpointManager
+from torchtitan.components.loss import CrossEntropyLoss
+from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer
+from torchtitan.components.optimizer.optimizer import ParamGroupConfig
+from torchtitan.config.configs import CommConfig, CompileConfig, DebugConfig, ParallelismConfig, TrainingConfig
+from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+
+from canon_titan.config.run import ConfigError, RunConfig
 from canon_titan.config.toml_writer import dumps
+from canon_titan.data.builtin import ASSET_DIR
+from canon_titan.data.kinds import STREAM, SYNTHETIC
+from canon_titan.data.packed import PackedTextDataLoader
+from canon_titan.data.streaming import StreamingTextDataLoader
+from canon_titan.data.synthetic import loader_config
+from canon_titan.data.tokenizers import tokenizer_config
+from canon_titan.evaluation.in_training import EvalSettings
+from canon_titan.float8 import float8_converter
+from canon_titan.loss import ZLossCrossEntropy
+from canon_titan.synthetic_eval import DEFAULT_TEST_SEED
+from canon_titan.trainer import CanonMetrics, CanonTrainer
+from synthetic_data.tasks import SECTION
 
 
 def _model_spec(run: RunConfig):
+    """The run's spec, its model config float8-converted when ``[float8]`` asks (on a copy: the
+    run's own config stays the plain one, which evaluation and conversion build)."""
     spec = run.model_spec()
     f8 = run["float8"]
-    if f8["enable"]:
-        from canon_titan.float8 import float8_converter
-
-        compiled = run["compile"]["enable"] and "model" in run["compile"]["components"]
-        spec.model = float8_converter(f8, compiled).convert(spec.model)
-    return spec
+    if not f8["enable"]:
+        return spec
+    compiled = run["compile"]["enable"] and "model" in run["compile"]["components"]
+    return dataclasses.replace(spec, model=float8_converter(f8, compiled).convert(copy.deepcopy(spec.model)))
 
 
 def _activation_checkpoint(section: dict):
-    from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
-
     kwargs = {k: section[k] for k in ("preserve_rng_state", "determinism_check", "debug")}
     if section["mode"] == "selective":
         return SelectiveAC.Config(**kwargs)
@@ -31,16 +53,11 @@ def _activation_checkpoint(section: dict):
 
 
 def _dataloader(run: RunConfig):
-    from canon_titan.data.packed import PackedTextDataLoader
-    from canon_titan.data.streaming import StreamingTextDataLoader
-    from canon_titan.data.synthetic import loader_config
-    from synthetic_data.tasks import SECTION
-
     section = run["dataloader"]
-    if section["dataset"] in SECTION:
+    if section["dataset"] in SYNTHETIC:
         return loader_config(run)
     common = ("dataset", "text_key", "on_error", "seed", "add_bos", "add_eos", "document_masking")
-    if section["dataset"] == "stream":
+    if section["dataset"] in STREAM:
         keys = common + ("sources", "weights", "shuffle_buffer", "num_workers")
         return StreamingTextDataLoader.Config(**{k: section[k] for k in keys})
     keys = common + ("dataset_path", "shuffle", "infinite")
@@ -48,16 +65,12 @@ def _dataloader(run: RunConfig):
 
 
 def _eval_settings(run: RunConfig, tokenizer_path: str):
-    from canon_titan.evaluation.in_training import EvalSettings
-    from canon_titan.synthetic_eval import DEFAULT_TEST_SEED
-    from synthetic_data.tasks import SECTION
-
     section = run["eval"]
     if not section["every"]:
         return None
     dataset = run["dataloader"]["dataset"]
     task = {k: v for k, v in run[SECTION[dataset]].items() if v is not None} if dataset in SECTION else {}
-    return EvalSettings(**section, model_args=run.model_args, model_config=run.model_spec().model,
+    return EvalSettings(**section, adapter=run.state_dict_adapter(),
                         tokenizer_kind=run["tokenizer"]["kind"], tokenizer_path=tokenizer_path,
                         seq_len=run["training"]["seq_len"], dataset=dataset, task_params=task,
                         test_seed=DEFAULT_TEST_SEED)
@@ -82,12 +95,6 @@ def absolute_paths(sections: dict) -> dict:
             for name, body in sections.items()}
 
 
-def _cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
 def _set_wandb_env(metrics: dict) -> None:
     os.environ.setdefault("WANDB_MODE", metrics["wandb_mode"])
     os.environ.setdefault("WANDB_PROJECT", metrics["wandb_project"])
@@ -96,25 +103,12 @@ def _set_wandb_env(metrics: dict) -> None:
 def colour_output() -> bool:
     """Colour codes in the log only for a terminal: the launcher passes on whether its output is
     one (its workers write into pipes either way); without it, this process's stdout decides."""
-    import sys
-
     decided = os.environ.get("CANON_TITAN_COLOR")
     return decided == "1" if decided in ("0", "1") else sys.stdout.isatty()
 
 
 def build_trainer_config(run: RunConfig):
     """Construct the trainer config; TorchTitan's own config checks surface as ConfigError."""
-    from torchtitan.components.checkpointer import CheckpointManager
-    from torchtitan.components.loss import CrossEntropyLoss
-    from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer
-    from torchtitan.components.optimizer.optimizer import ParamGroupConfig
-    from torchtitan.config.configs import CommConfig, CompileConfig, DebugConfig, ParallelismConfig, TrainingConfig
-
-    from canon_titan.data.builtin import ASSET_DIR
-    from canon_titan.data.tokenizers import tokenizer_config
-    from canon_titan.loss import ZLossCrossEntropy
-    from canon_titan.trainer import CanonMetrics, CanonTrainer
-
     opt, job, metrics = run["optimizer"], run["job"], run["metrics"]
     _set_wandb_env(metrics)
     spec = _model_spec(run)
@@ -135,6 +129,7 @@ def build_trainer_config(run: RunConfig):
         config = CanonTrainer.Config(
             model_spec=spec,
             hf_assets_path=run["tokenizer"]["path"] or str(ASSET_DIR),
+            tokenizer_kind=run["tokenizer"]["kind"],
             dump_folder=job["dump_folder"],
             tokenizer=tokenizer_config(run["tokenizer"]["kind"]),
             dataloader=_dataloader(run),
@@ -154,7 +149,7 @@ def build_trainer_config(run: RunConfig):
             activation_checkpoint=_activation_checkpoint(run["activation_checkpoint"]),
             compile=compile_config,
             # NCCL's flight recorder (and its comm_traces/ folder) only exist with CUDA.
-            comm=CommConfig(**run["comm"], **({} if _cuda() else {"trace_buf_size": 0})),
+            comm=CommConfig(**run["comm"], **({} if torch.cuda.is_available() else {"trace_buf_size": 0})),
             metrics=CanonMetrics.Config(**{
                 k: metrics[k] for k in ("log_freq", "enable_tensorboard", "save_tb_folder",
                                         "save_for_all_ranks", "enable_wandb")
@@ -168,4 +163,7 @@ def build_trainer_config(run: RunConfig):
         )
     except ValueError as e:
         raise ConfigError(run.source, f"[{section}]", str(e)) from e
+    if spec is not run.model_spec():
+        # The trainer fits its (float8) copy to the run (RoPE length); evaluation builds the plain one.
+        run.model_spec().model.update_from_config(config=config)
     return config

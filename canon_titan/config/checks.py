@@ -1,19 +1,33 @@
-"""Value and cross-section checks: impossible runs fail here, before any process group starts."""
+"""Value and cross-section checks of a resolved run: impossible runs fail here, before any process
+group starts. The checks only read the run (``derive`` fills in what the config implies first)."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
+import random
 from pathlib import Path
 
-from canon_titan.config.loader import CLI, ConfigError, RunConfig
-from canon_titan.config.sections import SYNTHETIC_DATASETS, TASK_SECTIONS
-from model_registry import LINEAR_FAMILIES
+import torch
+from torch.distributed.pipelining.schedules import get_schedule_class
+
+from torchtitan.tools.utils import has_cuda_capability
+
+from canon_titan.config.run import RunConfig
+from canon_titan.config.sections import section_schema
+from canon_titan.convert.dcp_io import checkpoint_problem
+from canon_titan.data.builtin import ASSET_DIR
+from canon_titan.data.documents import DataError, expand_inputs, file_kind
+from canon_titan.data.kinds import DATASET_KINDS, SYNTHETIC
+from canon_titan.data.packed import DataConfigError, resolve_paths
+from canon_titan.data.tokenizers import build_tokenizer
+from canon_titan.evaluation import lm
+from canon_titan.models.common.state_dict_adapter import HFFormatError
+from synthetic_data.tasks import SECTION, VOCAB
 
 
 def _fail(run: RunConfig, section: str, key: str, message: str):
-    raise ConfigError(run.origins.get((section, key), run.source), f"[{section}] {key}", message)
+    raise run.error(section, key, message)
 
 
 def _positive(run: RunConfig, section: str, *keys: str) -> None:
@@ -41,21 +55,20 @@ def _world_size() -> int | None:
     return int(value) if value and value.isdigit() else None
 
 
-# What a CUDA-only backend reports on a machine without it; static validation (``environment =
-# False``) checks a config for another machine and skips these.
-_HARDWARE_MESSAGES = {"canon_backend": ("needs a CUDA GPU",),
-                      "kernel_backend": ("need a CUDA GPU", "does not import here", "(this machine:")}
+# What a CUDA-only kernel backend reports on a machine that cannot run it
+# (``kernels.backends.backend_problem``); static validation (``environment = False``) checks a config
+# for another machine and skips these.
+_HARDWARE_MESSAGES = ("need a CUDA GPU", "does not import here", "(this machine:")
 
 
 def check_model(run: RunConfig, environment: bool) -> None:
     for key, message in run.model_args.validate():
-        if not environment and any(m in message for m in _HARDWARE_MESSAGES.get(key, ())):
+        if (not environment and key in ("canon_backend", "kernel_backend")
+                and any(m in message for m in _HARDWARE_MESSAGES)):
             continue
         _fail(run, "model", key, message)
-    if run["model"]["name"] in LINEAR_FAMILIES and run["dataloader"]["document_masking"]:
-        _fail(run, "dataloader", "document_masking", f"the linear models carry their recurrent state across "
-              f"packed documents, as the release does; {run['model']['name']} cannot restart it at a BOS "
-              "(set false)")
+    if run.model_args.document_masking and run["dataloader"]["document_masking"]:
+        _fail(run, "dataloader", "document_masking", run.model_args.document_masking)
 
 
 def check_training(run: RunConfig) -> None:
@@ -111,26 +124,39 @@ def check_checkpoint(run: RunConfig) -> None:
 
 
 def check_initial_load(run: RunConfig, environment: bool) -> None:
-    """``initial_load_path`` is made absolute (TorchTitan needs that; the resolved config then works
-    from any directory) and, for this machine, must be a DCP checkpoint that loads."""
+    """For this machine, ``initial_load_path`` must be a DCP checkpoint that loads, or with
+    ``initial_load_in_hf`` a Hugging Face folder of the run's model."""
     ckpt = run["checkpoint"]
     path = ckpt["initial_load_path"]
-    if not path:
+    if ckpt["initial_load_in_hf"] and not path:
+        _fail(run, "checkpoint", "initial_load_in_hf", "needs [checkpoint] initial_load_path: the Hugging Face folder "
+              "to start from")
+    if not path or not environment or "://" in path:
         return
-    if "://" not in path:
-        path = ckpt["initial_load_path"] = str(Path(path).expanduser().resolve())
-    if not environment or "://" in path or ckpt["initial_load_in_hf"]:
-        return
-    from canon_titan.convert.dcp_io import checkpoint_problem
-
     if not Path(path).is_dir():
         _fail(run, "checkpoint", "initial_load_path", f"{path} does not exist")
+    if ckpt["initial_load_in_hf"]:
+        problem = hf_folder_problem(run, path)
+        if problem:
+            _fail(run, "checkpoint", "initial_load_path", problem)
+        return
     if not (Path(path) / ".metadata").is_file():
         _fail(run, "checkpoint", "initial_load_path", f"{path} is not a DCP checkpoint folder (no .metadata; "
               "`canon-titan convert from-hf` writes one)")
     problem = checkpoint_problem(path)
     if problem:
         _fail(run, "checkpoint", "initial_load_path", f"cannot be loaded: {problem}")
+
+
+def hf_folder_problem(run: RunConfig, path: str) -> str | None:
+    """Why the Hugging Face folder ``path`` cannot start the run's model, or None."""
+    if not any(Path(path).glob("*.safetensors")):
+        return f"{path} has no .safetensors files (initial_load_in_hf reads a Hugging Face folder)"
+    try:
+        run.state_dict_adapter().read_source(path)
+    except HFFormatError as e:
+        return str(e)
+    return None
 
 
 def check_parallelism(run: RunConfig, environment: bool) -> None:
@@ -160,20 +186,15 @@ def check_parallelism(run: RunConfig, environment: bool) -> None:
             _fail(run, "training", "global_batch_size",
                   f"must be a multiple of local_batch_size x data-parallel degree "
                   f"({training['local_batch_size']} x {dp})")
-    if tp > 1 and run["model"]["name"] == "mamba2":
-        _fail(run, "parallelism", "tensor_parallel_degree", "Mamba2 has no tensor-parallel plan (its in_proj "
-              "interleaves z, x, B, C and dt); use FSDP/HSDP and PP, or tensor parallelism with gla5/gdn2")
-    for name, heads in (("n_heads", args.n_heads), ("n_kv_heads", args.kv_heads)):
-        if heads % tp:
-            _fail(run, "parallelism", "tensor_parallel_degree", f"({tp}) must divide model {name} ({heads})")
+    problem = args.tensor_parallel_problem(tp)
+    if problem:
+        _fail(run, "parallelism", "tensor_parallel_degree", problem)
     if tp > 1 and par["enable_sequence_parallel"] and training["seq_len"] % tp:
         _fail(run, "training", "seq_len", f"must be divisible by tensor_parallel_degree ({tp}) with sequence parallel")
     if pp > 1:
         if training["local_batch_size"] % par["pipeline_parallel_microbatch_size"]:
             _fail(run, "parallelism", "pipeline_parallel_microbatch_size",
                   f"must divide training.local_batch_size ({training['local_batch_size']})")
-        from torch.distributed.pipelining.schedules import get_schedule_class
-
         try:
             get_schedule_class(par["pipeline_parallel_schedule"])
         except ValueError as e:
@@ -189,8 +210,6 @@ def check_parallelism(run: RunConfig, environment: bool) -> None:
 def check_features(run: RunConfig, environment: bool) -> None:
     f8, compile_ = run["float8"], run["compile"]
     if f8["enable"]:
-        from torchtitan.tools.utils import has_cuda_capability
-
         if environment and f8["emulate"] and compile_["enable"] and not has_cuda_capability(8, 9):
             _fail(run, "float8", "emulate", "emulated float8 runs in eager mode only on hardware without "
                   "float8; set [compile] enable = false")
@@ -202,8 +221,6 @@ def check_features(run: RunConfig, environment: bool) -> None:
                   "real float8 needs an NVIDIA GPU with compute capability >= 8.9 (Ada/Hopper); "
                   "none is visible. Use [float8] emulate = true to test the code path")
     if environment and run["training"]["enable_cpu_offload"]:
-        import torch
-
         if torch._utils._get_available_device_type() is None:
             _fail(run, "training", "enable_cpu_offload",
                   "offloads accelerator memory to the CPU; this machine has no accelerator and trains on the CPU already")
@@ -212,23 +229,11 @@ def check_features(run: RunConfig, environment: bool) -> None:
             _fail(run, "compile", "components", f"entries must be 'model' or 'loss', got {component!r}")
 
 
-# The [dataloader] keys each kind of dataset reads (besides dataset and seed).
-_TEXT_KEYS = {"text_key", "on_error", "add_bos", "add_eos", "document_masking"}
-_READS = {
-    "builtin": _TEXT_KEYS | {"shuffle", "infinite"},
-    "files": _TEXT_KEYS | {"dataset_path", "shuffle", "infinite"},
-    "tokens": {"dataset_path", "shuffle", "infinite", "document_masking"},
-    "stream": _TEXT_KEYS | {"sources", "weights", "shuffle_buffer", "num_workers"},
-}
-
-
 def check_ignored_data_keys(run: RunConfig) -> None:
     """A key set to something other than its default that the chosen dataset never reads (a resolved
     config, which lists every key, keeps the defaults there)."""
-    from canon_titan.config.loader import section_schema
-
     dataset = run["dataloader"]["dataset"]
-    reads = _READS.get(dataset, {"answer_only_loss"}) | {"dataset", "seed", "answer_only_loss"}
+    reads = DATASET_KINDS[dataset] | {"dataset", "seed", "answer_only_loss"}
     defaults = {key: default for key, (_, default) in section_schema("dataloader").items()}
     for (section, key), _ in run.origins.items():
         if section == "dataloader" and key not in reads and run["dataloader"][key] != defaults[key]:
@@ -237,13 +242,9 @@ def check_ignored_data_keys(run: RunConfig) -> None:
 
 
 def check_data(run: RunConfig, environment: bool) -> None:
-    from canon_titan.data.documents import DataError
-    from canon_titan.data.packed import DataConfigError, resolve_paths
-
     data = run["dataloader"]
-    _drop_task_sections(run)
     check_ignored_data_keys(run)
-    if data["dataset"] in SYNTHETIC_DATASETS:
+    if data["dataset"] in SYNTHETIC:
         check_synthetic(run, environment)
         if data["dataset"] != "capo_bios":
             return
@@ -259,8 +260,6 @@ def check_data(run: RunConfig, environment: bool) -> None:
             _fail(run, "dataloader", "shuffle_buffer" if data["shuffle_buffer"] < 1 else "num_workers",
                   "shuffle_buffer must be >= 1 and num_workers >= 0")
         if environment:
-            from canon_titan.data.documents import expand_inputs, file_kind
-
             try:
                 for path in expand_inputs([x for x in data["sources"] if not x.startswith("hf:")] or []):
                     file_kind(path)
@@ -271,56 +270,36 @@ def check_data(run: RunConfig, environment: bool) -> None:
             resolve_paths(data["dataset"], data["dataset_path"])
         except (DataConfigError, DataError, OSError) as e:
             _fail(run, "dataloader", "dataset_path" if data["dataset"] in ("files", "tokens") else "dataset", str(e))
-    if not tokenizer_vocab(run) and environment:
-        kind, path = run["tokenizer"]["kind"], run["tokenizer"]["path"]
-        _fail(run, "tokenizer", "path", f"no {kind} tokenizer at {path}")
+    check_tokenizer(run, environment)
 
 
-def _drop_task_sections(run: RunConfig) -> None:
-    """Task sections other than the chosen dataset's must stay unset; they leave the resolved config."""
-    from synthetic_data.tasks import SECTION
-
-    dataset = run["dataloader"]["dataset"]
-    own = SECTION.get(dataset)
-    for name in TASK_SECTIONS:
-        if name == own:
-            continue
-        for key, value in run[name].items():
-            if value is not None:
-                reads = f"reads [{own}]" if own else "is not a synthetic task"
-                _fail(run, name, key, f"is set, but [dataloader] dataset = {dataset!r} {reads}")
-        del run.sections[name]
+def check_tokenizer(run: RunConfig, environment: bool) -> None:
+    """The tokenizer is named and readable, and an explicit ``[model] vocab_size`` matches it."""
+    kind, path = run["tokenizer"]["kind"], run["tokenizer"]["path"]
+    if path is None and kind != "hf":
+        _fail(run, "tokenizer", "kind", f"{kind!r} needs a [tokenizer] path (the built-in tokenizer is kind 'hf')")
+    if run.tokenizer_vocab is None:
+        if environment:
+            _fail(run, "tokenizer", "path", f"no {kind} tokenizer at {path}")
+        return
+    vocab_size = run.model_args.vocab_size
+    if ("model", "vocab_size") in run.origins and vocab_size != run.tokenizer_vocab:
+        _fail(run, "model", "vocab_size", f"is {vocab_size} but the {kind} tokenizer at {path or ASSET_DIR} has "
+              f"{run.tokenizer_vocab} ids; remove the key to follow the tokenizer")
 
 
 def check_synthetic(run: RunConfig, environment: bool) -> None:
-    """The chosen dataset's task section resolves to a task whose samples fit ``seq_len``; the
-    resolved config shows the task's full parameters. Integer-token tasks set the vocabulary."""
-    from synthetic_data.tasks import SECTION, VOCAB, TaskParamError, make_task
-
+    """The chosen task's samples fit ``seq_len``; integer-token tasks need a vocabulary of VOCAB ids."""
     dataset = run["dataloader"]["dataset"]
-    own = SECTION[dataset]
-    overrides = {k: v for k, v in run[own].items() if v is not None}
     if dataset == "capo_bios" and run["dataloader"]["answer_only_loss"]:
         _fail(run, "dataloader", "answer_only_loss", f"{dataset} trains on whole biographies; set it to false")
-    if dataset != "capo_bios":  # integer-token tasks: ids up to 9999, no tokenizer
-        args = run.model_args
-        if ("model", "vocab_size") in run.origins:
-            if args.vocab_size < VOCAB:
-                _fail(run, "model", "vocab_size", f"is {args.vocab_size}; {dataset} uses token ids up to "
-                      f"{VOCAB - 1}, so it must be >= {VOCAB} (or remove the key)")
-        else:
-            args.vocab_size = run["model"]["vocab_size"] = VOCAB
-    if not environment and any(overrides.get(k) for k in ("grammar", "bior_path")):
+    if dataset != "capo_bios" and run.model_args.vocab_size < VOCAB:
+        _fail(run, "model", "vocab_size", f"is {run.model_args.vocab_size}; {dataset} uses token ids up to "
+              f"{VOCAB - 1}, so it must be >= {VOCAB} (or remove the key)")
+    own = SECTION[dataset]
+    if not environment and any(run[own].get(k) for k in ("grammar", "bior_path")):
         return  # the task needs its file
-    try:
-        task = make_task(dataset, **overrides)
-    except TaskParamError as e:
-        _fail(run, own, e.key, str(e))
-    except OSError as e:
-        _fail(run, own, "bior_path", f"cannot read {overrides.get('bior_path')}: {e.strerror or e}")
-    except ValueError as e:  # a bad bioR file: its path and line are in the message
-        _fail(run, own, "bior_path", str(e))
-    run[own].update(dataclasses.asdict(task.params))
+    task = run.task
     seq_len = run["training"]["seq_len"]
     longest, shortest = task.max_length(), task.min_length()
     if longest is not None and longest > seq_len + 1:
@@ -329,11 +308,6 @@ def check_synthetic(run: RunConfig, environment: bool) -> None:
     if shortest is not None and shortest > seq_len + 1:
         _fail(run, "training", "seq_len", f"is {seq_len}, but the shortest {dataset} sample has {shortest} tokens")
     if task.text and environment:  # biography lengths depend on the tokenizer: measure a few hundred
-        import random
-
-        from canon_titan.data.builtin import ASSET_DIR
-        from canon_titan.data.tokenizers import build_tokenizer
-
         try:
             tokenizer = build_tokenizer(run["tokenizer"]["kind"], run["tokenizer"]["path"] or str(ASSET_DIR))
         except (FileNotFoundError, OSError):
@@ -345,51 +319,19 @@ def check_synthetic(run: RunConfig, environment: bool) -> None:
                   f"with this tokenizer; use seq_len >= {longest} (rarer longer ones are skipped)")
 
 
-def tokenizer_vocab(run: RunConfig) -> int | None:
-    """Make the model's vocabulary follow the tokenizer, when the tokenizer can be read.
-
-    An explicit ``[model] vocab_size`` must match it; otherwise the flavor's value is replaced.
-    Returns the tokenizer's vocabulary size, or None when the tokenizer files are not there.
-    """
-    from canon_titan.data.builtin import ASSET_DIR
-    from canon_titan.data.tokenizers import build_tokenizer
-
-    kind, path = run["tokenizer"]["kind"], run["tokenizer"]["path"]
-    if path is None and kind != "hf":
-        _fail(run, "tokenizer", "kind", f"{kind!r} needs a [tokenizer] path (the built-in tokenizer is kind 'hf')")
-    try:
-        vocab = build_tokenizer(kind, path or str(ASSET_DIR)).get_vocab_size()
-    except (FileNotFoundError, OSError):
-        return None
-    except Exception as e:  # a corrupt or wrong-kind tokenizer file
-        _fail(run, "tokenizer", "path", f"cannot load a {kind} tokenizer from {path}: {e}")
-    args = run.model_args
-    if ("model", "vocab_size") in run.origins:
-        if args.vocab_size != vocab:
-            _fail(run, "model", "vocab_size",
-                  f"is {args.vocab_size} but the {kind} tokenizer at {path or ASSET_DIR} has {vocab} ids; "
-                  "remove the key to follow the tokenizer")
-    elif args.vocab_size != vocab:
-        args.vocab_size = vocab
-        run["model"]["vocab_size"] = vocab
-    return vocab
-
-
 def check_eval(run: RunConfig, environment: bool) -> None:
     section = run["eval"]
     if section["every"] < 0:
         _fail(run, "eval", "every", "must be >= 0 (0 = no evaluation during training)")
     if section["every"] and not section["tasks"] and not section["synthetic"]:
         _fail(run, "eval", "every", "is set, but there is nothing to evaluate: set tasks and/or synthetic = true")
-    if section["synthetic"] and run["dataloader"]["dataset"] not in SYNTHETIC_DATASETS:
-        _fail(run, "eval", "synthetic", f"needs a synthetic [dataloader] dataset ({', '.join(SYNTHETIC_DATASETS)}), "
+    if section["synthetic"] and run["dataloader"]["dataset"] not in SYNTHETIC:
+        _fail(run, "eval", "synthetic", f"needs a synthetic [dataloader] dataset ({', '.join(SYNTHETIC)}), "
               f"not {run['dataloader']['dataset']!r}")
     for key in ("synthetic_count", "limit", "batch_size", "max_seconds"):
         if section[key] is not None and section[key] <= 0:
             _fail(run, "eval", key, "must be > 0")
     if section["tasks"] and environment and section["every"]:
-        from canon_titan.evaluation import lm
-
         try:
             lm.require_lm_eval()
             lm.task_manager(lm.expand_suites(section["tasks"]), section["data_dir"], section["include_path"])
@@ -407,5 +349,3 @@ def check_run(run: RunConfig, environment: bool = True) -> None:
     check_data(run, environment)
     check_eval(run, environment)
 
-
-__all__ = ["check_run", "CLI"]

@@ -11,7 +11,6 @@ import os
 import sys
 import types
 import typing
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -21,35 +20,12 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 import model_registry
-from canon_titan.config.sections import SECTIONS
+from canon_titan.config.checks import check_run
+from canon_titan.config.derive import derive
+from canon_titan.config.run import ConfigError, RunConfig
+from canon_titan.config.sections import SECTIONS, fields_of, section_schema
 
 CLI = "command line"
-
-
-class ConfigError(ValueError):
-    def __init__(self, source: str, key: str, message: str):
-        self.source, self.key, self.message = source, key, message
-        super().__init__(f"{source}: {key}: {message}" if key else f"{source}: {message}")
-
-
-@dataclass
-class RunConfig:
-    """A resolved run: every section with every key filled in, plus the model's args object."""
-
-    source: str
-    sections: dict[str, dict[str, Any]]
-    model_args: Any = None
-    origins: dict[tuple[str, str], str] = field(default_factory=dict)
-    """Where each explicitly set key came from (the file or the command line)."""
-
-    def __getitem__(self, section: str) -> dict[str, Any]:
-        return self.sections[section]
-
-    def model_spec(self):
-        """The TorchTitan ModelSpec of this run's model (without float8 conversion)."""
-        model = self.sections["model"]
-        return model_registry.model_spec(model["name"], model["flavor"],
-                                         {k: v for k, v in model.items() if k not in ("name", "flavor")})
 
 
 # ----------------------------------------------------------------------------- types
@@ -108,31 +84,6 @@ def coerce(value, tp):
             return value
         raise TypeError
     raise TypeError
-
-
-def _fields(cls, hidden=()) -> dict[str, tuple[Any, Any]]:
-    """name -> (annotation, default) of a dataclass's settable fields."""
-    hints = typing.get_type_hints(cls)
-    out = {}
-    for f in dataclasses.fields(cls):
-        if f.name in hidden or f.name.startswith("_"):
-            continue
-        if f.default is not dataclasses.MISSING:
-            default = f.default
-        elif f.default_factory is not dataclasses.MISSING:
-            default = f.default_factory()
-        else:
-            default = dataclasses.MISSING
-        out[f.name] = (hints[f.name], default)
-    return out
-
-
-def section_schema(name: str) -> dict[str, tuple[Any, Any]]:
-    spec = SECTIONS[name]
-    schema = _fields(spec.cls, spec.hidden)
-    for key, value in spec.defaults.items():
-        schema[key] = (schema[key][0], value)
-    return schema
 
 
 # ----------------------------------------------------------------------------- sources
@@ -220,7 +171,7 @@ def _set_key(sections, origins, schema, section, key, value, source) -> None:
 
 def _model_schema(name: str, flavor: str, sources: dict[str, str]) -> tuple[Any, dict]:
     try:
-        args_cls = model_registry.family(name).ARGS
+        args_cls = model_registry.family(name).FAMILY.args
     except model_registry.UnknownModelError as e:
         raise ConfigError(sources["name"], _where("model", "name"), str(e)) from None
     try:
@@ -228,7 +179,7 @@ def _model_schema(name: str, flavor: str, sources: dict[str, str]) -> tuple[Any,
     except model_registry.UnknownModelError as e:
         raise ConfigError(sources["flavor"], _where("model", "flavor"), str(e)) from None
     schema = {"name": (str, name), "flavor": (str, flavor)}
-    schema.update(_fields(args_cls))
+    schema.update(fields_of(args_cls))
     return args_cls, schema
 
 
@@ -273,16 +224,13 @@ def resolve(path: str | os.PathLike, overrides: list[tuple[str, str, Any]] = (),
         if section != "model":
             _set_key(sections, origins, schemas[section], section, key, value, CLI)
 
-    overrides_for_args = {k: v for k, v in sections["model"].items() if k not in ("name", "flavor")}
-    model_args = model_registry.model_args(
-        sections["model"]["name"], sections["model"]["flavor"], overrides_for_args
-    )
+    run = RunConfig(source=source, sections=sections, origins=origins)
+    derive(run, environment)
+    model = sections["model"]
+    run.model_args = model_registry.model_args(
+        model["name"], model["flavor"], {k: v for k, v in model.items() if k not in ("name", "flavor")})
     # Show the flavor's full shape in the resolved config, not just the overridden keys.
-    sections["model"] = {"name": sections["model"]["name"], "flavor": sections["model"]["flavor"],
-                         **dataclasses.asdict(model_args)}
-    run = RunConfig(source=source, sections=sections, model_args=model_args, origins=origins)
-    from canon_titan.config.checks import check_run
-
+    sections["model"] = {"name": model["name"], "flavor": model["flavor"], **dataclasses.asdict(run.model_args)}
     check_run(run, environment)
     return run
 

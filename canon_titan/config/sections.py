@@ -3,7 +3,7 @@
 Sections backed by a TorchTitan config expose its fields verbatim (same names, same meaning), so
 TorchTitan's documentation applies. The rest are small dataclasses of our own, defined here.
 ``[model]`` is special: its keys are ``name``, ``flavor`` and the fields of that model family's
-args dataclass (``model_registry/<name>.py``).
+args dataclass (``canon_titan/models/<name>/args.py``; its flavors in ``model_registry/<name>.py``).
 """
 
 from __future__ import annotations
@@ -11,14 +11,14 @@ from __future__ import annotations
 import dataclasses
 import typing
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from torchtitan.components.checkpointer import CheckpointManager
 from torchtitan.components.optimizer import LRSchedulersContainer
 from torchtitan.config.configs import CommConfig, CompileConfig, ParallelismConfig, TrainingConfig
 
-from synthetic_data.tasks import PARAMS, PRESETS
-
+from canon_titan.data.kinds import DATASET_KINDS
+from synthetic_data.tasks import PARAMS
 
 
 @dataclass(kw_only=True)
@@ -43,8 +43,7 @@ class TokenizerSection:
 
 @dataclass(kw_only=True)
 class DataloaderSection:
-    dataset: Literal["builtin", "files", "tokens", "stream",
-                     "depo1", "depo2", "brevo1", "brevo2", "mano", "lano", "capo_bios"] = "builtin"
+    dataset: Literal[tuple(DATASET_KINDS)] = "builtin"
     """builtin: the project's corpus; files: document files tokenized in memory at start-up;
     tokens: a folder from `canon-titan data tokenize` (memory-mapped); stream: documents read and
     tokenized while training, from `sources` mixed by `weights`. depo1 ... capo_bios: a synthetic
@@ -158,7 +157,6 @@ def _task_section(params_cls: type) -> type:
 
 
 TASK_SECTIONS = {name: _task_section(cls) for name, cls in PARAMS.items()}
-SYNTHETIC_DATASETS = tuple(PRESETS)
 
 
 @dataclass(frozen=True)
@@ -200,3 +198,28 @@ SECTIONS: dict[str, Section] = {
     "comm": Section(CommConfig, hidden=("mode", "trace_buf_size", "save_traces_folder", "save_traces_file_prefix")),
     **{name: Section(cls) for name, cls in TASK_SECTIONS.items()},
 }
+
+
+def fields_of(cls, hidden=()) -> dict[str, tuple[Any, Any]]:
+    """name -> (annotation, default) of a dataclass's settable fields."""
+    hints = typing.get_type_hints(cls)
+    out = {}
+    for f in dataclasses.fields(cls):
+        if f.name in hidden or f.name.startswith("_"):
+            continue
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
+        else:
+            default = dataclasses.MISSING
+        out[f.name] = (hints[f.name], default)
+    return out
+
+
+def section_schema(name: str) -> dict[str, tuple[Any, Any]]:
+    spec = SECTIONS[name]
+    schema = fields_of(spec.cls, spec.hidden)
+    for key, value in spec.defaults.items():
+        schema[key] = (schema[key][0], value)
+    return schema

@@ -68,23 +68,35 @@ class NoLoadableCheckpoint(ConversionError):
     pass
 
 
+def hf_export_steps(folder: str | Path) -> list[int]:
+    """Steps whose ``step-N`` folder holds a Hugging Face export (``[checkpoint] last_save_in_hf``)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    return sorted(int(m.group(1)) for p in folder.iterdir() if (m := re.fullmatch(r"step-(\d+)", p.name))
+                  and not (p / ".metadata").is_file() and (p / "model.safetensors.index.json").is_file())
+
+
 def resume_step(folder: str | Path, load_step: int = -1) -> tuple[int, list[str]]:
     """The step a run resuming from ``folder`` should load: ``load_step`` if given (it must be
     intact), else the newest intact ``step-N`` (-1 when there is none at all, a fresh start), and one
-    message per newer checkpoint skipped because it cannot load. Raises NoLoadableCheckpoint when
-    checkpoints exist but none loads. Folders holding a Hugging Face export (``last_save_in_hf``)
-    count as loadable, as TorchTitan treats them."""
+    message per newer folder skipped because it cannot load: a damaged checkpoint, or a Hugging Face
+    export (weights only; TorchTitan would pick it and fail to read it as DCP). Raises
+    NoLoadableCheckpoint when step folders exist but none loads."""
     folder = Path(folder)
-    candidates = sorted(((int(m.group(1)), p) for p in folder.iterdir() if (m := re.fullmatch(r"step-(\d+)", p.name))
-                         and ((p / ".metadata").is_file() or (p / "model.safetensors.index.json").is_file())),
-                        reverse=True) if folder.is_dir() else []
+    exports = set(hf_export_steps(folder))
+    candidates = sorted([*step_dirs(folder), *((step, folder / f"step-{step}") for step in exports)], reverse=True)
     if load_step != -1:
         candidates = [(step, path) for step, path in candidates if step == load_step]
         if not candidates:
             raise NoLoadableCheckpoint(f"[checkpoint] load_step = {load_step}: {folder} has no complete step-{load_step}")
     skipped = []
     for step, path in candidates:
-        problem = checkpoint_problem(path) if (path / ".metadata").is_file() else None
+        if step in exports:
+            skipped.append(f"step-{step} holds a Hugging Face export (weights only), not a checkpoint to resume "
+                           "from; start a run from it with [checkpoint] initial_load_path and initial_load_in_hf")
+            continue
+        problem = checkpoint_problem(path)
         if problem is None:
             return step, skipped
         skipped.append(f"checkpoint step {step} cannot be loaded and is skipped: {problem}")

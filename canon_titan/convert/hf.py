@@ -38,8 +38,9 @@ from canon_titan.convert.dcp_io import (
     model_tensor_metadata,
     save_lazily,
 )
-from canon_titan.convert.hf_config import CANON_BIAS_NOTE, check_hf_config, hf_config, hf_model, uses_rope
-from canon_titan.convert.names import HFTensor, hf_layout, hf_shapes, relayout, titan_rows
+from canon_titan.data.builtin import ASSET_DIR
+from canon_titan.data.tokenizers import build_tokenizer
+from canon_titan.models.common.state_dict_adapter import CANON_BIAS_NOTE, CanonStateDictAdapter, HFFormatError, HFTensor
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 HF_MODELING_DIR = Path(__file__).resolve().parent.parent / "hf"
@@ -134,25 +135,38 @@ def _verify_checksums(hf_dir: Path, files: Iterable[Path]) -> None:
             raise ConversionError(f"{path}: its contents changed since the export (checksum mismatch with {CHECKSUMS})")
 
 
-def model_shapes(run) -> dict[str, torch.Size]:
-    """Parameter names and shapes of the run's model (built on the meta device)."""
-    with torch.device("meta"):
-        module = run.model_spec().model.build()
-    return {name: t.shape for name, t in module.state_dict().items()}
-
-
-def tokenizer_info(run) -> tuple[list[Path], dict]:
-    """The run's tokenizer files to ship with an export, and its BOS/EOS ids (empty if absent)."""
-    from canon_titan.data.builtin import ASSET_DIR
-    from canon_titan.data.tokenizers import build_tokenizer
-
-    path = Path(run["tokenizer"]["path"] or ASSET_DIR)
+def tokenizer_info(kind: str, path: str | None) -> tuple[list[Path], dict]:
+    """A tokenizer's files to ship with an export, and its BOS/EOS ids (empty if it is absent)."""
+    path = Path(path or ASSET_DIR)
     try:
-        tok = build_tokenizer(run["tokenizer"]["kind"], str(path))
+        tok = build_tokenizer(kind, str(path))
     except (FileNotFoundError, OSError):
         return [], {}
     files = [path] if path.is_file() else [path / n for n in TOKENIZER_FILES if (path / n).is_file()]
     return files, {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id}
+
+
+def write_hf_files(folder: Path, adapter: CanonStateDictAdapter, *, dtype: str, max_seq_len: int,
+                   tokenizer: tuple[list[Path], dict]) -> dict:
+    """Everything of an export besides its weights, into ``folder``: config.json,
+    generation_config.json, the modeling code, the tokenizer files, and the checksums of the
+    safetensors files already there. Returns the config."""
+    files, ids = tokenizer
+    if getattr(adapter.args, "canon_bias", False):
+        logger.warning(f"{folder}: {CANON_BIAS_NOTE} (also noted in its config.json)")
+    config = adapter.hf_config(dtype=dtype, max_seq_len=max_seq_len, tokenizer_ids=ids)
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    generation = {"bos_token_id": ids.get("bos_token_id"), "eos_token_id": ids.get("eos_token_id"),
+                  "pad_token_id": ids.get("eos_token_id")}
+    (folder / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    classes = adapter.hf_model
+    for name in classes.files if classes is not None else ():
+        shutil.copy(HF_MODELING_DIR / name, folder / name)
+    for path in files:
+        shutil.copy(path, folder / path.name)
+    checksums = {p.name: file_checksum(p) for p in sorted(folder.glob("*.safetensors"))}
+    (folder / CHECKSUMS).write_text(json.dumps(checksums, indent=2) + "\n")
+    return config
 
 
 def _plan_shards(sizes: dict[str, int], max_shard_bytes: int) -> list[list[str]]:
@@ -166,49 +180,44 @@ def _plan_shards(sizes: dict[str, int], max_shard_bytes: int) -> list[list[str]]
     return shards + ([current] if current else [])
 
 
-def hf_tensor(spec: HFTensor, read: Callable[[str], torch.Tensor], args, rotate_half: bool,
-              dtype: torch.dtype) -> torch.Tensor:
-    """One tensor of the HF model from canon-titan tensors that ``read(name)`` returns (RoPE rows
-    re-laid out if needed, fused projections stacked)."""
-    if spec.fixed is not None:
-        return spec.fixed.to(dtype)
-    parts = [relayout(name, read(name), args, to_rotate_half=True) if rotate_half else read(name)
-             for name in spec.sources]
-    tensor = parts[0] if len(parts) == 1 else torch.cat(parts)
-    return tensor.to(dtype).contiguous()
+def hf_tensor(spec: HFTensor, read: Callable[[str], torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """One tensor of the HF model from canon-titan tensors that ``read(name)`` returns."""
+    return spec.join([read(name) for name in spec.sources]).to(dtype).contiguous()
 
 
-def hf_model_in_memory(args, read: Callable[[str], torch.Tensor], names: Iterable[str], *, dtype: str,
+def hf_model_in_memory(adapter: CanonStateDictAdapter, read: Callable[[str], torch.Tensor], *, dtype: str,
                        max_seq_len: int, tokenizer_ids: dict) -> torch.nn.Module:
     """The transformers model ``to-hf`` would export, built in memory from tensors that
     ``read(name)`` returns (a DCP checkpoint or live training weights), in eval mode."""
     from transformers.initialization import no_init_weights
 
-    classes = hf_model(args)
-    config = hf_config(args, "lingua", dtype, max_seq_len, tokenizer_ids)
+    classes = adapter.hf_model
+    config = adapter.hf_config(dtype=dtype, max_seq_len=max_seq_len, tokenizer_ids=tokenizer_ids)
     if classes is None:
         from transformers import LlamaConfig as config_cls, LlamaForCausalLM as model_cls
     else:
         config_cls, model_cls = classes.classes()
     with no_init_weights():
         model = model_cls(config_cls(**config))
-    rotate_half = classes is None
-    state = {hf_name: hf_tensor(spec, read, args, rotate_half, DTYPES[dtype])
-             for hf_name, spec in hf_layout(args, names).items()}
+    state = {hf_name: hf_tensor(spec, read, DTYPES[dtype]) for hf_name, spec in adapter.layout(adapter.shapes).items()}
     model.load_state_dict(state, strict=True)
     return model.to(DTYPES[dtype]).eval()
 
 
-def dcp_to_hf_model(ckpt_dir, run, dtype: str = "fp32") -> torch.nn.Module:
-    """A DCP checkpoint of ``run``'s model as a transformers model, converted in memory."""
+def _checked_step(ckpt_dir, run, adapter: CanonStateDictAdapter):
     step_dir = find_step_dir(ckpt_dir)
     found = model_tensor_metadata(step_dir)
-    expected = model_shapes(run)
-    check_against_model({k: m.size for k, m in found.items()}, expected, str(step_dir),
+    check_against_model({k: m.size for k, m in found.items()}, adapter.shapes, str(step_dir),
                         f"{run.source} ({run['model']['name']} {run['model']['flavor']})")
-    _, tok_info = tokenizer_info(run)
-    return hf_model_in_memory(run.model_args, lambda name: load_tensor(step_dir, name, found[name]), expected,
-                              dtype=dtype, max_seq_len=run["training"]["seq_len"], tokenizer_ids=tok_info)
+    return step_dir, lambda name: load_tensor(step_dir, name, found[name])
+
+
+def dcp_to_hf_model(ckpt_dir, run, dtype: str = "fp32") -> torch.nn.Module:
+    """A DCP checkpoint of ``run``'s model as a transformers model, converted in memory."""
+    adapter = run.state_dict_adapter()
+    _, read = _checked_step(ckpt_dir, run, adapter)
+    _, ids = tokenizer_info(run["tokenizer"]["kind"], run["tokenizer"]["path"])
+    return hf_model_in_memory(adapter, read, dtype=dtype, max_seq_len=run["training"]["seq_len"], tokenizer_ids=ids)
 
 
 def to_hf(ckpt_dir, out_dir, run, *, dtype: str = "fp32", rope_layout: str = "lingua",
@@ -216,50 +225,28 @@ def to_hf(ckpt_dir, out_dir, run, *, dtype: str = "fp32", rope_layout: str = "li
     from safetensors.torch import save_file
 
     start = time.perf_counter()
-    step_dir = find_step_dir(ckpt_dir)
-    args = run.model_args
-    expected = model_shapes(run)
-    found = model_tensor_metadata(step_dir)
-    check_against_model({k: m.size for k, m in found.items()}, expected, str(step_dir),
-                        f"{run.source} ({run['model']['name']} {run['model']['flavor']})")
-    classes = hf_model(args)
-    if getattr(args, "canon_bias", False):
-        logger.warning(f"{out_dir}: {CANON_BIAS_NOTE} (also noted in its config.json)")
-    # RoPE: Llama only (the linear models have no positional encoding).
-    rotate_half = uses_rope(args) and (classes is None or rope_layout == "huggingface")
-    layout = hf_layout(args, expected)
-    shapes = hf_shapes(layout, expected)
+    adapter = run.state_dict_adapter(rope_layout=rope_layout)
+    step_dir, read = _checked_step(ckpt_dir, run, adapter)
+    layout = adapter.layout(adapter.shapes)
+    shapes = adapter.hf_shapes()
     target = DTYPES[dtype]
     element = torch.empty((), dtype=target).element_size()
     sizes = {name: element * torch.Size(shape).numel() for name, shape in shapes.items()}
     shards = _plan_shards(sizes, max_shard_size)
-    tok_files, tok_info = tokenizer_info(run)
-
-    def read(name: str) -> torch.Tensor:
-        return load_tensor(step_dir, name, found[name])
 
     with atomic_output_dir(Path(out_dir)) as tmp:
-        weight_map, checksums = {}, {}
+        weight_map = {}
         for index, names in enumerate(shards, 1):
             filename = f"model-{index:05d}-of-{len(shards):05d}.safetensors"
-            tensors = {name: hf_tensor(layout[name], read, args, rotate_half, target) for name in names}
+            tensors = {name: hf_tensor(layout[name], read, target) for name in names}
             weight_map.update(dict.fromkeys(names, filename))
             save_file(tensors, str(tmp / filename), metadata={"format": "pt"})
             del tensors
-            checksums[filename] = file_checksum(tmp / filename)
             logger.info(f"wrote {filename} ({len(names)} tensors)")
         (tmp / "model.safetensors.index.json").write_text(json.dumps(
             {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}, indent=2) + "\n")
-        (tmp / CHECKSUMS).write_text(json.dumps(checksums, indent=2) + "\n")
-        config = hf_config(args, rope_layout, dtype, run["training"]["seq_len"], tok_info)
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        generation = {"bos_token_id": tok_info.get("bos_token_id"), "eos_token_id": tok_info.get("eos_token_id"),
-                      "pad_token_id": tok_info.get("eos_token_id")}
-        (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-        for name in classes.files if classes is not None else ():
-            shutil.copy(HF_MODELING_DIR / name, tmp / name)
-        for path in tok_files:
-            shutil.copy(path, tmp / path.name)
+        config = write_hf_files(tmp, adapter, dtype=dtype, max_seq_len=run["training"]["seq_len"],
+                                tokenizer=tokenizer_info(run["tokenizer"]["kind"], run["tokenizer"]["path"]))
     logger.info(f"Exported {step_dir} to {out_dir} as {config['architectures'][0]} "
                 f"({len(layout)} tensors, {dtype}, {time.perf_counter() - start:.1f}s)")
     return Path(out_dir)
@@ -306,14 +293,12 @@ def from_hf(hf_dir, out_dir, run) -> Path:
     hf_dir = Path(hf_dir)
     if not (hf_dir / "config.json").is_file():
         raise ConversionError(f"{hf_dir} has no config.json (is it a Hugging Face model folder?)")
-    args = run.model_args
-    hf = _read_json(hf_dir / "config.json")
-    if not isinstance(hf, dict):
-        raise ConversionError(f"{hf_dir / 'config.json'}: not a JSON object")
-    rotate_half = check_hf_config(hf, args, str(hf_dir / "config.json"))
-    expected = model_shapes(run)
-    gla_plain_gate_norm = hf.get("model_type") == "GLACanon" and bool(hf.get("zeyuan_layernorm"))
-    layout = hf_layout(args, expected, gla_plain_gate_norm=gla_plain_gate_norm)
+    adapter = run.state_dict_adapter()
+    try:
+        adapter.read_source(str(hf_dir))
+    except HFFormatError as e:
+        raise ConversionError(str(e)) from None
+    layout = adapter.layout(adapter.shapes)
     files = {hf_name: hf_dir / filename for hf_name, filename in _read_hf_index(hf_dir).items()}
     missing = sorted({str(path) for path in files.values() if not path.is_file()})
     if missing:
@@ -323,22 +308,22 @@ def from_hf(hf_dir, out_dir, run) -> Path:
     for hf_name, path in files.items():
         with _open_safetensors(path, safe_open) as f:
             shapes[hf_name] = tuple(f.get_slice(hf_name).get_shape())
-    check_against_model(shapes, hf_shapes(layout, expected), str(hf_dir),
+    check_against_model(shapes, adapter.hf_shapes(), str(hf_dir),
                         f"{run.source} ({run['model']['name']} {run['model']['flavor']})")
-    rows = titan_rows(layout, expected)
+    where = {source: (hf_name, spec) for hf_name, spec in layout.items() for source in spec.sources}
 
     def produce(name: str) -> torch.Tensor:
-        hf_name, first, end = rows[name]
+        hf_name, spec = where[name]
         with _open_safetensors(files[hf_name], safe_open) as f:
             try:
-                tensor = f.get_tensor(hf_name)[first:end]
+                tensor = f.get_tensor(hf_name)
             except Exception as e:
                 raise ConversionError(f"{files[hf_name]}: cannot read tensor {hf_name!r} ({e})") from e
-        if rotate_half:
-            tensor = relayout(name, tensor, args, to_rotate_half=False)
-        return tensor.to(torch.float32)
+        parts = dict(zip(spec.sources, spec.split(tensor, adapter.rows(spec))))
+        return parts[name].to(torch.float32)
 
     with atomic_output_dir(Path(out_dir)) as tmp:
-        save_lazily(tmp, {name: (torch.Size(shape), torch.float32) for name, shape in expected.items()}, produce)
-    logger.info(f"Imported {hf_dir} into DCP {out_dir} ({len(expected)} tensors, {time.perf_counter() - start:.1f}s)")
+        save_lazily(tmp, {name: (shape, torch.float32) for name, shape in adapter.shapes.items()}, produce)
+    logger.info(f"Imported {hf_dir} into DCP {out_dir} ({len(adapter.shapes)} tensors, "
+                f"{time.perf_counter() - start:.1f}s)")
     return Path(out_dir)

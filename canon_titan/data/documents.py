@@ -125,10 +125,14 @@ def _parquet_records(path: str, text_key: str) -> Iterator[tuple[int, object]]:
             yield row, {text_key: value}
 
 
+DATALOADER_SKIP = '[dataloader] on_error = "skip"'
+"""How a training run skips bad records."""
+
+
 def iter_documents(path: str, text_key: str = "text", on_error: str = "fail", stats: ReadStats | None = None,
-                   skip_hint: str = "[dataloader] on_error = \"skip\"") -> Iterator[str]:
-    """The texts of one file, in order; bad records raise DataError (saying how to skip them:
-    ``skip_hint``) or are skipped (counted)."""
+                   skip_hint: str | None = None) -> Iterator[str]:
+    """The texts of one file, in order; bad records raise DataError (saying how to skip them,
+    ``skip_hint``, where the caller has a way) or are skipped (counted)."""
     stats = stats if stats is not None else ReadStats()
     records = _parquet_records(path, text_key) if path.endswith(".parquet") else _json_records(path)
     for line_no, record in records:
@@ -142,7 +146,7 @@ def iter_documents(path: str, text_key: str = "text", on_error: str = "fail", st
             yield record[text_key]
             continue
         if on_error == "fail":
-            raise DataError(f"{problem} (use {skip_hint} to skip bad records)")
+            raise DataError(f"{problem} (use {skip_hint} to skip bad records)" if skip_hint else problem)
         stats.skipped += 1
         if len(stats.problems) < 10:
             stats.problems.append(problem)

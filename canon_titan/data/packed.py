@@ -21,45 +21,13 @@ from torchtitan.components.dataloader import BaseDataLoader
 from torchtitan.tools.logging import logger
 
 from canon_titan.data.builtin import ASSET_DIR, CORPUS_FILE
-from canon_titan.data.documents import DataError, ReadStats, expand_inputs, file_kind, iter_documents
+from canon_titan.data.documents import DATALOADER_SKIP, DataError, ReadStats, expand_inputs, file_kind, iter_documents
+from canon_titan.data.pretokenize import open_shards, read_index
+from canon_titan.data.token_store import TokenStore
 
 
 class DataConfigError(ValueError):
     pass
-
-
-class TokenStore:
-    """One logical token stream over several arrays (in memory or memory-mapped shards). With
-    ``vocab_size``, every slice read is checked to lie inside the vocabulary, and a bad id is
-    reported by shard name and offset (a damaged shard file)."""
-
-    def __init__(self, arrays: list[np.ndarray], names: list[str] | None = None, vocab_size: int | None = None):
-        keep = [i for i, a in enumerate(arrays) if len(a)]
-        self.arrays = [arrays[i] for i in keep]
-        self.names = [names[i] for i in keep] if names is not None else None
-        self.vocab_size = vocab_size
-        self.offsets = np.cumsum([0] + [len(a) for a in self.arrays])
-
-    def __len__(self) -> int:
-        return int(self.offsets[-1])
-
-    def slice(self, start: int, stop: int) -> np.ndarray:
-        first = int(np.searchsorted(self.offsets, start, side="right")) - 1
-        pieces, position = [], start
-        for index in range(first, len(self.arrays)):
-            if position >= stop:
-                break
-            local = position - int(self.offsets[index])
-            take = min(stop - position, len(self.arrays[index]) - local)
-            piece = self.arrays[index][local : local + take]
-            if self.vocab_size is not None and len(piece) and piece.max() >= self.vocab_size:
-                bad = int(np.argmax(piece >= self.vocab_size))
-                where = self.names[index] if self.names else f"token array {index}"
-                raise DataError(f"{where}: token id {int(piece[bad])} at offset {local + bad} is outside the "
-                                f"vocabulary of {self.vocab_size} ids (a damaged shard?)")
-            pieces.append(piece)
-            position += take
-        return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
 
 
 def resolve_paths(dataset: str, dataset_path: str | None) -> list[str]:
@@ -69,8 +37,6 @@ def resolve_paths(dataset: str, dataset_path: str | None) -> list[str]:
         if not dataset_path:
             raise DataConfigError(f"dataloader.dataset_path is required when dataloader.dataset = {dataset!r}")
         if dataset == "tokens":
-            from canon_titan.data.pretokenize import read_index
-
             read_index(dataset_path)
             return [dataset_path]
         try:
@@ -100,12 +66,10 @@ def tokenize_stream(texts, tokenizer, add_bos: bool, add_eos: bool) -> np.ndarra
 
 def load_token_store(config, tokenizer) -> TokenStore:
     if config.dataset == "tokens":
-        from canon_titan.data.pretokenize import open_shards
-
         return open_shards(config.dataset_path, tokenizer)
     stats = ReadStats()
     texts = (text for path in resolve_paths(config.dataset, config.dataset_path)
-             for text in iter_documents(path, config.text_key, config.on_error, stats))
+             for text in iter_documents(path, config.text_key, config.on_error, stats, DATALOADER_SKIP))
     store = TokenStore([tokenize_stream(texts, tokenizer, config.add_bos, config.add_eos)])
     if stats.skipped:
         logger.warning(f"skipped {stats.skipped} bad records ({stats.documents} documents read)")

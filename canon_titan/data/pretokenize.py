@@ -23,6 +23,8 @@ from pathlib import Path
 import numpy as np
 
 from canon_titan.data.documents import DataError, ReadStats, expand_inputs, file_kind, iter_documents
+from canon_titan.data.token_store import TokenStore
+from canon_titan.data.tokenizers import build_tokenizer
 from canon_titan.fileio import write_atomic
 
 INDEX = "index.json"
@@ -38,8 +40,6 @@ _worker_tokenizer = None
 
 def _init_worker(kind: str, path: str) -> None:
     global _worker_tokenizer
-    from canon_titan.data.tokenizers import build_tokenizer
-
     _worker_tokenizer = build_tokenizer(kind, path)
 
 
@@ -70,8 +70,6 @@ def _tokenize_file(job: tuple) -> dict:
 
 def tokenize_files(inputs: list[str] | str, out_dir: str | Path, *, kind: str, tokenizer_path: str,
                    workers: int = 1, text_key: str = "text", on_error: str = "fail", log=print) -> dict:
-    from canon_titan.data.tokenizers import build_tokenizer
-
     sources = expand_inputs(inputs)
     for source in sources:
         file_kind(source)
@@ -160,8 +158,6 @@ def read_index(folder: str | Path) -> dict:
 
 def open_shards(folder: str | Path, tokenizer=None):
     """The shards as one memory-mapped TokenStore, checked against the training tokenizer."""
-    from canon_titan.data.packed import TokenStore
-
     index = read_index(folder)
     if tokenizer is not None and tokenizer.get_vocab_size() != index["tokenizer"]["vocab_size"]:
         raise DataError(f"{folder} was tokenized with a {index['tokenizer']['vocab_size']}-id tokenizer "

@@ -27,7 +27,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from torchtitan.components.dataloader import ParallelAwareDataloader
 from torchtitan.tools.logging import logger
 
-from canon_titan.data.documents import DataError, ReadStats, expand_inputs, file_kind, iter_documents
+from canon_titan.data.documents import DATALOADER_SKIP, DataError, ReadStats, expand_inputs, file_kind, iter_documents
 from canon_titan.data.packed import document_positions
 
 
@@ -60,7 +60,7 @@ class SourceReader:
         found_in_epoch = self.line > 0
         while self.pieces:
             path, index, slices = self.pieces[self.piece]
-            for n, text in enumerate(iter_documents(path, self.text_key, self.on_error, self.stats)):
+            for n, text in enumerate(iter_documents(path, self.text_key, self.on_error, self.stats, DATALOADER_SKIP)):
                 if n % slices != index or n // slices < self.line:
                     continue
                 self.line += 1

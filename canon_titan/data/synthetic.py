@@ -37,7 +37,7 @@ from torchtitan.tools.logging import logger
 
 from canon_titan.data.packed import DataConfigError
 from synthetic_data.common import Sample
-from synthetic_data.tasks import PAD, make_task
+from synthetic_data.tasks import PAD, SECTION, make_task
 
 
 MAX_REDRAWS = 100
@@ -195,8 +195,6 @@ class SyntheticDataLoader(BaseDataLoader):
 
 def loader_config(run) -> SyntheticDataLoader.Config:
     """The loader of a resolved run whose dataset is a synthetic task."""
-    from synthetic_data.tasks import SECTION
-
     section = run["dataloader"]
     task = {k: v for k, v in run[SECTION[section["dataset"]]].items() if v is not None}
     return SyntheticDataLoader.Config(dataset=section["dataset"], task=task, seed=section["seed"],

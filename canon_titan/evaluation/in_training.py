@@ -20,8 +20,15 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from torchtitan.tools.logging import logger
+
+from canon_titan.convert.hf import DTYPES, hf_model_in_memory
+from canon_titan.data.tokenizers import build_tokenizer
+from canon_titan.evaluation import lm
+from canon_titan.synthetic_eval import greedy_continuation
+from synthetic_data.tasks import make_task, summarize
 
 
 @dataclass(kw_only=True)
@@ -39,8 +46,8 @@ class EvalSettings:
     batch_size: int
     data_dir: str | None
     include_path: list[str]
-    model_args: Any = None
-    model_config: Any = None
+    adapter: Any = None
+    """The run's ``CanonStateDictAdapter``: its model config and Hugging Face format."""
     tokenizer_kind: str = "hf"
     tokenizer_path: str = ""
     seq_len: int = 0
@@ -76,8 +83,6 @@ class InTrainingEval:
         self._tokenizer = None
         self._hf_tokenizer = None
         if settings.tasks and self.rank == 0:
-            from canon_titan.evaluation import lm
-
             # Unknown task names and, offline, uncached datasets fail here, before training starts,
             # not at the first evaluation hours later.
             tasks = lm.expand_suites(settings.tasks)
@@ -92,8 +97,6 @@ class InTrainingEval:
 
     def _full_state(self, model_parts) -> dict[str, torch.Tensor]:
         """Every model tensor, full and on CPU, on the first rank (and on all with ranks = "all")."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
         pp = self.parallel_dims.pp_enabled
         state: dict[str, torch.Tensor] = {}
         for part in model_parts:
@@ -113,10 +116,8 @@ class InTrainingEval:
         return state
 
     def _titan_model(self, state: dict[str, torch.Tensor]) -> torch.nn.Module:
-        from canon_titan.convert.hf import DTYPES
-
         with torch.device("meta"):
-            model = self.settings.model_config.build()
+            model = self.settings.adapter.model_config.build()
         model.to_empty(device=self.device)
         with torch.no_grad():
             model.init_states(buffer_device=self.device)
@@ -126,9 +127,6 @@ class InTrainingEval:
     # ------------------------------------------------------------------ scorers
 
     def _synthetic(self, state, deadline: float) -> dict[str, float]:
-        from canon_titan.synthetic_eval import greedy_continuation
-        from synthetic_data.tasks import make_task, summarize
-
         s = self.settings
         if self._task is None:
             self._task = make_task(s.dataset, **s.task_params)
@@ -159,22 +157,17 @@ class InTrainingEval:
 
     def _text_tokenizer(self):
         if self._tokenizer is None:
-            from canon_titan.data.tokenizers import build_tokenizer
-
             self._tokenizer = build_tokenizer(self.settings.tokenizer_kind, self.settings.tokenizer_path)
         return self._tokenizer
 
     def _lm_eval(self, state, deadline: float) -> dict[str, float]:
-        from canon_titan.convert.hf import hf_model_in_memory
-        from canon_titan.evaluation import lm
-
         s = self.settings
         if self._hf_tokenizer is None:
             self._hf_tokenizer = lm.hf_tokenizer(s.tokenizer_kind, s.tokenizer_path)
         tokenizer = self._hf_tokenizer
         ids = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
-        model = hf_model_in_memory(s.model_args, state.__getitem__, list(state), dtype=s.dtype,
-                                   max_seq_len=s.seq_len, tokenizer_ids=ids).to(self.device)
+        model = hf_model_in_memory(s.adapter, state.__getitem__, dtype=s.dtype, max_seq_len=s.seq_len,
+                                   tokenizer_ids=ids).to(self.device)
         metrics = {}
         for task in s.tasks:
             if time.monotonic() > deadline:

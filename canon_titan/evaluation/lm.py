@@ -16,7 +16,10 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-
+from canon_titan.convert.hf import DTYPES
+from canon_titan.data.tokenizers import LLAMA3_PATTERN, _find_file, build_tokenizer, tiktoken_special_tokens
+from canon_titan.fileio import write_atomic
+from model_registry import register_with_transformers
 
 EVAL_DIR = Path(__file__).resolve().parents[2] / "eval"
 """The repository's lm-eval task folder (an editable install keeps it next to the package)."""
@@ -167,8 +170,6 @@ def hf_tokenizer(kind: str, path: str):
     """The run's tokenizer as a transformers fast tokenizer (what HFLM needs), adding nothing."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    from canon_titan.data.tokenizers import _find_file, build_tokenizer
-
     ours = build_tokenizer(kind, path)
     specials = {}
     if kind == "hf":
@@ -189,8 +190,6 @@ def hf_tokenizer(kind: str, path: str):
     else:
         from transformers.convert_slow_tokenizer import TikTokenConverter
 
-        from canon_titan.data.tokenizers import LLAMA3_PATTERN, tiktoken_special_tokens
-
         file = _find_file(path, ("tokenizer.model", "tokenizer.tiktoken"))
         from tiktoken.load import load_tiktoken_bpe
 
@@ -206,36 +205,14 @@ def hf_tokenizer(kind: str, path: str):
     return tok
 
 
-def run_config_near(checkpoint: Path):
-    """The ``run_config.toml`` a training run wrote, found from one of its checkpoint folders."""
-    from canon_titan.trainer import RUN_CONFIG_FILE
+def load_hf_folder(folder: Path, dtype: str):
+    """(transformers model, tokenizer, max length) of an HF export."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    for folder in [checkpoint, *checkpoint.parents][:4]:
-        if (folder / RUN_CONFIG_FILE).is_file():
-            return folder / RUN_CONFIG_FILE
-    raise LMEvalError(f"{checkpoint}: no {RUN_CONFIG_FILE} in it or the three folders above it; "
-                      "pass the run's TOML with --config")
-
-
-def load_for_eval(model: str | Path, dtype: str, config: str | None = None):
-    """(transformers model, tokenizer, max length) from an HF export or a DCP checkpoint."""
-    from canon_titan.config import load
-    from canon_titan.convert.hf import DTYPES, dcp_to_hf_model
-
-    model = Path(model)
-    if (model / "config.json").is_file():
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        hf = AutoModelForCausalLM.from_pretrained(str(model), trust_remote_code=True, dtype=DTYPES[dtype]).eval()
-        tok = AutoTokenizer.from_pretrained(str(model), trust_remote_code=True)
-        return hf, tok, hf.config.max_position_embeddings
-    if not model.is_dir():
-        raise LMEvalError(f"--model {model}: no such folder (an HF export or a DCP checkpoint folder)")
-    run = load(config or run_config_near(model), environment=False)
-    from canon_titan.data.builtin import ASSET_DIR
-
-    tok = hf_tokenizer(run["tokenizer"]["kind"], run["tokenizer"]["path"] or str(ASSET_DIR))
-    return dcp_to_hf_model(model, run, dtype), tok, run["training"]["seq_len"]
+    register_with_transformers()
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), trust_remote_code=True, dtype=DTYPES[dtype]).eval()
+    tok = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=True)
+    return hf, tok, hf.config.max_position_embeddings
 
 
 def quiet_lm_eval() -> None:
@@ -321,8 +298,6 @@ def evaluation_record(result: dict, *, model: str, dtype: str, limit, tasks: lis
 
 
 def write_json(record: dict, path: str | Path) -> None:
-    from canon_titan.fileio import write_atomic
-
     write_atomic(Path(path), json.dumps(record, indent=2, default=str) + "\n")
 
 

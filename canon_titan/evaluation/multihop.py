@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from canon_titan.data.documents import DataError, file_kind, iter_documents
 from synthetic_data import capo
 
 YEARS = range(1950, 2010)
@@ -59,8 +60,6 @@ def make_problem(rng: random.Random, n: int, k: int) -> Problem:
 def read_background(path: str | Path, text_key: str = "text") -> list[str]:
     """Sentences of a plain-text file, or of a document file (JSON lines, .zst, Parquet) with a
     ``text_key`` field (the reference's Wikipedia file uses "plaintext")."""
-    from canon_titan.data.documents import DataError, file_kind, iter_documents
-
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"background text {path} does not exist")

@@ -3,11 +3,13 @@ GatedDeltaNetCanon, Mamba2Canon).
 
 The modules here import only torch and transformers (and each other, relatively): ``canon-titan
 convert to-hf`` copies a model's modules next to exported weights, so the export loads with
-``trust_remote_code=True`` on machines without canon-titan. Importing this package registers the
-classes with transformers' Auto classes (then ``trust_remote_code`` is not needed); the rest of
-canon_titan imports transformers only where it converts or evaluates.
+``trust_remote_code=True`` on machines without canon-titan. Each model family names its classes
+(its state-dict adapter's ``hf_model``); ``model_registry.register_with_transformers`` makes
+transformers' Auto classes know them (then ``trust_remote_code`` is not needed). Importing this
+package does not import transformers.
 """
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from importlib import import_module
 
@@ -43,26 +45,11 @@ class HFModel:
         return found[0], found[1]
 
 
-_LINEAR = ("linear_canon_layers",)
-HF_MODELS = {
-    "LlamaCanon": HFModel("configuration_llama_canon.LlamaCanonConfig", "modeling_llama_canon.LlamaCanonForCausalLM"),
-    "GLA5": HFModel("configuration_gla_canon.GLACanonConfig", "modeling_gla_canon.GLACanonForCausalLM", _LINEAR),
-    "GDN2": HFModel("configuration_gated_deltanet_canon.GatedDeltaNetCanonConfig",
-                    "modeling_gated_deltanet_canon.GatedDeltaNetCanonForCausalLM", _LINEAR),
-    "Mamba2": HFModel("configuration_mamba2_canon.Mamba2CanonConfig",
-                      "modeling_mamba2_canon.Mamba2CanonForCausalLM", _LINEAR),
-}
-"""Keyed by model family (the linear models' ``family``; LlamaCanon for Llama with Canon layers)."""
-
-
-def register_with_transformers() -> None:
+def register(models: Iterable[HFModel]) -> None:
     """Make ``AutoConfig`` / ``AutoModelForCausalLM`` know these model types."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    for hf_model in HF_MODELS.values():
+    for hf_model in models:
         config_cls, model_cls = hf_model.classes()
         AutoConfig.register(config_cls.model_type, config_cls, exist_ok=True)
         AutoModelForCausalLM.register(config_cls, model_cls, exist_ok=True)
-
-
-register_with_transformers()

@@ -1,9 +1,10 @@
 """Backends of the sequence-mixing kernels, and the chunking helpers the torch kernels share.
 
-``torch`` is the chunked pure-PyTorch code of this package: any device, any dtype, plain autograd.
-The CUDA kernels are Triton kernels of other packages: ``fla`` (flash-linear-attention: GLA, gated
-delta rule) and ``mamba_ssm`` (Mamba2 SSD), each called through a torch custom op of this package
-(so compiled blocks keep no graph break). They run on CUDA tensors, or on CPU tensors when
+``torch`` is the pure-PyTorch code of this package: any device, any dtype, plain autograd. The CUDA
+kernels are Triton kernels: this package's own for the Canon op (``triton``), and other packages'
+for the recurrences: ``fla`` (flash-linear-attention: GLA, gated delta rule) and ``mamba_ssm``
+(Mamba2 SSD), each called through a torch custom op of this package (so compiled blocks keep no
+graph break). They run on CUDA tensors, or on CPU tensors when
 Triton's interpreter is on (``TRITON_INTERPRET=1`` before the first import: slow, for tests).
 
 ``auto`` picks the op's CUDA kernel on a GPU when its package imports and the machine is not a
@@ -20,9 +21,10 @@ import torch
 import triton
 from packaging.version import Version
 
-CUDA_BACKENDS = {"gla": "fla", "gated_delta_rule": "fla", "ssd": "mamba_ssm"}
-_CUDA_MODULES = {"fla": "fla.ops", "mamba_ssm": "mamba_ssm.ops.triton.ssd_combined"}
-_PACKAGES = {"fla": "flash-linear-attention", "mamba_ssm": "mamba-ssm"}
+CUDA_BACKENDS = {"canon": "triton", "gla": "fla", "gated_delta_rule": "fla", "ssd": "mamba_ssm"}
+"""Each op's CUDA backend; every op also has ``torch``."""
+_CUDA_MODULES = {"triton": "triton", "fla": "fla.ops", "mamba_ssm": "mamba_ssm.ops.triton.ssd_combined"}
+_PACKAGES = {"triton": "triton", "fla": "flash-linear-attention", "mamba_ssm": "mamba-ssm"}
 INTERPRETED = triton.knobs.runtime.interpret
 """Triton decides when a kernel module is imported whether its kernels run in the interpreter."""
 
@@ -98,9 +100,11 @@ def backend_problem(backend: str, op: str, env: KernelEnvironment | None = None)
     return None
 
 
-def resolve_backend(requested: str, *, op: str, env: KernelEnvironment | None = None) -> tuple[str, str | None]:
-    """The backend that runs ``op`` ("gla", "gated_delta_rule" or "ssd") here, and why ``auto`` did
-    not pick the CUDA kernel (None otherwise). A forced CUDA backend that cannot run is a ValueError."""
+def resolve_backend(requested: str, *, op: str, env: KernelEnvironment | None = None,
+                    check: bool = True) -> tuple[str, str | None]:
+    """The backend that runs ``op`` (one of ``CUDA_BACKENDS``) here, and why ``auto`` did not pick
+    the CUDA kernel (None otherwise). A forced CUDA backend that cannot run is a ValueError, unless
+    ``check`` is off (a model built for another machine: its config checks judge the backend there)."""
     cuda_backend = CUDA_BACKENDS[op]
     allowed = ("auto", "torch", cuda_backend)
     if requested not in allowed:
@@ -109,7 +113,7 @@ def resolve_backend(requested: str, *, op: str, env: KernelEnvironment | None = 
         return "torch", None
     env = env or KernelEnvironment.current()
     if requested == cuda_backend:
-        problem = backend_problem(cuda_backend, op, env)
+        problem = backend_problem(cuda_backend, op, env) if check else None
         if problem:
             raise ValueError(problem)
         return cuda_backend, None

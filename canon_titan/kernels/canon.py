@@ -26,24 +26,10 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from canon_titan.kernels.backends import INTERPRETED, runs_cuda_kernel, triton_runs_here
+from canon_titan.kernels.backends import INTERPRETED, runs_cuda_kernel
 
-BACKENDS = ("auto", "torch", "triton")
 TRITON_KERNEL_SIZES = (2, 3, 4)
-
-
-def resolve_backend(requested: str, kernel_size: int) -> str:
-    """The backend that runs a Canon layer of ``kernel_size``: 'torch' or 'triton'."""
-    if requested not in BACKENDS:
-        raise ValueError(f"must be one of {', '.join(map(repr, BACKENDS))}, got {requested!r}")
-    if requested == "triton":
-        if not triton_runs_here():
-            raise ValueError("canon_backend 'triton' needs a CUDA GPU; without one, set TRITON_INTERPRET=1 to run "
-                             "the Triton kernels on the CPU (slow, for testing), or use 'torch' or 'auto'")
-        return "triton" if kernel_size in TRITON_KERNEL_SIZES else "torch"
-    if requested == "auto" and torch.cuda.is_available() and kernel_size in TRITON_KERNEL_SIZES:
-        return "triton"
-    return "torch"
+"""Kernel sizes the Triton kernels are built for (every size a config allows)."""
 
 
 # ----------------------------------------------------------------------------- torch backend

@@ -5,7 +5,7 @@ import torch.nn as nn
 
 from torchtitan.protocols.module import Module
 
-from canon_titan.models.tensor_parallel import local, tp_sum
+from canon_titan.models.common.tensor_parallel import local, tp_sum
 
 
 class RMSNorm(Module):

@@ -1,26 +1,22 @@
-"""Parallelisms for the Llama/LlamaCanon models: TP (+SP), activation checkpointing, per-block
-compile, FSDP2/HSDP (in that order, as TorchTitan's llama3 does). PP is TorchTitan's
-``pipeline_llm``, which calls this function on every stage.
+"""What every family's ``parallelize`` does around its own tensor-parallel block plan: the
+vocab-parallel embedding and output, sequence parallelism around the Canon layers, then activation
+checkpointing, per-block compile and FSDP2/HSDP (in that order, as TorchTitan's llama3 does). PP is
+TorchTitan's ``pipeline_llm``, which calls the family's function on every stage.
 
-Tensor parallelism, exact with Canon layers:
-- q/k/v and gate/up projections are column-sharded, wo and w2 row-sharded; the embedding is
-  vocab-sharded and ``lm_head`` column-sharded with a vocab-parallel loss.
-- Canon-B and Canon-D are depthwise, so each rank applies the rows of its own q/k/v (gate/up)
-  channels (``ChannelShard``); the full weight stays replicated and its gradient is summed.
-- Canon-A and Canon-C mix along the sequence: with sequence parallelism the activations are
-  all-gathered *before* them, so they always see the whole sequence. They run the RMSNorm before
-  them themselves (fused), so there the gather moves before the norm, which every TP rank then
-  computes on the whole sequence (its replicated weight gets the same full gradient on each).
-- The flat QK-norm spans all heads: its weight is sharded with the columns and the mean square
-  is summed over the TP group.
-- Every other parameter is replicated over the TP mesh, so all parameters share one mesh layout
-  under FSDP x TP (which gradient-norm clipping needs).
+Sequence parallelism with Canon layers: Canon-A and Canon-C mix along the sequence, so the
+activations are all-gathered *before* them and they always see the whole sequence. They run the
+RMSNorm before them themselves (fused), so there the gather moves before the norm, which every TP
+rank then computes on the whole sequence (its replicated weight gets the same full gradient on each).
+Every parameter a block plan leaves alone is replicated over the TP mesh, so all parameters share
+one mesh layout under FSDP x TP (which gradient-norm clipping needs).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch.nn as nn
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -34,7 +30,7 @@ from torchtitan.distributed.compile import apply_compile
 from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
 from torchtitan.tools.logging import logger
 
-from canon_titan.models.tensor_parallel import ChannelShard
+from canon_titan.models.common.tensor_parallel import ChannelShard
 
 
 def gather_sequence(n_args: int) -> PrepareModuleInput:
@@ -61,38 +57,7 @@ def sequence_parallel_plan(block, halves: tuple[tuple[str, str, str, int], ...])
     return plan
 
 
-def _block_plan(block, enable_sp: bool) -> dict:
-    residual = Shard(1) if enable_sp else Replicate()
-    plan = {
-        "attention.wq": ColwiseParallel(),
-        "attention.wk": ColwiseParallel(),
-        "attention.wv": ColwiseParallel(),
-        "attention.wo": RowwiseParallel(output_layouts=residual),
-        "feed_forward.w1": ColwiseParallel(),
-        "feed_forward.w3": ColwiseParallel(),
-        "feed_forward.w2": RowwiseParallel(output_layouts=residual),
-    }
-    if enable_sp:
-        plan.update(sequence_parallel_plan(block, (("canonA", "attention_norm", "attention", 2),
-                                                   ("canonC", "ffn_norm", "feed_forward", 1))))
-    return plan
-
-
-def _shard_channels(block, tp_mesh) -> None:
-    rank, size, group = tp_mesh.get_local_rank(), tp_mesh.size(), tp_mesh.get_group()
-    attn, ffn = block.attention, block.feed_forward
-    for norm in (attn.q_norm, attn.k_norm):
-        if norm is not None:
-            norm.weight = nn.Parameter(distribute_tensor(norm.weight, tp_mesh, [Shard(0)]))
-            norm.tp_group = group
-    for canon in (attn.canonB, ffn.canonD):
-        if canon is not None:
-            canon.channel_shard = ChannelShard(rank, size, group)
-
-
 def _replicate_remaining(model: nn.Module, tp_mesh) -> None:
-    from torch.distributed.tensor import DTensor
-
     for module in model.modules():
         for name, param in list(module.named_parameters(recurse=False)):
             if not isinstance(param, DTensor):
@@ -100,12 +65,20 @@ def _replicate_remaining(model: nn.Module, tp_mesh) -> None:
                     distribute_tensor(param, tp_mesh, [Replicate()]), requires_grad=param.requires_grad))
 
 
-def _parallelize_llama_block(block, tp_mesh, enable_sp: bool) -> None:
-    _shard_channels(block, tp_mesh)
-    parallelize_module(block, tp_mesh, _block_plan(block, enable_sp))
+def channel_shard(tp_mesh) -> ChannelShard:
+    """This rank's share of per-channel weights whose inputs are column-sharded."""
+    return ChannelShard(tp_mesh.get_local_rank(), tp_mesh.size(), tp_mesh.get_group())
 
 
-def apply_tp(model: nn.Module, tp_mesh, *, enable_sp: bool, parallelize_block=_parallelize_llama_block) -> None:
+def feed_forward_plan(block, tp_mesh, residual) -> dict:
+    """The SwiGLU: gate and up column-sharded, w2 row-sharded; Canon-D applies its channels' rows."""
+    if block.feed_forward.canonD is not None:
+        block.feed_forward.canonD.channel_shard = channel_shard(tp_mesh)
+    return {"feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=residual)}
+
+
+def apply_tp(model: nn.Module, tp_mesh, *, enable_sp: bool, parallelize_block: Callable) -> None:
     """Vocab-parallel embedding and output, ``parallelize_block(block, tp_mesh, enable_sp)`` on every
     block, and every other parameter replicated."""
     residual = Shard(1) if enable_sp else Replicate()
@@ -120,14 +93,6 @@ def apply_tp(model: nn.Module, tp_mesh, *, enable_sp: bool, parallelize_block=_p
         parallelize_block(block, tp_mesh, enable_sp)
     _replicate_remaining(model, tp_mesh)
     logger.info(f"Applied tensor parallelism (degree {tp_mesh.size()}, sequence parallel {enable_sp})")
-
-
-def parallelize_llama_canon(model, *, parallel_dims, training, parallelism, compile_config, ac_config, dump_folder):
-    if parallel_dims.tp_enabled:
-        apply_tp(model, parallel_dims.get_mesh("tp"), enable_sp=parallelism.enable_sequence_parallel)
-    apply_ac_compile_fsdp(model, parallel_dims=parallel_dims, training=training, parallelism=parallelism,
-                          compile_config=compile_config, ac_config=ac_config, dump_folder=dump_folder)
-    return model
 
 
 def apply_ac_compile_fsdp(model, *, parallel_dims, training, parallelism, compile_config, ac_config, dump_folder):
@@ -148,3 +113,15 @@ def apply_ac_compile_fsdp(model, *, parallel_dims, training, parallelism, compil
         cpu_offload=training.enable_cpu_offload,
         reshard_after_forward_policy=parallelism.fsdp_reshard_after_forward,
     )
+
+
+def parallelize_decoder(model, *, parallelize_block: Callable, parallel_dims, training, parallelism, compile_config,
+                        ac_config, dump_folder):
+    """TorchTitan's ``parallelize_fn`` for a family whose blocks ``parallelize_block(block, tp_mesh,
+    enable_sp)`` shards."""
+    if parallel_dims.tp_enabled:
+        apply_tp(model, parallel_dims.get_mesh("tp"), enable_sp=parallelism.enable_sequence_parallel,
+                 parallelize_block=parallelize_block)
+    apply_ac_compile_fsdp(model, parallel_dims=parallel_dims, training=training, parallelism=parallelism,
+                          compile_config=compile_config, ac_config=ac_config, dump_folder=dump_folder)
+    return model

@@ -14,7 +14,6 @@ default, embedding N(0, 0.1), A_log = log U(1, 16), D = 1, dt_bias as in GDN2, n
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 import torch.nn as nn
@@ -24,10 +23,8 @@ from torchtitan.models.common import Linear
 from torchtitan.protocols.module import Module
 
 from canon_titan.kernels import ssd
-from canon_titan.models.canon import CanonConv, canon_bias_init, canon_weight_init
-from canon_titan.models.gdn2 import dt_bias_init, log_uniform_init
-from canon_titan.models.linear import SHORT_CONV_SIZE, GatedRMSNorm, LinearArgs, torch_default_init, upcast
-from canon_titan.models.llama import ONES_INIT
+from canon_titan.models.common.canon import CanonConv
+from canon_titan.models.common.linear import GatedRMSNorm, upcast
 
 EXPAND = 2
 """d_inner = EXPAND * dim."""
@@ -48,10 +45,6 @@ class Mamba2Mixer(Module):
         conv1d: CanonConv.Config | None = None
         backend: str = "torch"
         """Resolved kernel backend: 'torch' or 'mamba_ssm'."""
-
-        family = "Mamba2"
-        # The gated norm and the single B/C group span every head.
-        tensor_parallel = False
 
         @property
         def recurrent_state_size(self) -> int:
@@ -81,52 +74,3 @@ class Mamba2Mixer(Module):
         y, _ = ssd(xs.unflatten(-1, (heads, self.head_dim)), dt, A, B.unsqueeze(2), C.unsqueeze(2), D=self.D,
                    chunk_size=self.chunk_size, backend=self.backend)
         return self.out_proj(self.norm(y.flatten(-2), z))
-
-
-@dataclass(kw_only=True)
-class Mamba2Args(LinearArgs):
-    state_size: int = 128
-    """N, the state per head channel (the recipes' ``mamba_ssm: 128``)."""
-    chunk_size: int = 256
-    """Block length of the chunked scan (the release's 256); changes speed and rounding only."""
-
-    family = "Mamba2"
-    kernel_op = "ssd"
-
-    @property
-    def head_dim(self) -> int:
-        return EXPAND * self.dim // self.n_heads
-
-    def validate(self) -> list[tuple[str, str]]:
-        problems = LinearArgs.validate(self)
-        if self.n_heads > 0 and EXPAND * self.dim % self.n_heads:
-            problems.append(("n_heads", f"must divide the inner width {EXPAND} * dim ({EXPAND * self.dim})"))
-        for name in ("state_size", "chunk_size"):
-            if getattr(self, name) <= 0:
-                problems.append((name, "must be > 0"))
-        return problems
-
-    def linear_init(self) -> dict:
-        return torch_default_init()
-
-    def embedding_std(self) -> float:
-        return EMBEDDING_STD
-
-    def mixer_config(self, kernel_backend: str) -> Mamba2Mixer.Config:
-        d, heads, n = self.dim, self.n_heads, self.state_size
-        d_inner = EXPAND * d
-        init = torch_default_init()
-        return Mamba2Mixer.Config(
-            n_heads=heads,
-            head_dim=d_inner // heads,
-            state_size=n,
-            chunk_size=self.chunk_size,
-            in_proj=Linear.Config(in_features=d, out_features=2 * d_inner + 2 * n + heads, param_init=init),
-            conv1d=self.short_conv(d_inner + 2 * n, bias=True, param_init={
-                "weight": canon_weight_init, "bias": partial(canon_bias_init, kernel_size=SHORT_CONV_SIZE)}),
-            norm=GatedRMSNorm.Config(dim=d_inner, eps=self.norm_eps, norm_before_gate=False, param_init=ONES_INIT),
-            out_proj=Linear.Config(in_features=d_inner, out_features=d, param_init=init),
-            backend=kernel_backend,
-            param_init={"A_log": partial(log_uniform_init, low=1.0, high=16.0), "D": nn.init.ones_,
-                        "dt_bias": dt_bias_init},
-        )

@@ -1,4 +1,4 @@
-"""Tensor-parallel helpers used inside model forwards (the plans live in canon_titan.parallelize)."""
+"""Tensor-parallel helpers used inside model forwards (the plans are each family's ``parallelize.py``)."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ LM, the block, the gated RMSNorm, the low-rank projection, and the args of their
 
 Block (pre-norm, as the release's GLABlock / GatedDeltaNetCanonBlock / Mamba2CanonBlock):
     h = x + mixer(CanonA(mixer_norm(x)));    out = h + feed_forward(CanonC(ffn_norm(h)))
-where the feed-forward is Llama's SwiGLU with Canon-D on [gate | up] (the release's fused
+where the feed-forward is the SwiGLU with Canon-D on [gate | up] (the release's fused
 ``gate_proj``/``both_proj`` split into ``w1``/``w3`` so tensor parallelism shards gate and up alike)
 and hidden size 2 * dim unless given.
 
@@ -23,6 +23,7 @@ import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from functools import partial
+from typing import ClassVar
 
 import torch
 import torch.nn as nn
@@ -30,18 +31,16 @@ import torch.nn.functional as F
 
 from torchtitan.models.common import Linear
 from torchtitan.models.common.decoder import Decoder
+from torchtitan.models.utils import get_dense_model_nparams_and_flops
 from torchtitan.protocols.module import Module
 from torchtitan.tools.logging import logger
 
-from canon_titan.kernels import resolve_backend as resolve_kernel_backend
-from canon_titan.kernels.backends import CUDA_BACKENDS
-from canon_titan.models.canon import CanonConv, backend_problems, canon_bias_init, canon_weight_init
-from canon_titan.models.canon import resolve_backend as resolve_canon_backend
-from canon_titan.models.llama import ONES_INIT, Embedding, FeedForward
-from canon_titan.models.norms import RMSNorm
-from canon_titan.models.tensor_parallel import local, sum_gradients
+from canon_titan.kernels.backends import CUDA_BACKENDS, resolve_backend
+from canon_titan.models.common.canon import CanonArgs, CanonConv, canon_weight_init, conv_backend
+from canon_titan.models.common.decoder import ONES_INIT, CanonDecoder, FeedForward, decoder_parts, normed, swiglu
+from canon_titan.models.common.norms import RMSNorm
+from canon_titan.models.common.tensor_parallel import local, sum_gradients
 
-LINEAR_CANON_LETTERS = "AbCD"
 SHORT_CONV_SIZE = 4
 """Kernel of the built-in short convolution (b): conv_size / conv_kernel 4 in every release config."""
 
@@ -65,6 +64,19 @@ def split_init(std: float, rank: int) -> dict:
     """The release's ``zeyuan_split_init``: both factors of a rank-r product get std sqrt(std) / r^(1/4),
     so the product has about the variance of one full matrix with std ``std``."""
     return normal_init(math.sqrt(std) / rank**0.25)
+
+
+@torch.no_grad()
+def log_uniform_init(param: torch.Tensor, low: float, high: float) -> None:
+    """log U(low, high), in place (works on sharded DTensors too): GDN2's and Mamba2's A_log."""
+    nn.init.uniform_(param, low, high).log_()
+
+
+@torch.no_grad()
+def dt_bias_init(param: torch.Tensor, dt_min: float = 0.001, dt_max: float = 0.1, floor: float = 1e-4) -> None:
+    """softplus^-1(dt) for dt log-uniform in [dt_min, dt_max], floored (Mamba2's time-step init)."""
+    nn.init.uniform_(param, math.log(dt_min), math.log(dt_max)).exp_().clamp_(min=floor)
+    param.copy_(param + torch.log(-torch.expm1(-param)))
 
 
 class LowRankLinear(Module):
@@ -148,44 +160,40 @@ class LinearBlock(Module):
         # Same signature as the attention blocks. Document boundaries (positions restarting at 0)
         # are ignored: the recurrent state and the convolutions run across the documents of a
         # packed sequence, as in the release's training.
-        # Canon-A/C apply the norm before them themselves (fused).
-        a = self.canonA(x, self.mixer_norm) if self.canonA is not None else self.mixer_norm(x)
-        h = x + self.mixer(a)
-        m = self.canonC(h, self.ffn_norm) if self.canonC is not None else self.ffn_norm(h)
-        return h + self.feed_forward(m)
+        h = x + self.mixer(normed(x, self.mixer_norm, self.canonA))
+        return h + self.feed_forward(normed(h, self.ffn_norm, self.canonC))
 
 
-class LinearLM(Decoder):
+class LinearLM(CanonDecoder):
     @dataclass(kw_only=True, slots=True)
-    class Config(Decoder.Config):
+    class Config(CanonDecoder.Config):
         @property
         def first_attention(self):
             # No attention layer: the trainer then builds no attention masks.
             return None
 
+        @property
+        def max_seq_len(self) -> int:
+            # No positional encoding: any training length.
+            return 2**62
+
         def update_from_config(self, *, config, **kwargs) -> None:
-            # Decoder's version reads the RoPE of the first attention layer; these models have none.
-            tp = config.parallelism.tensor_parallel_degree
-            mixer = self.layers[0].mixer
-            if tp > 1 and not mixer.tensor_parallel:
-                raise ValueError(f"{mixer.family} does not support tensor parallelism; "
-                                 "use FSDP/HSDP and/or pipeline parallelism")
-            if mixer.n_heads % tp:
-                raise ValueError(f"parallelism.tensor_parallel_degree ({tp}) must divide model.n_heads "
-                                 f"({mixer.n_heads})")
+            problem = self.args.tensor_parallel_problem(config.parallelism.tensor_parallel_degree)
+            if problem:
+                raise ValueError(f"parallelism.tensor_parallel_degree: {problem}")
+            Decoder.Config.update_from_config(self, config=config, **kwargs)
 
         def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:
-            """6 FLOPs per parameter and token (the lm_head counted, the embedding lookup not), plus
-            for the recurrence a state update and a read-out per token (2 multiply-adds per state
-            entry, times 3 for forward and backward)."""
-            nparams = sum(p.numel() for p in model.parameters())
-            embedding = sum(p.numel() for m in model.children() if isinstance(m, nn.Embedding) for p in m.parameters())
-            state = sum(layer.mixer.recurrent_state_size for layer in self.layers)
-            return nparams, 6 * (nparams - embedding) + 12 * state
+            """TorchTitan's 6 FLOPs per parameter and token (no attention), plus for the recurrence
+            a state update and a read-out per token (2 multiply-adds per state entry, times 3 for
+            forward and backward)."""
+            nparams, flops = get_dense_model_nparams_and_flops(model, n_layers=len(self.layers), n_heads=0,
+                                                               head_dims=0, seq_len=seq_len)
+            return nparams, flops + 12 * sum(layer.mixer.recurrent_state_size for layer in self.layers)
 
 
 @dataclass(kw_only=True)
-class LinearArgs(ABC):
+class LinearArgs(CanonArgs, ABC):
     """The TOML ``[model]`` keys every linear family has; subclasses add theirs and build the mixer."""
 
     dim: int
@@ -199,20 +207,20 @@ class LinearArgs(ABC):
     """Add the squared-NLL term ``1e-4 * l**2`` (the linear recipes leave it off)."""
     canon_set: str = "AbbCD"
     """Letters from "AbCD": A, C, D Canon layers, b the built-in short convolution ("bb" = "b")."""
-    canon_kernel: int = 4
-    canon_residual: bool = True
-    canon_activation: bool = False
-    canon_bias: bool = False
-    canon_backend: str = "auto"
-    """Convolution backend of Canon A/C/D and of b: 'auto' (Triton on a CUDA GPU, else torch), 'torch' or
-    'triton'."""
     kernel_backend: str = "auto"
     """Recurrence kernel: 'auto' (the Triton kernel on a GPU when its package imports and works there,
     else torch), 'torch', or the family's kernel package ('fla' for GLA5/GDN2, 'mamba_ssm' for Mamba2)."""
 
-    family = "linear"
-    kernel_op = ""
+    label: ClassVar[str] = "linear"
+    kernel_op: ClassVar[str] = ""
     """The kernel this family's mixer runs (canon_titan.kernels op name)."""
+    canon_letters: ClassVar[str] = "AbCD"
+    canon_set_note: ClassVar[str] = " ('bb' counts as b)"
+    no_tensor_parallel: ClassVar[str | None] = None
+    """Why this family has no tensor parallelism, or None when it has."""
+    document_masking: ClassVar[str | None] = (
+        "the linear models carry their recurrent state across packed documents, as the release does; they "
+        "cannot restart it at a BOS (set false)")
 
     @property
     def kv_heads(self) -> int:
@@ -221,6 +229,9 @@ class LinearArgs(ABC):
     @property
     def hidden_dim(self) -> int:
         return self.ffn_hidden_dim or 2 * self.dim
+
+    def enabled(self) -> set[str]:
+        return set(self.canon_set.replace("bb", "b"))
 
     def validate(self) -> list[tuple[str, str]]:
         """Problems as (field, message) pairs; empty when the shape is buildable."""
@@ -232,51 +243,42 @@ class LinearArgs(ABC):
             problems.append(("ffn_hidden_dim", "must be > 0 (or unset for 2 * dim)"))
         if self.norm_eps <= 0:
             problems.append(("norm_eps", "must be > 0"))
-        problems += self._validate_canon()
+        problems += self.canon_problems()
         allowed = ("auto", "torch", CUDA_BACKENDS[self.kernel_op])
         if self.kernel_backend not in allowed:
-            problems.append(("kernel_backend", f"must be one of {', '.join(map(repr, allowed))} for {self.family}, "
+            problems.append(("kernel_backend", f"must be one of {', '.join(map(repr, allowed))} for {self.label}, "
                                                f"got {self.kernel_backend!r}"))
         else:
             try:
-                resolve_kernel_backend(self.kernel_backend, op=self.kernel_op)
+                resolve_backend(self.kernel_backend, op=self.kernel_op)
             except ValueError as e:
                 problems.append(("kernel_backend", str(e)))
         return problems
 
-    def _validate_canon(self) -> list[tuple[str, str]]:
-        problems = []
-        letters = self.canon_set.replace("bb", "b")
-        if "B" in letters:
-            problems.append(("canon_set", f"Canon-B is not available for {self.family}: the release trains these "
-                                          "models with b (the built-in short convolution), e.g. 'AbbCD' or 'bb'"))
-        elif any(c not in LINEAR_CANON_LETTERS for c in letters) or len(set(letters)) != len(letters):
-            problems.append(("canon_set", f"must be distinct letters from {LINEAR_CANON_LETTERS!r} ('bb' counts as b), "
-                                          f"got {self.canon_set!r}"))
-        if self.canon_kernel not in (2, 3, 4):
-            problems.append(("canon_kernel", f"must be 2, 3 or 4, got {self.canon_kernel}"))
-        return problems + backend_problems(self.canon_backend, self.canon_kernel)
+    def canon_problems(self) -> list[tuple[str, str]]:
+        problems = CanonArgs.canon_problems(self)
+        if "B" in self.enabled():
+            problems = [("canon_set", f"Canon-B is not available for {self.label}: the release trains these models "
+                                      "with b (the built-in short convolution), e.g. 'AbbCD' or 'bb'")] + [
+                (key, message) for key, message in problems if key != "canon_set"]
+        return problems
+
+    def tensor_parallel_problem(self, tp: int) -> str | None:
+        if tp > 1 and self.no_tensor_parallel:
+            return self.no_tensor_parallel
+        if self.n_heads % tp:
+            return f"({tp}) must divide model n_heads ({self.n_heads})"
+        return None
 
     # --- pieces the families combine --------------------------------------------------------
 
-    def canon(self, position: str, channels: int) -> CanonConv.Config | None:
-        """The Canon layer at ``position`` (A, C or D), or None."""
-        if position not in self.canon_set:
-            return None
-        kernel = self.canon_kernel
-        return CanonConv.Config(
-            channels=channels, kernel_size=kernel, residual=self.canon_residual, activation=self.canon_activation,
-            bias=self.canon_bias, backend=resolve_canon_backend(self.canon_backend, kernel),
-            param_init={"weight": canon_weight_init, "bias": partial(canon_bias_init, kernel_size=kernel)},
-        )
-
     def short_conv(self, channels: int, *, bias: bool, param_init: dict) -> CanonConv.Config | None:
         """The built-in short convolution (b) over ``channels``, or None without b."""
-        if "b" not in self.canon_set:
+        if "b" not in self.enabled():
             return None
         return CanonConv.Config(
             channels=channels, kernel_size=SHORT_CONV_SIZE, residual=False, activation=True, bias=bias,
-            backend=resolve_canon_backend(self.canon_backend, SHORT_CONV_SIZE), param_init=param_init,
+            backend=conv_backend(self.canon_backend), param_init=param_init,
         )
 
     @abstractmethod
@@ -289,42 +291,117 @@ class LinearArgs(ABC):
     def mixer_config(self, kernel_backend: str) -> Module.Config: ...
 
     def block_config(self, kernel_backend: str) -> LinearBlock.Config:
-        dim, hidden, init = self.dim, self.hidden_dim, self.linear_init()
+        dim, init = self.dim, self.linear_init()
         norm = partial(RMSNorm.Config, dim=dim, eps=self.norm_eps, param_init=ONES_INIT)
         return LinearBlock.Config(
             mixer_norm=norm(),
             mixer=self.mixer_config(kernel_backend),
             ffn_norm=norm(),
-            feed_forward=FeedForward.Config(
-                w1=Linear.Config(in_features=dim, out_features=hidden, param_init=init),
-                w3=Linear.Config(in_features=dim, out_features=hidden, param_init=init),
-                w2=Linear.Config(in_features=hidden, out_features=dim, param_init=init),
-                canonD=self.canon("D", 2 * hidden),
-            ),
+            feed_forward=swiglu(dim, self.hidden_dim, init, init, self.canon("D", 2 * self.hidden_dim)),
             canonA=self.canon("A", dim),
             canonC=self.canon("C", dim),
         )
 
     def model_config(self) -> LinearLM.Config:
-        kernel_backend, why_not = resolve_kernel_backend(self.kernel_backend, op=self.kernel_op)
-        canon = ""
-        if self.canon_set:
-            canon = (f"; canon_set {self.canon_set!r} (kernel {self.canon_kernel}, residual {self.canon_residual}, "
-                     f"activation {self.canon_activation}, bias {self.canon_bias}), conv backend "
-                     f"{resolve_canon_backend(self.canon_backend, self.canon_kernel)} (requested {self.canon_backend})")
+        kernel_backend, why_not = resolve_backend(self.kernel_backend, op=self.kernel_op, check=False)
         if why_not and why_not != "no GPU":
-            logger.warning(f"{self.family}: kernel_backend 'auto' runs {self.kernel_op} with torch: {why_not}")
-        logger.info(f"{self.family}: {self.kernel_op} kernel backend {kernel_backend} "
+            logger.warning(f"{self.label}: kernel_backend 'auto' runs {self.kernel_op} with torch: {why_not}")
+        canon = f"; {self.describe_canon()}" if self.canon_set else ""
+        logger.info(f"{self.label}: {self.kernel_op} kernel backend {kernel_backend} "
                     f"(requested {self.kernel_backend}){canon}")
-        dim = self.dim
+        embedding_init = {"weight": partial(nn.init.normal_, std=self.embedding_std())}
         return LinearLM.Config(
-            dim=dim,
-            vocab_size=self.vocab_size,
-            tok_embeddings=Embedding.Config(
-                num_embeddings=self.vocab_size, embedding_dim=dim,
-                param_init={"weight": partial(nn.init.normal_, std=self.embedding_std())},
-            ),
-            norm=RMSNorm.Config(dim=dim, eps=self.norm_eps, param_init=ONES_INIT),
-            lm_head=Linear.Config(in_features=dim, out_features=self.vocab_size, param_init=self.linear_init()),
+            **decoder_parts(self.dim, self.vocab_size, self.norm_eps, embedding_init, self.linear_init()),
             layers=[self.block_config(kernel_backend) for _ in range(self.n_layers)],
+            args=self,
         )
+
+
+INIT_STD = 0.02
+"""initializer_range of GLA5 and GDN2."""
+GATE_RANK = 16
+"""Rank of their low-rank gate projections (GLA5's forget gate, both families' output gate)."""
+
+
+class FlaMixer(Module):
+    """What GLA5's and GDN2's mixers share: q/k/v projections with their short convolutions, the
+    low-rank output gate and the output projection. Modules are built in the release's order (it
+    decides which random numbers each initialisation takes): q, k, v, the family's own projections,
+    g, o, the family's gated norm, then the convolutions."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Module.Config):
+        q_proj: Linear.Config
+        k_proj: Linear.Config
+        v_proj: Linear.Config
+        g_proj: LowRankLinear.Config
+        o_proj: Linear.Config
+        q_conv1d: CanonConv.Config | None = None
+        k_conv1d: CanonConv.Config | None = None
+        v_conv1d: CanonConv.Config | None = None
+        backend: str = "torch"
+        """Resolved kernel backend: 'torch' or 'fla'."""
+
+    def __init__(self, config: Config):
+        super().__init__()
+        self.backend = config.backend
+        self.q_proj = config.q_proj.build()
+        self.k_proj = config.k_proj.build()
+        self.v_proj = config.v_proj.build()
+        self.build_projections(config)
+        self.g_proj = config.g_proj.build()
+        self.o_proj = config.o_proj.build()
+        self.build_norm(config)
+        convs = (config.q_conv1d, config.k_conv1d, config.v_conv1d)
+        self.q_conv1d, self.k_conv1d, self.v_conv1d = (c.build() if c is not None else None for c in convs)
+
+    @abstractmethod
+    def build_projections(self, config: Config) -> None: ...
+
+    @abstractmethod
+    def build_norm(self, config: Config) -> None: ...
+
+    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v = SiLU(b(W x)) with the short convolutions b, else SiLU(W x)."""
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.q_conv1d is not None:
+            return self.q_conv1d(q), self.k_conv1d(k), self.v_conv1d(v)
+        return F.silu(q), F.silu(k), F.silu(v)
+
+
+@dataclass(kw_only=True)
+class FlaLayerArgs(LinearArgs, ABC):
+    """GLA5 and GDN2, built like flash-linear-attention's layers: key width d and value width 2d in
+    ``n_heads`` heads, q/k/v/o projections and short convolutions initialised N(0, 0.02), a
+    low-rank output gate, a per-head gated RMSNorm."""
+
+    def validate(self) -> list[tuple[str, str]]:
+        problems = LinearArgs.validate(self)
+        if self.n_heads > 0 and self.dim % self.n_heads:
+            problems.append(("n_heads", f"must divide dim ({self.dim})"))
+        return problems
+
+    def linear_init(self) -> dict:
+        return normal_init(INIT_STD)
+
+    def embedding_std(self) -> float:
+        return INIT_STD
+
+    def attention_parts(self) -> dict:
+        """The projections, short convolutions, output gate and gated norm, as Config keywords."""
+        d, init = self.dim, normal_init(INIT_STD)
+        key_dim, value_dim = d, 2 * d
+        return {
+            "q_proj": Linear.Config(in_features=d, out_features=key_dim, param_init=init),
+            "k_proj": Linear.Config(in_features=d, out_features=key_dim, param_init=init),
+            "v_proj": Linear.Config(in_features=d, out_features=value_dim, param_init=init),
+            "g_proj": low_rank(d, GATE_RANK, value_dim, split_init(INIT_STD, GATE_RANK)),
+            "o_proj": Linear.Config(in_features=value_dim, out_features=d, param_init=init),
+            "q_conv1d": self.short_conv(key_dim, bias=False, param_init=init),
+            "k_conv1d": self.short_conv(key_dim, bias=False, param_init=init),
+            "v_conv1d": self.short_conv(value_dim, bias=False, param_init=init),
+        }
+
+    def gated_norm(self) -> GatedRMSNorm.Config:
+        return GatedRMSNorm.Config(dim=2 * self.dim // self.n_heads, eps=self.norm_eps, norm_before_gate=True,
+                                   param_init=ONES_INIT)

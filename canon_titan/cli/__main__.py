@@ -1,0 +1,5 @@
+import sys
+
+from canon_titan.cli import main
+
+sys.exit(main())

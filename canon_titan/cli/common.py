@@ -1,0 +1,52 @@
+"""What the commands share: the override epilog, the built-in tokenizer, loading a run config
+with every check (ours and TorchTitan's), and error lines."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+from torchtitan.tools.logging import init_logger
+
+from canon_titan.config import ConfigError, load
+from canon_titan.config.build import build_trainer_config
+
+OVERRIDES = ("Any further --section.key value argument overrides that key of the TOML, e.g. --training.steps 10 "
+             "or --model.flavor 1B (values are TOML literals; a bare --section.flag means true).")
+BUILTIN_TOKENIZER = Path(__file__).resolve().parent.parent / "assets" / "builtin"
+
+
+def load_or_report(path: str, overrides: list[str], environment: bool = True):
+    """The resolved run, after our checks and TorchTitan's own (building its Trainer.Config), or the error."""
+    try:
+        run = load(path, overrides, environment)
+        build_trainer_config(run)
+        return run, None
+    except ConfigError as e:
+        return None, str(e)
+
+
+def fail(kind: str, message) -> int:
+    """Print ``canon-titan: KIND error: message`` to stderr; the exit status of a failed command."""
+    print(f"canon-titan: {kind} error: {message}", file=sys.stderr)
+    return 2
+
+
+class _CurrentStdout:
+    """``sys.stdout`` as it is when a record is written, not when logging was set up."""
+
+    def write(self, text: str) -> int:
+        return sys.stdout.write(text)
+
+    def flush(self) -> None:
+        sys.stdout.flush()
+
+
+def init_logging() -> None:
+    """TorchTitan's log format on stdout. A command may run more than once in one process (a
+    notebook, the tests) with stdout replaced in between; the handler writes to the current one."""
+    init_logger()
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.StreamHandler):
+            handler.setStream(_CurrentStdout())

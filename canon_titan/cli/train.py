@@ -1,0 +1,71 @@
+"""``canon-titan train``: a single-node torchrun launch, after the checks the workers would stop on."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from canon_titan.cli.common import OVERRIDES, fail, load_or_report
+from canon_titan.config import dumps
+from canon_titan.config.build import absolute_paths
+from canon_titan.convert.dcp_io import NoLoadableCheckpoint
+from canon_titan.launch import DumpFolderInUse, lock_dump_folder, torchrun_preexec
+from canon_titan.trainer import RUN_CONFIG_FILE, FinishedRun, config_changes, resume_point
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="canon-titan train", description="Single-node training launch (torchrun --standalone).", epilog=OVERRIDES)
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--nproc", type=int, default=1, help="processes (GPUs, or CPU ranks) on this node")
+    parser.add_argument("--log-ranks", help="ranks whose output is shown (torchrun --local-ranks-filter; default: "
+                        "rank 0, or with pipeline parallelism the first rank of the last stage, which has the loss)")
+    args, overrides = parser.parse_known_args(argv)  # --section.key overrides pass through
+    if args.nproc < 1:
+        parser.error("--nproc must be >= 1")
+    os.environ["WORLD_SIZE"] = str(args.nproc)
+    run, error = load_or_report(args.config, overrides)
+    del os.environ["WORLD_SIZE"]
+    if error:
+        return fail("config", error)
+    error = _prepare_launch(run)
+    if error:
+        print(f"canon-titan: {error}", file=sys.stderr)
+        return 2
+    log_ranks = args.log_ranks
+    if log_ranks is None:
+        pp = run["parallelism"]["pipeline_parallel_degree"]
+        log_ranks = str((pp - 1) * args.nproc // pp)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
+           "--local-ranks-filter", log_ranks, "--role", "rank", "--tee", "3",
+           "-m", "canon_titan.train", "--config", args.config, *overrides]
+    print("+ " + " ".join(cmd), flush=True)
+
+    env = dict(os.environ, CANON_TITAN_COLOR="1" if sys.stdout.isatty() else "0")
+    # Share the cores between the processes (torchrun would default to 1 and print a banner saying so).
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc)))
+    return subprocess.call(cmd, preexec_fn=torchrun_preexec, env=env)
+
+
+def _prepare_launch(run) -> str | None:
+    """What the workers would stop on before training, checked before torchrun starts: TorchTitan's
+    own config checks, a live run in the dump folder, no loadable checkpoint to resume from. Prints
+    the checkpoints that will be skipped. Returns the error, or None."""
+    dump = run["job"]["dump_folder"]
+    try:
+        lock_dump_folder(dump, hold=False)
+        if run["checkpoint"]["enable"]:
+            _, skipped = resume_point(str(Path(dump) / run["checkpoint"]["folder"]), run["checkpoint"]["load_step"],
+                                      run["training"]["steps"], dump)
+            for message in skipped:
+                print(f"canon-titan: warning: {message}", file=sys.stderr)
+    except (DumpFolderInUse, NoLoadableCheckpoint, FinishedRun) as e:
+        return str(e)
+    changes = config_changes(os.path.join(dump, RUN_CONFIG_FILE), dumps(absolute_paths(run.sections)))
+    if changes:
+        print(f"canon-titan: warning: the config differs from the one of the run already in {dump}: {changes}",
+              file=sys.stderr)
+    return None

@@ -1,0 +1,68 @@
+"""Tensor parallelism of a linear-model block, by head (the recurrences of different heads never
+meet); each family names its mixer's layout (``MixerLayout``):
+- q/k/v, the up-projections of the rank-16 gates and per-head projections are column-sharded,
+  o_proj row-sharded; per-head parameters (A_log, dt_bias) are sharded with the heads. The rank-16
+  down-projections stay replicated: every rank computes the whole bottleneck, and the
+  column-sharded up-projection sums its input gradient over the group.
+- The short convolutions (b) on q/k/v are depthwise: each rank applies the rows of its channels
+  (``ChannelShard``), the full weight replicated with its gradient summed.
+- The per-head gated RMSNorm's weight is shared by all heads: replicated, gradient summed.
+- The MLP, Canon-A/C/D, sequence parallelism, embedding and output as for Llama.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.nn as nn
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInputOutput,
+    RowwiseParallel,
+    parallelize_module,
+)
+
+from canon_titan.models.common.parallelize import channel_shard, feed_forward_plan, sequence_parallel_plan
+
+
+@dataclass(frozen=True)
+class MixerLayout:
+    """How a mixer's tensors are laid out over the TP ranks."""
+
+    colwise: tuple[str, ...]
+    """Column-sharded linears (by output channel = by head)."""
+    replicated: tuple[str, ...]
+    """Linears every rank applies whole (the low-rank bottlenecks)."""
+    per_head: tuple[str, ...]
+    """Parameters with one entry per head, sharded with the heads."""
+    gated_norm: str
+    """The per-head gated RMSNorm whose shared weight's gradient is summed."""
+
+
+def _replicated_linear() -> PrepareModuleInputOutput:
+    """A replicated weight on a plain, identical-on-every-rank input: a plain output back."""
+    return PrepareModuleInputOutput(
+        input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),),
+        output_layouts=(Replicate(),), desired_output_layouts=(Replicate(),), use_local_output=True,
+    )
+
+
+def parallelize_block(block, tp_mesh, enable_sp: bool, *, layout: MixerLayout) -> None:
+    mixer = block.mixer
+    for name in layout.per_head:
+        param = getattr(mixer, name)
+        mixer.register_parameter(name, nn.Parameter(distribute_tensor(param, tp_mesh, [Shard(0)])))
+    getattr(mixer, layout.gated_norm).tp_group = tp_mesh.get_group()
+    for conv in (mixer.q_conv1d, mixer.k_conv1d, mixer.v_conv1d):
+        if conv is not None:
+            conv.channel_shard = channel_shard(tp_mesh)
+    residual = Shard(1) if enable_sp else Replicate()
+    plan = {f"mixer.{name}": ColwiseParallel() for name in layout.colwise}
+    plan.update({f"mixer.{name}": _replicated_linear() for name in layout.replicated})
+    plan["mixer.o_proj"] = RowwiseParallel(output_layouts=residual)
+    plan.update(feed_forward_plan(block, tp_mesh, residual))
+    if enable_sp:
+        plan.update(sequence_parallel_plan(block, (("canonA", "mixer_norm", "mixer", 1),
+                                                   ("canonC", "ffn_norm", "feed_forward", 1))))
+    parallelize_module(block, tp_mesh, plan)

@@ -1,0 +1,25 @@
+"""The ``[model]`` keys of GLA5."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from canon_titan.models.common.linear import GATE_RANK, INIT_STD, FlaLayerArgs, low_rank, split_init
+from canon_titan.models.gla5.model import GLA5Mixer
+
+
+@dataclass(kw_only=True)
+class GLA5Args(FlaLayerArgs):
+    label = "GLA5"
+    kernel_op = "gla"
+
+    def mixer_config(self, kernel_backend: str) -> GLA5Mixer.Config:
+        return GLA5Mixer.Config(
+            n_heads=self.n_heads,
+            head_k_dim=self.dim // self.n_heads,
+            head_v_dim=2 * self.dim // self.n_heads,
+            gk_proj=low_rank(self.dim, GATE_RANK, self.dim, split_init(INIT_STD, GATE_RANK)),
+            g_norm=self.gated_norm(),
+            backend=kernel_backend,
+            **self.attention_parts(),
+        )
