@@ -16,7 +16,7 @@ from canon_titan.config import ConfigError, load
 from canon_titan.config.build import build_trainer_config
 from canon_titan.convert.dcp_io import NoLoadableCheckpoint
 from canon_titan.launch import DumpFolderInUse, die_with_parent, lock_dump_folder
-from canon_titan.trainer import FinishedRun
+from canon_titan.trainer import DataLayoutChanged, FinishedRun
 
 
 def parse_args(argv: list[str]) -> tuple[str, list[str]]:
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
             logger.info("Created seed checkpoint")
         else:
             trainer.train()
-    except (NoLoadableCheckpoint, FinishedRun) as e:
+    except (NoLoadableCheckpoint, FinishedRun, DataLayoutChanged) as e:
         print(f"canon-titan: {e}", file=sys.stderr)
         return 2
     finally:

@@ -1,11 +1,13 @@
 """TorchTitan's Trainer with canon-titan's additions: the resolved TOML saved with the run,
 progress (step, percentage, ETA) logged with the metrics, evaluation during training, resuming
-past damaged checkpoints, and complete Hugging Face folders from ``[checkpoint] last_save_in_hf``."""
+past damaged checkpoints, resuming at another data-parallel size, and complete Hugging Face
+folders from ``[checkpoint] last_save_in_hf``."""
 
 from __future__ import annotations
 
 import datetime
 import os
+import re
 import shutil
 import time
 from dataclasses import dataclass
@@ -19,16 +21,42 @@ from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
-from canon_titan.convert.dcp_io import hf_export_steps, resume_step
+from canon_titan.convert.dcp_io import hf_export_steps, read_metadata, resume_step
 from canon_titan.convert.hf import tokenizer_info, write_hf_files
 from canon_titan.evaluation.in_training import EvalSettings, InTrainingEval
 from canon_titan.fileio import write_atomic
+from canon_titan.models.common.context_parallel import context_parallel_inputs
 
 RUN_CONFIG_FILE = "run_config.toml"
 
 
 class FinishedRun(RuntimeError):
     pass
+
+
+class DataLayoutChanged(RuntimeError):
+    """The data loader's state in a checkpoint cannot continue at this run's data-parallel size."""
+
+
+def saved_loader_keys(step_dir: str | Path) -> list[str]:
+    """The data loader's entries in a DCP checkpoint (names below ``dataloader.``)."""
+    prefix = "dataloader."
+    return sorted(k[len(prefix):] for k in read_metadata(Path(step_dir)).state_dict_metadata if k.startswith(prefix))
+
+
+def layout_problem(step_dir: str | Path, keys: list[str], dp_size: int) -> str | None:
+    """Why a checkpoint's loader state cannot resume at ``dp_size`` data-parallel ranks, or None.
+    The packed loaders keep one global position and the synthetic one every rank's carries, so
+    they resume at any size; the streaming loader keeps per-rank readers, buffers and shuffle
+    state (TorchTitan's ``dp_rank_N`` entries), which cannot be split another way."""
+    ranks = [k for k in keys if re.fullmatch(r"dp_rank_\d+", k)]
+    if not ranks or len(ranks) == dp_size:
+        return None
+    return (f"checkpoint {step_dir} was written by a run streaming its data ([dataloader] dataset = 'stream') on "
+            f"{len(ranks)} data-parallel rank(s); this run has {dp_size}. Each rank's stream position (its "
+            f"share of the files, buffer and shuffle state) cannot be re-split: resume with {len(ranks)} "
+            "data-parallel rank(s), or train from a token folder (canon-titan data tokenize, dataset = 'tokens'), "
+            "whose runs resume at any data-parallel size")
 
 
 def finished_message(dump_folder: str, step: int, steps: int) -> str:
@@ -130,9 +158,31 @@ class CanonTrainer(Trainer):
                 ckpt.load_step = step
             if step == -1 and ckpt.initial_load_in_hf:
                 self.checkpointer.sd_adapter.read_source(ckpt.initial_load_path)
+            if step > 0 and not ckpt.load_only:
+                self._prepare_loader_resume(Path(self.checkpointer.folder) / f"step-{step}")
         super().train()
         if ckpt.enable and ckpt.last_save_in_hf and not ckpt.load_only and self.step >= self.config.training.steps:
             self._complete_hf_export()
+
+    def post_dataloading_process(self, input_dict, labels):
+        """Under context parallelism: this rank's share of every sequence, with the global positions
+        the attention and Canon layers need (``ContextShards``); TorchTitan's own path otherwise."""
+        if not self.parallel_dims.cp_enabled:
+            return super().post_dataloading_process(input_dict, labels)
+        inputs, labels, extra = context_parallel_inputs(input_dict, labels, self.parallel_dims.get_mesh("cp"),
+                                                        self.config.parallelism.context_parallel_load_balancer)
+        self.ntokens_seen += labels.numel()
+        return inputs, labels, extra
+
+    def _prepare_loader_resume(self, step_dir: Path) -> None:
+        """Refuse a loader state that cannot continue at this data-parallel size; let a loader that
+        reads every rank's state (the synthetic one) know which entries the checkpoint holds."""
+        keys = saved_loader_keys(step_dir)
+        problem = layout_problem(step_dir, keys, getattr(self.dataloader, "dp_world_size", 1))
+        if problem:
+            raise DataLayoutChanged(problem)
+        if hasattr(self.dataloader, "expect_checkpoint"):
+            self.dataloader.expect_checkpoint(keys)
 
     def _complete_hf_export(self) -> None:
         """config.json, modeling code, tokenizer and checksums beside the safetensors TorchTitan wrote."""

@@ -77,14 +77,14 @@ def _train(nproc: int, family: str, dump: Path, *extra: str) -> dict[int, float]
 @pytest.mark.parametrize("family,overrides,nproc,restart", [
     ("llama", ["--model.qk_norm", "false"], 2, True),    # sharded q/k rows reordered to rotate-half
     ("gla5", [], 2, False),                              # sharded w1 and w3 joined
-    ("mamba2", ["--model.canon_set", "AC"], 1, True),    # a fixed tensor with no canon-titan counterpart
+    ("mamba2", ["--model.canon_set", "AC"], 1, False),   # a fixed tensor with no canon-titan counterpart
 ])
 def test_last_save_in_hf_and_initial_load_in_hf(tmp_path, family, overrides, nproc, restart):
     """A run saving its last step in HF writes what `convert to-hf` makes of the same weights as DCP,
     a folder transformers loads with canon-titan's logits; a run started from it with
-    initial_load_in_hf trains exactly as one started from `convert from-hf` of it (checked for two
-    of the families: each start is two more trainings, and gla5's HF names differ from llama's only
-    in what the export already compares)."""
+    initial_load_in_hf trains exactly as one started from `convert from-hf` of it (checked for llama:
+    each start is two more trainings; the other families' adapters read HF tensors the same way,
+    checked on live state dicts above)."""
     checkpoint = [*overrides, "--training.steps", "2", "--checkpoint.enable", "--checkpoint.interval", "1",
                   "--checkpoint.last_save_model_only"]
     saved = tmp_path / "saved"

@@ -148,3 +148,29 @@ def test_flops_and_params_reported():
     embed = 32000 * 2048
     assert n == sum(p.numel() for p in model.parameters())
     assert flops == 6 * (n - embed) + 6 * 24 * 32 * 2 * 64 * 4096
+
+
+@pytest.mark.parametrize("recipe, expected", [("tensorwise", True), ("rowwise", False)])
+def test_float8_linears_get_torchaos_float8_tp_styles_with_tensorwise_scaling(recipe, expected):
+    """The plan a float8 llama_canon block is tensor-parallelised with: torchao's float8 column- and
+    row-wise styles (same layouts) on its tensorwise float8 linears, the plain styles otherwise."""
+    import copy
+
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
+
+    from canon_titan.float8 import float8_converter
+    from canon_titan.models.common.parallelize import float8_styles
+
+    spec = model_registry.model_spec("llama_canon", "debug", {})
+    section = {"recipe_name": recipe, "emulate": True, "filter_fqns": ["lm_head"]}
+    model = float8_converter(section, False).convert(copy.deepcopy(spec.model)).build()
+    block = model.layers["0"]
+    plan = {"attention.wq": ColwiseParallel(), "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "canonA": ColwiseParallel()}  # not a linear: never float8
+    styled = float8_styles(block, plan)
+    assert isinstance(styled["attention.wq"], Float8ColwiseParallel) == expected
+    assert isinstance(styled["attention.wo"], Float8RowwiseParallel) == expected
+    assert styled["attention.wo"].output_layouts == (Shard(1),) and styled["attention.wq"].input_layouts == (Replicate(),)
+    assert type(styled["canonA"]) is ColwiseParallel

@@ -1,6 +1,8 @@
 """Faults an operator meets: a killed launcher, two runs in one folder, a damaged checkpoint, bad
 bytes in data, damaged token shards, interrupted and damaged conversions."""
 
+import contextlib
+import io
 import json
 import os
 import signal
@@ -208,8 +210,17 @@ def test_tokenize_resume_redoes_shards_that_no_longer_match(tmp_path):
 
 
 def convert_cli(*args):
-    return subprocess.run([sys.executable, "-m", "canon_titan.cli", "convert", *map(str, args)], cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
+    """``canon-titan convert ARGS`` in this process (a subprocess per call would cost seconds of
+    imports each): exit code, stdout and stderr."""
+    from canon_titan import cli
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = cli.main(["convert", *map(str, args)])
+        except SystemExit as e:
+            code = e.code
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 
 def test_conversion_faults_are_one_line_naming_the_file(tmp_path):

@@ -115,6 +115,44 @@ def test_resume_gives_the_next_batch_of_an_uninterrupted_run():
         assert torch.equal(got[0]["input"], want[0]["input"]) and torch.equal(got[1], want[1])
 
 
+def checkpoint_of(loaders) -> dict:
+    """What DCP keeps of the loaders of every rank: one copy of the shared entries, each rank's own."""
+    merged = {}
+    for dl in loaders:
+        merged.update(dl.state_dict())
+    return merged
+
+
+@pytest.mark.parametrize("world,batch", [(1, 4), (4, 1), (2, 2)])
+def test_resume_at_another_data_parallel_size_sees_the_batches_of_that_size(world, batch):
+    """Three steps on 2 ranks x 2 windows, then a resume on ``world`` ranks x ``batch`` windows (the
+    same global batch): each rank gets exactly what it would have got had the run had that layout
+    from the start, carried samples included (every window carries one on)."""
+    old = [loader(rank=r, world=2, batch=2) for r in range(2)]
+    iters = [iter(dl) for dl in old]
+    for _ in range(3):
+        for it in iters:
+            next(it)
+    saved = checkpoint_of(old)
+    assert {k for k in saved if k.startswith("carries_dp_rank_")} == {"carries_dp_rank_0", "carries_dp_rank_1"}
+    for rank in range(world):
+        straight = iter(loader(rank=rank, world=world, batch=batch))
+        expected = [next(straight) for _ in range(6)][3:]
+        resumed = loader(rank=rank, world=world, batch=batch)
+        resumed.expect_checkpoint(sorted(saved))
+        assert sorted(resumed.state_dict()) == sorted(saved)  # the template DCP fills
+        resumed.load_state_dict(saved)
+        assert resumed.state_dict()[f"carries_dp_rank_{rank}"]  # its own share of the carries
+        packed = []
+        pack = resumed.pack
+        resumed.pack = lambda index, carried: packed.append(index) or pack(index, carried)
+        it = iter(resumed)
+        for want in expected:
+            got = next(it)
+            assert torch.equal(got[0]["input"], want[0]["input"]) and torch.equal(got[1], want[1])
+        assert len(packed) == 3 * batch  # its own windows only: no replay of the windows before
+
+
 @pytest.mark.parametrize("dataset,task,seq", [("brevo2", {"N": 10}, 256), ("mano", {"L": 6}, 64),
                                               ("lano", {"sizes": [1, 3, 3, 3, 3]}, 128)])
 def test_other_integer_tasks_pack_valid_samples(dataset, task, seq):

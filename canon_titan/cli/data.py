@@ -171,7 +171,7 @@ def _synthetic_samples(args, overrides: list[str]) -> int:
 
     if args.n < 1:
         return fail("data", "--n must be >= 1")
-    config = args.config or str(Path(__file__).resolve().parent.parent / "train_configs" / "llama_debug.toml")
+    config = args.config or str(Path(__file__).resolve().parents[2] / "train_configs" / "llama_debug.toml")
     base = [] if args.config else ["--training.seq_len", "2048"]
     seed = [] if args.seed is None or args.test else ["--dataloader.seed", str(args.seed)]
     try:

@@ -13,7 +13,8 @@ from canon_titan.config import dumps
 from canon_titan.config.build import absolute_paths
 from canon_titan.convert.dcp_io import NoLoadableCheckpoint
 from canon_titan.launch import DumpFolderInUse, lock_dump_folder, torchrun_preexec
-from canon_titan.trainer import RUN_CONFIG_FILE, FinishedRun, config_changes, resume_point
+from canon_titan.trainer import (RUN_CONFIG_FILE, FinishedRun, config_changes, layout_problem, resume_point,
+                                 saved_loader_keys)
 
 
 def main(argv: list[str]) -> int:
@@ -31,7 +32,7 @@ def main(argv: list[str]) -> int:
     del os.environ["WORLD_SIZE"]
     if error:
         return fail("config", error)
-    error = _prepare_launch(run)
+    error = _prepare_launch(run, args.nproc)
     if error:
         print(f"canon-titan: {error}", file=sys.stderr)
         return 2
@@ -50,18 +51,25 @@ def main(argv: list[str]) -> int:
     return subprocess.call(cmd, preexec_fn=torchrun_preexec, env=env)
 
 
-def _prepare_launch(run) -> str | None:
+def _prepare_launch(run, nproc: int) -> str | None:
     """What the workers would stop on before training, checked before torchrun starts: TorchTitan's
-    own config checks, a live run in the dump folder, no loadable checkpoint to resume from. Prints
-    the checkpoints that will be skipped. Returns the error, or None."""
+    own config checks, a live run in the dump folder, no loadable checkpoint to resume from, a
+    loader state that cannot continue at this data-parallel size. Prints the checkpoints that will
+    be skipped. Returns the error, or None."""
     dump = run["job"]["dump_folder"]
     try:
         lock_dump_folder(dump, hold=False)
-        if run["checkpoint"]["enable"]:
-            _, skipped = resume_point(str(Path(dump) / run["checkpoint"]["folder"]), run["checkpoint"]["load_step"],
-                                      run["training"]["steps"], dump)
+        ckpt = run["checkpoint"]
+        if ckpt["enable"]:
+            folder = Path(dump) / ckpt["folder"]
+            step, skipped = resume_point(str(folder), ckpt["load_step"], run["training"]["steps"], dump)
             for message in skipped:
                 print(f"canon-titan: warning: {message}", file=sys.stderr)
+            if step > 0 and not ckpt["load_only"]:
+                step_dir = folder / f"step-{step}"
+                problem = layout_problem(step_dir, saved_loader_keys(step_dir), run.data_parallel_size(nproc))
+                if problem:
+                    return problem
     except (DumpFolderInUse, NoLoadableCheckpoint, FinishedRun) as e:
         return str(e)
     changes = config_changes(os.path.join(dump, RUN_CONFIG_FILE), dumps(absolute_paths(run.sections)))

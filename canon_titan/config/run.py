@@ -48,6 +48,17 @@ class RunConfig:
         spec = self.model_spec()
         return spec.state_dict_adapter(spec.model, rope_layout=rope_layout)
 
+    def data_parallel_size(self, world_size: int) -> int:
+        """The data-parallel ranks (TorchTitan's batch degree) of this run on ``world_size`` processes:
+        ``data_parallel_shard_degree`` (-1: the ranks the other degrees leave) x replicate."""
+        par = self.sections["parallelism"]
+        shard = par["data_parallel_shard_degree"]
+        if shard == -1:
+            others = (par["data_parallel_replicate_degree"] * par["tensor_parallel_degree"]
+                      * par["pipeline_parallel_degree"] * par["context_parallel_degree"])
+            shard = max(1, world_size // others)
+        return shard * par["data_parallel_replicate_degree"]
+
     @functools.cached_property
     def task(self):
         """The synthetic task of ``[dataloader] dataset`` with its resolved parameters (None for text)."""

@@ -129,7 +129,7 @@ def _verify_checksums(hf_dir: Path, files: Iterable[Path]) -> None:
     try:
         expected = json.loads(manifest.read_text())
     except ValueError as e:
-        raise ConversionError(f"{manifest}: not valid JSON ({e})") from None
+        raise ConversionError(f"{manifest}: not readable JSON ({e})") from None
     for path in sorted(set(files)):
         if path.name in expected and file_checksum(path) != expected[path.name]:
             raise ConversionError(f"{path}: its contents changed since the export (checksum mismatch with {CHECKSUMS})")

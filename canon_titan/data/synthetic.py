@@ -14,8 +14,11 @@ Layout. As in the packed text loader, a ``next()`` takes ``local_batch_size * dp
 consecutive global windows and rank ``r`` the ``r``-th slice: the data do not depend on the
 data-parallel layout (for a given global batch), ranks get disjoint windows, and a window's carry
 goes to the window the same rank reads one step later. The checkpoint state is the next window
-and the rank's pending carries (exact resume); a rank without them (another layout) recomputes
-them from the windows before.
+and each rank's pending carries, under a key per rank. A resume reads the carries of every rank
+of the checkpoint (``expect_checkpoint``) and keeps those of the windows it will read, so a run
+resumed at another data-parallel size (same global batch) gets exactly the windows of a run that
+had that size from the start. Without carries in the state (a fresh loader asked for a window
+mid-stream) they are recomputed from the windows before.
 
 Labels: with ``answer_only_loss`` only answer tokens are predicted (the reference's setting);
 otherwise every token of a sample except its first.
@@ -44,6 +47,8 @@ MAX_REDRAWS = 100
 
 SampleId = tuple[int, int]
 """(window whose stream drew it, draw index): the sample's own random stream."""
+CARRIES = "carries_dp_rank_"
+"""State key prefix of a rank's pending carries (``carries_dp_rank_0``, ...)."""
 
 
 def sample_stream(seed: int, window: int, draw: int) -> random.Random:
@@ -80,6 +85,10 @@ class SyntheticDataLoader(BaseDataLoader):
         self.next_sample = 0
         self._carries: dict[int, SampleId] = {}
         """Destination window -> the sample carried into it, for windows this rank reads next."""
+        self._replay = True
+        """Recompute a carry missing from ``_carries`` (False once a checkpoint's carries are loaded:
+        they are complete, and a window missing there starts fresh)."""
+        self._checkpoint_keys: list[str] | None = None
         probe = [self.window(w) for w in range(4)]
         fill = np.mean([(p[2] != IGNORE_INDEX).sum() / seq_len for p in probe])
         samples = np.mean([int(((p[1] == 0) & (p[0] != PAD)).sum()) for p in probe])
@@ -130,6 +139,8 @@ class SyntheticDataLoader(BaseDataLoader):
             return None
         if index in self._carries:
             return self._carries.pop(index)
+        if not self._replay:
+            return None
         carried = None  # not known here (another layout before): replay the windows before it
         for earlier in range(index % self.stride, index, self.stride):
             carried = self.pack(earlier, carried)[1]
@@ -180,17 +191,43 @@ class SyntheticDataLoader(BaseDataLoader):
             self.next_sample += self.local_batch_size * self.dp_world_size
             yield self.batch(first)
 
+    def reads(self, index: int) -> bool:
+        """Whether this rank reads global window ``index``."""
+        return index % (self.local_batch_size * self.dp_world_size) // self.local_batch_size == self.dp_rank
+
+    def expect_checkpoint(self, keys: list[str]) -> None:
+        """Before a checkpoint load: the loader entries the checkpoint holds (names below
+        ``dataloader.``). The next ``state_dict()``, the template DCP fills, asks for exactly those,
+        the carries of every rank that wrote it included, whatever this run's layout."""
+        self._checkpoint_keys = list(keys)
+
     def state_dict(self) -> dict:
-        # The carries differ by rank: under a per-rank key (the next window is the same on every rank).
-        return {"next_sample": self.next_sample,
-                f"carries_dp_rank_{self.dp_rank}": sorted(self._carries.items())}
+        if self._checkpoint_keys is not None:
+            return {key: None for key in self._checkpoint_keys}
+        # next_sample is the same on every rank (one copy in the checkpoint); the carries differ.
+        return {"next_sample": self.next_sample, "windows_per_step": self.stride,
+                f"{CARRIES}{self.dp_rank}": sorted(self._carries.items())}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        if state_dict:
-            self.next_sample = int(state_dict["next_sample"])
-            carries = state_dict.get(f"carries_dp_rank_{self.dp_rank}")
-            self._carries = {int(dest): tuple(sample) for dest, sample in carries or []}
+        self._checkpoint_keys = None
+        if not state_dict:
+            return
+        self.next_sample = int(state_dict["next_sample"])
+        saved = [key for key in state_dict if key.startswith(CARRIES)]
+        if not saved:  # a checkpoint from before the carries: recompute them
             logger.info(f"Synthetic dataloader resumes at global window {self.next_sample:,}")
+            return
+        carries = {int(dest): tuple(sample) for key in saved for dest, sample in state_dict[key] or []}
+        self._carries = {dest: sample for dest, sample in carries.items() if self.reads(dest)}
+        self._replay = False
+        stride = int(state_dict.get("windows_per_step", self.stride))
+        layout = f"{len(saved)} data-parallel rank(s) to {self.dp_world_size}" if len(saved) != self.dp_world_size else ""
+        if stride != self.stride:
+            logger.warning(f"Synthetic dataloader: the global batch changed from {stride} to {self.stride} windows; "
+                           "every drawn sample is still trained on once, but from here the windows differ from "
+                           "those of a run that had this global batch from the start")
+        logger.info(f"Synthetic dataloader resumes at global window {self.next_sample:,}"
+                    + (f" (resharded from {layout})" if layout else ""))
 
 
 def loader_config(run) -> SyntheticDataLoader.Config:

@@ -29,6 +29,7 @@ from torchtitan.protocols.module import Module
 
 from canon_titan.kernels.backends import resolve_backend
 from canon_titan.kernels.canon import canon_conv, canon_swiglu
+from canon_titan.models.common.context_parallel import ContextShards
 from canon_titan.models.common.norms import RMSNorm
 from canon_titan.models.common.tensor_parallel import ChannelShard, local
 
@@ -161,19 +162,29 @@ class CanonConv(Module):
         return canon_conv(x, weight, bias, row_scale=row_scale, col_scale=col_scale, residual=self.residual,
                           activation=self.activation, backend=self.backend)
 
-    def forward(self, x: torch.Tensor, norm: RMSNorm | None = None) -> torch.Tensor:
+    def _halos(self, shards: ContextShards | None, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Under context parallelism, each input's runs with the rows before them (see ``ContextShards``)."""
+        return xs if shards is None else tuple(shards.with_halos(x, self.kernel_size) for x in xs)
+
+    def _unhalo(self, shards: ContextShards | None, y: torch.Tensor) -> torch.Tensor:
+        return y if shards is None else shards.without_halos(y, self.kernel_size)
+
+    def forward(self, x: torch.Tensor, norm: RMSNorm | None = None, shards: ContextShards | None = None) -> torch.Tensor:
         """The layer on ``x`` [batch, seq, channels], or on ``norm(x)``."""
         ((weight, bias),) = self._weights(x, [x.shape[-1]])
-        return self._convolve(x, weight, bias, norm)
+        (x,) = self._halos(shards, x)
+        return self._unhalo(shards, self._convolve(x, weight, bias, norm))
 
-    def segments(self, *xs: torch.Tensor, norms: tuple[RMSNorm | None, ...] | None = None) -> tuple[torch.Tensor, ...]:
+    def segments(self, *xs: torch.Tensor, norms: tuple[RMSNorm | None, ...] | None = None,
+                 shards: ContextShards | None = None) -> tuple[torch.Tensor, ...]:
         """The layer on the concatenation of ``xs`` along channels (each through its norm, if any),
         without concatenating."""
         weights = self._weights(xs[0], [x.shape[-1] for x in xs])
         norms = norms or (None,) * len(xs)
-        return tuple(self._convolve(x, w, b, norm) for x, (w, b), norm in zip(xs, weights, norms))
+        return tuple(self._unhalo(shards, self._convolve(x, w, b, norm))
+                     for x, (w, b), norm in zip(self._halos(shards, *xs), weights, norms))
 
-    def swiglu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    def swiglu(self, gate: torch.Tensor, up: torch.Tensor, shards: ContextShards | None = None) -> torch.Tensor:
         """``silu(g) * u`` with ``g, u`` this layer on [gate | up] (Canon-D and the SwiGLU after it)."""
         if self.channel_shard is None:
             weight, bias = local(self.weight, gate).squeeze(1), local(self.bias, gate)
@@ -181,5 +192,6 @@ class CanonConv(Module):
             (w_gate, b_gate), (w_up, b_up) = self._weights(gate, [gate.shape[-1], up.shape[-1]])
             weight = torch.cat((w_gate, w_up))
             bias = torch.cat((b_gate, b_up)) if b_gate is not None else None
-        return canon_swiglu(gate, up, weight, bias, residual=self.residual, activation=self.activation,
-                            backend=self.backend)
+        gate, up = self._halos(shards, gate, up)
+        return self._unhalo(shards, canon_swiglu(gate, up, weight, bias, residual=self.residual,
+                                                 activation=self.activation, backend=self.backend))

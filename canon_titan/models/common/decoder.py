@@ -22,6 +22,7 @@ from torchtitan.models.common.linear import Linear
 from torchtitan.protocols.module import Module
 
 from canon_titan.models.common.canon import CanonConv
+from canon_titan.models.common.context_parallel import ContextShards
 from canon_titan.models.common.norms import RMSNorm
 
 
@@ -67,10 +68,10 @@ class FeedForward(feed_forward.FeedForward):
         super().__init__(config)
         self.canonD = config.canonD.build() if config.canonD is not None else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, shards: ContextShards | None = None) -> torch.Tensor:
         if self.canonD is None:
             return super().forward(x)
-        return self.w2(self.canonD.swiglu(self.w1(x), self.w3(x)))
+        return self.w2(self.canonD.swiglu(self.w1(x), self.w3(x), shards=shards))
 
 
 def swiglu(dim: int, hidden: int, init: dict, out_init: dict, canonD: CanonConv.Config | None) -> FeedForward.Config:
@@ -82,9 +83,9 @@ def swiglu(dim: int, hidden: int, init: dict, out_init: dict, canonD: CanonConv.
     )
 
 
-def normed(x: torch.Tensor, norm: RMSNorm, canon: CanonConv | None) -> torch.Tensor:
+def normed(x: torch.Tensor, norm: RMSNorm, canon: CanonConv | None, shards: ContextShards | None = None) -> torch.Tensor:
     """``norm(x)``, or the Canon layer on it (which applies the norm itself, fused)."""
-    return canon(x, norm) if canon is not None else norm(x)
+    return canon(x, norm, shards=shards) if canon is not None else norm(x)
 
 
 def decoder_parts(dim: int, vocab_size: int, norm_eps: float, embedding_init: dict, lm_head_init: dict) -> dict:

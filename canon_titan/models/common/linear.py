@@ -263,6 +263,14 @@ class LinearArgs(CanonArgs, ABC):
                 (key, message) for key, message in problems if key != "canon_set"]
         return problems
 
+    def context_parallel_problem(self, cp: int) -> str | None:
+        if cp > 1:
+            return (f"{self.label} has no context-parallel path: its recurrence carries a state along the "
+                    "whole sequence, so a rank's share would need the final state of the shares before it "
+                    "(fla's context-parallel kernels are not wired in). Split long sequences with FSDP, TP "
+                    "or PP instead, or train llama/llama_canon with context parallelism")
+        return None
+
     def tensor_parallel_problem(self, tp: int) -> str | None:
         if tp > 1 and self.no_tensor_parallel:
             return self.no_tensor_parallel

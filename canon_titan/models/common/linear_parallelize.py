@@ -20,10 +20,9 @@ from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInputOutput,
     RowwiseParallel,
-    parallelize_module,
 )
 
-from canon_titan.models.common.parallelize import channel_shard, feed_forward_plan, sequence_parallel_plan
+from canon_titan.models.common.parallelize import channel_shard, feed_forward_plan, parallelize_plan, sequence_parallel_plan
 
 
 @dataclass(frozen=True)
@@ -65,4 +64,4 @@ def parallelize_block(block, tp_mesh, enable_sp: bool, *, layout: MixerLayout) -
     if enable_sp:
         plan.update(sequence_parallel_plan(block, (("canonA", "mixer_norm", "mixer", 1),
                                                    ("canonC", "ffn_norm", "feed_forward", 1))))
-    parallelize_module(block, tp_mesh, plan)
+    parallelize_plan(block, tp_mesh, plan)

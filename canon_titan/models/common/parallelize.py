@@ -25,6 +25,9 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from torchao.float8.config import ScalingGranularity, ScalingType
+from torchao.float8.float8_linear import Float8Linear
+from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
 from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.distributed.compile import apply_compile
 from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
@@ -78,6 +81,45 @@ def feed_forward_plan(block, tp_mesh, residual) -> dict:
             "feed_forward.w2": RowwiseParallel(output_layouts=residual)}
 
 
+def _tensorwise_float8(module: nn.Module) -> bool:
+    """A torchao Float8Linear with dynamic tensorwise scaling of its input and output gradient."""
+    config = getattr(module, "config", None)
+    if not isinstance(module, Float8Linear) or config is None:
+        return False
+    casts = (config.cast_config_input, config.cast_config_grad_output)
+    return all(c.scaling_type is ScalingType.DYNAMIC and c.scaling_granularity is ScalingGranularity.TENSORWISE
+               for c in casts)
+
+
+def float8_styles(module: nn.Module, plan: dict) -> dict:
+    """``plan`` with torchao's float8 column/row-wise styles on the linears of ``module`` that
+    float8 converted with tensorwise scaling: their activations cross the TP group in float8 (half
+    the bytes of bf16) and their output gradients are cast in the backward, as TorchTitan's llama3
+    does. Row-wise recipes keep the plain styles (torchao's float8 styles assume one scale per
+    tensor), and so does everything that is not a linear: Canon layers, norms and embeddings stay
+    in high precision. Either way each linear's matmul runs in float8."""
+    styles = {ColwiseParallel: Float8ColwiseParallel, RowwiseParallel: Float8RowwiseParallel}
+    out = {}
+    for name, style in plan.items():
+        target = styles.get(type(style))
+        if target is not None and _tensorwise_float8(module.get_submodule(name)):
+            style = target(input_layouts=style.input_layouts[0], output_layouts=style.output_layouts[0],
+                           use_local_output=style.use_local_output)
+        out[name] = style
+    return out
+
+
+def float8_collectives(tp_mesh) -> bool:
+    """Whether the TP group can move float8 tensors: NCCL can; gloo (CPU) has no float8 dtype, so
+    there the plain styles carry the high-precision activations and the matmuls still cast."""
+    return tp_mesh.device_type == "cuda"
+
+
+def parallelize_plan(module: nn.Module, tp_mesh, plan: dict) -> None:
+    """``parallelize_module``, with the float8 styles where the module's linears take them."""
+    parallelize_module(module, tp_mesh, float8_styles(module, plan) if float8_collectives(tp_mesh) else plan)
+
+
 def apply_tp(model: nn.Module, tp_mesh, *, enable_sp: bool, parallelize_block: Callable) -> None:
     """Vocab-parallel embedding and output, ``parallelize_block(block, tp_mesh, enable_sp)`` on every
     block, and every other parameter replicated."""
@@ -88,11 +130,13 @@ def apply_tp(model: nn.Module, tp_mesh, *, enable_sp: bool, parallelize_block: C
     }
     if enable_sp:
         root_plan["norm"] = SequenceParallel()
-    parallelize_module(model, tp_mesh, {k: v for k, v in root_plan.items() if getattr(model, k, None) is not None})
+    parallelize_plan(model, tp_mesh, {k: v for k, v in root_plan.items() if getattr(model, k, None) is not None})
     for block in model.layers.values():
         parallelize_block(block, tp_mesh, enable_sp)
     _replicate_remaining(model, tp_mesh)
-    logger.info(f"Applied tensor parallelism (degree {tp_mesh.size()}, sequence parallel {enable_sp})")
+    float8 = sum(_tensorwise_float8(m) for m in model.modules()) if float8_collectives(tp_mesh) else 0
+    logger.info(f"Applied tensor parallelism (degree {tp_mesh.size()}, sequence parallel {enable_sp})"
+                + (f", float8 tensor-parallel styles on {float8} tensorwise float8 linears" if float8 else ""))
 
 
 def apply_ac_compile_fsdp(model, *, parallel_dims, training, parallelism, compile_config, ac_config, dump_folder):

@@ -257,7 +257,7 @@ class CanonStateDictAdapter(StateDictAdapter):
         except OSError as e:
             raise HFFormatError(f"{path}: {e.strerror or e} (is {hf_dir} a Hugging Face model folder?)") from None
         except ValueError as e:
-            raise HFFormatError(f"{path}: not valid JSON ({e})") from None
+            raise HFFormatError(f"{path}: not readable JSON ({e})") from None
         if not isinstance(hf, dict):
             raise HFFormatError(f"{path}: not a JSON object")
         self.accept(hf, path)

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
-import torch.distributed.nn.functional as dist_fn
+import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor
 
 
@@ -19,8 +18,14 @@ def local(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor | None:
     return t
 
 
+def _all_reduce_sum(x: torch.Tensor, group) -> torch.Tensor:
+    out = funcol.all_reduce(x.contiguous(), "sum", group)
+    return out.wait() if isinstance(out, funcol.AsyncCollectiveTensor) else out
+
+
 class _SumGradients(torch.autograd.Function):
-    """Identity forward; backward all-reduces (sums) the gradient over ``group``."""
+    """Identity forward; backward all-reduces (sums) the gradient over ``group``. Functional
+    collectives, which torch.compile traces (the in-place ``dist`` ones break the graph)."""
 
     @staticmethod
     def forward(ctx, x, group):
@@ -29,9 +34,20 @@ class _SumGradients(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
+        return _all_reduce_sum(grad, ctx.group), None
+
+
+class _AllReduceSum(torch.autograd.Function):
+    """All-reduce (sum) whose backward all-reduces the gradient: every rank uses the sum."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_reduce_sum(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce_sum(grad, ctx.group), None
 
 
 def sum_gradients(x: torch.Tensor, group) -> torch.Tensor:
@@ -42,7 +58,7 @@ def sum_gradients(x: torch.Tensor, group) -> torch.Tensor:
 
 def tp_sum(x: torch.Tensor, group) -> torch.Tensor:
     """Differentiable all-reduce (sum) over ``group``."""
-    return dist_fn.all_reduce(x, op=dist.ReduceOp.SUM, group=group)
+    return _AllReduceSum.apply(x, group)
 
 
 class ChannelShard:

@@ -84,6 +84,11 @@ class LlamaArgs:
                 return f"({tp}) must divide model {name} ({heads})"
         return None
 
+    def context_parallel_problem(self, cp: int) -> str | None:
+        """Why ``cp``-way context parallelism cannot split this model's sequences, or None: attention
+        gathers K/V and Canon layers exchange halos (``models/common/context_parallel.py``)."""
+        return None
+
     def canon(self, position: str, channels: int) -> CanonConv.Config | None:
         """The Canon layer at ``position`` (one of ABCD), or None; plain Llama has none."""
         return None

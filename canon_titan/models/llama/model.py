@@ -25,6 +25,7 @@ from torchtitan.models.utils import get_dense_model_nparams_and_flops
 from torchtitan.protocols.module import Module
 
 from canon_titan.models.common.canon import CanonConv
+from canon_titan.models.common.context_parallel import ContextShards
 from canon_titan.models.common.decoder import CanonDecoder, normed
 from canon_titan.models.common.norms import RMSNorm
 from canon_titan.models.common.rope import PartialRoPE
@@ -67,19 +68,23 @@ class Attention(Module):
         self.rope = config.rope.build()
         self.canonB = config.canonB.build() if config.canonB is not None else None
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None,
+                shards: ContextShards | None = None) -> torch.Tensor:
         batch, seq_len, _ = x.shape
         q, k, v = self.wq(x), self.wk(x), self.wv(x)
         # QK-norm: over the whole flat projection, before splitting into heads (fused into Canon-B).
         if self.canonB is not None:
-            q, k, v = self.canonB.segments(q, k, v, norms=(self.q_norm, self.k_norm, None))
+            q, k, v = self.canonB.segments(q, k, v, norms=(self.q_norm, self.k_norm, None), shards=shards)
         elif self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(batch, seq_len, -1, self.head_dim)
         k = k.view(batch, seq_len, -1, self.head_dim)
         v = v.view(batch, seq_len, -1, self.head_dim)
         q, k = self.rope(q, k, positions)
-        mask = None if positions is None else document_causal_mask(positions)
+        if shards is not None:  # context parallel: the keys and values of the whole sequence
+            k, v, mask = shards.gather(k), shards.gather(v), shards.attention_mask
+        else:
+            mask = None if positions is None else document_causal_mask(positions)
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
             attn_mask=mask, is_causal=mask is None, enable_gqa=self.enable_gqa,
@@ -106,8 +111,10 @@ class LlamaBlock(TransformerBlock):
         self.canonC = config.canonC.build() if config.canonC is not None else None
 
     def forward(self, x: torch.Tensor, attention_masks=None, positions: torch.Tensor | None = None):
-        h = x + self.attention(normed(x, self.attention_norm, self.canonA), positions)
-        return h + self.feed_forward(normed(h, self.ffn_norm, self.canonC))
+        # Under context parallelism the trainer passes the sequence split as ``attention_masks``.
+        shards = attention_masks if isinstance(attention_masks, ContextShards) else None
+        h = x + self.attention(normed(x, self.attention_norm, self.canonA, shards), positions, shards=shards)
+        return h + self.feed_forward(normed(h, self.ffn_norm, self.canonC, shards), shards=shards)
 
 
 class LlamaModel(CanonDecoder):

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import torch.nn as nn
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from canon_titan.models.common.parallelize import (channel_shard, feed_forward_plan, parallelize_decoder,
-                                                   sequence_parallel_plan)
+                                                   parallelize_plan, sequence_parallel_plan)
 
 
 def parallelize_block(block, tp_mesh, enable_sp: bool) -> None:
@@ -36,7 +36,7 @@ def parallelize_block(block, tp_mesh, enable_sp: bool) -> None:
     if enable_sp:
         plan.update(sequence_parallel_plan(block, (("canonA", "attention_norm", "attention", 2),
                                                    ("canonC", "ffn_norm", "feed_forward", 1))))
-    parallelize_module(block, tp_mesh, plan)
+    parallelize_plan(block, tp_mesh, plan)
 
 
 def parallelize_llama(model, **kwargs):

@@ -1,0 +1,141 @@
+"""Context parallelism (CP) for the attention families, with Canon layers.
+
+Every CP rank holds a share of each sequence, split the way TorchTitan splits it (``cp_shard``:
+with the ``headtail`` balancer, of 2 x cp equal chunks rank r holds chunk r and chunk 2 x cp - 1 - r,
+so that causal attention costs every rank the same; without a balancer, one contiguous chunk).
+The layers see it through ``ContextShards``, which the trainer hands every block as its
+``attention_masks`` argument:
+
+* attention gathers K and V of the whole sequence from the CP group (the design Llama 3 used;
+  the gather's backward reduce-scatters their gradients) and masks by global position: causal,
+  and within a document when the run masks documents. Softmax does not care about the order of
+  the keys, so the gathered keys stay in rank order and the mask follows them.
+* a Canon layer needs, for the first token of each contiguous run of its rows, the K - 1 tokens
+  before it, which another rank holds (or none: the sequence start, where the convolution pads
+  with zeros). Every rank all-gathers the last K - 1 rows of each of its runs (a halo exchange)
+  and runs the layer on its runs with their halos in front, so its output equals the unsharded
+  layer's exactly. The halo rows are the layer's inputs, before any fused norm.
+
+The result is the unsharded model's on every token; the tests compare CP runs with one process.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed._functional_collectives import all_gather_single_autograd
+
+from torchtitan.distributed.context_parallel import cp_shard
+
+BALANCERS = ("headtail", None)
+"""Load balancers CP supports here (TorchTitan's ``ptrr`` needs a FlexAttention block mask)."""
+
+
+def contiguous_runs(index: list[int]) -> list[tuple[int, int, int]]:
+    """(local start, global start, length) of each run of consecutive global positions."""
+    runs, start = [], 0
+    for i in range(1, len(index) + 1):
+        if i == len(index) or index[i] != index[i - 1] + 1:
+            runs.append((start, index[start], i - start))
+            start = i
+    return runs
+
+
+@dataclass(eq=False)
+class ContextShards:
+    """Which positions of each sequence this CP rank holds, and the collectives that give its
+    layers what they need from the other ranks."""
+
+    group: dist.ProcessGroup
+    rank: int
+    size: int
+    index: torch.Tensor
+    """[L] global positions of this rank's rows, in local order."""
+    key_index: torch.Tensor
+    """[size x L] global positions of the rows of a gather, in gathered (rank) order."""
+    runs: list[tuple[int, int, int]]
+    """This rank's contiguous runs: (local start, global start, length)."""
+    halo_sources: list[tuple[int, int] | None]
+    """For each run, the (rank, run number) whose last rows precede it (None at position 0)."""
+    max_runs: int = 1
+    """The most runs a rank holds (headtail on 2 ranks: rank 0 holds 2, rank 1 one run of 2 chunks)."""
+    documents: torch.Tensor | None = None
+    """[batch, seq] document number of every global position, when documents are masked."""
+
+    @classmethod
+    def build(cls, group, all_index: torch.Tensor, documents: torch.Tensor | None = None) -> ContextShards:
+        """From the global positions every rank holds (``all_index`` [size, L])."""
+        rank, size = dist.get_rank(group), dist.get_world_size(group)
+        runs = [contiguous_runs(all_index[r].tolist()) for r in range(size)]
+        ends = {start + length: (r, j) for r, rank_runs in enumerate(runs)
+                for j, (_, start, length) in enumerate(rank_runs)}
+        sources = [None if start == 0 else ends[start] for _, start, _ in runs[rank]]
+        return cls(group=group, rank=rank, size=size, index=all_index[rank], key_index=all_index.flatten(),
+                   runs=runs[rank], halo_sources=sources, max_runs=max(len(r) for r in runs), documents=documents)
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """[batch, L, ...] -> [batch, size x L, ...]: every rank's rows, in rank order (``key_index``)."""
+        gathered = all_gather_single_autograd(x.contiguous(), 0, self.group)
+        return gathered.view(self.size, *x.shape).movedim(0, 1).flatten(1, 2)
+
+    @functools.cached_property
+    def attention_mask(self) -> torch.Tensor:
+        """[batch or 1, 1, L, size x L]: query row i may see gathered key j."""
+        causal = self.key_index[None, :] <= self.index[:, None]
+        if self.documents is None:
+            return causal[None, None]
+        same = self.documents[:, self.index, None] == self.documents[:, None, self.key_index]
+        return (causal & same)[:, None]
+
+    def with_halos(self, x: torch.Tensor, kernel_size: int) -> torch.Tensor:
+        """[batch, L, C] -> each run with the ``kernel_size - 1`` rows before it in front."""
+        k = kernel_size - 1
+        if k == 0:
+            return x
+        tails = [x[:, start + length - k:start + length] for start, _, length in self.runs]
+        tails += [x.new_zeros(x.shape[0], k, x.shape[2])] * (self.max_runs - len(self.runs))  # same size on every rank
+        tails = torch.cat(tails, dim=1)
+        gathered = all_gather_single_autograd(tails.contiguous(), 0, self.group)
+        # Every rank's tails, then k zero rows (the halo of the sequence start), as one tensor that
+        # every rank's halos come from: the gather is in each rank's backward graph, so its
+        # reduce-scatter runs on all of them (a rank that used none of it would skip it and hang).
+        bank = torch.cat([gathered.view(self.size, *tails.shape).movedim(0, 1).flatten(1, 2),
+                          x.new_zeros(x.shape[0], k, x.shape[2])], dim=1)
+        zeros = self.size * tails.shape[1]
+        pieces = []
+        for (start, _, length), source in zip(self.runs, self.halo_sources):
+            first = zeros if source is None else (source[0] * self.max_runs + source[1]) * k
+            pieces += [bank[:, first:first + k], x[:, start:start + length]]
+        return torch.cat(pieces, dim=1)
+
+    def without_halos(self, y: torch.Tensor, kernel_size: int) -> torch.Tensor:
+        """The inverse of ``with_halos`` on a layer's output: the runs' own rows."""
+        k = kernel_size - 1
+        if k == 0:
+            return y
+        pieces, offset = [], 0
+        for _, _, length in self.runs:
+            pieces.append(y[:, offset + k:offset + k + length])
+            offset += k + length
+        return torch.cat(pieces, dim=1)
+
+
+def context_parallel_inputs(input_dict: dict, labels: torch.Tensor, cp_mesh, load_balancer: str | None):
+    """The trainer's hook: this rank's share of the tokens, labels and RoPE positions, and the
+    ``ContextShards`` the blocks receive as ``attention_masks``."""
+    inputs = input_dict["input"]
+    batch, seq_len = inputs.shape
+    positions = input_dict.get("positions")
+    index = torch.arange(seq_len, device=inputs.device).expand(batch, seq_len)
+    documents = torch.cumsum(positions == 0, dim=1) if positions is not None else None
+    rope_positions = positions if positions is not None else index
+    (inputs, labels, rope_positions, local_index), _ = cp_shard(
+        cp_mesh, (inputs, labels, rope_positions, index.contiguous()), None, load_balancer)
+    group = cp_mesh.get_group()
+    all_index = local_index.new_empty(cp_mesh.size() * local_index.shape[1])
+    dist.all_gather_single(all_index, local_index[0].contiguous(), group=group)
+    shards = ContextShards.build(group, all_index.view(cp_mesh.size(), -1), documents)
+    return inputs, labels, {"positions": rope_positions, "attention_masks": shards}
