@@ -77,7 +77,6 @@ def _train(nproc: int, family: str, dump: Path, *extra: str) -> dict[int, float]
 @pytest.mark.parametrize("family,overrides,nproc,restart", [
     ("llama", ["--model.qk_norm", "false"], 2, True),    # sharded q/k rows reordered to rotate-half
     ("gla5", [], 2, False),                              # sharded w1 and w3 joined
-    ("mamba2", ["--model.canon_set", "AC"], 1, False),   # a fixed tensor with no canon-titan counterpart
 ])
 def test_last_save_in_hf_and_initial_load_in_hf(tmp_path, family, overrides, nproc, restart):
     """A run saving its last step in HF writes what `convert to-hf` makes of the same weights as DCP,

@@ -141,15 +141,15 @@ def test_blocks_with_kernel_backends_compile_without_graph_breaks(family):
 @needs_triton
 @pytest.mark.parametrize("family", FAMILIES)
 def test_training_steps_match_the_torch_kernels(family):
-    """Three AdamW steps of the debug model (two layers) from the same weights and batch: losses and
-    gradient norms agree to 1e-4 relative."""
+    """Two AdamW steps of the debug model (two layers) from the same weights and batch (the second
+    runs on weights the first updated): losses and gradient norms agree to 1e-4 relative."""
     tokens = torch.randint(0, 2048, (2, 49), generator=torch.Generator().manual_seed(5))
     history = {}
     for backend in ("torch", CUDA_BACKEND[family]):
         model = _model(family, backend, n_layers=2)
         optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
         history[backend] = []
-        for _ in range(3):
+        for _ in range(2):
             logits = model(tokens[:, :-1])
             loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
             loss.backward()

@@ -34,6 +34,18 @@ def reference(seed, tmp_path_factory):
     return read_scalars(dump), read_scalars(dump, "grad_norm")
 
 
+MASKED = ["--dataloader.document_masking", "true"]
+
+
+@pytest.fixture(scope="module")
+def masked_reference(seed, tmp_path_factory):
+    """One process with per-document attention (positions restart at every BOS)."""
+    dump = start_from(seed, tmp_path_factory.mktemp("masked"))
+    run_training(1, COMMON + STEPS + MASKED + ["--job.dump_folder", str(dump), "--training.local_batch_size",
+                                               str(GLOBAL_BATCH)], config=CONFIGS["llama_canon"])
+    return read_scalars(dump), read_scalars(dump, "grad_norm")
+
+
 def train(seed, tmp_path, nproc, args, dp=1):
     dump = start_from(seed, tmp_path / "run")
     out = run_training(nproc, COMMON + STEPS + ["--job.dump_folder", str(dump),
@@ -135,11 +147,9 @@ def test_context_parallel_training_matches_one_process(seed, reference, tmp_path
     assert_matches(reference, dump)
 
 
-def test_context_parallel_with_document_masking_matches_one_process(seed, tmp_path):
-    masking = ["--dataloader.document_masking", "true"]
-    one, _ = train(seed, tmp_path / "one", 1, masking)
-    cp, _ = train(seed, tmp_path / "cp", 2, masking + ["--parallelism.context_parallel_degree", "2"])
-    assert_matches((read_scalars(one), read_scalars(one, "grad_norm")), cp)
+def test_context_parallel_with_document_masking_matches_one_process(seed, masked_reference, tmp_path):
+    cp, _ = train(seed, tmp_path, 2, MASKED + ["--parallelism.context_parallel_degree", "2"])
+    assert_matches(masked_reference, cp)
 
 
 def test_context_parallel_times_fsdp_on_four_processes(seed, reference, tmp_path):
@@ -191,28 +201,23 @@ def test_slurm_template_launches_a_two_node_job(seed, reference, tmp_path):
     assert_matches(reference, dump)
 
 
-def test_document_masking_under_tensor_parallel(seed, tmp_path):
+def test_document_masking_under_tensor_parallel(seed, masked_reference, tmp_path):
     """Per-document attention (positions from the loader) is exact under TP with SP too."""
-    masked = ["--dataloader.document_masking", "true"]
-    one = start_from(seed, tmp_path / "one")
-    run_training(1, COMMON + STEPS + masked + ["--job.dump_folder", str(one), "--training.local_batch_size", "4"],
-                 config=CONFIGS["llama_canon"])
-    dump, _ = train(seed, tmp_path, 2, masked + ["--parallelism.tensor_parallel_degree", "2"])
-    reference = (read_scalars(one), read_scalars(one, "grad_norm"))
-    assert_matches(reference, dump)
+    dump, _ = train(seed, tmp_path, 2, MASKED + ["--parallelism.tensor_parallel_degree", "2"])
+    assert_matches(masked_reference, dump)
 
 
 @pytest.mark.parametrize("nproc, dp, args, applied", [
-    # (No one-process case: each FSDP rank below runs the whole model on its batch, as one process would.)
+    # No one-process case (each FSDP rank below runs the whole model on its batch, as one process
+    # would) and no PP case (a stage runs the op as the whole model does; PP is checked with torch).
     (2, 1, ["--parallelism.tensor_parallel_degree", "2", "--parallelism.enable_sequence_parallel", "true"],
      "Applied tensor parallelism (degree 2, sequence parallel True)"),
     (2, 2, ["--activation_checkpoint.mode", "full", "--compile.enable"], "Applied FullAC activation checkpointing"),
-    (2, 1, ["--parallelism.pipeline_parallel_degree", "2"], "PP rank 1 is building stage_idx 1"),
-], ids=["tp_sp", "fsdp_ac_compile", "pp"])
+], ids=["tp_sp", "fsdp_ac_compile"])
 def test_triton_canon_kernels_train_as_the_torch_ones(seed, reference, tmp_path, nproc, dp, args, applied):
     """canon_backend = "triton" (the custom ops, in Triton's interpreter here) against the torch
     backend's single-process reference: Canon-B/D on TP channel shards, Canon-A/C after the SP
-    all-gather, recomputed under activation checkpointing, inside compiled blocks, per stage."""
+    all-gather, recomputed under activation checkpointing, inside compiled blocks."""
     dump, out = train(seed, tmp_path, nproc, ["--model.canon_backend", "triton", *args], dp=dp)
     assert "backend triton (requested triton)" in out
     assert applied is None or applied in out

@@ -1,4 +1,4 @@
-"""Real 2-process training on every synthetic task: it starts, the loss falls, and the eval
+"""Real 2-process training on the synthetic tasks (Depo, Brevo, Capo): it starts, the loss falls, and the eval
 command scores the resulting checkpoint."""
 
 import json
@@ -10,11 +10,9 @@ import pytest
 from canon_titan.metrics import LOSS_TAG, read_scalars
 from conftest import REPO, run_training, train_env
 
-TASKS = {  # one preset of each generator (depo2 and brevo2 share depo1's and brevo1's, with other settings)
+TASKS = {  # Depo, Brevo and Capo in real 2-process training (every task's windows: test_synthetic_loader.py)
     "depo1": ["--depo.N", "8", "--depo.K", "4", "--depo.mini_vocab", "8"],
     "brevo1": ["--brevo.N", "10"],
-    "mano": ["--mano.L", "3"],
-    "lano": ["--lano.sizes", "[1, 2, 2, 3]"],
     "capo_bios": ["--capo.individuals", "30", "--training.seq_len", "256"],  # bios: ~190 built-in tokens
 }
 
