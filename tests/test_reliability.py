@@ -129,17 +129,10 @@ def test_resume_skips_a_damaged_newest_checkpoint(tmp_path):
     assert resumed.returncode == 0, out[-3000:]
     assert f"checkpoint step 4 cannot be loaded and is skipped: {data} is truncated" in out
     assert "Training starts at step 3" in out
-    for step in ("step-2", "step-6"):  # step-4 was written again on the way
-        data = sorted((dump / "checkpoint" / step).glob("*.distcp"))[0]
-        data.write_bytes(b"")
-    again = subprocess.run(base + ["--training.steps", "8"], cwd=REPO, env=train_env(), capture_output=True,
-                           text=True, timeout=600)
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert "checkpoint step 6 cannot be loaded" in again.stderr and "Training starts at step 5" in again.stdout
     for step_dir in (dump / "checkpoint").iterdir():
         for data in step_dir.glob("*.distcp"):
             data.write_bytes(b"")
-    none = subprocess.run(base + ["--training.steps", "10"], cwd=REPO, env=train_env(), capture_output=True,
+    none = subprocess.run(base + ["--training.steps", "8"], cwd=REPO, env=train_env(), capture_output=True,
                           text=True, timeout=600)
     assert none.returncode == 2 and "torch.distributed.run" not in none.stdout
     assert f"no checkpoint in {dump / 'checkpoint'} can be loaded" in none.stderr and "Traceback" not in none.stderr
