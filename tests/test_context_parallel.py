@@ -118,7 +118,7 @@ def test_sharded_sequence_equals_the_whole_one(name, overrides, balancer, docume
 @pytest.mark.parametrize("name,overrides,key", [
     ("gla5", [], "has no context-parallel path"),
     ("llama_canon", ["--parallelism.tensor_parallel_degree", "2"], "not with tensor or pipeline"),
-    ("llama_canon", ["--parallelism.context_parallel_load_balancer", "ptrr"], "must be 'headtail' or empty"),
+    ("llama_canon", ["--parallelism.context_parallel_load_balancer", "ptrr"], "must be 'headtail', got 'ptrr'"),
     ("llama_canon", ["--training.seq_len", "8"], "at least canon_kernel - 1 = 3 tokens"),
 ])
 def test_what_context_parallelism_refuses(name, overrides, key, monkeypatch):

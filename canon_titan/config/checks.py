@@ -212,8 +212,8 @@ def check_parallelism(run: RunConfig, environment: bool) -> None:
                   "context parallelism combines with FSDP/HSDP only here, not with tensor or pipeline parallelism")
         if par["context_parallel_load_balancer"] not in BALANCERS:
             _fail(run, "parallelism", "context_parallel_load_balancer",
-                  f"must be 'headtail' or empty (no balancing), got {par['context_parallel_load_balancer']!r} "
-                  "('ptrr' needs FlexAttention block masks)")
+                  f"must be 'headtail', got {par['context_parallel_load_balancer']!r} ('ptrr' needs "
+                  "FlexAttention block masks; TorchTitan's unbalanced split, None, has no TOML spelling)")
         chunks = 2 * cp if par["context_parallel_load_balancer"] else cp
         if training["seq_len"] % (2 * cp):
             _fail(run, "training", "seq_len", f"must be divisible by 2 x context_parallel_degree ({2 * cp})")
