@@ -1,17 +1,15 @@
 """Model families by name: ``[model] name + flavor`` -> TorchTitan ``ModelSpec``.
 
-Each family is a module here with ``FAMILY`` (its ``canon_titan.models`` family: args, parallelism,
-state-dict adapter) and ``FLAVORS`` (named presets of its args). This is the only place a model
-name is looked up.
+Each family is a module here with ``ARGS`` (the dataclass of its ``[model]`` keys) and ``FLAVORS``
+(named presets of them). This is the only place a model name is looked up. Reading and checking a
+config needs only these, which import no model code; ``model_family`` imports the family's
+modules (parallelism, Hugging Face format) when a model is built, converted or registered.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
-
-from torchtitan.distributed.pipeline_parallel import pipeline_llm
-from torchtitan.protocols.model_spec import ModelSpec
 
 from canon_titan.hf import register
 
@@ -23,7 +21,7 @@ class UnknownModelError(ValueError):
 
 
 def family(name: str):
-    """The registry module of ``name`` (``FAMILY``, ``FLAVORS``)."""
+    """The registry module of ``name`` (``ARGS``, ``FLAVORS``)."""
     if name not in FAMILIES:
         raise UnknownModelError(f"unknown model name {name!r}; available: {', '.join(FAMILIES)}")
     return importlib.import_module(f"model_registry.{name}")
@@ -39,25 +37,22 @@ def model_args(name: str, flavor: str, overrides: dict | None = None):
     return dataclasses.replace(fam.FLAVORS[flavor], **(overrides or {}))
 
 
-def spec_from_args(name: str, flavor: str, args) -> ModelSpec:
-    """The ModelSpec of a model whose args are resolved (``args.model_config()`` builds its config)."""
-    fam = family(name).FAMILY
-    return ModelSpec(
-        name=name,
-        flavor=flavor,
-        model=args.model_config(),
-        parallelize_fn=fam.parallelize,
-        pipelining_fn=pipeline_llm,
-        post_optimizer_build_fn=None,
-        state_dict_adapter=fam.state_dict_adapter,
-    )
+def model_family(name: str):
+    """The ``ModelFamily`` of ``name`` (imports its model code)."""
+    family(name)
+    return importlib.import_module(f"canon_titan.models.{name}.family").FAMILY
 
 
-def model_spec(name: str, flavor: str, overrides: dict | None = None) -> ModelSpec:
+def spec_from_args(name: str, flavor: str, args):
+    """The TorchTitan ModelSpec of a model whose args are resolved."""
+    return model_family(name).spec(flavor, args)
+
+
+def model_spec(name: str, flavor: str, overrides: dict | None = None):
     return spec_from_args(name, flavor, model_args(name, flavor, overrides))
 
 
 def register_with_transformers() -> None:
     """Make transformers' Auto classes know every family's model types (exports then load without
     ``trust_remote_code``)."""
-    register({hf for name in FAMILIES for hf in family(name).FAMILY.hf_models})
+    register({hf for name in FAMILIES for hf in model_family(name).hf_models})

@@ -1,9 +1,11 @@
 """``gdn2``: GDN2 (gated DeltaNet) of the PhysicsLM4 linear-model release (spec 5.3, 5.5, 5.7);
 canon_set 'AbbCD' for the Canon models, 'bb' for the conv baselines."""
 
-from canon_titan.models.gdn2 import FAMILY, GDN2Args
+from canon_titan.models.gdn2.args import GDN2Args
 
-__all__ = ["FAMILY", "FLAVORS"]
+__all__ = ["ARGS", "FLAVORS"]
+
+ARGS = GDN2Args
 
 FLAVORS: dict[str, GDN2Args] = {
     # Tiny CPU model: 4 heads (key head 32, value head 64), MLP 2 * dim.

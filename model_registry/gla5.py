@@ -1,9 +1,11 @@
 """``gla5``: GLA5 of the PhysicsLM4 linear-model release (spec 5.2, 5.5, 5.7); canon_set 'AbbCD'
 for the Canon models, 'bb' for the conv baselines."""
 
-from canon_titan.models.gla5 import FAMILY, GLA5Args
+from canon_titan.models.gla5.args import GLA5Args
 
-__all__ = ["FAMILY", "FLAVORS"]
+__all__ = ["ARGS", "FLAVORS"]
+
+ARGS = GLA5Args
 
 FLAVORS: dict[str, GLA5Args] = {
     # Tiny CPU model: 4 heads (key head 32, value head 64), MLP 2 * dim.

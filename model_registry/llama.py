@@ -1,8 +1,10 @@
 """``llama``: the vanilla Llama baseline of the PhysicsLM4 release (spec section 4)."""
 
-from canon_titan.models.llama import FAMILY, LlamaArgs
+from canon_titan.models.llama.args import LlamaArgs
 
-__all__ = ["FAMILY", "FLAVORS"]
+__all__ = ["ARGS", "FLAVORS"]
+
+ARGS = LlamaArgs
 
 FLAVORS: dict[str, LlamaArgs] = {
     # Tiny CPU model with the 1B recipe's features (GQA added so it is exercised too).

@@ -1,8 +1,10 @@
 """``llama_canon``: LlamaCanon of the PhysicsLM4 release (Canon-ABCD, partial RoPE; spec 1-4)."""
 
-from canon_titan.models.llama_canon import FAMILY, LlamaCanonArgs
+from canon_titan.models.llama_canon.args import LlamaCanonArgs
 
-__all__ = ["FAMILY", "FLAVORS"]
+__all__ = ["ARGS", "FLAVORS"]
+
+ARGS = LlamaCanonArgs
 
 FLAVORS: dict[str, LlamaCanonArgs] = {
     # Tiny CPU model; head_dim 32 with RoPE on a quarter of it, as the released models do.

@@ -2,9 +2,11 @@
 PhysicsLM4 linear-model release (spec 5.4, 5.5, 5.7); canon_set 'AbbCD' for the Canon models,
 'bb' for the conv baselines."""
 
-from canon_titan.models.mamba2 import FAMILY, Mamba2Args
+from canon_titan.models.mamba2.args import Mamba2Args
 
-__all__ = ["FAMILY", "FLAVORS"]
+__all__ = ["ARGS", "FLAVORS"]
+
+ARGS = Mamba2Args
 
 FLAVORS: dict[str, Mamba2Args] = {
     # Tiny CPU model: 4 heads of 64 channels, state 32, two chunks of a 128-token sequence.

@@ -101,6 +101,25 @@ def test_the_cli_starts_without_transformers_or_torchtitan():
     assert "HEAVY []" in proc.stdout, proc.stdout + proc.stderr
 
 
+def test_config_validate_loads_no_trainer_model_or_data_libraries():
+    """`config validate` (and every [model] args class) answers without the trainer, the model stack
+    (torchtitan.models.common compiles FlexAttention on import, loading dynamo/inductor), the data
+    libraries, transformers or lm-eval: together they took 9 s of its start-up."""
+    configs = [str(REPO / "train_configs" / name) for name in
+               ("llama_canon_debug.toml", "gla5_debug.toml", "mamba2_debug.toml", "playground/depo.toml")]
+    script = ("import sys, runpy\n"
+              f"sys.argv = ['canon-titan', 'config', 'validate', *{configs!r}]\n"
+              "try:\n    runpy.run_module('canon_titan.cli', run_name='__main__')\nexcept SystemExit:\n    pass\n"
+              "import model_registry\n"
+              "[model_registry.model_args(name, 'debug').validate() for name in model_registry.FAMILIES]\n"
+              "heavy = [m for m in ('torchtitan.trainer', 'torchtitan.models.common', 'torch._dynamo', 'datasets',\n"
+              "                     'transformers', 'lm_eval', 'canon_titan.models.llama.model') if m in sys.modules]\n"
+              "print('HEAVY', heavy)\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert proc.stdout.count("ok ") == len(configs), proc.stdout + proc.stderr
+    assert "HEAVY []" in proc.stdout, proc.stdout + proc.stderr
+
+
 def test_eval_lm_on_a_missing_device_is_one_clear_line(capsys):
     import torch
 

@@ -135,3 +135,65 @@ def test_a_broken_token_folder_is_a_config_error(tmp_path, capsys, index, messag
 def test_world_size_below_one_is_refused(capsys, size):
     code, out, err = validate(capsys, BASES["llama"], "--world-size", size)
     assert code == 2 and "--world-size" in err and "ok" not in out
+
+
+# Valid-looking variants of the bases (world size, overrides). Each base x variant is judged twice:
+# by `config validate` (our checks and TorchTitan's section configs, without the trainer or the
+# model code) and by `train`'s pre-launch build (the whole Trainer.Config, with the model spec, its
+# float8 conversion and update_from_config). The two verdicts must agree.
+VARIANTS = {
+    "one-process": (1, []),
+    "fsdp2-compile": (2, ["--compile.enable"]),
+    "tp2-sp": (2, ["--parallelism.tensor_parallel_degree", "2", "--parallelism.enable_sequence_parallel", "true"]),
+    "tp3": (3, ["--parallelism.tensor_parallel_degree", "3"]),
+    "pp2": (2, ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "1F1B"]),
+    "pp2-odd-microbatch": (2, ["--parallelism.pipeline_parallel_degree", "2",
+                               "--parallelism.pipeline_parallel_microbatch_size", "3"]),
+    "cp2": (2, ["--parallelism.context_parallel_degree", "2"]),
+    "hsdp2x2-full-ac": (4, ["--parallelism.data_parallel_replicate_degree", "2", "--activation_checkpoint.mode",
+                            "full"]),
+    "float8-emulated-tp2": (2, ["--float8.enable", "--float8.emulate", "--parallelism.tensor_parallel_degree", "2"]),
+    "selective-ac-last-hf": (1, ["--activation_checkpoint.mode", "selective", "--checkpoint.enable",
+                                 "--checkpoint.last_save_in_hf"]),
+}
+
+
+def _verdict(check) -> str | None:
+    from canon_titan.config import ConfigError
+
+    try:
+        check()
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("base", BASES)
+def test_validate_and_the_pre_launch_build_agree(monkeypatch, tmp_path, base, variant):
+    from canon_titan.config import load
+    from canon_titan.config.build import build_trainer_config
+    from canon_titan.config.titan_sections import titan_sections
+
+    world, overrides = VARIANTS[variant]
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    overrides = [*overrides, "--job.dump_folder", str(tmp_path / "out")]
+    fast = _verdict(lambda: titan_sections(load(BASES[base], overrides)))
+    full = _verdict(lambda: build_trainer_config(load(BASES[base], overrides)))
+    assert fast == full
+
+
+def test_the_agreement_table_accepts_and_refuses():
+    """Not void: the variants hold configs both accept and configs both refuse (checked above)."""
+    from canon_titan.config import ConfigError, load
+
+    verdicts = []
+    for base, (world, overrides) in itertools.product(BASES, VARIANTS.values()):
+        with pytest.MonkeyPatch.context() as env:
+            env.setenv("WORLD_SIZE", str(world))
+            try:
+                load(BASES[base], overrides)
+                verdicts.append(True)
+            except ConfigError:
+                verdicts.append(False)
+    assert 10 <= sum(verdicts) <= len(verdicts) - 10, verdicts

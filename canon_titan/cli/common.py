@@ -1,5 +1,6 @@
 """What the commands share: the override epilog, the built-in tokenizer, loading a run config
-with every check (ours and TorchTitan's), and error lines."""
+with every check (ours and TorchTitan's), and error lines. Light: ``config validate`` imports no
+trainer or model code."""
 
 from __future__ import annotations
 
@@ -10,18 +11,20 @@ from pathlib import Path
 from torchtitan.tools.logging import init_logger
 
 from canon_titan.config import ConfigError, load
-from canon_titan.config.build import build_trainer_config
+from canon_titan.config.titan_sections import titan_sections
 
 OVERRIDES = ("Any further --section.key value argument overrides that key of the TOML, e.g. --training.steps 10 "
              "or --model.flavor 1B (values are TOML literals; a bare --section.flag means true).")
 BUILTIN_TOKENIZER = Path(__file__).resolve().parent.parent / "assets" / "builtin"
 
 
-def load_or_report(path: str, overrides: list[str], environment: bool = True):
-    """The resolved run, after our checks and TorchTitan's own (building its Trainer.Config), or the error."""
+def load_or_report(path: str, overrides: list[str], environment: bool = True, build=titan_sections):
+    """The resolved run, after our checks and TorchTitan's own, or the error. ``build(run)`` makes
+    TorchTitan's configs: of the sections (what ``config validate`` checks), or ``train``'s whole
+    ``Trainer.Config`` with the model (``config.build.build_trainer_config``)."""
     try:
         run = load(path, overrides, environment)
-        build_trainer_config(run)
+        build(run)
         return run, None
     except ConfigError as e:
         return None, str(e)

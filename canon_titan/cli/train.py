@@ -10,7 +10,7 @@ from pathlib import Path
 
 from canon_titan.cli.common import OVERRIDES, fail, load_or_report
 from canon_titan.config import dumps
-from canon_titan.config.build import absolute_paths
+from canon_titan.config.build import absolute_paths, build_trainer_config
 from canon_titan.convert.dcp_io import NoLoadableCheckpoint
 from canon_titan.launch import DumpFolderInUse, lock_dump_folder, torchrun_preexec
 from canon_titan.trainer import (RUN_CONFIG_FILE, FinishedRun, config_changes, layout_problem, resume_point,
@@ -28,7 +28,7 @@ def main(argv: list[str]) -> int:
     if args.nproc < 1:
         parser.error("--nproc must be >= 1")
     os.environ["WORLD_SIZE"] = str(args.nproc)
-    run, error = load_or_report(args.config, overrides)
+    run, error = load_or_report(args.config, overrides, build=build_trainer_config)
     del os.environ["WORLD_SIZE"]
     if error:
         return fail("config", error)

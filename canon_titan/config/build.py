@@ -7,16 +7,12 @@ import dataclasses
 import os
 import sys
 
-import torch
-
-from torchtitan.components.checkpointer import CheckpointManager
 from torchtitan.components.loss import CrossEntropyLoss
-from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer
-from torchtitan.components.optimizer.optimizer import ParamGroupConfig
-from torchtitan.config.configs import CommConfig, CompileConfig, DebugConfig, ParallelismConfig, TrainingConfig
+from torchtitan.config.configs import DebugConfig
 from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
 
 from canon_titan.config.run import ConfigError, RunConfig
+from canon_titan.config.titan_sections import titan_sections
 from canon_titan.config.toml_writer import dumps
 from canon_titan.data.builtin import ASSET_DIR
 from canon_titan.data.kinds import STREAM, SYNTHETIC
@@ -109,23 +105,13 @@ def colour_output() -> bool:
 
 def build_trainer_config(run: RunConfig):
     """Construct the trainer config; TorchTitan's own config checks surface as ConfigError."""
-    opt, job, metrics = run["optimizer"], run["job"], run["metrics"]
+    job, metrics = run["job"], run["metrics"]
     _set_wandb_env(metrics)
+    sections = titan_sections(run)
     spec = _model_spec(run)
     loss = (ZLossCrossEntropy.Config() if run.model_args.z_loss
             else CrossEntropyLoss.Config(global_vocab_size=run.model_args.vocab_size))
-    section = None
     try:
-        section = "parallelism"
-        parallelism = ParallelismConfig(**run["parallelism"])
-        section = "compile"
-        compile_config = CompileConfig(**run["compile"])
-        section = "checkpoint"
-        ckpt = dict(run["checkpoint"])
-        # TorchTitan warns on every run that model-only has no effect without an initial load path.
-        ckpt["initial_load_model_only"] = ckpt["initial_load_model_only"] and bool(ckpt["initial_load_path"])
-        checkpoint = CheckpointManager.Config(**ckpt)
-        section = "training"
         config = CanonTrainer.Config(
             model_spec=spec,
             hf_assets_path=run["tokenizer"]["path"] or str(ASSET_DIR),
@@ -133,23 +119,7 @@ def build_trainer_config(run: RunConfig):
             dump_folder=job["dump_folder"],
             tokenizer=tokenizer_config(run["tokenizer"]["kind"]),
             dataloader=_dataloader(run),
-            optimizer=OptimizersContainer.Config(
-                param_groups=[ParamGroupConfig(
-                    pattern=r".*",
-                    optimizer_name=opt["name"],
-                    optimizer_kwargs={"lr": opt["lr"], "betas": tuple(opt["betas"]), "eps": opt["eps"],
-                                      "weight_decay": opt["weight_decay"]},
-                )],
-                implementation=opt["implementation"],
-            ),
-            lr_scheduler=LRSchedulersContainer.Config(**run["lr_scheduler"]),
-            training=TrainingConfig(**run["training"]),
-            parallelism=parallelism,
-            checkpoint=checkpoint,
             activation_checkpoint=_activation_checkpoint(run["activation_checkpoint"]),
-            compile=compile_config,
-            # NCCL's flight recorder (and its comm_traces/ folder) only exist with CUDA.
-            comm=CommConfig(**run["comm"], **({} if torch.cuda.is_available() else {"trace_buf_size": 0})),
             metrics=CanonMetrics.Config(**{
                 k: metrics[k] for k in ("log_freq", "enable_tensorboard", "save_tb_folder",
                                         "save_for_all_ranks", "enable_wandb")
@@ -160,9 +130,10 @@ def build_trainer_config(run: RunConfig):
             loss=loss,
             run_toml=dumps(absolute_paths(run.sections)),
             evaluation=_eval_settings(run, run["tokenizer"]["path"] or str(ASSET_DIR)),
+            **sections,
         )
     except ValueError as e:
-        raise ConfigError(run.source, f"[{section}]", str(e)) from e
+        raise ConfigError(run.source, "[training]", str(e)) from e
     if spec is not run.model_spec():
         # The trainer fits its (float8) copy to the run (RoPE length); evaluation builds the plain one.
         run.model_spec().model.update_from_config(config=config)

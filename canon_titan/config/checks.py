@@ -9,7 +9,6 @@ import random
 from pathlib import Path
 
 import torch
-from torch.distributed.pipelining.schedules import get_schedule_class
 
 from torchtitan.tools.utils import has_cuda_capability
 
@@ -22,10 +21,14 @@ from canon_titan.data.kinds import DATASET_KINDS, SYNTHETIC
 from canon_titan.data.packed import DataConfigError, resolve_paths
 from canon_titan.data.tokenizers import build_tokenizer
 from canon_titan.evaluation import lm
-from canon_titan.models.common.canon import CanonArgs
+from canon_titan.hf import HFFormatError
+from canon_titan.models.common.canon_args import CanonArgs
 from canon_titan.models.common.context_parallel import BALANCERS
-from canon_titan.models.common.state_dict_adapter import HFFormatError
+from canon_titan.models.common.deferred import deferred
 from synthetic_data.tasks import SECTION, VOCAB
+
+# torch.distributed.pipelining imports dynamo (about 1.4 s); only PP configs need it.
+schedules = deferred("torch.distributed.pipelining.schedules")
 
 
 def _fail(run: RunConfig, section: str, key: str, message: str):
@@ -196,7 +199,7 @@ def check_parallelism(run: RunConfig, environment: bool) -> None:
             _fail(run, "parallelism", "pipeline_parallel_microbatch_size",
                   f"must divide training.local_batch_size ({training['local_batch_size']})")
         try:
-            get_schedule_class(par["pipeline_parallel_schedule"])
+            schedules.get_schedule_class(par["pipeline_parallel_schedule"])
         except ValueError as e:
             _fail(run, "parallelism", "pipeline_parallel_schedule", str(e))
     if par["spmd_backend"] != "partial_dtensor":

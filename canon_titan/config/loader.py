@@ -171,7 +171,7 @@ def _set_key(sections, origins, schema, section, key, value, source) -> None:
 
 def _model_schema(name: str, flavor: str, sources: dict[str, str]) -> tuple[Any, dict]:
     try:
-        args_cls = model_registry.family(name).FAMILY.args
+        args_cls = model_registry.family(name).ARGS
     except model_registry.UnknownModelError as e:
         raise ConfigError(sources["name"], _where("model", "name"), str(e)) from None
     try:

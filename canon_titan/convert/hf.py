@@ -40,9 +40,9 @@ from canon_titan.convert.dcp_io import (
 )
 from canon_titan.data.builtin import ASSET_DIR
 from canon_titan.data.tokenizers import build_tokenizer
+from canon_titan.hf import DTYPES
 from canon_titan.models.common.state_dict_adapter import CANON_BIAS_NOTE, CanonStateDictAdapter, HFFormatError, HFTensor
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 HF_MODELING_DIR = Path(__file__).resolve().parent.parent / "hf"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
 

@@ -13,6 +13,15 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from importlib import import_module
 
+import torch
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+"""The dtypes an export is written in and an export is loaded in (``export_dtype``, ``[eval] dtype``)."""
+
+
+class HFFormatError(ValueError):
+    """A Hugging Face folder or config that does not describe the run's model."""
+
 
 @dataclass(frozen=True)
 class HFModel:

@@ -28,7 +28,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed._functional_collectives import all_gather_single_autograd
 
-from torchtitan.distributed.context_parallel import cp_shard
+from canon_titan.models.common.deferred import deferred
+
+# TorchTitan's CP package imports its attention stack; the config checks read BALANCERS from here.
+titan_cp = deferred("torchtitan.distributed.context_parallel")
 
 BALANCERS = ("headtail", None)
 """Load balancers CP supports here (TorchTitan's ``ptrr`` needs a FlexAttention block mask)."""
@@ -132,7 +135,7 @@ def context_parallel_inputs(input_dict: dict, labels: torch.Tensor, cp_mesh, loa
     index = torch.arange(seq_len, device=inputs.device).expand(batch, seq_len)
     documents = torch.cumsum(positions == 0, dim=1) if positions is not None else None
     rope_positions = positions if positions is not None else index
-    (inputs, labels, rope_positions, local_index), _ = cp_shard(
+    (inputs, labels, rope_positions, local_index), _ = titan_cp.cp_shard(
         cp_mesh, (inputs, labels, rope_positions, index.contiguous()), None, load_balancer)
     group = cp_mesh.get_group()
     all_index = local_index.new_empty(cp_mesh.size() * local_index.shape[1])

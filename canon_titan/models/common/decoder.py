@@ -9,7 +9,6 @@ release's: RMSNorm computed in float32 (``norms.RMSNorm``), interleaved partial 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 from typing import Annotated, Any
 
 import torch
@@ -23,15 +22,8 @@ from torchtitan.protocols.module import Module
 
 from canon_titan.models.common.canon import CanonConv
 from canon_titan.models.common.context_parallel import ContextShards
+from canon_titan.models.common.init import ONES_INIT
 from canon_titan.models.common.norms import RMSNorm
-
-
-def truncated_normal_init(std: float) -> dict:
-    """Lingua's init: normal(0, std) truncated at +-3 std."""
-    return {"weight": partial(nn.init.trunc_normal_, std=std, a=-3 * std, b=3 * std)}
-
-
-ONES_INIT = {"weight": nn.init.ones_}
 
 
 class CanonDecoder(Decoder):

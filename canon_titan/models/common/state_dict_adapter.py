@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from torchtitan.protocols.state_dict_adapter import StateDictAdapter
 
-from canon_titan.hf import HFModel
+from canon_titan.hf import HFFormatError, HFModel
 
 LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -46,10 +46,6 @@ NOT_MATHS = {"architectures", "auto_map", "model_type", "dtype", "torch_dtype", 
 initialisation, implementation choices (fused kernels, the scan's block length), and RoPE fields
 that are compared in resolved form (``rope_dim``, ``rope_theta``) or that only say how q/k rows
 are laid out (``rope_version``, read by ``accept``). Every other field is compared on import."""
-
-
-class HFFormatError(ValueError):
-    """A Hugging Face folder or config that does not describe the run's model."""
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from canon_titan.hf import HFModel
-from canon_titan.models.common.linear import GATE_RANK, INIT_STD, SHORT_CONV_SIZE
+from canon_titan.models.common.linear_args import GATE_RANK, INIT_STD, SHORT_CONV_SIZE
 from canon_titan.models.common.linear_state_dict_adapter import LINEAR_SHARED, LOW_RANK, LinearStateDictAdapter
 
 

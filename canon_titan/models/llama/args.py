@@ -6,14 +6,16 @@ from dataclasses import dataclass
 from functools import partial
 from typing import ClassVar
 
-from torchtitan.models.common import Linear
-from torchtitan.models.common.feed_forward import compute_ffn_hidden_dim
+from canon_titan.models.common.deferred import deferred
+from canon_titan.models.common.init import ONES_INIT, truncated_normal_init
 
-from canon_titan.models.common.canon import CanonConv
-from canon_titan.models.common.decoder import ONES_INIT, decoder_parts, swiglu, truncated_normal_init
-from canon_titan.models.common.norms import RMSNorm
-from canon_titan.models.common.rope import PartialRoPE
-from canon_titan.models.llama.model import Attention, LlamaBlock, LlamaModel
+canon = deferred("canon_titan.models.common.canon")
+decoder = deferred("canon_titan.models.common.decoder")
+model = deferred("canon_titan.models.llama.model")
+norms = deferred("canon_titan.models.common.norms")
+rotary = deferred("canon_titan.models.common.rope")
+titan = deferred("torchtitan.models.common")
+feed_forward = deferred("torchtitan.models.common.feed_forward")
 
 
 @dataclass(kw_only=True)
@@ -52,7 +54,7 @@ class LlamaArgs:
 
     @property
     def hidden_dim(self) -> int:
-        return self.ffn_hidden_dim or compute_ffn_hidden_dim(self.dim, multiple_of=self.multiple_of)
+        return self.ffn_hidden_dim or feed_forward.compute_ffn_hidden_dim(self.dim, multiple_of=self.multiple_of)
 
     def validate(self) -> list[tuple[str, str]]:
         """Problems as (field, message) pairs; empty when the shape is buildable."""
@@ -89,44 +91,44 @@ class LlamaArgs:
         gathers K/V and Canon layers exchange halos (``models/common/context_parallel.py``)."""
         return None
 
-    def canon(self, position: str, channels: int) -> CanonConv.Config | None:
+    def canon(self, position: str, channels: int) -> canon.CanonConv.Config | None:
         """The Canon layer at ``position`` (one of ABCD), or None; plain Llama has none."""
         return None
 
-    def block_config(self) -> LlamaBlock.Config:
+    def block_config(self) -> model.LlamaBlock.Config:
         dim, hd, hidden = self.dim, self.head_dim, self.hidden_dim
         n_q, n_kv = self.n_heads * hd, self.kv_heads * hd
         linear_init = truncated_normal_init(dim**-0.5)
-        norm = partial(RMSNorm.Config, eps=self.norm_eps, param_init=ONES_INIT)
-        return LlamaBlock.Config(
+        norm = partial(norms.RMSNorm.Config, eps=self.norm_eps, param_init=ONES_INIT)
+        return model.LlamaBlock.Config(
             attention_norm=norm(dim=dim),
             ffn_norm=norm(dim=dim),
-            attention=Attention.Config(
+            attention=model.Attention.Config(
                 dim=dim,
                 n_heads=self.n_heads,
                 n_kv_heads=self.kv_heads,
                 head_dim=hd,
-                wq=Linear.Config(in_features=dim, out_features=n_q, param_init=linear_init),
-                wk=Linear.Config(in_features=dim, out_features=n_kv, param_init=linear_init),
-                wv=Linear.Config(in_features=dim, out_features=n_kv, param_init=linear_init),
-                wo=Linear.Config(in_features=n_q, out_features=dim, param_init=linear_init),
-                rope=PartialRoPE.Config(
+                wq=titan.Linear.Config(in_features=dim, out_features=n_q, param_init=linear_init),
+                wk=titan.Linear.Config(in_features=dim, out_features=n_kv, param_init=linear_init),
+                wv=titan.Linear.Config(in_features=dim, out_features=n_kv, param_init=linear_init),
+                wo=titan.Linear.Config(in_features=n_q, out_features=dim, param_init=linear_init),
+                rope=rotary.PartialRoPE.Config(
                     rope_dim=self.rope_dim or hd, theta=self.rope_theta, max_seq_len=self.max_seq_len
                 ),
                 q_norm=norm(dim=n_q) if self.qk_norm else None,
                 k_norm=norm(dim=n_kv) if self.qk_norm else None,
                 canonB=self.canon("B", n_q + 2 * n_kv),
             ),
-            feed_forward=swiglu(dim, hidden, linear_init, truncated_normal_init(hidden**-0.5),
+            feed_forward=decoder.swiglu(dim, hidden, linear_init, truncated_normal_init(hidden**-0.5),
                                 self.canon("D", 2 * hidden)),
             canonA=self.canon("A", dim),
             canonC=self.canon("C", dim),
         )
 
-    def model_config(self) -> LlamaModel.Config:
+    def model_config(self) -> model.LlamaModel.Config:
         init = truncated_normal_init(self.dim**-0.5)
-        return LlamaModel.Config(
-            **decoder_parts(self.dim, self.vocab_size, self.norm_eps, init, init),
+        return model.LlamaModel.Config(
+            **decoder.decoder_parts(self.dim, self.vocab_size, self.norm_eps, init, init),
             layers=[self.block_config() for _ in range(self.n_layers)],
             args=self,
         )

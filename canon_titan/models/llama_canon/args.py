@@ -6,9 +6,8 @@ from dataclasses import dataclass
 
 from torchtitan.tools.logging import logger
 
-from canon_titan.models.common.canon import CanonArgs
-from canon_titan.models.llama.args import LlamaArgs
-from canon_titan.models.llama.model import LlamaModel
+from canon_titan.models.common.canon_args import CanonArgs
+from canon_titan.models.llama.args import LlamaArgs, model
 
 
 @dataclass(kw_only=True)
@@ -20,7 +19,7 @@ class LlamaCanonArgs(CanonArgs, LlamaArgs):
     def validate(self) -> list[tuple[str, str]]:
         return LlamaArgs.validate(self) + self.canon_problems()
 
-    def model_config(self) -> LlamaModel.Config:
+    def model_config(self) -> model.LlamaModel.Config:
         if self.canon_set:
             logger.info(f"Canon layers: {self.describe_canon()}")
         return LlamaArgs.model_config(self)

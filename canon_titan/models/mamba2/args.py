@@ -7,13 +7,16 @@ from functools import partial
 
 import torch.nn as nn
 
-from torchtitan.models.common import Linear
+from canon_titan.models.common.deferred import deferred
+from canon_titan.models.common.init import ONES_INIT, conv_init, dt_bias_init, log_uniform_init, torch_default_init
+from canon_titan.models.common.linear_args import SHORT_CONV_SIZE, LinearArgs, linear, titan
 
-from canon_titan.models.common.canon import conv_init
-from canon_titan.models.common.decoder import ONES_INIT
-from canon_titan.models.common.linear import (SHORT_CONV_SIZE, GatedRMSNorm, LinearArgs, dt_bias_init,
-                                              log_uniform_init, torch_default_init)
-from canon_titan.models.mamba2.model import EMBEDDING_STD, EXPAND, Mamba2Mixer
+model = deferred("canon_titan.models.mamba2.model")
+
+EXPAND = 2
+"""d_inner = EXPAND * dim."""
+EMBEDDING_STD = 0.1
+"""The release's initializer_range for Mamba2, used only by the embedding."""
 
 
 @dataclass(kw_only=True)
@@ -48,19 +51,19 @@ class Mamba2Args(LinearArgs):
     def embedding_std(self) -> float:
         return EMBEDDING_STD
 
-    def mixer_config(self, kernel_backend: str) -> Mamba2Mixer.Config:
+    def mixer_config(self, kernel_backend: str) -> model.Mamba2Mixer.Config:
         d, heads, n = self.dim, self.n_heads, self.state_size
         d_inner = EXPAND * d
         init = torch_default_init()
-        return Mamba2Mixer.Config(
+        return model.Mamba2Mixer.Config(
             n_heads=heads,
             head_dim=d_inner // heads,
             state_size=n,
             chunk_size=self.chunk_size,
-            in_proj=Linear.Config(in_features=d, out_features=2 * d_inner + 2 * n + heads, param_init=init),
+            in_proj=titan.Linear.Config(in_features=d, out_features=2 * d_inner + 2 * n + heads, param_init=init),
             conv1d=self.short_conv(d_inner + 2 * n, bias=True, param_init=conv_init(SHORT_CONV_SIZE)),
-            norm=GatedRMSNorm.Config(dim=d_inner, eps=self.norm_eps, norm_before_gate=False, param_init=ONES_INIT),
-            out_proj=Linear.Config(in_features=d_inner, out_features=d, param_init=init),
+            norm=linear.GatedRMSNorm.Config(dim=d_inner, eps=self.norm_eps, norm_before_gate=False, param_init=ONES_INIT),
+            out_proj=titan.Linear.Config(in_features=d_inner, out_features=d, param_init=init),
             backend=kernel_backend,
             param_init={"A_log": partial(log_uniform_init, low=1.0, high=16.0), "D": nn.init.ones_,
                         "dt_bias": dt_bias_init},

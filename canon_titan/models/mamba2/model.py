@@ -26,10 +26,6 @@ from canon_titan.kernels import ssd
 from canon_titan.models.common.canon import CanonConv
 from canon_titan.models.common.linear import GatedRMSNorm, upcast
 
-EXPAND = 2
-"""d_inner = EXPAND * dim."""
-EMBEDDING_STD = 0.1
-"""The release's initializer_range for Mamba2, used only by the embedding."""
 
 
 class Mamba2Mixer(Module):

@@ -8,10 +8,10 @@ from collections.abc import Iterable
 import torch
 
 from canon_titan.hf import HFModel
-from canon_titan.models.common.linear import SHORT_CONV_SIZE
+from canon_titan.models.common.linear_args import SHORT_CONV_SIZE
 from canon_titan.models.common.linear_state_dict_adapter import LINEAR_SHARED, LinearStateDictAdapter
 from canon_titan.models.common.state_dict_adapter import LAYER, HFTensor
-from canon_titan.models.mamba2.model import EMBEDDING_STD, EXPAND
+from canon_titan.models.mamba2.args import EMBEDDING_STD, EXPAND
 
 
 class Mamba2StateDictAdapter(LinearStateDictAdapter):

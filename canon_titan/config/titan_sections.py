@@ -1,0 +1,52 @@
+"""TorchTitan's own configs of a run's sections (parallelism, compile, checkpoint, training, LR
+schedule, optimizer, comm), constructed so that their checks run; ``config validate`` stops here,
+``build.build_trainer_config`` assembles the trainer's config from them.
+
+Everything imported here is light (TorchTitan's config dataclasses); the trainer, the model stack
+and the data libraries are not, and ``config validate`` answers without them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from torchtitan.components.checkpointer import CheckpointManager
+from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer
+from torchtitan.components.optimizer.optimizer import ParamGroupConfig
+from torchtitan.config.configs import CommConfig, CompileConfig, ParallelismConfig, TrainingConfig
+
+from canon_titan.config.run import ConfigError, RunConfig
+
+
+def titan_sections(run: RunConfig) -> dict:
+    """The TorchTitan config of each section, by ``Trainer.Config`` field; a ValueError of theirs
+    becomes a ConfigError naming the section."""
+    opt = run["optimizer"]
+    ckpt = dict(run["checkpoint"])
+    # TorchTitan warns on every run that model-only has no effect without an initial load path.
+    ckpt["initial_load_model_only"] = ckpt["initial_load_model_only"] and bool(ckpt["initial_load_path"])
+    builders = {
+        "parallelism": lambda: ParallelismConfig(**run["parallelism"]),
+        "compile": lambda: CompileConfig(**run["compile"]),
+        "checkpoint": lambda: CheckpointManager.Config(**ckpt),
+        "optimizer": lambda: OptimizersContainer.Config(
+            param_groups=[ParamGroupConfig(
+                pattern=r".*",
+                optimizer_name=opt["name"],
+                optimizer_kwargs={"lr": opt["lr"], "betas": tuple(opt["betas"]), "eps": opt["eps"],
+                                  "weight_decay": opt["weight_decay"]},
+            )],
+            implementation=opt["implementation"],
+        ),
+        "lr_scheduler": lambda: LRSchedulersContainer.Config(**run["lr_scheduler"]),
+        "training": lambda: TrainingConfig(**run["training"]),
+        # NCCL's flight recorder (and its comm_traces/ folder) only exist with CUDA.
+        "comm": lambda: CommConfig(**run["comm"], **({} if torch.cuda.is_available() else {"trace_buf_size": 0})),
+    }
+    built = {}
+    for section, build in builders.items():
+        try:
+            built[section] = build()
+        except ValueError as e:
+            raise ConfigError(run.source, f"[{section}]", str(e)) from e
+    return built

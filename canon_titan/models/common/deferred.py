@@ -1,0 +1,34 @@
+"""Modules imported when first used.
+
+Reading and checking a config (``config validate``, the pre-launch checks) needs a family's args
+but not its modules. The model stack costs most of a command's start-up:
+``torchtitan.models.common`` compiles FlexAttention as it is imported, which loads dynamo and
+inductor (about 3 s of the 5-s budget on a 2-core machine). The args modules reach the model
+classes they build configs from through ``deferred(...)``, and modules the checks read constants
+from reach their heavy dependencies so, which puts that cost on the first build, not on import.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+
+class Deferred:
+    """Stands for the module ``name``; the first attribute read imports it."""
+
+    def __init__(self, name: str):
+        self._name = name
+
+    def __getattr__(self, attr: str):
+        return getattr(self.module(), attr)
+
+    def module(self) -> ModuleType:
+        return importlib.import_module(self._name)
+
+    def __repr__(self) -> str:
+        return f"<deferred module {self._name!r}>"
+
+
+def deferred(name: str) -> Deferred:
+    return Deferred(name)

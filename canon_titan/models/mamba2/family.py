@@ -1,0 +1,8 @@
+"""The ``mamba2`` family as the registry builds it: parallelism, Hugging Face format, ModelSpec."""
+
+from canon_titan.models.common.family import ModelFamily
+from canon_titan.models.mamba2.parallelize import parallelize_mamba2
+from canon_titan.models.mamba2.state_dict_adapter import Mamba2StateDictAdapter
+
+FAMILY = ModelFamily(name="mamba2", parallelize=parallelize_mamba2,
+                     state_dict_adapter=Mamba2StateDictAdapter, hf_models=(Mamba2StateDictAdapter.classes,))
