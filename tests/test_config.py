@@ -93,7 +93,6 @@ def test_unknown_section_and_missing_model(tmp_path):
      "[dataloader] dataset_path", "matches no file"),
     (["--parallelism.spmd_backend", "spmd_types"], "[parallelism] spmd_backend", "only 'partial_dtensor'"),
     (["--float8.recipe_name", "mxfp8"], "[float8] recipe_name", "expected one of 'tensorwise', 'rowwise'"),
-    (["--compile.enable", "--parallelism.tensor_parallel_degree", "2"], "[compile] enable", "gradient norms differ"),
     (["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "Bogus"],
      "[parallelism] pipeline_parallel_schedule", "Bogus"),
     (["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "3",

@@ -243,12 +243,6 @@ def check_features(run: RunConfig, environment: bool) -> None:
     for component in compile_["components"]:
         if component not in ("model", "loss"):
             _fail(run, "compile", "components", f"entries must be 'model' or 'loss', got {component!r}")
-    if compile_["enable"] and "model" in compile_["components"] and run["parallelism"]["tensor_parallel_degree"] > 1:
-        _fail(run, "compile", "enable",
-              "compiling the model together with tensor parallelism is refused for now: the blocks compile "
-              "without graph breaks, but the compiled TP run's gradient norms differ from the eager TP run's "
-              "(by 10-20% on the debug models, Canon layers or not), so it would train differently. Use "
-              "tensor parallelism eagerly, or compile with FSDP/HSDP/PP/CP")
 
 
 def check_ignored_data_keys(run: RunConfig) -> None:

@@ -36,6 +36,24 @@ from torchtitan.tools.logging import logger
 from canon_titan.models.common.tensor_parallel import ChannelShard
 
 
+class EmbeddingParallel(RowwiseParallel):
+    """The vocab-parallel embedding: ``RowwiseParallel`` whose output collective (all-reduce, or
+    reduce-scatter under sequence parallelism) completes before the first block.
+
+    The stock style redistributes asynchronously and hands the first block an
+    ``AsyncCollectiveTensor``. A block compiled with torch.compile (torch 2.13) resolves such an
+    input with ``trigger_wait()`` outside autograd and traces it as not requiring grad, so the
+    compiled block returns no gradient for it: the embedding's gradient is silently dropped.
+    The first block uses the activations at once (a compiled block waits on entry anyway), so
+    waiting here gives up no overlap."""
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        if outputs.placements != output_layouts:
+            outputs = outputs.redistribute(placements=output_layouts, async_op=False)
+        return outputs.to_local() if use_local_output else outputs
+
+
 def gather_sequence(n_args: int) -> PrepareModuleInput:
     """All-gather a sequence-sharded first input and hand the module a plain full tensor."""
     return PrepareModuleInput(
@@ -125,7 +143,7 @@ def apply_tp(model: nn.Module, tp_mesh, *, enable_sp: bool, parallelize_block: C
     block, and every other parameter replicated."""
     residual = Shard(1) if enable_sp else Replicate()
     root_plan = {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=residual),
+        "tok_embeddings": EmbeddingParallel(input_layouts=Replicate(), output_layouts=residual),
         "lm_head": ColwiseParallel(input_layouts=residual, output_layouts=Shard(-1), use_local_output=False),
     }
     if enable_sp:
