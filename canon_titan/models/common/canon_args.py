@@ -1,6 +1,6 @@
 """The ``[model]`` keys of the Canon layers (``CanonArgs``, shared by LlamaCanon and the linear
-models) and their initialisation. Importing this does not import the model stack
-(``models/common/deferred.py``): the config checks read these args before anything is built."""
+models). Importing this does not import the model stack (``models/common/deferred.py``): the
+config checks read these args before anything is built."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from canon_titan.kernels.backends import resolve_backend
 from canon_titan.models.common.deferred import deferred
 from canon_titan.models.common.init import conv_init
 
-canon = deferred("canon_titan.models.common.canon")
+canon_layer = deferred("canon_titan.models.common.canon")
 
 CANON_POSITIONS = "ABCD"
 CANON_KERNEL_SIZES = (2, 3, 4)
@@ -65,11 +65,11 @@ class CanonArgs:
                 problems.append(("canon_backend", str(e)))
         return problems
 
-    def canon(self, position: str, channels: int) -> canon.CanonConv.Config | None:
+    def canon(self, position: str, channels: int) -> canon_layer.CanonConv.Config | None:
         """The Canon layer at ``position``, or None where ``canon_set`` has none."""
         if position not in self.enabled():
             return None
-        return canon.CanonConv.Config(
+        return canon_layer.CanonConv.Config(
             channels=channels, kernel_size=self.canon_kernel, residual=self.canon_residual,
             activation=self.canon_activation, bias=self.canon_bias, backend=conv_backend(self.canon_backend),
             param_init=conv_init(self.canon_kernel),

@@ -11,7 +11,6 @@ from reach their heavy dependencies so, which puts that cost on the first build,
 from __future__ import annotations
 
 import importlib
-from types import ModuleType
 
 
 class Deferred:
@@ -21,10 +20,7 @@ class Deferred:
         self._name = name
 
     def __getattr__(self, attr: str):
-        return getattr(self.module(), attr)
-
-    def module(self) -> ModuleType:
-        return importlib.import_module(self._name)
+        return getattr(importlib.import_module(self._name), attr)
 
     def __repr__(self) -> str:
         return f"<deferred module {self._name!r}>"

@@ -7,7 +7,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from functools import partial
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch.nn as nn
 
@@ -18,10 +18,12 @@ from canon_titan.models.common.canon_args import CanonArgs, conv_backend
 from canon_titan.models.common.deferred import deferred
 from canon_titan.models.common.init import ONES_INIT, normal_init, split_init
 
-canon = deferred("canon_titan.models.common.canon")
+if TYPE_CHECKING:
+    from torchtitan.protocols.module import Module
+
+canon_layer = deferred("canon_titan.models.common.canon")
 decoder = deferred("canon_titan.models.common.decoder")
 linear = deferred("canon_titan.models.common.linear")
-module = deferred("torchtitan.protocols.module")
 norms = deferred("canon_titan.models.common.norms")
 titan = deferred("torchtitan.models.common")
 
@@ -117,11 +119,11 @@ class LinearArgs(CanonArgs, ABC):
 
     # --- pieces the families combine --------------------------------------------------------
 
-    def short_conv(self, channels: int, *, bias: bool, param_init: dict) -> canon.CanonConv.Config | None:
+    def short_conv(self, channels: int, *, bias: bool, param_init: dict) -> canon_layer.CanonConv.Config | None:
         """The built-in short convolution (b) over ``channels``, or None without b."""
         if "b" not in self.enabled():
             return None
-        return canon.CanonConv.Config(
+        return canon_layer.CanonConv.Config(
             channels=channels, kernel_size=SHORT_CONV_SIZE, residual=False, activation=True, bias=bias,
             backend=conv_backend(self.canon_backend), param_init=param_init,
         )
@@ -133,7 +135,7 @@ class LinearArgs(CanonArgs, ABC):
     def embedding_std(self) -> float: ...
 
     @abstractmethod
-    def mixer_config(self, kernel_backend: str) -> module.Module.Config: ...
+    def mixer_config(self, kernel_backend: str) -> Module.Config: ...
 
     def block_config(self, kernel_backend: str) -> linear.LinearBlock.Config:
         dim, init = self.dim, self.linear_init()

@@ -9,7 +9,7 @@ from typing import ClassVar
 from canon_titan.models.common.deferred import deferred
 from canon_titan.models.common.init import ONES_INIT, truncated_normal_init
 
-canon = deferred("canon_titan.models.common.canon")
+canon_layer = deferred("canon_titan.models.common.canon")
 decoder = deferred("canon_titan.models.common.decoder")
 model = deferred("canon_titan.models.llama.model")
 norms = deferred("canon_titan.models.common.norms")
@@ -91,7 +91,7 @@ class LlamaArgs:
         gathers K/V and Canon layers exchange halos (``models/common/context_parallel.py``)."""
         return None
 
-    def canon(self, position: str, channels: int) -> canon.CanonConv.Config | None:
+    def canon(self, position: str, channels: int) -> canon_layer.CanonConv.Config | None:
         """The Canon layer at ``position`` (one of ABCD), or None; plain Llama has none."""
         return None
 
