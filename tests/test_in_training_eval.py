@@ -23,12 +23,20 @@ DEPO = REPO / "train_configs" / "playground" / "depo.toml"
     (["--eval.every", "2"], "[eval] every", "nothing to evaluate"),
     (["--eval.every", "2", "--eval.synthetic", "true"], "[eval] synthetic", "needs a synthetic [dataloader] dataset"),
     (["--eval.every", "-1"], "[eval] every", "must be >= 0"),
-    (["--eval.every", "2", "--eval.tasks", '["x"]', "--eval.limit", "0"], "[eval] limit", "must be > 0"),
+    (["--eval.every", "2", "--eval.tasks", '["x"]', "--eval.limit", "-1"], "[eval] limit", "must be >= 0"),
 ])
 def test_eval_section_errors_name_the_key(overrides, key, message):
     with pytest.raises(ConfigError) as e:
         load(CONFIGS["llama_canon"], overrides, environment=False)
     assert key in str(e.value) and message in str(e.value)
+
+
+@pytest.mark.parametrize("limit,passed", [(0, None), (7, 7)])
+def test_limit_zero_scores_every_item(limit, passed):
+    """``limit = 0`` (the release recipes' full evaluation) reaches lm-eval as its "no limit"."""
+    run = load(CONFIGS["llama_canon"], ["--eval.every", "2", "--eval.tasks", '["x"]', "--eval.limit", str(limit)],
+               environment=False)
+    assert _eval_settings(run, "").limit == passed
 
 
 def _single_process_eval(run, max_seconds):

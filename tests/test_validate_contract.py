@@ -47,7 +47,7 @@ MUTATIONS = [
     ("parallelism", "pipeline_parallel_degree", "-1"), ("parallelism", "pipeline_parallel_microbatch_size", "0"),
     ("activation_checkpoint", "mode", '"partial"'), ("compile", "components", '["optimizer"]'),
     ("float8", "recipe_name", '"fp4"'),
-    ("eval", "every", "-1"), ("eval", "limit", "0"), ("eval", "max_seconds", "nan"), ("eval", "max_seconds", "-1.0"),
+    ("eval", "every", "-1"), ("eval", "limit", "-1"), ("eval", "max_seconds", "nan"), ("eval", "max_seconds", "-1.0"),
     ("job", "seed", '"abc"'), ("job", "dump_folder", "123"),
     ("tokenizer", "kind", '"bpe"'), ("tokenizer", "path", '"/nonexistent/tokenizer.json"'),
 ]

@@ -66,7 +66,7 @@ def _eval_settings(run: RunConfig, tokenizer_path: str):
         return None
     dataset = run["dataloader"]["dataset"]
     task = {k: v for k, v in run[SECTION[dataset]].items() if v is not None} if dataset in SECTION else {}
-    return EvalSettings(**section, adapter=run.state_dict_adapter(),
+    return EvalSettings(**{**section, "limit": section["limit"] or None}, adapter=run.state_dict_adapter(),
                         tokenizer_kind=run["tokenizer"]["kind"], tokenizer_path=tokenizer_path,
                         seq_len=run["training"]["seq_len"], dataset=dataset, task_params=task,
                         test_seed=DEFAULT_TEST_SEED)

@@ -344,9 +344,11 @@ def check_eval(run: RunConfig, environment: bool) -> None:
     if section["synthetic"] and run["dataloader"]["dataset"] not in SYNTHETIC:
         _fail(run, "eval", "synthetic", f"needs a synthetic [dataloader] dataset ({', '.join(SYNTHETIC)}), "
               f"not {run['dataloader']['dataset']!r}")
-    for key in ("synthetic_count", "limit", "batch_size", "max_seconds"):
-        if section[key] is not None and section[key] <= 0:
+    for key in ("synthetic_count", "batch_size", "max_seconds"):
+        if section[key] <= 0:
             _fail(run, "eval", key, "must be > 0")
+    if section["limit"] < 0:
+        _fail(run, "eval", "limit", "must be >= 0 (0 = every item of each task)")
     if section["tasks"] and environment and section["every"]:
         try:
             lm.require_lm_eval()

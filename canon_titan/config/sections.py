@@ -130,8 +130,8 @@ class EvalSection:
     """Score the run's synthetic task (its held-out test set) with greedy generation."""
     synthetic_count: int = 20
     """Synthetic test items per group (e.g. per hop count)."""
-    limit: int | None = 100
-    """Items per lm-eval task (None = all)."""
+    limit: int = 100
+    """Items per lm-eval task (0 = every item, as the release recipes evaluate)."""
     ranks: Literal["first", "all"] = "first"
     """first: rank 0 evaluates while the others wait; all: synthetic items are split over all
     ranks (each holds a full copy of the weights). lm-eval tasks always run on rank 0."""
