@@ -5,6 +5,7 @@ folders from ``[checkpoint] last_save_in_hf``."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 import re
@@ -18,6 +19,7 @@ import torch
 import tyro
 
 from torchtitan.components.metrics import MetricsProcessor
+from torchtitan.distributed.utils import set_determinism
 from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
@@ -128,9 +130,16 @@ class CanonTrainer(Trainer):
         """``[eval]``: evaluation during training (None = off)."""
         tokenizer_kind: Annotated[str, tyro.conf.Suppress] = "hf"
         """``[tokenizer] kind`` (its files are ``hf_assets_path``), for Hugging Face exports."""
+        model_seed: Annotated[int | None, tyro.conf.Suppress] = None
+        """``[model] seed``: the weights are initialised from it; ``debug.seed`` (``[job] seed``) seeds
+        the run's random state after that, as the release seeds its weights with 42 and its run with
+        777. None: ``debug.seed`` seeds the weights too."""
 
     def __init__(self, config: Config):
-        super().__init__(config)
+        if config.model_seed is None:
+            super().__init__(config)
+        else:
+            self._init_with_model_seed(config)
         self._progress_origin: tuple[float, int] | None = None
         self.evaluator = None
         if config.evaluation is not None:
@@ -142,6 +151,17 @@ class CanonTrainer(Trainer):
             if changes:
                 logger.warning(f"the config differs from the one of the run already in {config.dump_folder}: {changes}")
             write_atomic(path, config.run_toml)
+
+    def _init_with_model_seed(self, config: Config) -> None:
+        """TorchTitan seeds once, before it initialises the weights: it is given ``[model] seed`` for
+        that, with its per-stage offsets under PP, and ``[job] seed`` is applied the same way after."""
+        run_debug = config.debug
+        config.debug = dataclasses.replace(run_debug, seed=config.model_seed)
+        try:
+            super().__init__(config)
+        finally:
+            config.debug = run_debug
+        set_determinism(self.parallel_dims, self.device, run_debug, distinct_seed_mesh_dims=["pp"])
 
     def train(self):
         """Resume from the newest checkpoint that loads: a newer one with a missing or truncated

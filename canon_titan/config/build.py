@@ -127,6 +127,7 @@ def build_trainer_config(run: RunConfig):
                last_step=run["training"]["steps"]),
             debug=DebugConfig(seed=job["seed"], deterministic=job["deterministic"],
                               print_config=job["print_config"]),
+            model_seed=run.model_args.seed,
             loss=loss,
             run_toml=dumps(absolute_paths(run.sections)),
             evaluation=_eval_settings(run, run["tokenizer"]["path"] or str(ASSET_DIR)),

@@ -49,6 +49,8 @@ class LinearArgs(CanonArgs, ABC):
     kernel_backend: str = "auto"
     """Recurrence kernel: 'auto' (the Triton kernel on a GPU when its package imports and works there,
     else torch), 'torch', or the family's kernel package ('fla' for GLA5/GDN2, 'mamba_ssm' for Mamba2)."""
+    seed: int | None = None
+    """Seed of the weight initialisation (None: ``[job] seed``), as Llama's; the release recipes set 42."""
 
     label: ClassVar[str] = "linear"
     kernel_op: ClassVar[str] = ""

@@ -39,6 +39,9 @@ class LlamaArgs:
     norm_eps: float = 1e-5
     max_seq_len: int = 4096
     """RoPE table length; training overwrites it with ``training.seq_len``."""
+    seed: int | None = None
+    """Seed of the weight initialisation; None uses ``[job] seed``. The release recipes set 42 (the
+    release's ``model.seed``; its run seed is 777)."""
 
     label: ClassVar[str] = "Llama"
     document_masking: ClassVar[str | None] = None
