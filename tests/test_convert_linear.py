@@ -195,6 +195,26 @@ def test_gla_release_layernorm_names_import(export, tmp_path):
         torch.testing.assert_close(model(TOKENS).logits, hf_model(out)(TOKENS).logits, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("family", ["gla5", "gdn2"])
+def test_zeyuan_layernorm_exports_and_round_trips(tmp_path, family):
+    """A run with ``zeyuan_layernorm`` (the release's 8B recipes) writes it into config.json, and GLA5
+    the release's name for its gated norm, so the release's class builds those modules; the folder
+    imports back to the same tensors, whose export writes the same config.json."""
+    run, step, model = make_checkpoint(tmp_path, ["--model.zeyuan_layernorm", "true"], config=CONFIGS[family])
+    out = to_hf(step, tmp_path / "hf", run)
+    config = json.loads((out / "config.json").read_text())
+    assert config["zeyuan_layernorm"] is True
+    if family == "gla5":
+        names = set(hf_weights(out))
+        assert "model.layers.0.attn.g_norm.weight" in names and not any("g_norm_swish_gate" in n for n in names)
+    with torch.no_grad():
+        assert_logits_close(hf_model(out)(TOKENS).logits, model(TOKENS))
+    back = from_hf(out, tmp_path / "back", run)
+    original, restored = dcp_tensors(step), dcp_tensors(back)
+    assert original.keys() == restored.keys() and all(torch.equal(original[k], restored[k]) for k in original)
+    assert json.loads((to_hf(back, tmp_path / "again", run) / "config.json").read_text()) == config
+
+
 def test_from_hf_rejects_another_model(export, tmp_path):
     run, _, _, out = export("gla5", "AbbCD")
     with pytest.raises(ConversionError, match="canon_set is 'AbbCD', the run config expects 'bb'"):

@@ -38,6 +38,8 @@ class GatedDeltaNetCanonConfig(PretrainedConfig):
     eos_token_id: int | list[int] | None = 2
     tie_word_embeddings: bool = False
     initializer_range: float = 0.02
+    zeyuan_layernorm: bool = False
+    """The release builds unfused norms with it; here the norms and their names are the same either way."""
     canon_set: str = ""
     canon_kernel: int = 4
     canon_residual: bool = True

@@ -178,6 +178,12 @@ class FlaLayerArgs(LinearArgs, ABC):
     ``n_heads`` heads, q/k/v/o projections and short convolutions initialised N(0, 0.02), a
     low-rank output gate, a per-head gated RMSNorm."""
 
+    zeyuan_layernorm: bool = False
+    """The release's switch to unfused PyTorch RMSNorms in its Hugging Face classes (GLA5 then names its
+    gated norm ``attn.g_norm``). The maths, and the model canon-titan trains, are the same either way;
+    exports write it, so the release's class builds the modules its recipe trained with (true in the
+    8B GLA5/GDN2 recipes and GLA5Canon-3B-lr0.005)."""
+
     def validate(self) -> list[tuple[str, str]]:
         problems = LinearArgs.validate(self)
         if self.n_heads > 0 and self.dim % self.n_heads:

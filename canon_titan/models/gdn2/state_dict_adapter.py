@@ -24,5 +24,6 @@ class GDN2StateDictAdapter(LinearStateDictAdapter):
             "num_heads": args.n_heads, "hidden_ratio": 4, "intermediate_size": args.hidden_dim, "hidden_act": "swish",
             "num_hidden_layers": args.n_layers, "norm_eps": args.norm_eps, "attn": None, "use_cache": True,
             "initializer_range": INIT_STD, "fuse_norm": True, "fuse_swiglu": True, "fuse_cross_entropy": False,
-            "zeyuan_split_init": True, "output_gate_rank": GATE_RANK, "zeyuan_layernorm": False,
+            "zeyuan_split_init": True, "output_gate_rank": GATE_RANK,
+            "zeyuan_layernorm": args.zeyuan_layernorm,
         }

@@ -11,8 +11,12 @@ class GLA5StateDictAdapter(LinearStateDictAdapter):
     classes = HFModel("configuration_gla_canon.GLACanonConfig", "modeling_gla_canon.GLACanonForCausalLM", LINEAR_SHARED)
     block_names = {"mixer": "attn", "mixer_norm": "attn_norm", "ffn_norm": "mlp_norm",
                    "mixer.g_norm": "attn.g_norm_swish_gate", **LOW_RANK}
-    plain_gate_norm = False
-    """A release model trained with ``zeyuan_layernorm`` names its gated norm ``attn.g_norm``."""
+
+    def __init__(self, model_config, hf_assets_path: str | None = None, *, rope_layout: str = "lingua"):
+        super().__init__(model_config, hf_assets_path, rope_layout=rope_layout)
+        self.plain_gate_norm = self.args.zeyuan_layernorm
+        """With ``zeyuan_layernorm`` the release names its gated norm ``attn.g_norm``: the run's
+        choice for exports; an imported folder's config.json decides for its tensors."""
 
     def names(self) -> dict[str, str]:
         names = super().names()
@@ -35,6 +39,6 @@ class GLA5StateDictAdapter(LinearStateDictAdapter):
             "conv_size": SHORT_CONV_SIZE, "use_output_gate": True, "output_gate_rank": GATE_RANK, "clamp_min": None,
             "hidden_act": "swish", "elementwise_affine": True, "norm_eps": args.norm_eps, "use_gk": True,
             "use_gv": False, "attn": None, "use_cache": True, "initializer_range": INIT_STD,
-            "zeyuan_split_init": True, "zeyuan_layernorm": False, "fuse_norm": True, "fuse_swiglu": True,
-            "fuse_cross_entropy": False, "use_l2warp": False,
+            "zeyuan_split_init": True, "zeyuan_layernorm": args.zeyuan_layernorm, "fuse_norm": True,
+            "fuse_swiglu": True, "fuse_cross_entropy": False, "use_l2warp": False,
         }
