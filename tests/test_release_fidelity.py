@@ -137,12 +137,13 @@ def _cli(*args):
 
 def test_data_synthetic_writes_the_dataloaders_samples(tmp_path):
     """The dump is the loader's training stream (same ids, tokens and masks, in order) with the
-    task section's parameters; --test writes the held-out items eval synthetic scores."""
+    task section's parameters, and by default the loss mask of the reference, on answers only;
+    --test writes the held-out items eval synthetic scores."""
     from canon_titan.config import load
     from canon_titan.data.synthetic import SyntheticDataLoader, loader_config
 
     out = tmp_path / "depo.jsonl"
-    proc = _cli("depo1", "--n", "30", "--out", str(out), "--depo.N", "12", "--dataloader.answer_only_loss", "true")
+    proc = _cli("depo1", "--n", "30", "--out", str(out), "--depo.N", "12")
     assert proc.returncode == 0, proc.stderr
     records = [json.loads(line) for line in out.read_text().splitlines()]
     run = load(REPO / "train_configs" / "llama_debug.toml",

@@ -208,6 +208,19 @@ def test_playground_configs_resolve_with_task_vocab_and_sections(tmp_path):
     assert (run["depo"]["N"], run["depo"]["K"], run["depo"]["mini_vocab"]) == (6, 16, 3)  # depo2's preset
 
 
+@pytest.mark.parametrize("dataset,answer_only", [("depo1", True), ("brevo2", True), ("mano", True), ("lano", True),
+                                                  ("capo_bios", False), ("builtin", False)])
+def test_answer_only_loss_follows_the_reference_unless_set(dataset, answer_only):
+    """Unset, the integer-token tasks train on their answer tokens only, as the reference does ("we
+    pretrain only on those answer tokens"); text keeps the loss on every token."""
+    config = REPO / "train_configs" / "llama_debug.toml"
+    base = ["--training.seq_len", "2048", "--dataloader.dataset", dataset]
+    assert load(config, base, environment=False)["dataloader"]["answer_only_loss"] is answer_only
+    if answer_only:
+        full = load(config, [*base, "--dataloader.answer_only_loss", "false"], environment=False)
+        assert full["dataloader"]["answer_only_loss"] is False
+
+
 @pytest.mark.parametrize("config,overrides,key,message", [
     ("depo", ["--depo.hops", "3"], "[depo] hops", "unknown key"),
     ("depo", ["--brevo.N", "9"], "[brevo] N", "reads [depo]"),

@@ -1,6 +1,7 @@
 """What a run's config implies, filled in before its model is built and its checks run: the
 absolute initial-load path, the synthetic task's full parameters (the other task sections leave
-the config), and the vocabulary the tokenizer or the task sets."""
+the config), the loss's reach (answer tokens only for the integer-token tasks, unless set), and the
+vocabulary the tokenizer or the task sets."""
 
 from __future__ import annotations
 
@@ -19,7 +20,10 @@ def derive(run: RunConfig, environment: bool) -> None:
     _initial_load_path(run)
     _task_parameters(run, environment)
     dataset = run["dataloader"]["dataset"]
-    if dataset in PRESETS and not PRESETS[dataset][0].text:
+    integer_task = dataset in PRESETS and not PRESETS[dataset][0].text
+    if run["dataloader"]["answer_only_loss"] is None:
+        run["dataloader"]["answer_only_loss"] = integer_task
+    if integer_task:
         if ("model", "vocab_size") not in run.origins:
             run.sections["model"]["vocab_size"] = VOCAB  # integer tokens, no tokenizer
         return

@@ -73,9 +73,10 @@ class DataloaderSection:
     """Attention only within each packed document (positions restart at every BOS, RoPE too).
     The reference attends across documents; Canon layers always do. Synthetic tasks always
     restart positions at every sample."""
-    answer_only_loss: bool = False
-    """Synthetic integer-token tasks: train only on answer tokens (the reference's choice); the
-    other labels are ignored by the loss."""
+    answer_only_loss: bool | None = None
+    """Synthetic integer-token tasks: train only on answer tokens, the other labels are ignored by the
+    loss. Unset: true for those tasks (the reference's choice), false for text (capo_bios and the
+    text datasets train on every token)."""
 
 
 @dataclass(kw_only=True)
