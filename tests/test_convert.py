@@ -211,6 +211,37 @@ def test_bad_inputs_fail_clearly_and_leave_nothing(tmp_path):
     assert not [p for p in tmp_path.iterdir() if ".partial-" in p.name]
 
 
+def test_from_hf_takes_the_vocabulary_of_the_folder(tmp_path, capsys):
+    """A model whose vocabulary is not the config tokenizer's converts: with the folder's tokenizer
+    when it has one (which must then match the weights), else with the vocabulary of the weights and
+    a warning that training needs a tokenizer of that size."""
+    from tokenizers import Tokenizer, models
+
+    from canon_titan import cli
+
+    no_tokenizer = ["--tokenizer.kind", "sentencepiece", "--tokenizer.path", str(tmp_path / "none")]
+    run, step, _ = make_checkpoint(tmp_path, [*no_tokenizer, "--model.vocab_size", "128"])
+    out = to_hf(step, tmp_path / "hf", run)
+    assert not list(out.glob("tokenizer*"))
+
+    def convert(name):
+        code = cli.main(["convert", "from-hf", str(out), str(tmp_path / name), "--config", str(CANON_CONFIG)])
+        return code, capsys.readouterr()
+
+    code, printed = convert("weights")
+    assert code == 0 and "has no tokenizer" in printed.out and "tokenizer of 128 ids" in printed.out
+    original = dcp_tensors(step)
+    assert original.keys() == dcp_tensors(tmp_path / "weights").keys()
+    assert all(torch.equal(t, original[k]) for k, t in dcp_tensors(tmp_path / "weights").items())
+    for size, expected in ((128, 0), (64, 2)):
+        words = {f"w{i}": i for i in range(size)}
+        Tokenizer(models.WordLevel(words, unk_token="w0")).save(str(out / "tokenizer.json"))
+        code, printed = convert(f"tokenizer{size}")
+        assert code == expected and "has no tokenizer" not in printed.out
+    assert "vocab_size is 128, the run config expects 64" in printed.err
+    assert all(torch.equal(t, original[k]) for k, t in dcp_tensors(tmp_path / "tokenizer128").items())
+
+
 def test_cli_convert_reports_errors(tmp_path, capsys):
     from canon_titan import cli
 

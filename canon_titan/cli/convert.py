@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
+
+from torchtitan.tools.logging import logger
 
 from canon_titan.cli.common import OVERRIDES, fail, init_logging
-from canon_titan.config import ConfigError, load
+from canon_titan.config import ConfigError, RunConfig, load
 from canon_titan.convert.dcp_io import ConversionError
 from canon_titan.convert.hf import from_hf as run_from_hf, to_hf as run_to_hf
+from canon_titan.data.tokenizers import folder_tokenizer_kind
 
 
 def _size(text: str) -> int:
@@ -16,6 +21,30 @@ def _size(text: str) -> int:
         if text.upper().endswith(unit):
             return int(float(text[: -len(unit)]) * factor)
     return int(text)
+
+
+def _weights_vocab(hf_dir: Path) -> int | None:
+    """``vocab_size`` of the folder's config.json (None when unreadable: ``from_hf`` says why)."""
+    try:
+        vocab = json.loads((hf_dir / "config.json").read_text()).get("vocab_size")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return vocab if isinstance(vocab, int) else None
+
+
+def import_run(config: str, hf_dir: Path, overrides: list[str]) -> RunConfig:
+    """The run that ``from-hf`` converts for. Conversion needs no tokenizer: the folder's own sets the
+    vocabulary when it has one; otherwise the weights do, whatever the config's tokenizer has."""
+    kind = folder_tokenizer_kind(hf_dir)
+    if kind is not None:
+        return load(config, ["--tokenizer.kind", kind, "--tokenizer.path", str(hf_dir), *overrides], environment=False)
+    vocab = _weights_vocab(hf_dir)
+    run = load(config, overrides, environment=False, weights_vocab=vocab)
+    if vocab is not None and run.tokenizer_vocab not in (None, vocab):
+        logger.warning(f"{hf_dir} has no tokenizer: converting its weights with their vocabulary ({vocab} ids), "
+                       f"not the config's tokenizer's ({run.tokenizer_vocab}); a run training from them needs a "
+                       f"tokenizer of {vocab} ids ([tokenizer] path)")
+    return run
 
 
 def main(argv: list[str]) -> int:
@@ -35,17 +64,18 @@ def main(argv: list[str]) -> int:
                              epilog=OVERRIDES)
     from_hf.add_argument("hf_dir")
     from_hf.add_argument("out_dir")
-    from_hf.add_argument("--config", required=True, help="the TOML of the run that will load the weights")
+    from_hf.add_argument("--config", required=True, help="the TOML of the run that will load the weights (its "
+                         "model; the vocabulary comes from the folder's tokenizer, else from the weights)")
     args, overrides = parser.parse_known_args(argv)
 
     init_logging()
     try:
-        run = load(args.config, overrides, environment=False)
         if args.direction == "to-hf":
+            run = load(args.config, overrides, environment=False)
             run_to_hf(args.ckpt_dir, args.out_dir, run, dtype=args.dtype, rope_layout=args.rope_layout,
                       max_shard_size=args.max_shard_size)
         else:
-            run_from_hf(args.hf_dir, args.out_dir, run)
+            run_from_hf(args.hf_dir, args.out_dir, import_run(args.config, Path(args.hf_dir), overrides))
     except ConfigError as e:
         return fail("config", e)
     except ConversionError as e:

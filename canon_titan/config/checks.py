@@ -298,6 +298,8 @@ def check_tokenizer(run: RunConfig, environment: bool) -> None:
         if environment:
             _fail(run, "tokenizer", "path", f"no {kind} tokenizer at {path}")
         return
+    if run.weights_vocab is not None:
+        return  # converting weights, which need no tokenizer
     vocab_size = run.model_args.vocab_size
     if ("model", "vocab_size") in run.origins and vocab_size != run.tokenizer_vocab:
         _fail(run, "model", "vocab_size", f"is {vocab_size} but the {kind} tokenizer at {path or ASSET_DIR} has "

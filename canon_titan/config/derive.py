@@ -1,7 +1,7 @@
 """What a run's config implies, filled in before its model is built and its checks run: the
 absolute initial-load path, the synthetic task's full parameters (the other task sections leave
 the config), the loss's reach (answer tokens only for the integer-token tasks, unless set), and the
-vocabulary the tokenizer or the task sets."""
+vocabulary the tokenizer, the task or the weights being converted set."""
 
 from __future__ import annotations
 
@@ -28,8 +28,9 @@ def derive(run: RunConfig, environment: bool) -> None:
             run.sections["model"]["vocab_size"] = VOCAB  # integer tokens, no tokenizer
         return
     run.tokenizer_vocab = _tokenizer_vocab(run)
-    if run.tokenizer_vocab is not None and ("model", "vocab_size") not in run.origins:
-        run.sections["model"]["vocab_size"] = run.tokenizer_vocab
+    vocab = run.weights_vocab or run.tokenizer_vocab
+    if vocab is not None and ("model", "vocab_size") not in run.origins:
+        run.sections["model"]["vocab_size"] = vocab
 
 
 def _initial_load_path(run: RunConfig) -> None:

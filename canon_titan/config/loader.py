@@ -184,9 +184,10 @@ def _model_schema(name: str, flavor: str, sources: dict[str, str]) -> tuple[Any,
 
 
 def resolve(path: str | os.PathLike, overrides: list[tuple[str, str, Any]] = (),
-            environment: bool = True) -> RunConfig:
+            environment: bool = True, weights_vocab: int | None = None) -> RunConfig:
     """``environment=False`` checks the config alone: not data paths, tokenizer files or the
-    hardware (float8, CUDA kernels). A world size given in WORLD_SIZE is checked either way."""
+    hardware (float8, CUDA kernels). A world size given in WORLD_SIZE is checked either way.
+    ``weights_vocab``: see ``RunConfig.weights_vocab``."""
     source = str(path)
     raw = load_toml(path)
     _check_sections(raw, source)
@@ -224,7 +225,7 @@ def resolve(path: str | os.PathLike, overrides: list[tuple[str, str, Any]] = (),
         if section != "model":
             _set_key(sections, origins, schemas[section], section, key, value, CLI)
 
-    run = RunConfig(source=source, sections=sections, origins=origins)
+    run = RunConfig(source=source, sections=sections, origins=origins, weights_vocab=weights_vocab)
     derive(run, environment)
     model = sections["model"]
     run.model_args = model_registry.model_args(
@@ -235,5 +236,6 @@ def resolve(path: str | os.PathLike, overrides: list[tuple[str, str, Any]] = (),
     return run
 
 
-def load(path: str | os.PathLike, argv: list[str] = (), environment: bool = True) -> RunConfig:
-    return resolve(path, parse_overrides(list(argv)), environment)
+def load(path: str | os.PathLike, argv: list[str] = (), environment: bool = True,
+         weights_vocab: int | None = None) -> RunConfig:
+    return resolve(path, parse_overrides(list(argv)), environment, weights_vocab)

@@ -26,6 +26,9 @@ class RunConfig:
     """Where each explicitly set key came from (the file or the command line)."""
     tokenizer_vocab: int | None = None
     """The vocabulary of the run's tokenizer, when it could be read (text datasets)."""
+    weights_vocab: int | None = None
+    """The vocabulary of weights being converted without a tokenizer beside them (``convert from-hf``):
+    ``[model] vocab_size`` follows it instead of the tokenizer's, which it need not match."""
 
     def __getitem__(self, section: str) -> dict[str, Any]:
         return self.sections[section]

@@ -117,3 +117,15 @@ def tokenizer_config(kind: str) -> BaseTokenizer.Config:
 
 def build_tokenizer(kind: str, path: str) -> BaseTokenizer:
     return tokenizer_config(kind).build(tokenizer_path=str(path))
+
+
+def folder_tokenizer_kind(folder: str | Path) -> str | None:
+    """The kind of the tokenizer in a model folder: the first of ``TOKENIZER_KINDS`` that loads
+    from it, or None when none does."""
+    for kind in TOKENIZER_KINDS:
+        try:
+            build_tokenizer(kind, str(folder))
+        except Exception:  # each library fails on another kind's file in its own way
+            continue
+        return kind
+    return None
