@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import tomllib
 
 import pytest
 import torch
@@ -152,6 +153,9 @@ def test_suites_list_the_reference_tasks():
     assert set(tasks_of("canon_avg10")) == {c.task for c in lm.COLUMNS if c.label in lm.AVG10}
     manager = lm.task_manager(["canon_all13"])
     assert not lm.leaf_tasks(manager, ["canon_all13"], missing=True)  # every name is a known lm-eval task
+    recipes = {t for p in (REPO / "train_configs").glob("*-Nemo-*.toml")
+               for t in tomllib.loads(p.read_text())["eval"]["tasks"]}
+    assert "triviaqa" in recipes and not lm.leaf_tasks(manager, sorted(recipes), missing=True)
     assert len(lm.leaf_tasks(manager, ["canon_avg10"])) > 60  # MMLU's subjects included
 
 
