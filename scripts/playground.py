@@ -5,9 +5,16 @@ and ``llama_canon`` debug models with identical budgets (same data, steps, batch
 only ``[model] name`` differs), scores each checkpoint on the task's held-out test set with
 greedy generation, and writes ``results.md`` (tables), ``results.json`` and ``accuracy.png``
 (accuracy per hop count / group, both models) under ``--out``. Finished runs are reused, so an
-interrupted experiment continues where it stopped.
+interrupted experiment continues where it stopped. Runs go side by side (``--jobs``, by default as
+many as the machine has cores for at ``--nproc`` processes each): on a 2-core CPU the two models of a
+task train at once, one single-threaded process each, which is faster than one after the other on
+two processes each (FSDP over gloo costs more than it splits).
 
-  python scripts/playground.py [--tasks depo,mano] [--nproc 1] [--steps N] [--count 100] [--out DIR]
+``--check GROUP:POINTS`` (e.g. ``k=1:40``) turns the experiment into a guard: it exits 1 unless
+llama_canon's accuracy on that group beats llama's by at least POINTS percentage points in every task.
+
+  python scripts/playground.py [--tasks depo,mano] [--nproc 1] [--jobs N] [--steps N] [--count 100]
+                               [--check k=1:40] [--out DIR]
 """
 
 from __future__ import annotations
@@ -15,12 +22,16 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import math
+import os
 import shutil
 import subprocess
 import sys
 import time
 import tomllib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from statistics import NormalDist
 
 from canon_titan.fileio import write_atomic
 
@@ -28,16 +39,20 @@ REPO = Path(__file__).resolve().parent.parent
 MODELS = ("llama", "llama_canon")
 
 
-def run(cmd: list[str], log: Path) -> None:
-    print("+ " + " ".join(cmd), flush=True)
+class RunFailed(Exception):
+    pass
+
+
+def run(cmd: list[str], log: Path, name: str) -> None:
+    print(f"[{name}] + " + " ".join(cmd), flush=True)
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for line in proc.stdout:
             f.write(line)
             if any(mark in line for mark in ("progress:", "config error", "Traceback", "Error:")):
-                print("  " + line.split(" - INFO - ")[-1].rstrip(), flush=True)
+                print(f"  [{name}] " + line.split(" - INFO - ")[-1].rstrip(), flush=True)
         if proc.wait():
-            sys.exit(f"playground: command failed (exit {proc.returncode}); log: {log}")
+            raise RunFailed(f"playground: {name}: command failed (exit {proc.returncode}); log: {log}")
 
 
 def train_and_score(task: str, model: str, args) -> dict:
@@ -58,11 +73,12 @@ def train_and_score(task: str, model: str, args) -> dict:
     if args.steps:
         overrides += ["--training.steps", str(args.steps), "--checkpoint.interval", str(args.steps)]
     cli = [sys.executable, "-m", "canon_titan.cli"]
+    name = f"{task}/{model}"
     started = time.monotonic()
-    run(cli + ["train", "--config", str(config), "--nproc", str(args.nproc), *overrides], out / "train.log")
+    run(cli + ["train", "--config", str(config), "--nproc", str(args.nproc), *overrides], out / "train.log", name)
     trained = time.monotonic() - started
     run(cli + ["eval", "synthetic", "--config", str(out / "run_config.toml"), "--count", str(args.count),
-               "--out", str(result_file)], out / "eval.log")
+               "--out", str(result_file)], out / "eval.log", name)
     result = json.loads(result_file.read_text())
     result["train_seconds"] = round(trained, 1)
     result["steps"] = steps
@@ -70,14 +86,28 @@ def train_and_score(task: str, model: str, args) -> dict:
     return result
 
 
+def wilson_interval(accuracy: float, n: int) -> tuple[float, float]:
+    """95% Wilson score interval of a proportion (stays inside [0, 1], unlike the normal one at 0% or 100%)."""
+    z = NormalDist().inv_cdf(0.975)
+    centre = (accuracy + z * z / (2 * n)) / (1 + z * z / n)
+    half = z / (1 + z * z / n) * math.sqrt(accuracy * (1 - accuracy) / n + z * z / (4 * n * n))
+    return centre - half, centre + half
+
+
+def cell(group: dict) -> str:
+    low, high = wilson_interval(group["accuracy"], group["total"])
+    return f"{100 * group['accuracy']:.1f} ({100 * low:.0f}-{100 * high:.0f})"
+
+
 def table(task: str, results: dict[str, dict]) -> str:
     groups = list(results[MODELS[0]]["groups"])
-    lines = [f"### {task} ({results[MODELS[0]]['dataset']}, {results[MODELS[0]]['count']} items per group)", "",
+    lines = [f"### {task} ({results[MODELS[0]]['dataset']}, {results[MODELS[0]]['count']} items per group; "
+             "accuracy % with its 95% interval)", "",
              "| model | " + " | ".join(groups) + " | all | train s |",
              "|---|" + "---|" * (len(groups) + 2)]
     for model in MODELS:
         r = results[model]
-        cells = [f"{100 * r['groups'][g]['accuracy']:.1f}" for g in groups]
+        cells = [cell(r["groups"][g]) for g in groups]
         lines.append(f"| {model} | " + " | ".join(cells) + f" | {100 * r['overall']['accuracy']:.1f} | "
                      f"{r.get('train_seconds', '')} |")
     return "\n".join(lines)
@@ -107,12 +137,44 @@ def plot(all_results: dict[str, dict[str, dict]], path: Path) -> None:
     write_atomic(path, png.getvalue())
 
 
+def parse_check(text: str) -> tuple[str, float]:
+    group, _, points = text.rpartition(":")
+    try:
+        return group, float(points)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected GROUP:POINTS such as k=1:40, got {text!r}") from None
+
+
+def check(all_results: dict[str, dict[str, dict]], group: str, points: float) -> list[str]:
+    """The tasks where llama_canon does not beat llama on ``group`` by ``points`` percentage points."""
+    failures = []
+    for task, results in all_results.items():
+        accuracy = {}
+        for model in MODELS:
+            if group not in results[model]["groups"]:
+                failures.append(f"{task}: no group {group!r} (groups: {', '.join(results[model]['groups'])})")
+                break
+            accuracy[model] = 100 * results[model]["groups"][group]["accuracy"]
+        else:
+            margin = accuracy["llama_canon"] - accuracy["llama"]
+            verdict = "ok" if margin >= points else "FAILED"
+            print(f"[playground] check {task} {group}: llama_canon {accuracy['llama_canon']:.1f} - llama "
+                  f"{accuracy['llama']:.1f} = {margin:+.1f} points (need >= {points:g}): {verdict}")
+            if margin < points:
+                failures.append(f"{task}: llama_canon beats llama on {group} by {margin:+.1f} points, "
+                                f"not the {points:g} required")
+    return failures
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tasks", default="depo,mano", help="configs in train_configs/playground/, comma-separated")
     parser.add_argument("--nproc", type=int, default=1, help="training processes per run")
+    parser.add_argument("--jobs", type=int, help="runs side by side (default: cores // nproc)")
     parser.add_argument("--steps", type=int, help="training steps (default: the config's)")
     parser.add_argument("--count", type=int, default=100, help="test items per group")
+    parser.add_argument("--check", type=parse_check, metavar="GROUP:POINTS",
+                        help="exit 1 unless llama_canon beats llama on GROUP by POINTS points in every task")
     parser.add_argument("--out", type=Path, default=REPO / "outputs" / "playground")
     args = parser.parse_args()
     args.out = args.out.resolve()
@@ -120,17 +182,30 @@ def main() -> int:
     for task in tasks:
         if not (REPO / "train_configs" / "playground" / f"{task}.toml").is_file():
             parser.error(f"--tasks: no train_configs/playground/{task}.toml")
+    runs = [(task, model) for task in tasks for model in MODELS]
+    jobs = args.jobs or max(1, min(len(runs), (os.cpu_count() or 1) // args.nproc))
+    print(f"[playground] {len(runs)} runs, {jobs} at a time, {args.nproc} process(es) each", flush=True)
     started = time.monotonic()
-    all_results = {}
-    for n, task in enumerate(tasks):
-        all_results[task] = {}
-        for m, model in enumerate(MODELS):
-            done = n * len(MODELS) + m
-            elapsed = time.monotonic() - started
-            eta = f", ETA {elapsed / done * (len(tasks) * len(MODELS) - done) / 60:.1f} min" if done else ""
-            print(f"[playground] run {done + 1}/{len(tasks) * len(MODELS)}: {task} / {model} "
-                  f"(elapsed {elapsed / 60:.1f} min{eta})", flush=True)
-            all_results[task][model] = train_and_score(task, model, args)
+    finished = 0
+
+    def one(run_key: tuple[str, str]) -> dict:
+        nonlocal finished
+        result = train_and_score(*run_key, args)
+        finished += 1
+        elapsed = time.monotonic() - started
+        eta = elapsed / finished * (len(runs) - finished) if finished % jobs == 0 else None
+        print(f"[playground] finished {finished}/{len(runs)}: {'/'.join(run_key)} (elapsed {elapsed / 60:.1f} min"
+              + (f", ETA {eta / 60:.1f} min)" if eta is not None and finished < len(runs) else ")"), flush=True)
+        return result
+
+    with ThreadPoolExecutor(jobs) as pool:
+        try:
+            results = list(pool.map(one, runs))
+        except RunFailed as failure:
+            sys.exit(str(failure))
+    all_results = {task: {} for task in tasks}
+    for (task, model), result in zip(runs, results):
+        all_results[task][model] = result
     report = "\n\n".join(table(task, results) for task, results in all_results.items()) + "\n"
     write_atomic(args.out / "results.md", report)
     write_atomic(args.out / "results.json", json.dumps(all_results, indent=2) + "\n")
@@ -138,6 +213,11 @@ def main() -> int:
     print("\n" + report)
     print(f"[playground] done in {(time.monotonic() - started) / 60:.1f} min: {args.out}/results.md, "
           f"{args.out}/accuracy.png")
+    if args.check:
+        failures = check(all_results, *args.check)
+        if failures:
+            print("[playground] check failed: " + "; ".join(failures), file=sys.stderr)
+            return 1
     return 0
 
 

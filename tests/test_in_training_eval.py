@@ -56,7 +56,7 @@ def test_synthetic_scores_equal_the_standalone_scorer_and_respect_the_time_limit
     assert [s for s in range(1, 11) if evaluator.due(s)] == [5, 10]
     metrics = evaluator.run([model], step=5)
     reference = evaluate_synthetic(run, step, count=6)
-    assert metrics["eval/depo1/items"] == reference["overall"]["total"] == 18
+    assert metrics["eval/depo1/items"] == reference["overall"]["total"] == 6 * 2  # groups k=1, k=2 (K = 2)
     assert metrics["eval/depo1/accuracy"] == reference["overall"]["accuracy"]
     for group, g in reference["groups"].items():
         assert metrics[f"eval/depo1/{group}"] == g["accuracy"]
@@ -100,7 +100,7 @@ def test_two_process_training_splits_synthetic_items_over_ranks(tmp_path):
                      "--eval.synthetic_count", "10", "--eval.dtype", "fp32"], config=DEPO)
     items = read_scalars(str(dump), "eval/depo1/items")
     accuracy = read_scalars(str(dump), "eval/depo1/accuracy")
-    assert items == {4: 30.0} and 4 in accuracy
+    assert items == {4: 10.0 * 2} and 4 in accuracy  # groups k=1, k=2 (K = 2)
     run = load(dump / "run_config.toml", environment=False)
     reference = evaluate_synthetic(run, dump / "checkpoint", count=10)
     assert accuracy[4] == pytest.approx(reference["overall"]["accuracy"])

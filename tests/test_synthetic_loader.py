@@ -199,13 +199,14 @@ def test_capo_windows_are_tokenized_biographies():
 
 def test_playground_configs_resolve_with_task_vocab_and_sections(tmp_path):
     run = load(PLAYGROUND / "depo.toml", [], environment=True)
-    assert run["model"]["vocab_size"] == 10000 and run["depo"]["N"] == 8 and run["depo"]["separator"] is False
+    assert run["model"]["vocab_size"] == 10000 and run["depo"]["N"] == 8 and run["depo"]["separator"] is True
     assert "brevo" not in run.sections and "capo" not in run.sections
     config = tmp_path / "depo2.toml"
     config.write_text('[model]\nname = "llama"\nflavor = "debug"\n[training]\nseq_len = 512\n'
                       '[dataloader]\ndataset = "depo2"\n[depo]\nN = 6\n')
     run = load(config, [])
     assert (run["depo"]["N"], run["depo"]["K"], run["depo"]["mini_vocab"]) == (6, 16, 3)  # depo2's preset
+    assert run["depo"]["separator"] is False  # the release's default; the playground sets its own
 
 
 @pytest.mark.parametrize("dataset,answer_only", [("depo1", True), ("brevo2", True), ("mano", True), ("lano", True),
@@ -224,7 +225,8 @@ def test_answer_only_loss_follows_the_reference_unless_set(dataset, answer_only)
 @pytest.mark.parametrize("config,overrides,key,message", [
     ("depo", ["--depo.hops", "3"], "[depo] hops", "unknown key"),
     ("depo", ["--brevo.N", "9"], "[brevo] N", "reads [depo]"),
-    ("depo", ["--depo.N", "60", "--depo.max_word_len", "2"], "[training] seq_len", "seq_len >= 300"),
+    ("depo", ["--depo.N", "60", "--depo.max_word_len", "2", "--depo.separator", "false"], "[training] seq_len",
+     "seq_len >= 300"),
     ("depo", ["--model.vocab_size", "5000"], "[model] vocab_size", ">= 10000"),
     ("text", ["--dataloader.dataset", "capo_bios", "--dataloader.answer_only_loss", "true"],
      "[dataloader] answer_only_loss", "whole biographies"),
@@ -340,7 +342,17 @@ def test_playground_report_table_and_plot(tmp_path):
         continuations = [item.answer if i % 4 < right else [] for i, item in enumerate(items)]
         results[model] = {**summarize(task, items, continuations), "dataset": "depo1", "count": 4}
     text = playground.table("depo", results)
-    assert "| llama | 25.0 | 25.0 | 25.0 | 25.0 |  |" in text and "| llama_canon | 75.0 |" in text
+    # 1 and 3 right of 4 per group; the 95% Wilson intervals of 1/4 and 3/4 are [4.6%, 69.9%] and [30.1%, 95.4%]
+    # (scipy's binomtest below)
+    assert "| llama | 25.0 (5-70) | 25.0 (5-70) | 25.0 (5-70) | 25.0 |  |" in text  # k=1, 2, 4 and all
+    assert "| llama_canon | 75.0 (30-95) |" in text
+    binomtest = pytest.importorskip("scipy.stats").binomtest
+    for right, n in ((1, 4), (3, 4), (0, 100), (100, 100), (23, 100)):
+        reference = binomtest(right, n).proportion_ci(method="wilson")
+        assert playground.wilson_interval(right / n, n) == pytest.approx((reference.low, reference.high), abs=1e-12)
+    assert playground.check({"depo": results}, "k=1", 50) == []
+    assert playground.check({"depo": results}, "k=1", 50.1)[0].startswith("depo: llama_canon beats llama on k=1 by")
+    assert "no group 'k=9'" in playground.check({"depo": results}, "k=9", 1)[0]
     playground.plot({"depo": results}, tmp_path / "accuracy.png")
     image = np.asarray(Image.open(tmp_path / "accuracy.png").convert("L"))
     assert image.shape[0] > 200 and image.shape[1] > 300 and image.std() > 10  # drawn, not blank
