@@ -15,8 +15,10 @@ Backends:
   ``canon_titan::canon_swiglu``) with fake kernels and autograd, so a compiled block has no graph
   break. They read the [B, T, C] layout with any strides (no transposes, no copies). The backward
   saves only the op's inputs and recomputes the convolution; the fused SwiGLU op saves gate and up
-  (what SwiGLU alone saves), not the Canon outputs. Runs on CUDA, or on CPU tensors when
-  ``TRITON_INTERPRET=1`` is set before the import (Triton's interpreter: slow, for tests).
+  (what SwiGLU alone saves), not the Canon outputs. The forward kernels' blocks are autotuned, the
+  backward kernels' fixed (their weight gradients are then bitwise reproducible). Runs on CUDA, or
+  on CPU tensors when ``TRITON_INTERPRET=1`` is set before the import (Triton's interpreter: slow,
+  for tests). ``python -m canon_titan.kernels.aot`` compiles the kernels for sm_90 without a GPU.
 """
 
 from __future__ import annotations
