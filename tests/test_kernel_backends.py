@@ -79,6 +79,15 @@ def ssd_inputs(batch, seq, heads, head_dim, state, groups, initial):
 
 
 KERNELS = {"gla": (gla, gla_inputs), "gated_delta_rule": (gated_delta_rule, gdn_inputs), "ssd": (ssd, ssd_inputs)}
+BACKEND = {"gla": "fla", "gated_delta_rule": "fla", "ssd": "mamba_ssm"}
+
+
+def skip_where_known_bad(op: str) -> None:
+    """A machine where the package refuses the op (``KNOWN_BAD``: fla's gated delta rule backward on
+    Hopper with Triton < 3.7.1, the offline GPU kit's) cannot run its test."""
+    problem = backends.backend_problem(BACKEND[op], op)
+    if problem:
+        pytest.skip(problem)
 
 
 def _both(op, inputs, cuda_backend, **kw):
@@ -95,6 +104,7 @@ def _both(op, inputs, cuda_backend, **kw):
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("op", ["gla", "gated_delta_rule"])
 def test_fla_equals_torch(op, shape, initial):
+    skip_where_known_bad(op)
     assert_match(*_both(op, KERNELS[op][1](*shape, initial), "fla"), **TOL)
 
 
@@ -134,9 +144,7 @@ def test_real_shapes_in_bfloat16(op, backend, shape, kw):
     """The 1B models' shapes (T 4096; GLA5/GDN2 heads of 128 x 256, Mamba2 heads of 256 with state 128)
     in bfloat16, against the torch kernel in float32 on the same inputs: outputs, final states and
     every gradient within 2% of their largest value."""
-    problem = backends.backend_problem(backend, op)
-    if problem:
-        pytest.skip(problem)
+    skip_where_known_bad(op)
     inputs = {k: v.bfloat16() for k, v in KERNELS[op][1](*shape).items()}
     kernel = KERNELS[op][0]
     with kernel_path(*OPS[op]):
@@ -159,6 +167,7 @@ def test_real_shapes_in_bfloat16(op, backend, shape, kw):
 def test_custom_op_registration(op, make):
     """torch.library's checks: schema, fake (meta) kernel against the real one, autograd
     registration, AOT dispatch with dynamic shapes."""
+    skip_where_known_bad(next(name for name, ops in OPS.items() if op in ops))
     args = tuple(t.requires_grad_() if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in make())
     with kernel_path(op, f"{op}_backward"):
         torch.library.opcheck(getattr(torch.ops.canon_titan, op).default, args)
@@ -197,6 +206,7 @@ def test_blocks_with_kernel_backends_compile_without_graph_breaks(family):
 def test_training_steps_match_the_torch_kernels(family):
     """Two AdamW steps of the debug model (one layer) from the same weights and batch (the second
     runs on weights the first updated): losses and gradient norms agree to the float32 tolerance."""
+    skip_where_known_bad(FAMILY_OP[family])
     tokens = torch.randint(0, 2048, (2, 33), generator=torch.Generator().manual_seed(5)).to(DEVICE)
     history = {}
     for backend in ("torch", CUDA_BACKEND[family]):
