@@ -30,6 +30,9 @@ class _Int(int):
 
 
 def _interpreter_range(*args):
+    # Bounds may be the interpreter's one-element tensors, which Triton 3.6 cannot turn into an index
+    # under NumPy 2.
+    args = [int(a.handle.data.item()) if hasattr(a, "handle") else a for a in args]
     return (_Int(i) for i in range(*args))
 
 
