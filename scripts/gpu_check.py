@@ -33,8 +33,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gpu_check_report import markdown
+
+from canon_titan.fileio import write_atomic
+
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "scripts"))
 SCRIPT = str(Path(__file__).resolve())
 
 
@@ -210,8 +213,6 @@ def main(argv=None) -> int:
     p.add_argument("--losses", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.env or args.losses:  # a sub-step, in its own process
-        from canon_titan.fileio import write_atomic
-
         data = environment() if args.env else loss_comparison(args.tiny)
         write_atomic(args.env or args.losses, json.dumps(data, indent=2))
         return 0
@@ -257,9 +258,6 @@ def main(argv=None) -> int:
                     run["planner"] = predict(run, gpu)
         else:
             report["planner"] = "canon-titan plan is not available in this checkout: no predictions"
-    from gpu_check_report import markdown
-    from canon_titan.fileio import write_atomic
-
     write_atomic(out / "gpu_check.json", json.dumps(report, indent=2, default=str))
     write_atomic(out / "gpu_check.md", markdown(report))
     print(f"[gpu_check] wrote {out / 'gpu_check.md'}, {out / 'gpu_check.json'}, {out / 'gpu_check.log'}")

@@ -31,8 +31,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import JITFunction, create_function_from_signature
 
-from canon_titan.kernels import canon
 from canon_titan.fileio import write_atomic
+from canon_titan.kernels import canon
 from canon_titan.kernels.backends import INTERPRETED
 
 SM90 = GPUTarget("cuda", 90, 32)
@@ -102,8 +102,8 @@ def model_cases(seq_len: int = SEQ_LEN) -> dict:
         # Canon-D and the SwiGLU after it: LlamaCanon-8B's hidden width.
         "D 8B, swiglu": swiglu(_meta(1, t, 14336), _meta(1, t, 14336), _meta(2 * 14336, 4)),
         # The linear models' short convolution b; Mamba2-3B's reads a slice of in_proj's output, row
-        # stride 2*6144 + 2*128 + 24 = 12568, a multiple of 8 but not of 16 (Triton's own hint); its
-        # twin with a row stride of 12576 shows what an aligned one compiles to.
+        # stride 2*6144 + 2*128 + 24 = 12568, a multiple of 8 but not of 16 (which Triton alone
+        # recognises); its twin with a row stride of 12576 shows what an aligned one compiles to.
         MISALIGNED: conv(_meta(1, t, 6400, width=12568), _meta(6400, 4), _meta(6400), residual=False,
                          activation=True),
         ALIGNED_TWIN: conv(_meta(1, t, 6400, width=12576), _meta(6400, 4), _meta(6400), residual=False,
@@ -132,8 +132,8 @@ def _jit_function(kernel) -> JITFunction:
     return kernel
 
 
-def _configs(kernel, kwargs: dict) -> list[dict]:
-    """The launch's possible meta-parameters: every autotuning config, or the ones it passes."""
+def _configs(kernel) -> list[dict]:
+    """The launch's possible meta-parameters: every autotuning config, or (none here) the ones it passes."""
     if isinstance(kernel, triton.runtime.Autotuner):
         return [{**c.kwargs, "num_warps": c.num_warps, "num_stages": c.num_stages} for c in kernel.configs]
     return [{}]
@@ -160,7 +160,7 @@ def compile_case(case: str, run, target: GPUTarget = SM90) -> list[Compiled]:
     """Every distinct kernel specialisation and configuration ``run()`` may launch, compiled."""
     results, seen = [], set()
     for kernel, args, kwargs in record_launches(run):
-        for meta in _configs(kernel, kwargs):
+        for meta in _configs(kernel):
             src, options = _source(kernel, args, kwargs, meta, target)
             if (src.hash(), str(options)) in seen:
                 continue
