@@ -9,13 +9,23 @@
                   (parameters excluded), for llama and llama_canon with each Canon backend. Runs on
                   a CPU (the Triton kernels in the interpreter): the activation-memory part of the
                   memory ratio, device-independent.
+  --mode traffic  bytes the Triton Canon op moves through memory per LlamaCanon layer (forward and
+                  backward, per token), counted from its kernel launches at the flavor's shapes
+                  (meta tensors: runs anywhere, instantly), and the buffers it allocates.
+  --mode ops      the Canon op alone on a GPU: forward+backward time of Canon-A/C, Canon-D and
+                  Mamba2's short convolution at the flavor's widths against fla's causal_conv1d and
+                  the memory bound, the first call's compile-and-autotune time, the autotuner's
+                  choices. Without a GPU, tiny shapes in Triton's interpreter (a check of the code).
 
 Every case runs in its own process, so peak memory is that case's alone.
 
   .venv/bin/python scripts/bench_canon.py --mode trainer                      # GPU: 1B, seq 4096, bs 2, compile
+  .venv/bin/python scripts/bench_canon.py --mode trainer --canon-backend triton,torch   # both backends, one run
   .venv/bin/python scripts/bench_canon.py --mode trainer --flavor debug --seq-len 256 --steps 6 --no-compile  # CPU
   .venv/bin/python scripts/bench_canon.py --mode saved --seq-len 256          # CPU, 1B block
   .venv/bin/python scripts/bench_canon.py --mode raw --flavor debug --seq-len 512
+  .venv/bin/python scripts/bench_canon.py --mode traffic --flavor 8B --batch 1   # any machine
+  .venv/bin/python scripts/bench_canon.py --mode ops                          # GPU: 1B widths, bs 2 x 4096
 """
 
 from __future__ import annotations
@@ -33,6 +43,7 @@ import torch
 from torch.autograd.graph import saved_tensors_hooks
 
 import model_registry
+from canon_titan.fileio import write_atomic
 from canon_titan.loss import squared_nll_loss
 
 MODELS = ("llama", "llama_canon")
@@ -40,19 +51,24 @@ MODELS = ("llama", "llama_canon")
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--mode", choices=("trainer", "raw", "saved"), default="trainer")
+    p.add_argument("--mode", choices=("trainer", "raw", "saved", "traffic", "ops"), default="trainer")
     p.add_argument("--flavor", default="1B", help="flavor of both families (debug, 1B, 3B, 8B)")
     p.add_argument("--dim", type=int, help="override the flavor's width")
     p.add_argument("--n-layers", type=int, help="override the flavor's depth")
     p.add_argument("--n-heads", type=int)
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--batch", type=int, default=2, help="per-process batch")
-    p.add_argument("--canon-backend", default="auto", help="trainer/raw: llama_canon's canon_backend")
+    p.add_argument("--canon-backend", default="auto",
+                   help="llama_canon's canon_backend; trainer: a comma list runs llama_canon once per backend")
+    p.add_argument("--models", default="llama,llama_canon", help="trainer: llama and/or llama_canon")
+    p.add_argument("--trainer-args", default="",
+                   help="trainer: more overrides for every run, e.g. '--float8.enable=true --float8.recipe_name=rowwise'")
     p.add_argument("--steps", type=int, default=30, help="trainer: steps; raw: timed steps")
     p.add_argument("--warmup", type=int, default=10, help="steps left out of the averages (compilation, autotuning)")
     p.add_argument("--no-compile", dest="compile", action="store_false", help="trainer: eager blocks")
     p.add_argument("--nproc", type=int, default=1, help="trainer: processes (FSDP over them)")
     p.add_argument("--modes", default="eager,compiled", help="raw: eager and/or compiled")
+    p.add_argument("--reps", type=int, default=50, help="ops: milliseconds of timed repetitions per case (GPU)")
     p.add_argument("--json", help="also write the results here")
     p.add_argument("--case", help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -79,6 +95,13 @@ def _device():
 # ----------------------------------------------------------------------------- trainer
 
 
+def trainer_cases(args) -> list[tuple[str, str | None]]:
+    """(model, canon backend) per run: llama, and llama_canon with each backend of --canon-backend."""
+    models = args.models.split(",")
+    backends = args.canon_backend.split(",")
+    return [(m, None) for m in models if m == "llama"] + [("llama_canon", b) for b in backends if "llama_canon" in models]
+
+
 def run_trainer(args) -> list[dict]:
     from trainer_bench import run_case
 
@@ -86,27 +109,33 @@ def run_trainer(args) -> list[dict]:
         raise SystemExit(f"--steps ({args.steps}) must exceed --warmup ({args.warmup})")
     results = []
     with tempfile.TemporaryDirectory() as tmp:
-        for model in MODELS:
-            print(f"[bench] trainer: {model} {args.flavor}, seq {args.seq_len}, batch {args.batch} x {args.nproc}, "
+        for model, backend in trainer_cases(args):
+            label = model if backend is None else f"{model} ({backend})"
+            print(f"[bench] trainer: {label} {args.flavor}, seq {args.seq_len}, batch {args.batch} x {args.nproc}, "
                   f"{args.steps} steps ...", flush=True)
-            keys = {"name": model, "flavor": args.flavor, **model_overrides(args, model)}
+            keys = {"name": model, "flavor": args.flavor, **model_overrides(args, model, backend)}
             try:
-                results.append(run_case(keys, os.path.join(tmp, model), seq_len=args.seq_len, batch=args.batch,
-                                        steps=args.steps, warmup=args.warmup, compile=args.compile,
-                                        nproc=args.nproc))
+                result = run_case(keys, os.path.join(tmp, label.replace(" ", "_")), seq_len=args.seq_len,
+                                  batch=args.batch, steps=args.steps, warmup=args.warmup, compile=args.compile,
+                                  nproc=args.nproc, extra=tuple(args.trainer_args.split()))
             except RuntimeError as e:
                 raise SystemExit(f"[bench] {e}") from None
-    base, canon = results
+            results.append({**result, "canon_backend": backend, "label": label})
     print(f"\ntrainer, flavor {args.flavor}, seq {args.seq_len}, batch {args.batch} x {args.nproc} process(es), "
-          f"compile {args.compile}; medians over steps {args.warmup + 1}-{args.steps}")
-    print(f"{'model':<12} {'tokens/s':>10} {'MFU %':>7} {'peak reserved GiB':>18} {'peak active GiB':>16}")
+          f"compile {args.compile}{', ' + args.trainer_args if args.trainer_args else ''}; medians over steps "
+          f"{args.warmup + 1}-{args.steps}")
+    print(f"{'model':<22} {'tokens/s':>10} {'MFU %':>7} {'peak reserved GiB':>18} {'peak active GiB':>16} "
+          f"{'step 1 s':>9}")
     for r in results:
-        print(f"{r['model']:<12} {r['tokens_per_s']:>10,.0f} {r['mfu_pct']:>7.2f} {r['peak_reserved_gib']:>18.2f} "
-              f"{r['peak_active_gib']:>16.2f}")
-    print(f"kernels: {canon['kernels']}")
-    print(f"llama_canon / llama: throughput x{canon['tokens_per_s'] / base['tokens_per_s']:.3f} (target >= 0.97), "
-          f"peak reserved x{canon['peak_reserved_gib'] / base['peak_reserved_gib']:.3f}, "
-          f"peak active x{canon['peak_active_gib'] / base['peak_active_gib']:.3f} (target <= 1.05)")
+        print(f"{r['label']:<22} {r['tokens_per_s']:>10,.0f} {r['mfu_pct']:>7.2f} {r['peak_reserved_gib']:>18.2f} "
+              f"{r['peak_active_gib']:>16.2f} {r['first_step_s']:>9.1f}")
+    base = next((r for r in results if r["model"] == "llama"), None)
+    for r in results:
+        print(f"kernels of {r['label']}: {r['kernels']}")
+        if base is not None and r is not base:
+            print(f"{r['label']} / llama: throughput x{r['tokens_per_s'] / base['tokens_per_s']:.3f} (target >= 0.97), "
+                  f"peak reserved x{r['peak_reserved_gib'] / base['peak_reserved_gib']:.3f}, "
+                  f"peak active x{r['peak_active_gib'] / base['peak_active_gib']:.3f} (target <= 1.05)")
     return results
 
 
@@ -206,6 +235,47 @@ def run_saved(args) -> list[dict]:
     return results
 
 
+# ----------------------------------------------------------------------------- the op alone
+
+
+def run_traffic(args) -> list[dict]:
+    from canon_op_bench import layer_traffic
+
+    rows = layer_traffic(args.flavor, args.batch, args.seq_len)
+    tokens = args.batch * args.seq_len
+    print(f"Triton Canon op, one llama_canon {args.flavor} layer, batch {args.batch} x seq {args.seq_len}, bf16: "
+          "bytes moved per token, forward + backward (kernel launches, each tensor argument once; torch ops "
+          "around them), and bytes allocated per token")
+    print(f"{'call':<6} {'launches':>8} {'kernels B/token':>16} {'torch ops B/token':>18} {'allocated B/token':>18}")
+    for r in rows:
+        print(f"{r['call']:<6} {r['kernels']:>8} {r['kernel_bytes'] / tokens:>16,.0f} {r['host_bytes'] / tokens:>18,.0f} "
+              f"{r['allocated_bytes'] / tokens:>18,.0f}")
+    total = {k: sum(r[k] for r in rows) / tokens for k in ("kernel_bytes", "host_bytes", "allocated_bytes")}
+    print(f"{'layer':<6} {sum(r['kernels'] for r in rows):>8} {total['kernel_bytes']:>16,.0f} "
+          f"{total['host_bytes']:>18,.0f} {total['allocated_bytes']:>18,.0f}")
+    print(f"moved per layer: {(total['kernel_bytes'] + total['host_bytes']) * tokens / 1e9:.3f} GB")
+    return rows
+
+
+def run_ops(args) -> dict:
+    from canon_op_bench import llama_canon_layer, mamba2_short_conv, ops
+
+    layer = {call.name: call for call in llama_canon_layer(args.flavor)}
+    result = ops([layer["A"], layer["D"], mamba2_short_conv(args.flavor)], args.batch, args.seq_len, args.reps)
+    print(f"Canon op, forward + backward, {result['device']}, flavor {args.flavor} widths, batch {args.batch} x seq "
+          f"{args.seq_len}" + (f"; device copy {result['copy_bandwidth_gb_s']:,.0f} GB/s" if result["copy_bandwidth_gb_s"]
+                               else ""))
+    print(f"{'call':<11} {'channels':>8} {'first call s':>12} {'triton ms':>10} {'fla ms':>8} {'bound ms':>9}")
+    for r in result["calls"]:
+        fla, bound = r.get("fla_causal_conv1d_ms"), r.get("bound_ms")
+        print(f"{r['call']:<11} {r['channels']:>8} {r['first_call_s']:>12.2f} {r['triton_ms']:>10.3f} "
+              f"{fla if fla is not None else float('nan'):>8.3f} {bound if bound is not None else float('nan'):>9.3f}")
+    for kernel, choices in result["tuned"].items():
+        for key, config in choices.items():
+            print(f"autotuned {kernel} {key}: {config}")
+    return result
+
+
 # ----------------------------------------------------------------------------- driver
 
 
@@ -245,10 +315,10 @@ def main(argv=None) -> int:
         case = raw_case(args, model, extra) if kind == "raw" else saved_case(args, model, extra or None)
         print(json.dumps(case))
         return 0
-    results = {"trainer": run_trainer, "raw": run_raw, "saved": run_saved}[args.mode](args)
+    results = {"trainer": run_trainer, "raw": run_raw, "saved": run_saved, "traffic": run_traffic,
+               "ops": run_ops}[args.mode](args)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+        write_atomic(args.json, json.dumps(results, indent=2))
     return 0
 
 

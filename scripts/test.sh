@@ -14,5 +14,9 @@ MAMBA_SKIP_CUDA_BUILD=TRUE MAMBA_FORCE_BUILD=TRUE .venv/bin/python -m pip instal
 [ -f .venv/transformers4/transformers/__init__.py ] || .venv/bin/python -m pip install --quiet \
   --disable-pip-version-check --no-deps --target .venv/transformers4 transformers==4.47.1 "tokenizers>=0.21,<0.22" \
   "huggingface-hub>=0.24,<1.0"
+# Triton 3.6.0, the offline GPU kit's, in a folder of its own: tests compile the Canon kernels for sm_90 with it
+# as well as with the pinned Triton (PYTHONPATH=.venv/triton36; its wheel bundles ptxas, so no GPU is needed).
+[ -f .venv/triton36/triton/__init__.py ] || .venv/bin/python -m pip install --quiet --disable-pip-version-check \
+  --no-deps --target .venv/triton36 triton==3.6.0
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 exec .venv/bin/python -m pytest -ra --durations=30 "$@"

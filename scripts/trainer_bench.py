@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from canon_titan.metrics import read_all_scalars
+from canon_titan.metrics import LOSS_TAG, read_all_scalars
 
 REPO = Path(__file__).resolve().parent.parent
 BASE_CONFIG = REPO / "train_configs" / "llama_debug.toml"
@@ -22,15 +22,17 @@ METRICS = {"tokens_per_s": "throughput(tps)", "mfu_pct": "mfu(%)",
 
 
 def run_case(model: dict, dump: str, *, seq_len: int, batch: int, steps: int, warmup: int, compile: bool,
-             nproc: int = 1) -> dict:
-    """Train ``model`` (``[model]`` keys: name, flavor, overrides) for ``steps`` steps; medians of the
-    metrics over the steps after ``warmup``, and the kernel choices the run logged."""
+             nproc: int = 1, extra: tuple[str, ...] = ()) -> dict:
+    """Train ``model`` (``[model]`` keys: name, flavor, overrides; ``extra``: more ``--section.key=value``
+    overrides) for ``steps`` steps; medians of the metrics over the steps after ``warmup``, the first
+    step's time (compilation and autotuning included), the loss at every step, and the kernel choices
+    the run logged."""
     overrides = [f"--training.seq_len={seq_len}", f"--training.local_batch_size={batch}",
                  f"--training.steps={steps}", "--training.global_batch_size=-1",
                  f"--lr_scheduler.warmup_steps={min(10, steps - 1)}", "--metrics.log_freq=1",
                  "--metrics.enable_tensorboard=true", "--checkpoint.enable=false", f"--job.dump_folder={dump}",
                  f"--compile.enable={'true' if compile else 'false'}"]
-    overrides += [f"--model.{key}={json.dumps(value)}" for key, value in model.items()]
+    overrides += [f"--model.{key}={json.dumps(value)}" for key, value in model.items()] + list(extra)
     if torch.cuda.is_available():
         overrides += ["--training.dtype=bfloat16", "--training.mixed_precision_param=bfloat16"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
@@ -41,10 +43,14 @@ def run_case(model: dict, dump: str, *, seq_len: int, batch: int, steps: int, wa
         raise RuntimeError(f"{model['name']} at seq {seq_len} failed (exit {proc.returncode}):\n{log[-4000:]}")
 
     scalars = read_all_scalars(dump)
-    result = {"model": model["name"], "seq_len": seq_len, "batch": batch, "nproc": nproc}
+    result = {"model": model["name"], "seq_len": seq_len, "batch": batch, "nproc": nproc,
+              "config": str(BASE_CONFIG), "overrides": overrides}
     for name, tag in METRICS.items():
         values = [v for step, v in scalars.get(tag, {}).items() if step > warmup]
         result[name] = statistics.median(values) if values else float("nan")
+    first_tps = scalars.get(METRICS["tokens_per_s"], {}).get(1)
+    result["first_step_s"] = batch * seq_len / first_tps if first_tps else float("nan")
+    result["losses"] = scalars.get(LOSS_TAG, {})
     # The families log their kernel choice: "... backend triton (requested auto)".
     result["kernels"] = "; ".join(line.split(" - INFO - ", 1)[-1] for line in log.splitlines()
                                   if "(requested " in line and " - INFO - " in line)

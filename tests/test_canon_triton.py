@@ -1,22 +1,30 @@
-"""The Triton Canon kernels (run by Triton's interpreter on this CPU) against the torch backend:
-outputs and every gradient in float32, the custom-op registration, and compile without graph
-breaks. The torch backend itself is checked against hand loops in test_canon.py.
+"""The Triton Canon kernels against the torch backend: outputs and every gradient, the custom-op
+registration, and compile without graph breaks. On a machine with a GPU they run on CUDA tensors
+(plus real shapes in bfloat16); without one, on CPU tensors in Triton's interpreter. Every comparison
+asserts that the kernels ran (``kernel_paths.kernel_path``): a backend that fell back to torch fails
+it. The torch backend itself is checked against hand loops in test_canon.py.
 
-The interpreter's block is 64 rows x 256 channels and the weight-gradient chunk 128 rows, so the
-shapes below cover partial blocks in both dimensions, several chunks, and T shorter than K.
+The interpreter's block covers up to 128 rows x 512 channels and the weight-gradient chunk is 128
+rows; on a GPU the blocks are 16-32 rows x 32-256 channels. The shapes below cover partial blocks in
+both dimensions, several chunks, and T shorter than K.
 """
 
 import pytest
 import torch
 
 import model_registry
+from canon_titan.kernels import canon
 from canon_titan.kernels.backends import triton_runs_here
 from canon_titan.kernels.canon import canon_conv, canon_swiglu
+from kernel_paths import DEVICE, ON_GPU, kernel_path, randn
 
 pytestmark = pytest.mark.skipif(not triton_runs_here(), reason="needs a GPU or TRITON_INTERPRET=1")
 
-# float32; only the summation order differs (tiles, per-chunk partial sums of the weight gradient).
+# float32 on either device (the kernels have no tl.dot, so no TF32): only the summation order
+# differs (tiles, per-chunk partial sums of the weight gradient).
 TOL = dict(rtol=1e-5, atol=1e-4)
+CONV_OPS = ("canon_conv", "canon_conv_backward")
+SWIGLU_OPS = ("canon_swiglu", "canon_swiglu_backward")
 
 # batch, seq, channels, kernel, residual, activation, bias
 CASES = [
@@ -28,10 +36,6 @@ CASES = [
 ]
 
 
-def _randn(gen, *shape):
-    return torch.randn(*shape, generator=gen)
-
-
 def _run(fn, tensors, dy, backend):
     leaves = [t.detach().clone().requires_grad_() if t is not None else None for t in tensors]
     out = fn(*leaves, backend=backend)
@@ -39,23 +43,25 @@ def _run(fn, tensors, dy, backend):
     return [out, *grads]
 
 
-def assert_backends_agree(fn, tensors, seed=1):
+def assert_backends_agree(fn, tensors, ops, seed=1):
     gen = torch.Generator().manual_seed(seed)
-    dy = _randn(gen, *tensors[0].shape)
-    for got, want in zip(_run(fn, tensors, dy, "triton"), _run(fn, tensors, dy, "torch")):
+    dy = randn(gen, *tensors[0].shape)
+    with kernel_path(*ops):
+        got = _run(fn, tensors, dy, "triton")
+    for got, want in zip(got, _run(fn, tensors, dy, "torch")):
         torch.testing.assert_close(got, want, **TOL)
 
 
 @pytest.mark.parametrize("batch, seq, channels, kernel, residual, activation, bias", CASES)
 def test_canon_conv_triton_equals_torch(batch, seq, channels, kernel, residual, activation, bias):
     gen = torch.Generator().manual_seed(0)
-    x, w = _randn(gen, batch, seq, channels), _randn(gen, channels, kernel)
-    b = _randn(gen, channels) if bias else None
+    x, w = randn(gen, batch, seq, channels), randn(gen, channels, kernel)
+    b = randn(gen, channels) if bias else None
 
     def fn(x, w, b, backend):
         return canon_conv(x, w, b, residual=residual, activation=activation, backend=backend)
 
-    assert_backends_agree(fn, [x, w, b])
+    assert_backends_agree(fn, [x, w, b], CONV_OPS)
 
 
 @pytest.mark.parametrize("batch, seq, channels, kernel, residual, activation, bias", [CASES[0], CASES[2]])
@@ -63,37 +69,37 @@ def test_fused_rmsnorm_input(batch, seq, channels, kernel, residual, activation,
     """Canon-A/B/C take the RMSNorm's inverse RMS (per token) and weight (per channel) and scale
     their input inside the kernel; gradients reach x, both scales, the weight and the bias."""
     gen = torch.Generator().manual_seed(0)
-    x, w = _randn(gen, batch, seq, channels), _randn(gen, channels, kernel)
-    b = _randn(gen, channels) if bias else None
-    row_scale, col_scale = torch.rand(batch, seq, generator=gen) + 0.5, _randn(gen, channels)
+    x, w = randn(gen, batch, seq, channels), randn(gen, channels, kernel)
+    b = randn(gen, channels) if bias else None
+    row_scale, col_scale = (torch.rand(batch, seq, generator=gen) + 0.5).to(DEVICE), randn(gen, channels)
 
     def fn(x, w, b, row_scale, col_scale, backend):
         return canon_conv(x, w, b, row_scale=row_scale, col_scale=col_scale, residual=residual,
                           activation=activation, backend=backend)
 
-    assert_backends_agree(fn, [x, w, b, row_scale, col_scale])
+    assert_backends_agree(fn, [x, w, b, row_scale, col_scale], CONV_OPS)
 
 
 @pytest.mark.parametrize("batch, seq, channels, kernel, residual, activation, bias", CASES)
 def test_canon_swiglu_triton_equals_torch(batch, seq, channels, kernel, residual, activation, bias):
     gen = torch.Generator().manual_seed(0)
-    gate, up = _randn(gen, batch, seq, channels), _randn(gen, batch, seq, channels)
-    w = _randn(gen, 2 * channels, kernel)
-    b = _randn(gen, 2 * channels) if bias else None
+    gate, up = randn(gen, batch, seq, channels), randn(gen, batch, seq, channels)
+    w = randn(gen, 2 * channels, kernel)
+    b = randn(gen, 2 * channels) if bias else None
 
     def fn(gate, up, w, b, backend):
         return canon_swiglu(gate, up, w, b, residual=residual, activation=activation, backend=backend)
 
-    assert_backends_agree(fn, [gate, up, w, b])
+    assert_backends_agree(fn, [gate, up, w, b], SWIGLU_OPS)
 
 
 def test_non_contiguous_inputs_and_weights():
     """A channel slice of a wider activation, a [B, C, T] buffer seen as [B, T, C], a weight with a
     row stride and a strided bias are read in place."""
     gen = torch.Generator().manual_seed(0)
-    sliced = _randn(gen, 2, 70, 400)[:, :, 50:350]
-    transposed = _randn(gen, 2, 300, 70).transpose(1, 2)
-    weight, bias = _randn(gen, 300, 6)[:, 1:5], _randn(gen, 600)[::2]
+    sliced = randn(gen, 2, 70, 400)[:, :, 50:350]
+    transposed = randn(gen, 2, 300, 70).transpose(1, 2)
+    weight, bias = randn(gen, 300, 6)[:, 1:5], randn(gen, 600)[::2]
     assert not any(t.is_contiguous() for t in (sliced, transposed, weight, bias))
 
     def conv(x, w, b, backend):
@@ -103,38 +109,93 @@ def test_non_contiguous_inputs_and_weights():
         return canon_swiglu(g, u, w, None, residual=True, activation=False, backend=backend)
 
     for x in (sliced, transposed):
-        assert_backends_agree(conv, [x, weight, bias])
-    assert_backends_agree(swiglu, [sliced, transposed, _randn(gen, 600, 6)[:, 1:5]])
+        assert_backends_agree(conv, [x, weight, bias], CONV_OPS)
+    assert_backends_agree(swiglu, [sliced, transposed, randn(gen, 600, 6)[:, 1:5]], SWIGLU_OPS)
 
 
-def test_bfloat16_stays_close_to_float32():
+def test_a_fallback_to_torch_fails_the_comparison(monkeypatch):
+    """If the triton backend ran torch instead (here forced), the comparison with torch would pass
+    on its own; the kernel-path check is what fails it."""
     gen = torch.Generator().manual_seed(0)
-    x, w = _randn(gen, 2, 50, 96), _randn(gen, 96, 4) * 0.5
-    exact = canon_conv(x, w, backend="torch")
-    got = canon_conv(x.bfloat16(), w.bfloat16(), backend="triton")
-    assert got.dtype == torch.bfloat16
-    # Inputs rounded to bf16 (~3e-3 relative), accumulated in float32, output rounded once.
-    torch.testing.assert_close(got.float(), exact, rtol=2e-2, atol=2e-2)
+    x, w = randn(gen, 1, 20, 24), randn(gen, 24, 4)
+
+    def fn(x, w, backend):
+        return canon_conv(x, w, residual=True, backend=backend)
+
+    monkeypatch.setattr(canon, "_use_triton", lambda *args: False)
+    with pytest.raises(AssertionError, match=r"kernel path not taken: canon_titan::canon_conv, canon_conv_backward"):
+        assert_backends_agree(fn, [x, w], CONV_OPS)
+
+
+def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.float() - want).abs().max() / want.abs().max()).item()
+
+
+@pytest.mark.parametrize("conv", [True, False], ids=["canon_conv", "canon_swiglu"])
+def test_bfloat16_stays_close_to_float32(conv):
+    """bf16 inputs, float32 accumulation, outputs and gradients rounded once: within 1% of the
+    largest value of the float32 reference computed from the same (rounded) inputs."""
+    gen = torch.Generator().manual_seed(0)
+    x, u, w = randn(gen, 2, 50, 96), randn(gen, 2, 50, 96), randn(gen, 192, 4) * 0.5
+    if conv:
+        inputs, fn, ops = [x, w[:96]], lambda x, w, backend: canon_conv(x, w, activation=True, backend=backend), \
+            CONV_OPS
+    else:
+        inputs, fn, ops = [x, u, w], lambda g, u, w, backend: canon_swiglu(g, u, w, backend=backend), SWIGLU_OPS
+    inputs = [t.bfloat16() for t in inputs]
+    dy = randn(gen, 2, 50, 96)
+    with kernel_path(*ops):
+        got = _run(fn, inputs, dy.bfloat16(), "triton")
+    want = _run(fn, [t.float() for t in inputs], dy.bfloat16().float(), "torch")
+    assert all(g.dtype == torch.bfloat16 for g in got)
+    for g, e in zip(got, want):
+        assert _relative_error(g, e) < 1e-2
+
+
+@pytest.mark.skipif(not ON_GPU, reason="real shapes on a GPU only (the interpreter would take hours)")
+@pytest.mark.parametrize("batch, channels", [(1, 1024), (2, 4096), (1, 14336)])
+def test_real_shapes_in_bfloat16(batch, channels):
+    """The models' shapes (T 4096; Canon-B k/v of 8B, Canon-A/C of 8B, Canon-D of 8B) in bfloat16,
+    against the float32 torch backend on the same inputs: within 1% of each tensor's largest value."""
+    gen = torch.Generator().manual_seed(0)
+    x, u = randn(gen, batch, 4096, channels, dtype=torch.bfloat16), randn(gen, batch, 4096, channels,
+                                                                         dtype=torch.bfloat16)
+    w = (randn(gen, 2 * channels, 4) * 0.5).bfloat16()
+    row_scale, col_scale = torch.rand(batch, 4096, device=DEVICE) + 0.5, randn(gen, channels, dtype=torch.bfloat16)
+    dy = randn(gen, batch, 4096, channels, dtype=torch.bfloat16)
+    cases = [
+        (CONV_OPS, [x, w[:channels], row_scale, col_scale],
+         lambda x, w, rs, cs, backend: canon_conv(x, w, row_scale=rs, col_scale=cs, backend=backend)),
+        (SWIGLU_OPS, [x, u, w], lambda g, u, w, backend: canon_swiglu(g, u, w, backend=backend)),
+    ]
+    for ops, inputs, fn in cases:
+        with kernel_path(*ops):
+            got = _run(fn, inputs, dy, "triton")
+        want = _run(fn, [t.float() for t in inputs], dy.float(), "torch")
+        for g, e in zip(got, want):
+            assert _relative_error(g, e) < 1e-2, ops
 
 
 @pytest.mark.parametrize("op, args", [
-    ("canon_conv", lambda g: (_randn(g, 2, 20, 48), _randn(g, 48, 4), _randn(g, 48), None, None, True, True)),
-    ("canon_conv", lambda g: (_randn(g, 2, 20, 48), _randn(g, 48, 2), None, torch.rand(2, 20, generator=g),
-                              _randn(g, 48), True, False)),
-    ("canon_swiglu", lambda g: (_randn(g, 2, 20, 24), _randn(g, 2, 20, 24), _randn(g, 48, 3), None, True, False)),
+    ("canon_conv", lambda g: (randn(g, 2, 20, 48), randn(g, 48, 4), randn(g, 48), None, None, True, True)),
+    ("canon_conv", lambda g: (randn(g, 2, 20, 48), randn(g, 48, 2), None, torch.rand(2, 20, generator=g).to(DEVICE),
+                              randn(g, 48), True, False)),
+    ("canon_swiglu", lambda g: (randn(g, 2, 20, 24), randn(g, 2, 20, 24), randn(g, 48, 3), None, True, False)),
 ])
 def test_custom_op_registration(op, args):
     """torch.library's own checks: schema, fake (meta) kernel against the real one, autograd
     registration, and AOT dispatch with dynamic shapes."""
     inputs = args(torch.Generator().manual_seed(0))
     inputs = tuple(t.requires_grad_() if isinstance(t, torch.Tensor) else t for t in inputs)
-    torch.library.opcheck(getattr(torch.ops.canon_titan, op).default, inputs)
+    with kernel_path(op, f"{op}_backward"):
+        torch.library.opcheck(getattr(torch.ops.canon_titan, op).default, inputs)
 
 
 def _block(family, **overrides):
     spec = model_registry.model_spec(family, "debug", {"canon_backend": "triton", **overrides})
     torch.manual_seed(0)
-    model = spec.model.build()
+    with DEVICE:
+        model = spec.model.build()
     model.init_states()
     return model
 
@@ -146,20 +207,21 @@ def test_blocks_with_triton_canon_have_no_graph_breaks(family):
     extra = {"kernel_backend": "torch"} if family != "llama_canon" else {}
     block = _block(family, **extra).layers["0"]
     torch._dynamo.reset()
-    explanation = torch._dynamo.explain(block)(torch.randn(2, 16, 128))
+    explanation = torch._dynamo.explain(block)(torch.randn(2, 16, 128, device=DEVICE))
     assert explanation.graph_break_count == 0, explanation.break_reasons
     ops = str(explanation.graphs[0].graph)
     assert "canon_titan.canon_swiglu" in ops and "canon_titan.canon_conv" in ops
 
 
 def test_compiled_block_equals_eager_torch_backend():
-    """Inductor compiles the block around the custom ops (fullgraph); forward and gradients equal
-    the torch backend's eager run."""
+    """Inductor compiles the block around the custom ops (fullgraph; the test above finds them in the
+    traced graph); forward and gradients equal the torch backend's eager run."""
     model = _block("llama_canon")
-    reference = model_registry.model_spec("llama_canon", "debug", {"canon_backend": "torch"}).model.build()
+    with DEVICE:
+        reference = model_registry.model_spec("llama_canon", "debug", {"canon_backend": "torch"}).model.build()
     reference.load_state_dict(model.state_dict())
     block, ref_block = model.layers["1"], reference.layers["1"]
-    x = torch.randn(2, 40, 128, generator=torch.Generator().manual_seed(3))
+    x = randn(torch.Generator().manual_seed(3), 2, 40, 128)
     results = []
     for run, params in ((torch.compile(block, fullgraph=True), block), (ref_block, ref_block)):
         inp = x.clone().requires_grad_()

@@ -84,8 +84,8 @@ def outputs_and_grads(fn, inputs):
     out, state = fn(leaves)
     gen = torch.Generator().manual_seed(1)
     # Drawn in one dtype: randn's stream depends on it.
-    loss = (out * torch.randn(out.shape, generator=gen, dtype=torch.float64).to(out.dtype)).sum() \
-        + (state * torch.randn(state.shape, generator=gen, dtype=torch.float64).to(state.dtype)).sum()
+    loss = (out * torch.randn(out.shape, generator=gen, dtype=torch.float64).to(out)).sum() \
+        + (state * torch.randn(state.shape, generator=gen, dtype=torch.float64).to(state)).sum()
     grads = torch.autograd.grad(loss, list(leaves.values()))
     return out.detach(), state.detach(), dict(zip(leaves, grads))
 

@@ -4,17 +4,26 @@
 kernels are Triton kernels: this package's own for the Canon op (``triton``), and other packages'
 for the recurrences: ``fla`` (flash-linear-attention: GLA, gated delta rule) and ``mamba_ssm``
 (Mamba2 SSD), each called through a torch custom op of this package (so compiled blocks keep no
-graph break). They run on CUDA tensors, or on CPU tensors when
-Triton's interpreter is on (``TRITON_INTERPRET=1`` before the first import: slow, for tests).
+graph break). They run on CUDA tensors, or on CPU tensors when Triton's interpreter is on
+(``TRITON_INTERPRET=1`` before the first import: slow, for tests; ``interpreter`` adapts fla and
+mamba-ssm to it).
 
-``auto`` picks the op's CUDA kernel on a GPU when its package imports and the machine is not a
-known-bad combination (``KNOWN_BAD``), else ``torch``, and says why.
+fla and mamba-ssm are called through their internal forward and backward halves, so only the
+versions they were tested with (``TESTED_VERSIONS``) are used: ``auto`` skips another version with a
+warning, and a forced backend with another version is a config error.
+
+``auto`` picks the op's CUDA kernel on a GPU when its package imports at the tested version and the
+machine is not a known-bad combination (``KNOWN_BAD``), else ``torch``, and says why.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
+import importlib.metadata
+import importlib.util
+import sys
+import types
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +34,8 @@ CUDA_BACKENDS = {"canon": "triton", "gla": "fla", "gated_delta_rule": "fla", "ss
 """Each op's CUDA backend; every op also has ``torch``."""
 _CUDA_MODULES = {"triton": "triton", "fla": "fla.ops", "mamba_ssm": "mamba_ssm.ops.triton.ssd_combined"}
 _PACKAGES = {"triton": "triton", "fla": "flash-linear-attention", "mamba_ssm": "mamba-ssm"}
+TESTED_VERSIONS = {"fla": "0.6.0", "mamba_ssm": "2.3.2.post1"}
+"""The versions of the packages whose internal functions the wrappers call (pyproject's ``gpu`` extra)."""
 INTERPRETED = triton.knobs.runtime.interpret
 """Triton decides when a kernel module is imported whether its kernels run in the interpreter."""
 
@@ -34,14 +45,67 @@ def triton_runs_here() -> bool:
     return torch.cuda.is_available() or INTERPRETED
 
 
+def _enter_mamba_ssm() -> None:
+    """mamba-ssm's package ``__init__`` imports its compiled selective-scan extension, which a
+    Triton-only install (``MAMBA_SKIP_CUDA_BUILD=TRUE``: CI, the offline GPU kit) does not have and the
+    Triton SSD kernels do not use; when that import fails, the package is entered without its
+    ``__init__``."""
+    try:
+        importlib.import_module("mamba_ssm")
+    except ImportError:
+        spec = importlib.util.find_spec("mamba_ssm")
+        if spec is None or spec.submodule_search_locations is None:
+            raise
+        for name in [n for n in sys.modules if n == "mamba_ssm" or n.startswith("mamba_ssm.")]:
+            del sys.modules[name]
+        package = types.ModuleType("mamba_ssm")
+        package.__path__ = list(spec.submodule_search_locations)
+        sys.modules["mamba_ssm"] = package
+
+
+def _import(backend: str) -> None:
+    if backend == "mamba_ssm":
+        _enter_mamba_ssm()
+    importlib.import_module(_CUDA_MODULES[backend])
+
+
 @functools.cache
 def import_problem(backend: str) -> str | None:
     """Why the backend's package does not import here, or None."""
     try:
-        importlib.import_module(_CUDA_MODULES[backend])
+        _import(backend)
     except Exception as e:  # ImportError, or a package that fails while importing
         return f"{type(e).__name__}: {e}"
     return None
+
+
+def installed_version(backend: str) -> str | None:
+    """The version of an imported backend package (its metadata, else its ``__version__``)."""
+    try:
+        return importlib.metadata.version(_PACKAGES[backend])
+    except importlib.metadata.PackageNotFoundError:
+        return getattr(sys.modules.get(_CUDA_MODULES[backend].split(".")[0]), "__version__", None)
+
+
+def version_problem(backend: str) -> str | None:
+    """Why the installed version of the backend's package is not used, or None."""
+    tested, installed = TESTED_VERSIONS.get(backend), installed_version(backend)
+    if tested is None or installed == tested:
+        return None
+    return (f"canon-titan calls internal functions of {_PACKAGES[backend]}, tested with version {tested} only; "
+            f"this machine has {installed or 'an unknown version'} (another version may fail inside step 1 or "
+            f"compute wrong gradients): install {_PACKAGES[backend]}=={tested}")
+
+
+@functools.cache
+def prepare_kernels(backend: str) -> None:
+    """Import the backend's package (see ``import_problem``) ready to run its kernels here: under the
+    interpreter, with the adaptations of ``interpreter``."""
+    _import(backend)
+    if INTERPRETED and backend in TESTED_VERSIONS:
+        from canon_titan.kernels import interpreter
+
+        interpreter.prepare(backend)
 
 
 @dataclass(frozen=True)
@@ -58,8 +122,6 @@ class KernelEnvironment:
     @classmethod
     @functools.cache
     def current(cls) -> KernelEnvironment:
-        import importlib.util
-
         capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
         return cls(capability, INTERPRETED, triton.__version__, importlib.util.find_spec("tilelang") is not None)
 
@@ -94,6 +156,9 @@ def backend_problem(backend: str, op: str, env: KernelEnvironment | None = None)
     if problem:
         return (f"{op} backend {backend!r} needs the {_PACKAGES[backend]} package, which does not import here "
                 f"({problem}); use 'torch' or 'auto'")
+    problem = version_problem(backend)
+    if problem:
+        return f"{op} backend {backend!r}: {problem}, or use 'torch' or 'auto'"
     condition, message = KNOWN_BAD.get((backend, op), (None, None))
     if condition is not None and condition(env):
         return f"{message} (this machine: {env.describe()})"

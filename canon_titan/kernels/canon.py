@@ -15,8 +15,10 @@ Backends:
   ``canon_titan::canon_swiglu``) with fake kernels and autograd, so a compiled block has no graph
   break. They read the [B, T, C] layout with any strides (no transposes, no copies). The backward
   saves only the op's inputs and recomputes the convolution; the fused SwiGLU op saves gate and up
-  (what SwiGLU alone saves), not the Canon outputs. Runs on CUDA, or on CPU tensors when
-  ``TRITON_INTERPRET=1`` is set before the import (Triton's interpreter: slow, for tests).
+  (what SwiGLU alone saves), not the Canon outputs. The forward kernels' blocks are autotuned, the
+  backward kernels' fixed (their weight gradients are then bitwise reproducible). Runs on CUDA, or
+  on CPU tensors when ``TRITON_INTERPRET=1`` is set before the import (Triton's interpreter: slow,
+  for tests). ``python -m canon_titan.kernels.aot`` compiles the kernels for sm_90 without a GPU.
 """
 
 from __future__ import annotations
@@ -50,22 +52,46 @@ def _canon_torch(x, weight, bias, residual: bool, activation: bool):
 
 # ----------------------------------------------------------------------------- Triton kernels
 
+FORWARD_CONFIGS = [triton.Config({"BLOCK_T": t, "BLOCK_C": c}, num_warps=w)
+                   for t, c, w in ((16, 64, 4), (16, 128, 4), (32, 128, 8), (16, 256, 8))]
+"""The forward kernels' autotuning space: 1K to 4K elements per program, 40 to 128 registers on
+sm_90, no spills (``python -m canon_titan.kernels.aot`` prints them). The tiles of 8K elements spill
+or hold 200+ registers (a quarter of the warps per SM at most) and are left out."""
 
-def _blocks(channels: str, *flags: str):
-    """Block sizes: autotuned on a GPU; under the interpreter, whose cost is per program instance
-    and per element of the block, the smallest power-of-two blocks that cover the tensor (up to
-    128 x 512), and no autotuning (its benchmarking needs a GPU)."""
+BACKWARD_BLOCKS = {"BLOCK_T": 16, "BLOCK_C": 64, "num_warps": 4}
+"""The backward kernels' configuration where dz is dy (no recomputation), and, with half the columns
+per thread, where they recompute the convolution on shifted rows (SiLU; the SwiGLU product needs both
+convolutions): about 150 registers there, 70 here, no spills. Fixed, not autotuned: the weight
+gradient sums over a tile's rows, then over the tiles of a chunk, in an order the blocks decide, so
+fixed blocks give the same bits in every process and run, where autotuning would pick by timing."""
+RECOMPUTING_BACKWARD_BLOCKS = {"BLOCK_T": 16, "BLOCK_C": 32, "num_warps": 4}
+
+CHUNK_T = 128
+"""Rows of the sequence one backward program reduces the weight gradient over (a multiple of every
+BLOCK_T): the partial sums hold batch * ceil(seq / CHUNK_T) rows."""
+
+
+def _interpreter_blocks(seq_len: int, channels: int) -> dict:
+    """Under the interpreter, whose cost is per program instance and per element of a block: the
+    smallest power-of-two blocks that cover the tensor, up to 128 x 512."""
+    return {"BLOCK_T": min(CHUNK_T, triton.next_power_of_2(seq_len)),
+            "BLOCK_C": min(512, triton.next_power_of_2(channels))}
+
+
+def _forward_blocks(channels: str, *flags: str):
+    """Block sizes of a forward kernel: autotuned on a GPU (a forward element's value does not depend on
+    them), with the timings kept on disk (Triton's cache) so that later runs skip the benchmark; under
+    the interpreter, whose autotuning would need a GPU, ``_interpreter_blocks``."""
     if INTERPRETED:
-        return triton.heuristics({"BLOCK_T": lambda a: min(128, triton.next_power_of_2(a["T"])),
-                                  "BLOCK_C": lambda a: min(512, triton.next_power_of_2(a[channels]))})
-    configs = [triton.Config({"BLOCK_T": t, "BLOCK_C": c}, num_warps=w) for t in (16, 32) for c in (64, 128, 256)
-               for w in (4, 8)]
-    return triton.autotune(configs=configs, key=[channels, "K", *flags])
+        return triton.heuristics({name: lambda a, name=name: _interpreter_blocks(a["T"], a[channels])[name]
+                                  for name in ("BLOCK_T", "BLOCK_C")})
+    return triton.autotune(configs=FORWARD_CONFIGS, key=[channels, "K", *flags], cache_results=True)
 
 
-# Rows of the sequence one backward program reduces the weight gradient over (a multiple of every
-# BLOCK_T): the partial sums then hold batch * ceil(seq / CHUNK_T) rows.
-_CHUNK_T = 128
+def _backward_blocks(seq_len: int, channels: int, recomputes: bool) -> dict:
+    if INTERPRETED:
+        return _interpreter_blocks(seq_len, channels)
+    return RECOMPUTING_BACKWARD_BLOCKS if recomputes else BACKWARD_BLOCKS
 
 
 # Device functions take column offsets (``cols * stride``, int64) computed once per program: under
@@ -88,6 +114,15 @@ def _store(ptr, rows, col_offsets, T, stride_t, col_mask, value):
 
 
 @triton.jit
+def _row_stride(stride, ALIGNED: tl.constexpr):
+    """A row stride, marked a multiple of 8 elements when the host checked it is: rows then start on
+    16-byte boundaries and loads vectorise (Triton itself only recognises multiples of 16)."""
+    if ALIGNED:
+        stride = (stride // 8) * 8
+    return stride
+
+
+@triton.jit
 def _load_input(x_ptr, rs_ptr, cs, rows, x_cols, col_mask, T, sx_t, srs_t, SCALED: tl.constexpr):
     """An input tile in float32: x, or ``x * row_scale[t] * col_scale[c]`` (a fused RMSNorm)."""
     in_seq = (rows >= 0) & (rows < T)
@@ -99,14 +134,19 @@ def _load_input(x_ptr, rs_ptr, cs, rows, x_cols, col_mask, T, sx_t, srs_t, SCALE
 
 
 @triton.jit
+def _tap(w_ptr, w_cols, j, sw_k, col_mask):
+    return tl.load(w_ptr + w_cols + j * sw_k, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+
+
+@triton.jit
 def _conv(x_ptr, w_ptr, b_ptr, rs_ptr, cs, rows, x_cols, w_cols, cols, col_mask, T, sx_t, srs_t, sw_k,
           K: tl.constexpr, HAS_BIAS: tl.constexpr, SCALED: tl.constexpr):
     """pre = bias + sum_j w[j] * input[t - (K-1) + j] on a tile, and the tile input[t] itself."""
     x = _load_input(x_ptr, rs_ptr, cs, rows - (K - 1), x_cols, col_mask, T, sx_t, srs_t, SCALED)
-    pre = x * tl.load(w_ptr + w_cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    pre = x * _tap(w_ptr, w_cols, 0, sw_k, col_mask)
     for j in tl.static_range(1, K):
         x = _load_input(x_ptr, rs_ptr, cs, rows - (K - 1 - j), x_cols, col_mask, T, sx_t, srs_t, SCALED)
-        pre += x * tl.load(w_ptr + w_cols + j * sw_k, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        pre += x * _tap(w_ptr, w_cols, j, sw_k, col_mask)
     if HAS_BIAS:
         pre += tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     return pre, x
@@ -128,12 +168,12 @@ def _silu_grad(pre):
     return s * (1.0 + pre * (1.0 - s))
 
 
-@_blocks("C", "HAS_BIAS", "RESIDUAL", "SILU")
+@_forward_blocks("C", "HAS_BIAS", "RESIDUAL", "SILU")
 @triton.jit
 def _canon_fwd_kernel(x_ptr, w_ptr, b_ptr, rs_ptr, cs_ptr, y_ptr, T, C, sx_b, sx_t, sx_c, srs_b, srs_t,
                       sy_b, sy_t, sy_c, sw_c, sw_k,
                       K: tl.constexpr, HAS_BIAS: tl.constexpr, RESIDUAL: tl.constexpr, SILU: tl.constexpr,
-                      SCALED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+                      SCALED: tl.constexpr, X_ALIGNED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
     batch = tl.program_id(2).to(tl.int64)
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -141,11 +181,11 @@ def _canon_fwd_kernel(x_ptr, w_ptr, b_ptr, rs_ptr, cs_ptr, y_ptr, T, C, sx_b, sx
     cols64 = cols.to(tl.int64)
     cs = tl.load(cs_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
     pre, x = _conv(x_ptr + batch * sx_b, w_ptr, b_ptr, rs_ptr + batch * srs_b, cs, rows, cols64 * sx_c,
-                   cols64 * sw_c, cols, col_mask, T, sx_t, srs_t, sw_k, K, HAS_BIAS, SCALED)
+                   cols64 * sw_c, cols, col_mask, T, _row_stride(sx_t, X_ALIGNED), srs_t, sw_k, K, HAS_BIAS, SCALED)
     _store(y_ptr + batch * sy_b, rows, cols64 * sy_c, T, sy_t, col_mask, _finish(pre, x, RESIDUAL, SILU))
 
 
-@_blocks("H", "HAS_BIAS", "RESIDUAL", "SILU")
+@_forward_blocks("H", "HAS_BIAS", "RESIDUAL", "SILU")
 @triton.jit
 def _canon_swiglu_fwd_kernel(g_ptr, u_ptr, w_ptr, b_ptr, y_ptr, T, H, sg_b, sg_t, sg_c, su_b, su_t, su_c,
                              sy_b, sy_t, sy_c, sw_c, sw_k,
@@ -166,50 +206,44 @@ def _canon_swiglu_fwd_kernel(g_ptr, u_ptr, w_ptr, b_ptr, y_ptr, T, H, sg_b, sg_t
     _store(y_ptr + batch * sy_b, rows, cols64 * sy_c, T, sy_t, col_mask, gate * tl.sigmoid(gate) * up)
 
 
+# The backward kernels finish dx in the program that computes dz, the gradient of ``pre``: dx[t] =
+# sum_d w[K-1-d] * dz[t+d] needs dz on the K-1 rows after the tile too, which the program recomputes
+# (from the inputs it reads anyway) instead of writing dz out and reading it back in another kernel.
+# The weight gradient goes by the same shifts: dw[K-1-d] = sum_t dz[t+d] * input[t].
+
+
 @triton.jit
-def _accumulate_weight_grads(dw_acc, db_acc, dz, x_ptr, rs_ptr, cs, rows, x_cols, col_mask, T, sx_t, srs_t,
-                             K: tl.constexpr, K_PAD: tl.constexpr, SCALED: tl.constexpr):
-    """dw[j] += sum_t dz[t] * input[t - (K-1) + j] and db += sum_t dz[t] over the tile's rows."""
+def _shifted_weight_grad(dw_acc, dz, x, d, K: tl.constexpr, K_PAD: tl.constexpr):
+    """dw[K-1-d] += sum_t dz[t+d] * x[t] over the tile's rows (dz at the rows shifted by d)."""
     taps = tl.arange(0, K_PAD)[:, None]
-    for j in tl.static_range(K):
-        x = _load_input(x_ptr, rs_ptr, cs, rows - (K - 1 - j), x_cols, col_mask, T, sx_t, srs_t, SCALED)
-        dw_acc += tl.where(taps == j, tl.sum(dz * x, axis=0)[None, :], 0.0)
-    return dw_acc, db_acc + tl.sum(dz, axis=0)
+    return dw_acc + tl.where(taps == K - 1 - d, tl.sum(dz * x, axis=0)[None, :], 0.0)
 
 
 @triton.jit
-def _transposed_conv(acc, dz_ptr, w_ptr, rows, z_cols, w_cols, col_mask, T, sz_t, sw_k, K: tl.constexpr):
-    """acc + sum_d w[K-1-d] * dz[t + d]: the gradient of the convolution's input."""
-    for d in tl.static_range(K):
-        w = tl.load(w_ptr + w_cols + (K - 1 - d) * sw_k, mask=col_mask, other=0.0).to(tl.float32)
-        acc += w[None, :] * _load(dz_ptr, rows + d, z_cols, T, sz_t, col_mask)
-    return acc
-
-
-@triton.jit
-def _store_partials(dw_ptr, db_ptr, dw_acc, db_acc, part, C, cols, col_mask, K: tl.constexpr, K_PAD: tl.constexpr):
+def _store_partials(dw_ptr, db_ptr, dw_acc, db_acc, part, C, cols, col_mask, K: tl.constexpr, K_PAD: tl.constexpr,
+                    HAS_BIAS: tl.constexpr):
+    """Partial sums of one program: dw at [part, c, j] (the weight's [C, K] layout), db at [part, c]."""
     taps = tl.arange(0, K_PAD)
-    offsets = part * K * C + taps[:, None] * C + cols[None, :]
+    offsets = part * C * K + cols.to(tl.int64)[None, :] * K + taps[:, None]
     tl.store(dw_ptr + offsets, dw_acc, mask=(taps < K)[:, None] & col_mask[None, :])
-    tl.store(db_ptr + part * C + cols, db_acc, mask=col_mask)
+    if HAS_BIAS:
+        tl.store(db_ptr + part * C + cols, db_acc, mask=col_mask)
 
 
-@_blocks("C", "HAS_BIAS", "RESIDUAL", "SILU")
 @triton.jit
-def _canon_bwd_kernel(x_ptr, w_ptr, b_ptr, rs_ptr, cs_ptr, dy_ptr, dz_ptr, dx_ptr, dw_ptr, db_ptr, T, C,
+def _canon_bwd_kernel(x_ptr, w_ptr, b_ptr, rs_ptr, cs_ptr, dy_ptr, dx_ptr, dw_ptr, db_ptr, T, C,
                       sx_b, sx_t, sx_c, srs_b, srs_t, sdy_b, sdy_t, sdy_c, sdx_b, sdx_t, sdx_c, sw_c, sw_k,
                       K: tl.constexpr, K_PAD: tl.constexpr, HAS_BIAS: tl.constexpr, RESIDUAL: tl.constexpr,
-                      SILU: tl.constexpr, SCALED: tl.constexpr, CHUNK_T: tl.constexpr, BLOCK_T: tl.constexpr,
-                      BLOCK_C: tl.constexpr):
-    """Weight/bias gradient partials over CHUNK_T rows. Without SiLU the gradient of ``pre`` is dy
-    itself, so the input gradient is finished here too; with SiLU it is written to dz (laid out as
-    dx) for ``_canon_dx_kernel``: dx needs it at later rows, which other programs compute. dx is the
-    gradient of the (scaled) input the convolution saw."""
+                      SILU: tl.constexpr, SCALED: tl.constexpr, X_ALIGNED: tl.constexpr, CHUNK_T: tl.constexpr,
+                      BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    """dx (of the scaled input the convolution saw) and the weight/bias gradient partials over CHUNK_T
+    rows. dz = dy, times SiLU's derivative at ``pre`` with SiLU."""
     batch = tl.program_id(2).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     col_mask = cols < C
     cols64 = cols.to(tl.int64)
     x_cols, dy_cols, dx_cols, w_cols = cols64 * sx_c, cols64 * sdy_c, cols64 * sdx_c, cols64 * sw_c
+    sx_t = _row_stride(sx_t, X_ALIGNED)
     cs = tl.load(cs_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
     x_ptr += batch * sx_b
     rs_ptr += batch * srs_b
@@ -218,96 +252,87 @@ def _canon_bwd_kernel(x_ptr, w_ptr, b_ptr, rs_ptr, cs_ptr, dy_ptr, dz_ptr, dx_pt
     db_acc = tl.zeros([BLOCK_C], dtype=tl.float32)
     for t0 in range(0, CHUNK_T, BLOCK_T):
         rows = tl.program_id(0) * CHUNK_T + t0 + tl.arange(0, BLOCK_T)
-        dz = _load(dy_ptr, rows, dy_cols, T, sdy_t, col_mask)
-        if SILU:
-            pre, x = _conv(x_ptr, w_ptr, b_ptr, rs_ptr, cs, rows, x_cols, w_cols, cols, col_mask, T, sx_t, srs_t,
-                           sw_k, K, HAS_BIAS, SCALED)
-            dz *= _silu_grad(pre)
-            _store(dz_ptr + batch * sdx_b, rows, dx_cols, T, sdx_t, col_mask, dz)
-        else:
-            dx = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+        x = _load_input(x_ptr, rs_ptr, cs, rows, x_cols, col_mask, T, sx_t, srs_t, SCALED)
+        dx = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+        for d in range(K):
+            dz = _load(dy_ptr, rows + d, dy_cols, T, sdy_t, col_mask)
             if RESIDUAL:
-                dx = dz
-            dx = _transposed_conv(dx, dy_ptr, w_ptr, rows, dy_cols, w_cols, col_mask, T, sdy_t, sw_k, K)
-            _store(dx_ptr + batch * sdx_b, rows, dx_cols, T, sdx_t, col_mask, dx)
-        dw_acc, db_acc = _accumulate_weight_grads(dw_acc, db_acc, dz, x_ptr, rs_ptr, cs, rows, x_cols, col_mask, T,
-                                                  sx_t, srs_t, K, K_PAD, SCALED)
+                if d == 0:
+                    dx += dz
+            if SILU:
+                pre, _ = _conv(x_ptr, w_ptr, b_ptr, rs_ptr, cs, rows + d, x_cols, w_cols, cols, col_mask, T, sx_t,
+                               srs_t, sw_k, K, HAS_BIAS, SCALED)
+                dz *= _silu_grad(pre)
+            dx += _tap(w_ptr, w_cols, K - 1 - d, sw_k, col_mask) * dz
+            dw_acc = _shifted_weight_grad(dw_acc, dz, x, d, K, K_PAD)
+            if HAS_BIAS:
+                if d == 0:
+                    db_acc += tl.sum(dz, axis=0)
+        _store(dx_ptr + batch * sdx_b, rows, dx_cols, T, sdx_t, col_mask, dx)
     part = batch * tl.num_programs(0) + tl.program_id(0)
-    _store_partials(dw_ptr, db_ptr, dw_acc, db_acc, part, C, cols, col_mask, K, K_PAD)
+    _store_partials(dw_ptr, db_ptr, dw_acc, db_acc, part, C, cols, col_mask, K, K_PAD, HAS_BIAS)
 
 
-@_blocks("C", "HAS_RES")
 @triton.jit
-def _canon_dx_kernel(dz_ptr, res_ptr, w_ptr, dx_ptr, T, C, sz_b, sz_t, sz_c, sr_b, sr_t, sr_c,
-                     sdx_b, sdx_t, sdx_c, sw_c, sw_k,
-                     K: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
-    """dx = res + sum_d w[K-1-d] * dz[t + d]."""
-    batch = tl.program_id(2).to(tl.int64)
-    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    col_mask = cols < C
-    cols64 = cols.to(tl.int64)
-    dx = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
-    if HAS_RES:
-        dx = _load(res_ptr + batch * sr_b, rows, cols64 * sr_c, T, sr_t, col_mask)
-    dx = _transposed_conv(dx, dz_ptr + batch * sz_b, w_ptr, rows, cols64 * sz_c, cols64 * sw_c, col_mask, T, sz_t,
-                          sw_k, K)
-    _store(dx_ptr + batch * sdx_b, rows, cols64 * sdx_c, T, sdx_t, col_mask, dx)
-
-
-@_blocks("H", "HAS_BIAS", "RESIDUAL", "SILU")
-@triton.jit
-def _canon_swiglu_bwd_kernel(g_ptr, u_ptr, w_ptr, b_ptr, dy_ptr, dz_ptr, res_ptr, dw_ptr, db_ptr, T, H,
-                             sg_b, sg_t, sg_c, su_b, su_t, su_c, sdy_b, sdy_t, sdy_c, sw_c, sw_k,
+def _canon_swiglu_bwd_kernel(g_ptr, u_ptr, w_ptr, b_ptr, dy_ptr, dg_ptr, du_ptr, dw_ptr, db_ptr, T, H,
+                             sg_b, sg_t, sg_c, su_b, su_t, su_c, sdy_b, sdy_t, sdy_c, sdx_b, sdx_t, sdx_c, sw_c, sw_k,
                              K: tl.constexpr, K_PAD: tl.constexpr, HAS_BIAS: tl.constexpr, RESIDUAL: tl.constexpr,
                              SILU: tl.constexpr, CHUNK_T: tl.constexpr, BLOCK_T: tl.constexpr,
                              BLOCK_C: tl.constexpr):
-    """Gradients of both convolutions' ``pre`` (to dz, [2, B, T, H] contiguous), of the Canon
-    outputs when residual and SiLU make them differ (to res, same layout), and weight/bias partials
-    over CHUNK_T rows ([parts, K, 2H])."""
+    """Gradients of gate and up (dg, du: same strides) and the weight/bias partials over CHUNK_T rows
+    ([parts, 2H, K]). The Canon outputs' gradients (of ``silu(g) * u``) are d_gate and d_up; dz is
+    theirs times SiLU's derivative at ``pre`` with SiLU."""
     batch = tl.program_id(2).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     col_mask = cols < H
     cols64 = cols.to(tl.int64)
-    g_cols, u_cols, dy_cols, w_cols = cols64 * sg_c, cols64 * su_c, cols64 * sdy_c, cols64 * sw_c
+    g_cols, u_cols, dy_cols, dx_cols, w_cols = cols64 * sg_c, cols64 * su_c, cols64 * sdy_c, cols64 * sdx_c, \
+        cols64 * sw_c
+    wu_ptr, bu_ptr = w_ptr + H * sw_c, b_ptr + H
     g_ptr += batch * sg_b
     u_ptr += batch * su_b
     dy_ptr += batch * sdy_b
-    # dz and res: [2, B, T, H] contiguous; the up half starts one [B, T, H] block later.
-    own_rows = batch * T * H
-    other_half = tl.num_programs(2).to(tl.int64) * T * H
     dw_g = tl.zeros([K_PAD, BLOCK_C], dtype=tl.float32)
-    db_g = tl.zeros([BLOCK_C], dtype=tl.float32)
     dw_u = tl.zeros([K_PAD, BLOCK_C], dtype=tl.float32)
+    db_g = tl.zeros([BLOCK_C], dtype=tl.float32)
     db_u = tl.zeros([BLOCK_C], dtype=tl.float32)
     for t0 in range(0, CHUNK_T, BLOCK_T):
         rows = tl.program_id(0) * CHUNK_T + t0 + tl.arange(0, BLOCK_T)
-        pre_g, x = _conv(g_ptr, w_ptr, b_ptr, w_ptr, w_cols, rows, g_cols, w_cols, cols, col_mask, T, sg_t, 0, sw_k,
-                         K, HAS_BIAS, False)
-        gate = _finish(pre_g, x, RESIDUAL, SILU)
-        pre_u, x = _conv(u_ptr, w_ptr + H * sw_c, b_ptr + H, w_ptr, w_cols, rows, u_cols, w_cols, cols, col_mask, T,
-                         su_t, 0, sw_k, K, HAS_BIAS, False)
-        up = _finish(pre_u, x, RESIDUAL, SILU)
-        dy = _load(dy_ptr, rows, dy_cols, T, sdy_t, col_mask)
-        sig = tl.sigmoid(gate)
-        d_gate = dy * up * sig * (1.0 + gate * (1.0 - sig))
-        d_up = dy * gate * sig
-        dz_g, dz_u = d_gate, d_up
-        if SILU:
-            dz_g = d_gate * _silu_grad(pre_g)
-            dz_u = d_up * _silu_grad(pre_u)
+        g = _load(g_ptr, rows, g_cols, T, sg_t, col_mask)
+        u = _load(u_ptr, rows, u_cols, T, su_t, col_mask)
+        dx_g = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+        dx_u = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+        for d in range(K):
+            pre_g, x = _conv(g_ptr, w_ptr, b_ptr, w_ptr, w_cols, rows + d, g_cols, w_cols, cols, col_mask, T, sg_t, 0,
+                             sw_k, K, HAS_BIAS, False)
+            gate = _finish(pre_g, x, RESIDUAL, SILU)
+            pre_u, x = _conv(u_ptr, wu_ptr, bu_ptr, w_ptr, w_cols, rows + d, u_cols, w_cols, cols, col_mask, T, su_t,
+                             0, sw_k, K, HAS_BIAS, False)
+            up = _finish(pre_u, x, RESIDUAL, SILU)
+            dy = _load(dy_ptr, rows + d, dy_cols, T, sdy_t, col_mask)
+            sig = tl.sigmoid(gate)
+            dz_g = dy * up * sig * (1.0 + gate * (1.0 - sig))
+            dz_u = dy * gate * sig
             if RESIDUAL:
-                _store(res_ptr + own_rows, rows, cols64, T, H, col_mask, d_gate)
-                _store(res_ptr + other_half + own_rows, rows, cols64, T, H, col_mask, d_up)
-        _store(dz_ptr + own_rows, rows, cols64, T, H, col_mask, dz_g)
-        _store(dz_ptr + other_half + own_rows, rows, cols64, T, H, col_mask, dz_u)
-        dw_g, db_g = _accumulate_weight_grads(dw_g, db_g, dz_g, g_ptr, w_ptr, w_cols, rows, g_cols, col_mask, T, sg_t,
-                                              0, K, K_PAD, False)
-        dw_u, db_u = _accumulate_weight_grads(dw_u, db_u, dz_u, u_ptr, w_ptr, w_cols, rows, u_cols, col_mask, T, su_t,
-                                              0, K, K_PAD, False)
+                if d == 0:
+                    dx_g += dz_g
+                    dx_u += dz_u
+            if SILU:
+                dz_g *= _silu_grad(pre_g)
+                dz_u *= _silu_grad(pre_u)
+            dx_g += _tap(w_ptr, w_cols, K - 1 - d, sw_k, col_mask) * dz_g
+            dx_u += _tap(wu_ptr, w_cols, K - 1 - d, sw_k, col_mask) * dz_u
+            dw_g = _shifted_weight_grad(dw_g, dz_g, g, d, K, K_PAD)
+            dw_u = _shifted_weight_grad(dw_u, dz_u, u, d, K, K_PAD)
+            if HAS_BIAS:
+                if d == 0:
+                    db_g += tl.sum(dz_g, axis=0)
+                    db_u += tl.sum(dz_u, axis=0)
+        _store(dg_ptr + batch * sdx_b, rows, dx_cols, T, sdx_t, col_mask, dx_g)
+        _store(du_ptr + batch * sdx_b, rows, dx_cols, T, sdx_t, col_mask, dx_u)
     part = batch * tl.num_programs(0) + tl.program_id(0)
-    _store_partials(dw_ptr, db_ptr, dw_g, db_g, part, 2 * H, cols, col_mask, K, K_PAD)
-    _store_partials(dw_ptr, db_ptr, dw_u, db_u, part, 2 * H, cols + H, col_mask, K, K_PAD)
+    _store_partials(dw_ptr, db_ptr, dw_g, db_g, part, 2 * H, cols, col_mask, K, K_PAD, HAS_BIAS)
+    _store_partials(dw_ptr, db_ptr, dw_u, db_u, part, 2 * H, cols + H, col_mask, K, K_PAD, HAS_BIAS)
 
 
 def _grid(batch: int, seq_len: int, channels: int, rows_per_program: int | None = None):
@@ -315,16 +340,18 @@ def _grid(batch: int, seq_len: int, channels: int, rows_per_program: int | None 
                          triton.cdiv(channels, meta["BLOCK_C"]), batch)
 
 
+def _partials(batch: int, seq_len: int, kernel: int, channels: int, like: torch.Tensor, bias: bool):
+    """fp32 partial sums of dw [parts, channels, K] and, with a bias, db [parts, channels]; without one
+    db's pointer is dw's, never written."""
+    parts = batch * triton.cdiv(seq_len, CHUNK_T)
+    dw = torch.empty(parts, channels, kernel, dtype=torch.float32, device=like.device)
+    return dw, torch.empty(parts, channels, dtype=torch.float32, device=like.device) if bias else dw
+
+
 def _weight_grads(partial_dw: torch.Tensor, partial_db: torch.Tensor, weight: torch.Tensor, bias):
-    dw = partial_dw.sum(0).t().contiguous().to(weight.dtype)
+    dw = partial_dw.sum(0).to(weight.dtype)
     db = partial_db.sum(0).to(bias.dtype) if bias is not None else weight.new_empty(0)
     return dw, db
-
-
-def _partials(batch: int, seq_len: int, kernel: int, channels: int, like: torch.Tensor):
-    parts = batch * triton.cdiv(seq_len, _CHUNK_T)
-    return (torch.empty(parts, kernel, channels, dtype=torch.float32, device=like.device),
-            torch.empty(parts, channels, dtype=torch.float32, device=like.device))
 
 
 def _bias_ptr(bias, weight):
@@ -333,7 +360,8 @@ def _bias_ptr(bias, weight):
     return bias.contiguous() if bias is not None else weight
 
 
-# ----------------------------------------------------------------------------- custom ops
+def _rows_aligned(x: torch.Tensor) -> bool:
+    return x.stride(1) % 8 == 0
 
 
 def _scale_args(row_scale, col_scale, weight) -> tuple:
@@ -343,17 +371,67 @@ def _scale_args(row_scale, col_scale, weight) -> tuple:
     return row_scale, col_scale.contiguous(), *row_scale.stride()
 
 
-@torch.library.custom_op("canon_titan::canon_conv", mutates_args=())
-def _canon_conv_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, row_scale: torch.Tensor | None,
-                   col_scale: torch.Tensor | None, residual: bool, activation: bool) -> torch.Tensor:
+# ----------------------------------------------------------------------------- launches
+
+
+def conv_forward(x, weight, bias, row_scale, col_scale, residual: bool, activation: bool) -> torch.Tensor:
     batch, seq_len, channels = x.shape
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     rs, cs, srs_b, srs_t = _scale_args(row_scale, col_scale, weight)
     _canon_fwd_kernel[_grid(batch, seq_len, channels)](
         x, weight, _bias_ptr(bias, weight), rs, cs, y, seq_len, channels, *x.stride(), srs_b, srs_t, *y.stride(),
         *weight.stride(), K=weight.shape[1], HAS_BIAS=bias is not None, RESIDUAL=residual, SILU=activation,
-        SCALED=row_scale is not None)
+        SCALED=row_scale is not None, X_ALIGNED=_rows_aligned(x))
     return y
+
+
+def conv_backward(dy, x, weight, bias, row_scale, col_scale, residual: bool, activation: bool):
+    """Gradients of the convolution's input (after scaling), weight and bias (empty without one)."""
+    batch, seq_len, channels = x.shape
+    kernel = weight.shape[1]
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    partial_dw, partial_db = _partials(batch, seq_len, kernel, channels, x, bias is not None)
+    rs, cs, srs_b, srs_t = _scale_args(row_scale, col_scale, weight)
+    _canon_bwd_kernel[_grid(batch, seq_len, channels, CHUNK_T)](
+        x, weight, _bias_ptr(bias, weight), rs, cs, dy, dx, partial_dw, partial_db, seq_len, channels,
+        *x.stride(), srs_b, srs_t, *dy.stride(), *dx.stride(), *weight.stride(),
+        K=kernel, K_PAD=triton.next_power_of_2(kernel), HAS_BIAS=bias is not None, RESIDUAL=residual,
+        SILU=activation, SCALED=row_scale is not None, X_ALIGNED=_rows_aligned(x), CHUNK_T=CHUNK_T,
+        **_backward_blocks(seq_len, channels, recomputes=activation))
+    return (dx, *_weight_grads(partial_dw, partial_db, weight, bias))
+
+
+def swiglu_forward(gate, up, weight, bias, residual: bool, activation: bool) -> torch.Tensor:
+    batch, seq_len, hidden = gate.shape
+    y = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    _canon_swiglu_fwd_kernel[_grid(batch, seq_len, hidden)](
+        gate, up, weight, _bias_ptr(bias, weight), y, seq_len, hidden, *gate.stride(), *up.stride(), *y.stride(),
+        *weight.stride(), K=weight.shape[1], HAS_BIAS=bias is not None, RESIDUAL=residual, SILU=activation)
+    return y
+
+
+def swiglu_backward(dy, gate, up, weight, bias, residual: bool, activation: bool):
+    """Gradients of gate, up, the weight and the bias (empty without one)."""
+    batch, seq_len, hidden = gate.shape
+    kernel = weight.shape[1]
+    d_gate = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    d_up = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    partial_dw, partial_db = _partials(batch, seq_len, kernel, 2 * hidden, gate, bias is not None)
+    _canon_swiglu_bwd_kernel[_grid(batch, seq_len, hidden, CHUNK_T)](
+        gate, up, weight, _bias_ptr(bias, weight), dy, d_gate, d_up, partial_dw, partial_db, seq_len, hidden,
+        *gate.stride(), *up.stride(), *dy.stride(), *d_gate.stride(), *weight.stride(),
+        K=kernel, K_PAD=triton.next_power_of_2(kernel), HAS_BIAS=bias is not None, RESIDUAL=residual,
+        SILU=activation, CHUNK_T=CHUNK_T, **_backward_blocks(seq_len, hidden, recomputes=True))
+    return (d_gate, d_up, *_weight_grads(partial_dw, partial_db, weight, bias))
+
+
+# ----------------------------------------------------------------------------- custom ops
+
+
+@torch.library.custom_op("canon_titan::canon_conv", mutates_args=())
+def _canon_conv_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, row_scale: torch.Tensor | None,
+                   col_scale: torch.Tensor | None, residual: bool, activation: bool) -> torch.Tensor:
+    return conv_forward(x, weight, bias, row_scale, col_scale, residual, activation)
 
 
 @_canon_conv_op.register_fake
@@ -365,28 +443,13 @@ def _(x, weight, bias, row_scale, col_scale, residual, activation):
 def _canon_conv_backward_op(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                             row_scale: torch.Tensor | None, col_scale: torch.Tensor | None, residual: bool,
                             activation: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of the convolution's input (after scaling), weight and bias."""
-    batch, seq_len, channels = x.shape
-    kernel = weight.shape[1]
-    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    dz = torch.empty_like(dx) if activation else dx
-    partial_dw, partial_db = _partials(batch, seq_len, kernel, channels, x)
-    rs, cs, srs_b, srs_t = _scale_args(row_scale, col_scale, weight)
-    _canon_bwd_kernel[_grid(batch, seq_len, channels, _CHUNK_T)](
-        x, weight, _bias_ptr(bias, weight), rs, cs, dy, dz, dx, partial_dw, partial_db, seq_len, channels,
-        *x.stride(), srs_b, srs_t, *dy.stride(), *dx.stride(), *weight.stride(),
-        K=kernel, K_PAD=triton.next_power_of_2(kernel), HAS_BIAS=bias is not None, RESIDUAL=residual,
-        SILU=activation, SCALED=row_scale is not None, CHUNK_T=_CHUNK_T)
-    if activation:
-        _canon_dx_kernel[_grid(batch, seq_len, channels)](
-            dz, dy, weight, dx, seq_len, channels, *dz.stride(), *dy.stride(), *dx.stride(), *weight.stride(),
-            K=kernel, HAS_RES=residual)
-    return (dx, *_weight_grads(partial_dw, partial_db, weight, bias))
+    return conv_backward(dy, x, weight, bias, row_scale, col_scale, residual, activation)
 
 
 @_canon_conv_backward_op.register_fake
 def _(dy, x, weight, bias, row_scale, col_scale, residual, activation):
-    return x.new_empty(x.shape), weight.new_empty(weight.shape), weight.new_empty(bias.shape if bias is not None else 0)
+    db = bias.new_empty(bias.shape) if bias is not None else weight.new_empty(0)
+    return x.new_empty(x.shape), weight.new_empty(weight.shape), db
 
 
 def _canon_conv_setup(ctx, inputs, output):
@@ -415,12 +478,7 @@ _canon_conv_op.register_autograd(_canon_conv_grad, setup_context=_canon_conv_set
 @torch.library.custom_op("canon_titan::canon_swiglu", mutates_args=())
 def _canon_swiglu_op(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                      residual: bool, activation: bool) -> torch.Tensor:
-    batch, seq_len, hidden = gate.shape
-    y = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
-    _canon_swiglu_fwd_kernel[_grid(batch, seq_len, hidden)](
-        gate, up, weight, _bias_ptr(bias, weight), y, seq_len, hidden, *gate.stride(), *up.stride(), *y.stride(),
-        *weight.stride(), K=weight.shape[1], HAS_BIAS=bias is not None, RESIDUAL=residual, SILU=activation)
-    return y
+    return swiglu_forward(gate, up, weight, bias, residual, activation)
 
 
 @_canon_swiglu_op.register_fake
@@ -432,31 +490,13 @@ def _(gate, up, weight, bias, residual, activation):
 def _canon_swiglu_backward_op(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor,
                               bias: torch.Tensor | None, residual: bool, activation: bool
                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    batch, seq_len, hidden = gate.shape
-    kernel = weight.shape[1]
-    dz = torch.empty(2, batch, seq_len, hidden, dtype=gate.dtype, device=gate.device)
-    # With residual and SiLU, the residual gradient (of the Canon output) differs from dz.
-    res = torch.empty_like(dz) if residual and activation else dz
-    partial_dw, partial_db = _partials(batch, seq_len, kernel, 2 * hidden, gate)
-    _canon_swiglu_bwd_kernel[_grid(batch, seq_len, hidden, _CHUNK_T)](
-        gate, up, weight, _bias_ptr(bias, weight), dy, dz, res, partial_dw, partial_db, seq_len, hidden,
-        *gate.stride(), *up.stride(), *dy.stride(), *weight.stride(),
-        K=kernel, K_PAD=triton.next_power_of_2(kernel), HAS_BIAS=bias is not None, RESIDUAL=residual,
-        SILU=activation, CHUNK_T=_CHUNK_T)
-    grads = []
-    for half, w in zip(range(2), weight.split(hidden)):
-        dx = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
-        _canon_dx_kernel[_grid(batch, seq_len, hidden)](
-            dz[half], res[half], w, dx, seq_len, hidden, *dz[half].stride(), *res[half].stride(), *dx.stride(),
-            *w.stride(), K=kernel, HAS_RES=residual)
-        grads.append(dx)
-    return (*grads, *_weight_grads(partial_dw, partial_db, weight, bias))
+    return swiglu_backward(dy, gate, up, weight, bias, residual, activation)
 
 
 @_canon_swiglu_backward_op.register_fake
 def _(dy, gate, up, weight, bias, residual, activation):
-    return (gate.new_empty(gate.shape), up.new_empty(up.shape), weight.new_empty(weight.shape),
-            weight.new_empty(bias.shape if bias is not None else 0))
+    db = bias.new_empty(bias.shape) if bias is not None else weight.new_empty(0)
+    return gate.new_empty(gate.shape), gate.new_empty(gate.shape), weight.new_empty(weight.shape), db
 
 
 def _canon_swiglu_setup(ctx, inputs, output):

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import torch
 
-from canon_titan.kernels.backends import compute_dtype, decay_matrix, from_chunks, runs_cuda_kernel, to_chunks
+from canon_titan.kernels.backends import (compute_dtype, decay_matrix, from_chunks, prepare_kernels, runs_cuda_kernel,
+                                          to_chunks)
 
 
 def gated_delta_rule(
@@ -63,10 +64,12 @@ def _fla_chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
                                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """o, the final state (empty unless asked for), and for the backward fla's chunk-local
     cumulative log decays and WY matrix A."""
+    prepare_kernels("fla")
     from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_fwd
+    from fla.utils import input_guard
 
-    q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
-    g_cumsum, o, A, final_state, _, _ = chunk_gated_delta_rule_fwd(
+    # input_guard: fla's kernels assume contiguous [B, T, H, K] and launch on the current device.
+    g_cumsum, o, A, final_state, _, _ = input_guard(chunk_gated_delta_rule_fwd)(
         q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=initial_state,
         output_final_state=output_final_state, chunk_size=FLA_CHUNK_SIZE)
     final_state = final_state if output_final_state else q.new_empty(0, dtype=torch.float32)
@@ -87,11 +90,13 @@ def _fla_chunk_gated_delta_rule_backward(
         do: torch.Tensor, d_final: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         g_cumsum: torch.Tensor, beta: torch.Tensor, A: torch.Tensor, initial_state: torch.Tensor | None,
         scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    prepare_kernels("fla")
     from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_bwd
+    from fla.utils import input_guard
 
-    dq, dk, dv, db, dg, dh0, _, _ = chunk_gated_delta_rule_bwd(
-        q=q, k=k, v=v, g=g_cumsum, beta=beta, A=A, scale=scale, initial_state=initial_state, do=do.contiguous(),
-        dht=d_final.contiguous() if d_final is not None else None, chunk_size=FLA_CHUNK_SIZE)
+    dq, dk, dv, db, dg, dh0, _, _ = input_guard(chunk_gated_delta_rule_bwd)(
+        q=q, k=k, v=v, g=g_cumsum, beta=beta, A=A, scale=scale, initial_state=initial_state, do=do, dht=d_final,
+        chunk_size=FLA_CHUNK_SIZE)
     dh0 = dh0 if initial_state is not None else q.new_empty(0, dtype=torch.float32)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg, db.to(beta.dtype), dh0
 

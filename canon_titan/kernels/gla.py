@@ -28,7 +28,8 @@ import torch.nn.functional as F
 
 import triton
 
-from canon_titan.kernels.backends import compute_dtype, from_chunks, runs_cuda_kernel, scan_states, to_chunks
+from canon_titan.kernels.backends import (compute_dtype, from_chunks, prepare_kernels, runs_cuda_kernel, scan_states,
+                                          to_chunks)
 
 SUB_CHUNK = 16
 
@@ -68,13 +69,15 @@ def _fla_chunk_gla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
                    initial_state: torch.Tensor | None, scale: float, output_final_state: bool
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """o, the final state (empty unless asked for) and fla's intra-chunk scores A (for the backward)."""
+    prepare_kernels("fla")
     from fla.ops.gla.chunk import chunk_gla_fwd
+    from fla.utils import input_guard
 
-    q, k, v, g = (t.contiguous() for t in (q, k, v, g))
     chunk_size = _fla_chunk_size(q.shape[1])
-    _, A, _, final_state, o = chunk_gla_fwd(q=q, k=k, v=v, g=g, g_cumsum=None, scale=scale,
-                                            initial_state=initial_state, output_final_state=output_final_state,
-                                            chunk_size=chunk_size)
+    # input_guard: fla's kernels assume contiguous [B, T, H, K] and launch on the current device.
+    _, A, _, final_state, o = input_guard(chunk_gla_fwd)(
+        q=q, k=k, v=v, g=g, g_cumsum=None, scale=scale, initial_state=initial_state,
+        output_final_state=output_final_state, chunk_size=chunk_size)
     # fla writes A [B, T, H, chunk] only where key j <= query t within the chunk; an op's outputs
     # must not carry uninitialised memory (compiled and eager runs would differ there).
     position = torch.arange(q.shape[1], device=A.device) % chunk_size
@@ -95,12 +98,13 @@ def _(q, k, v, g, initial_state, scale, output_final_state):
 def _fla_chunk_gla_backward(do: torch.Tensor, d_final: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor,
                             v: torch.Tensor, g: torch.Tensor, initial_state: torch.Tensor | None, A: torch.Tensor,
                             scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    prepare_kernels("fla")
     from fla.ops.gla.chunk import chunk_gla_bwd
+    from fla.utils import input_guard
 
-    dq, dk, dv, dg, dh0 = chunk_gla_bwd(q=q, k=k, v=v, g=g, g_cumsum=None, scale=scale, initial_state=initial_state,
-                                        h=None, A=A, do=do.contiguous(),
-                                        dht=d_final.contiguous() if d_final is not None else None,
-                                        chunk_size=_fla_chunk_size(q.shape[1]))
+    dq, dk, dv, dg, dh0 = input_guard(chunk_gla_bwd)(
+        q=q, k=k, v=v, g=g, g_cumsum=None, scale=scale, initial_state=initial_state, h=None, A=A, do=do, dht=d_final,
+        chunk_size=_fla_chunk_size(q.shape[1]))
     dh0 = dh0 if initial_state is not None else q.new_empty(0, dtype=torch.float32)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), dh0
 

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from canon_titan.kernels.backends import (compute_dtype, decay_matrix, from_chunks, runs_cuda_kernel, scan_states,
-                                          to_chunks)
+from canon_titan.kernels.backends import (compute_dtype, decay_matrix, from_chunks, prepare_kernels, runs_cuda_kernel,
+                                          scan_states, to_chunks)
 
 
 def ssd(
@@ -52,6 +52,7 @@ def _mamba_chunk_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: tor
                       D: torch.Tensor | None, initial_state: torch.Tensor | None, chunk_size: int,
                       output_final_state: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """y and the final state (empty unless asked for)."""
+    prepare_kernels("mamba_ssm")
     from mamba_ssm.ops.triton.ssd_combined import _mamba_chunk_scan_combined_fwd
 
     y, _, _, _, _, final_state, *_ = _mamba_chunk_scan_combined_fwd(x, dt, A, B, C, chunk_size, D=D,
@@ -73,10 +74,11 @@ def _mamba_chunk_scan_backward(
         B: torch.Tensor, C: torch.Tensor, D: torch.Tensor | None, initial_state: torch.Tensor | None, y: torch.Tensor,
         chunk_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                   torch.Tensor]:
+    prepare_kernels("mamba_ssm")
     from mamba_ssm.ops.triton.ssd_combined import _mamba_chunk_scan_combined_bwd
 
     dx, ddt, dA, dB, dC, dD, _, _, dh0 = _mamba_chunk_scan_combined_bwd(
-        dy.contiguous(), x, dt, A, B, C, y, chunk_size, D=D, initial_states=initial_state, 
+        dy.contiguous(), x, dt, A, B, C, y, chunk_size, D=D, initial_states=initial_state,
         dfinal_states=d_final.contiguous() if d_final is not None else None)
     empty = x.new_empty(0, dtype=torch.float32)
     return (dx.to(x.dtype), ddt.to(dt.dtype), dA.to(A.dtype), dB.to(B.dtype), dC.to(C.dtype),

@@ -26,7 +26,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed._functional_collectives import all_gather_single_autograd
+# Called through the module: torch < 2.13 (the offline GPU image's 2.11) lacks the name, and this
+# module is imported by the config checks of every run.
+import torch.distributed._functional_collectives as funcol
 
 from canon_titan.models.common.deferred import deferred
 
@@ -81,7 +83,7 @@ class ContextShards:
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """[batch, L, ...] -> [batch, size x L, ...]: every rank's rows, in rank order (``key_index``)."""
-        gathered = all_gather_single_autograd(x.contiguous(), 0, self.group)
+        gathered = funcol.all_gather_single_autograd(x.contiguous(), 0, self.group)
         return gathered.view(self.size, *x.shape).movedim(0, 1).flatten(1, 2)
 
     @functools.cached_property
@@ -101,7 +103,7 @@ class ContextShards:
         tails = [x[:, start + length - k:start + length] for start, _, length in self.runs]
         tails += [x.new_zeros(x.shape[0], k, x.shape[2])] * (self.max_runs - len(self.runs))  # same size on every rank
         tails = torch.cat(tails, dim=1)
-        gathered = all_gather_single_autograd(tails.contiguous(), 0, self.group)
+        gathered = funcol.all_gather_single_autograd(tails.contiguous(), 0, self.group)
         # Every rank's tails, then k zero rows (the halo of the sequence start), as one tensor that
         # every rank's halos come from: the gather is in each rank's backward graph, so its
         # reduce-scatter runs on all of them (a rank that used none of it would skip it and hang).

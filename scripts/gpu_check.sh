@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# One command for a lent GPU: correctness and every benchmark of record, within 9 minutes, into
+# OUTDIR/gpu_check.md, gpu_check.json and gpu_check.log (see scripts/gpu_check.py for the steps).
+#   scripts/gpu_check.sh OUTDIR                    # on the GPU machine (offline: the kit is installed first)
+#   scripts/gpu_check.sh OUTDIR --only float8_rowwise,linear_trainer   # a second command for skipped steps
+#   scripts/gpu_check.sh OUTDIR --tiny             # CPU, toy sizes in Triton's interpreter: checks the script
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:?usage: scripts/gpu_check.sh OUTDIR [--tiny] [--only STEP,...]}
+shift
+started=$SECONDS
+if [ -x .venv/bin/python ] && .venv/bin/python -c 'import torchtitan' 2>/dev/null; then
+  PY=.venv/bin/python
+else
+  # The offline GPU machine: its image lacks torchtitan, fla, mamba-ssm ...; the kit (../shared/gpu,
+  # carried along as .gpu/) installs them from wheels, with no network.
+  KIT=$( [ -f .gpu/setup.sh ] && echo .gpu || echo ../shared/gpu )
+  [ -f "$KIT/setup.sh" ] || { echo "gpu_check: no .venv and no offline kit (.gpu/setup.sh or ../shared/gpu)" >&2; exit 2; }
+  # shellcheck disable=SC1091
+  source "$KIT/setup.sh"
+  PY=python3
+fi
+case " $* " in *" --tiny "*) export TRITON_INTERPRET=1 OMP_NUM_THREADS=1 ;; esac
+export WANDB_MODE=offline PYTHONUNBUFFERED=1
+exec "$PY" scripts/gpu_check.py "$OUT" --budget $((540 - (SECONDS - started) - 15)) "$@"

@@ -1,0 +1,57 @@
+"""The Canon op's Triton kernels compiled ahead of time for sm_90 (H100/H200), with no GPU here, by
+the venv's Triton and by the GPU image's (3.6.0, which scripts/test.sh installs aside in
+.venv/triton36): every configuration a launch may use compiles, none spills registers, and Mamba2-3B's
+short convolution, whose input rows are 12568 elements apart (not a multiple of 16), loads like its
+twin with aligned rows (16-byte vector loads, not 2-byte scalar ones)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+
+TRITON_36 = REPO / ".venv" / "triton36"
+
+
+@pytest.fixture(scope="module", params=["pinned", "3.6.0"])
+def compiled(request, tmp_path_factory) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if request.param == "3.6.0":
+        if not (TRITON_36 / "triton" / "__init__.py").exists():
+            pytest.skip(f"Triton 3.6.0 is not installed in {TRITON_36} (scripts/test.sh installs it)")
+        env["PYTHONPATH"] = os.pathsep.join([str(TRITON_36), str(REPO), env.get("PYTHONPATH", "")])
+    out = tmp_path_factory.mktemp("aot") / "aot.json"
+    proc = subprocess.run([sys.executable, "-m", "canon_titan.kernels.aot", "--json", str(out)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(out.read_text())
+    if request.param == "3.6.0":
+        assert result["triton"] == "3.6.0"
+    return result
+
+
+def test_every_configuration_compiles_without_spills(compiled):
+    from canon_titan.kernels.canon import FORWARD_CONFIGS
+
+    kernels = compiled["kernels"]
+    spilling = [k for k in kernels if k["spills"] or k["registers"] > 255]
+    assert not spilling, spilling
+    names = {k["kernel"] for k in kernels}
+    assert names == {"_canon_fwd_kernel", "_canon_bwd_kernel", "_canon_swiglu_fwd_kernel", "_canon_swiglu_bwd_kernel"}
+    forward = {(k["case"], k["config"]) for k in kernels if k["kernel"] == "_canon_fwd_kernel"}
+    configs = {f"{c.kwargs['BLOCK_T']}x{c.kwargs['BLOCK_C']}/{c.num_warps}w" for c in FORWARD_CONFIGS}
+    assert {config for _, config in forward} == configs
+
+
+def test_misaligned_rows_load_like_aligned_ones(compiled):
+    from canon_titan.kernels.aot import ALIGNED_TWIN, MISALIGNED
+
+    def loads(case):
+        return {(k["kernel"], k["config"]): (k["vector_loads"], k["scalar_2byte_loads"])
+                for k in compiled["kernels"] if k["case"] == case}
+
+    misaligned, aligned = loads(MISALIGNED), loads(ALIGNED_TWIN)
+    assert misaligned and misaligned == aligned
