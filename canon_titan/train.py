@@ -14,8 +14,12 @@ from torchtitan.tools.logging import init_logger, logger
 from canon_titan import runtime
 from canon_titan.config import ConfigError, load
 from canon_titan.config.build import build_trainer_config
+from canon_titan.checkpointer import NonFiniteParameters, SaveFailed
 from canon_titan.convert.dcp_io import NoLoadableCheckpoint
+from canon_titan.divergence import Diverged
+from canon_titan.exit_codes import STOPPED
 from canon_titan.launch import DumpFolderInUse, die_with_parent, lock_dump_folder
+from canon_titan.preemption import PREEMPTED_EXIT, Preempted
 from canon_titan.trainer import DataLayoutChanged, FinishedRun
 
 
@@ -61,6 +65,13 @@ def main(argv: list[str] | None = None) -> int:
     except (NoLoadableCheckpoint, FinishedRun, DataLayoutChanged) as e:
         print(f"canon-titan: {e}", file=sys.stderr)
         return 2
+    except Preempted as e:
+        logger.warning(str(e))
+        return PREEMPTED_EXIT
+    except (Diverged, NonFiniteParameters, SaveFailed) as e:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"canon-titan: {e}", file=sys.stderr)
+        return STOPPED
     finally:
         if trainer is not None:
             trainer.close()

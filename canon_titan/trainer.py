@@ -10,7 +10,7 @@ import os
 import re
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated
 
@@ -21,11 +21,14 @@ from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
+from canon_titan.checkpointer import newest_checkpoint_hint
 from canon_titan.convert.dcp_io import hf_export_steps, read_metadata, resume_step
 from canon_titan.convert.hf import tokenizer_info, write_hf_files
+from canon_titan.divergence import Diverged, DivergenceSection, LossGuard
 from canon_titan.evaluation.in_training import EvalSettings, InTrainingEval
 from canon_titan.fileio import write_atomic
 from canon_titan.models.common.context_parallel import context_parallel_inputs
+from canon_titan.preemption import Preempted, StopSignals
 
 RUN_CONFIG_FILE = "run_config.toml"
 
@@ -128,9 +131,22 @@ class CanonTrainer(Trainer):
         """``[eval]``: evaluation during training (None = off)."""
         tokenizer_kind: Annotated[str, tyro.conf.Suppress] = "hf"
         """``[tokenizer] kind`` (its files are ``hf_assets_path``), for Hugging Face exports."""
+        divergence: Annotated[DivergenceSection, tyro.conf.Suppress] = field(default_factory=DivergenceSection)
+        stop_grace_seconds: Annotated[int, tyro.conf.Suppress] = 90
 
     def __init__(self, config: Config):
+        self.stop_signals = StopSignals(config.stop_grace_seconds)
+        self.stop_signals.install()
         super().__init__(config)
+        self.loss_guard = LossGuard(config.divergence)
+        self._step_loss: torch.Tensor | None = None
+        self._groups_done = 0
+        self._skip_update = False
+        self._preempting = False
+        # A skipped step must not reach the optimizer at all (AdamW moves the weights even on zero
+        # gradients); TorchTitan's train_step calls this container's step, so it is guarded here.
+        optimizer_step = self.optimizers.step
+        self.optimizers.step = lambda *a, **kw: None if self._skip_update else optimizer_step(*a, **kw)
         self._progress_origin: tuple[float, int] | None = None
         self.evaluator = None
         if config.evaluation is not None:
@@ -161,6 +177,8 @@ class CanonTrainer(Trainer):
             if step > 0 and not ckpt.load_only:
                 self._prepare_loader_resume(Path(self.checkpointer.folder) / f"step-{step}")
         super().train()
+        if self._preempting:
+            raise Preempted(f"preempted at step {self.step}, checkpoint saved, resume with the same command")
         if ckpt.enable and ckpt.last_save_in_hf and not ckpt.load_only and self.step >= self.config.training.steps:
             self._complete_hf_export()
 
@@ -198,10 +216,52 @@ class CanonTrainer(Trainer):
                        tokenizer=tokenizer_info(self.config.tokenizer_kind, self.config.hf_assets_path))
         logger.info(f"Wrote a Hugging Face export of step {self.step} to {folder}")
 
+    def forward_backward_step(self, **kwargs) -> torch.Tensor:
+        """TorchTitan's, plus: after the step's last gradient-accumulation group, the loss and any
+        stop request are reduced across ranks and judged, before the optimizer step."""
+        loss = super().forward_backward_step(**kwargs)
+        holds_loss = getattr(self, "pp_has_last_stage", True)
+        part = loss.detach().float().sum() if holds_loss else torch.zeros((), device=self.device)
+        self._step_loss = part if self._step_loss is None else self._step_loss + part
+        self._groups_done += 1
+        if self._groups_done == self.gradient_accumulation_steps:
+            self._judge_step(holds_loss)
+        return loss
+
+    def _judge_step(self, holds_loss: bool) -> None:
+        stats = torch.stack([self._step_loss, torch.tensor(float(holds_loss), device=self.device),
+                             torch.tensor(float(self.stop_signals.requested), device=self.device)])
+        self._step_loss, self._groups_done = None, 0
+        if torch.distributed.is_initialized():
+            torch.distributed.all_reduce(stats)
+        loss_sum, holders, stop = stats.tolist()
+        # Ranks of one tensor- or pipeline-parallel group hold the same loss (pipelines: the last stage).
+        dims = self.parallel_dims
+        loss = loss_sum / (holders / max(1, dims.world_size // (dims.tp * dims.pp)))
+        verdict = self.loss_guard.judge(self.step, loss)
+        self._skip_update = verdict == "skip"
+        if verdict == "skip":
+            logger.warning(f"{self.loss_guard.problem}: its update is skipped ([divergence] section)")
+        elif verdict == "stop":
+            raise Diverged(f"{self.loss_guard.problem}: the run stops before saving it; "
+                           f"{newest_checkpoint_hint(self.checkpointer.folder, self.step + 1)}")
+        if stop and not self._preempting:
+            self._preempting = True
+            self.checkpointer.force_next_save = True
+
+    def should_continue_training(self) -> bool:
+        return not self._preempting and super().should_continue_training()
+
     def train_step(self, data_iterator):
         if self._progress_origin is None:
             self._progress_origin = (time.perf_counter(), self.step - 1)
-        super().train_step(data_iterator)
+        try:
+            super().train_step(data_iterator)
+        except RuntimeError as e:
+            # TorchTitan's own stop on a non-finite loss, on logging steps: this one is skipped.
+            if not (self._skip_update and str(e).startswith("Loss is not finite")):
+                raise
+            return
         if self.metrics_processor.should_log(self.step):
             self._log_progress()
         if self.evaluator is not None and self.evaluator.due(self.step):

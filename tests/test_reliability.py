@@ -68,7 +68,7 @@ def test_killing_the_launcher_stops_every_worker(tmp_path, how):
         wait_for(proc, "step:  2")
         family = descendants(proc.pid)
         commands = {p: open(f"/proc/{p}/cmdline").read().replace("\0", " ") for p in family}
-        workers = [p for p, c in commands.items() if "canon_titan.train" in c and "torch.distributed.run" not in c]
+        workers = [p for p, c in commands.items() if "canon_titan.train" in c and "canon_titan.torchrun" not in c]
         assert len(workers) == 2, commands
         if how == "process_group":
             os.killpg(proc.pid, signal.SIGKILL)
@@ -93,7 +93,7 @@ def test_a_live_run_locks_its_dump_folder(tmp_path):
         second = subprocess.run([sys.executable, "-m", "canon_titan.cli", "train", "--config", str(DEBUG_CONFIG),
                                  *LONG, "--job.dump_folder", str(dump)], cwd=REPO, env=train_env(),
                                 capture_output=True, text=True, timeout=300)
-        assert second.returncode == 2 and "torch.distributed.run" not in second.stdout
+        assert second.returncode == 2 and "canon_titan.torchrun" not in second.stdout
         assert f"dump folder {dump} is in use by a live run (pid " in second.stderr
         # torchrun started directly: global rank 0 refuses before training.
         direct = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
@@ -134,7 +134,7 @@ def test_resume_skips_a_damaged_newest_checkpoint(tmp_path):
             data.write_bytes(b"")
     none = subprocess.run(base + ["--training.steps", "8"], cwd=REPO, env=train_env(), capture_output=True,
                           text=True, timeout=600)
-    assert none.returncode == 2 and "torch.distributed.run" not in none.stdout
+    assert none.returncode == 2 and "canon_titan.torchrun" not in none.stdout
     assert f"no checkpoint in {dump / 'checkpoint'} can be loaded" in none.stderr and "Traceback" not in none.stderr
 
 
@@ -283,9 +283,10 @@ def _umask():
 
 def test_pipeline_runs_log_the_last_stage_by_default(tmp_path, monkeypatch):
     from canon_titan import cli
+    from canon_titan.cli import train as cli_train_module
 
     launched = []
-    monkeypatch.setattr(subprocess, "call", lambda cmd, **kw: launched.append(cmd) or 0)
+    monkeypatch.setattr(cli_train_module, "_run_torchrun", lambda cmd, env: launched.append(cmd) or 0)
     args = ["train", "--config", str(CONFIGS["llama_canon"]), "--job.dump_folder", str(tmp_path / "run")]
     assert cli.main(args + ["--nproc", "2", "--parallelism.pipeline_parallel_degree", "2"]) == 0
     assert cli.main(args + ["--nproc", "4", "--parallelism.pipeline_parallel_degree", "2"]) == 0

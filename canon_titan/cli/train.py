@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -40,15 +42,39 @@ def main(argv: list[str]) -> int:
     if log_ranks is None:
         pp = run["parallelism"]["pipeline_parallel_degree"]
         log_ranks = str((pp - 1) * args.nproc // pp)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
-           "--local-ranks-filter", log_ranks, "--role", "rank", "--tee", "3",
+    log_dir = Path(run["job"]["dump_folder"]) / "torchelastic"
+    # torchrun waits this long for its workers after passing a signal on, before it SIGKILLs them.
+    shutdown_timeout = run["job"]["stop_grace_seconds"] + 30
+    cmd = [sys.executable, "-m", "canon_titan.torchrun", "--standalone", f"--nproc_per_node={args.nproc}",
+           "--local-ranks-filter", log_ranks, "--role", "rank", "--tee", "3", "--log-dir", str(log_dir),
+           "--shutdown-timeout", str(shutdown_timeout),
            "-m", "canon_titan.train", "--config", args.config, *overrides]
     print("+ " + " ".join(cmd), flush=True)
 
     env = dict(os.environ, CANON_TITAN_COLOR="1" if sys.stdout.isatty() else "0")
     # Share the cores between the processes (torchrun would default to 1 and print a banner saying so).
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc)))
-    return subprocess.call(cmd, preexec_fn=torchrun_preexec, env=env)
+    code = _run_torchrun(cmd, env)
+    if code == 0:
+        shutil.rmtree(log_dir, ignore_errors=True)  # torchrun's copy of every rank's output
+    return code
+
+
+def _run_torchrun(cmd: list[str], env: dict) -> int:
+    """Start torchrun and wait for it. SIGTERM or SIGINT to this process is passed on to torchrun
+    (which passes it to its workers: they save and exit); the launcher keeps waiting instead of
+    dying, which would take torchrun and its workers down before they saved."""
+    proc = subprocess.Popen(cmd, preexec_fn=torchrun_preexec, env=env)
+
+    def forward(signum, frame):
+        proc.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return proc.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _prepare_launch(run, nproc: int) -> str | None:

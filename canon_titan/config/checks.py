@@ -355,6 +355,17 @@ def check_eval(run: RunConfig, environment: bool) -> None:
             _fail(run, "eval", "tasks", str(e))
 
 
+def check_divergence(run: RunConfig) -> None:
+    section = run["divergence"]
+    for key in ("max_nonfinite_steps", "spike_window"):
+        if section[key] < 1:
+            _fail(run, "divergence", key, "must be >= 1")
+    if section["spike_factor"] and section["spike_factor"] <= 1:
+        _fail(run, "divergence", "spike_factor", "must be > 1 (a multiple of the running mean loss), or 0 for no check")
+    if run["job"]["stop_grace_seconds"] < 1:
+        _fail(run, "job", "stop_grace_seconds", "must be >= 1")
+
+
 def check_run(run: RunConfig, environment: bool = True) -> None:
     check_finite(run)
     check_model(run, environment)
@@ -364,4 +375,5 @@ def check_run(run: RunConfig, environment: bool = True) -> None:
     check_features(run, environment)
     check_data(run, environment)
     check_eval(run, environment)
+    check_divergence(run)
 
