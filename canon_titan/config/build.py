@@ -132,6 +132,8 @@ def build_trainer_config(run: RunConfig):
             run_toml=dumps(absolute_paths(run.sections)),
             divergence=DivergenceSection(**run["divergence"]),
             stop_grace_seconds=job["stop_grace_seconds"],
+            allow_changed_data=run["dataloader"]["allow_changed_data"],
+            model_label=run.label(),
             evaluation=_eval_settings(run, run["tokenizer"]["path"] or str(ASSET_DIR)),
             **sections,
         )
