@@ -43,9 +43,10 @@ def _os_error(exc: BaseException) -> OSError | None:
         seen.add(id(exc))
         if isinstance(exc, OSError):
             return exc
-        failures = getattr(exc, "failures", None)  # DCP's CheckpointException: {rank: exception}
+        failures = getattr(exc, "failures", None)  # DCP's CheckpointException: {rank: (exception, stack)}
         if isinstance(failures, dict):
             for inner in failures.values():
+                inner = inner[0] if isinstance(inner, tuple) else inner
                 found = _os_error(inner) if isinstance(inner, BaseException) else None
                 if found:
                     return found
@@ -73,7 +74,7 @@ class CanonCheckpointer(CheckpointManager):
         step_dir = Path(self._create_checkpoint_id(curr_step))
         try:
             return super()._save(curr_step, last_step)
-        except Exception as e:
+        except BaseException as e:  # DCP's CheckpointException is a BaseException
             error = _os_error(e)
             if error is None:
                 raise

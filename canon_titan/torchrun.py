@@ -5,6 +5,7 @@ other failure keeps torchrun's report."""
 
 from __future__ import annotations
 
+import signal
 import sys
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -22,9 +23,11 @@ def main() -> int:
         return PREEMPTED_EXIT
     except ChildFailedError as e:
         codes = {failure.exitcode for failure in e.failures.values()}
-        if not codes <= STOPPED_EXIT_CODES:
+        # Once one worker exits, torchrun stops the others with SIGTERM (or SIGKILL, late ones).
+        stopped = codes & STOPPED_EXIT_CODES
+        if not stopped or not codes <= STOPPED_EXIT_CODES | {-signal.SIGTERM, -signal.SIGKILL}:
             raise
-        return max(codes)
+        return max(stopped)
     return 0
 
 

@@ -81,10 +81,12 @@ def all_finite(step_dir):
 
 
 @pytest.mark.slow
-def test_divergence_stops_before_saving_and_keeps_the_good_checkpoints(tmp_path):
+def test_divergence_stops_before_saving_and_a_full_disk_is_named(tmp_path):
     """lr 1e3 with a checkpoint every 2 steps, keep_latest_k = 2 and a loss logged every 5 steps:
-    the run stops with one line naming the step and the last good checkpoint, every checkpoint
-    left is finite, and resuming from it with a sane learning rate trains on."""
+    the run stops with one line naming the step and the last good checkpoint, and every
+    checkpoint left is finite. Resuming from it with a sane learning rate trains on, until the
+    next save meets a full disk (its data files point at /dev/full, where writes fail with ENOSPC):
+    one line, no partial step folder, the good checkpoint intact."""
     run = tmp_path / "run"
     base = cli_train_cmd(run, "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "2",
                          "--metrics.log_freq", "5", "--training.steps", "10")
@@ -95,14 +97,24 @@ def test_divergence_stops_before_saving_and_keeps_the_good_checkpoints(tmp_path)
     assert "Traceback" not in out and "ChildFailedError" not in out, out[-4000:]
     kept = sorted(int(p.name.split("-")[1]) for p in (run / "checkpoint").iterdir())
     assert kept and all(all_finite(run / "checkpoint" / f"step-{s}") for s in kept)
-    message = [line for line in out.splitlines() if line.startswith("canon-titan: ")][-1]
+    message = [line for line in out.splitlines() if line.startswith("[rank0]:canon-titan: ")][-1]
     assert "not finite" in message and "at step" in message
-    assert f"the last good checkpoint is {run / 'checkpoint' / f'step-{kept[-1]}'}" in message
-    assert f"--checkpoint.load_step {kept[-1]}" in message
-    again = subprocess.run(base + ["--training.steps", str(kept[-1] + 1)], cwd=REPO, env=train_env(),
+    good = kept[-1]
+    assert f"the last good checkpoint is {run / 'checkpoint' / f'step-{good}'}" in message
+    assert f"--checkpoint.load_step {good}" in message
+
+    full = run / "checkpoint" / f"step-{good + 2}"
+    full.mkdir()
+    for rank in range(2):
+        (full / f"__{rank}_0.distcp").symlink_to("/dev/full")
+    again = subprocess.run(base + ["--training.steps", str(good + 3)], cwd=REPO, env=train_env(),
                            capture_output=True, text=True, timeout=600)
-    assert again.returncode == 0, (again.stdout + again.stderr)[-4000:]
-    assert f"Training starts at step {kept[-1] + 1}" in again.stdout + again.stderr
+    out = again.stdout + again.stderr
+    assert again.returncode == 3 and "Traceback" not in out, out[-4000:]
+    assert f"Training starts at step {good + 1}" in out
+    assert f"canon-titan: saving checkpoint step {good + 2} to {full} failed: the disk is full" in out
+    assert "earlier checkpoints are intact" in out and not full.exists()
+    assert sorted(p.name for p in (run / "checkpoint").iterdir()) == [f"step-{good}"]
 
 
 def test_the_loss_guard_skips_spikes_and_stops_on_repeated_non_finite_losses():
@@ -116,21 +128,6 @@ def test_the_loss_guard_skips_spikes_and_stops_on_repeated_non_finite_losses():
     assert guard.problem == "the loss at step 7 is not finite (inf)"
     stop = LossGuard(DivergenceSection(spike_factor=1.5, spike_window=1, on_spike="stop"))
     assert [stop.judge(1, 2.0), stop.judge(2, 3.1)] == ["ok", "stop"]
-
-
-@pytest.mark.slow
-def test_a_full_disk_during_a_save_is_one_line_and_leaves_no_partial_step(tmp_path):
-    """The step-2 data file points at /dev/full, where every write fails with ENOSPC."""
-    run = tmp_path / "run"
-    partial = run / "checkpoint" / "step-2"
-    partial.mkdir(parents=True)
-    (partial / "__0_0.distcp").symlink_to("/dev/full")
-    proc = subprocess.run(cli_train_cmd(run, "--checkpoint.interval", "2", "--training.steps", "3", nproc=1),
-                          cwd=REPO, env=train_env(), capture_output=True, text=True, timeout=600)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 3 and "Traceback" not in out, out[-4000:]
-    assert f"canon-titan: saving checkpoint step 2 to {partial} failed: the disk is full" in out
-    assert "earlier checkpoints are intact" in out and not partial.exists()
 
 
 def launch_checks(monkeypatch, capsys, args):
@@ -166,7 +163,7 @@ def test_resume_checks_catch_changed_data_shapes_batch_and_model_only_steps(tmp_
     code, err, launched = launch_checks(monkeypatch, capsys, args)
     assert code == 0 and launched
     assert "step-2 holds the model only ([checkpoint] last_save_model_only = true)" in err  # row 9
-    for extra, message in [(["--model.dim", "128"], "has shape"),  # row 7
+    for extra, message in [(["--model.dim", "256"], "has shape"),  # row 7
                            (["--config", REPO / "train_configs" / "llama_canon_debug.toml"], "is missing"),
                            (["--nproc", "1"], "the global batch changes from 4 to 2 sequences")]:  # row 8
         code, err, launched = launch_checks(monkeypatch, capsys, args + extra)
@@ -196,8 +193,12 @@ def test_an_hf_start_with_changed_bytes_or_shapes_is_refused_by_the_config_check
     hf = to_hf(step, tmp_path / "hf", run)
     start = ["--checkpoint.initial_load_path", str(hf), "--checkpoint.initial_load_in_hf", "true"]
     load(CONFIGS["llama"], start)
-    with pytest.raises(ConfigError, match=r"n_layers|has shape|is missing|not part of the model"):
-        load(CONFIGS["llama"], start + ["--model.dim", "128"])
+    # Tensors of a wider model under the right config.json.
+    wide, wide_step, _ = make_checkpoint(tmp_path / "wide", ["--model.dim", "512"], config=CONFIGS["llama"])
+    wrong = to_hf(wide_step, tmp_path / "wrong", wide)
+    (wrong / "config.json").write_text((hf / "config.json").read_text())
+    with pytest.raises(ConfigError, match=f"{wrong}: tensor .* has shape"):
+        load(CONFIGS["llama"], ["--checkpoint.initial_load_path", str(wrong), "--checkpoint.initial_load_in_hf", "true"])
     shard = hf / sorted(json.loads((hf / CHECKSUMS).read_text()))[0]
     payload = bytearray(shard.read_bytes())
     payload[-10] ^= 0x40

@@ -250,7 +250,7 @@ def check_ignored_data_keys(run: RunConfig) -> None:
     """A key set to something other than its default that the chosen dataset never reads (a resolved
     config, which lists every key, keeps the defaults there)."""
     dataset = run["dataloader"]["dataset"]
-    reads = DATASET_KINDS[dataset] | {"dataset", "seed", "answer_only_loss"}
+    reads = DATASET_KINDS[dataset] | {"dataset", "seed", "answer_only_loss", "allow_changed_data"}
     defaults = {key: default for key, (_, default) in section_schema("dataloader").items()}
     for (section, key), _ in run.origins.items():
         if section == "dataloader" and key not in reads and run["dataloader"][key] != defaults[key]:
