@@ -141,10 +141,11 @@ def launch_checks(monkeypatch, capsys, args):
 
 
 @pytest.mark.slow
-def test_resume_checks_catch_changed_data_shapes_batch_and_model_only_steps(tmp_path, monkeypatch, capsys):
-    """One run (2 processes, a checkpoint at steps 1 and 2, the last model-only), then what a
-    resume meets: appended data, another model shape or family, fewer processes, a model-only
-    last step. Each refusal happens before launch, in one line; the allowed ones train."""
+def test_resume_checks_catch_damage_changed_data_shapes_batch_and_model_only_steps(tmp_path, monkeypatch, capsys):
+    """One run (2 processes, checkpoints at steps 1 to 3, the last model-only), then what a resume
+    meets: a model-only last step, another model shape or family, fewer processes, appended data,
+    a damaged newest checkpoint, no loadable one. Each refusal happens before launch, in one line;
+    the allowed resumes train."""
     docs = tmp_path / "docs.jsonl"
     docs.write_text("".join(json.dumps({"text": f"document {i}: " + "word " * 40}) + "\n" for i in range(60)))
     run = tmp_path / "run"
@@ -152,15 +153,15 @@ def test_resume_checks_catch_changed_data_shapes_batch_and_model_only_steps(tmp_
     tmp.mkdir()
     data = ["--dataloader.dataset", "files", "--dataloader.dataset_path", str(docs)]
     cmd = cli_train_cmd(run, *data, "--checkpoint.interval", "1", "--checkpoint.last_save_model_only", "true")
-    first = subprocess.run(cmd + ["--training.steps", "2"], cwd=REPO, env=dict(train_env(), TMPDIR=str(tmp)),
+    first = subprocess.run(cmd + ["--training.steps", "3"], cwd=REPO, env=dict(train_env(), TMPDIR=str(tmp)),
                            capture_output=True, text=True, timeout=600)
     assert first.returncode == 0, (first.stdout + first.stderr)[-4000:]
     assert not list(tmp.glob("torchelastic_*")) and not (run / "torchelastic").exists()  # row 13
-    args = cmd[cmd.index("--config"):] + ["--training.steps", "3"]
+    args = cmd[cmd.index("--config"):] + ["--training.steps", "4"]
 
     code, err, launched = launch_checks(monkeypatch, capsys, args)
     assert code == 0 and launched
-    assert "step-2 holds the model only ([checkpoint] last_save_model_only = true)" in err  # row 9
+    assert "step-3 holds the model only ([checkpoint] last_save_model_only = true)" in err  # row 9
     for extra, message in [(["--model.dim", "256"], "has shape"),  # row 7
                            (["--config", REPO / "train_configs" / "llama_canon_debug.toml"], "is missing"),
                            (["--nproc", "1"], "the global batch changes from 4 to 2 sequences")]:  # row 8
@@ -174,12 +175,22 @@ def test_resume_checks_catch_changed_data_shapes_batch_and_model_only_steps(tmp_
         f.write(json.dumps({"text": "one more document " * 10}) + "\n")
     code, err, launched = launch_checks(monkeypatch, capsys, args)
     assert code == 2 and not launched and f"{docs} changed (" in err and "--dataloader.allow_changed_data" in err
-    resumed = subprocess.run(cmd + ["--training.steps", "3", "--dataloader.allow_changed_data", "true"], cwd=REPO,
+    damaged = sorted((run / "checkpoint" / "step-2").glob("*.distcp"))[0]
+    damaged.write_bytes(damaged.read_bytes()[: damaged.stat().st_size // 2])
+    resumed = subprocess.run(cmd + ["--training.steps", "4", "--dataloader.allow_changed_data", "true"], cwd=REPO,
                              env=train_env(), capture_output=True, text=True, timeout=600)
     out = resumed.stdout + resumed.stderr
     assert resumed.returncode == 0, out[-4000:]
+    assert f"checkpoint step 2 cannot be loaded and is skipped: {damaged} is truncated" in out
     assert "Training starts at step 2" in out and "starts a new pass over the new data" in out
     assert "Dataloader resumes at global sample" not in out
+
+    for step_dir in (run / "checkpoint").iterdir():
+        for shard in step_dir.glob("*.distcp"):
+            shard.write_bytes(b"")
+    code, err, launched = launch_checks(monkeypatch, capsys, args + ["--training.steps", "5"])
+    assert code == 2 and not launched and "Traceback" not in err
+    assert f"no checkpoint in {run / 'checkpoint'} can be loaded" in err
 
 
 def test_an_hf_start_with_changed_bytes_or_shapes_is_refused_by_the_config_check(tmp_path):
