@@ -21,7 +21,7 @@ from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
 from canon_titan.checkpointer import newest_checkpoint_hint
-from canon_titan.convert.dcp_io import hf_export_steps, model_only_steps, read_metadata, resume_step
+from canon_titan.convert.dcp_io import hf_export_steps, model_only, model_only_steps, read_metadata, resume_step
 from canon_titan.convert.hf import tokenizer_info, write_hf_files
 from canon_titan.divergence import Diverged, DivergenceSection, LossGuard
 from canon_titan.evaluation.in_training import EvalSettings, InTrainingEval
@@ -186,6 +186,8 @@ class CanonTrainer(Trainer):
                                batch_explicit=self.config.training.global_batch_size > 0)
         for message in verdict.warnings:
             logger.warning(message)
+        if model_only(step_dir):
+            return  # a seed checkpoint: TorchTitan loads the model alone
         self._batch_in_checkpoint = GLOBAL_BATCH_KEY in read_metadata(step_dir).state_dict_metadata
         if verdict.new_data_pass:
             self.checkpointer.exclude_from_loading.append("dataloader")

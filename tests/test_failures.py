@@ -85,11 +85,12 @@ def all_finite(step_dir):
 def test_a_full_disk_is_named_and_divergence_stops_before_saving(tmp_path):
     """First a save meets a full disk (its data files point at /dev/full, where writes fail with
     ENOSPC): one line, no partial step folder. Then the same folder diverges (lr 1e3, a checkpoint
-    every 2 steps, keep_latest_k = 2, the loss logged every 5 steps): the run stops with one line
-    naming the step and the last good checkpoint, and every checkpoint left is finite."""
+    every 2 steps, keep_latest_k = 2, the loss logged every 10 steps, where 0eeee93 wrote NaN
+    steps 6 and 8 and purged the good ones): the run stops with one line naming the step and the
+    last good checkpoint, and every checkpoint left is finite."""
     run = tmp_path / "run"
     base = cli_train_cmd(run, "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "2",
-                         "--metrics.log_freq", "5")
+                         "--metrics.log_freq", "10")
     full = run / "checkpoint" / "step-2"
     full.mkdir(parents=True)
     for rank in range(2):
