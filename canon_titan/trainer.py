@@ -159,7 +159,9 @@ class CanonTrainer(Trainer):
             if step >= 0 and not ckpt.load_only:
                 self._prepare_resume(Path(self.checkpointer.folder) / f"step-{step}")
         super().train()
-        if self._preempting:
+        if self._preempting and self.step < self.config.training.steps:
+            if not ckpt.enable:
+                raise Preempted(f"preempted at step {self.step}; nothing saved ([checkpoint] enable = false)")
             raise Preempted(f"preempted at step {self.step}, checkpoint saved, resume with the same command")
         if ckpt.enable and ckpt.last_save_in_hf and not ckpt.load_only and self.step >= self.config.training.steps:
             self._complete_hf_export()
