@@ -14,9 +14,14 @@ from torchtitan.tools.logging import init_logger, logger
 from canon_titan import runtime
 from canon_titan.config import ConfigError, load
 from canon_titan.config.build import build_trainer_config
+from canon_titan.checkpointer import NonFiniteParameters, SaveFailed
 from canon_titan.convert.dcp_io import NoLoadableCheckpoint
-from canon_titan.launch import DumpFolderInUse, die_with_parent, lock_dump_folder
-from canon_titan.trainer import DataLayoutChanged, FinishedRun
+from canon_titan.divergence import Diverged
+from canon_titan.exit_codes import STOPPED
+from canon_titan.launch import DumpFolderInUse, DumpFolderUnusable, die_with_parent, lock_dump_folder
+from canon_titan.preemption import PREEMPTED_EXIT, Preempted
+from canon_titan.resume_checks import ResumeRefused
+from canon_titan.trainer import FinishedRun
 
 
 def parse_args(argv: list[str]) -> tuple[str, list[str]]:
@@ -42,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"canon-titan: config error: {e}", file=sys.stderr)
         return 2
-    except DumpFolderInUse as e:
+    except (DumpFolderInUse, DumpFolderUnusable) as e:
         print(f"canon-titan: {e}", file=sys.stderr)
         return 2
     runtime.apply()
@@ -58,9 +63,16 @@ def main(argv: list[str] | None = None) -> int:
             logger.info("Created seed checkpoint")
         else:
             trainer.train()
-    except (NoLoadableCheckpoint, FinishedRun, DataLayoutChanged) as e:
+    except (NoLoadableCheckpoint, FinishedRun, ResumeRefused) as e:
         print(f"canon-titan: {e}", file=sys.stderr)
         return 2
+    except Preempted as e:
+        logger.warning(str(e))
+        return PREEMPTED_EXIT
+    except (Diverged, NonFiniteParameters, SaveFailed) as e:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"canon-titan: {e}", file=sys.stderr)
+        return STOPPED
     finally:
         if trainer is not None:
             trainer.close()

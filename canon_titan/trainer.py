@@ -8,10 +8,9 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
-import re
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated
 
@@ -23,42 +22,21 @@ from torchtitan.distributed.utils import set_determinism
 from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
-from canon_titan.convert.dcp_io import hf_export_steps, read_metadata, resume_step
+from canon_titan.checkpointer import newest_checkpoint_hint
+from canon_titan.convert.dcp_io import hf_export_steps, model_only, model_only_steps, read_metadata, resume_step
 from canon_titan.convert.hf import tokenizer_info, write_hf_files
+from canon_titan.divergence import Diverged, DivergenceSection, LossGuard
 from canon_titan.evaluation.in_training import EvalSettings, InTrainingEval
 from canon_titan.fileio import write_atomic
 from canon_titan.models.common.context_parallel import context_parallel_inputs
+from canon_titan.preemption import Preempted, StopSignals
+from canon_titan.resume_checks import GLOBAL_BATCH_KEY, check_resume, saved_loader_keys
 
 RUN_CONFIG_FILE = "run_config.toml"
 
 
 class FinishedRun(RuntimeError):
     pass
-
-
-class DataLayoutChanged(RuntimeError):
-    """The data loader's state in a checkpoint cannot continue at this run's data-parallel size."""
-
-
-def saved_loader_keys(step_dir: str | Path) -> list[str]:
-    """The data loader's entries in a DCP checkpoint (names below ``dataloader.``)."""
-    prefix = "dataloader."
-    return sorted(k[len(prefix):] for k in read_metadata(Path(step_dir)).state_dict_metadata if k.startswith(prefix))
-
-
-def layout_problem(step_dir: str | Path, keys: list[str], dp_size: int) -> str | None:
-    """Why a checkpoint's loader state cannot resume at ``dp_size`` data-parallel ranks, or None.
-    The packed loaders keep one global position and the synthetic one every rank's carries, so
-    they resume at any size; the streaming loader keeps per-rank readers, buffers and shuffle
-    state (TorchTitan's ``dp_rank_N`` entries), which cannot be split another way."""
-    ranks = [k for k in keys if re.fullmatch(r"dp_rank_\d+", k)]
-    if not ranks or len(ranks) == dp_size:
-        return None
-    return (f"checkpoint {step_dir} was written by a run streaming its data ([dataloader] dataset = 'stream') on "
-            f"{len(ranks)} data-parallel rank(s); this run has {dp_size}. Each rank's stream position (its "
-            f"share of the files, buffer and shuffle state) cannot be re-split: resume with {len(ranks)} "
-            "data-parallel rank(s), or train from a token folder (canon-titan data tokenize, dataset = 'tokens'), "
-            "whose runs resume at any data-parallel size")
 
 
 def finished_message(dump_folder: str, step: int, steps: int) -> str:
@@ -70,9 +48,9 @@ def finished_message(dump_folder: str, step: int, steps: int) -> str:
 def resume_point(folder: str, load_step: int, steps: int, dump_folder: str) -> tuple[int, list[str]]:
     """The checkpoint step a run resumes from (-1: a fresh start) and the newer step folders it
     skips; FinishedRun when a checkpoint or a Hugging Face export already reaches ``steps``."""
-    exported = max(hf_export_steps(folder), default=-1)
-    if exported >= steps:
-        raise FinishedRun(finished_message(dump_folder, exported, steps))
+    weights_only = max([*hf_export_steps(folder), *model_only_steps(folder)], default=-1)
+    if weights_only >= steps:
+        raise FinishedRun(finished_message(dump_folder, weights_only, steps))
     step, skipped = resume_step(folder, load_step)
     if step >= steps:
         raise FinishedRun(finished_message(dump_folder, step, steps))
@@ -134,12 +112,32 @@ class CanonTrainer(Trainer):
         """``[model] seed``: the weights are initialised from it; ``debug.seed`` (``[job] seed``) seeds
         the run's random state after that, as the release seeds its weights with 42 and its run with
         777. None: ``debug.seed`` seeds the weights too."""
+        divergence: Annotated[DivergenceSection, tyro.conf.Suppress] = field(default_factory=DivergenceSection)
+        stop_grace_seconds: Annotated[int, tyro.conf.Suppress] = 90
+        allow_changed_data: Annotated[bool, tyro.conf.Suppress] = False
+        model_label: Annotated[str, tyro.conf.Suppress] = ""
+        """The config file, model name and flavor, for messages."""
 
     def __init__(self, config: Config):
+        self._batch_in_checkpoint = False
+        self.stop_signals = StopSignals(config.stop_grace_seconds)
+        self.stop_signals.install()
         if config.model_seed is None:
             super().__init__(config)
         else:
             self._init_with_model_seed(config)
+        self.loss_guard = LossGuard(config.divergence)
+        self._step_loss: torch.Tensor | None = None
+        self._groups_done = 0
+        self._skip_update = False
+        self._preempting = False
+        self._batch_in_checkpoint = True
+        self.global_batch_size = (config.training.local_batch_size * self.gradient_accumulation_steps
+                                  * getattr(self.dataloader, "dp_world_size", 1))
+        # A skipped step must not reach the optimizer at all (AdamW moves the weights even on zero
+        # gradients); TorchTitan's train_step calls this container's step, so it is guarded here.
+        optimizer_step = self.optimizers.step
+        self.optimizers.step = lambda *a, **kw: None if self._skip_update else optimizer_step(*a, **kw)
         self._progress_origin: tuple[float, int] | None = None
         self.evaluator = None
         if config.evaluation is not None:
@@ -178,9 +176,13 @@ class CanonTrainer(Trainer):
                 ckpt.load_step = step
             if step == -1 and ckpt.initial_load_in_hf:
                 self.checkpointer.sd_adapter.read_source(ckpt.initial_load_path)
-            if step > 0 and not ckpt.load_only:
-                self._prepare_loader_resume(Path(self.checkpointer.folder) / f"step-{step}")
+            if step >= 0 and not ckpt.load_only:
+                self._prepare_resume(Path(self.checkpointer.folder) / f"step-{step}")
         super().train()
+        if self._preempting and self.step < self.config.training.steps:
+            if not ckpt.enable:
+                raise Preempted(f"preempted at step {self.step}; nothing saved ([checkpoint] enable = false)")
+            raise Preempted(f"preempted at step {self.step}, checkpoint saved, resume with the same command")
         if ckpt.enable and ckpt.last_save_in_hf and not ckpt.load_only and self.step >= self.config.training.steps:
             self._complete_hf_export()
 
@@ -194,15 +196,37 @@ class CanonTrainer(Trainer):
         self.ntokens_seen += labels.numel()
         return inputs, labels, extra
 
-    def _prepare_loader_resume(self, step_dir: Path) -> None:
-        """Refuse a loader state that cannot continue at this data-parallel size; let a loader that
-        reads every rank's state (the synthetic one) know which entries the checkpoint holds."""
-        keys = saved_loader_keys(step_dir)
-        problem = layout_problem(step_dir, keys, getattr(self.dataloader, "dp_world_size", 1))
-        if problem:
-            raise DataLayoutChanged(problem)
-        if hasattr(self.dataloader, "expect_checkpoint"):
-            self.dataloader.expect_checkpoint(keys)
+    def _prepare_resume(self, step_dir: Path) -> None:
+        """Refuse a checkpoint that cannot continue this run (``check_resume``); let a loader that
+        reads every rank's state (the synthetic one), or fills in a fingerprint, know which entries
+        the checkpoint holds; on changed data that may be used, start the loader afresh."""
+        verdict = check_resume(step_dir, shapes=self.checkpointer.sd_adapter.shapes, model=self.config.model_label,
+                               fingerprint=getattr(self.dataloader, "fingerprint", ""),
+                               allow_changed_data=self.config.allow_changed_data,
+                               dp_size=getattr(self.dataloader, "dp_world_size", 1),
+                               global_batch=self.global_batch_size,
+                               batch_explicit=self.config.training.global_batch_size > 0)
+        for message in verdict.warnings:
+            logger.warning(message)
+        if model_only(step_dir):
+            return  # a seed checkpoint: TorchTitan loads the model alone
+        self._batch_in_checkpoint = GLOBAL_BATCH_KEY in read_metadata(step_dir).state_dict_metadata
+        if verdict.new_data_pass:
+            self.checkpointer.exclude_from_loading.append("dataloader")
+        elif hasattr(self.dataloader, "expect_checkpoint"):
+            self.dataloader.expect_checkpoint(saved_loader_keys(step_dir))
+
+    def state_dict(self) -> dict:
+        """TorchTitan's train state, plus the global batch (its change is caught at resume); a
+        checkpoint from before it holds none to fill in."""
+        state = super().state_dict()
+        if self._batch_in_checkpoint:
+            state["global_batch_size"] = self.global_batch_size
+        return state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        self._batch_in_checkpoint = True
 
     def _complete_hf_export(self) -> None:
         """config.json, modeling code, tokenizer and checksums beside the safetensors TorchTitan wrote."""
@@ -218,10 +242,52 @@ class CanonTrainer(Trainer):
                        tokenizer=tokenizer_info(self.config.tokenizer_kind, self.config.hf_assets_path))
         logger.info(f"Wrote a Hugging Face export of step {self.step} to {folder}")
 
+    def forward_backward_step(self, **kwargs) -> torch.Tensor:
+        """TorchTitan's, plus: after the step's last gradient-accumulation group, the loss and any
+        stop request are reduced across ranks and judged, before the optimizer step."""
+        loss = super().forward_backward_step(**kwargs)
+        holds_loss = getattr(self, "pp_has_last_stage", True)
+        part = loss.detach().float().sum() if holds_loss else torch.zeros((), device=self.device)
+        self._step_loss = part if self._step_loss is None else self._step_loss + part
+        self._groups_done += 1
+        if self._groups_done == self.gradient_accumulation_steps:
+            self._judge_step(holds_loss)
+        return loss
+
+    def _judge_step(self, holds_loss: bool) -> None:
+        stats = torch.stack([self._step_loss, torch.tensor(float(holds_loss), device=self.device),
+                             torch.tensor(float(self.stop_signals.requested), device=self.device)])
+        self._step_loss, self._groups_done = None, 0
+        if torch.distributed.is_initialized():
+            torch.distributed.all_reduce(stats)
+        loss_sum, holders, stop = stats.tolist()
+        # Ranks of one tensor- or pipeline-parallel group hold the same loss (pipelines: the last stage).
+        dims = self.parallel_dims
+        loss = loss_sum / (holders / max(1, dims.world_size // (dims.tp * dims.pp)))
+        verdict = self.loss_guard.judge(self.step, loss)
+        self._skip_update = verdict == "skip"
+        if verdict == "skip":
+            logger.warning(f"{self.loss_guard.problem}: its update is skipped ([divergence] section)")
+        elif verdict == "stop":
+            raise Diverged(f"{self.loss_guard.problem}: the run stops before saving it; "
+                           f"{newest_checkpoint_hint(self.checkpointer.folder, self.step + 1)}")
+        if stop and not self._preempting:
+            self._preempting = True
+            self.checkpointer.force_next_save = True
+
+    def should_continue_training(self) -> bool:
+        return not self._preempting and super().should_continue_training()
+
     def train_step(self, data_iterator):
         if self._progress_origin is None:
             self._progress_origin = (time.perf_counter(), self.step - 1)
-        super().train_step(data_iterator)
+        try:
+            super().train_step(data_iterator)
+        except RuntimeError as e:
+            # TorchTitan's own stop on a non-finite loss, on logging steps: this one is skipped.
+            if not (self._skip_update and str(e).startswith("Loss is not finite")):
+                raise
+            return
         if self.metrics_processor.should_log(self.step):
             self._log_progress()
         if self.evaluator is not None and self.evaluator.due(self.step):

@@ -55,3 +55,28 @@ def test_misaligned_rows_load_like_aligned_ones(compiled):
 
     misaligned, aligned = loads(MISALIGNED), loads(ALIGNED_TWIN)
     assert misaligned and misaligned == aligned
+
+
+# The GPU review's worst case: the SwiGLU backward with 32x256 tiles on 4 warps, 255 registers and KBs
+# of spill traffic on sm_90. Compiled through aot's own path with that configuration forced in.
+_FORCED_TILE = """
+import json, sys
+from canon_titan.kernels import aot
+aot._configs = lambda kernel: [{"BLOCK_T": 32, "BLOCK_C": 256, "num_warps": 4}]
+cases = {k: v for k, v in aot.model_cases().items() if k.startswith("D 8B")}
+results = aot.compile_all(cases=cases)
+print(json.dumps([{"kernel": r.kernel, "config": r.config, "registers": r.registers, "spills": r.spills,
+                   "spill_load_bytes": r.spill_load_bytes} for r in results]))
+"""
+
+
+def test_the_check_reports_a_spilling_configuration():
+    """The no-spill test above can fail: a tile the review measured spilling is reported so."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", _FORCED_TILE], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    kernels = {k["kernel"]: k for k in json.loads(proc.stdout.strip().splitlines()[-1])}
+    backward = kernels["_canon_swiglu_bwd_kernel"]
+    assert backward["config"] == "32x256/4w"
+    assert backward["spills"] and backward["spill_load_bytes"] > 0 and backward["registers"] >= 255, backward

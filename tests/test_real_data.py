@@ -325,7 +325,7 @@ def test_kill_and_resume_online_and_pretokenized(tmp_path, dataset):
         refused = subprocess.run([sys.executable, "-m", "canon_titan.cli", "train", "--nproc", "1", "--config",
                                   str(CONFIGS["llama"]), *resume], cwd=REPO, env=train_env(), capture_output=True,
                                  text=True, timeout=300)
-        assert refused.returncode == 2 and "torch.distributed.run" not in refused.stdout, refused.stderr[-3000:]
+        assert refused.returncode == 2 and "canon_titan.torchrun" not in refused.stdout, refused.stderr[-3000:]
         assert ("was written by a run streaming its data ([dataloader] dataset = 'stream') on 2 data-parallel "
                 "rank(s); this run has 1") in refused.stderr
     out = run_training(2 if dataset == "stream" else 1, resume, config=CONFIGS["llama"])

@@ -20,6 +20,7 @@ from canon_titan.data.packed import PackedTextDataLoader
 from canon_titan.data.streaming import StreamingTextDataLoader
 from canon_titan.data.synthetic import loader_config
 from canon_titan.data.tokenizers import tokenizer_config
+from canon_titan.divergence import DivergenceSection
 from canon_titan.evaluation.in_training import EvalSettings
 from canon_titan.float8 import float8_converter
 from canon_titan.loss import ZLossCrossEntropy
@@ -130,6 +131,10 @@ def build_trainer_config(run: RunConfig):
             model_seed=run.model_args.seed,
             loss=loss,
             run_toml=dumps(absolute_paths(run.sections)),
+            divergence=DivergenceSection(**run["divergence"]),
+            stop_grace_seconds=job["stop_grace_seconds"],
+            allow_changed_data=run["dataloader"]["allow_changed_data"],
+            model_label=run.label(),
             evaluation=_eval_settings(run, run["tokenizer"]["path"] or str(ASSET_DIR)),
             **sections,
         )

@@ -14,14 +14,13 @@ from torchtitan.tools.utils import has_cuda_capability
 
 from canon_titan.config.run import RunConfig
 from canon_titan.config.sections import section_schema
-from canon_titan.convert.dcp_io import checkpoint_problem
+from canon_titan.convert.dcp_io import ConversionError, checkpoint_problem, model_mismatch
 from canon_titan.data.builtin import ASSET_DIR
 from canon_titan.data.documents import DataError, expand_inputs, file_kind
 from canon_titan.data.kinds import DATASET_KINDS, SYNTHETIC
 from canon_titan.data.packed import DataConfigError, resolve_paths
 from canon_titan.data.tokenizers import build_tokenizer
 from canon_titan.evaluation import lm
-from canon_titan.hf import HFFormatError
 from canon_titan.models.common.canon_args import CanonArgs
 from canon_titan.models.common.context_parallel import BALANCERS
 from canon_titan.models.common.deferred import deferred
@@ -148,18 +147,20 @@ def check_initial_load(run: RunConfig, environment: bool) -> None:
     if not (Path(path) / ".metadata").is_file():
         _fail(run, "checkpoint", "initial_load_path", f"{path} is not a DCP checkpoint folder (no .metadata; "
               "`canon-titan convert from-hf` writes one)")
-    problem = checkpoint_problem(path)
+    problem = checkpoint_problem(path) or model_mismatch(path, run.state_dict_adapter().shapes, run.label())
     if problem:
         _fail(run, "checkpoint", "initial_load_path", f"cannot be loaded: {problem}")
 
 
 def hf_folder_problem(run: RunConfig, path: str) -> str | None:
     """Why the Hugging Face folder ``path`` cannot start the run's model, or None."""
+    from canon_titan.convert.hf import checked_hf_folder
+
     if not any(Path(path).glob("*.safetensors")):
         return f"{path} has no .safetensors files (initial_load_in_hf reads a Hugging Face folder)"
     try:
-        run.state_dict_adapter().read_source(path)
-    except HFFormatError as e:
+        checked_hf_folder(Path(path), run)
+    except ConversionError as e:
         return str(e)
     return None
 
@@ -249,7 +250,7 @@ def check_ignored_data_keys(run: RunConfig) -> None:
     """A key set to something other than its default that the chosen dataset never reads (a resolved
     config, which lists every key, keeps the defaults there)."""
     dataset = run["dataloader"]["dataset"]
-    reads = DATASET_KINDS[dataset] | {"dataset", "seed", "answer_only_loss"}
+    reads = DATASET_KINDS[dataset] | {"dataset", "seed", "answer_only_loss", "allow_changed_data"}
     defaults = {key: default for key, (_, default) in section_schema("dataloader").items()}
     for (section, key), _ in run.origins.items():
         if section == "dataloader" and key not in reads and run["dataloader"][key] != defaults[key]:
@@ -359,6 +360,17 @@ def check_eval(run: RunConfig, environment: bool) -> None:
             _fail(run, "eval", "tasks", str(e))
 
 
+def check_divergence(run: RunConfig) -> None:
+    section = run["divergence"]
+    for key in ("max_nonfinite_steps", "spike_window"):
+        if section[key] < 1:
+            _fail(run, "divergence", key, "must be >= 1")
+    if section["spike_factor"] and section["spike_factor"] <= 1:
+        _fail(run, "divergence", "spike_factor", "must be > 1 (a multiple of the running mean loss), or 0 for no check")
+    if run["job"]["stop_grace_seconds"] < 1:
+        _fail(run, "job", "stop_grace_seconds", "must be >= 1")
+
+
 def check_run(run: RunConfig, environment: bool = True) -> None:
     check_finite(run)
     check_model(run, environment)
@@ -368,4 +380,5 @@ def check_run(run: RunConfig, environment: bool = True) -> None:
     check_features(run, environment)
     check_data(run, environment)
     check_eval(run, environment)
+    check_divergence(run)
 

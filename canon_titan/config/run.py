@@ -46,6 +46,10 @@ class RunConfig:
         """The TorchTitan ModelSpec of this run's model (built once; without float8 conversion)."""
         return self._spec
 
+    def label(self) -> str:
+        """The config file and its model, for messages: ``FILE (NAME FLAVOR)``."""
+        return f"{self.source} ({self.sections['model']['name']} {self.sections['model']['flavor']})"
+
     def state_dict_adapter(self, rope_layout: str = "lingua"):
         """The model family's Hugging Face format for this run's model."""
         spec = self.model_spec()

@@ -18,6 +18,7 @@ from torchtitan.components.optimizer import LRSchedulersContainer
 from torchtitan.config.configs import CommConfig, CompileConfig, ParallelismConfig, TrainingConfig
 
 from canon_titan.data.kinds import DATASET_KINDS
+from canon_titan.divergence import DivergenceSection
 from synthetic_data.tasks import PARAMS
 
 
@@ -31,6 +32,9 @@ class JobSection:
     deterministic: bool = False
     """torch.use_deterministic_algorithms (slower)."""
     print_config: bool = False
+    stop_grace_seconds: int = 90
+    """After SIGTERM or SIGINT (preemption, a time limit, Ctrl-C): seconds to finish the step and
+    save it before exiting anyway; keep it below the scheduler's warning (SLURM --signal=TERM@120)."""
 
 
 @dataclass(kw_only=True)
@@ -73,6 +77,9 @@ class DataloaderSection:
     """Attention only within each packed document (positions restart at every BOS, RoPE too).
     The reference attends across documents; Canon layers always do. Synthetic tasks always
     restart positions at every sample."""
+    allow_changed_data: bool = False
+    """Resume although the data differs from the checkpoint's (its loader state then starts a new
+    pass over the new data); without it such a resume is refused."""
     answer_only_loss: bool | None = None
     """Synthetic integer-token tasks: train only on answer tokens, the other labels are ignored by the
     loss. Unset: true for those tasks (the reference's choice), false for text (capo_bios and the
@@ -195,6 +202,7 @@ SECTIONS: dict[str, Section] = {
     "compile": Section(CompileConfig, hidden=("enable_async_tensor_parallel",)),
     "float8": Section(Float8Section),
     "metrics": Section(MetricsSection),
+    "divergence": Section(DivergenceSection),
     "eval": Section(EvalSection),
     "comm": Section(CommConfig, hidden=("mode", "trace_buf_size", "save_traces_folder", "save_traces_file_prefix")),
     **{name: Section(cls) for name, cls in TASK_SECTIONS.items()},

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import torch
 
-from torchtitan.components.checkpointer import CheckpointManager
 from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer
 from torchtitan.components.optimizer.optimizer import ParamGroupConfig
 from torchtitan.config.configs import CommConfig, CompileConfig, ParallelismConfig, TrainingConfig
 
+from canon_titan.checkpointer import CanonCheckpointer
 from canon_titan.config.run import ConfigError, RunConfig
 
 
@@ -28,7 +28,7 @@ def titan_sections(run: RunConfig) -> dict:
     builders = {
         "parallelism": lambda: ParallelismConfig(**run["parallelism"]),
         "compile": lambda: CompileConfig(**run["compile"]),
-        "checkpoint": lambda: CheckpointManager.Config(**ckpt),
+        "checkpoint": lambda: CanonCheckpointer.Config(**ckpt),
         "optimizer": lambda: OptimizersContainer.Config(
             param_groups=[ParamGroupConfig(
                 pattern=r".*",

@@ -77,11 +77,22 @@ def hf_export_steps(folder: str | Path) -> list[int]:
                   and not (p / ".metadata").is_file() and (p / "model.safetensors.index.json").is_file())
 
 
+def model_only(step_dir: Path) -> bool:
+    """A DCP checkpoint of the model alone (``last_save_model_only``), which cannot continue training."""
+    return not any(k.startswith("train_state.") for k in read_metadata(step_dir).state_dict_metadata)
+
+
+def model_only_steps(folder: str | Path) -> list[int]:
+    """Steps above 0 (a seed checkpoint is model-only by design) whose intact checkpoint holds the model only."""
+    return [step for step, path in step_dirs(folder) if step > 0 and not checkpoint_problem(path) and model_only(path)]
+
+
 def resume_step(folder: str | Path, load_step: int = -1) -> tuple[int, list[str]]:
     """The step a run resuming from ``folder`` should load: ``load_step`` if given (it must be
     intact), else the newest intact ``step-N`` (-1 when there is none at all, a fresh start), and one
-    message per newer folder skipped because it cannot load: a damaged checkpoint, or a Hugging Face
-    export (weights only; TorchTitan would pick it and fail to read it as DCP). Raises
+    message per newer folder skipped because it cannot load or cannot continue training: a damaged
+    checkpoint, a Hugging Face export or a model-only last save (weights only; TorchTitan would pick
+    it and fail inside the load). Raises
     NoLoadableCheckpoint when step folders exist but none loads."""
     folder = Path(folder)
     exports = set(hf_export_steps(folder))
@@ -97,6 +108,11 @@ def resume_step(folder: str | Path, load_step: int = -1) -> tuple[int, list[str]
                            "from; start a run from it with [checkpoint] initial_load_path and initial_load_in_hf")
             continue
         problem = checkpoint_problem(path)
+        if problem is None and step > 0 and model_only(path):
+            skipped.append(f"step-{step} holds the model only ([checkpoint] last_save_model_only = true), without "
+                           "the optimizer and data loader state training continues from; resuming from the newest "
+                           "full checkpoint before it (set last_save_model_only = false in a run you may extend)")
+            continue
         if problem is None:
             return step, skipped
         skipped.append(f"checkpoint step {step} cannot be loaded and is skipped: {problem}")
@@ -146,6 +162,17 @@ def check_against_model(found: dict[str, tuple[int, ...]], expected: dict[str, t
     if extra:
         raise ConversionError(f"{where}: tensor {extra[0]!r} is not part of the model in {what} "
                               f"({len(extra)} unexpected tensors): a different model or Canon set?")
+
+
+def model_mismatch(step_dir: str | Path, shapes: dict[str, torch.Size], what: str) -> str | None:
+    """Why the model tensors a checkpoint's ``.metadata`` lists are not the ones of the model
+    with ``shapes`` (another shape or family), or None. Reads the metadata only."""
+    try:
+        check_against_model({k: m.size for k, m in model_tensor_metadata(Path(step_dir)).items()}, shapes,
+                            str(step_dir), what)
+    except ConversionError as e:
+        return str(e)
+    return None
 
 
 def load_tensor(step_dir: Path, name: str, meta: TensorStorageMetadata) -> torch.Tensor:

@@ -41,6 +41,7 @@ from canon_titan.convert.dcp_io import (
 from canon_titan.data.builtin import ASSET_DIR
 from canon_titan.data.tokenizers import build_tokenizer
 from canon_titan.hf import DTYPES
+from canon_titan.launch import pid_alive
 from canon_titan.models.common.state_dict_adapter import CANON_BIAS_NOTE, CanonStateDictAdapter, HFFormatError, HFTensor
 
 HF_MODELING_DIR = Path(__file__).resolve().parent.parent / "hf"
@@ -61,23 +62,13 @@ def _remove_stale_partials(out_dir: Path) -> None:
             owner = json.loads((partial / OWNER_FILE).read_text())
         except (OSError, ValueError):
             owner = None
-        if owner is not None and owner.get("host") == host and _alive(owner.get("pid")):
+        if owner is not None and owner.get("host") == host and pid_alive(owner.get("pid")):
             continue  # a conversion into the same folder is running now
         if owner is not None and owner.get("host") != host:
             logger.warning(f"{partial}: left by a conversion on {owner.get('host')}; remove it if that one is done")
             continue
         shutil.rmtree(partial, ignore_errors=True)
         logger.info(f"removed {partial}, left by an interrupted conversion")
-
-
-def _alive(pid) -> bool:
-    try:
-        os.kill(int(pid), 0)
-    except (ProcessLookupError, TypeError, ValueError):
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 @contextmanager
@@ -208,7 +199,7 @@ def _checked_step(ckpt_dir, run, adapter: CanonStateDictAdapter):
     step_dir = find_step_dir(ckpt_dir)
     found = model_tensor_metadata(step_dir)
     check_against_model({k: m.size for k, m in found.items()}, adapter.shapes, str(step_dir),
-                        f"{run.source} ({run['model']['name']} {run['model']['flavor']})")
+                        run.label())
     return step_dir, lambda name: load_tensor(step_dir, name, found[name])
 
 
@@ -286,11 +277,12 @@ def _open_safetensors(path: Path, safe_open):
         yield f
 
 
-def from_hf(hf_dir, out_dir, run) -> Path:
+def checked_hf_folder(hf_dir: Path, run) -> tuple[CanonStateDictAdapter, dict[str, Path]]:
+    """The adapter (fitted to the folder's config.json) and each HF tensor's file, after checking
+    that every listed file is there, matches its recorded checksum, and every tensor has the shape
+    the run's model expects."""
     from safetensors import safe_open
 
-    start = time.perf_counter()
-    hf_dir = Path(hf_dir)
     if not (hf_dir / "config.json").is_file():
         raise ConversionError(f"{hf_dir} has no config.json (is it a Hugging Face model folder?)")
     adapter = run.state_dict_adapter()
@@ -298,7 +290,6 @@ def from_hf(hf_dir, out_dir, run) -> Path:
         adapter.read_source(str(hf_dir))
     except HFFormatError as e:
         raise ConversionError(str(e)) from None
-    layout = adapter.layout(adapter.shapes)
     files = {hf_name: hf_dir / filename for hf_name, filename in _read_hf_index(hf_dir).items()}
     missing = sorted({str(path) for path in files.values() if not path.is_file()})
     if missing:
@@ -309,7 +300,17 @@ def from_hf(hf_dir, out_dir, run) -> Path:
         with _open_safetensors(path, safe_open) as f:
             shapes[hf_name] = tuple(f.get_slice(hf_name).get_shape())
     check_against_model(shapes, adapter.hf_shapes(), str(hf_dir),
-                        f"{run.source} ({run['model']['name']} {run['model']['flavor']})")
+                        run.label())
+    return adapter, files
+
+
+def from_hf(hf_dir, out_dir, run) -> Path:
+    from safetensors import safe_open
+
+    start = time.perf_counter()
+    hf_dir = Path(hf_dir)
+    adapter, files = checked_hf_folder(hf_dir, run)
+    layout = adapter.layout(adapter.shapes)
     where = {source: (hf_name, spec) for hf_name, spec in layout.items() for source in spec.sources}
 
     def produce(name: str) -> torch.Tensor:

@@ -22,6 +22,7 @@ from torchtitan.tools.logging import logger
 
 from canon_titan.data.builtin import ASSET_DIR, CORPUS_FILE
 from canon_titan.data.documents import DATALOADER_SKIP, DataError, ReadStats, expand_inputs, file_kind, iter_documents
+from canon_titan.data.fingerprint import FINGERPRINT_KEY, data_fingerprint
 from canon_titan.data.pretokenize import open_shards, read_index
 from canon_titan.data.token_store import TokenStore
 
@@ -127,6 +128,8 @@ class PackedTextDataLoader(BaseDataLoader):
             raise DataConfigError("dataloader.document_masking needs a tokenizer with a BOS token")
         self.next_sample = 0
         self._perm_epoch, self._perm = -1, None
+        self.fingerprint = data_fingerprint(config.dataset, config.dataset_path, [])
+        self._fingerprint_saved = True
         logger.info(
             f"Packed dataset {config.dataset!r}: {len(self.tokens):,} tokens, "
             f"{self.num_windows:,} windows of {seq_len} (dp rank {dp_rank}/{dp_world_size})"
@@ -163,11 +166,19 @@ class PackedTextDataLoader(BaseDataLoader):
             self.next_sample += global_batch
             yield self.batch(first)
 
+    def expect_checkpoint(self, keys: list[str]) -> None:
+        """Before a load: a checkpoint from before fingerprints holds none to fill in."""
+        self._fingerprint_saved = FINGERPRINT_KEY in keys
+
     def state_dict(self) -> dict:
         # Identical on every rank (a global position), so DCP keeps one copy.
-        return {"next_sample": self.next_sample}
+        state = {"next_sample": self.next_sample}
+        if self._fingerprint_saved:
+            state[FINGERPRINT_KEY] = self.fingerprint
+        return state
 
     def load_state_dict(self, state_dict: dict) -> None:
+        self._fingerprint_saved = True
         if not state_dict:
             return
         self.next_sample = int(state_dict["next_sample"])

@@ -28,6 +28,7 @@ from torchtitan.components.dataloader import ParallelAwareDataloader
 from torchtitan.tools.logging import logger
 
 from canon_titan.data.documents import DATALOADER_SKIP, DataError, ReadStats, expand_inputs, file_kind, iter_documents
+from canon_titan.data.fingerprint import FINGERPRINT_KEY, data_fingerprint
 from canon_titan.data.packed import document_positions
 
 
@@ -247,5 +248,21 @@ class StreamingTextDataLoader(ParallelAwareDataloader):
         if kwargs.get("snapshot_every_n_steps") is not None:
             loader_kwargs["snapshot_every_n_steps"] = kwargs["snapshot_every_n_steps"]
         super().__init__(dataset, dp_rank=dp_rank, dp_world_size=dp_world_size, **loader_kwargs)
+        self.fingerprint = data_fingerprint("stream", None, config.sources)
+        self._fingerprint_saved = True
         logger.info(f"Streaming {len(config.sources)} source(s) with {config.num_workers} worker(s) "
                     f"on dp rank {dp_rank}/{dp_world_size}")
+
+    def expect_checkpoint(self, keys: list[str]) -> None:
+        """Before a load: a checkpoint from before fingerprints holds none to fill in."""
+        self._fingerprint_saved = FINGERPRINT_KEY in keys
+
+    def state_dict(self) -> dict:
+        state = super().state_dict()
+        if self._fingerprint_saved:
+            state[FINGERPRINT_KEY] = self.fingerprint
+        return state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self._fingerprint_saved = True
+        super().load_state_dict({k: v for k, v in state_dict.items() if k != FINGERPRINT_KEY})

@@ -1,0 +1,104 @@
+"""TorchTitan's DCP checkpointer with the guarantees a long run needs: no checkpoint with
+non-finite parameters is ever written (so ``keep_latest_k`` never purges the newest finite one:
+every step it keeps is finite), a save can be forced between intervals (preemption), and an OS
+error during a save (a full disk) is one line naming the path, with the partial step folder removed.
+
+Kept light (no model or data imports): ``config validate`` builds this section's config."""
+
+from __future__ import annotations
+
+import errno
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from torchtitan.components.checkpointer import CheckpointManager
+
+
+class NonFiniteParameters(RuntimeError):
+    pass
+
+
+class SaveFailed(RuntimeError):
+    pass
+
+
+def newest_checkpoint_hint(folder: str | Path, before: int) -> str:
+    """The newest intact checkpoint below step ``before`` and how to resume from it."""
+    from canon_titan.convert.dcp_io import checkpoint_problem, step_dirs
+
+    for step, path in step_dirs(folder):
+        if step < before and checkpoint_problem(path) is None:
+            return (f"the last good checkpoint is {path}; resume from it with --checkpoint.load_step {step} "
+                    "(a lower learning rate, [divergence] spike_factor, or other data may avoid the divergence)")
+    return "there is no earlier checkpoint: start again with a lower learning rate"
+
+
+def _os_error(exc: BaseException) -> OSError | None:
+    """The OSError under a save failure (DCP wraps the writer's in its own exceptions)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError):
+            return exc
+        failures = getattr(exc, "failures", None)  # DCP's CheckpointException: {rank: (exception, stack)}
+        if isinstance(failures, dict):
+            for inner in failures.values():
+                inner = inner[0] if isinstance(inner, tuple) else inner
+                found = _os_error(inner) if isinstance(inner, BaseException) else None
+                if found:
+                    return found
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+class CanonCheckpointer(CheckpointManager):
+    @dataclass(kw_only=True, slots=True)
+    class Config(CheckpointManager.Config):
+        pass
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.force_next_save = False
+
+    def _should_save(self, curr_step: int, last_step: bool = False) -> bool:
+        return (self.force_next_save and self.enable and not self.load_only) or super()._should_save(
+            curr_step, last_step)
+
+    def _save(self, curr_step: int, last_step: bool = False) -> bool:
+        if not self._should_save(curr_step, last_step):
+            return False
+        self._check_finite(curr_step)
+        step_dir = Path(self._create_checkpoint_id(curr_step))
+        try:
+            return super()._save(curr_step, last_step)
+        except BaseException as e:  # DCP's CheckpointException is a BaseException
+            error = _os_error(e)
+            if error is None:
+                raise
+            if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+                shutil.rmtree(step_dir, ignore_errors=True)
+            what = "the disk is full" if error.errno == errno.ENOSPC else (error.strerror or str(error))
+            raise SaveFailed(f"saving checkpoint step {curr_step} to {step_dir} failed: {what} "
+                             f"({error.filename or step_dir}); the partial folder is removed and earlier "
+                             f"checkpoints are intact. Free space (or set [checkpoint] keep_latest_k) and "
+                             "run the same command to resume") from None
+        finally:
+            self.force_next_save = False
+
+    def _check_finite(self, step: int) -> None:
+        """Every rank's parameters finite, agreed across ranks, before any of them writes."""
+        params = [p.to_local() if hasattr(p, "to_local") else p
+                  for part in self.states["model"].model for p in part.parameters()]
+        bad = torch.zeros(1, device=params[0].device if params else "cpu")
+        for local in params:
+            if not torch.isfinite(local).all():
+                bad += 1
+                break
+        if torch.distributed.is_initialized():
+            torch.distributed.all_reduce(bad)
+        if bad.item():
+            raise NonFiniteParameters(f"the parameters at step {step} are not finite (NaN or inf), so its "
+                                      f"checkpoint is not written; {newest_checkpoint_hint(self.folder, step)}")
