@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from canon_titan.convert.dcp_io import model_mismatch, read_metadata
+from canon_titan.convert.dcp_io import model_mismatch, model_only, read_metadata
 from canon_titan.data.fingerprint import FINGERPRINT_KEY, fingerprint_changes
 
 GLOBAL_BATCH_KEY = "train_state.global_batch_size"
@@ -47,6 +47,13 @@ def saved_value(step_dir: str | Path, key: str):
     return state[key]
 
 
+def loads_model_only(step_dir: str | Path) -> bool:
+    """TorchTitan loads the model alone from this checkpoint: a model-only save, or a step-0 (seed)
+    checkpoint, which ``create_seed_checkpoint`` writes with a train state that a run starting from
+    it does not load."""
+    return Path(step_dir).name == "step-0" or model_only(Path(step_dir))
+
+
 def layout_problem(step_dir: str | Path, keys: list[str], dp_size: int) -> str | None:
     """Why a checkpoint's loader state cannot resume at ``dp_size`` data-parallel ranks, or None.
     The packed loaders keep one global position and the synthetic one every rank's carries, so
@@ -72,6 +79,8 @@ def check_resume(step_dir: str | Path, *, shapes: dict[str, torch.Size], model: 
         raise ResumeRefused(f"{problem}. The checkpoint was written by another model (shape or family): resume "
                             "with the model it was trained with, or use another [job] dump_folder for this one")
     verdict = ResumeVerdict()
+    if loads_model_only(step_dir):
+        return verdict  # nothing else of it is loaded, so nothing else of it has to match
     keys = saved_loader_keys(step_dir)
     saved_data = saved_value(step_dir, f"dataloader.{FINGERPRINT_KEY}")
     changes = fingerprint_changes(saved_data, fingerprint) if saved_data is not None and fingerprint else ""

@@ -23,14 +23,14 @@ from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
 from canon_titan.checkpointer import newest_checkpoint_hint
-from canon_titan.convert.dcp_io import hf_export_steps, model_only, model_only_steps, read_metadata, resume_step
+from canon_titan.convert.dcp_io import hf_export_steps, model_only_steps, read_metadata, resume_step
 from canon_titan.convert.hf import tokenizer_info, write_hf_files
 from canon_titan.divergence import Diverged, DivergenceSection, LossGuard
 from canon_titan.evaluation.in_training import EvalSettings, InTrainingEval
 from canon_titan.fileio import write_atomic
 from canon_titan.models.common.context_parallel import context_parallel_inputs
 from canon_titan.preemption import Preempted, StopSignals
-from canon_titan.resume_checks import GLOBAL_BATCH_KEY, check_resume, saved_loader_keys
+from canon_titan.resume_checks import GLOBAL_BATCH_KEY, check_resume, loads_model_only, saved_loader_keys
 
 RUN_CONFIG_FILE = "run_config.toml"
 
@@ -208,7 +208,7 @@ class CanonTrainer(Trainer):
                                batch_explicit=self.config.training.global_batch_size > 0)
         for message in verdict.warnings:
             logger.warning(message)
-        if model_only(step_dir):
+        if loads_model_only(step_dir):
             return  # a seed checkpoint: TorchTitan loads the model alone
         self._batch_in_checkpoint = GLOBAL_BATCH_KEY in read_metadata(step_dir).state_dict_metadata
         if verdict.new_data_pass:

@@ -5,6 +5,7 @@ uninterrupted run or the files on disk say."""
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -171,6 +172,12 @@ def test_resume_checks_catch_damage_changed_data_shapes_batch_and_model_only_ste
     assert "--training.global_batch_size 4 to keep the recipe" in err
     code, err, launched = launch_checks(monkeypatch, capsys, args + ["--nproc", "1", "--training.global_batch_size", "2"])
     assert code == 0 and "the global batch changes from 4 to 2 sequences" in err
+    # A step-0 (seed) checkpoint holds a train state too, but a run starting from it loads the model
+    # alone: another process count is no change of batch for it.
+    seeded = tmp_path / "seeded"
+    shutil.copytree(run / "checkpoint" / "step-1", seeded / "checkpoint" / "step-0")
+    code, err, launched = launch_checks(monkeypatch, capsys, args + ["--nproc", "1", "--job.dump_folder", seeded])
+    assert code == 0 and launched and "global batch" not in err, err
 
     with docs.open("a") as f:  # row 6
         f.write(json.dumps({"text": "one more document " * 10}) + "\n")
