@@ -15,8 +15,9 @@ from typing import Literal
 @dataclass(kw_only=True)
 class DivergenceSection:
     max_nonfinite_steps: int = 1
-    """Stop at this many non-finite (NaN/inf) losses; the ones before it are skipped (their update
-    is not applied). 1 = stop at the first."""
+    """Stop at this many non-finite (NaN/inf) losses, counted since the run (re)started, not only
+    consecutive ones; the ones before it are skipped (their update is not applied). 1 = stop at the
+    first."""
     spike_factor: float = 0.0
     """A loss above this multiple of the running mean of the last `spike_window` losses is a spike
     (0 = no spike check)."""
