@@ -21,7 +21,7 @@ from canon_titan.exit_codes import PREEMPTED as PREEMPTED_EXIT
 
 # The same signal often comes twice at once (the scheduler signals every process, and torchrun
 # passes its own on to its workers): within this window it is one request.
-_DUPLICATE_WINDOW_S = 2.0
+DUPLICATE_WINDOW_S = 2.0
 
 
 class Preempted(RuntimeError):
@@ -51,7 +51,7 @@ class StopSignals:
             timer.start()
             logger.warning(f"{name} received: finishing this step and saving a checkpoint (at most "
                            f"{self.grace_seconds} s, [job] stop_grace_seconds; a second signal exits at once)")
-        elif now - self.received_at > _DUPLICATE_WINDOW_S:
+        elif now - self.received_at > DUPLICATE_WINDOW_S:
             logger.error(f"second {name}: exiting without saving; the previous checkpoint is intact")
             os._exit(PREEMPTED_EXIT)
 
