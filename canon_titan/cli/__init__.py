@@ -12,6 +12,7 @@
   canon-titan data multihop --background FILE (--out FILE.jsonl | --out-dir DIR) [--hops 1|2] [--people N] [--context-tokens M] [--count N] [--seed S] [--tokenizer PATH --tokenizer-kind KIND]
   canon-titan eval synthetic --config FILE.toml [--checkpoint DIR] [--count N] [--seed S] [--out FILE.json] [--section.key value ...]
   canon-titan eval lm --model HF_DIR|CKPT_DIR --suite avg10|all13|TASK ... [--dtype bf16|fp32] [--limit N] [--data-dir DIR] [--out FILE.json]
+  canon-titan plan FILE.toml --gpus N [--gpus-per-node 8] [--gpu h100|h200|a100|b200|FILE.toml] [--json] [--section.key value ...]
   canon-titan report RUN_DIR [RUN_DIR ...] --out FILE.png [--html FILE.html] [--labels A,B,...]
 """
 
@@ -20,8 +21,8 @@ from __future__ import annotations
 import importlib
 import sys
 
-COMMANDS = {"train": "train", "config": "config", "convert": "convert", "data": "data", "eval": "evaluate",
-            "report": "report"}
+COMMANDS = {"train": "train", "config": "config", "plan": "plan", "convert": "convert", "data": "data",
+            "eval": "evaluate", "report": "report"}
 """Command -> its module in this package (each defines ``main(argv) -> exit status``)."""
 
 

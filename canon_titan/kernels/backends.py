@@ -18,6 +18,7 @@ machine is not a known-bad combination (``KNOWN_BAD``), else ``torch``, and says
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import importlib.metadata
@@ -118,16 +119,44 @@ class KernelEnvironment:
     triton: str
     tilelang: bool
     """TileLang imports (fla routes some Hopper kernels to it)."""
+    planned: bool = False
+    """A machine a run is planned for (``canon-titan plan``), not this one: it is taken to have the
+    project's ``gpu`` extra at the tested versions, so the packages are not imported here."""
 
     @classmethod
     @functools.cache
-    def current(cls) -> KernelEnvironment:
+    def _this_machine(cls) -> KernelEnvironment:
         capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
         return cls(capability, INTERPRETED, triton.__version__, importlib.util.find_spec("tilelang") is not None)
+
+    @classmethod
+    def current(cls) -> KernelEnvironment:
+        """This machine's, or the planned machine's inside ``planned_machine``."""
+        return _planned[-1] if _planned else cls._this_machine()
+
+    @classmethod
+    def planned_gpu(cls, capability: tuple[int, int]) -> KernelEnvironment:
+        """A GPU of ``capability`` with this install's Triton and the ``gpu`` extra."""
+        return cls(capability, False, triton.__version__, False, planned=True)
 
     def describe(self) -> str:
         gpu = f"sm_{self.cuda_capability[0]}{self.cuda_capability[1]} GPU" if self.cuda_capability else "no GPU"
         return f"{gpu}, Triton {self.triton}"
+
+
+_planned: list[KernelEnvironment] = []
+
+
+@contextlib.contextmanager
+def planned_machine(env: KernelEnvironment):
+    """Inside: backends resolve as on ``env``, and every non-torch backend calls its custom op
+    whatever the tensors' device. ``canon-titan plan`` traces a GPU run this way on fake tensors,
+    where only the ops' fake kernels run (their outputs and saved tensors are the real kernels')."""
+    _planned.append(env)
+    try:
+        yield
+    finally:
+        _planned.pop()
 
 
 def _hopper_triton_3_4_to_3_7(env: KernelEnvironment) -> bool:
@@ -152,11 +181,11 @@ def backend_problem(backend: str, op: str, env: KernelEnvironment | None = None)
     if env.cuda_capability is None and not env.interpreter:
         return (f"{op} backend {backend!r} runs Triton kernels, which need a CUDA GPU; without one, set "
                 "TRITON_INTERPRET=1 to run them on the CPU (slow, for testing), or use 'torch' or 'auto'")
-    problem = import_problem(backend)
+    problem = None if env.planned else import_problem(backend)
     if problem:
         return (f"{op} backend {backend!r} needs the {_PACKAGES[backend]} package, which does not import here "
                 f"({problem}); use 'torch' or 'auto'")
-    problem = version_problem(backend)
+    problem = None if env.planned else version_problem(backend)
     if problem:
         return f"{op} backend {backend!r}: {problem}, or use 'torch' or 'auto'"
     condition, message = KNOWN_BAD.get((backend, op), (None, None))
@@ -190,8 +219,11 @@ def resolve_backend(requested: str, *, op: str, env: KernelEnvironment | None = 
 
 def runs_cuda_kernel(backend: str, t: torch.Tensor) -> bool:
     """Whether a resolved backend's Triton kernel runs on ``t``: its device, or the interpreter on CPU
-    (a model configured for the GPU and evaluated on a CPU falls back to torch)."""
-    return backend != "torch" and (t.is_cuda or (t.device.type == "cpu" and INTERPRETED))
+    (a model configured for the GPU and evaluated on a CPU falls back to torch); on any tensor
+    inside ``planned_machine``."""
+    if backend == "torch":
+        return False
+    return bool(_planned) or t.is_cuda or (t.device.type == "cpu" and INTERPRETED)
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -1,0 +1,313 @@
+"""Step time from a recorded step: a roofline per op, collectives from their bytes and the links
+their process groups cross, FSDP's overlap, the pipeline bubble.
+
+Compute. Each op takes the longer of its FLOPs at the GPU's peak for its kind and its bytes at
+the HBM bandwidth, each at the fraction of peak that such kernels reach (``EFFICIENCY``), and no
+less than ``MIN_KERNEL_S``. Causal attention does half its counted FLOPs (flash kernels skip the
+masked blocks).
+
+Compile. The plan runs eagerly (fake tensors cannot run compiled code). With ``[compile]`` on,
+every run of consecutive elementwise/reduction ops between two matmuls, attention or custom
+kernels (Inductor's fusion boundaries) is one kernel that reads what it takes from outside and
+writes what is used outside; matmuls, attention and the custom kernels are unchanged. Memory:
+what such a run creates and uses only inside itself is never stored, and what only the backward
+reads is recomputed there from the run's inputs, kept instead (``compiled_memory_events``).
+
+Communication. A collective over n ranks moves ``(n - 1) / n`` of its buffer per rank (twice for
+an all-reduce) at the bus bandwidth of the slowest link its group crosses: NVLink inside a node,
+the GPU's network link between nodes. FSDP's all-gathers and reduce-scatters overlap the compute of
+their phase (prefetching), except the first all-gather of a phase and the last reduce-scatter;
+tensor-, context- and pipeline-parallel traffic and the loss reductions are on the critical path.
+
+Pipeline. A step is ``microbatches + bubble`` microbatch slots of the slowest stage's work per
+accumulation group, the bubble being ``(stages - 1) / (stages per rank)`` slots for 1F1B-style
+schedules and none for the zero-bubble ones.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from canon_titan.plan.fake_world import RankStep
+from canon_titan.plan.gpus import GPU
+
+EFFICIENCY = {
+    # Large bf16/fp8 GEMMs on H100/H200 reach ~70-75% of the dense peak (cuBLAS, NVIDIA's own
+    # GEMM benchmarks); the smaller ones of a layer less.
+    "matmul": 0.70,
+    # FlashAttention-2 / cuDNN SDPA forward+backward on Hopper: ~40-50% of peak (FlashAttention-3
+    # paper, Table 1 baselines).
+    "attention": 0.45,
+    # Triton kernels of the recurrences (fla, mamba-ssm): chunked, tensor-core bound at ~35% of peak.
+    "recurrence": 0.35,
+    "canon": 0.35,
+    # Streaming elementwise kernels reach ~80% of HBM bandwidth.
+    "memory": 0.80,
+}
+MIN_KERNEL_S = 3e-6
+"""The shortest a kernel launch takes on the GPU."""
+COLLECTIVE_LATENCY_S = {"nvlink": 15e-6, "network": 40e-6}
+"""Per collective, on top of its bandwidth term (NCCL's ring and tree set-up, a few hops)."""
+DATA_PARALLEL_GROUPS = {"fsdp", "dp_shard", "dp_replicate"}
+ZERO_BUBBLE = {"InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"}
+
+
+@dataclass
+class CollectiveCost:
+    kind: str
+    group: str
+    ranks: int
+    link: str
+    bytes: int
+    count: int
+    seconds: float
+
+
+@dataclass
+class RankTime:
+    compute_s: dict[str, float]
+    """Per op kind (matmul, attention, canon, recurrence, other), the whole step."""
+    collectives: list[CollectiveCost]
+    exposed_comm_s: float
+    """Communication not hidden behind compute."""
+    bubble_s: float
+    step_s: float
+    flops_by_kind: dict[str, int]
+    """Every FLOP the step runs (recomputation included), per op kind."""
+    kernels: int
+    compiled: bool
+    optimizer_share: float = 0.0
+    """The optimizer's share of the compute (outside the pipeline's microbatches)."""
+
+    @property
+    def compute_total_s(self) -> float:
+        return sum(self.compute_s.values())
+
+    @property
+    def executed_flops(self) -> int:
+        return sum(self.flops_by_kind.values())
+
+
+def _group_scale(step: RankStep, op_index: int, marks: dict[str, int]) -> float:
+    """How many times the op at ``op_index`` runs in the full step (accumulation groups that
+    the recording stood in for)."""
+    if step.groups_run < 2 or step.accumulation <= step.groups_run:
+        return 1.0
+    if marks.get("group 1", 0) <= op_index < marks.get("optimizer", 1 << 62):
+        return float(step.accumulation - 1)
+    return 1.0
+
+
+def _peak_flops(gpu: GPU, op) -> float:
+    if op.fp8 and gpu.fp8_tflops:
+        return gpu.fp8_tflops * 1e12
+    if op.dtype is not None and op.dtype.is_floating_point and op.dtype.itemsize >= 4:
+        return gpu.tf32_tflops * 1e12
+    return gpu.bf16_tflops * 1e12
+
+
+def _op_seconds(gpu: GPU, kind: str, op, nbytes: int) -> float:
+    flops = op.flops / 2 if op.causal else op.flops
+    t_mem = nbytes / (gpu.hbm_tb_s * 1e12 * EFFICIENCY["memory"])
+    t_flops = flops / (_peak_flops(gpu, op) * EFFICIENCY[kind]) if kind in EFFICIENCY and flops else 0.0
+    return max(t_flops, t_mem, MIN_KERNEL_S)
+
+
+def _fused_regions(ops) -> list[tuple[int, int]]:
+    """Runs [start, end) of consecutive ``other`` ops with bytes, within one phase."""
+    regions, start = [], None
+    for i, op in enumerate(ops):
+        fusible = op.kind == "other"
+        if start is not None and (not fusible or op.phase != ops[start].phase):
+            regions.append((start, i))
+            start = None
+        if fusible and start is None:
+            start = i
+    if start is not None:
+        regions.append((start, len(ops)))
+    return regions
+
+
+def _region_bytes(ops, start: int, end: int, readers: dict[int, list[int]], born: dict[int, int]) -> int:
+    """What a fused region moves: the tensors it reads from outside it, and the tensors it writes
+    that are used outside it or outlive it."""
+    written_inside = set()
+    moved = 0
+    for i in range(start, end):
+        op = ops[i]
+        for sid, nbytes in zip(op.reads, op.read_bytes):
+            if sid not in written_inside:
+                moved += nbytes
+                written_inside.add(sid)  # read once into the kernel
+        for sid, nbytes in zip(op.writes, op.write_bytes):
+            if nbytes == 0:
+                continue
+            exported = born.get(sid, -1) < start or any(r >= end or r < start for r in readers.get(sid, ()))
+            if exported or not readers.get(sid):
+                moved += nbytes
+            written_inside.add(sid)
+    return moved
+
+
+def _readers_and_births(ops) -> tuple[dict[int, list[int]], dict[int, int]]:
+    readers: dict[int, list[int]] = defaultdict(list)
+    born: dict[int, int] = {}
+    for i, op in enumerate(ops):
+        for sid in op.reads:
+            readers[sid].append(i)
+        for sid in op.writes:
+            born.setdefault(sid, i)
+    return readers, born
+
+
+def compiled_memory_events(step: RankStep) -> list[tuple[int, int, int]]:
+    """The step's allocations and frees as a compiled step makes them. A storage that an elementwise
+    run creates and only that run uses is fused away; one that only the backward reads besides is
+    not saved either: Inductor's partitioner recomputes it from the run's inputs, which stay alive
+    until then instead. What a matmul, attention, a custom kernel, a collective or a later op of
+    the same phase reads is stored as in eager mode."""
+    ops = step.trace.ops
+    readers, born = _readers_and_births(ops)
+    kept = set(step.trace.collective_buffers) | set(step.categories)
+    away: set[int] = set()
+    held_until: dict[int, int] = {}
+    for start, end in _fused_regions(ops):
+        phase = ops[start].phase
+        if phase == "optimizer":
+            continue
+        inputs = {sid for i in range(start, end) for sid in ops[i].reads if born.get(sid, -1) < start}
+        for i in range(start, end):
+            for sid in ops[i].writes:
+                if sid in kept or born.get(sid) != i:
+                    continue
+                if not readers.get(sid):
+                    continue  # nothing in the step reads it: it leaves the run
+                later = [r for r in readers[sid] if not start <= r < end]
+                if any(ops[r].kind != "other" or ops[r].phase == phase for r in later):
+                    continue
+                away.add(sid)
+                if later:  # saved for the backward: recomputed there from the run's inputs
+                    for source in inputs:
+                        held_until[source] = max(held_until.get(source, 0), max(later))
+    events = []
+    for op_index, sid, delta in step.trace.memory_events:
+        if sid in away:
+            continue
+        if delta < 0 and held_until.get(sid, -1) > op_index:
+            op_index = held_until[sid]
+        events.append((op_index, sid, delta))
+    events.sort(key=lambda e: e[0])  # stable: a storage's own events keep their order
+    return events
+
+
+def compute_seconds(step: RankStep, gpu: GPU, compiled: bool) -> tuple[dict[str, float], dict[str, int], int]:
+    """Seconds and executed FLOPs per op kind for the whole step, and the kernels launched."""
+    ops, marks = step.trace.ops, step.trace.marks
+    seconds: dict[str, float] = defaultdict(float)
+    flops: dict[str, int] = defaultdict(int)
+    kernels = 0
+    fused_at: dict[int, tuple[int, int]] = {}
+    if compiled:
+        readers, born = _readers_and_births(ops)
+        for start, end in _fused_regions(ops):
+            if ops[start].phase != "optimizer":  # TorchTitan compiles the model, not the optimizer
+                fused_at[start] = (end, _region_bytes(ops, start, end, readers, born))
+    i = 0
+    while i < len(ops):
+        op = ops[i]
+        scale = _group_scale(step, i, marks)
+        if i in fused_at:
+            end, nbytes = fused_at[i]
+            region_flops = sum(o.flops for o in ops[i:end])
+            if nbytes or region_flops:
+                seconds["other"] += scale * max(nbytes / (gpu.hbm_tb_s * 1e12 * EFFICIENCY["memory"]), MIN_KERNEL_S)
+                kernels += int(scale)
+            flops["other"] += int(scale * region_flops)
+            i = end
+            continue
+        if op.bytes or op.flops:
+            seconds[op.kind] += scale * _op_seconds(gpu, op.kind, op, op.bytes)
+            kernels += int(scale)
+        flops[op.kind] += int(scale * op.flops)
+        i += 1
+    return dict(seconds), dict(flops), kernels
+
+
+def _link(ranks: tuple[int, ...], gpus_per_node: int) -> str:
+    nodes = {r // gpus_per_node for r in ranks}
+    return "network" if len(nodes) > 1 else "nvlink"
+
+
+def collective_seconds(kind: str, nbytes: int, n: int, link: str, gpu: GPU) -> float:
+    if n <= 1:
+        return 0.0
+    bandwidth = (gpu.network_gb_s if link == "network" else gpu.nvlink_gb_s) * 1e9
+    factor = {"all_reduce": 2 * (n - 1) / n, "send": 1.0, "recv": 0.0, "send/recv": 1.0}.get(kind, (n - 1) / n)
+    return COLLECTIVE_LATENCY_S[link] + nbytes * factor / bandwidth
+
+
+def collectives(step: RankStep, gpu: GPU, gpus_per_node: int) -> tuple[list[CollectiveCost], dict[str, float],
+                                                                        dict[str, float]]:
+    """Collective costs grouped by kind and group, and the data-parallel (overlappable) seconds by
+    phase with the first/last one of each phase, and the rest (exposed) by phase."""
+    grouped: dict[tuple[str, str], CollectiveCost] = {}
+    overlappable: dict[str, float] = defaultdict(float)
+    exposed: dict[str, float] = defaultdict(float)
+    marks = step.trace.marks
+    for c in step.trace.collectives:
+        scale = _group_scale(step, c.op_index, marks)
+        name = step.group_names.get(tuple(sorted(c.group)), "other") if c.group else "other"
+        link = _link(c.group, gpus_per_node) if c.group else "nvlink"
+        n = len(c.group)
+        seconds = scale * collective_seconds(c.kind, c.bytes, n, link, gpu)
+        key = (c.kind, name)
+        if key not in grouped:
+            grouped[key] = CollectiveCost(c.kind, name, n, link, 0, 0, 0.0)
+        cost = grouped[key]
+        cost.bytes += int(scale * c.bytes)
+        cost.count += int(scale)
+        cost.seconds += seconds
+        phase = "backward" if c.phase == "optimizer" and name in DATA_PARALLEL_GROUPS else c.phase
+        if name in DATA_PARALLEL_GROUPS and n > 1:
+            overlappable[phase] += seconds
+        else:
+            exposed[phase] += seconds
+    return sorted(grouped.values(), key=lambda c: -c.seconds), dict(overlappable), dict(exposed)
+
+
+def _phase_share(step: RankStep, gpu: GPU) -> dict[str, float]:
+    """Each phase's share (forward, backward, optimizer) of the step's eager op time."""
+    per_phase: dict[str, float] = defaultdict(float)
+    for i, op in enumerate(step.trace.ops):
+        if op.bytes or op.flops:
+            per_phase[op.phase] += _group_scale(step, i, step.trace.marks) * _op_seconds(gpu, op.kind, op, op.bytes)
+    total = sum(per_phase.values()) or 1.0
+    return {phase: t / total for phase, t in per_phase.items()}
+
+
+def bubble_slots(schedule: str, stages: int, stages_per_rank: int) -> float:
+    """Idle microbatch slots of a pipeline schedule per accumulation group."""
+    if stages <= 1 or schedule in ZERO_BUBBLE:
+        return 0.0
+    return (stages - 1) / stages_per_rank
+
+
+def rank_time(step: RankStep, gpu: GPU, *, compiled: bool, gpus_per_node: int) -> RankTime:
+    """This rank's step without the pipeline bubble (which the slowest stage sets: ``plan``)."""
+    compute, flops, kernels = compute_seconds(step, gpu, compiled)
+    costs, overlappable, exposed = collectives(step, gpu, gpus_per_node)
+    total_compute = sum(compute.values())
+    share = _phase_share(step, gpu)
+    exposed_s = sum(exposed.values())
+    for phase in ("forward", "backward"):
+        comm = overlappable.get(phase, 0.0)
+        if not comm:
+            continue
+        phase_compute = total_compute * share.get(phase, 0.0)
+        # The first all-gather of a phase (or its last reduce-scatter) waits alone.
+        units = max(1, sum(1 for c in step.trace.collectives if c.phase == phase
+                           and step.group_names.get(tuple(sorted(c.group))) in DATA_PARALLEL_GROUPS))
+        exposed_s += comm / units + max(0.0, comm - phase_compute)
+    return RankTime(compute, costs, exposed_s, 0.0, total_compute + exposed_s, flops, kernels, compiled,
+                    share.get("optimizer", 0.0))

@@ -1,0 +1,395 @@
+"""One rank of a training run, built and stepped in this process on fake tensors and a fake
+process group: canon-titan's real Trainer (TorchTitan's model build, the family's parallelize
+function, float8 conversion, the optimizer, the step with its gradient accumulation), only with
+no memory behind its tensors and no peers behind its collectives.
+
+What differs from a real run, and why:
+- The model is built on the meta device, parallelized and sharded as in training; it is then
+  materialised as fake tensors instead of memory (``to_empty`` and the weight initialisation run
+  under the fake mode).
+- Batches have the run's shape but no data (the data files and tokenizer belong to the cluster).
+- Values a step reads back from tensors (the loss, the token count, rejection sampling in
+  truncated-normal initialisation) are fake: 1, or False for a condition.
+- ``torch.compile`` is off: compiled code cannot run on fake tensors. The plan accounts for
+  compile from the eager op sequence instead (``estimate``).
+- Optimizer state exists from the start, as in every step after the first.
+- At most two gradient-accumulation groups run; the others repeat the second exactly.
+- Pipeline stages learn their neighbours' tensor shapes without them: the stages of a plan are
+  built in order, each passing on what it would send, and a stage takes its output gradients'
+  shapes from its outputs (as PyTorch does when the shapes are given). That exchange, done once
+  before the first step, is not part of the step recorded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import tempfile
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
+from torch.distributed.tensor import DTensor
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from canon_titan.plan.recorder import StepRecorder, StepTrace
+
+_SCALAR = torch.ops.aten._local_scalar_dense.default
+_NONZERO = torch.ops.aten.is_nonzero.default
+
+
+class FakeScalars(TorchDispatchMode):
+    """Answers the reads of a value from a fake tensor (``.item()``, ``bool(t)``): 1, or False.
+    A real tensor gives its value."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is _NONZERO or func is _SCALAR:
+            if not isinstance(args[0], FakeTensor):
+                if type(args[0]) is not torch.Tensor:
+                    return NotImplemented  # a DTensor: asked again of its local tensor
+                with unset_fake_temporarily():
+                    return func(*args, **(kwargs or {}))
+            if func is _NONZERO:
+                return False
+            dtype = args[0].dtype
+            return False if dtype == torch.bool else (1.0 if dtype.is_floating_point else 1)
+        return func(*args, **(kwargs or {}))
+
+
+@dataclass
+class ShapeOnlyBatches:
+    """Batches of the run's shape with no data: token ids, labels and, where the run's loader
+    gives them, positions."""
+
+    batch_size: int
+    seq_len: int
+    positions: bool
+    dp_world_size: int = 1
+
+    def __iter__(self):
+        while True:
+            inputs = {"input": torch.zeros(self.batch_size, self.seq_len, dtype=torch.long)}
+            if self.positions:
+                inputs["positions"] = torch.arange(self.seq_len).expand(self.batch_size, -1)
+            yield inputs, torch.zeros(self.batch_size, self.seq_len, dtype=torch.long)
+
+
+@dataclass
+class ShapeOnlyData:
+    """Stands in for the dataloader and tokenizer configs: ``build`` as TorchTitan calls them."""
+
+    positions: bool
+
+    def build(self, **kwargs):
+        if "local_batch_size" not in kwargs:  # the tokenizer
+            return None
+        return ShapeOnlyBatches(kwargs["local_batch_size"], kwargs["seq_len"], self.positions,
+                                kwargs["dp_world_size"])
+
+
+@dataclass
+class RankStep:
+    """What one rank's step did, with what the trace needs to be read."""
+
+    rank: int
+    world_size: int
+    trace: StepTrace
+    categories: dict[int, str]
+    """Storage id -> parameters, gradients, optimizer state or buffers."""
+    state_bytes: dict[str, int]
+    """Bytes of this rank's parameters, gradients and optimizer state (their local tensors)."""
+    group_names: dict[tuple[int, ...], str]
+    """Process groups (global ranks) -> the parallelism they belong to."""
+    accumulation: int
+    """The run's gradient-accumulation groups per step."""
+    groups_run: int
+    """How many of them ran (the rest repeat the last)."""
+    tokens_per_group: int
+    """Tokens this rank's data-parallel group member feeds per accumulation group."""
+    parallel: dict[str, int] = field(default_factory=dict)
+    pp_stage: int = 0
+    pp_microbatches: int = 1
+    param_count: int = 0
+    """Parameters of this rank's model parts (the whole model without PP), unsharded."""
+    stages_per_rank: int = 1
+    flops_per_token: int = 0
+    """The trainer's own (analytic) FLOPs per token, as its MFU uses."""
+
+
+_GROUP_NAMES = ("tp", "cp", "fsdp", "dp_shard", "dp_replicate", "pp", "batch", "loss", "dp_cp")
+
+
+def _group_names(parallel_dims) -> dict[tuple[int, ...], str]:
+    names = {}
+    for name in _GROUP_NAMES:
+        try:
+            mesh = parallel_dims.get_optional_mesh(name)
+        except (KeyError, ValueError, RuntimeError, AttributeError):
+            continue
+        if mesh is None or mesh.ndim != 1:
+            continue
+        ranks = tuple(sorted(int(r) for r in mesh.mesh.flatten().tolist()))
+        names.setdefault(ranks, name)
+    names.setdefault(tuple(range(parallel_dims.world_size)), "world")
+    return names
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _optimizer_tensors(optimizers) -> list[torch.Tensor]:
+    tensors = []
+    for optimizer in getattr(optimizers, "optimizers", [optimizers]):
+        for state in optimizer.state.values():
+            tensors += [_local(v) for v in state.values() if isinstance(v, torch.Tensor)]
+    return tensors
+
+
+def _bytes(tensors) -> int:
+    """Bytes of distinct storages."""
+    seen, total = set(), 0
+    for t in tensors:
+        st = t.untyped_storage()
+        if id(st) not in seen:
+            seen.add(id(st))
+            total += st.nbytes()
+    return total
+
+
+def warm_optimizer(trainer) -> None:
+    """Give every parameter a zero gradient and step the optimizer once (learning rate 0), so
+    its state exists as in every step after the first; then drop the gradients."""
+    params = [p for m in trainer.model_parts for p in m.parameters() if p.requires_grad]
+    for optimizer in trainer.optimizers.optimizers:
+        for group in optimizer.param_groups:
+            group["_lr"], group["lr"] = group["lr"], 0.0
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    trainer.optimizers.step()
+    trainer.optimizers.zero_grad(set_to_none=True)
+    for optimizer in trainer.optimizers.optimizers:
+        for group in optimizer.param_groups:
+            group["lr"] = group.pop("_lr")
+
+
+def record_step(trainer, recorder: StepRecorder, *, max_groups: int = 2, modes=()) -> RankStep:
+    """Run one training step of a built trainer under ``recorder`` (and ``modes`` around it): the
+    optimizer state already there, at most ``max_groups`` gradient-accumulation groups."""
+    accumulation = trainer.gradient_accumulation_steps
+    groups = min(accumulation, max_groups)
+    trainer.gradient_accumulation_steps = groups
+    params = [_local(p) for m in trainer.model_parts for p in m.parameters()]
+    buffers = [b for m in trainer.model_parts for b in m.buffers()]
+    with contextlib.ExitStack() as stack:
+        for mode in modes:
+            stack.enter_context(mode)
+        warm_optimizer(trainer)
+        categories = {sid: "buffers" for sid in recorder.register(buffers)}
+        categories.update({sid: "parameters" for sid in recorder.register(params)})
+        optimizer_state = _optimizer_tensors(trainer.optimizers)
+        categories.update({sid: "optimizer state" for sid in recorder.register(optimizer_state)})
+        grads: list[torch.Tensor] = []
+        step_groups = trainer.forward_backward_step
+        done = [0]
+
+        def forward_backward_step(**kwargs):
+            recorder.mark(f"group {done[0]}")
+            loss = step_groups(**kwargs)
+            done[0] += 1
+            if done[0] == groups:
+                grads.extend(_local(p.grad) for m in trainer.model_parts for p in m.parameters()
+                             if p.grad is not None)
+                categories.update({sid: "gradients" for sid in recorder.register(grads)})
+                recorder.mark("optimizer")
+                recorder.phase_override = "optimizer"
+            return loss
+
+        trainer.forward_backward_step = forward_backward_step
+        trainer.step = 2  # neither the first step nor (with the log frequency raised) a logging one
+        try:
+            with recorder:
+                trainer.train_step(iter(trainer.dataloader))
+        finally:
+            trainer.forward_backward_step = step_groups
+            trainer.gradient_accumulation_steps = accumulation
+            recorder.phase_override = None
+    dims = trainer.parallel_dims
+    tokens = trainer.config.training.local_batch_size * trainer.config.training.seq_len
+    return RankStep(
+        rank=dist.get_rank() if dist.is_initialized() else 0,
+        world_size=dims.world_size,
+        trace=recorder.trace,
+        categories=categories,
+        state_bytes={"parameters": _bytes(params), "gradients": _bytes(grads),
+                     "optimizer state": _bytes(optimizer_state)},
+        group_names=_group_names(dims),
+        accumulation=accumulation,
+        groups_run=groups,
+        tokens_per_group=tokens,
+        parallel={"dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "cp": dims.cp, "tp": dims.tp,
+                  "pp": dims.pp},
+        pp_stage=dims.get_mesh("pp").get_local_rank() if dims.pp_enabled else 0,
+        pp_microbatches=getattr(trainer, "num_pipeline_parallel_microbatches", 1),
+        param_count=sum(p.numel() for m in trainer.model_parts for p in m.parameters()),
+        stages_per_rank=len(trainer.model_parts),
+        flops_per_token=trainer.metrics_processor.num_flops_per_token,
+    )
+
+
+def for_fake_world(config, *, positions: bool) -> None:
+    """Adjust a built ``Trainer.Config`` to run as one fake rank: no files written (no checkpoints,
+    metrics, run_config.toml or evaluation), no compile, no logging steps, shape-only batches."""
+    config.metrics.enable_tensorboard = False
+    config.metrics.enable_wandb = False
+    config.metrics.log_freq = 10**9
+    config.metrics.last_step = 0
+    config.checkpoint.enable = False
+    config.compile = dataclasses.replace(config.compile, enable=False)
+    config.evaluation = None
+    config.run_toml = ""
+    config.dump_folder = tempfile.mkdtemp(prefix="canon-titan-plan-")
+    config.dataloader = ShapeOnlyData(positions)
+    config.tokenizer = ShapeOnlyData(positions)
+
+
+@contextlib.contextmanager
+def pipeline_without_peers(sent: dict, recorder: StepRecorder):
+    """Pipeline stages on a fake process group: their start-up exchange of shapes (a vote on how to
+    learn them, then the shapes) is answered in this process. ``sent`` carries what earlier
+    stages sent to later ones."""
+    from torch.distributed.pipelining import stage as pipeline_stage
+    from torch.distributed.pipelining._utils import InferenceMode, _derive_grad_metas, _StageBackwardMeta
+
+    cls = pipeline_stage.PipelineStage
+    names = ("_warmup_forward_vote", "_warmup_backward_result", "_recv_meta", "_send_meta",
+             "_forward_metadata_inference", "_backward_metadata_inference")
+    saved = {name: getattr(cls, name) for name in names}
+
+    def vote(self, has_backward, received_acc=None):
+        with unset_fake_temporarily():
+            self._plan_vote = torch.tensor([0 if InferenceMode.needs_dynamic(self._user_meta, has_backward) else 1],
+                                           dtype=torch.int32)
+        return self._plan_vote
+
+    def result(self, received_result=None):
+        return received_result if received_result is not None else self._plan_vote
+
+    def send_meta(self, meta, dst_stage):
+        sent[(self.stage_index, dst_stage)] = meta
+
+    def recv_meta(self, src_stage):
+        if src_stage > self.stage_index:  # output gradients: the outputs' shapes
+            return _StageBackwardMeta(backward_metas=_derive_grad_metas(self._stage_meta.outputs))
+        if (src_stage, self.stage_index) not in sent:
+            raise RuntimeError(f"stage {self.stage_index} takes its input from stage {src_stage}, which is not planned "
+                               "before it: schedules with several stages per rank cannot be planned yet")
+        return sent[(src_stage, self.stage_index)]
+
+    def unrecorded(method):
+        def run(self, *args, **kwargs):
+            with recorder.paused():
+                return method(self, *args, **kwargs)
+        return run
+
+    cls._warmup_forward_vote, cls._warmup_backward_result = vote, result
+    cls._recv_meta, cls._send_meta = recv_meta, send_meta
+    cls._forward_metadata_inference = unrecorded(saved["_forward_metadata_inference"])
+    cls._backward_metadata_inference = unrecorded(saved["_backward_metadata_inference"])
+    try:
+        yield
+    finally:
+        for name, method in saved.items():
+            setattr(cls, name, method)
+
+
+@contextlib.contextmanager
+def fake_process_group(rank: int, world_size: int):
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def materialized_as_fake(fake_mode: FakeTensorMode):
+    """While a trainer is built: the meta model's ``to_empty`` and weight initialisation give fake
+    tensors (the rest of the build, meshes included, runs on real and meta tensors as in training),
+    on the device fake tensors use."""
+    from torchtitan.protocols.model import BaseModel
+
+    to_empty, init_weights = torch.nn.Module.to_empty, BaseModel.init_weights
+
+    def fake_to_empty(self, *, device, recurse=True):
+        with fake_mode, FakeScalars():
+            return to_empty(self, device=device, recurse=recurse)
+
+    def fake_init_weights(self, **kwargs):
+        with fake_mode, FakeScalars():
+            return init_weights(self, **kwargs)
+
+    import torchtitan.tools.utils as tt_utils
+
+    local_device = tt_utils.get_local_device
+    torch.nn.Module.to_empty, BaseModel.init_weights = fake_to_empty, fake_init_weights
+    # Fake tensors live on "cpu", which is not the "cpu:0" the trainer would ask for.
+    tt_utils.get_local_device = lambda: torch.device("cpu")
+    try:
+        yield
+    finally:
+        torch.nn.Module.to_empty, BaseModel.init_weights = to_empty, init_weights
+        tt_utils.get_local_device = local_device
+
+
+def fake_rank_step(config, *, rank: int, world_size: int, positions: bool, fp8_linears: bool = False,
+                   pipeline_sent: dict | None = None) -> RankStep:
+    """Build ``config`` (a ``CanonTrainer.Config`` from ``build_trainer_config``) as rank ``rank`` of
+    ``world_size`` on fake tensors and record one step. Under pipeline parallelism the stages
+    before this rank's must have been stepped first with the same ``pipeline_sent``."""
+    from canon_titan import runtime
+    from canon_titan.trainer import CanonTrainer
+    from torchtitan.distributed import ParallelDims
+
+    runtime.apply()
+    for_fake_world(config, positions=positions)
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+
+    class FakeRankTrainer(CanonTrainer):
+        def init_distributed(self):
+            return ParallelDims.from_config(self.config.parallelism, world_size)
+
+    environ = {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    os.environ.update(RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE=str(world_size))
+    try:
+        with fake_process_group(rank, world_size):
+            with materialized_as_fake(fake_mode):
+                trainer = FakeRankTrainer(config)
+            recorder = StepRecorder()
+            if fp8_linears:
+                _mark_fp8_linears(trainer, recorder)
+            modes = (fake_mode, FakeScalars(), pipeline_without_peers({} if pipeline_sent is None else pipeline_sent,
+                                                                       recorder))
+            step = record_step(trainer, recorder, modes=modes)
+            trainer.close()
+            return step
+    finally:
+        for key, value in environ.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _mark_fp8_linears(trainer, recorder: StepRecorder) -> None:
+    """The matmuls inside torchao's Float8Linear modules run in float8 on the GPU (here emulated)."""
+    from torchao.float8.float8_linear import Float8Linear
+
+    for part in trainer.model_parts:
+        for module in part.modules():
+            if isinstance(module, Float8Linear):
+                module.register_forward_pre_hook(lambda *_: recorder.enter_fp8_linear())
+                module.register_forward_hook(lambda *_: recorder.exit_fp8_linear())

@@ -1,0 +1,113 @@
+"""The GPUs a run can be planned for: memory, peak dense FLOP/s, HBM and link bandwidths.
+
+Every figure is the vendor's datasheet number for the SXM part (dense, no sparsity), named beside
+it. Bandwidths are per GPU and per direction: NVLink inside a node, the GPU's own InfiniBand NIC
+between nodes (DGX/HGX systems give every GPU one). A GPU missing here is described in a TOML file
+with the same keys (``canon-titan plan --gpu FILE.toml``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class GPU:
+    name: str
+    memory_gib: float
+    """What ``torch.cuda.get_device_properties().total_memory`` reports (a little under the label)."""
+    bf16_tflops: float
+    """Peak dense bf16 tensor-core FLOP/s, in 10^12."""
+    fp8_tflops: float
+    """Peak dense fp8 tensor-core FLOP/s, in 10^12 (0: no fp8 tensor cores)."""
+    hbm_tb_s: float
+    """HBM bandwidth, 10^12 bytes/s."""
+    nvlink_gb_s: float
+    """NVLink bandwidth per GPU and direction, 10^9 bytes/s."""
+    network_gb_s: float
+    """Inter-node bandwidth per GPU and direction (its InfiniBand NIC), 10^9 bytes/s."""
+    capability: tuple[int, int] = (9, 0)
+    """CUDA compute capability: which kernels canon-titan's ``auto`` backends pick there."""
+
+    @property
+    def memory_bytes(self) -> int:
+        return int(self.memory_gib * GIB)
+
+    @property
+    def tf32_tflops(self) -> float:
+        """fp32 matmuls run as TF32 (TorchTitan allows it): half the bf16 rate on these parts."""
+        return self.bf16_tflops / 2
+
+
+GPUS: dict[str, GPU] = {
+    # NVIDIA H100 Tensor Core GPU datasheet, SXM column: 989 TFLOPS bf16 and 1,979 fp8 (dense: half
+    # the "with sparsity" figures), 3.35 TB/s HBM3, NVLink 900 GB/s (both directions); nvidia-smi
+    # shows 81,559 MiB. DGX H100: one 400 Gb/s ConnectX-7 per GPU (50 GB/s).
+    "h100": GPU("H100 SXM 80GB", 79.6, 989.0, 1979.0, 3.35, 450.0, 50.0, (9, 0)),
+    # NVIDIA H200 Tensor Core GPU datasheet, SXM column: the H100's compute, 4.8 TB/s HBM3e, 141 GB
+    # (nvidia-smi: 143,771 MiB), NVLink 900 GB/s; HGX H200 with 400 Gb/s NDR per GPU.
+    "h200": GPU("H200 SXM 141GB", 140.4, 989.0, 1979.0, 4.8, 450.0, 50.0, (9, 0)),
+    # NVIDIA A100 Tensor Core GPU datasheet, 80GB SXM column: 312 TFLOPS bf16, no fp8, 2,039 GB/s
+    # HBM2e, NVLink 600 GB/s; DGX A100: one 200 Gb/s HDR per GPU (25 GB/s).
+    "a100": GPU("A100 SXM 80GB", 80.0, 312.0, 0.0, 2.039, 300.0, 25.0, (8, 0)),
+    # NVIDIA DGX B200 / HGX B200 datasheet, per GPU: 2.25 PFLOPS bf16 and 4.5 fp8 dense, 180 GB
+    # HBM3e at 8 TB/s, fifth-generation NVLink 1.8 TB/s; 400 Gb/s ConnectX-7 per GPU.
+    "b200": GPU("B200 180GB", 180.0, 2250.0, 4500.0, 8.0, 900.0, 50.0, (10, 0)),
+}
+
+_FIELDS = {f.name: f.type for f in dataclasses.fields(GPU)}
+
+
+class UnknownGPU(ValueError):
+    pass
+
+
+def gpu_from_file(path: Path) -> GPU:
+    """A GPU described in TOML: every field of ``GPU`` (``capability`` as [major, minor], optional)."""
+    try:
+        with open(path, "rb") as f:
+            raw = tomllib.load(f)
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise UnknownGPU(f"--gpu {path}: cannot read it as TOML: {e}") from None
+    unknown = sorted(set(raw) - set(_FIELDS))
+    missing = sorted(set(_FIELDS) - set(raw) - {"capability"})
+    if unknown or missing:
+        raise UnknownGPU(f"--gpu {path}: " + "; ".join(
+            ([f"unknown keys {', '.join(unknown)}"] if unknown else [])
+            + ([f"missing keys {', '.join(missing)}"] if missing else []))
+            + f" (keys: {', '.join(_FIELDS)})")
+    values = dict(raw)
+    for key, value in values.items():
+        if key == "name":
+            if not isinstance(value, str):
+                raise UnknownGPU(f"--gpu {path}: name must be a string")
+        elif key == "capability":
+            if not (isinstance(value, list) and len(value) == 2 and all(isinstance(v, int) for v in value)):
+                raise UnknownGPU(f"--gpu {path}: capability must be [major, minor], got {value!r}")
+            values[key] = tuple(value)
+        elif not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0 \
+                or (value == 0 and key != "fp8_tflops"):
+            raise UnknownGPU(f"--gpu {path}: {key} must be a positive number, got {value!r}")
+        else:
+            values[key] = float(value)
+    return GPU(**values)
+
+
+def find_gpu(name: str) -> GPU:
+    """A GPU of the table by its short name (or a device name containing it), or one described in
+    a TOML file."""
+    key = name.lower()
+    if key in GPUS:
+        return GPUS[key]
+    if key.endswith(".toml"):
+        return gpu_from_file(Path(name))
+    named = [gpu for short, gpu in GPUS.items() if short in key.replace(" ", "").replace("-", "")]
+    if len(named) == 1:  # a device name as torch reports it, e.g. "NVIDIA H100 80GB HBM3"
+        return named[0]
+    raise UnknownGPU(f"--gpu: unknown GPU {name!r}; known: {', '.join(GPUS)}, or a TOML file describing one "
+                     f"(keys: {', '.join(_FIELDS)})")

@@ -1,0 +1,332 @@
+"""``plan(config, overrides, gpus=N, ...)``: a run resolved and checked as ``train`` does it, built
+as one rank (each pipeline stage under PP) of a world of N on fake tensors, one step recorded, and
+from that: memory against the GPU, FLOPs, collective volumes, step time, throughput, MFU and the
+run's GPU-hours; for a run that does not fit, the changes that make it fit, each planned the same
+way."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+
+from canon_titan.config import ConfigError, load
+from canon_titan.data.kinds import SYNTHETIC
+from canon_titan.kernels.backends import KernelEnvironment, planned_machine
+from canon_titan.plan.estimate import DATA_PARALLEL_GROUPS, RankTime, bubble_slots, compiled_memory_events, rank_time
+from canon_titan.plan.fake_world import RankStep, fake_rank_step
+from canon_titan.plan.gpus import GIB, GPU
+from canon_titan.plan.recorder import MemoryPeak, memory_peak
+
+FRAGMENTATION = 0.05
+"""What PyTorch's caching allocator reserves beyond the live tensors at the peak (block rounding,
+fragmentation): torchtitan's ``memory:`` figure is the reserved peak."""
+OUTSIDE_PYTORCH_GIB = 1.5
+"""GPU memory PyTorch's allocator does not see: the CUDA context, NCCL's buffers, library
+workspaces."""
+REST = ("buffers", "gathered parameters", "communication buffers")
+
+
+class PlanError(RuntimeError):
+    """The run cannot be planned (and would not start): the message says why."""
+
+
+@dataclass
+class RankKind:
+    role: str
+    rank: int
+    memory: MemoryPeak
+    time: RankTime
+    state_bytes: dict[str, int]
+    """Bytes of this rank's parameters, gradients and optimizer state."""
+    model_flops: int
+    """FLOPs of the step as the trainer's MFU counts them: 3x the forward's matmul, attention and
+    custom-kernel FLOPs (recomputation excluded), over every accumulation group."""
+
+    @property
+    def reserved_bytes(self) -> int:
+        """The peak as ``torch.cuda.max_memory_reserved`` would show it."""
+        return int(self.memory.total * (1 + FRAGMENTATION))
+
+    @property
+    def device_bytes(self) -> int:
+        return self.reserved_bytes + int(OUTSIDE_PYTORCH_GIB * GIB)
+
+    def breakdown(self) -> dict[str, int]:
+        """Bytes at the peak: parameters, gradients, optimizer state, activations and the rest
+        (buffers, FSDP's gathered parameters and collective buffers, the allocator's slack)."""
+        by = self.memory.by_category
+        rest = sum(by.get(k, 0) for k in REST) + self.reserved_bytes - self.memory.total
+        return {"parameters": by.get("parameters", 0), "gradients": by.get("gradients", 0),
+                "optimizer state": by.get("optimizer state", 0), "activations": by.get("activations", 0),
+                "rest": rest}
+
+
+@dataclass
+class Plan:
+    config: str
+    model: str
+    overrides: list[str]
+    gpu: GPU
+    gpus: int
+    gpus_per_node: int
+    parallel: dict[str, int]
+    local_batch: int
+    seq_len: int
+    accumulation: int
+    global_batch: int
+    steps: int
+    compiled: bool
+    activation_checkpoint: str
+    kinds: list[RankKind]
+    step_s: float
+    bubble_s: float
+    flops_per_token: int
+    param_count: int
+    planner_s: float = 0.0
+    notes: list[str] = field(default_factory=list)
+    advice: list[tuple[str, Plan]] = field(default_factory=list)
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch * self.seq_len
+
+    @property
+    def tokens_per_s_per_gpu(self) -> float:
+        return self.tokens_per_step / self.step_s / self.gpus
+
+    @property
+    def mfu(self) -> float:
+        """Model FLOPs (the trainer's count) per second per GPU over the GPU's dense bf16 peak."""
+        return self.flops_per_token * self.tokens_per_s_per_gpu / (self.gpu.bf16_tflops * 1e12)
+
+    @property
+    def wall_s(self) -> float:
+        return self.steps * self.step_s
+
+    @property
+    def gpu_hours(self) -> float:
+        return self.wall_s * self.gpus / 3600
+
+    @property
+    def worst(self) -> RankKind:
+        return max(self.kinds, key=lambda k: k.device_bytes)
+
+    @property
+    def fits(self) -> bool:
+        return all(k.device_bytes <= self.gpu.memory_bytes for k in self.kinds)
+
+    @property
+    def margin_bytes(self) -> int:
+        return self.gpu.memory_bytes - self.worst.device_bytes
+
+
+def _categories(step: RankStep) -> dict[int, str]:
+    categories = dict(step.categories)
+    trace = step.trace
+    for sid in trace.resized:
+        categories.setdefault(sid, "gathered parameters")
+    for sid, ranks in trace.collective_buffers.items():
+        if step.group_names.get(tuple(sorted(ranks))) in DATA_PARALLEL_GROUPS:
+            categories.setdefault(sid, "communication buffers")
+    return categories
+
+
+def _model_flops(step: RankStep) -> int:
+    """3x the forward's counted FLOPs, over the whole step's accumulation groups."""
+    marks = step.trace.marks
+    total = 0
+    for i, op in enumerate(step.trace.ops):
+        if op.phase == "forward" and op.flops:
+            repeat = step.accumulation - 1 if (step.groups_run == 2 and marks.get("group 1", 1 << 62) <= i
+                                                < marks.get("optimizer", 1 << 62)) else 1
+            total += 3 * op.flops * repeat
+    return total
+
+
+@contextlib.contextmanager
+def _quiet():
+    """The trainer's own log lines and warnings during the fake builds say nothing to a planner's
+    user (they describe a run that is not happening)."""
+    root = logging.getLogger()
+    level = root.level
+    root.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        root.setLevel(level)
+
+
+def resolve(config: str, overrides: list[str], gpus: int, gpu: GPU):
+    """The run and its ``Trainer.Config``, checked as ``train`` checks them for ``gpus`` processes
+    on ``gpu`` (not this machine: its data paths, tokenizer files and hardware are not checked)."""
+    from canon_titan.config.build import build_trainer_config
+
+    previous = os.environ.get("WORLD_SIZE")
+    os.environ["WORLD_SIZE"] = str(gpus)
+    try:
+        with planned_machine(KernelEnvironment.planned_gpu(gpu.capability)):
+            run = load(config, overrides, environment=False)
+            trainer_config = build_trainer_config(run)
+    finally:
+        if previous is None:
+            os.environ.pop("WORLD_SIZE", None)
+        else:
+            os.environ["WORLD_SIZE"] = previous
+    return run, trainer_config
+
+
+def _stage_roles(pp: int) -> list[str]:
+    if pp == 1:
+        return ["every rank"]
+    return ["first stage"] + [f"stage {s}" for s in range(1, pp - 1)] + ["last stage"]
+
+
+def plan(config: str, overrides: list[str], *, gpus: int, gpu: GPU, gpus_per_node: int = 8,
+         progress=None, advise: bool = True) -> Plan:
+    """Plan ``config`` (with ``--section.key value`` ``overrides``) on ``gpus`` GPUs of kind ``gpu``.
+    ConfigError for what ``train`` would refuse; PlanError for a run that fails to build."""
+    started = time.perf_counter()
+    run, _ = resolve(config, overrides, gpus, gpu)
+    par = run["parallelism"]
+    pp = par["pipeline_parallel_degree"]
+    compiled = run["compile"]["enable"] and "model" in run["compile"]["components"]
+    positions = run["dataloader"]["dataset"] in SYNTHETIC or run["dataloader"]["document_masking"]
+    steps: list[tuple[str, RankStep]] = []
+    sent: dict = {}
+    for stage, role in enumerate(_stage_roles(pp)):
+        rank = stage * gpus // pp
+        if progress:
+            progress(f"building and stepping rank {rank} of {gpus} ({role}) on fake tensors")
+        _, trainer_config = resolve(config, overrides, gpus, gpu)
+        try:
+            with _quiet(), planned_machine(KernelEnvironment.planned_gpu(gpu.capability)):
+                step = fake_rank_step(trainer_config, rank=rank, world_size=gpus, positions=positions,
+                                      fp8_linears=run["float8"]["enable"], pipeline_sent=sent)
+        except (ValueError, RuntimeError, AssertionError) as e:
+            raise PlanError(f"{config}: the run fails to build on {gpus} GPUs (rank {rank}): "
+                            f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}") from e
+        finally:
+            shutil.rmtree(trainer_config.dump_folder, ignore_errors=True)
+        steps.append((role, step))
+    kinds = []
+    for role, step in steps:
+        events = compiled_memory_events(step) if compiled else None
+        kinds.append(RankKind(role, step.rank, memory_peak(step.trace, _categories(step), events=events),
+                              rank_time(step, gpu, compiled=compiled, gpus_per_node=gpus_per_node),
+                              step.state_bytes, _model_flops(step)))
+    first = steps[0][1]
+    dp = run.data_parallel_size(gpus)
+    local_batch = run["training"]["local_batch_size"]
+    accumulation = first.accumulation
+    bubble = 0.0
+    slowest = max(kinds, key=lambda k: k.time.step_s)
+    if pp > 1:
+        microbatches = first.pp_microbatches * accumulation
+        stages_per_rank = first.stages_per_rank
+        per_microbatch = slowest.time.compute_total_s * (1 - slowest.time.optimizer_share) / microbatches
+        bubble = bubble_slots(par["pipeline_parallel_schedule"], pp * stages_per_rank, stages_per_rank) \
+            * per_microbatch * accumulation
+    result = Plan(
+        config=config, model=f"{run['model']['name']} {run['model']['flavor']}", overrides=list(overrides), gpu=gpu,
+        gpus=gpus, gpus_per_node=gpus_per_node,
+        parallel={"dp_replicate": first.parallel["dp_replicate"], "dp_shard": first.parallel["dp_shard"],
+                  "cp": first.parallel["cp"], "tp": first.parallel["tp"], "pp": pp},
+        local_batch=local_batch, seq_len=run["training"]["seq_len"], accumulation=accumulation,
+        global_batch=local_batch * dp * accumulation, steps=run["training"]["steps"], compiled=compiled,
+        activation_checkpoint=run["activation_checkpoint"]["mode"], kinds=kinds,
+        step_s=slowest.time.step_s + bubble, bubble_s=bubble, flops_per_token=first.flops_per_token,
+        param_count=_param_count(steps, pp),
+    )
+    result.notes = _notes(run, result)
+    if advise and not result.fits:
+        result.advice = _advice(config, overrides, run, result, gpus=gpus, gpu=gpu, gpus_per_node=gpus_per_node,
+                                progress=progress)
+    result.planner_s = time.perf_counter() - started
+    return result
+
+
+def _param_count(steps, pp: int) -> int:
+    """Parameters of the whole model (each stage holds its own under PP)."""
+    if pp == 1:
+        return steps[0][1].param_count
+    return sum(step.param_count for _, step in steps)
+
+
+def _notes(run, result: Plan) -> list[str]:
+    notes = []
+    if result.compiled:
+        notes.append("compile: planned from the eager ops; each run of elementwise ops between matmuls, attention "
+                     "and custom kernels is one fused kernel; what only it uses is not stored, what only the backward "
+                     "reads is recomputed from the run's inputs (kept instead)")
+    else:
+        notes.append("compile off: every op is its own kernel")
+    if run["float8"]["enable"]:
+        notes.append(f"float8 {run['float8']['recipe_name']}: the float8 linears' matmuls at the fp8 peak; with TP, "
+                     "activations cross the TP group in bf16 here (on NCCL, tensorwise linears send float8: half)")
+    if result.accumulation > 2:
+        notes.append(f"gradient accumulation: 2 of {result.accumulation} groups were stepped; the others repeat the "
+                     "second")
+    return notes
+
+
+def _candidates(run, gpus: int, gpus_per_node: int) -> list[tuple[str, list[str]]]:
+    """Changes that lower the memory per GPU, cheapest first."""
+    out = []
+    ac = run["activation_checkpoint"]["mode"]
+    for mode in ("selective", "full"):
+        if ("none", "selective", "full").index(mode) > ("none", "selective", "full").index(ac):
+            out.append((f"activation checkpointing {mode}", ["--activation_checkpoint.mode", mode]))
+    local = run["training"]["local_batch_size"]
+    gbs = run["training"]["global_batch_size"]
+    keep = [] if gbs > 0 else ["--training.global_batch_size", str(local * run.data_parallel_size(gpus))]
+    size = local // 2
+    while size >= 1:
+        out.append((f"local batch {size} (same global batch, more accumulation)",
+                    ["--training.local_batch_size", str(size), *keep]))
+        size //= 2
+    par = run["parallelism"]
+    for tp in (2, 4, 8):
+        if tp > par["tensor_parallel_degree"] and tp <= gpus_per_node and gpus % tp == 0:
+            out.append((f"tensor parallel {tp}", ["--parallelism.tensor_parallel_degree", str(tp)]))
+    for pp in (2, 4):
+        if pp > par["pipeline_parallel_degree"] and gpus % pp == 0 and local >= pp:
+            out.append((f"pipeline parallel {pp}", ["--parallelism.pipeline_parallel_degree", str(pp),
+                                                    "--parallelism.pipeline_parallel_microbatch_size", "1"]))
+    return out
+
+
+def _advice(config, overrides, run, result: Plan, *, gpus, gpu, gpus_per_node, progress, tries: int = 6):
+    """The first changes (of each kind) that make the run fit, each planned."""
+    found, kinds_done = [], set()
+    for label, extra in _candidates(run, gpus, gpus_per_node)[:tries]:
+        kind = label.split()[0]
+        if kind in kinds_done:
+            continue
+        if progress:
+            progress(f"does it fit with {label}?")
+        try:
+            candidate = plan(config, [*overrides, *extra], gpus=gpus, gpu=gpu, gpus_per_node=gpus_per_node,
+                             progress=None, advise=False)
+        except (ConfigError, PlanError):
+            continue
+        if candidate.fits:
+            found.append((label + " (" + " ".join(extra) + ")", candidate))
+            kinds_done.add(kind)
+    return found
+
+
+def progress_printer(stream=sys.stderr):
+    started = time.perf_counter()
+
+    def show(message: str) -> None:
+        print(f"[plan {time.perf_counter() - started:5.1f} s] {message}", file=stream, flush=True)
+
+    return show

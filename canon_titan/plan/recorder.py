@@ -1,0 +1,324 @@
+"""What one training step does, op by op, as PyTorch dispatches it: each op's FLOPs, the bytes it
+reads and writes and the storages it reads and creates, every storage's life (allocations, frees
+and the storage resizes FSDP2 uses for its gathered parameters), and every collective with its
+bytes and process group. It works the same on fake tensors (a plan) and on real ones (the tests
+hold plans to real runs with it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._sharding_prop import ShardingPropagator
+from torch.distributed._tools.fake_collectives import CollectiveOp, collective_ops, sync_ops
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import flop_registry
+from torch.utils.weak import WeakIdKeyDictionary
+
+from canon_titan.plan import flops as _flops  # noqa: F401  (registers the FLOP formulas of our ops)
+from canon_titan.plan.flops import op_kind
+
+ALLOCATION_ROUNDING = 512
+"""The CUDA caching allocator hands out multiples of 512 bytes."""
+
+_FACTORIES = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default,
+              torch.ops.aten.empty_like.default, torch.ops.aten.new_empty.default,
+              torch.ops.aten.new_empty_strided.default}
+_COLLECTIVE_NAMES = {"allgather": "all_gather", "all_gather": "all_gather", "reduce_scatter": "reduce_scatter",
+                     "allreduce": "all_reduce", "all_reduce": "all_reduce", "broadcast": "broadcast",
+                     "alltoall": "all_to_all", "all_to_all": "all_to_all", "send": "send", "recv": "recv",
+                     "isend": "send", "irecv": "recv", "batch_p2p": "send/recv", "shard_dim_alltoall": "all_to_all"}
+
+
+def collective_kind(func) -> str:
+    name = func._schema.name.split("::")[-1].strip("_")
+    for prefix, kind in _COLLECTIVE_NAMES.items():
+        if name.startswith(prefix):
+            return kind
+    return name
+
+
+def _mutated(func, args, kwargs) -> list[torch.Tensor]:
+    """The tensors an op writes in place (its arguments marked as written in its schema)."""
+    out = []
+    for i, argument in enumerate(func._schema.arguments):
+        if argument.alias_info is not None and argument.alias_info.is_write:
+            value = args[i] if i < len(args) else kwargs.get(argument.name)
+            out += [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
+    return out
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+@dataclass
+class Op:
+    kind: str
+    """``matmul``, ``attention``, ``canon``, ``recurrence`` (GLA, gated delta rule, SSD) or ``other``."""
+    phase: str
+    """``forward``, ``backward`` (activation-checkpoint recomputation included) or ``optimizer``."""
+    name: str
+    flops: int
+    bytes: int
+    dtype: torch.dtype | None
+    reads: tuple[int, ...]
+    """Storages read (their ids), with the bytes of the tensors read from each."""
+    read_bytes: tuple[int, ...]
+    writes: tuple[int, ...]
+    write_bytes: tuple[int, ...]
+    fp8: bool = False
+    """A matmul of float8 operands (or one inside a float8 linear, where the plan emulates them)."""
+    causal: bool = False
+    """An attention op with a causal mask (its kernel skips the masked half)."""
+
+
+@dataclass
+class Collective:
+    kind: str
+    group: tuple[int, ...]
+    """The global ranks of its process group."""
+    bytes: int
+    """The bytes of the tensor it moves per rank: an all-gather's output, a reduce-scatter's input,
+    an all-reduce's tensor, a send's or receive's buffer."""
+    phase: str
+    op_index: int
+    """Where in the op sequence it was issued."""
+
+
+@dataclass
+class StepTrace:
+    ops: list[Op] = field(default_factory=list)
+    collectives: list[Collective] = field(default_factory=list)
+    memory_events: list[tuple[int, int, int]] = field(default_factory=list)
+    """(op index, storage id, change in bytes) in order."""
+    resized: set[int] = field(default_factory=set)
+    """Storages resized in place (FSDP2's gathered parameters)."""
+    collective_buffers: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    """Storages passed to a collective, with the collective's group (global ranks)."""
+    marks: dict[str, int] = field(default_factory=dict)
+    """Named points in the op sequence (the driver's)."""
+
+
+class StepRecorder(TorchDispatchMode):
+    """Records a ``StepTrace`` of what is dispatched while it is active."""
+
+    def __init__(self):
+        super().__init__()
+        self.trace = StepTrace()
+        self._ids = WeakIdKeyDictionary()
+        self._sizes: dict[int, int] = {}
+        self._next_id = 0
+        self.phase_override: str | None = None
+        self._fp8_context = 0
+        self._orig_resize = None
+        self._depth = 0
+        self._paused = 0
+
+    # --- storages -------------------------------------------------------------------------------
+
+    def storage_id(self, t: torch.Tensor) -> int:
+        st = t.untyped_storage()
+        sid = self._ids.get(st)
+        if sid is None:
+            sid = self._next_id
+            self._next_id += 1
+            self._ids[st] = sid
+            size = st.nbytes()
+            self._sizes[sid] = size
+            self.trace.memory_events.append((len(self.trace.ops), sid, size))
+            weakref.finalize(st, self._freed, sid)
+        return sid
+
+    def _freed(self, sid: int) -> None:
+        size = self._sizes.pop(sid, 0)
+        if size:
+            self.trace.memory_events.append((len(self.trace.ops), sid, -size))
+
+    def register(self, tensors) -> set[int]:
+        """Storage ids of tensors that exist before recording (parameters, optimizer state, ...)."""
+        return {self.storage_id(t) for t in tensors}
+
+    def _resize(self, st, size):
+        self._orig_resize(st, size)
+        sid = self._ids.get(st)
+        if sid is not None:
+            new = st.nbytes()
+            old = self._sizes.get(sid, 0)
+            if new != old:
+                self._sizes[sid] = new
+                self.trace.memory_events.append((len(self.trace.ops), sid, new - old))
+                self.trace.resized.add(sid)
+
+    def __enter__(self):
+        if not self._depth:
+            # FSDP2 frees and re-allocates its gathered parameters by resizing their storages,
+            # which dispatch does not see (torch's MemTracker patches it the same way).
+            self._orig_resize = torch.UntypedStorage.resize_
+            recorder = self
+
+            def resize_(st, size):
+                recorder._resize(st, size)
+
+            torch.UntypedStorage.resize_ = resize_
+            # DTensor finds an op's output shape by running it on fake global tensors: no kernel.
+            self._orig_propagate = ShardingPropagator._propagate_tensor_meta_non_cached
+
+            def propagate(propagator, op_schema):
+                with recorder.paused():
+                    return recorder._orig_propagate(propagator, op_schema)
+
+            ShardingPropagator._propagate_tensor_meta_non_cached = propagate
+        self._depth += 1
+        return super().__enter__()
+
+    def __exit__(self, *args):
+        self._depth -= 1
+        if not self._depth:
+            torch.UntypedStorage.resize_ = self._orig_resize
+            ShardingPropagator._propagate_tensor_meta_non_cached = self._orig_propagate
+        return super().__exit__(*args)
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Ops inside are not recorded (set-up work that belongs to no step)."""
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
+
+    def mark(self, name: str) -> None:
+        self.trace.marks[name] = len(self.trace.ops)
+
+    def live_bytes(self) -> int:
+        return sum(self._sizes.values())
+
+    # --- ops ------------------------------------------------------------------------------------
+
+    def phase(self) -> str:
+        if self.phase_override:
+            return self.phase_override
+        return "backward" if torch._C._current_graph_task_id() != -1 else "forward"
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self._paused:
+            return func(*args, **kwargs)
+        inputs = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+        if any(isinstance(t, DTensor) for t in inputs):
+            # A DTensor op runs as ops on its local shards: let DTensor handle it, and record those.
+            return NotImplemented
+        out = func(*args, **kwargs)
+        if func in collective_ops:
+            if func not in sync_ops:
+                self._collective(func, out, args, kwargs)
+            return out
+        outputs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
+        reads = tuple(self.storage_id(t) for t in inputs)
+        writes = tuple(self.storage_id(t) for t in outputs)
+        packet = func._overloadpacket
+        formula = flop_registry.get(packet)
+        flops = formula(*args, **kwargs, out_val=out) if formula is not None else 0
+        mutated = _mutated(func, args, kwargs)
+        if mutated and not outputs:  # in place, returning nothing (foreach ops, the fused optimizers)
+            outputs = mutated
+            writes = tuple(self.storage_id(t) for t in outputs)
+        if func in _FACTORIES or (not mutated and (not outputs or all(sid in reads for sid in writes))):
+            # An allocation, a view, or an op returning no tensor (a size, a device): no data moves.
+            read_bytes, write_bytes = (0,) * len(inputs), (0,) * len(outputs)
+        else:
+            read_bytes = tuple(tensor_bytes(t) for t in inputs)
+            write_bytes = tuple(tensor_bytes(t) for t in outputs)
+        kind = op_kind(packet)
+        dtype = inputs[0].dtype if inputs else (outputs[0].dtype if outputs else None)
+        fp8 = kind == "matmul" and (self._fp8_context > 0 or _in_float8_backward() or any(
+            t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) for t in inputs))
+        causal = kind == "attention" and bool(_argument(func, args, kwargs, "is_causal"))
+        self.trace.ops.append(Op(kind, self.phase(), str(packet).split("::")[-1], int(flops),
+                                 sum(read_bytes) + sum(write_bytes), dtype, reads, read_bytes, writes, write_bytes,
+                                 fp8, causal))
+        return out
+
+    def _collective(self, func, out, args, kwargs) -> None:
+        try:
+            group = CollectiveOp.get_process_group(func, args)
+            ranks = tuple(dist.get_process_group_ranks(group))
+        except (TypeError, ValueError, RuntimeError):
+            ranks = ()
+        try:
+            nbytes = CollectiveOp.get_comm_tensor_size(func, out, args, kwargs)
+        except TypeError:
+            nbytes = 0
+        kind = collective_kind(func)
+        self.trace.collectives.append(Collective(kind, ranks, nbytes, self.phase(), len(self.trace.ops)))
+        for t in (a for a in tree_flatten((args, out))[0] if isinstance(a, torch.Tensor)):
+            self.trace.collective_buffers.setdefault(self.storage_id(t), ranks)
+
+    # float8 linears in the plan run torchao's emulation (no fp8 matmul on a CPU); their matmuls
+    # are the GPU's fp8 ones: in their forward (between these calls) and in their autograd
+    # function's backward.
+    def enter_fp8_linear(self) -> None:
+        self._fp8_context += 1
+
+    def exit_fp8_linear(self) -> None:
+        self._fp8_context -= 1
+
+
+def _argument(func, args, kwargs, name: str):
+    for i, argument in enumerate(func._schema.arguments):
+        if argument.name == name:
+            return args[i] if i < len(args) else kwargs.get(name, argument.default_value)
+    return None
+
+
+def _in_float8_backward() -> bool:
+    node = torch._C._current_autograd_node()
+    return node is not None and "float8" in node.name()
+
+
+def round_up(nbytes: int, to: int = ALLOCATION_ROUNDING) -> int:
+    return -(-nbytes // to) * to
+
+
+@dataclass
+class MemoryPeak:
+    total: int
+    """Peak bytes alive at once, each storage rounded up as the CUDA allocator rounds it."""
+    op_index: int
+    phase: str
+    by_category: dict[str, int]
+
+
+def memory_peak(trace: StepTrace, categories: dict[int, str], default: str = "activations",
+                events: list[tuple[int, int, int]] | None = None) -> MemoryPeak:
+    """The highest total of live storages over the trace (or over ``events``, the trace's
+    allocations and frees rearranged), and what was alive then by category (``categories``:
+    storage id -> name; others count as ``default``)."""
+    live: dict[int, int] = {}
+    total, best, best_at = 0, -1, 0
+    events = trace.memory_events if events is None else events
+    for i, (op_index, sid, delta) in enumerate(events):
+        old = live.get(sid, 0)
+        new = old + delta
+        live[sid] = new
+        total += round_up(new) - round_up(old)
+        if total > best:
+            best, best_at = total, i
+    live = defaultdict(int)
+    for op_index, sid, delta in events[:best_at + 1]:
+        live[sid] += delta
+    by_category: dict[str, int] = defaultdict(int)
+    for sid, size in live.items():
+        if size > 0:
+            by_category[categories.get(sid, default)] += round_up(size)
+    op_index = events[best_at][0] if events else 0
+    phase = trace.ops[min(op_index, len(trace.ops) - 1)].phase if trace.ops else "forward"
+    return MemoryPeak(max(best, 0), op_index, phase, dict(by_category))

@@ -1,0 +1,153 @@
+"""A plan as a table for people and as JSON for scripts."""
+
+from __future__ import annotations
+
+import datetime
+
+from canon_titan.plan.gpus import GIB
+from canon_titan.plan.planner import OUTSIDE_PYTORCH_GIB, Plan
+
+KINDS = ("matmul", "attention", "canon", "recurrence", "other")
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:.2f} GiB"
+
+
+def _bytes(n: float) -> str:
+    for unit, size in (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _duration(seconds: float) -> str:
+    if seconds >= 2 * 86400:
+        return f"{seconds / 86400:.1f} days"
+    return str(datetime.timedelta(seconds=round(seconds)))
+
+
+def _table(labels: list[str], columns: list[list[str]]) -> list[str]:
+    width = max(len(label) for label in labels)
+    widths = [max(len(v) for v in col) for col in columns]
+    return [f"  {label:<{width}}  " + "  ".join(f"{col[r]:>{w}}" for col, w in zip(columns, widths))
+            for r, label in enumerate(labels)]
+
+
+def text(plan: Plan) -> str:
+    par = plan.parallel
+    out = [f"canon-titan plan: {plan.config} ({plan.model}, {plan.param_count / 1e9:.2f}B parameters)"
+           + (f" {' '.join(plan.overrides)}" if plan.overrides else ""),
+           f"{plan.gpus} x {plan.gpu.name}, {plan.gpus_per_node} per node; dp_replicate {par['dp_replicate']} x "
+           f"dp_shard {par['dp_shard']} x cp {par['cp']} x tp {par['tp']} x pp {par['pp']}",
+           f"batch: {plan.local_batch} x {plan.seq_len} tokens per GPU, global {plan.global_batch} sequences "
+           f"({plan.tokens_per_step / 1e6:.2f}M tokens), {plan.accumulation} accumulation group(s); compile "
+           f"{'on' if plan.compiled else 'off'}; activation checkpointing {plan.activation_checkpoint}", ""]
+    header = [k.role + (f" (rank {k.rank})" if len(plan.kinds) > 1 else "") for k in plan.kinds]
+
+    out.append("Memory per GPU at the step's peak")
+    labels = ["", "peak during", "parameters", "gradients", "optimizer state", "activations",
+              "rest (buffers, FSDP buffers, allocator)", "PyTorch reserved (the log's memory:)",
+              f"+ CUDA context, NCCL, workspaces", f"total of {plan.gpu.memory_gib:.1f} GiB", "verdict"]
+    columns = []
+    for kind, name in zip(plan.kinds, header):
+        b = kind.breakdown()
+        spare = plan.gpu.memory_bytes - kind.device_bytes
+        columns.append([name, kind.memory.phase, _gib(b["parameters"]), _gib(b["gradients"]),
+                        _gib(b["optimizer state"]), _gib(b["activations"]), _gib(b["rest"]),
+                        _gib(kind.reserved_bytes), _gib(OUTSIDE_PYTORCH_GIB * GIB), _gib(kind.device_bytes),
+                        f"fits, {_gib(spare)} spare" if spare >= 0 else f"DOES NOT FIT by {_gib(-spare)}"])
+    out += _table(labels, columns) + [""]
+
+    out.append("FLOPs per GPU per step (executed; recomputation included)")
+    labels = [""] + list(KINDS) + ["total", "model FLOPs (the trainer's MFU count)"]
+    columns = []
+    for kind, name in zip(plan.kinds, header):
+        flops = kind.time.executed_flops
+        col = [name]
+        col += [f"{kind_flops(kind, k) / 1e12:.1f} TFLOP" for k in KINDS]
+        col += [f"{flops / 1e12:.1f} TFLOP", f"{kind.model_flops / 1e12:.1f} TFLOP"]
+        columns.append(col)
+    out += _table(labels, columns) + [""]
+
+    out.append("Collectives per GPU per step")
+    for kind, name in zip(plan.kinds, header):
+        if len(plan.kinds) > 1:
+            out.append(f"  {name}")
+        if not kind.time.collectives:
+            out.append("    none")
+        for c in kind.time.collectives:
+            out.append(f"    {c.kind:<15} {c.group:<13} {c.ranks:>5} ranks  {c.link:<8} {c.count:>6} x  "
+                       f"{_bytes(c.bytes):>11}  {c.seconds * 1e3:9.1f} ms")
+    out.append("")
+
+    out.append("Time per step")
+    labels = [""] + [f"compute: {k}" for k in KINDS] + ["exposed communication", "this rank's step"]
+    columns = []
+    for kind, name in zip(plan.kinds, header):
+        t = kind.time
+        columns.append([name] + [f"{t.compute_s.get(k, 0.0) * 1e3:.1f} ms" for k in KINDS]
+                       + [f"{t.exposed_comm_s * 1e3:.1f} ms", f"{t.step_s * 1e3:.1f} ms"])
+    out += _table(labels, columns)
+    if plan.bubble_s:
+        out.append(f"  pipeline bubble: {plan.bubble_s * 1e3:.1f} ms")
+    out += [f"  step: {plan.step_s:.3f} s", "",
+            f"Throughput: {plan.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, MFU {100 * plan.mfu:.1f}% "
+            f"({plan.flops_per_token / 1e9:.2f} GFLOP per token, the trainer's count, against "
+            f"{plan.gpu.bf16_tflops:.0f} TFLOP/s bf16)",
+            f"Run: {plan.steps:,} steps in {_duration(plan.wall_s)} on {plan.gpus} GPUs = {plan.gpu_hours:,.0f} "
+            f"GPU-hours ({plan.steps * plan.tokens_per_step / 1e12:.2f}T tokens)", ""]
+    verdict = "fits" if plan.fits else "DOES NOT FIT"
+    out.append(f"Verdict: {verdict} on {plan.gpu.name} ({_gib(plan.worst.device_bytes)} of "
+               f"{plan.gpu.memory_gib:.1f} GiB on the fullest GPU)")
+    if not plan.fits:
+        if plan.advice:
+            out.append("Changes that fit (each planned):")
+            for label, candidate in plan.advice:
+                out.append(f"  {label}: {_gib(candidate.worst.device_bytes)}, "
+                           f"{candidate.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, MFU {100 * candidate.mfu:.1f}%")
+        else:
+            out.append("No single change tried (activation checkpointing, a smaller local batch, TP or PP) makes it "
+                       "fit; use more GPUs per model replica or a smaller model")
+    out += ["Notes:"] + [f"  - {n}" for n in plan.notes] + [f"(planned in {plan.planner_s:.1f} s)"]
+    return "\n".join(out)
+
+
+def kind_flops(kind, op_kind: str) -> int:
+    return kind.time.flops_by_kind.get(op_kind, 0)
+
+
+def as_dict(plan: Plan) -> dict:
+    def rank(kind) -> dict:
+        return {
+            "role": kind.role, "rank": kind.rank,
+            "memory": {"peak_phase": kind.memory.phase, **{k: v for k, v in kind.breakdown().items()},
+                       "allocated_peak": kind.memory.total, "reserved_peak": kind.reserved_bytes,
+                       "device_total": kind.device_bytes,
+                       "fits": kind.device_bytes <= plan.gpu.memory_bytes,
+                       "margin": plan.gpu.memory_bytes - kind.device_bytes},
+            "state_bytes": kind.state_bytes,
+            "flops": {"executed": kind.time.executed_flops, "model": kind.model_flops,
+                      "by_kind": dict(kind.time.flops_by_kind)},
+            "collectives": [{"kind": c.kind, "group": c.group, "ranks": c.ranks, "link": c.link, "count": c.count,
+                             "bytes": c.bytes, "seconds": c.seconds} for c in kind.time.collectives],
+            "time": {"compute": kind.time.compute_s, "exposed_communication": kind.time.exposed_comm_s,
+                     "step": kind.time.step_s, "kernels": kind.time.kernels},
+        }
+
+    return {
+        "config": plan.config, "model": plan.model, "overrides": plan.overrides,
+        "gpu": {**plan.gpu.__dict__, "capability": list(plan.gpu.capability)},
+        "gpus": plan.gpus, "gpus_per_node": plan.gpus_per_node, "parallel": plan.parallel,
+        "local_batch": plan.local_batch, "seq_len": plan.seq_len, "accumulation": plan.accumulation,
+        "global_batch": plan.global_batch, "tokens_per_step": plan.tokens_per_step, "compile": plan.compiled,
+        "activation_checkpoint": plan.activation_checkpoint, "parameters": plan.param_count,
+        "ranks": [rank(k) for k in plan.kinds],
+        "step_seconds": plan.step_s, "bubble_seconds": plan.bubble_s,
+        "tokens_per_second_per_gpu": plan.tokens_per_s_per_gpu, "mfu": plan.mfu,
+        "flops_per_token": plan.flops_per_token, "steps": plan.steps, "wall_seconds": plan.wall_s,
+        "gpu_hours": plan.gpu_hours, "fits": plan.fits, "margin_bytes": plan.margin_bytes,
+        "notes": plan.notes, "planner_seconds": plan.planner_s,
+        "advice": [{"change": label, "device_total": c.worst.device_bytes,
+                    "tokens_per_second_per_gpu": c.tokens_per_s_per_gpu, "mfu": c.mfu} for label, c in plan.advice],
+    }

@@ -1,0 +1,345 @@
+"""``canon-titan plan``: a plan is the run's own build on fake tensors, held to real runs.
+
+References: real gloo runs of the same config on 1, 2 and 4 processes (FSDP and TP), recorded
+op by op, with torch's MemTracker for their memory; the trainer's own analytic FLOP count; hand
+arithmetic of FSDP's sharding; the unsplit model for pipeline stages; hand-made traces for the
+time and compile models.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from canon_titan.plan.gpus import GPUS, UnknownGPU, find_gpu
+from conftest import CONFIGS, REPO, free_port
+
+H100 = GPUS["h100"]
+DEBUG = ["--training.seq_len", "128"]
+RECIPE = {size: REPO / "train_configs" / f"LlamaCanon-{size}-Nemo-1T-lr0.003.toml" for size in ("1B", "8B")}
+
+
+def plan_step(config, overrides, gpus, rank=0, sent=None):
+    """The fake rank's recorded step, built as ``plan`` builds it."""
+    from canon_titan.kernels.backends import KernelEnvironment, planned_machine
+    from canon_titan.plan.fake_world import fake_rank_step
+    from canon_titan.plan.planner import _quiet, resolve
+
+    run, trainer_config = resolve(str(config), overrides, gpus, H100)
+    with _quiet(), planned_machine(KernelEnvironment.planned_gpu(H100.capability)):
+        return fake_rank_step(trainer_config, rank=rank, world_size=gpus, positions=False, pipeline_sent=sent)
+
+
+def summary(step) -> dict:
+    """What a plan and a real run are compared on."""
+    from canon_titan.plan.planner import _categories
+    from canon_titan.plan.recorder import memory_peak
+
+    collectives = Counter()
+    for c in step.trace.collectives:
+        collectives[(c.kind, step.group_names.get(tuple(sorted(c.group)), "other"), c.phase)] += c.bytes
+    peak = memory_peak(step.trace, _categories(step))
+    state = sum(peak.by_category.get(k, 0) for k in ("parameters", "gradients", "optimizer state", "buffers"))
+    return {"state": step.state_bytes, "collectives": dict(collectives),
+            "flops": sum(op.flops for op in step.trace.ops), "activation_peak": peak.total - state}
+
+
+def _real_worker(rank, world, port, config, overrides, queue):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world))
+    try:
+        from torch.distributed._tools.mem_tracker import MemTracker
+
+        from canon_titan import runtime
+        from canon_titan.config import load
+        from canon_titan.config.build import build_trainer_config
+        from canon_titan.plan.fake_world import record_step
+        from canon_titan.plan.recorder import StepRecorder
+
+        runtime.apply()
+        config_ = build_trainer_config(load(config, overrides))
+        config_.dump_folder = tempfile.mkdtemp()
+        config_.checkpoint.enable = False
+        config_.metrics.enable_tensorboard = False
+        config_.metrics.log_freq, config_.metrics.last_step, config_.run_toml = 10**9, 0, ""
+        trainer = config_.build()
+        recorded = summary(record_step(trainer, StepRecorder()))
+        tracker = MemTracker()  # torch's own tracker, on the next real step
+        tracker.track_external(*trainer.model_parts, *trainer.optimizers.optimizers)
+        with tracker:
+            trainer.train_step(iter(trainer.dataloader))
+        snapshot = {str(k).split(".")[-1]: v for dev in tracker.get_tracker_snapshot("peak").values()
+                    for k, v in dev.items()}
+        activations = snapshot["Total"] - sum(snapshot.get(k, 0) for k in ("PARAM", "BUFFER", "GRAD", "OPT"))
+        queue.put((rank, recorded, activations))
+        dist.barrier()
+    except Exception as e:  # reported by the test instead of a silent wait
+        queue.put((rank, repr(e), None))
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def real_run(config, overrides, world):
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_real_worker, args=(r, world, port, str(config), overrides, queue))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    results = sorted((queue.get(timeout=600) for _ in range(world)), key=lambda r: r[0])
+    for p in procs:
+        p.join(timeout=120)
+    failed = [r for r in results if isinstance(r[1], str)]
+    assert not failed, failed
+    return results[0][1], results[0][2]
+
+
+LAYOUTS = {
+    "1 process": (1, []),
+    "FSDP 2": (2, []),
+    "TP 2": (2, ["--parallelism.tensor_parallel_degree", "2"]),
+    "FSDP 2 x TP 2": (4, ["--parallelism.tensor_parallel_degree", "2"]),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_plan_equals_the_real_run(layout, monkeypatch):
+    """Rank 0 of a plan against rank 0 of the same config on real gloo processes: parameters,
+    gradients and optimizer state to the byte, every collective's bytes by kind, group and phase,
+    the FLOPs of every op, and the activation peak within 10% of torch's MemTracker on the real
+    step (the Canon layers on the torch backend in both: the real run is on a CPU)."""
+    world, extra = LAYOUTS[layout]
+    overrides = DEBUG + ["--model.canon_backend", "torch", *extra]
+    real, tracked = real_run(CONFIGS["llama_canon"], overrides, world)
+    planned = summary(plan_step(CONFIGS["llama_canon"], overrides, world))
+    assert planned["state"] == real["state"]
+    assert planned["collectives"] == real["collectives"]
+    assert (world > 1) == bool(real["collectives"]) or world == 1
+    assert planned["flops"] == real["flops"]
+    assert abs(planned["activation_peak"] / tracked - 1) < 0.10, (planned["activation_peak"], tracked)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_plan_flops_are_the_trainers_count(world):
+    """The plan's model FLOPs (3x the forward's) against the trainer's analytic count
+    (6 x non-embedding parameters + attention, per token) for llama_canon on the planned GPU's
+    kernels (Canon on Triton, whose FLOPs the plan registers)."""
+    step = plan_step(CONFIGS["llama_canon"], DEBUG, world)
+    from canon_titan.plan.planner import _model_flops
+
+    analytic = step.flops_per_token * step.tokens_per_group * step.accumulation
+    assert abs(_model_flops(step) / analytic - 1) < 0.02
+
+
+def _fsdp_bytes(shapes, world, element_size):
+    """Rank 0's bytes of each parameter sharded by FSDP2: torch.chunk's first (largest) piece of dim 0."""
+    total = 0
+    for shape in shapes:
+        rows = -(-shape[0] // world)
+        total += rows * (torch.Size(shape).numel() // shape[0]) * element_size
+    return total
+
+
+def _param_shapes(config, overrides):
+    """The model's parameter shapes, built whole on the meta device."""
+    from canon_titan.config import load
+
+    run = load(config, overrides, environment=False)
+    with torch.device("meta"):
+        model = run.model_spec().model.build()
+    return [tuple(p.shape) for p in model.parameters()]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("size,gpus", [("1B", 64), ("8B", 512)])
+def test_fsdp_at_scale_shards_as_fsdp2_does(size, gpus, monkeypatch):
+    """A 1B and an 8B recipe on 64 and 512 ranks with the real FSDP code: rank 0 holds the first
+    torch.chunk piece of every parameter (fp32), as much again in gradients and twice plus a step
+    counter per tensor in AdamW state; its all-gathers move every parameter padded to the world
+    size in bf16 once forward and, but for the last block's, again backward; its reduce-scatters
+    the same in fp32."""
+    step = plan_step(RECIPE[size], [], gpus)
+    shapes = _param_shapes(RECIPE[size], [])
+    params = _fsdp_bytes(shapes, gpus, 4)
+    assert step.state_bytes["parameters"] == params
+    assert step.state_bytes["gradients"] == params
+    assert step.state_bytes["optimizer state"] == 2 * params + 4 * len(shapes)
+    padded = sum(-(-s[0] // gpus) * gpus * (torch.Size(s).numel() // s[0]) for s in shapes)
+    moved = Counter()
+    for c in step.trace.collectives:
+        if step.group_names.get(tuple(sorted(c.group))) == "fsdp" and c.kind != "all_reduce":
+            moved[(c.kind, c.phase)] += c.bytes // step.groups_run  # per accumulation group
+    assert moved[("all_gather", "forward")] == 2 * padded
+    assert moved[("reduce_scatter", "backward")] == 4 * padded
+    assert 0 < moved[("all_gather", "backward")] < 2 * padded
+
+
+@pytest.mark.slow
+def test_tensor_and_pipeline_parallel_at_scale():
+    """8B on 512 ranks with TP 8 (its collectives on 8 consecutive ranks, one node; FSDP over the
+    64 ranks of a TP position) and 1B on 64 ranks with PP 4 (the four stages, built in order,
+    hold the whole model's parameters between them, once)."""
+    step = plan_step(RECIPE["8B"], ["--parallelism.tensor_parallel_degree", "8"], 512)
+    groups = {step.group_names.get(tuple(sorted(c.group))): c.group for c in step.trace.collectives}
+    assert sorted(groups["tp"]) == list(range(8))
+    assert sorted(groups["fsdp"]) == list(range(0, 512, 8))
+    assert step.state_bytes["parameters"] < 8.1e9 * 4 / 512
+
+    overrides = ["--parallelism.pipeline_parallel_degree", "4", "--parallelism.pipeline_parallel_microbatch_size", "1",
+                 "--training.local_batch_size", "4", "--training.global_batch_size", "1024"]
+    sent: dict = {}
+    stages = [plan_step(RECIPE["1B"], overrides, 64, rank=s * 16, sent=sent) for s in range(4)]
+    assert [s.pp_stage for s in stages] == [0, 1, 2, 3]
+    assert sum(s.param_count for s in stages) == sum(torch.Size(s).numel() for s in _param_shapes(RECIPE["1B"], []))
+    assert all(any(c.kind in ("send", "recv") for c in s.trace.collectives) for s in stages)
+
+
+def _cli(*args, timeout=600):
+    return subprocess.run([sys.executable, "-m", "canon_titan.cli", "plan", *map(str, args)], cwd=REPO,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["LlamaCanon-8B-Nemo-1T-lr0.003", "GDN2Canon-8B-Nemo-1T-lr0.003"])
+def test_the_release_8b_recipes_plan_at_512_h200(recipe):
+    """The README's commands print the whole table, its figures consistent with each other."""
+    import re
+
+    config = REPO / "train_configs" / f"{recipe}.toml"
+    proc = _cli(config, "--gpus", 512, "--gpu", "h200")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    for line in ("Memory per GPU", "FLOPs per GPU", "Collectives per GPU", "Time per step", "tokens/s per GPU",
+                 "GPU-hours", "Verdict: fits on H200", "reduce_scatter  fsdp            512 ranks  network"):
+        assert line in out, out
+    step = float(re.search(r"step: ([\d.]+) s", out).group(1))
+    steps, hours = re.search(r"Run: ([\d,]+) steps in .* = ([\d,]+) GPU-hours", out).groups()
+    assert float(hours.replace(",", "")) == pytest.approx(int(steps.replace(",", "")) * step * 512 / 3600, rel=2e-3)
+    tokens = float(re.search(r"Throughput: ([\d,]+) tokens/s", out).group(1).replace(",", ""))
+    global_tokens = float(re.search(r"\(([\d.]+)M tokens\)", out).group(1)) * 1e6
+    assert tokens == pytest.approx(global_tokens / step / 512, rel=5e-3)
+
+
+@pytest.mark.slow
+def test_8b_on_one_gpu_does_not_fit():
+    proc = _cli(RECIPE["8B"], "--gpus", 1, "--no-advice", "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    plan = json.loads(proc.stdout)
+    rank = plan["ranks"][0]
+    # fp32 weights, gradients and two AdamW moments alone exceed 80 GB
+    assert rank["state_bytes"]["parameters"] * 4 > H100.memory_bytes
+    assert not plan["fits"] and plan["margin_bytes"] < 0
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--gpus", "100", "--parallelism.tensor_parallel_degree", "8"], "does not divide the world size 100"),
+    (["--gpus", "8", "--gpu", "v100"], "unknown GPU 'v100'"),
+    (["--gpus", "0"], "--gpus must be >= 1"),
+    (["--gpus", "8", "--training.nonsense", "1"], "nonsense"),
+])
+def test_bad_input_is_one_line_and_exit_2(args, message):
+    proc = _cli(CONFIGS["llama_canon"], *args, timeout=120)
+    assert proc.returncode == 2
+    assert message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_a_gpu_described_in_a_file(tmp_path):
+    spec = tmp_path / "l40s.toml"
+    spec.write_text('name = "L40S"\nmemory_gib = 44.4\nbf16_tflops = 362\nfp8_tflops = 733\nhbm_tb_s = 0.864\n'
+                    'nvlink_gb_s = 32\nnetwork_gb_s = 25\ncapability = [8, 9]\n')
+    gpu = find_gpu(str(spec))
+    assert (gpu.name, gpu.bf16_tflops, gpu.capability) == ("L40S", 362.0, (8, 9))
+    spec.write_text('name = "x"\nmemory_gib = 10\n')
+    with pytest.raises(UnknownGPU, match="missing keys bf16_tflops"):
+        find_gpu(str(spec))
+    assert find_gpu("NVIDIA H100 80GB HBM3") is GPUS["h100"]  # a device name, as torch reports it
+
+
+# ----------------------------------------------------------------------------- the models, by hand
+
+
+def _trace(ops, collectives=(), events=(), marks=None):
+    from canon_titan.plan.fake_world import RankStep
+    from canon_titan.plan.recorder import StepTrace
+
+    trace = StepTrace(ops=list(ops), collectives=list(collectives), memory_events=list(events),
+                      marks=marks or {"group 0": 0, "optimizer": len(ops)})
+    return RankStep(rank=0, world_size=16, trace=trace, categories={}, state_bytes={},
+                    group_names={tuple(range(16)): "fsdp", (0, 1): "tp"}, accumulation=1, groups_run=1,
+                    tokens_per_group=1)
+
+
+def _op(kind, flops=0, reads=(), read_bytes=(), writes=(), write_bytes=(), phase="forward", dtype=torch.bfloat16):
+    from canon_titan.plan.recorder import Op
+
+    return Op(kind, phase, "op", flops, sum(read_bytes) + sum(write_bytes), dtype, tuple(reads), tuple(read_bytes),
+              tuple(writes), tuple(write_bytes))
+
+
+def test_the_roofline_by_hand():
+    """A 1e12-FLOP bf16 matmul (compute-bound) and a 1 GB elementwise op (memory-bound) on an H100."""
+    from canon_titan.plan.estimate import EFFICIENCY, compute_seconds
+
+    step = _trace([_op("matmul", 10**12, (0, 1), (10**6, 10**6), (2,), (10**6,)),
+                   _op("other", 0, (2,), (5 * 10**8,), (3,), (5 * 10**8,))])
+    seconds, flops, kernels = compute_seconds(step, H100, compiled=False)
+    assert seconds["matmul"] == pytest.approx(1e12 / (989e12 * EFFICIENCY["matmul"]))
+    assert seconds["other"] == pytest.approx(1e9 / (3.35e12 * EFFICIENCY["memory"]))
+    assert flops == {"matmul": 10**12, "other": 0} and kernels == 2
+
+
+def test_compile_fuses_an_elementwise_run_and_stores_only_what_leaves_it():
+    """x -> a -> b -> matmul: eager moves x, a, a, b (read and written once each); fused, the run
+    reads x and writes b once. a is used only inside the run: never stored. c, read only by the
+    backward's elementwise op, is recomputed there from x, which stays alive instead."""
+    from canon_titan.plan.estimate import compiled_memory_events, compute_seconds
+
+    mb = 2**20
+    ops = [_op("other", 0, (0,), (mb,), (1,), (mb,)),            # a = f(x)
+           _op("other", 0, (1,), (mb,), (2, 3), (mb, mb)),       # b, c = g(a)
+           _op("matmul", 10**9, (2, 9), (mb, mb), (4,), (mb,)),  # y = b @ w
+           _op("other", 0, (4, 3), (mb, mb), (5,), (mb,), phase="backward")]
+    events = [(0, 0, mb), (0, 9, mb), (1, 1, mb), (1, 0, -mb), (2, 2, mb), (2, 3, mb), (2, 1, -mb), (3, 4, mb),
+              (3, 2, -mb), (4, 5, mb), (4, 3, -mb)]
+    step = _trace(ops, events=events)
+    eager, _, _ = compute_seconds(step, H100, compiled=False)
+    fused, _, kernels = compute_seconds(step, H100, compiled=True)
+    assert fused["other"] < eager["other"]
+    assert kernels == 3  # the run, the matmul, the backward op
+    compiled = compiled_memory_events(step)
+    assert {sid for _, sid, _ in compiled} == {0, 2, 4, 5, 9}  # a (1) and c (3) are not stored
+    freed_x = [op for op, sid, delta in compiled if sid == 0 and delta < 0]
+    assert freed_x == [3]  # x lives until the backward op that recomputes c
+
+
+def test_collective_time_by_hand():
+    """An all-gather of 1 GB over 16 ranks on two nodes: 15/16 of it through each GPU's 50 GB/s
+    network link; an all-reduce inside a node: twice (n-1)/n of it over NVLink."""
+    from canon_titan.plan.estimate import COLLECTIVE_LATENCY_S, collective_seconds
+
+    assert collective_seconds("all_gather", 10**9, 16, "network", H100) == pytest.approx(
+        COLLECTIVE_LATENCY_S["network"] + 10**9 * 15 / 16 / 50e9)
+    assert collective_seconds("all_reduce", 10**9, 8, "nvlink", H100) == pytest.approx(
+        COLLECTIVE_LATENCY_S["nvlink"] + 2 * 10**9 * 7 / 8 / 450e9)
+    assert collective_seconds("all_gather", 10**9, 1, "nvlink", H100) == 0.0
+
+
+def test_the_memory_peak_by_hand():
+    from canon_titan.plan.recorder import memory_peak
+
+    step = _trace([_op("other")] * 4, events=[(0, 0, 1024), (1, 1, 2048), (2, 0, -1024), (3, 2, 512)])
+    peak = memory_peak(step.trace, {0: "parameters"})
+    assert peak.total == 3072 and peak.by_category == {"parameters": 1024, "activations": 2048}
