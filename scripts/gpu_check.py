@@ -13,7 +13,8 @@ through ``scripts/gpu_check.sh OUTDIR``, which installs the offline kit first wh
                   first-call compile+tune time, the autotuner's choices
   linear_trainer  bench_linear.py --tables trainer: llama, gla5, gdn2, mamba2 at seq 4096 and 16384
   float8          bench_canon.py --mode trainer with float8 tensorwise, then rowwise (llama_canon)
-Beside each trainer configuration, the planner's prediction when ``canon-titan plan`` exists.
+Beside each trainer configuration, the planner's prediction (``canon-titan plan`` for that GPU): a
+calibration row each.
 
 Writes OUTDIR/gpu_check.md (tables), gpu_check.json (everything) and gpu_check.log (every step's
 output). ``--tiny`` runs each step at toy size on the CPU, in Triton's interpreter: a check that the
@@ -252,9 +253,10 @@ def main(argv=None) -> int:
         report = {"tiny": args.tiny, "budget_s": args.budget, "steps": {s.name: s.result for s in todo}}
         env = report["steps"].get("env", {}).get("data", {})
         if planner_available():
-            gpu = env.get("gpu", "cpu")
+            # Tiny mode checks the plumbing on one run per step, planned for an H100.
+            gpu = "h100" if args.tiny else env.get("gpu", "h100")
             for step in todo:
-                for run in _trainer_runs(step):
+                for run in _trainer_runs(step)[:1 if args.tiny else None]:
                     run["planner"] = predict(run, gpu)
         else:
             report["planner"] = "canon-titan plan is not available in this checkout: no predictions"

@@ -10,15 +10,15 @@ def _num(value, fmt: str = ",.0f") -> str:
 
 
 def _planner(run: dict) -> str:
-    """The planner's prediction, briefly: its throughput and memory figures when it names them."""
+    """The planner's prediction beside the measurement: tokens/s, MFU and peak reserved memory."""
     prediction = run.get("planner")
     if prediction is None:
         return ""
     if "error" in prediction:
         return f"error: {' '.join(prediction['error'])}"
-    picked = {k: v for k, v in prediction.items() if isinstance(v, (int, float)) and any(
-        word in k.lower() for word in ("token", "tps", "mfu", "mem", "gib"))}
-    return ", ".join(f"{k} {_num(v, ',.4g')}" for k, v in (picked or prediction).items() if not isinstance(v, dict))
+    return (f"{_num(prediction.get('tokens_per_second_per_gpu'))} tok/s, "
+            f"{_num(100 * prediction.get('mfu', float('nan')), '.1f')}% MFU, "
+            f"{_num(prediction.get('reserved_peak_gib'), '.2f')} GiB")
 
 
 def _trainer_table(runs: list[dict], title: str, base_label: str | None) -> list[str]:

@@ -85,6 +85,26 @@ def test_preemption_saves_the_step_reached_and_resumes_exactly(tmp_path):
     assert resumed == reference
 
 
+def test_a_second_signal_or_the_end_of_the_grace_period_exits_at_once():
+    """After a stop signal a rank that has not saved within [job] stop_grace_seconds exits (75) with
+    one line; so does one that gets a second signal after the duplicate window, at once."""
+    script = ("import os, signal, sys, time\n"
+              "from canon_titan.preemption import StopSignals\n"
+              "StopSignals(int(sys.argv[1])).install()\n"
+              "os.kill(os.getpid(), signal.SIGTERM)\n"
+              "time.sleep(float(sys.argv[2]))\n"
+              "os.kill(os.getpid(), signal.SIGTERM)\n"
+              "time.sleep(60)\n")
+    for grace, gap, message, within in [(1, 60, "no checkpoint saved within [job] stop_grace_seconds = 1", 15),
+                                        (600, 3, "second SIGTERM: exiting without saving", 15)]:
+        started = time.monotonic()
+        proc = subprocess.run([sys.executable, "-c", script, str(grace), str(gap)], cwd=REPO, env=train_env(),
+                              capture_output=True, text=True, timeout=120)
+        out = proc.stdout + proc.stderr
+        assert proc.returncode == 75 and message in out and "Traceback" not in out, out
+        assert time.monotonic() - started < within
+
+
 def all_finite(step_dir):
     from canon_titan.convert.dcp_io import load_tensor, model_tensor_metadata
 
@@ -180,6 +200,10 @@ def test_resume_checks_catch_damage_changed_data_shapes_batch_and_model_only_ste
         code, err, launched = launch_checks(monkeypatch, capsys, args + extra)
         assert code == 2 and not launched and message in err and len(err.strip().splitlines()) <= 2, err
     assert "--training.global_batch_size 4 to keep the recipe" in err
+    code, err, launched = launch_checks(monkeypatch, capsys, args + [  # row 7: another family as the initial load
+        "--config", REPO / "train_configs" / "llama_canon_debug.toml", "--job.dump_folder", tmp_path / "fresh",
+        "--checkpoint.initial_load_path", run / "checkpoint" / "step-1"])
+    assert code == 2 and not launched and "is missing" in err and len(err.strip().splitlines()) <= 2, err
     code, err, launched = launch_checks(monkeypatch, capsys, args + ["--nproc", "1", "--training.global_batch_size", "2"])
     assert code == 0 and "the global batch changes from 4 to 2 sequences" in err
     # A step-0 (seed) checkpoint holds a train state too, but a run starting from it loads the model

@@ -34,8 +34,10 @@ def test_tiny_mode_runs_every_step_and_writes_the_report(tmp_path):
     assert [c["call"] for c in steps["ops"]["data"]["calls"]] == ["A", "D", "b (Mamba2)"]
     md = (out / "gpu_check.md").read_text()
     for heading in ("Loss curves", "Trainer: llama vs llama_canon", "Canon ops", "Trainer: linear models",
-                    "Trainer: float8", "canon-titan plan is not available"):
+                    "Trainer: float8", " planner |"):
         assert heading in md
+    planned = [r["planner"] for r in steps["canon_trainer"]["data"] if "planner" in r]
+    assert planned and "tokens_per_second_per_gpu" in planned[0], planned
     assert "===== float8_tensorwise: ok" in (out / "gpu_check.log").read_text()
 
 

@@ -12,7 +12,6 @@ import subprocess
 import sys
 import tempfile
 from collections import Counter
-from pathlib import Path
 
 import pytest
 import torch
@@ -188,14 +187,15 @@ def test_fsdp_at_scale_shards_as_fsdp2_does(size, gpus, monkeypatch):
 
 @pytest.mark.slow
 def test_tensor_and_pipeline_parallel_at_scale():
-    """8B on 512 ranks with TP 8 (its collectives on 8 consecutive ranks, one node; FSDP over the
-    64 ranks of a TP position) and 1B on 64 ranks with PP 4 (the four stages, built in order,
-    hold the whole model's parameters between them, once)."""
-    step = plan_step(RECIPE["8B"], ["--parallelism.tensor_parallel_degree", "8"], 512)
+    """1B on 512 ranks with TP 8 (its collectives on 8 consecutive ranks, one node; FSDP over the
+    64 ranks of a TP position; rank 0 holds about a 512th of the weights) and on 64 ranks with
+    PP 4 (the four stages, built in order, hold the whole model's parameters between them, once)."""
+    step = plan_step(RECIPE["1B"], ["--parallelism.tensor_parallel_degree", "8"], 512)
     groups = {step.group_names.get(tuple(sorted(c.group))): c.group for c in step.trace.collectives}
     assert sorted(groups["tp"]) == list(range(8))
     assert sorted(groups["fsdp"]) == list(range(0, 512, 8))
-    assert step.state_bytes["parameters"] < 8.1e9 * 4 / 512
+    weights = 4 * sum(torch.Size(s).numel() for s in _param_shapes(RECIPE["1B"], []))
+    assert weights / 512 < step.state_bytes["parameters"] < 1.1 * weights / 512
 
     overrides = ["--parallelism.pipeline_parallel_degree", "4", "--parallelism.pipeline_parallel_microbatch_size", "1",
                  "--training.local_batch_size", "4", "--training.global_batch_size", "1024"]
@@ -343,3 +343,39 @@ def test_the_memory_peak_by_hand():
     step = _trace([_op("other")] * 4, events=[(0, 0, 1024), (1, 1, 2048), (2, 0, -1024), (3, 2, 512)])
     peak = memory_peak(step.trace, {0: "parameters"})
     assert peak.total == 3072 and peak.by_category == {"parameters": 1024, "activations": 2048}
+
+
+def _readme_row(block: str, first_cells: list[str]) -> list[str]:
+    text = (REPO / "README.md").read_text()
+    body = text.split(f"<!-- plan:{block} -->", 1)[1].split(f"<!-- /plan:{block} -->", 1)[0]
+    for line in body.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if cells[:len(first_cells)] == first_cells:
+            return cells
+    raise AssertionError(f"README has no {first_cells} row in its plan:{block} table")
+
+
+@pytest.mark.slow
+def test_the_readme_plan_tables_hold():
+    """The README's recipe table and calibration table are what the planner says today, and the
+    calibration row of Llama-1B stays within the aims against its GPU measurement (memory within
+    15%, throughput within 25%)."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    import plan_recipes
+
+    from canon_titan.plan.planner import plan
+
+    cells = _readme_row("recipes", ["LlamaCanon-1B", "128"])
+    result = plan(str(REPO / "train_configs" / "LlamaCanon-1B-Nemo-1T-lr0.003.toml"), [], gpus=128,
+                  gpu=GPUS["h200"], advise=False)
+    assert float(cells[3].split()[0]) == pytest.approx(result.worst.device_bytes / 2**30, abs=0.05)
+    assert float(cells[5].replace(",", "")) == pytest.approx(result.tokens_per_s_per_gpu, rel=2e-3)
+
+    label, recipe, extra, gpu, measured_tokens, measured_gib, _ = plan_recipes.CALIBRATION[0]
+    cells = _readme_row("calibration", [label])
+    result = plan(str(REPO / "train_configs" / f"{recipe}.toml"), plan_recipes.CALIBRATION_SHAPE + extra, gpus=1,
+                  gpu=GPUS[gpu], advise=False)
+    planned_gib = result.worst.reserved_bytes / 2**30
+    assert float(cells[3].replace(",", "")) == pytest.approx(result.tokens_per_s_per_gpu, rel=2e-3)
+    assert float(cells[6].split()[0]) == pytest.approx(planned_gib, abs=0.05)
+    assert abs(planned_gib / measured_gib - 1) < 0.15 and abs(result.tokens_per_s_per_gpu / measured_tokens - 1) < 0.25

@@ -27,7 +27,7 @@ schedules and none for the zero-bubble ones.
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from canon_titan.plan.fake_world import RankStep
 from canon_titan.plan.gpus import GPU

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import sys
 import tempfile
 from dataclasses import dataclass, field
 
@@ -308,11 +309,13 @@ def pipeline_without_peers(sent: dict, recorder: StepRecorder):
 
 @contextlib.contextmanager
 def fake_process_group(rank: int, world_size: int):
+    excepthook = sys.excepthook  # init_process_group wraps it to prefix "[rankN]:" (once per plan)
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         yield
     finally:
         dist.destroy_process_group()
+        sys.excepthook = excepthook
 
 
 @contextlib.contextmanager

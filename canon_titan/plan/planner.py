@@ -174,7 +174,16 @@ def resolve(config: str, overrides: list[str], gpus: int, gpu: GPU):
     try:
         with planned_machine(KernelEnvironment.planned_gpu(gpu.capability)):
             run = load(config, overrides, environment=False)
-            trainer_config = build_trainer_config(run)
+            built = run
+            if run["float8"]["enable"]:
+                if not gpu.fp8_tflops:
+                    raise PlanError(f"{config}: [float8] enable: the {gpu.name} has no float8 tensor cores")
+                # This machine has none either: the plan builds torchao's emulation of the float8
+                # linears (eager, as the fake step is anyway) and counts their matmuls at the
+                # GPU's fp8 rate.
+                built = load(config, [*overrides, "--float8.emulate", "true", "--compile.enable", "false"],
+                             environment=False)
+            trainer_config = build_trainer_config(built)
     finally:
         if previous is None:
             os.environ.pop("WORLD_SIZE", None)
@@ -197,6 +206,10 @@ def plan(config: str, overrides: list[str], *, gpus: int, gpu: GPU, gpus_per_nod
     run, _ = resolve(config, overrides, gpus, gpu)
     par = run["parallelism"]
     pp = par["pipeline_parallel_degree"]
+    if par["context_parallel_degree"] > 1:
+        raise PlanError(f"{config}: context parallelism cannot be planned yet: its ranks learn which positions each "
+                        "holds from each other at the first step, which a fake process group cannot answer")
+
     compiled = run["compile"]["enable"] and "model" in run["compile"]["components"]
     positions = run["dataloader"]["dataset"] in SYNTHETIC or run["dataloader"]["document_masking"]
     steps: list[tuple[str, RankStep]] = []

@@ -22,8 +22,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 from torch.utils.weak import WeakIdKeyDictionary
 
-from canon_titan.plan import flops as _flops  # noqa: F401  (registers the FLOP formulas of our ops)
-from canon_titan.plan.flops import op_kind
+from canon_titan.plan.flops import op_kind  # importing it registers the FLOP formulas of our ops
 
 ALLOCATION_ROUNDING = 512
 """The CUDA caching allocator hands out multiples of 512 bytes."""

@@ -48,7 +48,7 @@ def text(plan: Plan) -> str:
     out.append("Memory per GPU at the step's peak")
     labels = ["", "peak during", "parameters", "gradients", "optimizer state", "activations",
               "rest (buffers, FSDP buffers, allocator)", "PyTorch reserved (the log's memory:)",
-              f"+ CUDA context, NCCL, workspaces", f"total of {plan.gpu.memory_gib:.1f} GiB", "verdict"]
+              "+ CUDA context, NCCL, workspaces", f"total of {plan.gpu.memory_gib:.1f} GiB", "verdict"]
     columns = []
     for kind, name in zip(plan.kinds, header):
         b = kind.breakdown()
@@ -147,6 +147,7 @@ def as_dict(plan: Plan) -> dict:
         "tokens_per_second_per_gpu": plan.tokens_per_s_per_gpu, "mfu": plan.mfu,
         "flops_per_token": plan.flops_per_token, "steps": plan.steps, "wall_seconds": plan.wall_s,
         "gpu_hours": plan.gpu_hours, "fits": plan.fits, "margin_bytes": plan.margin_bytes,
+        "reserved_peak_gib": plan.worst.reserved_bytes / GIB,
         "notes": plan.notes, "planner_seconds": plan.planner_s,
         "advice": [{"change": label, "device_total": c.worst.device_bytes,
                     "tokens_per_second_per_gpu": c.tokens_per_s_per_gpu, "mfu": c.mfu} for label, c in plan.advice],

@@ -1,0 +1,133 @@
+"""Plan every shipped release recipe at its reference GPU count (its header's "Reference run: N
+GPUs") on the release's GPU (H200), and the GPU-measured configurations against their
+measurements; print both tables as Markdown, or write them into README.md between their markers.
+
+    .venv/bin/python scripts/plan_recipes.py [--readme] [--only PATTERN] [--gpu h200]
+
+Recipes that differ only in learning rate share a plan (a 2T-token recipe scales the GPU-hours
+of its 1T twin's plan by its steps). Each plan takes 5-40 s on a 2-core CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import fnmatch
+import gc
+import re
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from canon_titan.fileio import write_atomic  # noqa: E402
+from canon_titan.plan.gpus import GIB, GPUS, find_gpu  # noqa: E402
+from canon_titan.plan.planner import plan  # noqa: E402
+
+REFERENCE = re.compile(r"^# Reference run: (\d+) GPUs x (\d+) sequences? x (\d+) tokens", re.M)
+RELEASE_GPU_HOURS_1B_1T = 5200
+"""The release's figure: "1B x 1T tokens ~ 5,200 H200 GPU-hours" (PhysicsLM4 README)."""
+
+# GPU measurements the planner is held to: the offline GPU kit's table (../shared/gpu/README.md,
+# H100, torch 2.11, Triton 3.6, 2026-11-22): one GPU, the recipe's shape on the built-in data
+# (vocabulary 784), batch 2 x 4096, compile, no activation checkpointing.
+CALIBRATION = [
+    ("Llama-1B", "Llama-1B-Nemo-1T-lr0.003", [], "h100", 45_200, 33.4, "2026-11-22, H100, torch 2.11"),
+    ("LlamaCanon-1B, torch Canon backend", "LlamaCanon-1B-Nemo-1T-lr0.003", ["--model.canon_backend", "torch"],
+     "h100", 33_400, 46.3, "2026-11-22, H100, torch 2.11"),
+]
+CALIBRATION_SHAPE = ["--training.local_batch_size", "2", "--training.global_batch_size", "2",
+                     "--model.vocab_size", "784"]
+MARKERS = {"recipes": ("<!-- plan:recipes -->", "<!-- /plan:recipes -->"),
+           "calibration": ("<!-- plan:calibration -->", "<!-- /plan:calibration -->")}
+
+
+def recipes(pattern: str | None):
+    """(model, size, reference GPU count) -> the recipes of that shape, with their token counts."""
+    shapes: dict[tuple, list] = {}
+    for path in sorted((REPO / "train_configs").glob("*-Nemo-*.toml")):
+        if pattern and not fnmatch.fnmatch(path.stem, pattern):
+            continue
+        match = REFERENCE.search(path.read_text())
+        if match is None:
+            raise SystemExit(f"{path}: no 'Reference run: N GPUs x B sequences x T tokens' header")
+        name, size, tokens = re.match(r"(\w+?)-(\d+B)-Nemo-(\d+T)", path.stem).group(1, 2, 3)
+        shapes.setdefault((name, size, int(match.group(1))), []).append((path, tokens))
+    return shapes
+
+
+def recipe_table(gpu_name: str, pattern: str | None, log) -> list[str]:
+    gpu = find_gpu(gpu_name)
+    rows = [f"| recipe | GPUs | batch per GPU | peak memory (of {gpu.memory_gib:.0f} GiB) | fits | tokens/s per GPU "
+            f"| MFU | step | GPU-hours (1T tokens) |", "|---|---:|---|---:|---|---:|---:|---:|---:|"]
+    for (model, size, gpus), entries in recipes(pattern).items():
+        path = entries[0][0]
+        started = time.perf_counter()
+        result = plan(str(path), [], gpus=gpus, gpu=gpu, advise=False)
+        log(f"{model}-{size} on {gpus} x {gpu.name}: {time.perf_counter() - started:.0f} s")
+        hours = result.gpu_hours * 1e12 / (result.steps * result.tokens_per_step)  # per 1T tokens
+        worst = result.worst
+        rows.append(f"| {model}-{size} | {gpus} | {result.local_batch} x {result.seq_len} | "
+                    f"{worst.device_bytes / GIB:.1f} GiB | {'yes' if result.fits else '**no**'} | "
+                    f"{result.tokens_per_s_per_gpu:,.0f} | {100 * result.mfu:.1f}% | {result.step_s:.2f} s | "
+                    f"{hours:,.0f} |")
+        gc.collect()
+    return rows
+
+
+def calibration_table(log) -> list[str]:
+    rows = ["| configuration | GPU | measured tokens/s | planned | planned / measured | measured memory | planned "
+            "| planned / measured | measured on |", "|---|---|---:|---:|---:|---:|---:|---:|---|"]
+    for label, recipe, extra, gpu_name, tokens, memory, when in CALIBRATION:
+        gpu = GPUS[gpu_name]
+        result = plan(str(REPO / "train_configs" / f"{recipe}.toml"), CALIBRATION_SHAPE + extra, gpus=1, gpu=gpu,
+                      advise=False)
+        log(f"calibration {label}: planned in {result.planner_s:.0f} s")
+        planned_memory = result.worst.reserved_bytes / GIB
+        rows.append(f"| {label} | {gpu.name} | {tokens:,} | {result.tokens_per_s_per_gpu:,.0f} | "
+                    f"x{result.tokens_per_s_per_gpu / tokens:.2f} | {memory} GiB | {planned_memory:.1f} GiB | "
+                    f"x{planned_memory / memory:.2f} | {when} |")
+    return rows
+
+
+def replace_block(text: str, name: str, rows: list[str]) -> str:
+    start, end = MARKERS[name]
+    if start not in text or end not in text:
+        raise SystemExit(f"README.md has no {start} ... {end} block")
+    before, rest = text.split(start, 1)
+    _, after = rest.split(end, 1)
+    stamp = f"_Planned {datetime.date.today()} with `scripts/plan_recipes.py`._"
+    return before + start + "\n" + "\n".join(rows) + "\n\n" + stamp + "\n" + end + after
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--readme", action="store_true", help="write the tables into README.md")
+    parser.add_argument("--only", help="recipes whose name matches this glob (e.g. 'Llama*-1B-*')")
+    parser.add_argument("--gpu", default="h200", help="the GPU of the recipe table (default h200, the release's)")
+    parser.add_argument("--no-calibration", action="store_true")
+    args = parser.parse_args()
+
+    def log(message: str) -> None:
+        print(f"[plan_recipes] {message}", file=sys.stderr, flush=True)
+
+    tables = {"recipes": recipe_table(args.gpu, args.only, log)}
+    if not args.no_calibration:
+        tables["calibration"] = calibration_table(log)
+    if args.readme:
+        readme = REPO / "README.md"
+        text = readme.read_text()
+        for name, rows in tables.items():
+            text = replace_block(text, name, rows)
+        write_atomic(readme, text)
+        log(f"wrote {', '.join(tables)} into {readme}")
+    else:
+        for rows in tables.values():
+            print("\n".join(rows) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
