@@ -8,7 +8,8 @@ import torch
 
 from canon_titan.data.builtin import ASSET_DIR, CORPUS_FILE, corpus_jsonl, generate_corpus
 from canon_titan.data.documents import iter_documents
-from canon_titan.data.packed import DataConfigError, PackedTextDataLoader, tokenize_stream
+from canon_titan.data.inputs import DataConfigError
+from canon_titan.data.packed import PackedTextDataLoader, tokenize_stream
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from canon_titan.cli.common import BUILTIN_TOKENIZER, OVERRIDES, fail
 from canon_titan.config import ConfigError, load
 from canon_titan.data.builtin import ASSET_DIR
 from canon_titan.data.documents import DataError
-from canon_titan.data.packed import DataConfigError
+from canon_titan.data.inputs import DataConfigError
 from canon_titan.data.pretokenize import open_shards, read_index, shard_problem, tokenize_files
 from canon_titan.data.synthetic import SyntheticDataLoader, loader_config
 from canon_titan.data.tokenizers import build_tokenizer

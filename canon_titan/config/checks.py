@@ -18,7 +18,7 @@ from canon_titan.convert.dcp_io import ConversionError, checkpoint_problem, mode
 from canon_titan.data.builtin import ASSET_DIR
 from canon_titan.data.documents import DataError, expand_inputs, file_kind
 from canon_titan.data.kinds import DATASET_KINDS, SYNTHETIC
-from canon_titan.data.packed import DataConfigError, resolve_paths
+from canon_titan.data.inputs import DataConfigError, resolve_paths
 from canon_titan.data.tokenizers import build_tokenizer
 from canon_titan.evaluation import lm
 from canon_titan.models.common.canon_args import CanonArgs

@@ -19,8 +19,8 @@ FINGERPRINT_KEY = "fingerprint"
 def data_fingerprint(dataset: str, dataset_path: str | None, sources: list[str]) -> str:
     """A JSON object: input name -> its description. Synthetic tasks (generated from the config,
     whose changes are reported with the config's) have none: ""."""
+    from canon_titan.data.inputs import resolve_paths
     from canon_titan.data.kinds import STREAM, SYNTHETIC
-    from canon_titan.data.packed import resolve_paths
     from canon_titan.data.pretokenize import read_index
 
     if dataset in SYNTHETIC:

@@ -20,34 +20,11 @@ import torch
 from torchtitan.components.dataloader import BaseDataLoader
 from torchtitan.tools.logging import logger
 
-from canon_titan.data.builtin import ASSET_DIR, CORPUS_FILE
-from canon_titan.data.documents import DATALOADER_SKIP, DataError, ReadStats, expand_inputs, file_kind, iter_documents
+from canon_titan.data.documents import DATALOADER_SKIP, DataError, ReadStats, iter_documents
 from canon_titan.data.fingerprint import FINGERPRINT_KEY, data_fingerprint
-from canon_titan.data.pretokenize import open_shards, read_index
+from canon_titan.data.inputs import DataConfigError, resolve_paths
+from canon_titan.data.pretokenize import open_shards
 from canon_titan.data.token_store import TokenStore
-
-
-class DataConfigError(ValueError):
-    pass
-
-
-def resolve_paths(dataset: str, dataset_path: str | None) -> list[str]:
-    if dataset == "builtin":
-        return [str(ASSET_DIR / CORPUS_FILE)]
-    if dataset in ("files", "tokens"):
-        if not dataset_path:
-            raise DataConfigError(f"dataloader.dataset_path is required when dataloader.dataset = {dataset!r}")
-        if dataset == "tokens":
-            read_index(dataset_path)
-            return [dataset_path]
-        try:
-            paths = expand_inputs(dataset_path)
-        except DataError as e:
-            raise DataConfigError(f"dataloader.dataset_path {e}") from None
-        for path in paths:
-            file_kind(path)
-        return paths
-    raise DataConfigError(f"unknown dataloader.dataset {dataset!r}; available: builtin, files, tokens")
 
 
 def document_positions(tokens: torch.Tensor, bos_id: int) -> torch.Tensor:

@@ -38,7 +38,7 @@ from torchtitan.components.dataloader import BaseDataLoader
 from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.tools.logging import logger
 
-from canon_titan.data.packed import DataConfigError
+from canon_titan.data.inputs import DataConfigError
 from synthetic_data.common import Sample
 from synthetic_data.tasks import PAD, SECTION, make_task
 

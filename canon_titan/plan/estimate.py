@@ -71,8 +71,8 @@ class RankTime:
     collectives: list[CollectiveCost]
     exposed_comm_s: float
     """Communication not hidden behind compute."""
-    bubble_s: float
     step_s: float
+    """Compute and exposed communication (a pipeline's bubble is the plan's: the slowest stage sets it)."""
     flops_by_kind: dict[str, int]
     """Every FLOP the step runs (recomputation included), per op kind."""
     kernels: int
@@ -115,7 +115,7 @@ def _op_seconds(gpu: GPU, kind: str, op, nbytes: int) -> float:
 
 
 def _fused_regions(ops) -> list[tuple[int, int]]:
-    """Runs [start, end) of consecutive ``other`` ops with bytes, within one phase."""
+    """Runs [start, end) of consecutive ``other`` (elementwise, reduction, copy) ops within one phase."""
     regions, start = [], None
     for i, op in enumerate(ops):
         fusible = op.kind == "other"
@@ -286,11 +286,12 @@ def _phase_share(step: RankStep, gpu: GPU) -> dict[str, float]:
     return {phase: t / total for phase, t in per_phase.items()}
 
 
-def bubble_slots(schedule: str, stages: int, stages_per_rank: int) -> float:
-    """Idle microbatch slots of a pipeline schedule per accumulation group."""
-    if stages <= 1 or schedule in ZERO_BUBBLE:
+def bubble_slots(schedule: str, ranks: int, stages_per_rank: int) -> float:
+    """Idle microbatch slots of a pipeline schedule over ``ranks`` pipeline ranks, per accumulation
+    group."""
+    if ranks <= 1 or schedule in ZERO_BUBBLE:
         return 0.0
-    return (stages - 1) / stages_per_rank
+    return (ranks - 1) / stages_per_rank
 
 
 def rank_time(step: RankStep, gpu: GPU, *, compiled: bool, gpus_per_node: int) -> RankTime:
@@ -309,5 +310,5 @@ def rank_time(step: RankStep, gpu: GPU, *, compiled: bool, gpus_per_node: int) -
         units = max(1, sum(1 for c in step.trace.collectives if c.phase == phase
                            and step.group_names.get(tuple(sorted(c.group))) in DATA_PARALLEL_GROUPS))
         exposed_s += comm / units + max(0.0, comm - phase_compute)
-    return RankTime(compute, costs, exposed_s, 0.0, total_compute + exposed_s, flops, kernels, compiled,
+    return RankTime(compute, costs, exposed_s, total_compute + exposed_s, flops, kernels, compiled,
                     share.get("optimizer", 0.0))

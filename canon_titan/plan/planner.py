@@ -245,7 +245,7 @@ def plan(config: str, overrides: list[str], *, gpus: int, gpu: GPU, gpus_per_nod
         microbatches = first.pp_microbatches * accumulation
         stages_per_rank = first.stages_per_rank
         per_microbatch = slowest.time.compute_total_s * (1 - slowest.time.optimizer_share) / microbatches
-        bubble = bubble_slots(par["pipeline_parallel_schedule"], pp * stages_per_rank, stages_per_rank) \
+        bubble = bubble_slots(par["pipeline_parallel_schedule"], pp, stages_per_rank) \
             * per_microbatch * accumulation
     result = Plan(
         config=config, model=f"{run['model']['name']} {run['model']['flavor']}", overrides=list(overrides), gpu=gpu,

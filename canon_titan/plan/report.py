@@ -77,7 +77,8 @@ def text(plan: Plan) -> str:
         if not kind.time.collectives:
             out.append("    none")
         for c in kind.time.collectives:
-            out.append(f"    {c.kind:<15} {c.group:<13} {c.ranks:>5} ranks  {c.link:<8} {c.count:>6} x  "
+            ranks = str(c.ranks) if c.ranks else "?"
+            out.append(f"    {c.kind:<15} {c.group:<13} {ranks:>5} ranks  {c.link:<8} {c.count:>6} x  "
                        f"{_bytes(c.bytes):>11}  {c.seconds * 1e3:9.1f} ms")
     out.append("")
 
