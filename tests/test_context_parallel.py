@@ -115,6 +115,20 @@ def test_sharded_sequence_equals_the_whole_one(name, overrides, balancer, docume
                                        atol=1e-5 * expected[key].abs().max().item(), msg=lambda m: f"{key}: {m}")
 
 
+def test_rank_positions_are_pytorchs_head_tail_split():
+    """Every rank's share of a sequence, computed locally, is the split of PyTorch's head-tail
+    load balancer (which TorchTitan's cp_shard applies), or contiguous chunks without one."""
+    from torch.distributed.tensor.experimental._context_parallel._load_balancer import _HeadTailLoadBalancer
+
+    from canon_titan.models.common.context_parallel import rank_positions
+
+    for seq_len, size in [(48, 2), (64, 4), (4096, 8)]:
+        order = _HeadTailLoadBalancer(seq_len, size, "cpu")._generate_indices()[0].tolist()
+        length = seq_len // size
+        assert rank_positions(seq_len, size, "headtail") == [order[r * length:(r + 1) * length] for r in range(size)]
+        assert sum(rank_positions(seq_len, size, None), []) == list(range(seq_len))
+
+
 @pytest.mark.parametrize("name,overrides,key", [
     ("gla5", [], "has no context-parallel path"),
     ("llama_canon", ["--parallelism.tensor_parallel_degree", "2"], "not with tensor or pipeline"),

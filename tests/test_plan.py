@@ -109,13 +109,15 @@ LAYOUTS = {
     "FSDP 2": (2, []),
     "TP 2": (2, ["--parallelism.tensor_parallel_degree", "2"]),
     "FSDP 2 x TP 2": (4, ["--parallelism.tensor_parallel_degree", "2"]),
+    "CP 2": (2, ["--parallelism.context_parallel_degree", "2"]),
 }
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_a_plan_equals_the_real_run(layout, monkeypatch):
-    """Rank 0 of a plan against rank 0 of the same config on real gloo processes: parameters,
+    """Rank 0 of a plan against rank 0 of the same config on real gloo processes (FSDP, TP, FSDP x
+    TP, CP): parameters,
     gradients and optimizer state to the byte, every collective's bytes by kind, group and phase,
     the FLOPs of every op, and the activation peak within 10% of torch's MemTracker on the real
     step (the Canon layers on the torch backend in both: the real run is on a CPU)."""

@@ -71,14 +71,15 @@ class ContextShards:
     """[batch, seq] document number of every global position, when documents are masked."""
 
     @classmethod
-    def build(cls, group, all_index: torch.Tensor, documents: torch.Tensor | None = None) -> ContextShards:
-        """From the global positions every rank holds (``all_index`` [size, L])."""
+    def build(cls, group, positions: list[list[int]], device, documents: torch.Tensor | None = None) -> ContextShards:
+        """From the global positions every rank holds (``positions[r]``, in rank r's local order)."""
         rank, size = dist.get_rank(group), dist.get_world_size(group)
-        runs = [contiguous_runs(all_index[r].tolist()) for r in range(size)]
+        runs = [contiguous_runs(p) for p in positions]
         ends = {start + length: (r, j) for r, rank_runs in enumerate(runs)
                 for j, (_, start, length) in enumerate(rank_runs)}
         sources = [None if start == 0 else ends[start] for _, start, _ in runs[rank]]
-        return cls(group=group, rank=rank, size=size, index=all_index[rank], key_index=all_index.flatten(),
+        return cls(group=group, rank=rank, size=size, index=torch.tensor(positions[rank], device=device),
+                   key_index=torch.tensor([p for rank_positions in positions for p in rank_positions], device=device),
                    runs=runs[rank], halo_sources=sources, max_runs=max(len(r) for r in runs), documents=documents)
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
@@ -128,19 +129,29 @@ class ContextShards:
         return torch.cat(pieces, dim=1)
 
 
+def rank_positions(seq_len: int, size: int, load_balancer: str | None) -> list[list[int]]:
+    """The global positions each of ``size`` CP ranks holds, in its local order, as TorchTitan's
+    ``cp_shard`` splits the sequence: by PyTorch's head-tail load balancer (``_HeadTailLoadBalancer``:
+    of 2 x size equal chunks, rank r holds chunk r then chunk 2 x size - 1 - r), or in one
+    contiguous chunk each. Every rank knows every rank's share without asking."""
+    if load_balancer:
+        chunk = seq_len // (2 * size)
+        return [list(range(r * chunk, (r + 1) * chunk)) + list(range((2 * size - 1 - r) * chunk, (2 * size - r) * chunk))
+                for r in range(size)]
+    length = seq_len // size
+    return [list(range(r * length, (r + 1) * length)) for r in range(size)]
+
+
 def context_parallel_inputs(input_dict: dict, labels: torch.Tensor, cp_mesh, load_balancer: str | None):
     """The trainer's hook: this rank's share of the tokens, labels and RoPE positions, and the
     ``ContextShards`` the blocks receive as ``attention_masks``."""
     inputs = input_dict["input"]
     batch, seq_len = inputs.shape
     positions = input_dict.get("positions")
-    index = torch.arange(seq_len, device=inputs.device).expand(batch, seq_len)
     documents = torch.cumsum(positions == 0, dim=1) if positions is not None else None
-    rope_positions = positions if positions is not None else index
-    (inputs, labels, rope_positions, local_index), _ = titan_cp.cp_shard(
-        cp_mesh, (inputs, labels, rope_positions, index.contiguous()), None, load_balancer)
-    group = cp_mesh.get_group()
-    all_index = local_index.new_empty(cp_mesh.size() * local_index.shape[1])
-    dist.all_gather_single(all_index, local_index[0].contiguous(), group=group)
-    shards = ContextShards.build(group, all_index.view(cp_mesh.size(), -1), documents)
+    if positions is None:
+        positions = torch.arange(seq_len, device=inputs.device).expand(batch, seq_len).contiguous()
+    (inputs, labels, rope_positions), _ = titan_cp.cp_shard(cp_mesh, (inputs, labels, positions), None, load_balancer)
+    shards = ContextShards.build(cp_mesh.get_group(), rank_positions(seq_len, cp_mesh.size(), load_balancer),
+                                 inputs.device, documents)
     return inputs, labels, {"positions": rope_positions, "attention_masks": shards}
