@@ -15,9 +15,10 @@ What differs from a real run, and why:
 - Optimizer state exists from the start, as in every step after the first.
 - At most two gradient-accumulation groups run; the others repeat the second exactly.
 - Pipeline stages learn their neighbours' tensor shapes without them: the stages of a plan are
-  built in order, each passing on what it would send, and a stage takes its output gradients'
-  shapes from its outputs (as PyTorch does when the shapes are given). That exchange, done once
-  before the first step, is not part of the step recorded.
+  built in order, each passing on what it would send (a looped schedule's later stage on an early
+  rank takes the shapes of an earlier boundary: a decoder passes the same hidden states across
+  each), and a stage takes its output gradients' shapes from its outputs (as PyTorch does when
+  the shapes are given). That exchange, done once before the first step, is not recorded.
 """
 
 from __future__ import annotations
@@ -285,10 +286,14 @@ def pipeline_without_peers(sent: dict, recorder: StepRecorder):
     def recv_meta(self, src_stage):
         if src_stage > self.stage_index:  # output gradients: the outputs' shapes
             return _StageBackwardMeta(backward_metas=_derive_grad_metas(self._stage_meta.outputs))
-        if (src_stage, self.stage_index) not in sent:
-            raise RuntimeError(f"stage {self.stage_index} takes its input from stage {src_stage}, which is not planned "
-                               "before it: schedules with several stages per rank cannot be planned yet")
-        return sent[(src_stage, self.stage_index)]
+        if (src_stage, self.stage_index) in sent:
+            return sent[(src_stage, self.stage_index)]
+        # A looped schedule's later stage on an early rank: its source is planned after it. Every
+        # boundary of a decoder carries the same hidden states, so an earlier boundary's shapes do.
+        if not sent:
+            raise RuntimeError(f"stage {self.stage_index} takes its input from stage {src_stage}, and no stage "
+                               "boundary has been planned before it")
+        return sent[min(sent)]
 
     def unrecorded(method):
         def run(self, *args, **kwargs):

@@ -30,6 +30,8 @@ OUTSIDE_PYTORCH_GIB = 1.5
 """GPU memory PyTorch's allocator does not see: the CUDA context, NCCL's buffers, library
 workspaces."""
 REST = ("buffers", "gathered parameters", "communication buffers")
+LOOPED_SCHEDULES = {"Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"}
+"""Pipeline schedules with several stages per rank."""
 
 
 class PlanError(RuntimeError):
@@ -192,9 +194,11 @@ def resolve(config: str, overrides: list[str], gpus: int, gpu: GPU):
     return run, trainer_config
 
 
-def _stage_roles(pp: int) -> list[str]:
+def _stage_roles(pp: int, looped: bool) -> list[str]:
     if pp == 1:
         return ["every rank"]
+    if looped:
+        return [f"pipeline rank {s}" for s in range(pp)]
     return ["first stage"] + [f"stage {s}" for s in range(1, pp - 1)] + ["last stage"]
 
 
@@ -211,7 +215,8 @@ def plan(config: str, overrides: list[str], *, gpus: int, gpu: GPU, gpus_per_nod
     positions = run["dataloader"]["dataset"] in SYNTHETIC or run["dataloader"]["document_masking"]
     steps: list[tuple[str, RankStep]] = []
     sent: dict = {}
-    for stage, role in enumerate(_stage_roles(pp)):
+    looped = par["pipeline_parallel_schedule"] in LOOPED_SCHEDULES
+    for stage, role in enumerate(_stage_roles(pp, looped)):
         rank = stage * gpus // pp
         if progress:
             progress(f"building and stepping rank {rank} of {gpus} ({role}) on fake tensors")
