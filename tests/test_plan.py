@@ -381,3 +381,15 @@ def test_the_readme_plan_tables_hold():
     assert float(cells[3].replace(",", "")) == pytest.approx(result.tokens_per_s_per_gpu, rel=2e-3)
     assert float(cells[6].split()[0]) == pytest.approx(planned_gib, abs=0.05)
     assert abs(planned_gib / measured_gib - 1) < 0.15 and abs(result.tokens_per_s_per_gpu / measured_tokens - 1) < 0.25
+
+
+def test_a_looped_pipeline_schedule_plans_each_rank_with_its_stages():
+    """Interleaved1F1B on 2 pipeline ranks: each holds two of the four stages (the later one's
+    input shapes taken from an earlier boundary), and together they hold the model once."""
+    overrides = DEBUG + ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule",
+                         "Interleaved1F1B", "--parallelism.pipeline_parallel_microbatch_size", "1"]
+    sent: dict = {}
+    ranks = [plan_step(CONFIGS["llama"], overrides, 4, rank=r, sent=sent) for r in (0, 2)]
+    assert [r.stages_per_rank for r in ranks] == [2, 2]
+    assert sum(r.param_count for r in ranks) == sum(torch.Size(s).numel() for s in _param_shapes(CONFIGS["llama"], []))
+    assert all(any(c.kind == "send" for c in r.trace.collectives) for r in ranks)
