@@ -127,7 +127,6 @@ def test_a_plan_equals_the_real_run(layout, monkeypatch):
     planned = summary(plan_step(CONFIGS["llama_canon"], overrides, world))
     assert planned["state"] == real["state"]
     assert planned["collectives"] == real["collectives"]
-    assert (world > 1) == bool(real["collectives"]) or world == 1
     assert planned["flops"] == real["flops"]
     assert abs(planned["activation_peak"] / tracked - 1) < 0.10, (planned["activation_peak"], tracked)
 

@@ -76,7 +76,6 @@ class RankTime:
     flops_by_kind: dict[str, int]
     """Every FLOP the step runs (recomputation included), per op kind."""
     kernels: int
-    compiled: bool
     optimizer_share: float = 0.0
     """The optimizer's share of the compute (outside the pipeline's microbatches)."""
 
@@ -89,14 +88,15 @@ class RankTime:
         return sum(self.flops_by_kind.values())
 
 
-def _group_scale(step: RankStep, op_index: int, marks: dict[str, int]) -> float:
-    """How many times the op at ``op_index`` runs in the full step (accumulation groups that
-    the recording stood in for)."""
+def repeats(step: RankStep, op_index: int) -> int:
+    """How many times the op (or collective) at ``op_index`` runs in the full step: the second
+    recorded accumulation group stands for every group after the first."""
+    marks = step.trace.marks
     if step.groups_run < 2 or step.accumulation <= step.groups_run:
-        return 1.0
+        return 1
     if marks.get("group 1", 0) <= op_index < marks.get("optimizer", 1 << 62):
-        return float(step.accumulation - 1)
-    return 1.0
+        return step.accumulation - 1
+    return 1
 
 
 def _peak_flops(gpu: GPU, op) -> float:
@@ -203,7 +203,7 @@ def compiled_memory_events(step: RankStep) -> list[tuple[int, int, int]]:
 
 def compute_seconds(step: RankStep, gpu: GPU, compiled: bool) -> tuple[dict[str, float], dict[str, int], int]:
     """Seconds and executed FLOPs per op kind for the whole step, and the kernels launched."""
-    ops, marks = step.trace.ops, step.trace.marks
+    ops = step.trace.ops
     seconds: dict[str, float] = defaultdict(float)
     flops: dict[str, int] = defaultdict(int)
     kernels = 0
@@ -216,7 +216,7 @@ def compute_seconds(step: RankStep, gpu: GPU, compiled: bool) -> tuple[dict[str,
     i = 0
     while i < len(ops):
         op = ops[i]
-        scale = _group_scale(step, i, marks)
+        scale = repeats(step, i)
         if i in fused_at:
             end, nbytes = fused_at[i]
             region_flops = sum(o.flops for o in ops[i:end])
@@ -247,16 +247,16 @@ def collective_seconds(kind: str, nbytes: int, n: int, link: str, gpu: GPU) -> f
     return COLLECTIVE_LATENCY_S[link] + nbytes * factor / bandwidth
 
 
-def collectives(step: RankStep, gpu: GPU, gpus_per_node: int) -> tuple[list[CollectiveCost], dict[str, float],
-                                                                        dict[str, float]]:
-    """Collective costs grouped by kind and group, and the data-parallel (overlappable) seconds by
-    phase with the first/last one of each phase, and the rest (exposed) by phase."""
+def collectives(step: RankStep, gpu: GPU, gpus_per_node: int):
+    """Collective costs grouped by kind and group; per phase, the seconds of the data-parallel ones
+    (which prefetching overlaps with compute) and how many they are; per phase, the seconds of the
+    others (on the critical path)."""
     grouped: dict[tuple[str, str], CollectiveCost] = {}
     overlappable: dict[str, float] = defaultdict(float)
+    units: dict[str, int] = defaultdict(int)
     exposed: dict[str, float] = defaultdict(float)
-    marks = step.trace.marks
     for c in step.trace.collectives:
-        scale = _group_scale(step, c.op_index, marks)
+        scale = repeats(step, c.op_index)
         name = step.group_names.get(tuple(sorted(c.group)), "other") if c.group else "other"
         link = _link(c.group, gpus_per_node) if c.group else "nvlink"
         n = len(c.group)
@@ -271,9 +271,10 @@ def collectives(step: RankStep, gpu: GPU, gpus_per_node: int) -> tuple[list[Coll
         phase = "backward" if c.phase == "optimizer" and name in DATA_PARALLEL_GROUPS else c.phase
         if name in DATA_PARALLEL_GROUPS and n > 1:
             overlappable[phase] += seconds
+            units[phase] += 1
         else:
             exposed[phase] += seconds
-    return sorted(grouped.values(), key=lambda c: -c.seconds), dict(overlappable), dict(exposed)
+    return sorted(grouped.values(), key=lambda c: -c.seconds), overlappable, units, exposed
 
 
 def _phase_share(step: RankStep, gpu: GPU) -> dict[str, float]:
@@ -281,7 +282,7 @@ def _phase_share(step: RankStep, gpu: GPU) -> dict[str, float]:
     per_phase: dict[str, float] = defaultdict(float)
     for i, op in enumerate(step.trace.ops):
         if op.bytes or op.flops:
-            per_phase[op.phase] += _group_scale(step, i, step.trace.marks) * _op_seconds(gpu, op.kind, op, op.bytes)
+            per_phase[op.phase] += repeats(step, i) * _op_seconds(gpu, op.kind, op, op.bytes)
     total = sum(per_phase.values()) or 1.0
     return {phase: t / total for phase, t in per_phase.items()}
 
@@ -297,7 +298,7 @@ def bubble_slots(schedule: str, ranks: int, stages_per_rank: int) -> float:
 def rank_time(step: RankStep, gpu: GPU, *, compiled: bool, gpus_per_node: int) -> RankTime:
     """This rank's step without the pipeline bubble (which the slowest stage sets: ``plan``)."""
     compute, flops, kernels = compute_seconds(step, gpu, compiled)
-    costs, overlappable, exposed = collectives(step, gpu, gpus_per_node)
+    costs, overlappable, units, exposed = collectives(step, gpu, gpus_per_node)
     total_compute = sum(compute.values())
     share = _phase_share(step, gpu)
     exposed_s = sum(exposed.values())
@@ -307,8 +308,5 @@ def rank_time(step: RankStep, gpu: GPU, *, compiled: bool, gpus_per_node: int) -
             continue
         phase_compute = total_compute * share.get(phase, 0.0)
         # The first all-gather of a phase (or its last reduce-scatter) waits alone.
-        units = max(1, sum(1 for c in step.trace.collectives if c.phase == phase
-                           and step.group_names.get(tuple(sorted(c.group))) in DATA_PARALLEL_GROUPS))
-        exposed_s += comm / units + max(0.0, comm - phase_compute)
-    return RankTime(compute, costs, exposed_s, total_compute + exposed_s, flops, kernels, compiled,
-                    share.get("optimizer", 0.0))
+        exposed_s += comm / units[phase] + max(0.0, comm - phase_compute)
+    return RankTime(compute, costs, exposed_s, total_compute + exposed_s, flops, kernels, share.get("optimizer", 0.0))

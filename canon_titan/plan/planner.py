@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from canon_titan.config import ConfigError, load
 from canon_titan.data.kinds import SYNTHETIC
 from canon_titan.kernels.backends import KernelEnvironment, planned_machine
-from canon_titan.plan.estimate import DATA_PARALLEL_GROUPS, RankTime, bubble_slots, compiled_memory_events, rank_time
+from canon_titan.plan.estimate import DATA_PARALLEL_GROUPS, RankTime, bubble_slots, compiled_memory_events, rank_time, repeats
 from canon_titan.plan.fake_world import RankStep, fake_rank_step
 from canon_titan.plan.gpus import GIB, GPU
 from canon_titan.plan.recorder import MemoryPeak, memory_peak
@@ -141,14 +141,8 @@ def _categories(step: RankStep) -> dict[int, str]:
 
 def _model_flops(step: RankStep) -> int:
     """3x the forward's counted FLOPs, over the whole step's accumulation groups."""
-    marks = step.trace.marks
-    total = 0
-    for i, op in enumerate(step.trace.ops):
-        if op.phase == "forward" and op.flops:
-            repeat = step.accumulation - 1 if (step.groups_run == 2 and marks.get("group 1", 1 << 62) <= i
-                                                < marks.get("optimizer", 1 << 62)) else 1
-            total += 3 * op.flops * repeat
-    return total
+    return sum(3 * op.flops * repeats(step, i) for i, op in enumerate(step.trace.ops)
+               if op.phase == "forward" and op.flops)
 
 
 @contextlib.contextmanager
@@ -262,7 +256,7 @@ def plan(config: str, overrides: list[str], *, gpus: int, gpu: GPU, gpus_per_nod
     )
     result.notes = _notes(run, result)
     if advise and not result.fits:
-        result.advice = _advice(config, overrides, run, result, gpus=gpus, gpu=gpu, gpus_per_node=gpus_per_node,
+        result.advice = _advice(config, overrides, run, gpus=gpus, gpu=gpu, gpus_per_node=gpus_per_node,
                                 progress=progress)
     result.planner_s = time.perf_counter() - started
     return result
@@ -318,13 +312,17 @@ def _candidates(run, gpus: int, gpus_per_node: int) -> list[tuple[str, list[str]
     return out
 
 
-def _advice(config, overrides, run, result: Plan, *, gpus, gpu, gpus_per_node, progress, tries: int = 6):
-    """The first changes (of each kind) that make the run fit, each planned."""
+def _advice(config, overrides, run, *, gpus, gpu, gpus_per_node, progress, tries: int = 6):
+    """The first change of each kind (AC, local batch, TP, PP) that makes the run fit, each planned;
+    at most ``tries`` plans."""
     found, kinds_done = [], set()
-    for label, extra in _candidates(run, gpus, gpus_per_node)[:tries]:
+    for label, extra in _candidates(run, gpus, gpus_per_node):
         kind = label.split()[0]
         if kind in kinds_done:
             continue
+        if tries == 0:
+            break
+        tries -= 1
         if progress:
             progress(f"does it fit with {label}?")
         try:

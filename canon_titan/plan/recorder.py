@@ -197,9 +197,6 @@ class StepRecorder(TorchDispatchMode):
     def mark(self, name: str) -> None:
         self.trace.marks[name] = len(self.trace.ops)
 
-    def live_bytes(self) -> int:
-        return sum(self._sizes.values())
-
     # --- ops ------------------------------------------------------------------------------------
 
     def phase(self) -> str:
