@@ -188,14 +188,14 @@ def test_fsdp_at_scale_shards_as_fsdp2_does(size, gpus, monkeypatch):
 
 @pytest.mark.slow
 def test_tensor_and_pipeline_parallel_at_scale():
-    """1B on 512 ranks with TP 8 (its collectives on 8 consecutive ranks, one node; FSDP over the
-    64 ranks of a TP position; rank 0 holds about a 512th of the weights) and on 64 ranks with
+    """8B on 512 ranks with TP 8 (its collectives on 8 consecutive ranks, one node; FSDP over the
+    64 ranks of a TP position; rank 0 holds about a 512th of the weights) and 1B on 64 ranks with
     PP 4 (the four stages, built in order, hold the whole model's parameters between them, once)."""
-    step = plan_step(RECIPE["1B"], ["--parallelism.tensor_parallel_degree", "8"], 512)
+    step = plan_step(RECIPE["8B"], ["--parallelism.tensor_parallel_degree", "8"], 512)
     groups = {step.group_names.get(tuple(sorted(c.group))): c.group for c in step.trace.collectives}
     assert sorted(groups["tp"]) == list(range(8))
     assert sorted(groups["fsdp"]) == list(range(0, 512, 8))
-    weights = 4 * sum(torch.Size(s).numel() for s in _param_shapes(RECIPE["1B"], []))
+    weights = 4 * sum(torch.Size(s).numel() for s in _param_shapes(RECIPE["8B"], []))
     assert weights / 512 < step.state_bytes["parameters"] < 1.1 * weights / 512
 
     overrides = ["--parallelism.pipeline_parallel_degree", "4", "--parallelism.pipeline_parallel_microbatch_size", "1",
