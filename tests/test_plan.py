@@ -10,7 +10,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 from collections import Counter
 
 import pytest
@@ -51,7 +50,7 @@ def summary(step) -> dict:
             "flops": sum(op.flops for op in step.trace.ops), "activation_peak": peak.total - state}
 
 
-def _real_worker(rank, world, port, config, overrides, queue):
+def _real_worker(rank, world, port, config, overrides, dump_folder, queue):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world))
     try:
@@ -65,7 +64,7 @@ def _real_worker(rank, world, port, config, overrides, queue):
 
         runtime.apply()
         config_ = build_trainer_config(load(config, overrides))
-        config_.dump_folder = tempfile.mkdtemp()
+        config_.dump_folder = dump_folder
         config_.checkpoint.enable = False
         config_.metrics.enable_tensorboard = False
         config_.metrics.log_freq, config_.metrics.last_step, config_.run_toml = 10**9, 0, ""
@@ -88,11 +87,11 @@ def _real_worker(rank, world, port, config, overrides, queue):
             dist.destroy_process_group()
 
 
-def real_run(config, overrides, world):
+def real_run(config, overrides, world, dump_folder):
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_real_worker, args=(r, world, port, str(config), overrides, queue))
+    procs = [ctx.Process(target=_real_worker, args=(r, world, port, str(config), overrides, str(dump_folder), queue))
              for r in range(world)]
     for p in procs:
         p.start()
@@ -115,7 +114,7 @@ LAYOUTS = {
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_a_plan_equals_the_real_run(layout, monkeypatch):
+def test_a_plan_equals_the_real_run(layout, tmp_path):
     """Rank 0 of a plan against rank 0 of the same config on real gloo processes (FSDP, TP, FSDP x
     TP, CP): parameters,
     gradients and optimizer state to the byte, every collective's bytes by kind, group and phase,
@@ -123,7 +122,7 @@ def test_a_plan_equals_the_real_run(layout, monkeypatch):
     step (the Canon layers on the torch backend in both: the real run is on a CPU)."""
     world, extra = LAYOUTS[layout]
     overrides = DEBUG + ["--model.canon_backend", "torch", *extra]
-    real, tracked = real_run(CONFIGS["llama_canon"], overrides, world)
+    real, tracked = real_run(CONFIGS["llama_canon"], overrides, world, tmp_path)
     planned = summary(plan_step(CONFIGS["llama_canon"], overrides, world))
     assert planned["state"] == real["state"]
     assert planned["collectives"] == real["collectives"]
@@ -164,7 +163,7 @@ def _param_shapes(config, overrides):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("size,gpus", [("1B", 64), ("8B", 512)])
-def test_fsdp_at_scale_shards_as_fsdp2_does(size, gpus, monkeypatch):
+def test_fsdp_at_scale_shards_as_fsdp2_does(size, gpus):
     """A 1B and an 8B recipe on 64 and 512 ranks with the real FSDP code: rank 0 holds the first
     torch.chunk piece of every parameter (fp32), as much again in gradients and twice plus a step
     counter per tensor in AdamW state; its all-gathers move every parameter padded to the world
@@ -278,7 +277,7 @@ def _trace(ops, collectives=(), events=(), marks=None):
 
     trace = StepTrace(ops=list(ops), collectives=list(collectives), memory_events=list(events),
                       marks=marks or {"group 0": 0, "optimizer": len(ops)})
-    return RankStep(rank=0, world_size=16, trace=trace, categories={}, state_bytes={},
+    return RankStep(rank=0, trace=trace, categories={}, state_bytes={},
                     group_names={tuple(range(16)): "fsdp", (0, 1): "tp"}, accumulation=1, groups_run=1,
                     tokens_per_group=1)
 

@@ -29,6 +29,7 @@ import os
 import sys
 import tempfile
 from dataclasses import dataclass, field
+from unittest.mock import patch
 
 import torch
 import torch.distributed as dist
@@ -69,7 +70,6 @@ class ShapeOnlyBatches:
     batch_size: int
     seq_len: int
     positions: bool
-    dp_world_size: int = 1
 
     def __iter__(self):
         while True:
@@ -88,8 +88,7 @@ class ShapeOnlyData:
     def build(self, **kwargs):
         if "local_batch_size" not in kwargs:  # the tokenizer
             return None
-        return ShapeOnlyBatches(kwargs["local_batch_size"], kwargs["seq_len"], self.positions,
-                                kwargs["dp_world_size"])
+        return ShapeOnlyBatches(kwargs["local_batch_size"], kwargs["seq_len"], self.positions)
 
 
 @dataclass
@@ -97,7 +96,6 @@ class RankStep:
     """What one rank's step did, with what the trace needs to be read."""
 
     rank: int
-    world_size: int
     trace: StepTrace
     categories: dict[int, str]
     """Storage id -> parameters, gradients, optimizer state or buffers."""
@@ -223,7 +221,6 @@ def record_step(trainer, recorder: StepRecorder, *, max_groups: int = 2, modes=(
     tokens = trainer.config.training.local_batch_size * trainer.config.training.seq_len
     return RankStep(
         rank=dist.get_rank() if dist.is_initialized() else 0,
-        world_size=dims.world_size,
         trace=recorder.trace,
         categories=categories,
         state_bytes={"parameters": _bytes(params), "gradients": _bytes(grads),
@@ -242,7 +239,7 @@ def record_step(trainer, recorder: StepRecorder, *, max_groups: int = 2, modes=(
     )
 
 
-def for_fake_world(config, *, positions: bool) -> None:
+def for_fake_world(config, *, positions: bool, dump_folder: str) -> None:
     """Adjust a built ``Trainer.Config`` to run as one fake rank: no files written (no checkpoints,
     metrics, run_config.toml or evaluation), no compile, no logging steps, shape-only batches."""
     config.metrics.enable_tensorboard = False
@@ -253,7 +250,7 @@ def for_fake_world(config, *, positions: bool) -> None:
     config.compile = dataclasses.replace(config.compile, enable=False)
     config.evaluation = None
     config.run_toml = ""
-    config.dump_folder = tempfile.mkdtemp(prefix="canon-titan-plan-")
+    config.dump_folder = dump_folder
     config.dataloader = ShapeOnlyData(positions)
     config.tokenizer = ShapeOnlyData(positions)
 
@@ -363,33 +360,26 @@ def fake_rank_step(config, *, rank: int, world_size: int, positions: bool, fp8_l
     from torchtitan.distributed import ParallelDims
 
     runtime.apply()
-    for_fake_world(config, positions=positions)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
 
     class FakeRankTrainer(CanonTrainer):
         def init_distributed(self):
             return ParallelDims.from_config(self.config.parallelism, world_size)
 
-    environ = {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
-    os.environ.update(RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE=str(world_size))
-    try:
-        with fake_process_group(rank, world_size):
-            with materialized_as_fake(fake_mode):
-                trainer = FakeRankTrainer(config)
-            recorder = StepRecorder()
-            if fp8_linears:
-                _mark_fp8_linears(trainer, recorder)
-            modes = (fake_mode, FakeScalars(), pipeline_without_peers({} if pipeline_sent is None else pipeline_sent,
-                                                                       recorder))
-            step = record_step(trainer, recorder, modes=modes)
-            trainer.close()
-            return step
-    finally:
-        for key, value in environ.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+    with tempfile.TemporaryDirectory(prefix="canon-titan-plan-") as dump_folder, \
+            patch.dict(os.environ, RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE=str(world_size)), \
+            fake_process_group(rank, world_size):
+        for_fake_world(config, positions=positions, dump_folder=dump_folder)
+        with materialized_as_fake(fake_mode):
+            trainer = FakeRankTrainer(config)
+        recorder = StepRecorder()
+        if fp8_linears:
+            _mark_fp8_linears(trainer, recorder)
+        modes = (fake_mode, FakeScalars(), pipeline_without_peers({} if pipeline_sent is None else pipeline_sent,
+                                                                   recorder))
+        step = record_step(trainer, recorder, modes=modes)
+        trainer.close()
+        return step
 
 
 def _mark_fp8_linears(trainer, recorder: StepRecorder) -> None:

@@ -8,6 +8,7 @@ formulas do; a backward counts what its kernel computes.
 from __future__ import annotations
 
 import importlib
+import math
 
 import torch
 from torch.utils.flop_counter import register_flop_formula, sdpa_backward_flop_count, sdpa_flop_count
@@ -55,22 +56,22 @@ def _cpu_sdpa_backward(grad_out_shape, query_shape, key_shape, value_shape, *arg
 # the backward computes the input gradient and the weight gradient, 2 K each.
 @register_flop_formula(ops.canon_conv)
 def _canon(x_shape, weight_shape, *args, out_shape=None, **kwargs) -> int:
-    return 2 * _numel(x_shape) * weight_shape[-1]
+    return 2 * math.prod(x_shape) * weight_shape[-1]
 
 
 @register_flop_formula(ops.canon_conv_backward)
 def _canon_backward(dy_shape, x_shape, weight_shape, *args, out_shape=None, **kwargs) -> int:
-    return 4 * _numel(x_shape) * weight_shape[-1]
+    return 4 * math.prod(x_shape) * weight_shape[-1]
 
 
 @register_flop_formula(ops.canon_swiglu)
 def _canon_swiglu(gate_shape, up_shape, weight_shape, *args, out_shape=None, **kwargs) -> int:
-    return 2 * 2 * _numel(gate_shape) * weight_shape[-1]
+    return 2 * 2 * math.prod(gate_shape) * weight_shape[-1]
 
 
 @register_flop_formula(ops.canon_swiglu_backward)
 def _canon_swiglu_backward(dy_shape, gate_shape, up_shape, weight_shape, *args, out_shape=None, **kwargs) -> int:
-    return 4 * 2 * _numel(gate_shape) * weight_shape[-1]
+    return 4 * 2 * math.prod(gate_shape) * weight_shape[-1]
 
 
 def _gla_forward(q_shape, v_shape, chunk: int) -> int:
@@ -140,10 +141,3 @@ def _ssd_backward(dy_shape, d_final_shape, x_shape, dt_shape, a_shape, b_shape, 
                   chunk_size, *args, out_shape=None, **kwargs) -> int:
     batch, seq_len, heads, head_dim = x_shape
     return 2 * _ssd_forward(x_shape, b_shape, chunk_size) + 2 * batch * seq_len * heads * head_dim * b_shape[3]
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n

@@ -9,11 +9,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import shutil
 import sys
 import time
 import warnings
 from dataclasses import dataclass, field
+from unittest.mock import patch
 
 from canon_titan.config import ConfigError, load
 from canon_titan.data.kinds import SYNTHETIC
@@ -165,27 +165,18 @@ def resolve(config: str, overrides: list[str], gpus: int, gpu: GPU):
     on ``gpu`` (not this machine: its data paths, tokenizer files and hardware are not checked)."""
     from canon_titan.config.build import build_trainer_config
 
-    previous = os.environ.get("WORLD_SIZE")
-    os.environ["WORLD_SIZE"] = str(gpus)
-    try:
-        with planned_machine(KernelEnvironment.planned_gpu(gpu.capability)):
-            run = load(config, overrides, environment=False)
-            built = run
-            if run["float8"]["enable"]:
-                if not gpu.fp8_tflops:
-                    raise PlanError(f"{config}: [float8] enable: the {gpu.name} has no float8 tensor cores")
-                # This machine has none either: the plan builds torchao's emulation of the float8
-                # linears (eager, as the fake step is anyway) and counts their matmuls at the
-                # GPU's fp8 rate.
-                built = load(config, [*overrides, "--float8.emulate", "true", "--compile.enable", "false"],
-                             environment=False)
-            trainer_config = build_trainer_config(built)
-    finally:
-        if previous is None:
-            os.environ.pop("WORLD_SIZE", None)
-        else:
-            os.environ["WORLD_SIZE"] = previous
-    return run, trainer_config
+    with patch.dict(os.environ, WORLD_SIZE=str(gpus)), planned_machine(KernelEnvironment.planned_gpu(gpu.capability)):
+        run = load(config, overrides, environment=False)
+        built = run
+        if run["float8"]["enable"]:
+            if not gpu.fp8_tflops:
+                raise PlanError(f"{config}: [float8] enable: the {gpu.name} has no float8 tensor cores")
+            # This machine has none either: the plan builds torchao's emulation of the float8
+            # linears (eager, as the fake step is anyway) and counts their matmuls at the
+            # GPU's fp8 rate.
+            built = load(config, [*overrides, "--float8.emulate", "true", "--compile.enable", "false"],
+                         environment=False)
+        return run, build_trainer_config(built)
 
 
 def _stage_roles(pp: int, looped: bool) -> list[str]:
@@ -222,8 +213,6 @@ def plan(config: str, overrides: list[str], *, gpus: int, gpu: GPU, gpus_per_nod
         except (ValueError, RuntimeError, AssertionError) as e:
             raise PlanError(f"{config}: the run fails to build on {gpus} GPUs (rank {rank}): "
                             f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}") from e
-        finally:
-            shutil.rmtree(trainer_config.dump_folder, ignore_errors=True)
         steps.append((role, step))
     kinds = []
     for role, step in steps:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 
 from canon_titan.plan.gpus import GIB
@@ -65,7 +66,7 @@ def text(plan: Plan) -> str:
     for kind, name in zip(plan.kinds, header):
         flops = kind.time.executed_flops
         col = [name]
-        col += [f"{kind_flops(kind, k) / 1e12:.1f} TFLOP" for k in KINDS]
+        col += [f"{kind.time.flops_by_kind.get(k, 0) / 1e12:.1f} TFLOP" for k in KINDS]
         col += [f"{flops / 1e12:.1f} TFLOP", f"{kind.model_flops / 1e12:.1f} TFLOP"]
         columns.append(col)
     out += _table(labels, columns) + [""]
@@ -114,15 +115,11 @@ def text(plan: Plan) -> str:
     return "\n".join(out)
 
 
-def kind_flops(kind, op_kind: str) -> int:
-    return kind.time.flops_by_kind.get(op_kind, 0)
-
-
 def as_dict(plan: Plan) -> dict:
     def rank(kind) -> dict:
         return {
             "role": kind.role, "rank": kind.rank,
-            "memory": {"peak_phase": kind.memory.phase, **{k: v for k, v in kind.breakdown().items()},
+            "memory": {"peak_phase": kind.memory.phase, **kind.breakdown(),
                        "allocated_peak": kind.memory.total, "reserved_peak": kind.reserved_bytes,
                        "device_total": kind.device_bytes,
                        "fits": kind.device_bytes <= plan.gpu.memory_bytes,
@@ -138,7 +135,7 @@ def as_dict(plan: Plan) -> dict:
 
     return {
         "config": plan.config, "model": plan.model, "overrides": plan.overrides,
-        "gpu": {**plan.gpu.__dict__, "capability": list(plan.gpu.capability)},
+        "gpu": dataclasses.asdict(plan.gpu),
         "gpus": plan.gpus, "gpus_per_node": plan.gpus_per_node, "parallel": plan.parallel,
         "local_batch": plan.local_batch, "seq_len": plan.seq_len, "accumulation": plan.accumulation,
         "global_batch": plan.global_batch, "tokens_per_step": plan.tokens_per_step, "compile": plan.compiled,
