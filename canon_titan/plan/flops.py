@@ -7,14 +7,15 @@ formulas do; a backward counts what its kernel computes.
 
 from __future__ import annotations
 
-import importlib
 import math
 
 import torch
 from torch.utils.flop_counter import register_flop_formula, sdpa_backward_flop_count, sdpa_flop_count
 
-for _kernel in ("canon", "delta_rule", "gla", "ssd"):  # they define the custom ops
-    importlib.import_module(f"canon_titan.kernels.{_kernel}")
+import canon_titan.kernels.canon  # noqa: F401  (the kernel modules define the custom ops)
+import canon_titan.kernels.delta_rule  # noqa: F401
+import canon_titan.kernels.gla  # noqa: F401
+import canon_titan.kernels.ssd  # noqa: F401
 
 aten, ops = torch.ops.aten, torch.ops.canon_titan
 
