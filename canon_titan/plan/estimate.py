@@ -3,8 +3,8 @@ their process groups cross, FSDP's overlap, the pipeline bubble.
 
 Compute. Each op takes the longer of its FLOPs at the GPU's peak for its kind and its bytes at
 the HBM bandwidth, each at the fraction of peak that such kernels reach (``EFFICIENCY``), and no
-less than ``MIN_KERNEL_S``. Causal attention does half its counted FLOPs (flash kernels skip the
-masked blocks).
+less than ``MIN_KERNEL_S``. Causal attention does its causal share of the counted FLOPs (flash
+kernels skip the masked blocks; ``recorder.causal_share``).
 
 Compile. The plan runs eagerly (fake tensors cannot run compiled code). With ``[compile]`` on,
 every run of consecutive elementwise/reduction ops between two matmuls, attention or custom
@@ -108,7 +108,7 @@ def _peak_flops(gpu: GPU, op) -> float:
 
 
 def _op_seconds(gpu: GPU, kind: str, op, nbytes: int) -> float:
-    flops = op.flops / 2 if op.causal else op.flops
+    flops = op.flops * op.attended
     t_mem = nbytes / (gpu.hbm_tb_s * 1e12 * EFFICIENCY["memory"])
     t_flops = flops / (_peak_flops(gpu, op) * EFFICIENCY[kind]) if kind in EFFICIENCY and flops else 0.0
     return max(t_flops, t_mem, MIN_KERNEL_S)

@@ -54,6 +54,19 @@ def _mutated(func, args, kwargs) -> list[torch.Tensor]:
     return out
 
 
+def causal_share(queries: int, keys: int, diagonal: int = 0) -> float:
+    """The share of a [queries, keys] score matrix that ``tril(diagonal)`` keeps: query i sees
+    keys 0 .. i + diagonal. Causal attention is ``diagonal = keys - queries`` (aligned to the lower
+    right, as the fused kernels and ``causal_lower_right`` have it; 0 for a square one)."""
+    if not queries or not keys:
+        return 1.0
+    a = diagonal + 1  # query i sees min(max(i + a, 0), keys) keys
+    none_until = min(max(1 - a, 0), queries)
+    all_from = max(min(max(keys - a, 0), queries), none_until)
+    growing = (all_from - 1 + none_until) * (all_from - none_until) // 2 + a * (all_from - none_until)
+    return (growing + (queries - all_from) * keys) / (queries * keys)
+
+
 def tensor_bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -75,8 +88,9 @@ class Op:
     write_bytes: tuple[int, ...]
     fp8: bool = False
     """A matmul of float8 operands (or one inside a float8 linear, where the plan emulates them)."""
-    causal: bool = False
-    """An attention op with a causal mask (its kernel skips the masked half)."""
+    attended: float = 1.0
+    """An attention op's share of the score matrix that is computed: a causal mask's kept entries
+    (fused kernels skip the fully masked blocks), 1 for no mask or any other mask."""
 
 
 @dataclass
@@ -120,6 +134,11 @@ class StepRecorder(TorchDispatchMode):
         self._orig_resize = None
         self._depth = 0
         self._paused = 0
+        # Causal masks that PyTorch's CPU attention materializes where the GPU kernels take a flag
+        # (``causal_lower_right``): storage id -> the share of scores they keep. They and the ones
+        # tensor they are cut from are left out of the memory a plan counts.
+        self._causal_masks: dict[int, float] = {}
+        self._ones: set[int] = set()
 
     # --- storages -------------------------------------------------------------------------------
 
@@ -144,6 +163,42 @@ class StepRecorder(TorchDispatchMode):
     def register(self, tensors) -> set[int]:
         """Storage ids of tensors that exist before recording (parameters, optimizer state, ...)."""
         return {self.storage_id(t) for t in tensors}
+
+    def _unaccounted(self, sid: int) -> None:
+        """A storage that is no GPU memory: its allocation is taken back out of the trace."""
+        for i in range(len(self.trace.memory_events) - 1, -1, -1):
+            if self.trace.memory_events[i][1] == sid:
+                del self.trace.memory_events[i]
+                break
+        self._sizes[sid] = 0
+
+    def _causal_mask(self, func, args, inputs, writes, outputs) -> None:
+        """Follow a causal mask through its making: ones, ``tril``, and ``where`` to a float bias."""
+        packet = func._overloadpacket
+        if packet is torch.ops.aten.ones and writes:
+            self._ones.add(writes[0])
+        elif packet is torch.ops.aten.tril and outputs and outputs[0].dtype == torch.bool and outputs[0].dim() == 2:
+            source = self.storage_id(inputs[0])
+            if source in self._ones:
+                queries, keys = outputs[0].shape
+                diagonal = args[1] if len(args) > 1 else 0
+                self._causal_masks[writes[0]] = causal_share(queries, keys, diagonal)
+                self._unaccounted(source)
+                self._unaccounted(writes[0])
+        elif packet is torch.ops.aten.where and inputs and writes and self.storage_id(inputs[0]) in self._causal_masks:
+            self._causal_masks[writes[0]] = self._causal_masks[self.storage_id(inputs[0])]
+            self._unaccounted(writes[0])
+
+    def _attended(self, func, args, kwargs) -> float:
+        query, key = _argument(func, args, kwargs, "query"), _argument(func, args, kwargs, "key")
+        if query is None or key is None:
+            return 1.0
+        if _argument(func, args, kwargs, "is_causal"):
+            return causal_share(query.shape[-2], key.shape[-2], key.shape[-2] - query.shape[-2])
+        mask = _argument(func, args, kwargs, "attn_mask")
+        if isinstance(mask, torch.Tensor):
+            return self._causal_masks.get(self.storage_id(mask), 1.0)
+        return 1.0
 
     def _resize(self, st, size):
         self._orig_resize(st, size)
@@ -237,10 +292,11 @@ class StepRecorder(TorchDispatchMode):
         dtype = inputs[0].dtype if inputs else (outputs[0].dtype if outputs else None)
         fp8 = kind == "matmul" and (self._fp8_context > 0 or _in_float8_backward() or any(
             t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) for t in inputs))
-        causal = kind == "attention" and bool(_argument(func, args, kwargs, "is_causal"))
+        self._causal_mask(func, args, inputs, writes, outputs)
+        attended = self._attended(func, args, kwargs) if kind == "attention" else 1.0
         self.trace.ops.append(Op(kind, self.phase(), str(packet).split("::")[-1], int(flops),
                                  sum(read_bytes) + sum(write_bytes), dtype, reads, read_bytes, writes, write_bytes,
-                                 fp8, causal))
+                                 fp8, attended))
         return out
 
     def _collective(self, func, out, args, kwargs) -> None:

@@ -51,6 +51,9 @@ class CanonConv(Module):
         self.bias = nn.Parameter(torch.empty(config.channels)) if config.bias else None
         # Set by tensor parallelism where the inputs are column-sharded (Canon-B/D, short convolutions).
         self.channel_shard: ChannelShard | None = None
+        # Set by tensor parallelism where the layer starts a block's TP region (Canon-A/C under
+        # sequence parallelism): its weights' local gradients are partial sums over the TP group.
+        self.partial_gradients = False
 
     def reset_parameters(self) -> None:
         """PyTorch's conv initialisation, for a config built without ``param_init``."""
@@ -61,7 +64,8 @@ class CanonConv(Module):
     def _weights(self, like: torch.Tensor, sizes: list[int]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """(weight [c, K], bias) for consecutive inputs of ``sizes`` channels (this rank's share of
         each under tensor parallelism)."""
-        weight, bias = local(self.weight, like).squeeze(1), local(self.bias, like)
+        weight = local(self.weight, like, self.partial_gradients).squeeze(1)
+        bias = local(self.bias, like, self.partial_gradients)
         if self.channel_shard is not None:
             weights = self.channel_shard.rows(weight, sizes)
             biases = self.channel_shard.rows(bias, sizes) if bias is not None else [None] * len(sizes)
@@ -74,7 +78,7 @@ class CanonConv(Module):
                   norm: RMSNorm | None) -> torch.Tensor:
         row_scale = col_scale = None
         if norm is not None:
-            row_scale, col_scale = norm.inverse_rms(x).squeeze(-1), local(norm.weight, x)
+            row_scale, col_scale = norm.inverse_rms(x).squeeze(-1), local(norm.weight, x, self.partial_gradients)
         return canon_conv(x, weight, bias, row_scale=row_scale, col_scale=col_scale, residual=self.residual,
                           activation=self.activation, backend=self.backend)
 

@@ -7,9 +7,14 @@ The layers see it through ``ContextShards``, which the trainer hands every block
 ``attention_masks`` argument:
 
 * attention gathers K and V of the whole sequence from the CP group (the design Llama 3 used;
-  the gather's backward reduce-scatters their gradients) and masks by global position: causal,
-  and within a document when the run masks documents. Softmax does not care about the order of
-  the keys, so the gathered keys stay in rank order and the mask follows them.
+  the gather's backward reduce-scatters their gradients). Causal attention then runs per
+  contiguous run of the rank's queries against the keys before it, in global order: a run of n
+  queries starting at global position g attends to the first g + n keys, causal aligned to the
+  lower right (``torch.nn.attention.bias.causal_lower_right``), which the fused GPU kernels
+  take as a flag and skip the masked blocks of. Each rank computes only its causal share of the
+  scores (with the head-tail split, every rank the same share), and no mask is built. With
+  document masking the rank's queries attend to all gathered keys (in rank order) under an
+  explicit mask: causal and within a document.
 * a Canon layer needs, for the first token of each contiguous run of its rows, the K - 1 tokens
   before it, which another rank holds (or none: the sequence start, where the convolution pads
   with zeros). Every rank all-gathers the last K - 1 rows of each of its runs (a halo exchange)
@@ -21,11 +26,15 @@ The result is the unsharded model's on every token; the tests compare CP runs wi
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
+from torch.utils._python_dispatch import _disable_current_modes
 # Called through the module: torch < 2.13 (the offline GPU image's 2.11) lacks the name, and this
 # module is imported by the config checks of every run.
 import torch.distributed._functional_collectives as funcol
@@ -69,6 +78,16 @@ class ContextShards:
     """The most runs a rank holds (headtail on 2 ranks: rank 0 holds 2, rank 1 one run of 2 chunks)."""
     documents: torch.Tensor | None = None
     """[batch, seq] document number of every global position, when documents are masked."""
+    causal_biases: list = dataclasses.field(default_factory=list)
+    """For each run, its lower-right causal bias (None for a run from position 0: plain causal)."""
+
+    def __post_init__(self):
+        # Made here, in the trainer's eager hook: torch.compile cannot construct the bias (a tensor
+        # subclass) inside a compiled block, and no tensor subclass can be constructed under the
+        # dispatch modes that plans and counters run the step in, so these are made outside them.
+        with _disable_current_modes():
+            self.causal_biases = [None if first == 0 else causal_lower_right(length, first + length)
+                                  for _, first, length in self.runs]
 
     @classmethod
     def build(cls, group, positions: list[list[int]], device, documents: torch.Tensor | None = None) -> ContextShards:
@@ -88,13 +107,34 @@ class ContextShards:
         return gathered.view(self.size, *x.shape).movedim(0, 1).flatten(1, 2)
 
     @functools.cached_property
-    def attention_mask(self) -> torch.Tensor:
-        """[batch or 1, 1, L, size x L]: query row i may see gathered key j."""
+    def document_mask(self) -> torch.Tensor:
+        """[batch, 1, L, size x L]: query row i may see gathered key j (causal, same document)."""
         causal = self.key_index[None, :] <= self.index[:, None]
-        if self.documents is None:
-            return causal[None, None]
         same = self.documents[:, self.index, None] == self.documents[:, None, self.key_index]
         return (causal & same)[:, None]
+
+    @functools.cached_property
+    def global_order(self) -> torch.Tensor | None:
+        """Where each global position sits in a gather (None when the gather is in global order)."""
+        order = torch.argsort(self.key_index)
+        return None if torch.equal(order, torch.arange(len(order), device=order.device)) else order
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, enable_gqa: bool) -> torch.Tensor:
+        """Attention of this rank's queries to the whole sequence's keys: [batch, L, heads, dim]
+        (the local q, k, v) -> [batch, L, heads, dim_v]."""
+        k, v = self.gather(k), self.gather(v)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if self.documents is not None:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=self.document_mask, enable_gqa=enable_gqa)
+            return out.transpose(1, 2)
+        if self.global_order is not None:
+            k, v = k.index_select(2, self.global_order), v.index_select(2, self.global_order)
+        outs = []
+        for (start, first, length), bias in zip(self.runs, self.causal_biases):
+            end = first + length  # the keys this run sees: global positions [0, end)
+            outs.append(F.scaled_dot_product_attention(q[:, :, start:start + length], k[:, :, :end], v[:, :, :end],
+                                                       attn_mask=bias, is_causal=bias is None, enable_gqa=enable_gqa))
+        return torch.cat(outs, dim=2).transpose(1, 2)
 
     def with_halos(self, x: torch.Tensor, kernel_size: int) -> torch.Tensor:
         """[batch, L, C] -> each run with the ``kernel_size - 1`` rows before it in front."""

@@ -2,8 +2,8 @@
 meet); each family names its mixer's layout (``MixerLayout``):
 - q/k/v, the up-projections of the rank-16 gates and per-head projections are column-sharded,
   o_proj row-sharded; per-head parameters (A_log, dt_bias) are sharded with the heads. The rank-16
-  down-projections stay replicated: every rank computes the whole bottleneck, and the
-  column-sharded up-projection sums its input gradient over the group.
+  down-projections stay replicated: every rank computes the whole bottleneck inside the block's TP
+  region (``ReplicatedLinear``), its gradients partial sums like the region's.
 - The short convolutions (b) on q/k/v are depthwise: each rank applies the rows of its channels
   (``ChannelShard``), the full weight replicated with its gradient summed.
 - The per-head gated RMSNorm's weight is shared by all heads: replicated, gradient summed.
@@ -16,13 +16,10 @@ from dataclasses import dataclass
 
 import torch.nn as nn
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    PrepareModuleInputOutput,
-    RowwiseParallel,
-)
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from canon_titan.models.common.parallelize import channel_shard, feed_forward_plan, parallelize_plan, sequence_parallel_plan
+from canon_titan.models.common.parallelize import (ReplicatedLinear, channel_shard, feed_forward_plan,
+                                                   parallelize_block_plan, region_plan)
 
 
 @dataclass(frozen=True)
@@ -39,14 +36,6 @@ class MixerLayout:
     """The per-head gated RMSNorm whose shared weight's gradient is summed."""
 
 
-def _replicated_linear() -> PrepareModuleInputOutput:
-    """A replicated weight on a plain, identical-on-every-rank input: a plain output back."""
-    return PrepareModuleInputOutput(
-        input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),),
-        output_layouts=(Replicate(),), desired_output_layouts=(Replicate(),), use_local_output=True,
-    )
-
-
 def parallelize_block(block, tp_mesh, enable_sp: bool, *, layout: MixerLayout) -> None:
     mixer = block.mixer
     for name in layout.per_head:
@@ -58,10 +47,8 @@ def parallelize_block(block, tp_mesh, enable_sp: bool, *, layout: MixerLayout) -
             conv.channel_shard = channel_shard(tp_mesh)
     residual = Shard(1) if enable_sp else Replicate()
     plan = {f"mixer.{name}": ColwiseParallel() for name in layout.colwise}
-    plan.update({f"mixer.{name}": _replicated_linear() for name in layout.replicated})
+    plan.update({f"mixer.{name}": ReplicatedLinear() for name in layout.replicated})
     plan["mixer.o_proj"] = RowwiseParallel(output_layouts=residual)
     plan.update(feed_forward_plan(block, tp_mesh, residual))
-    if enable_sp:
-        plan.update(sequence_parallel_plan(block, (("canonA", "mixer_norm", "mixer", 1),
-                                                   ("canonC", "ffn_norm", "feed_forward", 1))))
-    parallelize_plan(block, tp_mesh, plan)
+    plan.update(region_plan(block, (("canonA", "mixer_norm", "mixer"), ("canonC", "ffn_norm", "feed_forward")), enable_sp))
+    parallelize_block_plan(block, tp_mesh, plan)

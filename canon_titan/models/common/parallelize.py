@@ -1,25 +1,37 @@
 """What every family's ``parallelize`` does around its own tensor-parallel block plan: the
-vocab-parallel embedding and output, sequence parallelism around the Canon layers, then activation
-checkpointing, per-block compile and FSDP2/HSDP (in that order, as TorchTitan's llama3 does). PP is
-TorchTitan's ``pipeline_llm``, which calls the family's function on every stage.
+vocab-parallel embedding and output, the TP regions of each block, then activation checkpointing,
+per-block compile and FSDP2/HSDP (in that order, as TorchTitan's llama3 does). PP is TorchTitan's
+``pipeline_llm``, which calls the family's function on every stage.
+
+A block's TP region: each half of a block (mixer or attention; feed-forward) starts where its input
+is made whole on every TP rank (all-gathered along the sequence under sequence parallelism, else
+taken as the replicated residual stream) and ends at its row-parallel output projection. Inside,
+activations are plain tensors and their gradients are *partial sums*: each rank holds what its own
+shards contribute (the column-parallel linears' input gradients are left unreduced). The region's
+entry reduces them once: one reduce-scatter under sequence parallelism, one all-reduce without it,
+however many linears read the input (TorchTitan's scheme; reducing at every linear costs one
+all-reduce each). Parameters that every rank applies whole inside a region (the Canon-A/C weights
+and their fused norm, the linear models' low-rank bottlenecks) get partial gradients too, summed
+over the TP group (a ``Partial`` DTensor gradient, which FSDP2 reduces).
 
 Sequence parallelism with Canon layers: Canon-A and Canon-C mix along the sequence, so the
 activations are all-gathered *before* them and they always see the whole sequence. They run the
-RMSNorm before them themselves (fused), so there the gather moves before the norm, which every TP
-rank then computes on the whole sequence (its replicated weight gets the same full gradient on each).
-Every parameter a block plan leaves alone is replicated over the TP mesh, so all parameters share
-one mesh layout under FSDP x TP (which gradient-norm clipping needs).
+RMSNorm before them themselves (fused), so there the region starts before the norm, which every TP
+rank then computes on the whole sequence. Every parameter a block plan leaves alone is replicated
+over the TP mesh, so all parameters share one mesh layout under FSDP x TP (which gradient-norm
+clipping needs).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
-    PrepareModuleInput,
+    ParallelStyle,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -54,27 +66,67 @@ class EmbeddingParallel(RowwiseParallel):
         return outputs.to_local() if use_local_output else outputs
 
 
-def gather_sequence(n_args: int) -> PrepareModuleInput:
-    """All-gather a sequence-sharded first input and hand the module a plain full tensor."""
-    return PrepareModuleInput(
-        input_layouts=(Shard(1),) + (None,) * (n_args - 1),
-        desired_input_layouts=(Replicate(),) + (None,) * (n_args - 1),
-        use_local_output=True,
-    )
+def region_input(x: torch.Tensor, tp_mesh, layout: Placement) -> torch.Tensor:
+    """A TP region's input made whole (all-gathered from ``Shard(1)``, or taken as replicated), as
+    a plain tensor whose gradient arrives as partial sums: the backward reduce-scatters (or
+    all-reduces) their total once."""
+    dt = x if isinstance(x, DTensor) else DTensor.from_local(x, tp_mesh, (layout,), run_check=False)
+    if dt.placements != (Replicate(),):
+        dt = dt.redistribute(placements=(Replicate(),))
+    return dt.to_local(grad_placements=(Partial(),))
 
 
-def sequence_parallel_plan(block, halves: tuple[tuple[str, str, str, int], ...]) -> dict:
-    """Plan entries for sequence parallelism over a block's halves, each given as (Canon layer,
-    norm, sublayer, sublayer's positional inputs): the norm runs on the sequence shard and the
-    activations are gathered before the sublayer; where the Canon layer exists it takes the norm
-    inside, so the block's stream is gathered before it instead."""
+def _inside_region(x: torch.Tensor, tp_mesh) -> DTensor:
+    """A region's plain activation as the replicated DTensor a TP linear takes, its input gradient
+    left a partial sum (no collective)."""
+    return DTensor.from_local(x, tp_mesh, (Replicate(),), run_check=False, grad_placements=(Partial(),))
+
+
+class RegionInput(ParallelStyle):
+    """Where a block's TP region starts: the module's first positional input goes through
+    ``region_input`` (``layout`` is how it arrives: ``Shard(1)`` under sequence parallelism)."""
+
+    def __init__(self, layout: Placement):
+        super().__init__()
+        self.layout = layout
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        def hook(_, args):
+            return (region_input(args[0], device_mesh, self.layout), *args[1:])
+
+        module.register_forward_pre_hook(hook)
+        return module
+
+
+class ReplicatedLinear(ParallelStyle):
+    """A linear every TP rank applies whole inside a region (the linear models' low-rank
+    bottlenecks): replicated weight, plain input and output; its input and weight gradients stay
+    partial sums like the region's (FSDP2 reduces the weight's ``Partial`` gradient)."""
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        return distribute_module(
+            module, device_mesh,
+            input_fn=lambda _, args, mesh: (_inside_region(args[0], mesh), *args[1:]),
+            output_fn=lambda _, out, mesh: out.to_local(grad_placements=(Partial(),)),
+        )
+
+
+def region_plan(block, halves: tuple[tuple[str, str, str], ...], enable_sp: bool) -> dict:
+    """Where each half of a block starts its TP region, each half given as (Canon layer, norm,
+    sublayer). Under sequence parallelism the norm runs on the sequence shard and the activations
+    are gathered before the sublayer; where the Canon layer exists it takes the norm inside, so the
+    block's stream is gathered before it instead, and its weights join the region. Without
+    sequence parallelism the region starts at the sublayer."""
     plan = {}
-    for canon, norm, sublayer, n_args in halves:
-        if getattr(block, canon) is not None:
-            plan[canon] = gather_sequence(2)  # (x, norm)
+    for canon, norm, sublayer in halves:
+        if not enable_sp:
+            plan[sublayer] = RegionInput(Replicate())
+        elif getattr(block, canon) is not None:
+            plan[canon] = RegionInput(Shard(1))
+            getattr(block, canon).partial_gradients = True
         else:
             plan[norm] = SequenceParallel()
-            plan[sublayer] = gather_sequence(n_args)
+            plan[sublayer] = RegionInput(Shard(1))
     return plan
 
 
@@ -136,6 +188,18 @@ def float8_collectives(tp_mesh) -> bool:
 def parallelize_plan(module: nn.Module, tp_mesh, plan: dict) -> None:
     """``parallelize_module``, with the float8 styles where the module's linears take them."""
     parallelize_module(module, tp_mesh, float8_styles(module, plan) if float8_collectives(tp_mesh) else plan)
+
+
+def parallelize_block_plan(block: nn.Module, tp_mesh, plan: dict) -> None:
+    """``parallelize_plan`` for a block whose plan includes its ``region_plan``: every
+    column-parallel linear (all of them read region activations) takes its input as
+    ``_inside_region`` does, before its own style (plain or float8) sees it."""
+    parallelize_plan(block, tp_mesh, plan)
+    for name, style in plan.items():
+        if isinstance(style, ColwiseParallel):
+            block.get_submodule(name).register_forward_pre_hook(
+                lambda _, args: (_inside_region(args[0], tp_mesh), *args[1:]) if not isinstance(args[0], DTensor) else args,
+                prepend=True)
 
 
 def apply_tp(model: nn.Module, tp_mesh, *, enable_sp: bool, parallelize_block: Callable) -> None:

@@ -4,16 +4,20 @@ from __future__ import annotations
 
 import torch
 import torch.distributed._functional_collectives as funcol
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Partial
 
 
-def local(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor | None:
+def local(t: torch.Tensor | None, like: torch.Tensor, partial_gradient: bool = False) -> torch.Tensor | None:
     """A DTensor parameter as a plain tensor when the activation it meets is plain.
 
-    Used for parameters replicated over the TP mesh whose inputs are identical on every TP
-    rank, so their local gradients are already the full, identical gradients.
+    For a parameter replicated over the TP mesh whose local gradient is already the full,
+    identical gradient on every rank; or, with ``partial_gradient``, one applied inside a block's
+    TP region (``common.parallelize``), where each rank's local gradient is a partial sum: it is
+    returned as a ``Partial`` gradient, which FSDP2 sums over the mesh.
     """
     if isinstance(t, DTensor) and not isinstance(like, DTensor):
+        if partial_gradient:
+            return t.to_local(grad_placements=tuple(Partial() if p.is_replicate() else p for p in t.placements))
         return t.to_local()
     return t
 

@@ -81,10 +81,9 @@ class Attention(Module):
         k = k.view(batch, seq_len, -1, self.head_dim)
         v = v.view(batch, seq_len, -1, self.head_dim)
         q, k = self.rope(q, k, positions)
-        if shards is not None:  # context parallel: the keys and values of the whole sequence
-            k, v, mask = shards.gather(k), shards.gather(v), shards.attention_mask
-        else:
-            mask = None if positions is None else document_causal_mask(positions)
+        if shards is not None:  # context parallel: against the keys and values of the whole sequence
+            return self.wo(shards.attention(q, k, v, self.enable_gqa).flatten(2))
+        mask = None if positions is None else document_causal_mask(positions)
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
             attn_mask=mask, is_causal=mask is None, enable_gqa=self.enable_gqa,

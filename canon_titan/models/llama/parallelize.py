@@ -4,7 +4,7 @@
   channels (``ChannelShard``); the full weight stays replicated and its gradient is summed;
 - the flat QK-norm spans all heads: its weight is sharded with the columns and the mean square
   is summed over the TP group;
-- Canon-A/C and sequence parallelism as every family (``common.parallelize``).
+- Canon-A/C, the TP regions and sequence parallelism as every family (``common.parallelize``).
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import torch.nn as nn
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from canon_titan.models.common.parallelize import (channel_shard, feed_forward_plan, parallelize_decoder,
-                                                   parallelize_plan, sequence_parallel_plan)
+from canon_titan.models.common.parallelize import (channel_shard, feed_forward_plan, parallelize_block_plan,
+                                                   parallelize_decoder, region_plan)
 
 
 def parallelize_block(block, tp_mesh, enable_sp: bool) -> None:
@@ -32,11 +32,10 @@ def parallelize_block(block, tp_mesh, enable_sp: bool) -> None:
         "attention.wv": ColwiseParallel(),
         "attention.wo": RowwiseParallel(output_layouts=residual),
         **feed_forward_plan(block, tp_mesh, residual),
+        **region_plan(block, (("canonA", "attention_norm", "attention"), ("canonC", "ffn_norm", "feed_forward")),
+                      enable_sp),
     }
-    if enable_sp:
-        plan.update(sequence_parallel_plan(block, (("canonA", "attention_norm", "attention", 2),
-                                                   ("canonC", "ffn_norm", "feed_forward", 1))))
-    parallelize_plan(block, tp_mesh, plan)
+    parallelize_block_plan(block, tp_mesh, plan)
 
 
 def parallelize_llama(model, **kwargs):
