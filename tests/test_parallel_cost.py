@@ -228,3 +228,20 @@ def test_the_plan_counts_a_lower_right_causal_attention_by_its_share():
     assert causal_share(queries, queries) == pytest.approx((queries + 1) / (2 * queries))
     mask_bytes = {queries * keys, queries * keys * 4}  # the bool mask and its float bias
     assert not [e for e in recorder.trace.memory_events if abs(e[2]) in mask_bytes]
+
+
+def test_the_plan_of_tp_moves_activations_by_gather_and_reduce_scatter():
+    """The issue's plan (``llama_debug`` at TP 2 with sequence parallelism): the TP all-reduces
+    (QK-norm statistics, replicated weights' gradients) are under a quarter of the all-gathers'
+    bytes; at 4a7b0a2 the five all-reduces of every block's activations made them larger."""
+    from conftest import CONFIGS
+    from test_plan import plan_step
+
+    step = plan_step(CONFIGS["llama"], ["--parallelism.tensor_parallel_degree", "2",
+                                        "--parallelism.data_parallel_shard_degree", "1", "--compile.enable", "false"], 2)
+    tp = Counter()
+    for c in step.trace.collectives:
+        if step.group_names.get(tuple(sorted(c.group))) == "tp":
+            tp[c.kind] += c.bytes
+    assert tp["reduce_scatter"] == tp["all_gather"] > 0
+    assert tp["all_reduce"] < tp["all_gather"] / 4, tp

@@ -78,6 +78,8 @@ class ContextShards:
     """The most runs a rank holds (headtail on 2 ranks: rank 0 holds 2, rank 1 one run of 2 chunks)."""
     documents: torch.Tensor | None = None
     """[batch, seq] document number of every global position, when documents are masked."""
+    global_order: torch.Tensor | None = None
+    """Where each global position sits in a gather (None when the gather is in global order)."""
     causal_biases: list = dataclasses.field(default_factory=list)
     """For each run, its lower-right causal bias (None for a run from position 0: plain causal)."""
 
@@ -97,9 +99,12 @@ class ContextShards:
         ends = {start + length: (r, j) for r, rank_runs in enumerate(runs)
                 for j, (_, start, length) in enumerate(rank_runs)}
         sources = [None if start == 0 else ends[start] for _, start, _ in runs[rank]]
+        gathered = [p for rank_positions in positions for p in rank_positions]
+        order = sorted(range(len(gathered)), key=gathered.__getitem__)
         return cls(group=group, rank=rank, size=size, index=torch.tensor(positions[rank], device=device),
-                   key_index=torch.tensor([p for rank_positions in positions for p in rank_positions], device=device),
-                   runs=runs[rank], halo_sources=sources, max_runs=max(len(r) for r in runs), documents=documents)
+                   key_index=torch.tensor(gathered, device=device), runs=runs[rank], halo_sources=sources,
+                   max_runs=max(len(r) for r in runs), documents=documents,
+                   global_order=None if order == sorted(order) else torch.tensor(order, device=device))
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """[batch, L, ...] -> [batch, size x L, ...]: every rank's rows, in rank order (``key_index``)."""
@@ -113,11 +118,6 @@ class ContextShards:
         same = self.documents[:, self.index, None] == self.documents[:, None, self.key_index]
         return (causal & same)[:, None]
 
-    @functools.cached_property
-    def global_order(self) -> torch.Tensor | None:
-        """Where each global position sits in a gather (None when the gather is in global order)."""
-        order = torch.argsort(self.key_index)
-        return None if torch.equal(order, torch.arange(len(order), device=order.device)) else order
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, enable_gqa: bool) -> torch.Tensor:
         """Attention of this rank's queries to the whole sequence's keys: [batch, L, heads, dim]
