@@ -11,16 +11,16 @@ import torch
 
 from torchtitan.tools.logging import init_logger, logger
 
-from canon_titan import runtime
+from canon_titan.tools import runtime
 from canon_titan.config import ConfigError, load
 from canon_titan.config.build import build_trainer_config
-from canon_titan.checkpointer import NonFiniteParameters, SaveFailed
+from canon_titan.components.checkpointer import NonFiniteParameters, SaveFailed
 from canon_titan.convert.dcp_io import NoLoadableCheckpoint
-from canon_titan.divergence import Diverged
-from canon_titan.exit_codes import STOPPED
-from canon_titan.launch import DumpFolderInUse, DumpFolderUnusable, die_with_parent, lock_dump_folder
-from canon_titan.preemption import PREEMPTED_EXIT, Preempted
-from canon_titan.resume_checks import ResumeRefused
+from canon_titan.components.divergence import Diverged
+from canon_titan.components.exit_codes import STOPPED
+from canon_titan.launch.ownership import DumpFolderInUse, DumpFolderUnusable, die_with_parent, lock_dump_folder
+from canon_titan.components.preemption import PREEMPTED_EXIT, Preempted
+from canon_titan.launch.resume_checks import ResumeRefused
 from canon_titan.trainer import FinishedRun
 
 

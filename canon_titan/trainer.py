@@ -22,15 +22,15 @@ from torchtitan.distributed.utils import set_determinism
 from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
-from canon_titan.checkpointer import newest_checkpoint_hint
+from canon_titan.components.checkpointer import newest_checkpoint_hint
 from canon_titan.convert.dcp_io import hf_export_steps, model_only_steps, read_metadata, resume_step
 from canon_titan.convert.hf import tokenizer_info, write_hf_files
-from canon_titan.divergence import Diverged, DivergenceSection, LossGuard
+from canon_titan.components.divergence import Diverged, DivergenceSection, LossGuard
 from canon_titan.evaluation.in_training import EvalSettings, InTrainingEval
-from canon_titan.fileio import write_atomic
+from canon_titan.tools.fileio import write_atomic
 from canon_titan.models.common.context_parallel import context_parallel_inputs
-from canon_titan.preemption import Preempted, StopSignals
-from canon_titan.resume_checks import GLOBAL_BATCH_KEY, check_resume, loads_model_only, saved_loader_keys
+from canon_titan.components.preemption import Preempted, StopSignals
+from canon_titan.launch.resume_checks import GLOBAL_BATCH_KEY, check_resume, loads_model_only, saved_loader_keys
 
 RUN_CONFIG_FILE = "run_config.toml"
 

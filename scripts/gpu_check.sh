@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One command for a lent GPU: correctness and every benchmark of record, within 9 minutes, into
-# OUTDIR/gpu_check.md, gpu_check.json and gpu_check.log (see scripts/gpu_check.py for the steps).
+# OUTDIR/gpu_check.md, gpu_check.json and gpu_check.log (see scripts/benchmarks/gpu_check.py for the steps).
 #   scripts/gpu_check.sh OUTDIR                    # on the GPU machine (offline: the kit is installed first)
 #   scripts/gpu_check.sh OUTDIR --only float8_rowwise,linear_trainer   # a second command for skipped steps
 #   scripts/gpu_check.sh OUTDIR --tiny             # CPU, toy sizes in Triton's interpreter: checks the script
@@ -22,4 +22,4 @@ else
 fi
 case " $* " in *" --tiny "*) export TRITON_INTERPRET=1 OMP_NUM_THREADS=1 ;; esac
 export WANDB_MODE=offline PYTHONUNBUFFERED=1
-exec "$PY" scripts/gpu_check.py "$OUT" --budget $((540 - (SECONDS - started) - 15)) "$@"
+exec "$PY" scripts/benchmarks/gpu_check.py "$OUT" --budget $((540 - (SECONDS - started) - 15)) "$@"

@@ -13,8 +13,11 @@ two processes each (FSDP over gloo costs more than it splits).
 ``--check GROUP:POINTS`` (e.g. ``k=1:40``) turns the experiment into a guard: it exits 1 unless
 llama_canon's accuracy on that group beats llama's by at least POINTS percentage points in every task.
 
+``--replot RESULTS.json`` draws ``accuracy.png`` under ``--out`` again from a results file, without training.
+
   python scripts/playground.py [--tasks depo,mano] [--nproc 1] [--jobs N] [--steps N] [--count 100]
                                [--check k=1:40] [--out DIR]
+  python scripts/playground.py --replot outputs/playground/results.json --out DIR
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from statistics import NormalDist
 
-from canon_titan.fileio import write_atomic
+from canon_titan.tools.fileio import write_atomic
 
 REPO = Path(__file__).resolve().parent.parent
 MODELS = ("llama", "llama_canon")
@@ -114,23 +117,34 @@ def table(task: str, results: dict[str, dict]) -> str:
 
 
 def plot(all_results: dict[str, dict[str, dict]], path: Path) -> None:
+    """One panel per task: a bar per group and model, with its 95% Wilson interval, so that a
+    reader sees at a glance which differences the test set can tell apart."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(all_results), figsize=(5 * len(all_results), 3.6), squeeze=False)
+    fig, axes = plt.subplots(1, len(all_results), figsize=(4.6 * len(all_results), 3.8), squeeze=False)
+    width = 0.8 / len(MODELS)
     for ax, (task, results) in zip(axes[0], all_results.items()):
         groups = list(results[MODELS[0]]["groups"])
-        for model, marker in zip(MODELS, ("o", "s")):
-            ax.plot(range(len(groups)), [100 * results[model]["groups"][g]["accuracy"] for g in groups],
-                    marker=marker, label=model)
+        for i, (model, colour) in enumerate(zip(MODELS, ("#8c8c8c", "#1f77b4"))):
+            cells = [results[model]["groups"][g] for g in groups]
+            heights = [100 * c["accuracy"] for c in cells]
+            intervals = [wilson_interval(c["accuracy"], c["total"]) for c in cells]
+            below = [h - 100 * low for h, (low, _) in zip(heights, intervals)]
+            above = [100 * high - h for h, (_, high) in zip(heights, intervals)]
+            xs = [g + (i - (len(MODELS) - 1) / 2) * width for g in range(len(groups))]
+            ax.bar(xs, heights, width, yerr=[below, above], capsize=3, color=colour, label=model)
+            for x, h, (_, high) in zip(xs, heights, intervals):
+                ax.annotate(f"{h:.0f}", (x, 100 * high), xytext=(0, 3), textcoords="offset points", ha="center",
+                            va="bottom", fontsize=7)
         ax.set_xticks(range(len(groups)), groups)
-        ax.set_ylim(-3, 103)
-        ax.set_ylabel("greedy accuracy (%)")
-        ax.set_title(f"{task}: {results[MODELS[0]]['dataset']}")
-        ax.grid(alpha=0.3)
-        ax.legend()
+        ax.set_ylim(0, 110)
+        ax.set_ylabel("greedy accuracy (%), 95% interval")
+        ax.set_title(f"{task}\n{results[MODELS[0]]['dataset']}, {results[MODELS[0]]['count']} per group", fontsize=9)
+        ax.grid(axis="y", alpha=0.3)
+        ax.legend(fontsize=8, loc="upper right")
     fig.tight_layout()
     png = io.BytesIO()
     fig.savefig(png, dpi=110, format="png")
@@ -176,8 +190,16 @@ def main() -> int:
     parser.add_argument("--check", type=parse_check, metavar="GROUP:POINTS",
                         help="exit 1 unless llama_canon beats llama on GROUP by POINTS points in every task")
     parser.add_argument("--out", type=Path, default=REPO / "outputs" / "playground")
+    parser.add_argument("--replot", type=Path, metavar="RESULTS.json", help="only draw accuracy.png from a results file")
     args = parser.parse_args()
     args.out = args.out.resolve()
+    if args.replot:
+        try:
+            plot(json.loads(args.replot.read_text()), args.out / "accuracy.png")
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            parser.error(f"--replot {args.replot}: not a playground results file ({type(e).__name__}: {e})")
+        print(f"[playground] {args.out}/accuracy.png")
+        return 0
     tasks = [t for t in args.tasks.split(",") if t]
     for task in tasks:
         if not (REPO / "train_configs" / "playground" / f"{task}.toml").is_file():

@@ -147,7 +147,7 @@ def test_trainer_config_mapping():
                               "--lr_scheduler.decay_ratio", "0.2"])
     cfg = build_trainer_config(run)
     from torchtitan.distributed.activation_checkpoint import FullAC
-    from canon_titan.loss import ZLossCrossEntropy
+    from canon_titan.components.loss import ZLossCrossEntropy
 
     assert isinstance(cfg.activation_checkpoint, FullAC.Config)
     assert isinstance(cfg.loss, ZLossCrossEntropy.Config)  # debug flavor has z_loss on

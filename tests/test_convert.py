@@ -16,7 +16,7 @@ from canon_titan.convert.dcp_io import (
     model_tensor_metadata,
 )
 from canon_titan.convert.hf import from_hf, to_hf
-from canon_titan.metrics import read_scalars
+from canon_titan.components.metrics import read_scalars
 from model_registry import register_with_transformers
 from conftest import COMMON, CONFIGS, make_checkpoint, run_training, seed_checkpoint, start_from
 

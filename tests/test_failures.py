@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from canon_titan.metrics import read_scalars
+from canon_titan.components.metrics import read_scalars
 from conftest import COMMON, DEBUG_CONFIG, REPO, kill_tree, run_training, train_env
 
 STEPS = ["--training.local_batch_size", "2", "--checkpoint.enable", "--checkpoint.interval", "100"]
@@ -89,7 +89,7 @@ def test_a_second_signal_or_the_end_of_the_grace_period_exits_at_once():
     """After a stop signal a rank that has not saved within [job] stop_grace_seconds exits (75) with
     one line; so does one that gets a second signal after the duplicate window, at once."""
     script = ("import os, signal, sys, time\n"
-              "from canon_titan.preemption import StopSignals\n"
+              "from canon_titan.components.preemption import StopSignals\n"
               "StopSignals(int(sys.argv[1])).install()\n"
               "os.kill(os.getpid(), signal.SIGTERM)\n"
               "time.sleep(float(sys.argv[2]))\n"
@@ -148,7 +148,7 @@ def test_a_full_disk_is_named_and_divergence_stops_before_saving(tmp_path):
 
 
 def test_the_loss_guard_skips_spikes_and_stops_on_repeated_non_finite_losses():
-    from canon_titan.divergence import DivergenceSection, LossGuard
+    from canon_titan.components.divergence import DivergenceSection, LossGuard
 
     guard = LossGuard(DivergenceSection(spike_factor=2.0, spike_window=3, max_nonfinite_steps=2))
     # Running mean of the last three kept losses: (4 + 3 + 2) / 3 = 3; 6.5 > 2 x 3 is a spike.
@@ -260,7 +260,7 @@ def test_an_hf_start_with_changed_bytes_or_shapes_is_refused_by_the_config_check
 
 def test_a_lock_file_that_cannot_be_opened_is_one_line(tmp_path, capsys):
     from canon_titan import cli
-    from canon_titan.launch import LOCK_FILE
+    from canon_titan.launch.ownership import LOCK_FILE
 
     dump = tmp_path / "run"
     (dump / LOCK_FILE).mkdir(parents=True)  # what open() meets with another user's file: an OSError
@@ -273,7 +273,7 @@ def test_without_flock_a_lease_file_stands_in(tmp_path, monkeypatch, caplog):
     import errno
     import fcntl
 
-    from canon_titan import launch
+    from canon_titan.launch import ownership as launch
 
     def no_flock(handle, how):
         raise OSError(errno.ENOLCK, "No locks available")

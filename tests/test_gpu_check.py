@@ -11,7 +11,7 @@ import pytest
 
 from conftest import REPO
 
-sys.path.insert(0, str(REPO / "scripts"))
+sys.path.insert(0, str(REPO / "scripts" / "benchmarks"))
 import gpu_check  # noqa: E402
 
 

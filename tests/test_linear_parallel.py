@@ -10,7 +10,7 @@ import warnings
 
 import pytest
 
-from canon_titan.metrics import read_scalars
+from canon_titan.components.metrics import read_scalars
 from conftest import COMMON, REPO, make_checkpoint, run_training, start_from
 
 pytestmark = pytest.mark.slow

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import model_registry
-from canon_titan.loss import squared_nll_loss
+from canon_titan.components.loss import squared_nll_loss
 from canon_titan.models.common.rope import PartialRoPE
 
 
@@ -160,7 +160,7 @@ def test_float8_linears_get_torchaos_float8_tp_styles_with_tensorwise_scaling(re
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
     from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
 
-    from canon_titan.float8 import float8_converter
+    from canon_titan.components.float8 import float8_converter
     from canon_titan.models.common.parallelize import float8_styles
 
     spec = model_registry.model_spec("llama_canon", "debug", {})

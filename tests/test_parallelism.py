@@ -12,7 +12,7 @@ import subprocess
 
 import pytest
 
-from canon_titan.metrics import read_scalars
+from canon_titan.components.metrics import read_scalars
 from conftest import COMMON, CONFIGS, REPO, free_port, run_training, seed_checkpoint, start_from, torchrun_cmd, train_env
 
 pytestmark = pytest.mark.slow

@@ -56,7 +56,7 @@ def _real_worker(rank, world, port, config, overrides, dump_folder, queue):
     try:
         from torch.distributed._tools.mem_tracker import MemTracker
 
-        from canon_titan import runtime
+        from canon_titan.tools import runtime
         from canon_titan.config import load
         from canon_titan.config.build import build_trainer_config
         from canon_titan.plan.fake_world import record_step
@@ -360,7 +360,7 @@ def test_the_readme_plan_tables_hold(monkeypatch):
     """The README's recipe table and calibration table are what the planner says today, and the
     calibration row of Llama-1B stays within the aims against its GPU measurement (memory within
     15%, throughput within 25%)."""
-    monkeypatch.syspath_prepend(REPO / "scripts")
+    monkeypatch.syspath_prepend(REPO / "scripts" / "benchmarks")
     import plan_recipes
 
     from canon_titan.plan.planner import plan

@@ -13,7 +13,7 @@ from canon_titan.data.documents import DATALOADER_SKIP, DataError, ReadStats, it
 from canon_titan.data.packed import PackedTextDataLoader, tokenize_stream
 from canon_titan.data.pretokenize import open_shards, tokenize_files
 from canon_titan.data.tokenizers import LLAMA3_PATTERN, build_tokenizer
-from canon_titan.metrics import LOSS_TAG, read_scalars
+from canon_titan.components.metrics import LOSS_TAG, read_scalars
 from conftest import CONFIGS, run_training
 
 TEXTS = generate_corpus(400, seed=11)
@@ -325,7 +325,7 @@ def test_kill_and_resume_online_and_pretokenized(tmp_path, dataset):
         refused = subprocess.run([sys.executable, "-m", "canon_titan.cli", "train", "--nproc", "1", "--config",
                                   str(CONFIGS["llama"]), *resume], cwd=REPO, env=train_env(), capture_output=True,
                                  text=True, timeout=300)
-        assert refused.returncode == 2 and "canon_titan.torchrun" not in refused.stdout, refused.stderr[-3000:]
+        assert refused.returncode == 2 and "canon_titan.launch.torchrun" not in refused.stdout, refused.stderr[-3000:]
         assert ("was written by a run streaming its data ([dataloader] dataset = 'stream') on 2 data-parallel "
                 "rank(s); this run has 1") in refused.stderr
     out = run_training(2 if dataset == "stream" else 1, resume, config=CONFIGS["llama"])

@@ -162,7 +162,7 @@ def test_data_synthetic_writes_the_dataloaders_samples(tmp_path):
     items = [json.loads(line) for line in test.read_text().splitlines()]
     from synthetic_data.tasks import make_task
 
-    from canon_titan.synthetic_eval import DEFAULT_TEST_SEED
+    from canon_titan.evaluation.synthetic import DEFAULT_TEST_SEED
 
     want = make_task("mano").test_items(DEFAULT_TEST_SEED, 3)
     assert [(i["group"], i["prompt"], i["answer"]) for i in items] == [(w.group, w.prompt, w.answer) for w in want]

@@ -68,7 +68,7 @@ def test_killing_the_launcher_stops_every_worker(tmp_path, how):
         wait_for(proc, "step:  2")
         family = descendants(proc.pid)
         commands = {p: open(f"/proc/{p}/cmdline").read().replace("\0", " ") for p in family}
-        workers = [p for p, c in commands.items() if "canon_titan.train" in c and "canon_titan.torchrun" not in c]
+        workers = [p for p, c in commands.items() if "canon_titan.train" in c and "canon_titan.launch.torchrun" not in c]
         assert len(workers) == 2, commands
         if how == "process_group":
             os.killpg(proc.pid, signal.SIGKILL)
@@ -93,7 +93,7 @@ def test_a_live_run_locks_its_dump_folder(tmp_path):
         second = subprocess.run([sys.executable, "-m", "canon_titan.cli", "train", "--config", str(DEBUG_CONFIG),
                                  *LONG, "--job.dump_folder", str(dump)], cwd=REPO, env=train_env(),
                                 capture_output=True, text=True, timeout=300)
-        assert second.returncode == 2 and "canon_titan.torchrun" not in second.stdout
+        assert second.returncode == 2 and "canon_titan.launch.torchrun" not in second.stdout
         assert f"dump folder {dump} is in use by a live run (pid " in second.stderr
         # torchrun started directly: global rank 0 refuses before training.
         direct = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",

@@ -9,7 +9,7 @@ import pytest
 from PIL import Image
 
 from canon_titan.cli import main
-from canon_titan.report import read_run
+from canon_titan.evaluation.report import read_run
 
 
 def write_run(folder, description, losses, evals, tokens_per_step):
@@ -62,7 +62,7 @@ def test_report_png_shows_every_run_and_html_embeds_it(runs, tmp_path):
 def test_a_run_that_logged_once_is_drawn_and_dated(tmp_path):
     """One logged loss (a run shorter than log_freq used to log only step 1): a marker, not an empty
     panel; the table says which step that value is from."""
-    from canon_titan.report import last_values
+    from canon_titan.evaluation.report import last_values
 
     one = tmp_path / "one"
     write_run(one, "short", {1: 7.0}, {("eval/depo1/accuracy", 30): 0.5}, 1000)
@@ -92,7 +92,7 @@ def test_bad_inputs(tmp_path, runs, capsys):
 
 
 def test_loss_smoothing_is_a_debiased_ema():
-    from canon_titan.report import _ema
+    from canon_titan.evaluation.report import _ema
 
     assert _ema([1.0, 2.0, 3.0], 0.5) == pytest.approx([1.0, 5 / 3, 17 / 7])  # by hand
     assert _ema([4.0] * 5, 0.9) == pytest.approx([4.0] * 5)  # no pull towards 0 or the first value

@@ -5,7 +5,7 @@ import inspect
 import torch
 import torch.distributed as dist
 
-from canon_titan import runtime
+from canon_titan.tools import runtime
 
 
 def test_shims_match_this_machine():

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from canon_titan.metrics import LOSS_TAG, read_scalars
+from canon_titan.components.metrics import LOSS_TAG, read_scalars
 from conftest import REPO, run_training, train_env
 
 TASKS = {  # Depo, Brevo and Capo in real 2-process training (every task's windows: test_synthetic_loader.py)

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from canon_titan.metrics import read_scalars
+from canon_titan.components.metrics import read_scalars
 from conftest import COMMON, CONFIGS, run_training, run_training_until, seed_checkpoint, start_from
 
 pytestmark = pytest.mark.slow

@@ -36,7 +36,7 @@ def test_a_finished_run_is_not_trained_again_silently(tmp_path):
     first = subprocess.run(args, cwd=REPO, env=train_env(), capture_output=True, text=True, timeout=600)
     assert first.returncode == 0, first.stderr[-3000:]
     again = subprocess.run(args, cwd=REPO, env=train_env(), capture_output=True, text=True, timeout=600)
-    assert again.returncode == 2 and "canon_titan.torchrun" not in again.stdout
+    assert again.returncode == 2 and "canon_titan.launch.torchrun" not in again.stdout
     assert f"dump folder {dump} already holds a finished run: its checkpoint step-2 reaches [training] steps = 2" \
         in again.stderr
     longer = subprocess.run(args + ["--training.steps", "3", "--optimizer.lr", "0.001"], cwd=REPO, env=train_env(),

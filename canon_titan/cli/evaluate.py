@@ -14,7 +14,7 @@ from canon_titan.convert.dcp_io import ConversionError
 from canon_titan.convert.hf import dcp_to_hf_model
 from canon_titan.data.builtin import ASSET_DIR
 from canon_titan.evaluation import lm
-from canon_titan.synthetic_eval import DEFAULT_TEST_SEED, EvalError, evaluate, format_table, write_result
+from canon_titan.evaluation.synthetic import DEFAULT_TEST_SEED, EvalError, evaluate, format_table, write_result
 from canon_titan.trainer import RUN_CONFIG_FILE
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from canon_titan.cli.common import fail
-from canon_titan.report import ReportError, write_report
+from canon_titan.evaluation.report import ReportError, write_report
 
 
 def main(argv: list[str]) -> int:

@@ -14,9 +14,9 @@ from canon_titan.cli.common import OVERRIDES, fail, load_or_report
 from canon_titan.config import dumps
 from canon_titan.config.build import absolute_paths, build_trainer_config
 from canon_titan.convert.dcp_io import NoLoadableCheckpoint
-from canon_titan.launch import DumpFolderInUse, DumpFolderUnusable, lock_dump_folder, torchrun_preexec
+from canon_titan.launch.ownership import DumpFolderInUse, DumpFolderUnusable, lock_dump_folder, torchrun_preexec
 from canon_titan.data.fingerprint import data_fingerprint
-from canon_titan.resume_checks import ResumeRefused, check_resume
+from canon_titan.launch.resume_checks import ResumeRefused, check_resume
 from canon_titan.trainer import RUN_CONFIG_FILE, FinishedRun, config_changes, resume_point
 
 
@@ -46,7 +46,7 @@ def main(argv: list[str]) -> int:
     log_dir = Path(run["job"]["dump_folder"]) / "torchelastic"
     # torchrun waits this long for its workers after passing a signal on, before it SIGKILLs them.
     shutdown_timeout = run["job"]["stop_grace_seconds"] + 30
-    cmd = [sys.executable, "-m", "canon_titan.torchrun", "--standalone", f"--nproc_per_node={args.nproc}",
+    cmd = [sys.executable, "-m", "canon_titan.launch.torchrun", "--standalone", f"--nproc_per_node={args.nproc}",
            "--local-ranks-filter", log_ranks, "--role", "rank", "--tee", "3", "--log-dir", str(log_dir),
            "--shutdown-timeout", str(shutdown_timeout),
            "-m", "canon_titan.train", "--config", args.config, *overrides]

@@ -20,11 +20,11 @@ from canon_titan.data.packed import PackedTextDataLoader
 from canon_titan.data.streaming import StreamingTextDataLoader
 from canon_titan.data.synthetic import loader_config
 from canon_titan.data.tokenizers import tokenizer_config
-from canon_titan.divergence import DivergenceSection
+from canon_titan.components.divergence import DivergenceSection
 from canon_titan.evaluation.in_training import EvalSettings
-from canon_titan.float8 import float8_converter
-from canon_titan.loss import ZLossCrossEntropy
-from canon_titan.synthetic_eval import DEFAULT_TEST_SEED
+from canon_titan.components.float8 import float8_converter
+from canon_titan.components.loss import ZLossCrossEntropy
+from canon_titan.evaluation.synthetic import DEFAULT_TEST_SEED
 from canon_titan.trainer import CanonMetrics, CanonTrainer
 from synthetic_data.tasks import SECTION
 

@@ -18,7 +18,7 @@ from torchtitan.components.optimizer import LRSchedulersContainer
 from torchtitan.config.configs import CommConfig, CompileConfig, ParallelismConfig, TrainingConfig
 
 from canon_titan.data.kinds import DATASET_KINDS
-from canon_titan.divergence import DivergenceSection
+from canon_titan.components.divergence import DivergenceSection
 from synthetic_data.tasks import PARAMS
 
 

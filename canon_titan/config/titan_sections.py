@@ -14,7 +14,7 @@ from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersCon
 from torchtitan.components.optimizer.optimizer import ParamGroupConfig
 from torchtitan.config.configs import CommConfig, CompileConfig, ParallelismConfig, TrainingConfig
 
-from canon_titan.checkpointer import CanonCheckpointer
+from canon_titan.components.checkpointer import CanonCheckpointer
 from canon_titan.config.run import ConfigError, RunConfig
 
 

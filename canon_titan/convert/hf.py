@@ -41,8 +41,8 @@ from canon_titan.convert.dcp_io import (
 from canon_titan.data.builtin import ASSET_DIR
 from canon_titan.data.tokenizers import build_tokenizer
 from canon_titan.hf import DTYPES
-from canon_titan.launch import pid_alive
 from canon_titan.models.common.state_dict_adapter import CANON_BIAS_NOTE, CanonStateDictAdapter, HFFormatError, HFTensor
+from canon_titan.tools.processes import pid_alive
 
 HF_MODELING_DIR = Path(__file__).resolve().parent.parent / "hf"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")

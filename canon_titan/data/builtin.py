@@ -12,7 +12,7 @@ import json
 import random
 from pathlib import Path
 
-from canon_titan.fileio import write_atomic
+from canon_titan.tools.fileio import write_atomic
 
 ASSET_DIR = Path(__file__).resolve().parent.parent / "assets" / "builtin"
 CORPUS_FILE = "corpus.jsonl"

@@ -25,7 +25,7 @@ import numpy as np
 from canon_titan.data.documents import DataError, ReadStats, expand_inputs, file_kind, iter_documents
 from canon_titan.data.token_store import TokenStore
 from canon_titan.data.tokenizers import build_tokenizer
-from canon_titan.fileio import write_atomic
+from canon_titan.tools.fileio import write_atomic
 
 INDEX = "index.json"
 FORMAT = "canon-titan-tokens-v1"

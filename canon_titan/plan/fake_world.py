@@ -355,7 +355,7 @@ def fake_rank_step(config, *, rank: int, world_size: int, positions: bool, fp8_l
     """Build ``config`` (a ``CanonTrainer.Config`` from ``build_trainer_config``) as rank ``rank`` of
     ``world_size`` on fake tensors and record one step. Under pipeline parallelism the stages
     before this rank's must have been stepped first with the same ``pipeline_sent``."""
-    from canon_titan import runtime
+    from canon_titan.tools import runtime
     from canon_titan.trainer import CanonTrainer
     from torchtitan.distributed import ParallelDims
 

@@ -33,8 +33,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
-from torch.utils._python_dispatch import _disable_current_modes
 # Called through the module: torch < 2.13 (the offline GPU image's 2.11) lacks the name, and this
 # module is imported by the config checks of every run.
 import torch.distributed._functional_collectives as funcol
@@ -87,6 +85,10 @@ class ContextShards:
         # Made here, in the trainer's eager hook: torch.compile cannot construct the bias (a tensor
         # subclass) inside a compiled block, and no tensor subclass can be constructed under the
         # dispatch modes that plans and counters run the step in, so these are made outside them.
+        # Imported here: the bias module imports torch._dynamo, and the config checks import this module.
+        from torch.nn.attention.bias import causal_lower_right
+        from torch.utils._python_dispatch import _disable_current_modes
+
         with _disable_current_modes():
             self.causal_biases = [None if first == 0 else causal_lower_right(length, first + length)
                                   for _, first, length in self.runs]

@@ -27,11 +27,11 @@ mamba_ssm when they import). On CPU the workers keep freed memory mapped (``--ma
 glibc's defaults every step page-faults its large activations in again, which on a small VM made
 steps up to ~1.7x slower and very noisy. Progress goes to stderr, tables to stdout.
 
-  OMP_NUM_THREADS=2 .venv/bin/python scripts/bench_linear.py            # CPU default, ~5 min on 2 cores
-  .venv/bin/python scripts/bench_linear.py --device cuda --dim 1024 --layers 8 --batch 8 --seq-len 2048 \\
+  OMP_NUM_THREADS=2 .venv/bin/python scripts/benchmarks/bench_linear.py            # CPU default, ~5 min on 2 cores
+  .venv/bin/python scripts/benchmarks/bench_linear.py --device cuda --dim 1024 --layers 8 --batch 8 --seq-len 2048 \\
       --scaling-dim 512 --scaling-seqs 2048,4096,8192,16384,32768      # on a GPU
-  .venv/bin/python scripts/bench_linear.py --tables scaling --models gla5:bb,llama_canon
-  .venv/bin/python scripts/bench_linear.py --tables trainer                              # on a GPU
+  .venv/bin/python scripts/benchmarks/bench_linear.py --tables scaling --models gla5:bb,llama_canon
+  .venv/bin/python scripts/benchmarks/bench_linear.py --tables trainer                              # on a GPU
 """
 
 from __future__ import annotations
@@ -274,7 +274,7 @@ def spawn(job: dict, threads: int, malloc: str) -> list[dict]:
         env = {**KEEP_MALLOC, **env}  # values the caller set win
     proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", json.dumps(job)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                            cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     results = []
     tty = sys.stderr.isatty()
     last_case = None

@@ -29,7 +29,8 @@ from pathlib import Path
 
 from torchtitan.tools.logging import logger
 
-from canon_titan.fileio import write_atomic
+from canon_titan.tools.fileio import write_atomic
+from canon_titan.tools.processes import pid_alive
 
 LOCK_FILE = ".canon-titan.lock"
 LEASE_FILE = ".canon-titan.lease"
@@ -125,14 +126,3 @@ def _take_lease(folder: Path, hold: bool) -> None:
     if hold:
         write_atomic(lease, json.dumps(_holder()))
         atexit.register(lease.unlink, missing_ok=True)
-
-
-def pid_alive(pid) -> bool:
-    """Whether process ``pid`` exists on this host."""
-    try:
-        os.kill(int(pid), 0)
-    except (ProcessLookupError, TypeError, ValueError):
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -17,7 +17,7 @@ import time
 
 from torchtitan.tools.logging import logger
 
-from canon_titan.exit_codes import PREEMPTED as PREEMPTED_EXIT
+from canon_titan.components.exit_codes import PREEMPTED as PREEMPTED_EXIT
 
 # The same signal often comes twice at once (the scheduler signals every process, and torchrun
 # passes its own on to its workers): within this window it is one request.

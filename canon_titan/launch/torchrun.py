@@ -1,4 +1,4 @@
-"""``python -m canon_titan.torchrun ARGS``: torchrun (``torch.distributed.run``) as the launcher
+"""``python -m canon_titan.launch.torchrun ARGS``: torchrun (``torch.distributed.run``) as the launcher
 runs it. A job that stops on purpose (preempted, diverged, refused: its rank 0 has already said why
 in one line) exits with its ranks' code instead of torchrun's failure report and traceback; any
 other failure keeps torchrun's report.
@@ -21,8 +21,8 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import main as torchrun_main
 
-from canon_titan.exit_codes import STOPPED_EXIT_CODES
-from canon_titan.preemption import DUPLICATE_WINDOW_S, PREEMPTED_EXIT
+from canon_titan.components.exit_codes import STOPPED_EXIT_CODES
+from canon_titan.components.preemption import DUPLICATE_WINDOW_S, PREEMPTED_EXIT
 
 _first_signal_at: list[float] = []
 

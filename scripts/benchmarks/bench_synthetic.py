@@ -6,7 +6,7 @@ per second one training process consumes at the debug model shape (forward + bac
 step of ``llama_canon`` debug on this machine, same sequence length). Generation is not the
 bottleneck when the ratio is well above 1.
 
-  python scripts/bench_synthetic.py [--threads 1] [--windows 32] [--model llama_canon]
+  python scripts/benchmarks/bench_synthetic.py [--threads 1] [--windows 32] [--model llama_canon]
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 """Start-up time of the CLI: ``canon-titan --help`` and ``canon-titan config validate`` on the
 debug configs, each run as a fresh process (imports included), against the 5-s target.
 
-  .venv/bin/python scripts/bench_startup.py            # 5 runs of each, median and min
-  .venv/bin/python scripts/bench_startup.py --runs 9
+  .venv/bin/python scripts/benchmarks/bench_startup.py            # 5 runs of each, median and min
+  .venv/bin/python scripts/benchmarks/bench_startup.py --runs 9
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 TARGET_S = 5.0
 
 

@@ -2,7 +2,7 @@
 command (start-up included), its wall time and peak resident memory. The target is an 8B recipe
 at 512 GPUs in under 60 s and 4 GB on a 2-core CPU.
 
-    .venv/bin/python scripts/bench_plan.py [--repeat 3]
+    .venv/bin/python scripts/benchmarks/bench_plan.py [--repeat 3]
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 CASES = [
     ("LlamaCanon-8B, 512 x H200 (FSDP 512)", ["train_configs/LlamaCanon-8B-Nemo-1T-lr0.003.toml", "--gpus", "512",
                                               "--gpu", "h200"]),

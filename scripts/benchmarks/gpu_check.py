@@ -36,9 +36,9 @@ from pathlib import Path
 
 from gpu_check_report import markdown
 
-from canon_titan.fileio import write_atomic
+from canon_titan.tools.fileio import write_atomic
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 SCRIPT = str(Path(__file__).resolve())
 
 
@@ -72,7 +72,7 @@ def steps(tiny: bool, work: Path) -> list[Step]:
         tests = ["tests/test_canon_triton.py", "tests/test_kernel_backends.py", "tests/test_canon_determinism.py"]
         float8 = [("float8_tensorwise", "tensorwise"), ("float8_rowwise", "rowwise")]
         backends, models = "triton,torch", "llama,llama_canon"
-    bench_canon = [py, "scripts/bench_canon.py", "--mode"]
+    bench_canon = [py, "scripts/benchmarks/bench_canon.py", "--mode"]
     out = [
         Step("env", 60, [py, SCRIPT, "--env", str(work / "env.json")]),
         Step("kernel_tests", 240, [py, "-m", "pytest", *tests, "-q", "-rfE", "-p", "no:cacheprovider",
@@ -82,7 +82,7 @@ def steps(tiny: bool, work: Path) -> list[Step]:
         Step("canon_trainer", 240, [*bench_canon, "trainer", *canon, "--models", models, "--canon-backend", backends,
                                     "--json", str(work / "canon_trainer.json")]),
         Step("ops", 120, [*bench_canon, "ops", *ops, "--json", str(work / "ops.json")]),
-        Step("linear_trainer", 300, [py, "scripts/bench_linear.py", "--tables", "trainer", *linear,
+        Step("linear_trainer", 300, [py, "scripts/benchmarks/bench_linear.py", "--tables", "trainer", *linear,
                                      "--json", str(work / "linear_trainer.json")]),
     ]
     emulate = " --float8.emulate=true" if tiny else ""

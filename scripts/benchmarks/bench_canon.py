@@ -19,13 +19,13 @@
 
 Every case runs in its own process, so peak memory is that case's alone.
 
-  .venv/bin/python scripts/bench_canon.py --mode trainer                      # GPU: 1B, seq 4096, bs 2, compile
-  .venv/bin/python scripts/bench_canon.py --mode trainer --canon-backend triton,torch   # both backends, one run
-  .venv/bin/python scripts/bench_canon.py --mode trainer --flavor debug --seq-len 256 --steps 6 --no-compile  # CPU
-  .venv/bin/python scripts/bench_canon.py --mode saved --seq-len 256          # CPU, 1B block
-  .venv/bin/python scripts/bench_canon.py --mode raw --flavor debug --seq-len 512
-  .venv/bin/python scripts/bench_canon.py --mode traffic --flavor 8B --batch 1   # any machine
-  .venv/bin/python scripts/bench_canon.py --mode ops                          # GPU: 1B widths, bs 2 x 4096
+  .venv/bin/python scripts/benchmarks/bench_canon.py --mode trainer                      # GPU: 1B, seq 4096, bs 2, compile
+  .venv/bin/python scripts/benchmarks/bench_canon.py --mode trainer --canon-backend triton,torch   # both backends, one run
+  .venv/bin/python scripts/benchmarks/bench_canon.py --mode trainer --flavor debug --seq-len 256 --steps 6 --no-compile  # CPU
+  .venv/bin/python scripts/benchmarks/bench_canon.py --mode saved --seq-len 256          # CPU, 1B block
+  .venv/bin/python scripts/benchmarks/bench_canon.py --mode raw --flavor debug --seq-len 512
+  .venv/bin/python scripts/benchmarks/bench_canon.py --mode traffic --flavor 8B --batch 1   # any machine
+  .venv/bin/python scripts/benchmarks/bench_canon.py --mode ops                          # GPU: 1B widths, bs 2 x 4096
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ import torch
 from torch.autograd.graph import saved_tensors_hooks
 
 import model_registry
-from canon_titan.fileio import write_atomic
-from canon_titan.loss import squared_nll_loss
+from canon_titan.tools.fileio import write_atomic
+from canon_titan.components.loss import squared_nll_loss
 
 MODELS = ("llama", "llama_canon")
 

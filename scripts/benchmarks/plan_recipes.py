@@ -2,7 +2,7 @@
 GPUs") on the release's GPU (H200), and the GPU-measured configurations against their
 measurements; print both tables as Markdown, or write them into README.md between their markers.
 
-    .venv/bin/python scripts/plan_recipes.py [--readme] [--only PATTERN] [--gpu h200]
+    .venv/bin/python scripts/benchmarks/plan_recipes.py [--readme] [--only PATTERN] [--gpu h200]
 
 Recipes that differ only in learning rate share a plan (a 2T-token recipe scales the GPU-hours
 of its 1T twin's plan by its steps). Each plan takes 5-40 s on a 2-core CPU.
@@ -19,10 +19,10 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from canon_titan.fileio import write_atomic  # noqa: E402
+from canon_titan.tools.fileio import write_atomic  # noqa: E402
 from canon_titan.plan.gpus import GIB, GPUS, find_gpu  # noqa: E402
 from canon_titan.plan.planner import plan  # noqa: E402
 
@@ -98,7 +98,7 @@ def replace_block(text: str, name: str, rows: list[str]) -> str:
         raise SystemExit(f"README.md has no {start} ... {end} block")
     before, rest = text.split(start, 1)
     _, after = rest.split(end, 1)
-    stamp = f"_Planned {datetime.date.today()} with `scripts/plan_recipes.py`._"
+    stamp = f"_Planned {datetime.date.today()} with `scripts/benchmarks/plan_recipes.py`._"
     return before + start + "\n" + "\n".join(rows) + "\n\n" + stamp + "\n" + end + after
 
 

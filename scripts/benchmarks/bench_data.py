@@ -5,8 +5,8 @@ Measures, in this one process: online tokenization (read documents + tokenize + 
 pre-tokenization command, and batches from pre-tokenized memory-mapped shards. The required rate
 is computed from the model's training FLOPs per token at 40% MFU of an H100 (dense bf16 peak).
 
-  .venv/bin/python scripts/bench_data.py                                  # built-in tokenizer
-  .venv/bin/python scripts/bench_data.py --tokenizer-kind sentencepiece --tokenizer /path/llama2/tokenizer.model
+  .venv/bin/python scripts/benchmarks/bench_data.py                                  # built-in tokenizer
+  .venv/bin/python scripts/benchmarks/bench_data.py --tokenizer-kind sentencepiece --tokenizer /path/llama2/tokenizer.model
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from canon_titan.data.tokenizers import build_tokenizer
 
 H100_BF16_DENSE_PEAK = 989.5e12
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def required_tokens_per_second(model: str, flavor: str, seq_len: int, mfu: float) -> tuple[float, int]:

@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Time and peak RSS of converting a randomly initialised checkpoint DCP -> HF -> DCP on CPU.
 
-  .venv/bin/python scripts/bench_convert.py                       # LlamaCanon-1B (1.37B params)
-  .venv/bin/python scripts/bench_convert.py --config train_configs/llama_canon_debug.toml
+  .venv/bin/python scripts/benchmarks/bench_convert.py                       # LlamaCanon-1B (1.37B params)
+  .venv/bin/python scripts/benchmarks/bench_convert.py --config train_configs/llama_canon_debug.toml
 
 Each stage runs in its own process, so its peak RSS is its own. Disk needed: about 3x the model
 size in the chosen dtypes (the work folder is deleted afterwards unless --keep).
@@ -26,7 +26,7 @@ from canon_titan.config import load
 from canon_titan.convert.dcp_io import save_lazily
 from canon_titan.convert.hf import from_hf, to_hf
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def stage(name: str, config: str, work: Path, dtype: str, max_shard: str) -> dict:

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import torch
 
-from canon_titan.metrics import LOSS_TAG, read_all_scalars
+from canon_titan.components.metrics import LOSS_TAG, read_all_scalars
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 BASE_CONFIG = REPO / "train_configs" / "llama_debug.toml"
 METRICS = {"tokens_per_s": "throughput(tps)", "mfu_pct": "mfu(%)",
            "peak_reserved_gib": "memory/max_reserved(GiB)", "peak_active_gib": "memory/max_active(GiB)"}

@@ -19,7 +19,7 @@ from torchtitan.tools.logging import logger
 from canon_titan.convert.dcp_io import find_step_dir, load_model
 from canon_titan.data.builtin import ASSET_DIR
 from canon_titan.data.tokenizers import build_tokenizer
-from canon_titan.fileio import write_atomic
+from canon_titan.tools.fileio import write_atomic
 from synthetic_data.tasks import SECTION, TestItem, summarize
 
 DEFAULT_TEST_SEED = 20251121
