@@ -11,16 +11,18 @@ import torch
 
 from torchtitan.tools.logging import init_logger, logger
 
-from canon_titan.tools import runtime
+from canon_titan.components.checkpointer import NonFiniteParameters, SaveFailed
+from canon_titan.components.divergence import Diverged
+from canon_titan.components.exit_codes import STOPPED, report_exit
+from canon_titan.components.preemption import PREEMPTED_EXIT, Preempted
 from canon_titan.config import ConfigError, load
 from canon_titan.config.build import build_trainer_config
-from canon_titan.components.checkpointer import NonFiniteParameters, SaveFailed
 from canon_titan.convert.dcp_io import NoLoadableCheckpoint
-from canon_titan.components.divergence import Diverged
-from canon_titan.components.exit_codes import STOPPED
+from canon_titan.data.documents import DataError
+from canon_titan.data.inputs import DataConfigError
 from canon_titan.launch.ownership import DumpFolderInUse, DumpFolderUnusable, die_with_parent, lock_dump_folder
-from canon_titan.components.preemption import PREEMPTED_EXIT, Preempted
 from canon_titan.launch.resume_checks import ResumeRefused
+from canon_titan.tools import runtime
 from canon_titan.trainer import FinishedRun
 
 
@@ -35,6 +37,10 @@ def parse_args(argv: list[str]) -> tuple[str, list[str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    return report_exit(_main(argv))
+
+
+def _main(argv: list[str] | None) -> int:
     if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun worker: stop when the agent is gone
         die_with_parent(signal.SIGKILL)
     path, overrides = parse_args(sys.argv[1:] if argv is None else argv)
@@ -65,6 +71,10 @@ def main(argv: list[str] | None = None) -> int:
             trainer.train()
     except (NoLoadableCheckpoint, FinishedRun, ResumeRefused) as e:
         print(f"canon-titan: {e}", file=sys.stderr)
+        return 2
+    except (DataConfigError, DataError) as e:  # found as the loader opens the data (a damaged token shard, ...)
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"canon-titan: data error: {e}", file=sys.stderr)
         return 2
     except Preempted as e:
         logger.warning(str(e))

@@ -16,21 +16,23 @@ from typing import Annotated
 
 import torch
 import tyro
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.distributed.tensor import DTensor
 
 from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.distributed.utils import set_determinism
 from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
-from canon_titan.components.checkpointer import newest_checkpoint_hint
+from canon_titan.components.checkpointer import newest_checkpoint_hint, newest_checkpoint_line
+from canon_titan.components.divergence import Diverged, DivergenceSection, LossGuard
+from canon_titan.components.preemption import Preempted, StopSignals
 from canon_titan.convert.dcp_io import hf_export_steps, model_only_steps, read_metadata, resume_step
 from canon_titan.convert.hf import tokenizer_info, write_hf_files
-from canon_titan.components.divergence import Diverged, DivergenceSection, LossGuard
 from canon_titan.evaluation.in_training import EvalSettings, InTrainingEval
-from canon_titan.tools.fileio import write_atomic
-from canon_titan.models.common.context_parallel import context_parallel_inputs
-from canon_titan.components.preemption import Preempted, StopSignals
 from canon_titan.launch.resume_checks import GLOBAL_BATCH_KEY, check_resume, loads_model_only, saved_loader_keys
+from canon_titan.models.common.context_parallel import context_parallel_inputs
+from canon_titan.tools.fileio import write_atomic
 
 RUN_CONFIG_FILE = "run_config.toml"
 
@@ -120,7 +122,7 @@ class CanonTrainer(Trainer):
 
     def __init__(self, config: Config):
         self._batch_in_checkpoint = False
-        self.stop_signals = StopSignals(config.stop_grace_seconds)
+        self.stop_signals = StopSignals(config.stop_grace_seconds, on_disk=self._on_disk)
         self.stop_signals.install()
         if config.model_seed is None:
             super().__init__(config)
@@ -135,9 +137,23 @@ class CanonTrainer(Trainer):
         self.global_batch_size = (config.training.local_batch_size * self.gradient_accumulation_steps
                                   * getattr(self.dataloader, "dp_world_size", 1))
         # A skipped step must not reach the optimizer at all (AdamW moves the weights even on zero
-        # gradients); TorchTitan's train_step calls this container's step, so it is guarded here.
+        # gradients); TorchTitan's train_step calls this container's step, so it is guarded here,
+        # after its gradient clipping: a step whose loss was finite but whose gradients are not is
+        # judged there too.
         optimizer_step = self.optimizers.step
-        self.optimizers.step = lambda *a, **kw: None if self._skip_update else optimizer_step(*a, **kw)
+
+        def guarded_step(*args, **kwargs):
+            if not self._skip_update:
+                self._judge_gradients()
+            if self._skip_update:
+                self._skipped_steps += 1
+                return None
+            self._applied_steps += 1
+            return optimizer_step(*args, **kwargs)
+
+        self._applied_steps = self._skipped_steps = 0
+
+        self.optimizers.step = guarded_step
         self._progress_origin: tuple[float, int] | None = None
         self.evaluator = None
         if config.evaluation is not None:
@@ -149,6 +165,12 @@ class CanonTrainer(Trainer):
             if changes:
                 logger.warning(f"the config differs from the one of the run already in {config.dump_folder}: {changes}")
             write_atomic(path, config.run_toml)
+
+    def _on_disk(self) -> str:
+        checkpointer = getattr(self, "checkpointer", None)
+        if checkpointer is None or not checkpointer.enable:
+            return "checkpointing is off ([checkpoint] enable = false), so nothing was saved"
+        return newest_checkpoint_line(checkpointer.folder)
 
     def _init_with_model_seed(self, config: Config) -> None:
         """TorchTitan seeds once, before it initialises the weights: it is given ``[model] seed`` for
@@ -179,6 +201,9 @@ class CanonTrainer(Trainer):
             if step >= 0 and not ckpt.load_only:
                 self._prepare_resume(Path(self.checkpointer.folder) / f"step-{step}")
         super().train()
+        if self._skipped_steps and not self._applied_steps:
+            raise Diverged(f"every step this run trained ({self._skipped_steps}) was skipped ([divergence]), so it "
+                           f"trained nothing; {newest_checkpoint_hint(self.checkpointer.folder, self.step + 1)}")
         if self._preempting and self.step < self.config.training.steps:
             if not ckpt.enable:
                 raise Preempted(f"preempted at step {self.step}; nothing saved ([checkpoint] enable = false)")
@@ -264,16 +289,31 @@ class CanonTrainer(Trainer):
         # Ranks of one tensor- or pipeline-parallel group hold the same loss (pipelines: the last stage).
         dims = self.parallel_dims
         loss = loss_sum / (holders / max(1, dims.world_size // (dims.tp * dims.pp)))
-        verdict = self.loss_guard.judge(self.step, loss)
+        self._act_on(self.loss_guard.judge(self.step, loss))
+        if stop and not self._preempting:
+            self._preempting = True
+            self.checkpointer.force_next_save = True
+
+    def _judge_gradients(self) -> None:
+        """Whether every rank's gradients are finite (one reduction), judged as a non-finite loss is."""
+        grads = [p.grad for m in self.model_parts for p in m.parameters() if p.grad is not None]
+        local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+        bad = torch.stack([torch.isfinite(g).all() for g in local]).logical_not().any().float() if local else \
+            torch.zeros((), device=self.device)
+        if torch.distributed.is_initialized():
+            torch.distributed.all_reduce(bad)
+        if isinstance(bad, FakeTensor):  # a plan's step (canon-titan plan): the same work, no values to judge
+            return
+        self._act_on(self.loss_guard.judge_gradients(self.step, finite=bad.item() == 0))
+
+    def _act_on(self, verdict: str) -> None:
+        """The guard's verdict on this step: apply its update, skip it, or stop before any save of it."""
         self._skip_update = verdict == "skip"
         if verdict == "skip":
             logger.warning(f"{self.loss_guard.problem}: its update is skipped ([divergence] section)")
         elif verdict == "stop":
             raise Diverged(f"{self.loss_guard.problem}: the run stops before saving it; "
                            f"{newest_checkpoint_hint(self.checkpointer.folder, self.step + 1)}")
-        if stop and not self._preempting:
-            self._preempting = True
-            self.checkpointer.force_next_save = True
 
     def should_continue_training(self) -> bool:
         return not self._preempting and super().should_continue_training()

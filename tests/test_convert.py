@@ -15,8 +15,8 @@ from canon_titan.convert.dcp_io import (
     load_tensor,
     model_tensor_metadata,
 )
-from canon_titan.convert.hf import from_hf, to_hf
 from canon_titan.components.metrics import read_scalars
+from canon_titan.convert.hf import from_hf, to_hf
 from model_registry import register_with_transformers
 from conftest import COMMON, CONFIGS, make_checkpoint, run_training, seed_checkpoint, start_from
 

@@ -3,6 +3,7 @@ shapes, another number of processes, awkward lock files. Each case is checked ag
 uninterrupted run or the files on disk say."""
 
 import json
+import math
 import os
 import re
 import shutil
@@ -12,9 +13,10 @@ import sys
 import time
 
 import pytest
+import torch
 
 from canon_titan.components.metrics import read_scalars
-from conftest import COMMON, DEBUG_CONFIG, REPO, kill_tree, run_training, train_env
+from conftest import COMMON, DEBUG_CONFIG, REPO, descendants, kill_tree, run_training, train_env
 
 STEPS = ["--training.local_batch_size", "2", "--checkpoint.enable", "--checkpoint.interval", "100"]
 
@@ -85,12 +87,91 @@ def test_preemption_saves_the_step_reached_and_resumes_exactly(tmp_path):
     assert resumed == reference
 
 
+def usr1_to_every_process(proc):
+    """SLURM's ``--signal=USR1@T``: SIGUSR1 to every process of the job step at once (the launcher,
+    torchrun and each worker)."""
+    for pid in [proc.pid, *descendants(proc.pid)]:
+        try:
+            os.kill(pid, signal.SIGUSR1)
+        except ProcessLookupError:
+            pass
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("send", [usr1_to_every_process, lambda p: os.kill(p.pid, signal.SIGUSR1)],
+                         ids=["every-process", "launcher"])
+def test_sigusr1_saves_and_exits_75_like_sigterm(tmp_path, send):
+    """SIGUSR1 (SLURM's early-warning signal of choice) is a stop request like SIGTERM: every rank
+    finishes its step, saves it and the job exits 75, whether every process gets it or only the
+    launcher. At 4a7b0a2 every process died at once with no line and the steps since the last
+    checkpoint were lost."""
+    run = tmp_path / "run"
+    code, out = interrupt(cli_train_cmd(run, "--training.steps", "30"), "step:  2", send)
+    step = logged_steps(out)[-1]
+    assert code == 75, out[-4000:]
+    assert f"preempted at step {step}, checkpoint saved, resume with the same command" in out
+    assert "SIGUSR1 received" in out or "SIGTERM received" in out
+    assert "Traceback" not in out, out[-4000:]
+    assert (run / "checkpoint" / f"step-{step}" / ".metadata").is_file() and step < 30
+
+
+@pytest.mark.slow
+def test_a_stop_signal_during_the_last_step_is_a_normal_finish(tmp_path):
+    """SIGTERM while the last step trains: that step is trained and saved, the run is complete, so
+    the job exits 0 (at 4a7b0a2 it exited 75, SLURM requeued it, and the rerun exited 2 "already
+    holds a finished run")."""
+    run = tmp_path / "run"
+    code, out = interrupt(cli_train_cmd(run, "--training.steps", "6", "--metrics.log_freq", "1"), "step:  5",
+                          lambda p: os.kill(p.pid, signal.SIGTERM))
+    assert code == 0, out[-4000:]
+    assert "SIGTERM received" in out and "preempted" not in out and "Traceback" not in out, out[-4000:]
+    assert (run / "checkpoint" / "step-6" / ".metadata").is_file()
+
+
+@pytest.mark.parametrize("who, sig", [("launcher", signal.SIGINT), ("torchrun", signal.SIGTERM)])
+def test_a_stop_signal_before_training_starts_is_one_line_and_75(tmp_path, who, sig):
+    """Ctrl-C while ``canon-titan train`` checks the run, or SIGTERM while torchrun imports torch:
+    one line and 75 (a requeue-on-75 job script runs it again; nothing had trained). At 4a7b0a2 the
+    first was a 65-line KeyboardInterrupt traceback (130), the second a silent death (241)."""
+    dump = tmp_path / "run"
+    if who == "launcher":
+        cmd = cli_train_cmd(dump, "--training.steps", "4")
+    else:
+        cmd = [sys.executable, "-m", "canon_titan.launch.torchrun", "--standalone", "--nproc_per_node", "2",
+               "-m", "canon_titan.train", "--config", str(DEBUG_CONFIG), *COMMON, *STEPS,
+               "--job.dump_folder", str(dump)]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=train_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        time.sleep(0.6)  # the process is up, and still importing torch or checking the config
+        os.kill(proc.pid, sig)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        kill_tree(proc.pid)
+    assert proc.returncode == 75, (proc.returncode, out[-2000:], err[-4000:])
+    assert err.strip().splitlines() == [f"canon-titan: {sig.name} before "
+                                        + ("training started (canon-titan train was checking the run)"
+                                           if who == "launcher" else "the training processes started")
+                                        + ": stopped, nothing to save; run the same command again"], err[-4000:]
+    assert not (dump / "checkpoint").exists()
+
+
+def test_the_exit_code_after_a_stop_signal_is_what_the_workers_reported():
+    from canon_titan.launch.torchrun import after_stop_signal
+
+    assert after_stop_signal({0: 0, 1: 0}) == 0  # finished during the last step
+    assert after_stop_signal({0: 75, 1: 75}) == 75  # saved the step reached
+    assert after_stop_signal({0: 3, 1: 75}) == 3  # a failed save or divergence is not "requeue"
+    assert after_stop_signal({}) == 75  # no worker could say
+
+
 def test_a_second_signal_or_the_end_of_the_grace_period_exits_at_once():
     """After a stop signal a rank that has not saved within [job] stop_grace_seconds exits (75) with
     one line; so does one that gets a second signal after the duplicate window, at once."""
     script = ("import os, signal, sys, time\n"
+              "from canon_titan.components.checkpointer import newest_checkpoint_line\n"
               "from canon_titan.components.preemption import StopSignals\n"
-              "StopSignals(int(sys.argv[1])).install()\n"
+              "StopSignals(int(sys.argv[1]), on_disk=lambda: newest_checkpoint_line('no-such-folder')).install()\n"
               "os.kill(os.getpid(), signal.SIGTERM)\n"
               "time.sleep(float(sys.argv[2]))\n"
               "os.kill(os.getpid(), signal.SIGTERM)\n"
@@ -102,6 +183,8 @@ def test_a_second_signal_or_the_end_of_the_grace_period_exits_at_once():
                               capture_output=True, text=True, timeout=120)
         out = proc.stdout + proc.stderr
         assert proc.returncode == 75 and message in out and "Traceback" not in out, out
+        # What is true: no checkpoint exists (at 4a7b0a2: "the previous checkpoint is intact").
+        assert "there is no checkpoint yet: running the command again starts from the beginning" in out, out
         assert time.monotonic() - started < within
 
 
@@ -158,6 +241,188 @@ def test_the_loss_guard_skips_spikes_and_stops_on_repeated_non_finite_losses():
     assert guard.problem == "the loss at step 7 is not finite (inf)"
     stop = LossGuard(DivergenceSection(spike_factor=1.5, spike_window=1, on_spike="stop"))
     assert [stop.judge(1, 2.0), stop.judge(2, 3.1)] == ["ok", "stop"]
+
+
+def with_fault(tmp_path, code: str) -> dict:
+    """The environment of a job whose training processes run ``code`` at start-up (a
+    ``sitecustomize`` on their path): a fault injected into the real trainer, in every worker."""
+    folder = tmp_path / "fault"
+    folder.mkdir(parents=True)
+    (folder / "sitecustomize.py").write_text("import os\nif 'TORCHELASTIC_RUN_ID' in os.environ:\n"
+                                              + "".join(f"    {line}\n" for line in code.strip().splitlines()))
+    env = train_env()
+    env["PYTHONPATH"] = os.pathsep.join([str(folder), *filter(None, [env.get("PYTHONPATH")])])
+    return env
+
+
+# The loss every rank's guard sees jumps to ten times its level from step 4 on.
+LOSS_JUMPS = """
+from canon_titan.components import divergence
+judge = divergence.LossGuard.judge
+divergence.LossGuard.judge = lambda self, step, loss: judge(self, step, loss * 10 if step >= 4 else loss)
+"""
+
+# Rank 1's first gradient shard becomes NaN after step 3's backward; every loss stays finite.
+NAN_GRADIENT = """
+import math, torch
+from canon_titan import trainer
+step = trainer.CanonTrainer.forward_backward_step
+def forward_backward_step(self, **kwargs):
+    loss = step(self, **kwargs)
+    if self.step == 3 and torch.distributed.get_rank() == 1:
+        grad = next(p.grad for m in self.model_parts for p in m.parameters() if p.grad is not None)
+        (grad.to_local() if hasattr(grad, 'to_local') else grad).fill_(math.nan)
+    return loss
+trainer.CanonTrainer.forward_backward_step = forward_backward_step
+"""
+
+
+@pytest.mark.slow
+def test_a_loss_at_a_new_level_stops_after_the_bounded_skips(tmp_path):
+    """``on_spike = "skip"`` with a loss that jumps to a new level and stays there: every step is a
+    spike, so after ``max_consecutive_skips`` skipped steps in a row the run stops with one line and
+    exit 3. At 4a7b0a2 the running mean froze, every later step was skipped, the weights never
+    changed and the run exited 0."""
+    run = tmp_path / "run"
+    cmd = cli_train_cmd(run, "--training.steps", "12", "--divergence.spike_factor", "3", "--divergence.spike_window",
+                        "2", "--divergence.max_consecutive_skips", "4", "--metrics.log_freq", "1")
+    proc = subprocess.run(cmd, cwd=REPO, env=with_fault(tmp_path, LOSS_JUMPS), capture_output=True, text=True,
+                          timeout=600)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 3, out[-4000:]
+    assert "Traceback" not in out, out[-4000:]
+    assert "4 steps in a row were skipped (steps 4-7, [divergence] max_consecutive_skips)" in out, out[-4000:]
+    assert [s for s in (4, 5, 6) if f"the loss at step {s} (" in out] == [4, 5, 6]
+
+    # A run too short to reach the bound, whose every step is skipped (its loss never finite, with a
+    # large max_nonfinite_steps), has trained nothing and says so (exit 3) rather than finishing.
+    never_finite = "from canon_titan.components import divergence\n" \
+        "judge = divergence.LossGuard.judge\n" \
+        "divergence.LossGuard.judge = lambda self, step, loss: judge(self, step, float('nan'))\n"
+    short = subprocess.run(cli_train_cmd(tmp_path / "short", "--training.steps", "3", "--divergence.max_nonfinite_steps",
+                                         "100", "--divergence.max_consecutive_skips", "100"),
+                           cwd=REPO, env=with_fault(tmp_path / "again", never_finite), capture_output=True, text=True,
+                           timeout=600)
+    out = short.stdout + short.stderr
+    assert short.returncode == 3 and "Traceback" not in out, out[-4000:]
+    assert "canon-titan: every step this run trained (3) was skipped ([divergence]), so it trained nothing" in out
+
+
+@pytest.mark.slow
+def test_a_nan_gradient_with_a_finite_loss_is_skipped_at_its_step(tmp_path):
+    """A NaN gradient on one rank while every loss is finite: the gradients are judged before the
+    optimizer step, so that step's update is skipped (with ``max_nonfinite_steps = 2``) and the run
+    goes on with finite losses to its end; with the default (1) it stops there, naming step 3. At
+    4a7b0a2 only the loss was judged: the NaN update was applied and the next steps' losses were NaN."""
+    run = tmp_path / "run"
+    env = with_fault(tmp_path, NAN_GRADIENT)
+    proc = subprocess.run(cli_train_cmd(run, "--training.steps", "6", "--divergence.max_nonfinite_steps", "2",
+                                        "--metrics.log_freq", "1"),
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert "the gradients at step 3 are not finite (its loss was finite): its update is skipped" in out, out[-4000:]
+    losses = read_scalars(run)
+    assert sorted(losses) == list(range(1, 7)) and all(map(math.isfinite, losses.values())), losses
+    assert all_finite(run / "checkpoint" / "step-6")
+
+    stopped = subprocess.run(cli_train_cmd(tmp_path / "stopped", "--training.steps", "6"), cwd=REPO, env=env,
+                             capture_output=True, text=True, timeout=600)
+    out = stopped.stdout + stopped.stderr
+    assert stopped.returncode == 3 and "Traceback" not in out, out[-4000:]
+    assert "canon-titan: the gradients at step 3 are not finite (its loss was finite): the run stops before saving it" in out
+
+
+# Where no small filesystem can be mounted: the error torch's writer raises when the disk fills
+# (the bytes of a tensor do not all reach the file; no OSError anywhere in the chain).
+WRITER_FAILS_AT_STEP_4 = """
+from torch.distributed.checkpoint import filesystem
+write_item = filesystem._write_item
+def _write_item(transforms, stream, data, item, storage_key, *args, **kwargs):
+    if '/step-4/' in getattr(stream, 'name', ''):
+        raise RuntimeError('[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598')
+    return write_item(transforms, stream, data, item, storage_key, *args, **kwargs)
+filesystem._write_item = _write_item
+"""
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 20 MiB tmpfs (a debug checkpoint is about 12 MiB: the second one does not fit), or, where
+    this process cannot mount one, None (the test then injects the error a full disk gives)."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    mounted = shutil.which("mount") and subprocess.run(["mount", "-t", "tmpfs", "-o", "size=20m", "tmpfs", str(mount)],
+                                                       capture_output=True).returncode == 0
+    yield mount if mounted and not os.environ.get("CANON_TITAN_TEST_NO_MOUNT") else None
+    if mounted:
+        subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+
+
+@pytest.mark.slow
+def test_a_disk_that_fills_during_a_save_is_one_line_and_the_partial_step_goes(tmp_path, small_disk):
+    """The usual full disk: the tensor bytes fill it and torch's writer raises a RuntimeError with no
+    OSError under it. The run stops (exit 3) with one line naming the step folder and the free space
+    left, the partial folder is removed, the earlier checkpoint loads, and the line reaches the
+    console although the disk is full (torchrun's copies of the output are on the local disk).
+    At 4a7b0a2 this was a traceback inside torchrun's ChildFailedError block, with the partial
+    folder left behind."""
+    run = (small_disk or tmp_path) / "run"
+    env = train_env() if small_disk else with_fault(tmp_path, WRITER_FAILS_AT_STEP_4)
+    proc = subprocess.run(cli_train_cmd(run, "--training.steps", "8", "--checkpoint.interval", "2",
+                                        "--checkpoint.keep_latest_k", "10"),
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 3, out[-4000:]
+    line = f"canon-titan: saving checkpoint step 4 to {run / 'checkpoint' / 'step-4'} failed: "
+    assert line in out and "Traceback" not in out and "ChildFailedError" not in out, out[-4000:]
+    message = next(l for l in out.splitlines() if line in l)
+    if small_disk:
+        assert "the disk is full (0.0 MiB free on its filesystem)" in message, message
+    else:
+        assert "RuntimeError: [enforce fail at inline_container.cc:672]" in message and "MiB free" in message
+    assert sorted(p.name for p in (run / "checkpoint").iterdir()) == ["step-2"]
+    assert all_finite(run / "checkpoint" / "step-2")
+
+
+def test_a_step_folder_whose_save_did_not_finish_is_named_when_skipped(tmp_path):
+    """A ``step-N`` folder without ``.metadata`` (a save cut short) is skipped with a line saying
+    which and why (at 4a7b0a2, silently); alone, it does not stop a fresh start."""
+    import torch.distributed.checkpoint as dcp
+
+    from canon_titan.convert.dcp_io import resume_step
+
+    folder = tmp_path / "checkpoint"
+    dcp.save({"model": {"w": torch.ones(3)}, "train_state": {"step": torch.tensor(2)}}, checkpoint_id=str(folder / "step-2"))
+    (folder / "step-4").mkdir()
+    (folder / "step-4" / "__0_0.distcp").write_bytes(b"partial")
+    assert resume_step(folder) == (2, ["step-4 has no .metadata (its save did not finish) and is skipped"])
+    shutil.rmtree(folder / "step-2")
+    assert resume_step(folder) == (-1, ["step-4 has no .metadata (its save did not finish) and is skipped"])
+
+
+@pytest.mark.slow
+def test_a_damaged_token_shard_is_one_line(tmp_path):
+    """A token folder whose shard holds an id outside the vocabulary: one line naming the shard and
+    exit 2 (at 4a7b0a2 the same message, buried in 149 lines of traceback)."""
+    from canon_titan.data.builtin import ASSET_DIR
+    from canon_titan.data.pretokenize import tokenize_files
+
+    source = tmp_path / "docs.jsonl"
+    source.write_text("".join(json.dumps({"text": f"document {i}: " + "word " * 60}) + "\n" for i in range(80)))
+    tokens = tmp_path / "tokens"
+    tokenize_files(str(source), tokens, kind="hf", tokenizer_path=str(ASSET_DIR), log=lambda m: None)
+    index = json.loads((tokens / "index.json").read_text())
+    index["shards"][0]["max_id"] = 99_999  # as a shard tokenized with another tokenizer records it
+    (tokens / "index.json").write_text(json.dumps(index))
+    proc = subprocess.run(cli_train_cmd(tmp_path / "run", "--training.steps", "2", "--dataloader.dataset", "tokens",
+                                        "--dataloader.dataset_path", str(tokens)),
+                          cwd=REPO, env=train_env(), capture_output=True, text=True, timeout=600)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out[-4000:]
+    assert "Traceback" not in out, out[-4000:]
+    lines = [line for line in out.splitlines() if "outside the training vocabulary" in line]
+    assert len(lines) == 1 and "holds token id 99999" in lines[0], out[-4000:]
 
 
 def launch_checks(monkeypatch, capsys, args):
@@ -269,14 +534,17 @@ def test_a_lock_file_that_cannot_be_opened_is_one_line(tmp_path, capsys):
     assert code == 2 and f"cannot open the lock file {dump / LOCK_FILE}" in err and "Traceback" not in err
 
 
-def test_without_flock_a_lease_file_stands_in(tmp_path, monkeypatch, caplog):
+@pytest.mark.parametrize("code", ["ENOLCK", "EOPNOTSUPP", "ENOSYS", "EINVAL"])
+def test_without_flock_a_lease_file_stands_in(tmp_path, monkeypatch, caplog, code):
+    """Whatever a filesystem without locks answers (Lustre ``noflock`` gives ENOSYS, which refused
+    every run as "in use by a live run"), a lease file stands in; only EWOULDBLOCK means a holder."""
     import errno
     import fcntl
 
     from canon_titan.launch import ownership as launch
 
     def no_flock(handle, how):
-        raise OSError(errno.ENOLCK, "No locks available")
+        raise OSError(getattr(errno, code), os.strerror(getattr(errno, code)))
 
     monkeypatch.setattr(fcntl, "flock", no_flock)
     monkeypatch.setattr(launch, "_held", [])

@@ -12,10 +12,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from canon_titan.components.metrics import read_scalars
 from canon_titan.config import load
 from canon_titan.convert.dcp_io import load_model
 from canon_titan.convert.hf import from_hf, to_hf
-from canon_titan.components.metrics import read_scalars
 from conftest import COMMON, REPO, make_checkpoint, run_training
 from model_registry import register_with_transformers
 

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from canon_titan.cli import main
+from canon_titan.components.metrics import read_scalars
 from canon_titan.config import ConfigError, load
 from canon_titan.config.build import _eval_settings
 from canon_titan.evaluation.in_training import InTrainingEval
-from canon_titan.components.metrics import read_scalars
 from canon_titan.evaluation.synthetic import evaluate as evaluate_synthetic
 from conftest import COMMON, CONFIGS, REPO, run_training, write_tiny_tasks
 

@@ -203,8 +203,8 @@ def test_context_parallel_attention_computes_the_causal_share(world):
         shares.append(expected / (local * seq_len))  # against the score matrix of the gathered design
     total = sum(n * g + n * (n + 1) // 2 for _, _, runs in results for _, g, n in runs)
     assert total == seq_len * (seq_len + 1) // 2  # the ranks' runs together: the whole causal matrix once
-    for share in shares:  # every rank the same: 1/2 + 1/(2 x local length)
-        assert share == pytest.approx(0.5 + 1 / (2 * (seq_len // world)))
+    for share in shares:  # every rank the same: the causal matrix's S (S + 1) / 2 over cp ranks' L x S each
+        assert share == pytest.approx(0.5 + 1 / (2 * seq_len))
 
 
 def test_the_plan_counts_a_lower_right_causal_attention_by_its_share():

@@ -56,11 +56,11 @@ def _real_worker(rank, world, port, config, overrides, dump_folder, queue):
     try:
         from torch.distributed._tools.mem_tracker import MemTracker
 
-        from canon_titan.tools import runtime
         from canon_titan.config import load
         from canon_titan.config.build import build_trainer_config
         from canon_titan.plan.fake_world import record_step
         from canon_titan.plan.recorder import StepRecorder
+        from canon_titan.tools import runtime
 
         runtime.apply()
         config_ = build_trainer_config(load(config, overrides))
@@ -266,6 +266,26 @@ def test_a_gpu_described_in_a_file(tmp_path):
     with pytest.raises(UnknownGPU, match="missing keys bf16_tflops"):
         find_gpu(str(spec))
     assert find_gpu("NVIDIA H100 80GB HBM3") is GPUS["h100"]  # a device name, as torch reports it
+
+
+@pytest.mark.parametrize("line, message", [
+    ("bf16_tflops = nan", "bf16_tflops must be a finite positive number, got nan"),
+    ("bf16_tflops = inf", "bf16_tflops must be a finite positive number, got inf"),
+    ("hbm_tb_s = -inf", "hbm_tb_s must be a finite positive number, got -inf"),
+    ("capability = [9, -1]", "capability must be [major, minor] with major >= 1 and minor >= 0, got [9, -1]"),
+])
+def test_an_impossible_gpu_figure_is_one_line_and_exit_2(tmp_path, line, message):
+    """A non-finite or impossible figure in a GPU file is refused before planning (it gave a
+    traceback for nan, and "MFU 0.0% against inf TFLOP/s" for inf)."""
+    figures = {"name": '"x"', "memory_gib": "80", "bf16_tflops": "989", "fp8_tflops": "1979", "hbm_tb_s": "3.35",
+               "nvlink_gb_s": "450", "network_gb_s": "50", "capability": "[9, 0]"}
+    key, value = line.split(" = ")
+    figures[key] = value
+    spec = tmp_path / "gpu.toml"
+    spec.write_text("".join(f"{k} = {v}\n" for k, v in figures.items()))
+    proc = _cli(CONFIGS["llama"], "--gpus", "1", "--gpu", str(spec), timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
 
 # ----------------------------------------------------------------------------- the models, by hand

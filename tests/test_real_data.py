@@ -7,13 +7,13 @@ import numpy as np
 import pytest
 import torch
 
+from canon_titan.components.metrics import LOSS_TAG, read_scalars
 from canon_titan.config import ConfigError, load
 from canon_titan.data.builtin import ASSET_DIR, generate_corpus
 from canon_titan.data.documents import DATALOADER_SKIP, DataError, ReadStats, iter_documents
 from canon_titan.data.packed import PackedTextDataLoader, tokenize_stream
 from canon_titan.data.pretokenize import open_shards, tokenize_files
 from canon_titan.data.tokenizers import LLAMA3_PATTERN, build_tokenizer
-from canon_titan.components.metrics import LOSS_TAG, read_scalars
 from conftest import CONFIGS, run_training
 
 TEXTS = generate_corpus(400, seed=11)

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from canon_titan.config import ConfigError, load
+from canon_titan.data.builtin import ASSET_DIR
 from canon_titan.data.synthetic import SyntheticDataLoader
 from canon_titan.data.tokenizers import build_tokenizer
-from canon_titan.data.builtin import ASSET_DIR
 from canon_titan.evaluation.synthetic import format_table, greedy_continuation
 from synthetic_data import brevo, depo, mano
 from synthetic_data.common import BOS

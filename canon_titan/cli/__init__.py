@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import importlib
+import signal
 import sys
 
 COMMANDS = {"train": "train", "config": "config", "plan": "plan", "convert": "convert", "data": "data",
@@ -34,5 +35,20 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\ncanon-titan: unknown command {argv[0]!r}; commands: {', '.join(COMMANDS)}", file=sys.stderr)
             return 2
         return 0
+    if argv[0] != "train":
+        return _command(argv)
+    # From the first instant of a training job: a stop signal during its checks is one line and 75.
+    from canon_titan.components.exit_codes import STOP_SIGNALS, stop_at_once_until_started
+
+    previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    stop_at_once_until_started("before training started (canon-titan train was checking the run)")
+    try:
+        return _command(argv)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _command(argv: list[str]) -> int:
     # A command's module imports torch and torchtitan (seconds): only the one asked for is loaded.
     return importlib.import_module(f"{__name__}.{COMMANDS[argv[0]]}").main(argv[1:])

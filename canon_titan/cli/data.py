@@ -22,8 +22,8 @@ from canon_titan.data.synthetic import SyntheticDataLoader, loader_config
 from canon_titan.data.tokenizers import build_tokenizer
 from canon_titan.evaluation import multihop
 from canon_titan.evaluation.lm_tasks import MULTIHOP_CONTEXTS, MULTIHOP_HOPS
-from canon_titan.tools.fileio import write_atomic
 from canon_titan.evaluation.synthetic import DEFAULT_TEST_SEED
+from canon_titan.tools.fileio import write_atomic
 from synthetic_data import capo
 
 

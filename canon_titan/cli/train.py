@@ -8,14 +8,16 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from canon_titan.cli.common import OVERRIDES, fail, load_or_report
+from canon_titan.components.exit_codes import STOP_SIGNALS, STOPPED_EXIT_CODES
 from canon_titan.config import dumps
 from canon_titan.config.build import absolute_paths, build_trainer_config
 from canon_titan.convert.dcp_io import NoLoadableCheckpoint
-from canon_titan.launch.ownership import DumpFolderInUse, DumpFolderUnusable, lock_dump_folder, torchrun_preexec
 from canon_titan.data.fingerprint import data_fingerprint
+from canon_titan.launch.ownership import DumpFolderInUse, DumpFolderUnusable, lock_dump_folder, torchrun_preexec
 from canon_titan.launch.resume_checks import ResumeRefused, check_resume
 from canon_titan.trainer import RUN_CONFIG_FILE, FinishedRun, config_changes, resume_point
 
@@ -43,7 +45,9 @@ def main(argv: list[str]) -> int:
     if log_ranks is None:
         pp = run["parallelism"]["pipeline_parallel_degree"]
         log_ranks = str((pp - 1) * args.nproc // pp)
-    log_dir = Path(run["job"]["dump_folder"]) / "torchelastic"
+    # torchrun's per-rank copies of the output (what --tee shows comes from them) go to the local temporary
+    # disk, never the dump folder: a full checkpoint disk must not silence the ranks' own messages.
+    log_dir = Path(tempfile.mkdtemp(prefix="torchelastic_"))
     # torchrun waits this long for its workers after passing a signal on, before it SIGKILLs them.
     shutdown_timeout = run["job"]["stop_grace_seconds"] + 30
     cmd = [sys.executable, "-m", "canon_titan.launch.torchrun", "--standalone", f"--nproc_per_node={args.nproc}",
@@ -56,13 +60,13 @@ def main(argv: list[str]) -> int:
     # Share the cores between the processes (torchrun would default to 1 and print a banner saying so).
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc)))
     code = _run_torchrun(cmd, env)
-    if code == 0:
-        shutil.rmtree(log_dir, ignore_errors=True)  # torchrun's copy of every rank's output
+    if code in (0, *STOPPED_EXIT_CODES):  # each rank has said what happened; else torchrun's report names the files
+        shutil.rmtree(log_dir, ignore_errors=True)
     return code
 
 
 def _run_torchrun(cmd: list[str], env: dict) -> int:
-    """Start torchrun and wait for it. SIGTERM or SIGINT to this process is passed on to torchrun
+    """Start torchrun and wait for it. SIGTERM, SIGINT or SIGUSR1 to this process is passed on to torchrun
     (which passes it to its workers: they save and exit); the launcher keeps waiting instead of
     dying, which would take torchrun and its workers down before they saved."""
     proc = subprocess.Popen(cmd, preexec_fn=torchrun_preexec, env=env)
@@ -70,7 +74,7 @@ def _run_torchrun(cmd: list[str], env: dict) -> int:
     def forward(signum, frame):
         proc.send_signal(signum)
 
-    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+    previous = {sig: signal.signal(sig, forward) for sig in STOP_SIGNALS}
     try:
         return proc.wait()
     finally:

@@ -1,7 +1,9 @@
 """TorchTitan's DCP checkpointer with the guarantees a long run needs: no checkpoint with
 non-finite parameters is ever written (so ``keep_latest_k`` never purges the newest finite one:
-every step it keeps is finite), a save can be forced between intervals (preemption), and an OS
-error during a save (a full disk) is one line naming the path, with the partial step folder removed.
+every step it keeps is finite), a save can be forced between intervals (preemption), and any
+failure of a save is one line naming the path, the error and the free space of its filesystem (a
+full disk often shows as torch's writer's ``RuntimeError``, with no OSError at all), with the partial
+step folder removed.
 
 Kept light (no model or data imports): ``config validate`` builds this section's config."""
 
@@ -36,6 +38,17 @@ def newest_checkpoint_hint(folder: str | Path, before: int) -> str:
     return "there is no earlier checkpoint: start again with a lower learning rate"
 
 
+def newest_checkpoint_line(folder: str | Path) -> str:
+    """What is on disk to resume from, in words: the newest complete step, or none yet."""
+    from canon_titan.convert.dcp_io import step_dirs
+
+    steps = step_dirs(folder)
+    if not steps:
+        return "there is no checkpoint yet: running the command again starts from the beginning"
+    step, path = steps[0]
+    return f"the newest complete checkpoint is step {step} ({path}): running the same command again resumes from it"
+
+
 def _os_error(exc: BaseException) -> OSError | None:
     """The OSError under a save failure (DCP wraps the writer's in its own exceptions)."""
     seen = set()
@@ -52,6 +65,50 @@ def _os_error(exc: BaseException) -> OSError | None:
                     return found
         exc = exc.__cause__ or exc.__context__
     return None
+
+
+FULL_BELOW = 64 * 2**20
+"""Free bytes under which a failed save's filesystem is called full (a full disk's save leaves
+little more than the pieces that did not fit)."""
+
+
+def free_bytes(path: Path) -> int | None:
+    """Free bytes on the filesystem of ``path`` (or of its nearest existing parent)."""
+    for folder in (path, *path.parents):
+        try:
+            return shutil.disk_usage(folder).free
+        except OSError:
+            continue
+    return None
+
+
+def save_failure(step: int, step_dir: Path, exc: BaseException) -> str:
+    """The one line for a failed save: what failed, and how much room its filesystem has left."""
+    error, free = _os_error(exc), free_bytes(step_dir)
+    full = (error is not None and error.errno == errno.ENOSPC) or (free is not None and free < FULL_BELOW)
+    if full:
+        what = "the disk is full"
+    elif error is not None:
+        what = f"{error.strerror or error} ({error.filename or step_dir})"
+    else:
+        cause = _first_failure(exc)
+        lines = str(cause).strip().splitlines()
+        what = f"{type(cause).__name__}: {lines[0] if lines else ''}"
+    room = f"{free / 2**20:,.1f} MiB free on its filesystem" if free is not None else "its filesystem cannot be read"
+    return (f"saving checkpoint step {step} to {step_dir} failed: {what} ({room}); the partial folder is removed "
+            "and earlier checkpoints are intact. Free space (or set [checkpoint] keep_latest_k) and run the same "
+            "command to resume")
+
+
+def _first_failure(exc: BaseException) -> BaseException:
+    """The error under DCP's CheckpointException (which only lists the ranks that failed)."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict):
+        for _, inner in sorted(failures.items()):
+            inner = inner[0] if isinstance(inner, tuple) else inner
+            if isinstance(inner, BaseException):
+                return _first_failure(inner)
+    return exc
 
 
 class CanonCheckpointer(CheckpointManager):
@@ -74,17 +131,13 @@ class CanonCheckpointer(CheckpointManager):
         step_dir = Path(self._create_checkpoint_id(curr_step))
         try:
             return super()._save(curr_step, last_step)
+        except (KeyboardInterrupt, SystemExit):
+            raise
         except BaseException as e:  # DCP's CheckpointException is a BaseException
-            error = _os_error(e)
-            if error is None:
-                raise
+            message = save_failure(curr_step, step_dir, e)  # the free space before the partial folder goes
             if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
                 shutil.rmtree(step_dir, ignore_errors=True)
-            what = "the disk is full" if error.errno == errno.ENOSPC else (error.strerror or str(error))
-            raise SaveFailed(f"saving checkpoint step {curr_step} to {step_dir} failed: {what} "
-                             f"({error.filename or step_dir}); the partial folder is removed and earlier "
-                             f"checkpoints are intact. Free space (or set [checkpoint] keep_latest_k) and "
-                             "run the same command to resume") from None
+            raise SaveFailed(message) from None
         finally:
             self.force_next_save = False
 

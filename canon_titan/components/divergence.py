@@ -24,6 +24,9 @@ class DivergenceSection:
     spike_window: int = 20
     on_spike: Literal["skip", "stop"] = "skip"
     """skip: do not apply that step's update and go on; stop: end the run as for a non-finite loss."""
+    max_consecutive_skips: int = 10
+    """Stop (as for a non-finite loss) when this many steps in a row were skipped: a loss that stays
+    at a new level is a spike on every step, and a run that skips them all trains nothing."""
 
 
 class Diverged(RuntimeError):
@@ -31,28 +34,50 @@ class Diverged(RuntimeError):
 
 
 class LossGuard:
-    """Decides, from a step's loss, whether to apply its update ("ok"), skip it ("skip") or stop;
-    the caller raises Diverged with ``problem`` on "stop"."""
+    """Decides, from a step's loss and then its gradient norm, whether to apply its update ("ok"),
+    skip it ("skip") or stop; the caller raises Diverged with ``problem`` on "stop"."""
 
     def __init__(self, section: DivergenceSection):
         self.section = section
         self.recent: deque[float] = deque(maxlen=section.spike_window)
         self.nonfinite = 0
+        self.skipped_in_a_row = self._skipped_before = 0
         self.problem = ""
 
     def judge(self, step: int, loss: float) -> str:
         if not math.isfinite(loss):
-            self.nonfinite += 1
-            self.problem = f"the loss at step {step} is not finite ({loss})"
-            if self.nonfinite >= self.section.max_nonfinite_steps:
-                return "stop"
-            return "skip"
+            return self._nonfinite(step, f"the loss at step {step} is not finite ({loss})")
         factor = self.section.spike_factor
         if factor and len(self.recent) == self.recent.maxlen:
             mean = sum(self.recent) / len(self.recent)
             if loss > factor * mean:
                 self.problem = (f"the loss at step {step} ({loss:.4g}) is a spike, above {factor} x its running "
                                 f"mean {mean:.4g} ([divergence] spike_factor)")
-                return "stop" if self.section.on_spike == "stop" else "skip"
+                return "stop" if self.section.on_spike == "stop" else self._skip(step)
         self.recent.append(loss)
+        self._skipped_before, self.skipped_in_a_row = self.skipped_in_a_row, 0
         return "ok"
+
+    def judge_gradients(self, step: int, finite: bool) -> str:
+        """After a finite loss: a step whose gradients are not all finite is not applied either."""
+        if finite:
+            return "ok"
+        self.recent.pop()  # its loss was counted as accepted
+        self.skipped_in_a_row = self._skipped_before
+        return self._nonfinite(step, f"the gradients at step {step} are not finite (its loss was finite)")
+
+    def _nonfinite(self, step: int, problem: str) -> str:
+        self.nonfinite += 1
+        self.problem = problem
+        if self.nonfinite >= self.section.max_nonfinite_steps:
+            return "stop"
+        return self._skip(step)
+
+    def _skip(self, step: int) -> str:
+        self.skipped_in_a_row += 1
+        if self.skipped_in_a_row >= self.section.max_consecutive_skips:
+            self.problem += (f"; {self.skipped_in_a_row} steps in a row were skipped (steps "
+                             f"{step - self.skipped_in_a_row + 1}-{step}, [divergence] max_consecutive_skips), "
+                             "so the run trains nothing")
+            return "stop"
+        return "skip"

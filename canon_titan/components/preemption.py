@@ -1,7 +1,7 @@
-"""SIGTERM and SIGINT in a training process: finish the step, save it, exit with PREEMPTED_EXIT.
+"""SIGTERM, SIGINT and SIGUSR1 in a training process: finish the step, save it, exit with PREEMPTED_EXIT.
 
-A scheduler's preemption or time limit (SLURM sends SIGTERM, after ``--signal`` a chosen time
-early) and Ctrl-C all become a request to stop at the end of the current step; the ranks agree on
+A scheduler's preemption or time limit (SLURM sends SIGTERM, and with ``--signal=USR1@T`` SIGUSR1 a
+chosen time early) and Ctrl-C all become a request to stop at the end of the current step; the ranks agree on
 it through the per-step reduction the trainer already does. The grace period is enforced from a
 thread (the main thread may be inside a long collective): when it runs out the process exits at
 once, and so it does on a second signal. A checkpoint is complete only once its ``.metadata`` is
@@ -14,14 +14,13 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 
 from torchtitan.tools.logging import logger
 
+from canon_titan.components.exit_codes import DUPLICATE_WINDOW_S, STOP_SIGNALS, report_exit
 from canon_titan.components.exit_codes import PREEMPTED as PREEMPTED_EXIT
 
-# The same signal often comes twice at once (the scheduler signals every process, and torchrun
-# passes its own on to its workers): within this window it is one request.
-DUPLICATE_WINDOW_S = 2.0
 
 
 class Preempted(RuntimeError):
@@ -29,12 +28,14 @@ class Preempted(RuntimeError):
 
 
 class StopSignals:
-    def __init__(self, grace_seconds: int):
+    def __init__(self, grace_seconds: int, on_disk: Callable[[], str] | None = None):
+        """``on_disk`` says, when the process exits without saving, what is there to resume from."""
         self.grace_seconds = grace_seconds
         self.received_at: float | None = None
+        self.on_disk = on_disk or (lambda: "nothing of this step was saved")
 
     def install(self) -> None:
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in STOP_SIGNALS:
             signal.signal(sig, self._handle)
 
     @property
@@ -52,10 +53,10 @@ class StopSignals:
             logger.warning(f"{name} received: finishing this step and saving a checkpoint (at most "
                            f"{self.grace_seconds} s, [job] stop_grace_seconds; a second signal exits at once)")
         elif now - self.received_at > DUPLICATE_WINDOW_S:
-            logger.error(f"second {name}: exiting without saving; the previous checkpoint is intact")
-            os._exit(PREEMPTED_EXIT)
+            logger.error(f"second {name}: exiting without saving this step; {self.on_disk()}")
+            os._exit(report_exit(PREEMPTED_EXIT))
 
     def _out_of_time(self) -> None:
         logger.error(f"no checkpoint saved within [job] stop_grace_seconds = {self.grace_seconds}: exiting; "
-                     "the previous checkpoint is intact")
-        os._exit(PREEMPTED_EXIT)
+                     f"{self.on_disk()}")
+        os._exit(report_exit(PREEMPTED_EXIT))

@@ -11,6 +11,9 @@ from torchtitan.components.loss import CrossEntropyLoss
 from torchtitan.config.configs import DebugConfig
 from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
 
+from canon_titan.components.divergence import DivergenceSection
+from canon_titan.components.float8 import float8_converter
+from canon_titan.components.loss import ZLossCrossEntropy
 from canon_titan.config.run import ConfigError, RunConfig
 from canon_titan.config.titan_sections import titan_sections
 from canon_titan.config.toml_writer import dumps
@@ -20,10 +23,7 @@ from canon_titan.data.packed import PackedTextDataLoader
 from canon_titan.data.streaming import StreamingTextDataLoader
 from canon_titan.data.synthetic import loader_config
 from canon_titan.data.tokenizers import tokenizer_config
-from canon_titan.components.divergence import DivergenceSection
 from canon_titan.evaluation.in_training import EvalSettings
-from canon_titan.components.float8 import float8_converter
-from canon_titan.components.loss import ZLossCrossEntropy
 from canon_titan.evaluation.synthetic import DEFAULT_TEST_SEED
 from canon_titan.trainer import CanonMetrics, CanonTrainer
 from synthetic_data.tasks import SECTION

@@ -17,8 +17,8 @@ from canon_titan.config.sections import section_schema
 from canon_titan.convert.dcp_io import ConversionError, checkpoint_problem, model_mismatch
 from canon_titan.data.builtin import ASSET_DIR
 from canon_titan.data.documents import DataError, expand_inputs, file_kind
-from canon_titan.data.kinds import DATASET_KINDS, SYNTHETIC
 from canon_titan.data.inputs import DataConfigError, resolve_paths
+from canon_titan.data.kinds import DATASET_KINDS, SYNTHETIC
 from canon_titan.data.tokenizers import build_tokenizer
 from canon_titan.evaluation import lm
 from canon_titan.models.common.canon_args import CanonArgs
@@ -362,7 +362,7 @@ def check_eval(run: RunConfig, environment: bool) -> None:
 
 def check_divergence(run: RunConfig) -> None:
     section = run["divergence"]
-    for key in ("max_nonfinite_steps", "spike_window"):
+    for key in ("max_nonfinite_steps", "spike_window", "max_consecutive_skips"):
         if section[key] < 1:
             _fail(run, "divergence", key, "must be >= 1")
     if section["spike_factor"] and section["spike_factor"] <= 1:

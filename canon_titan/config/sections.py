@@ -17,8 +17,8 @@ from torchtitan.components.checkpointer import CheckpointManager
 from torchtitan.components.optimizer import LRSchedulersContainer
 from torchtitan.config.configs import CommConfig, CompileConfig, ParallelismConfig, TrainingConfig
 
-from canon_titan.data.kinds import DATASET_KINDS
 from canon_titan.components.divergence import DivergenceSection
+from canon_titan.data.kinds import DATASET_KINDS
 from synthetic_data.tasks import PARAMS
 
 

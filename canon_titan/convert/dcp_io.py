@@ -101,6 +101,13 @@ def resume_step(folder: str | Path, load_step: int = -1) -> tuple[int, list[str]
         candidates = [(step, path) for step, path in candidates if step == load_step]
         if not candidates:
             raise NoLoadableCheckpoint(f"[checkpoint] load_step = {load_step}: {folder} has no complete step-{load_step}")
+    listed = {step for step, _ in candidates}
+    # A save interrupted before its .metadata was written (the last thing a save writes).
+    incomplete = [] if load_step != -1 or not folder.is_dir() else sorted(
+        (int(m.group(1)) for p in folder.iterdir() if (m := re.fullmatch(r"step-(\d+)", p.name)) and p.is_dir()
+         and int(m.group(1)) not in listed), reverse=True)
+    unfinished = [f"step-{step} has no .metadata (its save did not finish) and is skipped" for step in incomplete
+                  if not candidates or step > candidates[0][0]]
     skipped = []
     for step, path in candidates:
         if step in exports:
@@ -114,12 +121,12 @@ def resume_step(folder: str | Path, load_step: int = -1) -> tuple[int, list[str]
                            "full checkpoint before it (set last_save_model_only = false in a run you may extend)")
             continue
         if problem is None:
-            return step, skipped
+            return step, unfinished + skipped
         skipped.append(f"checkpoint step {step} cannot be loaded and is skipped: {problem}")
     if skipped:
-        raise NoLoadableCheckpoint(f"no checkpoint in {folder} can be loaded: " + "; ".join(skipped)
+        raise NoLoadableCheckpoint(f"no checkpoint in {folder} can be loaded: " + "; ".join(unfinished + skipped)
                                    + " (move them away to start fresh)")
-    return -1, skipped
+    return -1, unfinished
 
 
 def find_step_dir(path: str | Path) -> Path:

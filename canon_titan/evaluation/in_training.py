@@ -27,8 +27,8 @@ from torchtitan.tools.logging import logger
 from canon_titan.convert.hf import hf_model_in_memory
 from canon_titan.data.tokenizers import build_tokenizer
 from canon_titan.evaluation import lm
-from canon_titan.hf import DTYPES
 from canon_titan.evaluation.synthetic import greedy_continuation
+from canon_titan.hf import DTYPES
 from synthetic_data.tasks import make_task, summarize
 
 

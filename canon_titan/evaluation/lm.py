@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from canon_titan.data.tokenizers import LLAMA3_PATTERN, _find_file, build_tokenizer, tiktoken_special_tokens
-from canon_titan.tools.fileio import write_atomic
 from canon_titan.hf import DTYPES
+from canon_titan.tools.fileio import write_atomic
 from model_registry import register_with_transformers
 
 EVAL_DIR = Path(__file__).resolve().parents[2] / "eval"

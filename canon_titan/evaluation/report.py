@@ -15,8 +15,8 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-from canon_titan.tools.fileio import write_atomic
 from canon_titan.components.metrics import LOSS_TAG, read_all_scalars
+from canon_titan.tools.fileio import write_atomic
 
 TOKENS_TAG = "n_tokens_seen"
 MAX_PANELS = 16

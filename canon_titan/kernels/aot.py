@@ -31,9 +31,9 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import JITFunction, create_function_from_signature
 
-from canon_titan.tools.fileio import write_atomic
 from canon_titan.kernels import canon
 from canon_titan.kernels.backends import INTERPRETED
+from canon_titan.tools.fileio import write_atomic
 
 SM90 = GPUTarget("cuda", 90, 32)
 SEQ_LEN = 4096

@@ -10,7 +10,8 @@ A dump folder holds one live run: global rank 0 keeps an exclusive ``flock`` on
 ``{dump_folder}/.canon-titan.lock`` for the run's life (the kernel drops it when the process dies,
 however it dies), and a second run there stops before training with the holder's pid, host and
 start time. The launcher checks the same lock before it starts torchrun. Where the filesystem has
-no ``flock`` (ENOLCK, EOPNOTSUPP), a pid/host lease file stands in for it, with a warning.
+no working ``flock`` (any error but "held by another": ENOLCK, EOPNOTSUPP, ENOSYS on Lustre ``noflock``,
+EINVAL, ...), a pid/host lease file stands in for it, with a warning.
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ def lock_dump_folder(dump_folder: str | os.PathLike, *, hold: bool = True) -> No
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:
         handle.close()
-        if e.errno in (errno.ENOLCK, errno.EOPNOTSUPP):
+        if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):  # no working flock here, whatever it says
             _take_lease(folder, hold)
             return
         raise DumpFolderInUse(f"dump folder {folder} is in use by a live run ({_describe_holder(path)}); wait for "

@@ -9,6 +9,7 @@ with the same keys (``canon-titan plan --gpu FILE.toml``).
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,12 +88,15 @@ def gpu_from_file(path: Path) -> GPU:
             if not isinstance(value, str):
                 raise UnknownGPU(f"--gpu {path}: name must be a string")
         elif key == "capability":
-            if not (isinstance(value, list) and len(value) == 2 and all(isinstance(v, int) for v in value)):
-                raise UnknownGPU(f"--gpu {path}: capability must be [major, minor], got {value!r}")
+            if not (isinstance(value, list) and len(value) == 2 and all(isinstance(v, int) for v in value)
+                    and value[0] >= 1 and value[1] >= 0):
+                raise UnknownGPU(f"--gpu {path}: capability must be [major, minor] with major >= 1 and minor >= 0, "
+                                 f"got {value!r}")
             values[key] = tuple(value)
-        elif not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0 \
-                or (value == 0 and key != "fp8_tflops"):
-            raise UnknownGPU(f"--gpu {path}: {key} must be a positive number, got {value!r}")
+        elif not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) \
+                or value < 0 or (value == 0 and key != "fp8_tflops"):
+            raise UnknownGPU(f"--gpu {path}: {key} must be a finite positive number"
+                             f"{' (0 for none)' if key == 'fp8_tflops' else ''}, got {value!r}")
         else:
             values[key] = float(value)
     return GPU(**values)

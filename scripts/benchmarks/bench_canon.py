@@ -43,8 +43,8 @@ import torch
 from torch.autograd.graph import saved_tensors_hooks
 
 import model_registry
-from canon_titan.tools.fileio import write_atomic
 from canon_titan.components.loss import squared_nll_loss
+from canon_titan.tools.fileio import write_atomic
 
 MODELS = ("llama", "llama_canon")
 

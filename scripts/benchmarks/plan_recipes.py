@@ -22,9 +22,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from canon_titan.tools.fileio import write_atomic  # noqa: E402
 from canon_titan.plan.gpus import GIB, GPUS, find_gpu  # noqa: E402
 from canon_titan.plan.planner import plan  # noqa: E402
+from canon_titan.tools.fileio import write_atomic  # noqa: E402
 
 REFERENCE = re.compile(r"^# Reference run: (\d+) GPUs x (\d+) sequences? x (\d+) tokens", re.M)
 RELEASE_GPU_HOURS_1B_1T = 5200

@@ -26,8 +26,8 @@ import torch.nn as nn
 from torchtitan.protocols.module import Module
 
 from canon_titan.kernels.canon import canon_conv, canon_swiglu
-from canon_titan.models.common.init import canon_bias_init, canon_weight_init
 from canon_titan.models.common.context_parallel import ContextShards
+from canon_titan.models.common.init import canon_bias_init, canon_weight_init
 from canon_titan.models.common.norms import RMSNorm
 from canon_titan.models.common.tensor_parallel import ChannelShard, local
 
