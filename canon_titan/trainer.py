@@ -137,14 +137,10 @@ class CanonTrainer(Trainer):
         self.global_batch_size = (config.training.local_batch_size * self.gradient_accumulation_steps
                                   * getattr(self.dataloader, "dp_world_size", 1))
         # A skipped step must not reach the optimizer at all (AdamW moves the weights even on zero
-        # gradients); TorchTitan's train_step calls this container's step, so it is guarded here,
-        # after its gradient clipping: a step whose loss was finite but whose gradients are not is
-        # judged there too.
+        # gradients); TorchTitan's train_step calls this container's step, so it is guarded here.
         optimizer_step = self.optimizers.step
 
         def guarded_step(*args, **kwargs):
-            if not self._skip_update:
-                self._judge_gradients()
             if self._skip_update:
                 self._skipped_steps += 1
                 return None
@@ -268,8 +264,9 @@ class CanonTrainer(Trainer):
         logger.info(f"Wrote a Hugging Face export of step {self.step} to {folder}")
 
     def forward_backward_step(self, **kwargs) -> torch.Tensor:
-        """TorchTitan's, plus: after the step's last gradient-accumulation group, the loss and any
-        stop request are reduced across ranks and judged, before the optimizer step."""
+        """TorchTitan's, plus: after the step's last gradient-accumulation group, the loss, whether
+        the gradients are finite and any stop request are reduced across ranks (one all-reduce) and
+        judged, before the optimizer step."""
         loss = super().forward_backward_step(**kwargs)
         holds_loss = getattr(self, "pp_has_last_stage", True)
         part = loss.detach().float().sum() if holds_loss else torch.zeros((), device=self.device)
@@ -281,30 +278,31 @@ class CanonTrainer(Trainer):
 
     def _judge_step(self, holds_loss: bool) -> None:
         stats = torch.stack([self._step_loss, torch.tensor(float(holds_loss), device=self.device),
-                             torch.tensor(float(self.stop_signals.requested), device=self.device)])
+                             torch.tensor(float(self.stop_signals.requested), device=self.device),
+                             self._nonfinite_gradients()])
         self._step_loss, self._groups_done = None, 0
         if torch.distributed.is_initialized():
             torch.distributed.all_reduce(stats)
-        loss_sum, holders, stop = stats.tolist()
+        loss_sum, holders, stop, nonfinite_gradients = stats.tolist()
         # Ranks of one tensor- or pipeline-parallel group hold the same loss (pipelines: the last stage).
         dims = self.parallel_dims
         loss = loss_sum / (holders / max(1, dims.world_size // (dims.tp * dims.pp)))
         self._act_on(self.loss_guard.judge(self.step, loss))
+        # A finite loss over gradients that are not (the step's backward is done: judged before clipping
+        # and the optimizer step). A plan's fake step has no values to judge.
+        if not self._skip_update and not isinstance(stats, FakeTensor):
+            self._act_on(self.loss_guard.judge_gradients(self.step, finite=nonfinite_gradients == 0))
         if stop and not self._preempting:
             self._preempting = True
             self.checkpointer.force_next_save = True
 
-    def _judge_gradients(self) -> None:
-        """Whether every rank's gradients are finite (one reduction), judged as a non-finite loss is."""
+    def _nonfinite_gradients(self) -> torch.Tensor:
+        """1 when this rank's gradients are not all finite, else 0: one fused norm over them."""
         grads = [p.grad for m in self.model_parts for p in m.parameters() if p.grad is not None]
         local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
-        bad = torch.stack([torch.isfinite(g).all() for g in local]).logical_not().any().float() if local else \
-            torch.zeros((), device=self.device)
-        if torch.distributed.is_initialized():
-            torch.distributed.all_reduce(bad)
-        if isinstance(bad, FakeTensor):  # a plan's step (canon-titan plan): the same work, no values to judge
-            return
-        self._act_on(self.loss_guard.judge_gradients(self.step, finite=bad.item() == 0))
+        if not local:
+            return torch.zeros((), device=self.device)
+        return torch.stack(torch._foreach_norm(local)).float().sum().isfinite().logical_not().float()
 
     def _act_on(self, verdict: str) -> None:
         """The guard's verdict on this step: apply its update, skip it, or stop before any save of it."""

@@ -262,18 +262,19 @@ judge = divergence.LossGuard.judge
 divergence.LossGuard.judge = lambda self, step, loss: judge(self, step, loss * 10 if step >= 4 else loss)
 """
 
-# Rank 1's first gradient shard becomes NaN after step 3's backward; every loss stays finite.
+# Rank 1's first gradient shard becomes NaN in step 3's backward (TorchTitan's forward-backward,
+# inside canon-titan's step); every loss stays finite.
 NAN_GRADIENT = """
 import math, torch
-from canon_titan import trainer
-step = trainer.CanonTrainer.forward_backward_step
+from torchtitan import trainer
+step = trainer.Trainer.forward_backward_step
 def forward_backward_step(self, **kwargs):
     loss = step(self, **kwargs)
     if self.step == 3 and torch.distributed.get_rank() == 1:
         grad = next(p.grad for m in self.model_parts for p in m.parameters() if p.grad is not None)
         (grad.to_local() if hasattr(grad, 'to_local') else grad).fill_(math.nan)
     return loss
-trainer.CanonTrainer.forward_backward_step = forward_backward_step
+trainer.Trainer.forward_backward_step = forward_backward_step
 """
 
 
