@@ -302,7 +302,7 @@ class CanonTrainer(Trainer):
         local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
         if not local:
             return torch.zeros((), device=self.device)
-        return torch.stack(torch._foreach_norm(local)).float().sum().isfinite().logical_not().float()
+        return torch.nn.utils.get_total_norm(local).isfinite().logical_not().float()
 
     def _act_on(self, verdict: str) -> None:
         """The guard's verdict on this step: apply its update, skip it, or stop before any save of it."""
