@@ -188,6 +188,67 @@ def test_a_second_signal_or_the_end_of_the_grace_period_exits_at_once():
         assert time.monotonic() - started < within
 
 
+# Two gloo ranks; rank 1 never joins the all-reduce, so rank 0's main thread stays inside it (in
+# C++, where Python runs no signal handler) until the collective's timeout, far past the grace period.
+HUNG_RANK = """
+import datetime, sys, time
+import torch, torch.distributed as dist
+from canon_titan.components.checkpointer import newest_checkpoint_line
+from canon_titan.components.preemption import StopSignals
+rank, store, grace = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=2,
+                        timeout=datetime.timedelta(seconds=240))
+if rank == 1:
+    time.sleep(600)
+StopSignals(grace, on_disk=lambda: newest_checkpoint_line("no-such-folder")).install()
+print("entering the all-reduce", flush=True)
+dist.all_reduce(torch.ones(1))
+print("the all-reduce returned", flush=True)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("grace, second_after, message", [
+    (2, None, "no checkpoint saved within [job] stop_grace_seconds = 2: exiting"),
+    (600, 3.0, "second SIGTERM: exiting without saving this step"),
+], ids=["grace-period", "second-signal"])
+def test_stop_signals_act_while_the_main_thread_is_blocked_in_a_collective(tmp_path, grace, second_after, message):
+    """A rank whose main thread is blocked in a gloo all-reduce that its peer never joins: after
+    SIGTERM it exits (75, one line, no traceback) when the grace period runs out, or at once on a
+    second signal, not when the collective times out. At 4a7b0a2 the grace timer and the second
+    signal lived in a Python signal handler, which ran only when the all-reduce gave up (240 s here)."""
+    store = tmp_path / "store"
+    ranks = [subprocess.Popen([sys.executable, "-c", HUNG_RANK, str(rank), str(store), str(grace)], cwd=REPO,
+                              env=train_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              start_new_session=True) for rank in (1, 0)]
+    peer, hung = ranks
+    try:
+        assert hung.stdout.readline() == "entering the all-reduce\n", hung.communicate(timeout=60)
+        time.sleep(1.0)  # inside the all-reduce
+        os.kill(hung.pid, signal.SIGTERM)
+        sent = time.monotonic()
+        if second_after is not None:
+            time.sleep(second_after)
+            os.kill(hung.pid, signal.SIGTERM)
+            sent = time.monotonic()
+        try:
+            out, err = hung.communicate(timeout=(grace if second_after is None else 0) + 30)
+        except subprocess.TimeoutExpired:
+            kill_tree(hung.pid)
+            out, err = hung.communicate()
+        waited = time.monotonic() - sent
+    finally:
+        for proc in ranks:
+            kill_tree(proc.pid)
+            proc.wait()
+    assert hung.returncode == 75, (hung.returncode, out, err[-3000:])
+    assert "Traceback" not in err and "the all-reduce returned" not in out, err[-3000:]
+    lines = [line for line in err.splitlines() if message in line]
+    assert len(lines) == 1 and "there is no checkpoint yet" in lines[0], err[-3000:]
+    # The grace period, or at once, with a margin for a loaded machine (the collective: 240 s).
+    assert waited < (grace if second_after is None else 0) + 5, waited
+
+
 def all_finite(step_dir):
     from canon_titan.convert.dcp_io import load_tensor, model_tensor_metadata
 
