@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import signal
 import sys
@@ -13,14 +14,15 @@ from torchtitan.tools.logging import init_logger, logger
 
 from canon_titan.components.checkpointer import NonFiniteParameters, SaveFailed
 from canon_titan.components.divergence import Diverged
-from canon_titan.components.exit_codes import STOPPED, report_exit
+from canon_titan.components.exit_codes import REFUSED, STOPPED, report_exit, report_saved
 from canon_titan.components.preemption import PREEMPTED_EXIT, Preempted
 from canon_titan.config import ConfigError, load
 from canon_titan.config.build import build_trainer_config
 from canon_titan.convert.dcp_io import NoLoadableCheckpoint
 from canon_titan.data.documents import DataError
 from canon_titan.data.inputs import DataConfigError
-from canon_titan.launch.ownership import DumpFolderInUse, DumpFolderUnusable, die_with_parent, lock_dump_folder
+from canon_titan.launch.ownership import die_with_parent
+from canon_titan.launch.prelaunch import agreed_verdict
 from canon_titan.launch.resume_checks import ResumeRefused
 from canon_titan.tools import runtime
 from canon_titan.trainer import FinishedRun
@@ -45,21 +47,27 @@ def _main(argv: list[str] | None) -> int:
         die_with_parent(signal.SIGKILL)
     path, overrides = parse_args(sys.argv[1:] if argv is None else argv)
     init_logger()
+    rank0 = int(os.environ.get("RANK", "0")) == 0
     try:
         run = load(path, overrides)
         config = build_trainer_config(run)
-        if int(os.environ.get("RANK", "0")) == 0:
-            lock_dump_folder(run["job"]["dump_folder"])
-    except ConfigError as e:
-        print(f"canon-titan: config error: {e}", file=sys.stderr)
-        return 2
-    except (DumpFolderInUse, DumpFolderUnusable) as e:
-        print(f"canon-titan: {e}", file=sys.stderr)
-        return 2
+    except ConfigError as e:  # the same on every rank: said once
+        if rank0:
+            print(f"canon-titan: config error: {e}", file=sys.stderr)
+        return REFUSED
+    # Before any rank builds or loads: rank 0 decides whether the run may start, every rank agrees.
+    verdict = agreed_verdict(run)
+    for message in verdict.warnings:
+        logger.warning(message)
+    if verdict.problem:
+        if rank0:
+            print(f"canon-titan: {verdict.problem}", file=sys.stderr)
+        return REFUSED
     runtime.apply()
     logger.info(f"Run config {run.source} ({run['model']['name']} {run['model']['flavor']})")
 
     trainer = None
+    code, say = 0, None  # said after the trainer closed (its shutdown logs), so it is the last line
     try:
         trainer = config.build()
         if config.checkpoint.create_seed_checkpoint:
@@ -70,25 +78,31 @@ def _main(argv: list[str] | None) -> int:
         else:
             trainer.train()
     except (NoLoadableCheckpoint, FinishedRun, ResumeRefused) as e:
-        print(f"canon-titan: {e}", file=sys.stderr)
-        return 2
+        code, say = REFUSED, _rank0_line(str(e))
     except (DataConfigError, DataError) as e:  # found as the loader opens the data (a damaged token shard, ...)
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"canon-titan: data error: {e}", file=sys.stderr)
-        return 2
+        code, say = REFUSED, _rank0_line(f"data error: {e}")
     except Preempted as e:
-        logger.warning(str(e))
-        return PREEMPTED_EXIT
+        code, say = PREEMPTED_EXIT, functools.partial(logger.warning, str(e))
+        if trainer.checkpointer.enable:  # what the torchrun wrapper checks before it says "saved" (75)
+            report_saved(os.path.join(trainer.checkpointer.folder, f"step-{trainer.step}"))
     except (Diverged, NonFiniteParameters, SaveFailed) as e:
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"canon-titan: {e}", file=sys.stderr)
-        return STOPPED
+        code, say = STOPPED, _rank0_line(str(e))
     finally:
         if trainer is not None:
             trainer.close()
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
-    return 0
+    if say is not None:
+        say()
+    return code
+
+
+def _rank0_line(message: str):
+    """Print ``canon-titan: message`` on rank 0 (every rank stops for the same reason)."""
+    def say():
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"canon-titan: {message}", file=sys.stderr, flush=True)
+    return say
 
 
 if __name__ == "__main__":

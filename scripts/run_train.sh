@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# torchrun launcher. Environment:
+# torchrun launcher (the project's torchrun wrapper, canon_titan.launch.torchrun). Environment:
 #   CONFIG   TOML file (default train_configs/llama_debug.toml)
 #   NGPU     processes per node (default 8; use 2 on a CPU machine)
 #   NNODES   number of nodes (default 1); NODE_RANK this node's rank (default 0)
@@ -25,6 +25,8 @@ else
   RDZV=(--nnodes "$NNODES" --node_rank "$NODE_RANK" --rdzv_backend c10d
         --rdzv_endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv_id "${RDZV_ID:-canon-titan}")
 fi
-exec "$PYTHON" -m torch.distributed.run "${RDZV[@]}" --nproc_per_node "$NGPU" \
+# canon_titan.launch.torchrun is torchrun with the project's exit codes: 0, 2 (refused before training, one
+# line), 3 (stopped: divergence, a failed save) and 75 (a stop signal: every rank saved the step it reached).
+exec "$PYTHON" -m canon_titan.launch.torchrun "${RDZV[@]}" --nproc_per_node "$NGPU" \
   --local-ranks-filter "${LOG_RANK:-0}" --role rank --tee 3 \
   -m canon_titan.train --config "$CONFIG" "$@"

@@ -156,13 +156,20 @@ def test_a_stop_signal_before_training_starts_is_one_line_and_75(tmp_path, who, 
     assert not (dump / "checkpoint").exists()
 
 
-def test_the_exit_code_after_a_stop_signal_is_what_the_workers_reported():
+def test_the_exit_code_after_a_stop_signal_is_what_the_workers_reported(tmp_path):
+    """75 ("saved, requeue") only when the workers saved the step they reached and that checkpoint
+    is complete; at 4a7b0a2 a job whose workers were killed, or ran out of grace, also said 75."""
     from canon_titan.launch.torchrun import after_stop_signal
 
-    assert after_stop_signal({0: 0, 1: 0}) == 0  # finished during the last step
-    assert after_stop_signal({0: 75, 1: 75}) == 75  # saved the step reached
-    assert after_stop_signal({0: 3, 1: 75}) == 3  # a failed save or divergence is not "requeue"
-    assert after_stop_signal({}) == 75  # no worker could say
+    complete, partial = tmp_path / "step-7", tmp_path / "step-9"
+    complete.mkdir(), partial.mkdir()
+    (complete / ".metadata").write_bytes(b"")
+    assert after_stop_signal({0: 0, 1: 0}, []) == 0  # finished during the last step
+    assert after_stop_signal({0: 75, 1: 75}, [complete]) == 75  # saved the step reached
+    assert after_stop_signal({0: 3, 1: 75}, [complete]) == 3  # a failed save or divergence is not "requeue"
+    assert after_stop_signal({}, []) == 3  # no worker could say: killed before saving
+    assert after_stop_signal({0: 75, 1: 75}, []) == 3  # out of grace, a second signal, or checkpointing off
+    assert after_stop_signal({0: 75, 1: 75}, [partial]) == 3  # the save did not finish
 
 
 def test_a_second_signal_or_the_end_of_the_grace_period_exits_at_once():

@@ -12,14 +12,10 @@ import tempfile
 from pathlib import Path
 
 from canon_titan.cli.common import OVERRIDES, fail, load_or_report
-from canon_titan.components.exit_codes import STOP_SIGNALS, STOPPED_EXIT_CODES
-from canon_titan.config import dumps
-from canon_titan.config.build import absolute_paths, build_trainer_config
-from canon_titan.convert.dcp_io import NoLoadableCheckpoint
-from canon_titan.data.fingerprint import data_fingerprint
-from canon_titan.launch.ownership import DumpFolderInUse, DumpFolderUnusable, lock_dump_folder, torchrun_preexec
-from canon_titan.launch.resume_checks import ResumeRefused, check_resume
-from canon_titan.trainer import RUN_CONFIG_FILE, FinishedRun, config_changes, resume_point
+from canon_titan.components.exit_codes import REFUSED, STOP_SIGNALS, STOPPED_EXIT_CODES
+from canon_titan.config.build import build_trainer_config
+from canon_titan.launch.ownership import torchrun_preexec
+from canon_titan.launch.prelaunch import CHECKED_ENV, check_launch
 
 
 def main(argv: list[str]) -> int:
@@ -37,10 +33,13 @@ def main(argv: list[str]) -> int:
     del os.environ["WORLD_SIZE"]
     if error:
         return fail("config", error)
-    error = _prepare_launch(run, args.nproc)
-    if error:
-        print(f"canon-titan: {error}", file=sys.stderr)
-        return 2
+    # What the workers would stop on before training, checked before torchrun starts (they skip it).
+    verdict = check_launch(run, args.nproc)
+    for message in verdict.warnings:
+        print(f"canon-titan: warning: {message}", file=sys.stderr)
+    if verdict.problem:
+        print(f"canon-titan: {verdict.problem}", file=sys.stderr)
+        return REFUSED
     log_ranks = args.log_ranks
     if log_ranks is None:
         pp = run["parallelism"]["pipeline_parallel_degree"]
@@ -56,7 +55,7 @@ def main(argv: list[str]) -> int:
            "-m", "canon_titan.train", "--config", args.config, *overrides]
     print("+ " + " ".join(cmd), flush=True)
 
-    env = dict(os.environ, CANON_TITAN_COLOR="1" if sys.stdout.isatty() else "0")
+    env = dict(os.environ, CANON_TITAN_COLOR="1" if sys.stdout.isatty() else "0", **{CHECKED_ENV: "1"})
     # Share the cores between the processes (torchrun would default to 1 and print a banner saying so).
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc)))
     code = _run_torchrun(cmd, env)
@@ -80,44 +79,3 @@ def _run_torchrun(cmd: list[str], env: dict) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-
-
-def _prepare_launch(run, nproc: int) -> str | None:
-    """What the workers would stop on before training, checked before torchrun starts: TorchTitan's
-    own config checks, a live run in the dump folder, no loadable checkpoint to resume from, a
-    checkpoint that cannot continue this run (``check_resume``). Prints the checkpoints that will
-    be skipped. Returns the error, or None."""
-    dump = run["job"]["dump_folder"]
-    try:
-        lock_dump_folder(dump, hold=False)
-        ckpt = run["checkpoint"]
-        if ckpt["enable"]:
-            folder = Path(dump) / ckpt["folder"]
-            step, skipped = resume_point(str(folder), ckpt["load_step"], run["training"]["steps"], dump)
-            for message in skipped:
-                print(f"canon-titan: warning: {message}", file=sys.stderr)
-            if step >= 0 and not ckpt["load_only"]:
-                _check_resume(run, folder / f"step-{step}", nproc)
-    except (DumpFolderInUse, DumpFolderUnusable, NoLoadableCheckpoint, FinishedRun, ResumeRefused) as e:
-        return str(e)
-    changes = config_changes(os.path.join(dump, RUN_CONFIG_FILE), dumps(absolute_paths(run.sections)))
-    if changes:
-        print(f"canon-titan: warning: the config differs from the one of the run already in {dump}: {changes}",
-              file=sys.stderr)
-    return None
-
-
-def _check_resume(run, step_dir: Path, nproc: int) -> None:
-    """``check_resume`` with what the workers will have: the model's tensors, the data's
-    fingerprint, the data-parallel size and the global batch at ``nproc`` processes."""
-    data, training = run["dataloader"], run["training"]
-    dp_size = run.data_parallel_size(nproc)
-    global_batch = training["global_batch_size"]
-    if global_batch <= 0:
-        global_batch = training["local_batch_size"] * dp_size
-    verdict = check_resume(step_dir, shapes=run.state_dict_adapter().shapes, model=run.label(),
-                           fingerprint=data_fingerprint(data["dataset"], data["dataset_path"], data["sources"]),
-                           allow_changed_data=data["allow_changed_data"], dp_size=dp_size, global_batch=global_batch,
-                           batch_explicit=training["global_batch_size"] > 0)
-    for message in verdict.warnings:
-        print(f"canon-titan: warning: {message}", file=sys.stderr)

@@ -10,9 +10,12 @@ which may be the full disk that stopped the run)."""
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
+from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn
 
 REFUSED = 2  # a config error or a refusal before training (a live run, no loadable checkpoint, ...)
 STOPPED = 3  # training stopped: divergence, a failed save
@@ -51,6 +54,28 @@ def report_exit(code: int) -> int:
     return code
 
 
+def report_saved(step_dir: str | os.PathLike) -> None:
+    """Record, for the torchrun wrapper, the checkpoint this worker saved before it stopped on a
+    signal: the wrapper exits PREEMPTED only when that checkpoint is complete."""
+    folder = os.environ.get(OUTCOME_DIR_ENV)
+    if folder:
+        try:
+            Path(folder, f"saved-{os.environ.get('RANK', '0')}").write_text(os.fspath(step_dir))
+        except OSError:
+            pass
+
+
+def saved_checkpoints(folder: str | os.PathLike) -> list[Path]:
+    """The checkpoints the workers said they saved before stopping."""
+    saved = []
+    for path in Path(folder).glob("saved-*"):
+        try:
+            saved.append(Path(path.read_text()))
+        except OSError:
+            pass
+    return saved
+
+
 def reported_exits(folder: str | os.PathLike) -> dict[int, int]:
     """Rank -> the exit code it reported."""
     codes = {}
@@ -60,3 +85,24 @@ def reported_exits(folder: str | os.PathLike) -> dict[int, int]:
         except (OSError, ValueError):
             pass
     return codes
+
+
+_cleanups: list[Callable[[], None]] = []
+
+
+def before_exit(cleanup: Callable[[], None]) -> None:
+    """Run ``cleanup`` however this process ends on purpose: at interpreter exit (atexit), and in
+    ``exit_now`` (``os._exit`` skips atexit). It must be safe to run twice."""
+    _cleanups.append(cleanup)
+    atexit.register(cleanup)
+
+
+def exit_now(code: int) -> NoReturn:
+    """End the process at once, from any thread (the main one may be stuck in a collective): the
+    ``before_exit`` cleanups, the code reported to the torchrun wrapper, then ``os._exit``."""
+    for cleanup in reversed(_cleanups):
+        try:
+            cleanup()
+        except Exception:  # a cleanup that fails must not keep the process alive
+            pass
+    os._exit(report_exit(code))

@@ -9,20 +9,35 @@ each, so the copy lands inside its shutdown (a logging traceback, or a wait for 
 cut short). Copies within the workers' duplicate window count as one, as they do in the workers;
 a later signal still stops everything at once. SIGUSR1 (SLURM's ``--signal=USR1@T``), which torchrun
 does not handle and which would kill it on the spot, is taken as SIGTERM: the workers get SIGTERM,
-save and exit."""
+save and exit.
+
+Exit codes: 0, 2 (refused before training), 3 (stopped: divergence, a failed save, or a stop signal
+that left no complete checkpoint of the step reached) and 75 only when the workers saved the step
+they reached and that checkpoint is complete, so a requeue-on-75 job script resumes exactly.
+
+What ``canon-titan train`` sets, the wrapper defaults to when it is not given: ``--log-dir`` (torchrun's
+per-rank copies of the output, on the local temporary disk, never the dump folder) and
+``--shutdown-timeout`` (the run's ``[job] stop_grace_seconds`` plus 30 s, so the workers have the
+time to save that the config gives them)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import signal
 import sys
 import tempfile
 import time
+from pathlib import Path
 
-from canon_titan.components.exit_codes import (DUPLICATE_WINDOW_S, OUTCOME_DIR_ENV, STOP_SIGNALS,
-                                               STOPPED_EXIT_CODES, reported_exits, stop_at_once_until_started)
-from canon_titan.components.exit_codes import PREEMPTED as PREEMPTED_EXIT
+from canon_titan.components.exit_codes import (DUPLICATE_WINDOW_S, OUTCOME_DIR_ENV, PREEMPTED, STOP_SIGNALS,
+                                               STOPPED, STOPPED_EXIT_CODES, reported_exits, saved_checkpoints,
+                                               stop_at_once_until_started)
+
+TRAINING_MODULE = "canon_titan.train"
+SHUTDOWN_MARGIN_S = 30
+"""Beyond the run's stop grace: the workers' exit, torchrun's own shutdown."""
 
 _first_signal_at: list[float] = []
 
@@ -43,44 +58,122 @@ def _stop_as_sigterm(signum, frame) -> None:
     _terminate_once(signal.SIGTERM, frame)
 
 
-def after_stop_signal(reported: dict[int, int]) -> int:
+def after_stop_signal(reported: dict[int, int], saved: list[Path]) -> int:
     """The job's code when torchrun got a stop signal: what its workers reported. A run that finished
     (every worker 0: the signal came during the last step, which was saved) is 0; one that stopped for
-    another reason keeps its code; otherwise (saved, or no worker could say) 75."""
+    another reason keeps its code; one whose workers saved the step they reached, in a checkpoint
+    that is complete, is 75; anything else (the grace period ran out, a second signal, workers killed,
+    checkpointing off: the step reached is not on disk) is 3."""
     codes = set(reported.values())
     if codes == {0}:
         return 0
-    stopped = codes & (STOPPED_EXIT_CODES - {PREEMPTED_EXIT})
-    return max(stopped) if stopped else PREEMPTED_EXIT
+    stopped = codes & (STOPPED_EXIT_CODES - {PREEMPTED})
+    if stopped:
+        return max(stopped)
+    return PREEMPTED if _complete(saved) else STOPPED
 
 
-def main() -> int:
+def _complete(saved: list[Path]) -> bool:
+    return bool(saved) and all((step_dir / ".metadata").is_file() for step_dir in saved)
+
+
+class _PurposefulStops(logging.Filter):
+    """torchrun's lines about a worker that stopped on purpose (its rank has said why in one line,
+    which must stay the last thing on screen): ``failed (exitcode: 3)`` and the error-file line that
+    follows it; any other failure keeps them, and torchrun's report. Its ``Sending process N closing
+    signal SIGTERM``, logged as it stops the other workers and before it logs why, goes too: it
+    names pids, not a cause."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.msg if isinstance(record.msg, str) else ""
+        if message.startswith("Sending process %s closing signal"):
+            return False
+        if message.startswith("failed (exitcode: %s)") and record.args and record.args[0] in STOPPED_EXIT_CODES:
+            self.seen = True
+            return False
+        return not (self.seen and message.startswith("no error file defined"))
+
+
+def with_defaults(argv: list[str]) -> tuple[list[str], str | None]:
+    """torchrun's arguments, with ``--log-dir`` and ``--shutdown-timeout`` added where they are not
+    given and the job runs ``canon_titan.train``; and the log folder made here (None if none)."""
+    try:
+        module = next(i for i in range(1, len(argv)) if argv[i] == TRAINING_MODULE and argv[i - 1] in ("-m", "--module"))
+    except StopIteration:
+        return argv, None
+    launcher, training = argv[:module - 1], argv[module - 1:]
+    given = {arg.split("=")[0].replace("_", "-") for arg in launcher if arg.startswith("--")}
+    added, own_log_dir = [], None
+    if "--log-dir" not in given:
+        own_log_dir = tempfile.mkdtemp(prefix="torchelastic_")
+        added += ["--log-dir", own_log_dir]
+    grace = _stop_grace_seconds(training[2:])
+    if "--shutdown-timeout" not in given and grace is not None:
+        added += ["--shutdown-timeout", str(grace + SHUTDOWN_MARGIN_S)]
+    return [*launcher, *added, *training], own_log_dir
+
+
+def _stop_grace_seconds(training_args: list[str]) -> int | None:
+    """The run's ``[job] stop_grace_seconds``, or None when its config does not load (the workers
+    say why, once)."""
+    from canon_titan.config import ConfigError, load
+
+    if "--config" not in training_args[:-1]:
+        return None
+    at = training_args.index("--config")
+    try:
+        run = load(training_args[at + 1], training_args[:at] + training_args[at + 2:], environment=False)
+    except ConfigError:
+        return None
+    return run["job"]["stop_grace_seconds"]
+
+
+def main(argv: list[str] | None = None) -> int:
     # Imported here, after ``stop_at_once_until_started`` (importing torch takes seconds).
     from torch.distributed.elastic.multiprocessing import api as elastic_api
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun_main
 
+    argv, own_log_dir = with_defaults(sys.argv[1:] if argv is None else argv)
     # torchrun installs the module's handler by name when it starts its workers.
     elastic_api._terminate_process_handler = _terminate_once
     for sig in set(STOP_SIGNALS) - {signal.SIGTERM, signal.SIGINT}:  # the ones torchrun does not handle
         signal.signal(sig, _stop_as_sigterm)
+    quiet = _PurposefulStops()
+    for name in ("torch.distributed.elastic.multiprocessing.api",
+                 "torch.distributed.elastic.multiprocessing.errors.error_handler"):
+        logging.getLogger(name).addFilter(quiet)
     outcomes = tempfile.mkdtemp(prefix="canon-titan-exits-")
     os.environ[OUTCOME_DIR_ENV] = outcomes  # the workers inherit it
+    code = None
     try:
-        torchrun_main()
+        torchrun_main(argv)
+        code = 0
     except SignalException:  # its workers got the signal too, and saved, finished or ran out of time
-        return after_stop_signal(reported_exits(outcomes))
+        reported = reported_exits(outcomes)
+        code = after_stop_signal(reported, saved_checkpoints(outcomes))
+        if not reported:
+            print("canon-titan: the training processes were stopped before they could save the step they reached; "
+                  "the same command resumes from the newest complete checkpoint", file=sys.stderr)
     except ChildFailedError as e:
         codes = {failure.exitcode for failure in e.failures.values()}
         # Once one worker exits, torchrun stops the others with SIGTERM (or SIGKILL, late ones).
         stopped = codes & STOPPED_EXIT_CODES
         if not stopped or not codes <= STOPPED_EXIT_CODES | {-signal.SIGTERM, -signal.SIGKILL}:
             raise
-        return max(stopped)
+        code = max(stopped)
+        if code == PREEMPTED and not _complete(saved_checkpoints(outcomes)):
+            code = STOPPED
     finally:
         shutil.rmtree(outcomes, ignore_errors=True)
-    return 0
+        if code in (0, *STOPPED_EXIT_CODES) and own_log_dir:  # each rank said why; else torchrun named the files
+            shutil.rmtree(own_log_dir, ignore_errors=True)
+    return code
 
 
 if __name__ == "__main__":

@@ -1,0 +1,117 @@
+"""What the training processes would stop on before training, checked once before any rank builds
+or loads, whatever launched them (``canon-titan train``, ``scripts/run_train.sh``, torchrun,
+SLURM): a live run in the dump folder, no loadable checkpoint to resume from, a finished run, a
+checkpoint that cannot continue this run (``check_resume``).
+
+Under torchrun, rank 0 decides and every rank gets its verdict through torchrun's own store, so no
+rank goes on to build, load or wait in a collective for a rank that refused."""
+
+from __future__ import annotations
+
+import json
+import os
+from datetime import timedelta
+from pathlib import Path
+
+from canon_titan.config import dumps
+from canon_titan.config.build import absolute_paths
+from canon_titan.convert.dcp_io import NoLoadableCheckpoint
+from canon_titan.data.fingerprint import data_fingerprint
+from canon_titan.launch.ownership import DumpFolderInUse, DumpFolderUnusable, lock_dump_folder
+from canon_titan.launch.resume_checks import ResumeRefused, check_resume
+from canon_titan.trainer import RUN_CONFIG_FILE, FinishedRun, config_changes, resume_point
+
+CHECKED_ENV = "CANON_TITAN_LAUNCH_CHECKED"
+"""Set by ``canon-titan train`` for its workers: the launcher has run these checks and shown their warnings."""
+VERDICT_WAIT = timedelta(minutes=30)
+"""How long a rank waits for rank 0's verdict (rank 0 reads checkpoint metadata and the data's fingerprint)."""
+
+
+class Verdict:
+    """The outcome of the checks: ``problem`` (one line) when the run must not start, and the
+    warnings to show."""
+
+    def __init__(self, problem: str | None = None, warnings: list[str] | None = None):
+        self.problem = problem
+        self.warnings = warnings or []
+
+
+def check_launch(run, world_size: int, *, lock: str = "check", compare_config: bool = True) -> Verdict:
+    """Every check that needs only the run config and the files on disk. ``lock``: "check" that no
+    live run holds the dump folder, "hold" its lock for this process (the training process of rank
+    0), or "skip" it (another rank of the same job holds it)."""
+    dump = run["job"]["dump_folder"]
+    warnings: list[str] = []
+    try:
+        if lock != "skip":
+            lock_dump_folder(dump, hold=lock == "hold")
+        ckpt = run["checkpoint"]
+        if ckpt["enable"]:
+            folder = Path(dump) / ckpt["folder"]
+            step, skipped = resume_point(str(folder), ckpt["load_step"], run["training"]["steps"], dump)
+            warnings += skipped
+            if step >= 0 and not ckpt["load_only"]:
+                warnings += _resume_warnings(run, folder / f"step-{step}", world_size)
+    except (DumpFolderInUse, DumpFolderUnusable, NoLoadableCheckpoint, FinishedRun, ResumeRefused) as e:
+        return Verdict(str(e), warnings)
+    if compare_config:
+        changes = config_changes(os.path.join(dump, RUN_CONFIG_FILE), dumps(absolute_paths(run.sections)))
+        if changes:
+            warnings.append(f"the config differs from the one of the run already in {dump}: {changes}")
+    return Verdict(None, warnings)
+
+
+def _resume_warnings(run, step_dir: Path, world_size: int) -> list[str]:
+    """``check_resume`` with what the workers will have: the model's tensors, the data's
+    fingerprint, the data-parallel size and the global batch at ``world_size`` processes."""
+    data, training = run["dataloader"], run["training"]
+    dp_size = run.data_parallel_size(world_size)
+    global_batch = training["global_batch_size"]
+    if global_batch <= 0:
+        global_batch = training["local_batch_size"] * dp_size
+    verdict = check_resume(step_dir, shapes=run.state_dict_adapter().shapes, model=run.label(),
+                           fingerprint=data_fingerprint(data["dataset"], data["dataset_path"], data["sources"]),
+                           allow_changed_data=data["allow_changed_data"], dp_size=dp_size, global_batch=global_batch,
+                           batch_explicit=training["global_batch_size"] > 0)
+    return verdict.warnings
+
+
+def agreed_verdict(run) -> Verdict:
+    """In a training process: rank 0's verdict, for every rank. Rank 0 takes the dump folder's lock
+    and, unless ``canon-titan train`` already did, runs the checks; the other ranks wait for what it
+    decided. Only rank 0's verdict carries warnings (the others would repeat them)."""
+    rank = int(os.environ.get("RANK", "0"))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    store = _launcher_store() if world_size > 1 else None
+    if store is None:  # one process, or started without torchrun's agent: each rank checks for itself
+        verdict = _decide(run, world_size, lock="hold" if rank == 0 else "skip")
+        return verdict if rank == 0 else Verdict(verdict.problem)
+    key = f"canon-titan/launch-verdict/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    if rank == 0:
+        verdict = _decide(run, world_size)
+        store.set(key, json.dumps(verdict.problem))
+        return verdict
+    return Verdict(json.loads(store.get(key)))
+
+
+def _decide(run, world_size: int, lock: str = "hold") -> Verdict:
+    if os.environ.get(CHECKED_ENV) == "1":  # the launcher checked and warned; only the lock is left to take
+        try:
+            if lock == "hold":
+                lock_dump_folder(run["job"]["dump_folder"])
+            return Verdict(None)
+        except (DumpFolderInUse, DumpFolderUnusable) as e:
+            return Verdict(str(e))
+    # The trainer itself compares the config with the folder's and says so; not twice.
+    return check_launch(run, world_size, lock=lock, compare_config=False)
+
+
+def _launcher_store():
+    """A client of the store torchrun's agent serves to its workers (the one their process group
+    will use), or None when the processes were not started by torchrun."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    from torch.distributed import TCPStore
+
+    return TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                    timeout=VERDICT_WAIT)

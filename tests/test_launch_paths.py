@@ -1,0 +1,119 @@
+"""Every launch path gets the same guarantees: ``scripts/run_train.sh`` and the README's torchrun
+line (the project's torchrun wrapper) as well as ``canon-titan train``. A stop signal is one line
+and exit 75 with a complete checkpoint of the step reached; a refusal before training is one line
+and exit 2, decided by rank 0 before any rank builds or loads, and no rank is left waiting."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import COMMON, DEBUG_CONFIG, REPO, kill_tree, train_env
+
+STEPS = ["--training.local_batch_size", "2", "--checkpoint.enable", "--checkpoint.interval", "100"]
+
+
+def readme_torchrun(dump, *extra):
+    """The README's "with torchrun directly" line, as it is written there, for ``dump``."""
+    readme = (REPO / "README.md").read_text()
+    block = re.search(r"# the same, with torchrun directly\n(.*?)\n```", readme, re.S).group(1)
+    words = block.replace("\\\n", " ").split()
+    env = dict(word.split("=", 1) for word in words if re.fullmatch(r"[A-Z_]+=\S+", word))
+    words = [w for w in words if not re.fullmatch(r"[A-Z_]+=\S+", w)]
+    assert words[0] == ".venv/bin/python" and words[1:3] == ["-m", "canon_titan.launch.torchrun"], words
+    words = [sys.executable, *words[1:]]
+    at = words.index("--job.dump_folder")
+    words[at + 1] = str(dump)
+    return words + [*COMMON, *STEPS, *extra], env
+
+
+def run_train_sh(dump, *extra):
+    return ["bash", "scripts/run_train.sh", *COMMON, *STEPS, "--job.dump_folder", str(dump), *extra], {"NGPU": "2"}
+
+
+LAUNCHERS = {"run_train.sh": run_train_sh, "torchrun": readme_torchrun}
+
+
+def start(cmd_env, merged=False):
+    """Start a launch command in its own process group; ``merged``: its stderr in its stdout, in order."""
+    cmd, env = cmd_env
+    env = dict(train_env(), PYTHON=sys.executable, **env)
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, text=True, start_new_session=True,
+                            stderr=subprocess.STDOUT if merged else subprocess.PIPE)
+
+
+def finish(proc, timeout=300):
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        kill_tree(proc.pid)
+    return proc.returncode, out, err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_a_stop_signal_under_any_launcher_saves_and_exits_75_in_one_line(tmp_path, launcher):
+    """Ctrl-C (SIGINT to the launch command's process group) under run_train.sh, and SIGTERM to the
+    README's torchrun command: every rank saves the step it reached, the job exits 75, the last
+    line says so, and there is no traceback. At 4a7b0a2 run_train.sh exited 1 with a 30-line
+    SignalException traceback."""
+    dump = tmp_path / "run"
+    proc = start(LAUNCHERS[launcher](dump, "--training.steps", "40"), merged=True)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if "step:  2" in line:
+            if launcher == "run_train.sh":
+                os.killpg(proc.pid, signal.SIGINT)
+            else:
+                proc.send_signal(signal.SIGTERM)
+            break
+    code, out, err = finish(proc)
+    out = "".join(lines) + out
+    steps = [int(m) for m in re.findall(r"step:\s+(\d+)", out)]
+    assert code == 75, (code, out[-3000:])
+    assert "Traceback" not in out and "SignalException" not in out, out[-4000:]
+    last = out.strip().splitlines()[-1]
+    assert re.search(r"preempted at step (\d+), checkpoint saved, resume with the same command", last), last
+    step = int(re.search(r"preempted at step (\d+)", last).group(1))
+    assert step >= max(steps) and (dump / "checkpoint" / f"step-{step}" / ".metadata").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_a_refusal_under_any_launcher_is_one_line_and_2_before_any_rank_builds(tmp_path, launcher):
+    """A finished run launched again, and an edited model over its dump folder: rank 0 refuses
+    before any rank builds the model or loads, in one line, with exit 2, and no other rank is
+    left waiting (the job ends in seconds). At 4a7b0a2 the right line came inside a 60-line
+    ChildFailedError traceback with exit 1, after every rank had built the model."""
+    dump = tmp_path / "run"
+    code, out, err = finish(start(LAUNCHERS[launcher](dump, "--training.steps", "2")))
+    assert code == 0, (out[-2000:], err[-3000:])
+    for extra, expected in [(["--training.steps", "2"], "already holds a finished run"),
+                            (["--training.steps", "4", "--model.dim", "96"], "written by another model")]:
+        started = time.monotonic()
+        code, out, err = finish(start(LAUNCHERS[launcher](dump, *extra)))
+        lines = [line for line in err.splitlines() if re.match(r"(\[rank\d+\]:)?canon-titan:", line)]
+        assert code == 2, (code, out[-2000:], err[-3000:])
+        assert len(lines) == 1 and expected in lines[0], err[-3000:]
+        assert err.strip().splitlines()[-1] == lines[0], err[-3000:]  # the diagnosis is the last line
+        assert "Traceback" not in out + err and "ChildFailedError" not in out + err, err[-3000:]
+        assert "Building" not in out + err and "Model " not in out, out[-3000:]  # no rank built the model
+        assert time.monotonic() - started < 90
+
+
+def test_the_readme_launch_commands_run_in_order_each_in_its_own_dump_folder():
+    """Run one after the other as written, the README's three single-node launch commands train
+    (the second and third did not: they met the first one's finished run)."""
+    readme = (REPO / "README.md").read_text()
+    section = readme[readme.index("### Launching"):readme.index("Multi-node:")]
+    folders = re.findall(r"--job\.dump_folder (\S+)", section)
+    commands = [c for c in re.findall(r"```bash\n(.*?)```", section, re.S)]
+    assert sum(block.count("canon_titan.train") + block.count("canon-titan train") + block.count("run_train.sh")
+               for block in commands) == 3
+    assert len(folders) == 3 and len(set(folders)) == 3, folders
+    assert all(f.startswith("outputs/") for f in folders)  # ignored by git: a clean tree afterwards
