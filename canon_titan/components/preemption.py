@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 from torchtitan.tools.logging import logger
 
-from canon_titan.components.exit_codes import DUPLICATE_WINDOW_S, STOP_SIGNALS, report_exit
+from canon_titan.components.exit_codes import DUPLICATE_WINDOW_S, STOP_SIGNALS, exit_now
 from canon_titan.components.exit_codes import PREEMPTED as PREEMPTED_EXIT
 
 
@@ -74,9 +74,9 @@ class StopSignals:
                            f"{self.grace_seconds} s, [job] stop_grace_seconds; a second signal exits at once)")
         elif now - self.received_at > DUPLICATE_WINDOW_S:
             logger.error(f"second {name}: exiting without saving this step; {self.on_disk()}")
-            os._exit(report_exit(PREEMPTED_EXIT))
+            exit_now(PREEMPTED_EXIT)
 
     def _out_of_time(self) -> None:
         logger.error(f"no checkpoint saved within [job] stop_grace_seconds = {self.grace_seconds}: exiting; "
                      f"{self.on_disk()}")
-        os._exit(report_exit(PREEMPTED_EXIT))
+        exit_now(PREEMPTED_EXIT)

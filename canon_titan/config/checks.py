@@ -125,6 +125,13 @@ def check_checkpoint(run: RunConfig) -> None:
         _fail(run, "checkpoint", "initial_load_in_hf", "needs initial_load_model_only = true")
     if "model" in ckpt["exclude_from_loading"]:
         _fail(run, "checkpoint", "exclude_from_loading", "cannot exclude 'model'")
+    if ckpt["async_mode"] != "disabled":
+        # TorchTitan's asynchronous save returns after staging: a write error stays in its background
+        # future, "checkpoint saved" and a preempted exit come before the files are complete, and
+        # keep_latest_k purges older checkpoints while the new one may still fail.
+        _fail(run, "checkpoint", "async_mode", f"is {ckpt['async_mode']!r}; only 'disabled' is supported (an "
+              "asynchronous save would be reported, and older checkpoints purged, before it is complete)")
+
 
 
 def check_initial_load(run: RunConfig, environment: bool) -> None:

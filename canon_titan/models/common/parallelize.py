@@ -238,6 +238,7 @@ def apply_ac_compile_fsdp(model, *, parallel_dims, training, parallelism, compil
         pp_enabled=parallel_dims.pp_enabled,
         cpu_offload=training.enable_cpu_offload,
         reshard_after_forward_policy=parallelism.fsdp_reshard_after_forward,
+        enable_symm_mem=parallelism.enable_fsdp_symm_mem,
     )
 
 
