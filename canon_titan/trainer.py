@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import logging
 import os
 import shutil
 import time
@@ -75,6 +76,17 @@ def config_changes(previous_file: str, new_toml: str, shown: int = 8) -> str:
                if old.get(section, {}).get(key) != value]
     more = f" (and {len(changes) - shown} more)" if len(changes) > shown else ""
     return "; ".join(changes[:shown]) + more
+
+
+class _DropRecord(logging.Filter):
+    """Drops the log record whose message is ``message`` while ``when()`` holds."""
+
+    def __init__(self, message: str, when):
+        super().__init__()
+        self.message, self.when = message, when
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.msg == self.message and self.when())
 
 
 def _duration(seconds: float) -> str:
@@ -196,7 +208,15 @@ class CanonTrainer(Trainer):
                 self.checkpointer.sd_adapter.read_source(ckpt.initial_load_path)
             if step >= 0 and not ckpt.load_only:
                 self._prepare_resume(Path(self.checkpointer.folder) / f"step-{step}")
-        super().train()
+        untrue = _DropRecord("Training completed", when=lambda: self._preempting and
+                             self.step < self.config.training.steps)  # TorchTitan says it however the loop ends
+        logger.addFilter(untrue)
+        try:
+            super().train()
+        finally:
+            logger.removeFilter(untrue)
+        if self.stop_signals.requested and self.step >= self.config.training.steps:
+            logger.info(f"the stop signal came during or after the last step ({self.step}): the run is complete")
         if self._skipped_steps and not self._applied_steps:
             raise Diverged(f"every step this run trained ({self._skipped_steps}) was skipped ([divergence]), so it "
                            f"trained nothing; {newest_checkpoint_hint(self.checkpointer.folder, self.step + 1)}")

@@ -36,6 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from statistics import NormalDist
 
+from canon_titan.launch.ownership import torchrun_preexec
 from canon_titan.tools.fileio import write_atomic
 
 REPO = Path(__file__).resolve().parent.parent
@@ -49,7 +50,9 @@ class RunFailed(Exception):
 def run(cmd: list[str], log: Path, name: str) -> None:
     print(f"[{name}] + " + " ".join(cmd), flush=True)
     with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        # preexec: SIGTERM the run when this process ends, however it ends (its runs save and stop, none is orphaned)
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                preexec_fn=torchrun_preexec)
         for line in proc.stdout:
             f.write(line)
             if any(mark in line for mark in ("progress:", "config error", "Traceback", "Error:")):
@@ -154,9 +157,21 @@ def plot(all_results: dict[str, dict[str, dict]], path: Path) -> None:
 def parse_check(text: str) -> tuple[str, float]:
     group, _, points = text.rpartition(":")
     try:
-        return group, float(points)
+        if group:
+            return group, float(points)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected GROUP:POINTS such as k=1:40, got {text!r}") from None
+        pass
+    raise argparse.ArgumentTypeError(f"expected GROUP:POINTS such as k=1:40, got {text!r}")
+
+
+def held_out_groups(task: str, count: int) -> list[str]:
+    """The groups a task's held-out test set scores (what ``--check`` can name), known before training."""
+    from canon_titan.config import load
+    from canon_titan.evaluation.synthetic import DEFAULT_TEST_SEED, task_of
+
+    items = task_of(load(REPO / "train_configs" / "playground" / f"{task}.toml", environment=False)).test_items(
+        DEFAULT_TEST_SEED, count)
+    return list(dict.fromkeys(item.group for item in items))
 
 
 def check(all_results: dict[str, dict[str, dict]], group: str, points: float) -> list[str]:
@@ -204,6 +219,12 @@ def main() -> int:
     for task in tasks:
         if not (REPO / "train_configs" / "playground" / f"{task}.toml").is_file():
             parser.error(f"--tasks: no train_configs/playground/{task}.toml")
+    if args.check:  # a typo must not cost the whole experiment
+        for task in tasks:
+            groups = held_out_groups(task, args.count)
+            if args.check[0] not in groups:
+                parser.error(f"--check {args.check[0]}:{args.check[1]:g}: {task} has no group {args.check[0]!r}; "
+                             f"its groups: {', '.join(groups)}")
     runs = [(task, model) for task in tasks for model in MODELS]
     jobs = args.jobs or max(1, min(len(runs), (os.cpu_count() or 1) // args.nproc))
     print(f"[playground] {len(runs)} runs, {jobs} at a time, {args.nproc} process(es) each", flush=True)

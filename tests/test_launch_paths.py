@@ -77,6 +77,7 @@ def test_a_stop_signal_under_any_launcher_saves_and_exits_75_in_one_line(tmp_pat
     steps = [int(m) for m in re.findall(r"step:\s+(\d+)", out)]
     assert code == 75, (code, out[-3000:])
     assert "Traceback" not in out and "SignalException" not in out, out[-4000:]
+    assert "Training completed" not in out  # TorchTitan says so however its loop ends; it did not complete
     last = out.strip().splitlines()[-1]
     assert re.search(r"preempted at step (\d+), checkpoint saved, resume with the same command", last), last
     step = int(re.search(r"preempted at step (\d+)", last).group(1))
@@ -117,3 +118,38 @@ def test_the_readme_launch_commands_run_in_order_each_in_its_own_dump_folder():
                for block in commands) == 3
     assert len(folders) == 3 and len(set(folders)) == 3, folders
     assert all(f.startswith("outputs/") for f in folders)  # ignored by git: a clean tree afterwards
+
+
+@pytest.mark.slow
+def test_a_divergence_stop_under_run_train_sh_ends_on_its_diagnosis(tmp_path):
+    """A diverging run (lr 1e3) under run_train.sh: exit 3, and the one line naming the step and the
+    last good checkpoint is the last thing on screen. At 4a7b0a2 torchelastic's ``failed (exitcode:
+    3)`` and ``no error file defined`` lines followed it (and the exit code was 1)."""
+    proc = start(run_train_sh(tmp_path / "run", "--training.steps", "10", "--optimizer.lr", "1e3",
+                              "--checkpoint.interval", "2"), merged=True)
+    code, out, _ = finish(proc)
+    assert code == 3, out[-3000:]
+    last = out.strip().splitlines()[-1]
+    assert re.match(r"(\[rank0\]:)?canon-titan: .*not finite", last), out[-3000:]
+    assert "exitcode" not in out and "no error file" not in out and "Traceback" not in out, out[-3000:]
+
+
+@pytest.mark.slow
+def test_sigint_reaches_a_run_started_in_the_background_of_a_script(tmp_path):
+    """``canon-titan train ... &`` in a non-interactive script starts with SIGINT ignored (bash does
+    that for background jobs); a SIGINT the user sends it still saves and exits 75."""
+    script = ("canon-titan train \"$@\" & echo launcher=$!; wait $!")
+    cmd = ["bash", "-c", script, "bash", "--config", str(DEBUG_CONFIG), "--nproc", "2", *COMMON, *STEPS,
+           "--training.steps", "40", "--job.dump_folder", str(tmp_path / "run")]
+    env = dict(PATH=f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}")
+    proc = start((cmd, env), merged=True)
+    launcher, lines = None, []
+    for line in proc.stdout:
+        lines.append(line)
+        launcher = launcher or (int(line.split("=")[1]) if line.startswith("launcher=") else None)
+        if "step:  2" in line:
+            os.kill(launcher, signal.SIGINT)
+            break
+    code, out, _ = finish(proc)
+    out = "".join(lines) + out
+    assert code == 75 and "preempted at step" in out, out[-3000:]

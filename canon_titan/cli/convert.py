@@ -8,7 +8,7 @@ from pathlib import Path
 
 from torchtitan.tools.logging import logger
 
-from canon_titan.cli.common import OVERRIDES, fail, init_logging
+from canon_titan.cli.common import OVERRIDES, dtype_arg, fail, init_logging, parse_with_overrides
 from canon_titan.config import ConfigError, RunConfig, load
 from canon_titan.convert.dcp_io import ConversionError
 from canon_titan.convert.hf import from_hf as run_from_hf, to_hf as run_to_hf
@@ -56,7 +56,7 @@ def main(argv: list[str]) -> int:
     to_hf.add_argument("out_dir", help="must not exist (or be empty); written atomically")
     to_hf.add_argument("--config", required=True,
                        help="the TOML the checkpoint was trained with, e.g. its {dump_folder}/run_config.toml")
-    to_hf.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
+    to_hf.add_argument("--dtype", type=dtype_arg, default="fp32", help="fp32, bf16 or fp16 (or float32, bfloat16, float16)")
     to_hf.add_argument("--rope-layout", choices=["lingua", "huggingface"], default="lingua",
                        help="LlamaCanon exports: keep interleaved RoPE pairs (lingua) or permute q/k to rotate-half")
     to_hf.add_argument("--max-shard-size", type=_size, default="5GB", help="e.g. 2GB, 500MB")
@@ -66,7 +66,7 @@ def main(argv: list[str]) -> int:
     from_hf.add_argument("out_dir")
     from_hf.add_argument("--config", required=True, help="the TOML of the run that will load the weights (its "
                          "model; the vocabulary comes from the folder's tokenizer, else from the weights)")
-    args, overrides = parser.parse_known_args(argv)
+    args, overrides = parse_with_overrides(parser, argv)
 
     init_logging()
     try:

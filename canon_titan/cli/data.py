@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from canon_titan.cli.common import BUILTIN_TOKENIZER, OVERRIDES, fail
+from canon_titan.cli.common import BUILTIN_TOKENIZER, OVERRIDES, fail, parse_with_overrides
 from canon_titan.config import ConfigError, load
 from canon_titan.data.builtin import ASSET_DIR
 from canon_titan.data.documents import DataError
@@ -75,7 +75,7 @@ def main(argv: list[str]) -> int:
     hop.add_argument("--seed", type=int, default=42)
     hop.add_argument("--tokenizer", help="tokenizer counting M (default: the built-in one)")
     hop.add_argument("--tokenizer-kind", choices=["hf", "sentencepiece", "tiktoken"], default="hf")
-    args, overrides = parser.parse_known_args(argv)
+    args, overrides = parse_with_overrides(parser, argv)
     if args.action == "multihop":
         if overrides:
             parser.error(f"unrecognized arguments: {' '.join(overrides)}")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from canon_titan.cli.common import OVERRIDES, fail, init_logging
+from canon_titan.cli.common import OVERRIDES, dtype_arg, fail, init_logging, parse_with_overrides
 from canon_titan.config import ConfigError, load
 from canon_titan.convert.dcp_io import ConversionError
 from canon_titan.convert.hf import dcp_to_hf_model
@@ -37,7 +37,7 @@ def main(argv: list[str]) -> int:
     lm_parser.add_argument("--suite", nargs="+", required=True, metavar="NAME",
                            help="avg10, all13 (the reference suites), or any lm-eval task/group, incl. those in "
                            "eval/ (multihop_1hop, multihop_2hop, babilong_avg20, ...)")
-    lm_parser.add_argument("--dtype", choices=["bf16", "fp32", "fp16"], default="bf16")
+    lm_parser.add_argument("--dtype", type=dtype_arg, default="bf16", help="bf16, fp32 or fp16 (or bfloat16, float32, float16)")
     lm_parser.add_argument("--limit", type=float, help="items per task (a fraction if < 1), for quick checks")
     lm_parser.add_argument("--batch-size", type=int, default=1)
     lm_parser.add_argument("--data-dir", help="folder of the local test files of eval/ tasks (default "
@@ -45,7 +45,7 @@ def main(argv: list[str]) -> int:
     lm_parser.add_argument("--include-path", action="append", default=[], help="another folder of lm-eval task YAMLs")
     lm_parser.add_argument("--device", help="torch device (default: cuda when there is a GPU, else cpu)")
     lm_parser.add_argument("--out", help="JSON results (default: eval_lm_<model folder>.json beside the model folder)")
-    args, overrides = parser.parse_known_args(argv)
+    args, overrides = parse_with_overrides(parser, argv)
     if args.kind == "lm":
         if overrides:
             parser.error(f"unrecognized arguments: {' '.join(overrides)}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from canon_titan.cli.common import OVERRIDES, fail
+from canon_titan.cli.common import OVERRIDES, fail, parse_with_overrides
 from canon_titan.config import ConfigError
 
 
@@ -25,7 +25,7 @@ def main(argv: list[str]) -> int:
                         "another GPU (see the README); default h100")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.add_argument("--no-advice", action="store_true", help="do not plan changes for a run that does not fit")
-    args, overrides = parser.parse_known_args(argv)  # the rest, in order: --section.key value overrides
+    args, overrides = parse_with_overrides(parser, argv)  # the rest, in order: --section.key value overrides
     if args.gpus < 1:
         return fail("plan", f"--gpus must be >= 1, got {args.gpus}")
     if args.gpus_per_node < 1:

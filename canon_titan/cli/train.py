@@ -11,7 +11,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from canon_titan.cli.common import OVERRIDES, fail, load_or_report
+from canon_titan.cli.common import OVERRIDES, fail, load_or_report, parse_with_overrides
 from canon_titan.components.exit_codes import REFUSED, STOP_SIGNALS, STOPPED_EXIT_CODES
 from canon_titan.config.build import build_trainer_config
 from canon_titan.launch.ownership import torchrun_preexec
@@ -25,7 +25,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--nproc", type=int, default=1, help="processes (GPUs, or CPU ranks) on this node")
     parser.add_argument("--log-ranks", help="ranks whose output is shown (torchrun --local-ranks-filter; default: "
                         "rank 0, or with pipeline parallelism the first rank of the last stage, which has the loss)")
-    args, overrides = parser.parse_known_args(argv)  # --section.key overrides pass through
+    args, overrides = parse_with_overrides(parser, argv)  # --section.key overrides pass through
     if args.nproc < 1:
         parser.error("--nproc must be >= 1")
     os.environ["WORLD_SIZE"] = str(args.nproc)

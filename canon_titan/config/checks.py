@@ -12,7 +12,7 @@ import torch
 
 from torchtitan.tools.utils import has_cuda_capability
 
-from canon_titan.config.run import RunConfig
+from canon_titan.config.run import ConfigError, RunConfig
 from canon_titan.config.sections import section_schema
 from canon_titan.convert.dcp_io import ConversionError, checkpoint_problem, model_mismatch
 from canon_titan.data.builtin import ASSET_DIR
@@ -38,6 +38,21 @@ def _positive(run: RunConfig, section: str, *keys: str) -> None:
     for key in keys:
         if run[section][key] <= 0:
             _fail(run, section, key, f"must be > 0, got {run[section][key]}")
+
+
+def _batch_fits(gbs: int, local: int, dp: int, others: int, world: int) -> str:
+    """Why ``gbs`` does not split over ``dp`` data-parallel ranks of ``local`` sequences, and what fits:
+    a smaller local batch (gradient accumulation keeps the global batch), or a GPU count."""
+    message = (f"is {gbs}, which is not a multiple of local_batch_size x data-parallel degree "
+               f"({local} x {dp} = {local * dp}) at {world} processes")
+    locals_ = [n for n in range(local - 1, 0, -1) if gbs % (n * dp) == 0][:2]
+    fits = [f"--training.local_batch_size {n}" for n in locals_]
+    if gbs % local == 0:
+        degrees = [d for d in range(1, gbs // local + 1) if (gbs // local) % d == 0]
+        below = [d * others for d in degrees if d * others < world][-1:]
+        above = [d * others for d in degrees if d * others > world][:1]
+        fits += [f"{n} processes" for n in below + above]
+    return message + (f"; fits: {', or '.join(fits)}" if fits else "")
 
 
 MAX_STEPS = 2**62
@@ -133,7 +148,6 @@ def check_checkpoint(run: RunConfig) -> None:
               "asynchronous save would be reported, and older checkpoints purged, before it is complete)")
 
 
-
 def check_initial_load(run: RunConfig, environment: bool) -> None:
     """For this machine, ``initial_load_path`` must be a DCP checkpoint that loads, or with
     ``initial_load_in_hf`` a Hugging Face folder of the run's model."""
@@ -194,9 +208,7 @@ def check_parallelism(run: RunConfig, environment: bool) -> None:
         dp = run.data_parallel_size(world)
         gbs = training["global_batch_size"]
         if gbs != -1 and gbs % (training["local_batch_size"] * dp):
-            _fail(run, "training", "global_batch_size",
-                  f"must be a multiple of local_batch_size x data-parallel degree "
-                  f"({training['local_batch_size']} x {dp})")
+            _fail(run, "training", "global_batch_size", _batch_fits(gbs, training["local_batch_size"], dp, others, world))
     problem = args.tensor_parallel_problem(tp)
     if problem:
         _fail(run, "parallelism", "tensor_parallel_degree", problem)
@@ -265,9 +277,25 @@ def check_ignored_data_keys(run: RunConfig) -> None:
                   f"(it reads {', '.join(sorted(reads - {'dataset'}))})")
 
 
+def check_paths_exist(run: RunConfig) -> None:
+    """Every input path that does not exist, named at once (an unedited recipe has two placeholders:
+    fixing one and running again to learn of the next wastes a launch)."""
+    data, tokenizer = run["dataloader"], run["tokenizer"]
+    paths = {("tokenizer", "path"): tokenizer["path"]}
+    if data["dataset"] in ("files", "tokens") and not any(c in (data["dataset_path"] or "") for c in "*?["):
+        paths[("dataloader", "dataset_path")] = data["dataset_path"]
+    missing = [(key, path) for key, path in paths.items() if path and "://" not in path and not os.path.exists(path)]
+    if missing:
+        raise ConfigError(run.origins.get(missing[0][0], run.source), "",
+                          "; ".join(f"[{s}] {k} = {p!r} does not exist" for (s, k), p in missing)
+                          + (" (edit each, or pass --section.key value)" if len(missing) > 1 else ""))
+
+
 def check_data(run: RunConfig, environment: bool) -> None:
     data = run["dataloader"]
     check_ignored_data_keys(run)
+    if environment:
+        check_paths_exist(run)
     if data["dataset"] in SYNTHETIC:
         check_synthetic(run, environment)
         if data["dataset"] != "capo_bios":

@@ -44,12 +44,19 @@ def _type_name(tp) -> str:
     return {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}.get(tp, str(tp))
 
 
+DTYPE_SPELLINGS = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+"""A dtype takes either spelling, in a TOML key and on the command line: the short names and TorchTitan's long ones."""
+_OTHER_DTYPE_SPELLING = {**DTYPE_SPELLINGS, **{long: short for short, long in DTYPE_SPELLINGS.items()}}
+
+
 def coerce(value, tp):
     """``value`` checked against the annotation ``tp`` (ints widen to floats); raises TypeError."""
     origin = typing.get_origin(tp)
     if origin is Literal:
         if value in typing.get_args(tp):
             return value
+        if _OTHER_DTYPE_SPELLING.get(value) in typing.get_args(tp):  # "bf16" where TorchTitan says "bfloat16", ...
+            return _OTHER_DTYPE_SPELLING[value]
         raise TypeError
     if origin in (typing.Union, types.UnionType):
         for arg in typing.get_args(tp):

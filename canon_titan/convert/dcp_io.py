@@ -98,9 +98,12 @@ def resume_step(folder: str | Path, load_step: int = -1) -> tuple[int, list[str]
     exports = set(hf_export_steps(folder))
     candidates = sorted([*step_dirs(folder), *((step, folder / f"step-{step}") for step in exports)], reverse=True)
     if load_step != -1:
+        available = sorted(step for step, _ in candidates)
         candidates = [(step, path) for step, path in candidates if step == load_step]
         if not candidates:
-            raise NoLoadableCheckpoint(f"[checkpoint] load_step = {load_step}: {folder} has no complete step-{load_step}")
+            steps = ", ".join(map(str, available)) if available else "none"
+            raise NoLoadableCheckpoint(f"[checkpoint] load_step = {load_step}: {folder} has no complete "
+                                       f"step-{load_step}; the steps it holds: {steps}")
     listed = {step for step, _ in candidates}
     # A save interrupted before its .metadata was written (the last thing a save writes).
     incomplete = [] if load_step != -1 or not folder.is_dir() else sorted(

@@ -75,6 +75,10 @@ def import_problem(backend: str) -> str | None:
     """Why the backend's package does not import here, or None."""
     try:
         _import(backend)
+    except ModuleNotFoundError as e:
+        if (e.name or "").split(".")[0] == _CUDA_MODULES[backend].split(".")[0]:
+            return f"{_PACKAGES[backend]}: not installed"
+        return f"{type(e).__name__}: {e}"  # the package is there, something it imports is not
     except Exception as e:  # ImportError, or a package that fails while importing
         return f"{type(e).__name__}: {e}"
     return None

@@ -8,8 +8,10 @@ from pathlib import Path
 
 
 def write_atomic(path: str | os.PathLike, data: str | bytes) -> None:
-    """Write to a temporary file beside ``path``, then rename it over ``path`` (mode 0644)."""
+    """Write to a temporary file beside ``path``, then rename it over ``path`` (mode 0644); its folder
+    is made when it does not exist (an ``--out outputs/data/x.jsonl`` of a fresh checkout)."""
     path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
         with os.fdopen(fd, "wb") as f:

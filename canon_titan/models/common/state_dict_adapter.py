@@ -232,13 +232,23 @@ class CanonStateDictAdapter(StateDictAdapter):
         expected_fields = self.hf_config()
         expected = _resolved(config_cls, expected_fields, "the run config")
         keys = [k for k in expected_fields if k not in NOT_MATHS] + self.compared(config_cls)
+        differ = []
         for key in dict.fromkeys(keys):
             got, want = self.field(found, key), self.field(expected, key)
             if key == "canon_set" and _letters(got) == _letters(want):
                 continue
             if got != want:
-                raise HFFormatError(f"{where}: {key} is {got!r}, the run config expects {want!r}")
-        self.read_format(hf, where)
+                differ.append((key, got, want))
+        if not differ:
+            self.read_format(hf, where)
+            return
+        details = "; ".join(f"{key} is {got!r}, the run config expects {want!r}" for key, got, want in differ)
+        canon = next(((got, want) for key, got, want in differ if key == "canon_set"), None)
+        if canon is not None:  # another model, not another size: say that first
+            raise HFFormatError(f"{where}: the folder holds a model with Canon layers {canon[0] or 'none'}, the run's "
+                                f"{self.args.label} has {canon[1] or 'none'}: use the config of the model the folder "
+                                f"holds (its other differences: {details})")
+        raise HFFormatError(f"{where}: the folder holds another {self.args.label} than the run config's: {details}")
 
     def field(self, config, key: str):
         """A resolved config's value of ``key``, as compared on import."""
