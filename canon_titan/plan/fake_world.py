@@ -318,6 +318,13 @@ def fake_process_group(rank: int, world_size: int):
     finally:
         dist.destroy_process_group()
         sys.excepthook = excepthook
+        # DTensor caches each op's output sharding, meshes included, by a key in which a mesh
+        # equals any mesh of the same shape and ranks. The next fake world (another pipeline
+        # stage's rank, another plan) builds equal meshes on other process groups: a cached output
+        # would carry this world's mesh, whose groups no longer exist.
+        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+        _clear_sharding_prop_cache()
 
 
 @contextlib.contextmanager
