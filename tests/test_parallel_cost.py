@@ -131,9 +131,12 @@ def test_tensor_parallel_moves_each_activation_once(name, overrides, world, sp):
     model = _model(name, overrides)
     layers, dim = model.config.args.n_layers, model.config.args.dim
     activation = BATCH * SEQ * dim
-    # Besides activations, only a parameter's gradient (Canon-B/D rows) or a per-token statistic
-    # (the flat QK-norm's mean square) crosses the TP group.
-    small_sizes = {p.numel() for p in model.parameters()} | {BATCH * SEQ}
+    # Besides activations, only a parameter's gradient (Canon-B/D rows) or per-token statistics (the
+    # flat QK-norm's sums of squares, q's and k's in one all-reduce, which carries Canon-B's weight
+    # gradient in the backward: tests/test_tp_small_collectives.py) cross the TP group.
+    statistics = {BATCH * SEQ, 2 * BATCH * SEQ}
+    small_sizes = {p.numel() for p in model.parameters()} | statistics | {
+        p.numel() + n for p in model.parameters() for n in statistics}
     for rank, log in run_ranks(world, _tp_step, name, overrides, sp):
         big = Counter(kind for kind, n in log if n == activation)
         if sp:

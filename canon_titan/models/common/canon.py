@@ -61,24 +61,29 @@ class CanonConv(Module):
         if self.bias is not None:
             canon_bias_init(self.bias, self.kernel_size)
 
-    def _weights(self, like: torch.Tensor, sizes: list[int]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    def _weights(self, like: torch.Tensor, sizes: list[int], partials: list[torch.Tensor] = ()
+                 ) -> tuple[list[tuple[torch.Tensor, torch.Tensor | None]], list[torch.Tensor]]:
         """(weight [c, K], bias) for consecutive inputs of ``sizes`` channels (this rank's share of
-        each under tensor parallelism)."""
+        each under tensor parallelism), and ``partials`` summed over the TP group: the weights'
+        gradient sum and these sums share one all-reduce each way."""
         weight = local(self.weight, like, self.partial_gradients).squeeze(1)
         bias = local(self.bias, like, self.partial_gradients)
         if self.channel_shard is not None:
-            weights = self.channel_shard.rows(weight, sizes)
-            biases = self.channel_shard.rows(bias, sizes) if bias is not None else [None] * len(sizes)
+            params, partials = self.channel_shard.sum_together([weight] + ([bias] if bias is not None else []),
+                                                               partials)
+            weights = self.channel_shard.rows(params[0], sizes)
+            biases = self.channel_shard.rows(params[1], sizes) if bias is not None else [None] * len(sizes)
         else:
             weights = weight.split(sizes)
             biases = bias.split(sizes) if bias is not None else [None] * len(sizes)
-        return list(zip(weights, biases))
+        return list(zip(weights, biases)), partials
 
     def _convolve(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                  norm: RMSNorm | None) -> torch.Tensor:
+                  norm: RMSNorm | None, square_sum: torch.Tensor | None = None) -> torch.Tensor:
         row_scale = col_scale = None
         if norm is not None:
-            row_scale, col_scale = norm.inverse_rms(x).squeeze(-1), local(norm.weight, x, self.partial_gradients)
+            row_scale = norm.inverse_rms(x, square_sum).squeeze(-1)
+            col_scale = local(norm.weight, x, self.partial_gradients)
         return canon_conv(x, weight, bias, row_scale=row_scale, col_scale=col_scale, residual=self.residual,
                           activation=self.activation, backend=self.backend)
 
@@ -91,25 +96,30 @@ class CanonConv(Module):
 
     def forward(self, x: torch.Tensor, norm: RMSNorm | None = None, shards: ContextShards | None = None) -> torch.Tensor:
         """The layer on ``x`` [batch, seq, channels], or on ``norm(x)``."""
-        ((weight, bias),) = self._weights(x, [x.shape[-1]])
+        ((weight, bias),), _ = self._weights(x, [x.shape[-1]])
         (x,) = self._halos(shards, x)
         return self._unhalo(shards, self._convolve(x, weight, bias, norm))
 
     def segments(self, *xs: torch.Tensor, norms: tuple[RMSNorm | None, ...] | None = None,
                  shards: ContextShards | None = None) -> tuple[torch.Tensor, ...]:
         """The layer on the concatenation of ``xs`` along channels (each through its norm, if any),
-        without concatenating."""
-        weights = self._weights(xs[0], [x.shape[-1] for x in xs])
+        without concatenating. Under tensor parallelism the statistics of flat norms (QK-norm) are
+        summed over the group together, in the all-reduce that also sums the weight's gradient."""
         norms = norms or (None,) * len(xs)
-        return tuple(self._unhalo(shards, self._convolve(x, w, b, norm))
-                     for x, (w, b), norm in zip(self._halos(shards, *xs), weights, norms))
+        xs = self._halos(shards, *xs)
+        flat = [i for i, norm in enumerate(norms)
+                if self.channel_shard is not None and norm is not None and norm.tp_group is not None]
+        weights, sums = self._weights(xs[0], [x.shape[-1] for x in xs], [norms[i].square_sum(xs[i]) for i in flat])
+        square_sums = dict(zip(flat, sums))
+        return tuple(self._unhalo(shards, self._convolve(x, w, b, norm, square_sums.get(i)))
+                     for i, (x, (w, b), norm) in enumerate(zip(xs, weights, norms)))
 
     def swiglu(self, gate: torch.Tensor, up: torch.Tensor, shards: ContextShards | None = None) -> torch.Tensor:
         """``silu(g) * u`` with ``g, u`` this layer on [gate | up] (Canon-D and the SwiGLU after it)."""
         if self.channel_shard is None:
             weight, bias = local(self.weight, gate).squeeze(1), local(self.bias, gate)
         else:  # this rank's gate rows and up rows, one [2h, K] weight for the fused op
-            (w_gate, b_gate), (w_up, b_up) = self._weights(gate, [gate.shape[-1], up.shape[-1]])
+            ((w_gate, b_gate), (w_up, b_up)), _ = self._weights(gate, [gate.shape[-1], up.shape[-1]])
             weight = torch.cat((w_gate, w_up))
             bias = torch.cat((b_gate, b_up)) if b_gate is not None else None
         gate, up = self._halos(shards, gate, up)

@@ -31,15 +31,21 @@ class RMSNorm(Module):
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
 
-    def inverse_rms(self, x: torch.Tensor) -> torch.Tensor:
+    def square_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the statistic: the sum of ``x^2`` over its channels, float32, [..., 1]."""
+        return x.float().pow(2).sum(-1, keepdim=True)
+
+    def inverse_rms(self, x: torch.Tensor, square_sum: torch.Tensor | None = None) -> torch.Tensor:
         """``1 / sqrt(mean(x^2) + eps)`` over the channels (all ranks' channels with ``tp_group``),
-        float32, [..., 1]. Canon layers after the norm take it and the weight to fuse the norm."""
-        xf = x.float()
+        float32, [..., 1]. Canon layers after the norm take it and the weight to fuse the norm;
+        Canon-B passes ``square_sum`` already summed over the group (with its other sums, in one
+        collective)."""
         if self.tp_group is None:
-            mean_square = xf.pow(2).mean(-1, keepdim=True)
+            mean_square = x.float().pow(2).mean(-1, keepdim=True)
         else:
-            channels = xf.shape[-1] * torch.distributed.get_world_size(self.tp_group)
-            mean_square = tp_sum(xf.pow(2).sum(-1, keepdim=True), self.tp_group) / channels
+            if square_sum is None:
+                square_sum = tp_sum(self.square_sum(x), self.tp_group)
+            mean_square = square_sum / (x.shape[-1] * torch.distributed.get_world_size(self.tp_group))
         return torch.rsqrt(mean_square + self.eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -54,6 +54,34 @@ class _AllReduceSum(torch.autograd.Function):
         return _all_reduce_sum(grad, ctx.group), None
 
 
+class _SumTogether(torch.autograd.Function):
+    """One all-reduce each way for a layer's small TP sums: the forward sums ``partials`` (per-rank
+    partial sums, such as a flat norm's sum of squares) over ``group``; ``replicated`` pass through
+    unchanged (weights each rank applies to its own channels only), and the backward sums their
+    gradients and those of the summed partials, in one all-reduce."""
+
+    @staticmethod
+    def forward(ctx, group, n_replicated, *tensors):
+        ctx.group = group
+        replicated, partials = tensors[:n_replicated], tensors[n_replicated:]
+        return (*(t.view_as(t) for t in replicated), *_sum_flat(partials, group))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None, None, *_sum_flat(grads, ctx.group))
+
+
+def _sum_flat(tensors, group) -> tuple[torch.Tensor, ...]:
+    """``tensors`` summed over ``group`` in one all-reduce of their concatenation (in their common
+    dtype, float32 where they differ)."""
+    if not tensors:
+        return ()
+    dtypes = {t.dtype for t in tensors}
+    dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
+    total = _all_reduce_sum(torch.cat([t.reshape(-1).to(dtype) for t in tensors]), group)
+    return tuple(part.view_as(t).to(t.dtype) for part, t in zip(total.split([t.numel() for t in tensors]), tensors))
+
+
 def sum_gradients(x: torch.Tensor, group) -> torch.Tensor:
     """Identity whose backward sums the gradient over ``group``: for a replicated weight that each
     TP rank applies to its own heads only."""
@@ -76,9 +104,16 @@ class ChannelShard:
     def __init__(self, rank: int, size: int, group):
         self.rank, self.size, self.group = rank, size, group
 
+    def sum_together(self, weights: list[torch.Tensor], partials: list[torch.Tensor] = ()
+                     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """``weights`` with their gradients summed over the TP group, and ``partials`` summed over it:
+        one all-reduce in the forward (when there are partials) and one in the backward."""
+        out = _SumTogether.apply(self.group, len(weights), *weights, *partials)
+        return list(out[:len(weights)]), list(out[len(weights):])
+
     def rows(self, weight: torch.Tensor, local_sizes: list[int]) -> list[torch.Tensor]:
-        """This rank's rows for consecutive inputs of ``local_sizes`` channels each (per rank)."""
-        weight = _SumGradients.apply(weight, self.group)
+        """This rank's rows for consecutive inputs of ``local_sizes`` channels each (per rank), of a
+        weight whose gradient ``sum_together`` sums."""
         parts, offset = [], 0
         for size in local_sizes:
             parts.append(weight[offset + self.rank * size : offset + (self.rank + 1) * size])
