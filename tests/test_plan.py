@@ -1,12 +1,15 @@
 """``canon-titan plan``: a plan is the run's own build on fake tensors, held to real runs.
 
-References: real gloo runs of the same config on 1, 2 and 4 processes (FSDP and TP), recorded
-op by op, with torch's MemTracker for their memory; the trainer's own analytic FLOP count; hand
-arithmetic of FSDP's sharding; the unsplit model for pipeline stages; hand-made traces for the
-time and compile models.
+References: real gloo runs of the same config on 1, 2 and 4 processes (FSDP, TP, CP), measured by
+instruments the plan does not use (PyTorch's FlopCounterMode, CommDebugMode, gloo's flight recorder,
+torch's MemTracker) and recorded op by op; the trainer's own analytic FLOP count; hand arithmetic of
+FSDP's sharding and of NCCL's latency; the unsplit model for pipeline stages; hand-made traces for
+the time and compile models.
 """
 
+import dataclasses
 import json
+import math
 import os
 import subprocess
 import sys
@@ -41,13 +44,42 @@ def summary(step) -> dict:
     from canon_titan.plan.planner import _categories
     from canon_titan.plan.recorder import memory_peak
 
-    collectives = Counter()
+    collectives, counts, by_group = Counter(), Counter(), Counter()
     for c in step.trace.collectives:
         collectives[(c.kind, step.group_names.get(tuple(sorted(c.group)), "other"), c.phase)] += c.bytes
+        counts[c.kind] += 1
+        by_group[(c.kind, tuple(sorted(c.group)))] += c.bytes
     peak = memory_peak(step.trace, _categories(step))
     state = sum(peak.by_category.get(k, 0) for k in ("parameters", "gradients", "optimizer state", "buffers"))
-    return {"state": step.state_bytes, "collectives": dict(collectives),
-            "flops": sum(op.flops for op in step.trace.ops), "activation_peak": peak.total - state}
+    return {"state": step.state_bytes, "collectives": dict(collectives), "collective_counts": dict(counts),
+            "collectives_by_group": dict(by_group), "flops": sum(op.flops for op in step.trace.ops),
+            "activation_peak": peak.total - state}
+
+
+def _flight_records() -> list[dict]:
+    """What gloo itself recorded of every collective it ran (torch's flight recorder, kept in C++
+    by the process group): kind, group, tensor sizes and dtypes."""
+    import pickle
+
+    from torch._C._distributed_c10d import _dump_fr_trace
+
+    return pickle.loads(_dump_fr_trace())["entries"]
+
+
+_DTYPE_BYTES = {"Float": 4, "BFloat16": 2, "Half": 2, "Double": 8, "Long": 8, "Int": 4, "Bool": 1, "Byte": 1}
+
+
+def _gloo_collectives(records, group_ranks) -> dict:
+    """Bytes per (kind as gloo ran it, group ranks) from flight records, by the plan's rule written
+    out again here: an all-gather moves its input times the group size, anything else its input.
+    (Gloo runs a reduce-scatter as an all-reduce of the whole input.)"""
+    moved = Counter()
+    for r in records:
+        kind = r["profiling_name"].split(":")[-1]
+        ranks = group_ranks[r["process_group"][0]]
+        nbytes = sum(math.prod(s) * _DTYPE_BYTES[d] for s, d in zip(r["input_sizes"], r["input_dtypes"]))
+        moved[(kind, ranks)] += nbytes * (len(ranks) if kind == "all_gather" else 1)
+    return dict(moved)
 
 
 def _real_worker(rank, world, port, config, overrides, dump_folder, queue):
@@ -55,6 +87,8 @@ def _real_worker(rank, world, port, config, overrides, dump_folder, queue):
                       WORLD_SIZE=str(world))
     try:
         from torch.distributed._tools.mem_tracker import MemTracker
+        from torch.distributed.tensor.debug import CommDebugMode
+        from torch.utils.flop_counter import FlopCounterMode
 
         from canon_titan.config import load
         from canon_titan.config.build import build_trainer_config
@@ -68,16 +102,25 @@ def _real_worker(rank, world, port, config, overrides, dump_folder, queue):
         config_.checkpoint.enable = False
         config_.metrics.enable_tensorboard = False
         config_.metrics.log_freq, config_.metrics.last_step, config_.run_toml = 10**9, 0, ""
+        config_.comm = dataclasses.replace(config_.comm, trace_buf_size=100_000)  # gloo's flight recorder
         trainer = config_.build()
         recorded = summary(record_step(trainer, StepRecorder()))
-        tracker = MemTracker()  # torch's own tracker, on the next real step
+        # torch's own instruments on the next real step: MemTracker, FlopCounterMode, CommDebugMode
+        # and gloo's flight recorder.
+        tracker = MemTracker()
         tracker.track_external(*trainer.model_parts, *trainer.optimizers.optimizers)
-        with tracker:
+        seen = len(_flight_records())
+        with tracker, FlopCounterMode(display=False) as flops, CommDebugMode() as comms:
             trainer.train_step(iter(trainer.dataloader))
         snapshot = {str(k).split(".")[-1]: v for dev in tracker.get_tracker_snapshot("peak").values()
                     for k, v in dev.items()}
         activations = snapshot["Total"] - sum(snapshot.get(k, 0) for k in ("PARAM", "BUFFER", "GRAD", "OPT"))
-        queue.put((rank, recorded, activations))
+        group_ranks = {name: tuple(sorted(dist.get_process_group_ranks(pg))) for pg, name in
+                       dist.distributed_c10d._world.pg_names.items()}
+        instruments = {"activation_peak": activations, "flops": flops.get_total_flops(),
+                       "comm_counts": {str(op): n for op, n in comms.get_comm_counts().items()},
+                       "gloo": _gloo_collectives(_flight_records()[seen:], group_ranks)}
+        queue.put((rank, recorded, instruments))
         dist.barrier()
     except Exception as e:  # reported by the test instead of a silent wait
         queue.put((rank, repr(e), None))
@@ -112,22 +155,52 @@ LAYOUTS = {
 }
 
 
+def _kind(op_name: str) -> str:
+    """A collective's kind from CommDebugMode's name for its op (c10d or functional)."""
+    name = op_name.split(".")[-1].replace("_", "")
+    for prefix, kind in (("allgather", "all_gather"), ("reducescatter", "reduce_scatter"),
+                         ("allreduce", "all_reduce"), ("alltoall", "all_to_all"), ("broadcast", "broadcast")):
+        if name.startswith(prefix):
+            return kind
+    return op_name
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_a_plan_equals_the_real_run(layout, tmp_path):
     """Rank 0 of a plan against rank 0 of the same config on real gloo processes (FSDP, TP, FSDP x
-    TP, CP): parameters,
-    gradients and optimizer state to the byte, every collective's bytes by kind, group and phase,
-    the FLOPs of every op, and the activation peak within 10% of torch's MemTracker on the real
-    step (the Canon layers on the torch backend in both: the real run is on a CPU)."""
+    TP, CP), the Canon layers on the torch backend in both (the real run is on a CPU).
+
+    Against instruments the plan does not use, on the real step: its FLOPs equal PyTorch's
+    FlopCounterMode's; its collectives, counted by kind, CommDebugMode's; their bytes per process
+    group what gloo's own flight recorder saw (gloo runs a reduce-scatter as an all-reduce of its
+    input, so the two are summed); its activation peak within 10% of torch's MemTracker.
+    Against the real step recorded op by op: parameters, gradients and optimizer state to the
+    byte, every collective's bytes by kind, group and phase, the FLOPs of every op."""
     world, extra = LAYOUTS[layout]
     overrides = DEBUG + ["--model.canon_backend", "torch", *extra]
-    real, tracked = real_run(CONFIGS["llama_canon"], overrides, world, tmp_path)
+    real, measured = real_run(CONFIGS["llama_canon"], overrides, world, tmp_path)
     planned = summary(plan_step(CONFIGS["llama_canon"], overrides, world))
+
+    assert planned["flops"] == measured["flops"]
+    counted = Counter()
+    for name, n in measured["comm_counts"].items():
+        counted[_kind(name)] += n
+    assert {k: n for k, n in planned["collective_counts"].items() if k in _COMM_DEBUG_KINDS} == dict(counted)
+    as_gloo_runs = Counter()
+    for (kind, ranks), nbytes in planned["collectives_by_group"].items():
+        as_gloo_runs[("all_reduce" if kind == "reduce_scatter" else kind, ranks)] += nbytes
+    assert dict(as_gloo_runs) == measured["gloo"]
+    assert abs(planned["activation_peak"] / measured["activation_peak"] - 1) < 0.10, \
+        (planned["activation_peak"], measured["activation_peak"])
+
     assert planned["state"] == real["state"]
     assert planned["collectives"] == real["collectives"]
     assert planned["flops"] == real["flops"]
-    assert abs(planned["activation_peak"] / tracked - 1) < 0.10, (planned["activation_peak"], tracked)
+
+
+_COMM_DEBUG_KINDS = {"all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast"}
+"""What CommDebugMode counts (no point-to-point sends and receives)."""
 
 
 @pytest.mark.parametrize("world", [1, 2])
@@ -259,7 +332,7 @@ def test_bad_input_is_one_line_and_exit_2(args, message):
 def test_a_gpu_described_in_a_file(tmp_path):
     spec = tmp_path / "l40s.toml"
     spec.write_text('name = "L40S"\nmemory_gib = 44.4\nbf16_tflops = 362\nfp8_tflops = 733\nhbm_tb_s = 0.864\n'
-                    'nvlink_gb_s = 32\nnetwork_gb_s = 25\ncapability = [8, 9]\n')
+                    'nvlink_gb_s = 32\nnetwork_gb_s = 25\ncapability = [8, 9]\nfp32_tflops = 91.6\n')
     gpu = find_gpu(str(spec))
     assert (gpu.name, gpu.bf16_tflops, gpu.capability) == ("L40S", 362.0, (8, 9))
     spec.write_text('name = "x"\nmemory_gib = 10\n')
@@ -278,7 +351,7 @@ def test_an_impossible_gpu_figure_is_one_line_and_exit_2(tmp_path, line, message
     """A non-finite or impossible figure in a GPU file is refused before planning (it gave a
     traceback for nan, and "MFU 0.0% against inf TFLOP/s" for inf)."""
     figures = {"name": '"x"', "memory_gib": "80", "bf16_tflops": "989", "fp8_tflops": "1979", "hbm_tb_s": "3.35",
-               "nvlink_gb_s": "450", "network_gb_s": "50", "capability": "[9, 0]"}
+               "nvlink_gb_s": "450", "network_gb_s": "50", "capability": "[9, 0]", "fp32_tflops": "67"}
     key, value = line.split(" = ")
     figures[key] = value
     spec = tmp_path / "gpu.toml"
@@ -347,14 +420,82 @@ def test_compile_fuses_an_elementwise_run_and_stores_only_what_leaves_it():
 
 def test_collective_time_by_hand():
     """An all-gather of 1 GB over 16 ranks on two nodes: 15/16 of it through each GPU's 50 GB/s
-    network link; an all-reduce inside a node: twice (n-1)/n of it over NVLink."""
-    from canon_titan.plan.estimate import COLLECTIVE_LATENCY_S, collective_seconds
+    network link, after NCCL's ring latency (8.4 us to start, 14 hops over NVLink at 3.4 us and 1
+    between the nodes at 14 us); an all-reduce inside a node: twice (n-1)/n of it over NVLink, after
+    14 ring hops (the tree's 2 x 7 hops at 4 us are slower)."""
+    from canon_titan.plan.estimate import collective_seconds
 
-    assert collective_seconds("all_gather", 10**9, 16, "network", H100) == pytest.approx(
-        COLLECTIVE_LATENCY_S["network"] + 10**9 * 15 / 16 / 50e9)
+    assert collective_seconds("all_gather", 10**9, 16, "network", H100, nodes=2) == pytest.approx(
+        (8.4 + 14 * 3.4 + 14.0) * 1e-6 + 10**9 * 15 / 16 / 50e9)
     assert collective_seconds("all_reduce", 10**9, 8, "nvlink", H100) == pytest.approx(
-        COLLECTIVE_LATENCY_S["nvlink"] + 2 * 10**9 * 7 / 8 / 450e9)
+        (8.4 + 14 * 3.4) * 1e-6 + 2 * 10**9 * 7 / 8 / 450e9)
     assert collective_seconds("all_gather", 10**9, 1, "nvlink", H100) == 0.0
+
+
+def test_collective_latency_grows_with_ranks_and_nodes():
+    """By hand: a ring all-gather over 512 ranks on 64 nodes waits 448 NVLink hops and 63 network
+    hops; an all-reduce there takes NCCL's tree (2 x (7 NVLink hops + log2(64) network hops)), not
+    the ring's 2 x 511 hops; a send between nodes is one network hop."""
+    from canon_titan.plan.estimate import collective_latency
+
+    assert collective_latency("all_gather", 8, 1) == pytest.approx((8.4 + 7 * 3.4) * 1e-6)
+    assert collective_latency("reduce_scatter", 512, 64) == pytest.approx((8.4 + 448 * 3.4 + 63 * 14) * 1e-6)
+    assert collective_latency("all_reduce", 512, 64) == pytest.approx((8.4 + 2 * (7 * 4.0 + 6 * 14)) * 1e-6)
+    assert collective_latency("send", 2, 2) == pytest.approx((8.4 + 14) * 1e-6)
+    assert collective_latency("all_gather", 64, 8) > collective_latency("all_gather", 16, 2) \
+        > collective_latency("all_gather", 8, 1)
+
+
+@pytest.mark.parametrize("kind,ranks", [("all_gather", 8), ("reduce_scatter", 16), ("all_gather", 512),
+                                        ("all_reduce", 8), ("all_reduce", 64), ("all_reduce", 512)])
+def test_collective_latency_is_torchs_nccl_model(kind, ranks):
+    """The latency is that of torch._inductor.comm_analysis's NCCL model (ring, or the faster of ring
+    and tree for an all-reduce, Simple protocol) for a message of no bytes, on its 8 GPUs per node."""
+    from torch._inductor import comm_analysis as nccl
+
+    from canon_titan.plan.estimate import collective_latency
+
+    per_node = torch.cuda.device_count() if torch.cuda.is_available() else 8
+    coll = {"all_gather": nccl.NCCL_COLL.ALL_GATHER, "reduce_scatter": nccl.NCCL_COLL.REDUCE_SCATTER,
+            "all_reduce": nccl.NCCL_COLL.ALL_REDUCE}[kind]
+    algos = [nccl.NCCL_ALGO.RING] + ([nccl.NCCL_ALGO.TREE] if kind == "all_reduce" else [])
+    expected_us = min(nccl._nccl_algo_time(0, ranks, coll, algo, nccl.NCCL_PROTO.SIMPLE) for algo in algos)
+    assert collective_latency(kind, ranks, -(-ranks // per_node)) == pytest.approx(expected_us * 1e-6)
+
+
+def _recorded_matmul(dtype):
+    """A real matmul recorded as a step records it, counted as 10^12 FLOPs."""
+    from canon_titan.plan.recorder import StepRecorder
+
+    recorder = StepRecorder()
+    a = torch.ones(8, 8, dtype=dtype)
+    with recorder:
+        a @ a
+    (op,) = [op for op in recorder.trace.ops if op.kind == "matmul"]
+    op.flops = 10**12
+    return op
+
+
+def test_fp32_matmuls_run_at_the_fp32_rate_unless_the_run_allows_tf32():
+    """PyTorch runs fp32 matmuls in full fp32 unless the process allows TF32, and neither TorchTitan
+    nor canon-titan allows it; the recorder reads the setting as the step runs. An fp32 matmul
+    recorded with the default runs at the GPU's fp32 rate (67 TFLOPS on an H100, not TF32's 494),
+    one recorded with TF32 allowed at half the bf16 rate; bf16 is unchanged."""
+    from canon_titan.plan.estimate import EFFICIENCY, compute_seconds
+
+    def seconds(op):
+        return compute_seconds(_trace([op]), H100, compiled=False)[0]["matmul"]
+
+    assert torch.backends.cuda.matmul.fp32_precision != "tf32"  # PyTorch's default
+    assert seconds(_recorded_matmul(torch.float32)) == pytest.approx(1e12 / (67e12 * EFFICIENCY["matmul"]))
+    assert seconds(_recorded_matmul(torch.bfloat16)) == pytest.approx(1e12 / (989e12 * EFFICIENCY["matmul"]))
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    try:
+        allowed = _recorded_matmul(torch.float32)
+    finally:
+        torch.set_float32_matmul_precision(previous)
+    assert seconds(allowed) == pytest.approx(1e12 / (989e12 / 2 * EFFICIENCY["matmul"]))
 
 
 def test_the_memory_peak_by_hand():

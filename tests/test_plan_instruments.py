@@ -153,8 +153,76 @@ def test_ssd_formula_against_its_torch_backend(heads, groups, head_dim, state, c
 
     def make():
         return [torch.randn(batch, seq_len, heads, head_dim), torch.rand(batch, seq_len, heads) / 10,
-                -torch.rand(heads), torch.randn(batch, seq_len, groups, state), torch.randn(batch, seq_len, groups, state)]
+                -torch.rand(heads), torch.randn(batch, seq_len, groups, state),
+                torch.randn(batch, seq_len, groups, state)]
 
     reference = _forward_backward_flops(lambda x, dt, A, B, C: _ssd_torch(x, dt, A, B, C, None, chunk, None)[0], make())
     planned = _planned(lambda x, dt, A, B, C: ops.mamba_chunk_scan(x, dt, A, B, C, None, None, chunk, False)[0], make)
     _within(planned, reference, 0.02, 0.20)
+
+
+# ----------------------------------------------------------------------------- what the plan patches
+
+# Every torch and TorchTitan name the planner replaces or wraps, where, and the parameters its
+# replacement assumes. A torch that renames one (or changes what it takes) fails here by name,
+# instead of a plan that silently runs the original on a fake process group.
+PATCHED = [
+    # fake_world.pipeline_without_peers: the pipeline stages' start-up exchange with their peers,
+    # answered in this process (a fake process group has no peers).
+    ("torch.distributed.pipelining.stage", "PipelineStage._warmup_forward_vote",
+     ["self", "has_backward", "received_acc"]),
+    ("torch.distributed.pipelining.stage", "PipelineStage._warmup_backward_result", ["self", "received_result"]),
+    ("torch.distributed.pipelining.stage", "PipelineStage._recv_meta", ["self", "src_stage"]),
+    ("torch.distributed.pipelining.stage", "PipelineStage._send_meta", ["self", "meta", "dst_stage"]),
+    ("torch.distributed.pipelining.stage", "PipelineStage._forward_metadata_inference", None),
+    ("torch.distributed.pipelining.stage", "PipelineStage._backward_metadata_inference", None),
+    ("torch.distributed.pipelining._utils", "InferenceMode.needs_dynamic", ["meta", "stage_has_backward"]),
+    ("torch.distributed.pipelining._utils", "_derive_grad_metas", ["tensor_metas"]),
+    ("torch.distributed.pipelining._utils", "_StageBackwardMeta", ["backward_metas"]),
+    # recorder.StepRecorder: FSDP2's storage resizes (invisible to dispatch) and DTensor's shape
+    # propagation on fake tensors (no kernel of the step).
+    ("torch", "UntypedStorage.resize_", None),
+    ("torch.distributed.tensor._sharding_prop", "ShardingPropagator._propagate_tensor_meta_non_cached",
+     ["self", "op_schema"]),
+    ("torch.distributed._tools.fake_collectives", "CollectiveOp.get_process_group", None),
+    ("torch.distributed._tools.fake_collectives", "CollectiveOp.get_comm_tensor_size", None),
+    # fake_world.materialized_as_fake: the model materialised as fake tensors on "cpu".
+    ("torch.nn", "Module.to_empty", ["self", "device", "recurse"]),
+    ("torchtitan.protocols.model", "BaseModel.init_weights", ["self", "kwargs"]),
+    ("torchtitan.tools.utils", "get_local_device", []),
+]
+
+
+@pytest.mark.parametrize("module,name,parameters", PATCHED, ids=[p[1] for p in PATCHED])
+def test_every_patched_name_is_still_there(module, name, parameters):
+    import importlib
+    import inspect
+
+    owner = importlib.import_module(module)
+    target = owner
+    for part in name.split("."):
+        assert hasattr(target, part), f"the planner patches {module}.{name}, and this torch/TorchTitan has no such name"
+        target = getattr(target, part)
+    if parameters is not None:
+        assert list(inspect.signature(target).parameters) == parameters, \
+            f"{module}.{name} now takes {inspect.signature(target)}; the planner's patch takes {parameters}"
+
+
+def test_the_patches_are_undone():
+    """After a pipeline stage's patches and a recorder's, the classes hold torch's own methods again."""
+    from torch.distributed.pipelining.stage import PipelineStage
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    from canon_titan.plan.fake_world import pipeline_without_peers
+    from canon_titan.plan.recorder import StepRecorder
+
+    names = [p[1].split(".")[1] for p in PATCHED if p[1].startswith("PipelineStage.")]
+    before = {n: PipelineStage.__dict__[n] for n in names}
+    resize, propagate = torch.UntypedStorage.resize_, ShardingPropagator._propagate_tensor_meta_non_cached
+    recorder = StepRecorder()
+    with pipeline_without_peers({}, recorder), recorder:
+        assert all(PipelineStage.__dict__[n] is not before[n] for n in names)
+        assert torch.UntypedStorage.resize_ is not resize
+    assert {n: PipelineStage.__dict__[n] for n in names} == before
+    assert torch.UntypedStorage.resize_ is resize
+    assert ShardingPropagator._propagate_tensor_meta_non_cached is propagate

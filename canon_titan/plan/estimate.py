@@ -15,8 +15,10 @@ reads is recomputed there from the run's inputs, kept instead (``compiled_memory
 
 Communication. A collective over n ranks moves ``(n - 1) / n`` of its buffer per rank (twice for
 an all-reduce) at the bus bandwidth of the slowest link its group crosses: NVLink inside a node,
-the GPU's network link between nodes. FSDP's all-gathers and reduce-scatters overlap the compute of
-their phase (prefetching), except the first all-gather of a phase and the last reduce-scatter;
+the GPU's network link between nodes, after NCCL's latency (a start, then a hop per step of its
+ring, or of its tree for an all-reduce where that is faster: it grows with ranks and nodes).
+FSDP's all-gathers and reduce-scatters overlap the compute of their phase (prefetching), except
+the first all-gather of a phase and the last reduce-scatter;
 tensor-, context- and pipeline-parallel traffic and the loss reductions are on the critical path.
 
 Pipeline. A step is ``microbatches + bubble`` microbatch slots of the slowest stage's work per
@@ -47,8 +49,12 @@ EFFICIENCY = {
 }
 MIN_KERNEL_S = 3e-6
 """The shortest a kernel launch takes on the GPU."""
-COLLECTIVE_LATENCY_S = {"nvlink": 15e-6, "network": 40e-6}
-"""Per collective, on top of its bandwidth term (NCCL's ring and tree set-up, a few hops)."""
+COLLECTIVE_START_S = 8.4e-6
+RING_HOP_S = {"nvlink": 3.4e-6, "network": 14e-6}
+TREE_HOP_S = {"nvlink": 4.0e-6, "network": 14e-6}
+"""NCCL's latency model for its Simple protocol (NCCL's tuning.cc, whose figures
+``torch._inductor.comm_analysis`` carries): a fixed start, then one hop per step of the algorithm,
+over NVLink inside a node or the network between nodes."""
 DATA_PARALLEL_GROUPS = {"fsdp", "dp_shard", "dp_replicate"}
 ZERO_BUBBLE = {"InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"}
 
@@ -103,7 +109,8 @@ def _peak_flops(gpu: GPU, op) -> float:
     if op.fp8 and gpu.fp8_tflops:
         return gpu.fp8_tflops * 1e12
     if op.dtype is not None and op.dtype.is_floating_point and op.dtype.itemsize >= 4:
-        return gpu.tf32_tflops * 1e12
+        # fp32 operands: TF32 tensor cores where the step allows them (``Op.tf32``), else CUDA cores.
+        return (gpu.tf32_tflops if op.tf32 else gpu.fp32_tflops) * 1e12
     return gpu.bf16_tflops * 1e12
 
 
@@ -239,12 +246,30 @@ def _link(ranks: tuple[int, ...], gpus_per_node: int) -> str:
     return "network" if len(nodes) > 1 else "nvlink"
 
 
-def collective_seconds(kind: str, nbytes: int, n: int, link: str, gpu: GPU) -> float:
+def collective_latency(kind: str, n: int, nodes: int) -> float:
+    """A collective's latency over n ranks on ``nodes`` nodes: a ring all-gather, reduce-scatter or
+    all-to-all takes n - 1 steps (nodes - 1 of them between nodes), a ring all-reduce twice that;
+    a tree all-reduce 2 (n / nodes - 1) hops inside the nodes and 2 log2(nodes) between them, and
+    NCCL takes the faster of the two; a send or receive one hop."""
+    if n <= 1:
+        return 0.0
+    if kind in ("send", "recv", "send/recv"):
+        return COLLECTIVE_START_S + RING_HOP_S["network" if nodes > 1 else "nvlink"]
+    steps, between = (2 * (n - 1), 2 * (nodes - 1)) if kind == "all_reduce" else (n - 1, nodes - 1)
+    ring = COLLECTIVE_START_S + (steps - between) * RING_HOP_S["nvlink"] + between * RING_HOP_S["network"]
+    if kind != "all_reduce":
+        return ring
+    tree = COLLECTIVE_START_S + 2 * ((n // nodes - 1) * TREE_HOP_S["nvlink"]
+                                     + (nodes.bit_length() - 1) * TREE_HOP_S["network"])
+    return min(ring, tree)
+
+
+def collective_seconds(kind: str, nbytes: int, n: int, link: str, gpu: GPU, nodes: int = 1) -> float:
     if n <= 1:
         return 0.0
     bandwidth = (gpu.network_gb_s if link == "network" else gpu.nvlink_gb_s) * 1e9
     factor = {"all_reduce": 2 * (n - 1) / n, "send": 1.0, "recv": 0.0, "send/recv": 1.0}.get(kind, (n - 1) / n)
-    return COLLECTIVE_LATENCY_S[link] + nbytes * factor / bandwidth
+    return collective_latency(kind, n, nodes) + nbytes * factor / bandwidth
 
 
 def collectives(step: RankStep, gpu: GPU, gpus_per_node: int):
@@ -260,7 +285,8 @@ def collectives(step: RankStep, gpu: GPU, gpus_per_node: int):
         name = step.group_names.get(tuple(sorted(c.group)), "other") if c.group else "other"
         link = _link(c.group, gpus_per_node) if c.group else "nvlink"
         n = len(c.group)
-        seconds = scale * collective_seconds(c.kind, c.bytes, n, link, gpu)
+        nodes = len({r // gpus_per_node for r in c.group}) or 1
+        seconds = scale * collective_seconds(c.kind, c.bytes, n, link, gpu, nodes)
         key = (c.kind, name)
         if key not in grouped:
             grouped[key] = CollectiveCost(c.kind, name, n, link, 0, 0, 0.0)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 GIB = 2**30
@@ -34,6 +34,9 @@ class GPU:
     """Inter-node bandwidth per GPU and direction (its InfiniBand NIC), 10^9 bytes/s."""
     capability: tuple[int, int] = (9, 0)
     """CUDA compute capability: which kernels canon-titan's ``auto`` backends pick there."""
+    fp32_tflops: float = field(kw_only=True)
+    """Peak fp32 FLOP/s without tensor cores, in 10^12: fp32 matmuls run at it unless the run
+    allows TF32 (PyTorch's default does not, nor do TorchTitan and canon-titan)."""
 
     @property
     def memory_bytes(self) -> int:
@@ -41,24 +44,25 @@ class GPU:
 
     @property
     def tf32_tflops(self) -> float:
-        """fp32 matmuls run as TF32 (TorchTitan allows it): half the bf16 rate on these parts."""
+        """fp32 matmuls where TF32 is allowed (the run's ``torch.backends.cuda.matmul.fp32_precision``
+        is "tf32", or a Triton kernel's ``tl.dot``): half the bf16 rate on these parts."""
         return self.bf16_tflops / 2
 
 
 GPUS: dict[str, GPU] = {
     # NVIDIA H100 Tensor Core GPU datasheet, SXM column: 989 TFLOPS bf16 and 1,979 fp8 (dense: half
-    # the "with sparsity" figures), 3.35 TB/s HBM3, NVLink 900 GB/s (both directions); nvidia-smi
-    # shows 81,559 MiB. DGX H100: one 400 Gb/s ConnectX-7 per GPU (50 GB/s).
-    "h100": GPU("H100 SXM 80GB", 79.6, 989.0, 1979.0, 3.35, 450.0, 50.0, (9, 0)),
+    # the "with sparsity" figures), 67 TFLOPS fp32, 3.35 TB/s HBM3, NVLink 900 GB/s (both directions);
+    # nvidia-smi shows 81,559 MiB. DGX H100: one 400 Gb/s ConnectX-7 per GPU (50 GB/s).
+    "h100": GPU("H100 SXM 80GB", 79.6, 989.0, 1979.0, 3.35, 450.0, 50.0, (9, 0), fp32_tflops=67.0),
     # NVIDIA H200 Tensor Core GPU datasheet, SXM column: the H100's compute, 4.8 TB/s HBM3e, 141 GB
     # (nvidia-smi: 143,771 MiB), NVLink 900 GB/s; HGX H200 with 400 Gb/s NDR per GPU.
-    "h200": GPU("H200 SXM 141GB", 140.4, 989.0, 1979.0, 4.8, 450.0, 50.0, (9, 0)),
-    # NVIDIA A100 Tensor Core GPU datasheet, 80GB SXM column: 312 TFLOPS bf16, no fp8, 2,039 GB/s
-    # HBM2e, NVLink 600 GB/s; DGX A100: one 200 Gb/s HDR per GPU (25 GB/s).
-    "a100": GPU("A100 SXM 80GB", 80.0, 312.0, 0.0, 2.039, 300.0, 25.0, (8, 0)),
-    # NVIDIA DGX B200 / HGX B200 datasheet, per GPU: 2.25 PFLOPS bf16 and 4.5 fp8 dense, 180 GB
-    # HBM3e at 8 TB/s, fifth-generation NVLink 1.8 TB/s; 400 Gb/s ConnectX-7 per GPU.
-    "b200": GPU("B200 180GB", 180.0, 2250.0, 4500.0, 8.0, 900.0, 50.0, (10, 0)),
+    "h200": GPU("H200 SXM 141GB", 140.4, 989.0, 1979.0, 4.8, 450.0, 50.0, (9, 0), fp32_tflops=67.0),
+    # NVIDIA A100 Tensor Core GPU datasheet, 80GB SXM column: 312 TFLOPS bf16, no fp8, 19.5 fp32,
+    # 2,039 GB/s HBM2e, NVLink 600 GB/s; DGX A100: one 200 Gb/s HDR per GPU (25 GB/s).
+    "a100": GPU("A100 SXM 80GB", 80.0, 312.0, 0.0, 2.039, 300.0, 25.0, (8, 0), fp32_tflops=19.5),
+    # NVIDIA DGX B200 / HGX B200 datasheet, per GPU: 2.25 PFLOPS bf16 and 4.5 fp8 dense, 75 TFLOPS
+    # fp32, 180 GB HBM3e at 8 TB/s, fifth-generation NVLink 1.8 TB/s; 400 Gb/s ConnectX-7 per GPU.
+    "b200": GPU("B200 180GB", 180.0, 2250.0, 4500.0, 8.0, 900.0, 50.0, (10, 0), fp32_tflops=75.0),
 }
 
 _FIELDS = {f.name: f.type for f in dataclasses.fields(GPU)}

@@ -67,6 +67,13 @@ def causal_share(queries: int, keys: int, diagonal: int = 0) -> float:
     return (growing + (queries - all_from) * keys) / (queries * keys)
 
 
+def tf32_allowed() -> bool:
+    """Whether cuBLAS may run fp32 matmuls as TF32 in this process. PyTorch's default is no, and
+    neither TorchTitan nor canon-titan changes it; ``fp32_precision`` follows the legacy
+    ``allow_tf32`` and ``set_float32_matmul_precision`` too."""
+    return torch.backends.cuda.matmul.fp32_precision == "tf32"
+
+
 def tensor_bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -91,6 +98,10 @@ class Op:
     attended: float = 1.0
     """An attention op's share of the score matrix that is computed: a causal mask's kept entries
     (fused kernels skip the fully masked blocks), 1 for no mask or any other mask."""
+    tf32: bool = False
+    """fp32 operands run on TF32 tensor cores: a matmul or attention op in a step that allows it
+    (``tf32_allowed``), a recurrence always (fla's and mamba-ssm's Triton ``tl.dot`` takes fp32 as
+    TF32 by default)."""
 
 
 @dataclass
@@ -131,6 +142,7 @@ class StepRecorder(TorchDispatchMode):
         self._next_id = 0
         self.phase_override: str | None = None
         self._fp8_context = 0
+        self._tf32 = False
         self._orig_resize = None
         self._depth = 0
         self._paused = 0
@@ -213,6 +225,7 @@ class StepRecorder(TorchDispatchMode):
 
     def __enter__(self):
         if not self._depth:
+            self._tf32 = tf32_allowed()  # as the step runs: after the run's own build set it up
             # FSDP2 frees and re-allocates its gathered parameters by resizing their storages,
             # which dispatch does not see (torch's MemTracker patches it the same way).
             self._orig_resize = torch.UntypedStorage.resize_
@@ -294,9 +307,10 @@ class StepRecorder(TorchDispatchMode):
             t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) for t in inputs))
         self._causal_mask(func, args, inputs, writes, outputs)
         attended = self._attended(func, args, kwargs) if kind == "attention" else 1.0
+        tf32 = kind == "recurrence" or (kind in ("matmul", "attention") and self._tf32)
         self.trace.ops.append(Op(kind, self.phase(), str(packet).split("::")[-1], int(flops),
                                  sum(read_bytes) + sum(write_bytes), dtype, reads, read_bytes, writes, write_bytes,
-                                 fp8, attended))
+                                 fp8, attended, tf32))
         return out
 
     def _collective(self, func, out, args, kwargs) -> None:
