@@ -168,14 +168,32 @@ def _readers_and_births(ops) -> tuple[dict[int, list[int]], dict[int, int]]:
     return readers, born
 
 
+def _lives(events) -> tuple[dict[int, int], dict[int, int]]:
+    """Each storage's size (its largest allocation) and the op index of its last free."""
+    size: dict[int, int] = {}
+    freed: dict[int, int] = {}
+    for op_index, sid, delta in events:
+        if delta > 0:
+            size[sid] = max(size.get(sid, 0), delta)
+        else:
+            freed[sid] = op_index
+    return size, freed
+
+
 def compiled_memory_events(step: RankStep) -> list[tuple[int, int, int]]:
     """The step's allocations and frees as a compiled step makes them. A storage that an elementwise
-    run creates and only that run uses is fused away; one that only the backward reads besides is
-    not saved either: Inductor's partitioner recomputes it from the run's inputs, which stay alive
-    until then instead. What a matmul, attention, a custom kernel, a collective or a later op of
-    the same phase reads is stored as in eager mode."""
+    run creates and only that run uses is fused away. One that only the backward reads besides
+    (saved for it) is either stored as in eager mode or recomputed in the backward from the run's
+    inputs, which then stay alive until that point instead: Inductor's min-cut partitioner takes
+    whichever saves fewer bytes (recomputing elementwise work on a tie), so the run's saved outputs
+    are dropped only when they weigh at least as much as the inputs whose life that extends (under activation checkpointing the inputs were freed after the
+    forward, and keeping them costs more than the outputs the checkpoint already drops). A storage
+    an allocation makes (``empty``, FSDP's buffers) has nothing to be recomputed from. What a
+    matmul, attention, a custom kernel, a collective or a later op of the same phase reads is
+    stored as in eager mode."""
     ops = step.trace.ops
     readers, born = _readers_and_births(ops)
+    size, freed = _lives(step.trace.memory_events)
     kept = set(step.trace.collective_buffers) | set(step.categories)
     away: set[int] = set()
     held_until: dict[int, int] = {}
@@ -184,6 +202,7 @@ def compiled_memory_events(step: RankStep) -> list[tuple[int, int, int]]:
         if phase == "optimizer":
             continue
         inputs = {sid for i in range(start, end) for sid in ops[i].reads if born.get(sid, -1) < start}
+        saved: dict[int, int] = {}  # storage -> the last backward op that reads it
         for i in range(start, end):
             for sid in ops[i].writes:
                 if sid in kept or born.get(sid) != i:
@@ -193,10 +212,18 @@ def compiled_memory_events(step: RankStep) -> list[tuple[int, int, int]]:
                 later = [r for r in readers[sid] if not start <= r < end]
                 if any(ops[r].kind != "other" or ops[r].phase == phase for r in later):
                     continue
-                away.add(sid)
-                if later:  # saved for the backward: recomputed there from the run's inputs
-                    for source in inputs:
-                        held_until[source] = max(held_until.get(source, 0), max(later))
+                if not later:
+                    away.add(sid)
+                elif ops[i].reads:  # saved for the backward, and computed from the run's inputs
+                    saved[sid] = max(later)
+        if not saved:
+            continue
+        until = max(saved.values())
+        extended = sum(size.get(sid, 0) for sid in inputs if sid not in kept and freed.get(sid, until) < until)
+        if extended <= sum(size.get(sid, 0) for sid in saved):
+            away.update(saved)
+            for source in inputs:
+                held_until[source] = max(held_until.get(source, 0), until)
     events = []
     for op_index, sid, delta in step.trace.memory_events:
         if sid in away:
