@@ -35,8 +35,9 @@ from canon_titan.plan.fake_world import RankStep
 from canon_titan.plan.gpus import GPU
 
 EFFICIENCY = {
-    # Large bf16/fp8 GEMMs on H100/H200 reach ~70-75% of the dense peak (cuBLAS, NVIDIA's own
-    # GEMM benchmarks); the smaller ones of a layer less.
+    # A training step's bf16 GEMMs on the H100 SXM: ~70% of the dense peak (cuBLAS, NVIDIA's own
+    # GEMM benchmarks), below the best shape's 80.3% (``GPU.matmul_efficiency``): the layers'
+    # shapes quantize into waves of tiles less well. Other parts: ``matmul_efficiency``.
     "matmul": 0.70,
     # FlashAttention-2 / cuDNN SDPA forward+backward on Hopper: ~40-50% of peak (FlashAttention-3
     # paper, Table 1 baselines).
@@ -47,6 +48,8 @@ EFFICIENCY = {
     # Streaming elementwise kernels reach ~80% of HBM bandwidth.
     "memory": 0.80,
 }
+H100_BEST_SHAPE = 0.803
+"""The H100 SXM's best-shape bf16 GEMM efficiency (``gpus.GPUS["h100"].matmul_efficiency``)."""
 MIN_KERNEL_S = 3e-6
 """The shortest a kernel launch takes on the GPU."""
 COLLECTIVE_START_S = 8.4e-6
@@ -114,10 +117,20 @@ def _peak_flops(gpu: GPU, op) -> float:
     return gpu.bf16_tflops * 1e12
 
 
+def matmul_efficiency(gpu: GPU, op) -> float:
+    """The share of its peak a training step's GEMM reaches on ``gpu``: the part's best-shape GEMM
+    efficiency (measured: its power limit holds a lower clock than the peak assumes on some parts,
+    not on others) times the share of the best shape's rate that a layer's shapes reach, as
+    measured on the H100 SXM (``EFFICIENCY["matmul"]`` over its best shape's)."""
+    best = gpu.fp8_matmul_efficiency if op.fp8 and gpu.fp8_tflops else gpu.matmul_efficiency
+    return best * EFFICIENCY["matmul"] / H100_BEST_SHAPE
+
+
 def _op_seconds(gpu: GPU, kind: str, op, nbytes: int) -> float:
     flops = op.flops * op.attended
     t_mem = nbytes / (gpu.hbm_tb_s * 1e12 * EFFICIENCY["memory"])
-    t_flops = flops / (_peak_flops(gpu, op) * EFFICIENCY[kind]) if kind in EFFICIENCY and flops else 0.0
+    efficiency = matmul_efficiency(gpu, op) if kind == "matmul" else EFFICIENCY.get(kind)
+    t_flops = flops / (_peak_flops(gpu, op) * efficiency) if efficiency and flops else 0.0
     return max(t_flops, t_mem, MIN_KERNEL_S)
 
 

@@ -37,6 +37,13 @@ class GPU:
     fp32_tflops: float = field(kw_only=True)
     """Peak fp32 FLOP/s without tensor cores, in 10^12: fp32 matmuls run at it unless the run
     allows TF32 (PyTorch's default does not, nor do TorchTitan and canon-titan)."""
+    matmul_efficiency: float = field(default=0.803, kw_only=True)
+    """The share of the bf16 peak that the best-shaped large GEMM sustains on this part (the
+    "maximum achievable matmul FLOPS", measured): the clock the part holds at its power limit
+    under tensor-core load, against the boost clock its datasheet peak assumes. Default: the
+    H100 SXM's."""
+    fp8_matmul_efficiency: float = field(default=0.709, kw_only=True)
+    """The same for float8 GEMMs against the fp8 peak. Default: the H100 SXM's."""
 
     @property
     def memory_bytes(self) -> int:
@@ -53,19 +60,38 @@ GPUS: dict[str, GPU] = {
     # NVIDIA H100 Tensor Core GPU datasheet, SXM column: 989 TFLOPS bf16 and 1,979 fp8 (dense: half
     # the "with sparsity" figures), 67 TFLOPS fp32, 3.35 TB/s HBM3, NVLink 900 GB/s (both directions);
     # nvidia-smi shows 81,559 MiB. DGX H100: one 400 Gb/s ConnectX-7 per GPU (50 GB/s).
-    "h100": GPU("H100 SXM 80GB", 79.6, 989.0, 1979.0, 3.35, 450.0, 50.0, (9, 0), fp32_tflops=67.0),
+    # Best-shape GEMMs: 794.5 of 989 bf16 (80.3%), 1,402.6 of 1,979 fp8 (70.9%): the maximum
+    # achievable matmul FLOPS table of Stas Bekman's "Machine Learning Engineering"
+    # (compute/accelerator), which the efficiencies of every part below come from too.
+    "h100": GPU("H100 SXM 80GB", 79.6, 989.0, 1979.0, 3.35, 450.0, 50.0, (9, 0), fp32_tflops=67.0,
+                matmul_efficiency=0.803, fp8_matmul_efficiency=0.709),
+    # The H100 of TorchTitan's published runs (benchmarks/llama3_h100_202412_torchtitan.md, Meta's
+    # Grand Teton): 96 GB HBM2e at 2.4 TB/s, a 500 W power limit, NVLink with NVSwitch and 400 Gb/s
+    # RDMA per GPU. Its peak is "between SXM and NVL" (that file's footnote 2), which no datasheet
+    # gives: the midpoint of the H100 SXM datasheet's 989 bf16 / 1,979 fp8 / 67 fp32 and the H100
+    # NVL datasheet's 835 / 1,671 / 60 (dense). Memory: 96 GiB of HBM, of which the driver shows
+    # the same share as the 80 GB part's 81,559 of 81,920 MiB.
+    "h100-hbm2e": GPU("H100 96GB HBM2e 500W", 95.5, 912.0, 1825.0, 2.4, 450.0, 50.0, (9, 0),
+                      fp32_tflops=63.5, matmul_efficiency=0.803, fp8_matmul_efficiency=0.709),
     # NVIDIA H200 Tensor Core GPU datasheet, SXM column: the H100's compute, 4.8 TB/s HBM3e, 141 GB
     # (nvidia-smi: 143,771 MiB), NVLink 900 GB/s; HGX H200 with 400 Gb/s NDR per GPU.
-    "h200": GPU("H200 SXM 141GB", 140.4, 989.0, 1979.0, 4.8, 450.0, 50.0, (9, 0), fp32_tflops=67.0),
+    # Best-shape GEMMs: bf16 as the H100 ("H200 is the same"), 1,453.4 of 1,979 fp8 (73.4%).
+    "h200": GPU("H200 SXM 141GB", 140.4, 989.0, 1979.0, 4.8, 450.0, 50.0, (9, 0), fp32_tflops=67.0,
+                matmul_efficiency=0.803, fp8_matmul_efficiency=0.734),
     # NVIDIA A100 Tensor Core GPU datasheet, 80GB SXM column: 312 TFLOPS bf16, no fp8, 19.5 fp32,
     # 2,039 GB/s HBM2e, NVLink 600 GB/s; DGX A100: one 200 Gb/s HDR per GPU (25 GB/s).
-    "a100": GPU("A100 SXM 80GB", 80.0, 312.0, 0.0, 2.039, 300.0, 25.0, (8, 0), fp32_tflops=19.5),
+    # Best-shape GEMMs: 271.2 of 312 bf16 (86.9%): the A100 holds its 1,410 MHz boost clock.
+    "a100": GPU("A100 SXM 80GB", 80.0, 312.0, 0.0, 2.039, 300.0, 25.0, (8, 0), fp32_tflops=19.5,
+                matmul_efficiency=0.869),
     # NVIDIA DGX B200 / HGX B200 datasheet, per GPU: 2.25 PFLOPS bf16 and 4.5 fp8 dense, 75 TFLOPS
     # fp32, 180 GB HBM3e at 8 TB/s, fifth-generation NVLink 1.8 TB/s; 400 Gb/s ConnectX-7 per GPU.
-    "b200": GPU("B200 180GB", 180.0, 2250.0, 4500.0, 8.0, 900.0, 50.0, (10, 0), fp32_tflops=75.0),
+    # Best-shape GEMMs: 1,745 of 2,250 bf16 (77.6%), 3,432.5 of 4,500 fp8 (76.3%).
+    "b200": GPU("B200 180GB", 180.0, 2250.0, 4500.0, 8.0, 900.0, 50.0, (10, 0), fp32_tflops=75.0,
+                matmul_efficiency=0.776, fp8_matmul_efficiency=0.763),
 }
 
 _FIELDS = {f.name: f.type for f in dataclasses.fields(GPU)}
+_OPTIONAL = {"capability", "matmul_efficiency", "fp8_matmul_efficiency"}
 
 
 class UnknownGPU(ValueError):
@@ -73,14 +99,15 @@ class UnknownGPU(ValueError):
 
 
 def gpu_from_file(path: Path) -> GPU:
-    """A GPU described in TOML: every field of ``GPU`` (``capability`` as [major, minor], optional)."""
+    """A GPU described in TOML: every field of ``GPU`` (``capability`` as [major, minor]; it and the
+    matmul efficiencies optional)."""
     try:
         with open(path, "rb") as f:
             raw = tomllib.load(f)
     except (OSError, tomllib.TOMLDecodeError) as e:
         raise UnknownGPU(f"--gpu {path}: cannot read it as TOML: {e}") from None
     unknown = sorted(set(raw) - set(_FIELDS))
-    missing = sorted(set(_FIELDS) - set(raw) - {"capability"})
+    missing = sorted(set(_FIELDS) - set(raw) - _OPTIONAL)
     if unknown or missing:
         raise UnknownGPU(f"--gpu {path}: " + "; ".join(
             ([f"unknown keys {', '.join(unknown)}"] if unknown else [])
@@ -101,6 +128,8 @@ def gpu_from_file(path: Path) -> GPU:
                 or value < 0 or (value == 0 and key != "fp8_tflops"):
             raise UnknownGPU(f"--gpu {path}: {key} must be a finite positive number"
                              f"{' (0 for none)' if key == 'fp8_tflops' else ''}, got {value!r}")
+        elif key.endswith("efficiency") and value > 1:
+            raise UnknownGPU(f"--gpu {path}: {key} is a share of the peak, at most 1, got {value!r}")
         else:
             values[key] = float(value)
     return GPU(**values)
