@@ -14,8 +14,8 @@ from torchtitan.tools.logging import init_logger, logger
 
 from canon_titan.components.checkpointer import NonFiniteParameters, SaveFailed
 from canon_titan.components.divergence import Diverged
-from canon_titan.components.exit_codes import REFUSED, STOPPED, report_exit, report_saved
-from canon_titan.components.preemption import PREEMPTED_EXIT, Preempted
+from canon_titan.components.exit_codes import PREEMPTED, REFUSED, STOPPED, report_exit, report_saved
+from canon_titan.components.preemption import Preempted
 from canon_titan.config import ConfigError, load
 from canon_titan.config.build import build_trainer_config
 from canon_titan.convert.dcp_io import NoLoadableCheckpoint
@@ -82,9 +82,12 @@ def _main(argv: list[str] | None) -> int:
     except (DataConfigError, DataError) as e:  # found as the loader opens the data (a damaged token shard, ...)
         code, say = REFUSED, _rank0_line(f"data error: {e}")
     except Preempted as e:
-        code, say = PREEMPTED_EXIT, functools.partial(logger.warning, str(e))
-        if trainer.checkpointer.enable:  # what the torchrun wrapper checks before it says "saved" (75)
+        # 75 says "saved, requeue": only with a checkpoint of the step reached, which the torchrun wrapper checks.
+        code, say = PREEMPTED, functools.partial(logger.warning, str(e))
+        if trainer.checkpointer.enable:
             report_saved(os.path.join(trainer.checkpointer.folder, f"step-{trainer.step}"))
+        else:
+            code = STOPPED
     except (Diverged, NonFiniteParameters, SaveFailed) as e:
         code, say = STOPPED, _rank0_line(str(e))
     finally:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import logging
+import math
 import os
 import shutil
 import time
@@ -322,7 +323,8 @@ class CanonTrainer(Trainer):
         local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
         if not local:
             return torch.zeros((), device=self.device)
-        return torch.nn.utils.get_total_norm(local).isfinite().logical_not().float()
+        # The max-norm: a 2-norm of finite fp32 values above ~1e19 overflows to inf.
+        return torch.nn.utils.get_total_norm(local, norm_type=math.inf).isfinite().logical_not().float()
 
     def _act_on(self, verdict: str) -> None:
         """The guard's verdict on this step: apply its update, skip it, or stop before any save of it."""

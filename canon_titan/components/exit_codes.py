@@ -37,7 +37,7 @@ def stop_at_once_until_started(what: str) -> None:
     def stop(signum, frame):
         os.write(2, f"canon-titan: {signal.Signals(signum).name} {what}: stopped, nothing to save; run the same "
                     f"command again\n".encode())
-        os._exit(PREEMPTED)
+        exit_now(PREEMPTED)  # its cleanups too (a lease rank 0 already took)
 
     for sig in STOP_SIGNALS:
         signal.signal(sig, stop)

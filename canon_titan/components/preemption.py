@@ -1,4 +1,6 @@
-"""SIGTERM, SIGINT and SIGUSR1 in a training process: finish the step, save it, exit with PREEMPTED_EXIT.
+"""SIGTERM, SIGINT and SIGUSR1 in a training process: finish the step, save it, exit with PREEMPTED;
+when the grace period runs out or a second signal comes first, exit at once with STOPPED (the step
+reached is not on disk, so the exit must not read "saved, requeue").
 
 A scheduler's preemption or time limit (SLURM sends SIGTERM, and with ``--signal=USR1@T`` SIGUSR1 a
 chosen time early) and Ctrl-C all become a request to stop at the end of the current step; the ranks agree on
@@ -22,8 +24,7 @@ from collections.abc import Callable
 
 from torchtitan.tools.logging import logger
 
-from canon_titan.components.exit_codes import DUPLICATE_WINDOW_S, STOP_SIGNALS, exit_now
-from canon_titan.components.exit_codes import PREEMPTED as PREEMPTED_EXIT
+from canon_titan.components.exit_codes import DUPLICATE_WINDOW_S, STOP_SIGNALS, STOPPED, exit_now
 
 
 
@@ -74,9 +75,9 @@ class StopSignals:
                            f"{self.grace_seconds} s, [job] stop_grace_seconds; a second signal exits at once)")
         elif now - self.received_at > DUPLICATE_WINDOW_S:
             logger.error(f"second {name}: exiting without saving this step; {self.on_disk()}")
-            exit_now(PREEMPTED_EXIT)
+            exit_now(STOPPED)  # not PREEMPTED: the step reached is not on disk
 
     def _out_of_time(self) -> None:
         logger.error(f"no checkpoint saved within [job] stop_grace_seconds = {self.grace_seconds}: exiting; "
                      f"{self.on_disk()}")
-        exit_now(PREEMPTED_EXIT)
+        exit_now(STOPPED)

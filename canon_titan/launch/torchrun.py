@@ -61,10 +61,13 @@ def _stop_as_sigterm(signum, frame) -> None:
 def after_stop_signal(reported: dict[int, int], saved: list[Path]) -> int:
     """The job's code when torchrun got a stop signal: what its workers reported. A run that finished
     (every worker 0: the signal came during the last step, which was saved) is 0; one that stopped for
-    another reason keeps its code; one whose workers saved the step they reached, in a checkpoint
-    that is complete, is 75; anything else (the grace period ran out, a second signal, workers killed,
-    checkpointing off: the step reached is not on disk) is 3."""
+    another reason keeps its code (3 where the step reached is not on disk: the grace period ran out,
+    a second signal, checkpointing off); 75 when the workers said so (they saved the step reached, or
+    had not started training) and every checkpoint they said they saved is complete; workers that
+    could not say (killed) are 3."""
     codes = set(reported.values())
+    if not codes:
+        return STOPPED
     if codes == {0}:
         return 0
     stopped = codes & (STOPPED_EXIT_CODES - {PREEMPTED})
@@ -74,7 +77,7 @@ def after_stop_signal(reported: dict[int, int], saved: list[Path]) -> int:
 
 
 def _complete(saved: list[Path]) -> bool:
-    return bool(saved) and all((step_dir / ".metadata").is_file() for step_dir in saved)
+    return all((step_dir / ".metadata").is_file() for step_dir in saved)
 
 
 class _PurposefulStops(logging.Filter):
