@@ -13,7 +13,9 @@ autograd saves for the torch backend (+10 to +25% backward); the torch GLA kerne
 the intra-sub-chunk scores by v as one more product (-4% forward); the torch gated delta rule
 solves its triangular system with ``solve_triangular`` (counted by the textbook n^2 per right-hand
 side, which PyTorch leaves uncounted) where fla multiplies by the inverse (+10% forward). A formula
-off by a term, a factor of 2 or a wrong chunk length leaves these bounds.
+off by a term, a factor of 2 or a wrong chunk length leaves these bounds. The CPU flash-attention
+op's formulas (registered there too) are held to attention written as matmuls; the names the
+planner patches in torch and TorchTitan are pinned.
 """
 
 from __future__ import annotations
@@ -226,3 +228,25 @@ def test_the_patches_are_undone():
     assert {n: PipelineStage.__dict__[n] for n in names} == before
     assert torch.UntypedStorage.resize_ is resize
     assert ShardingPropagator._propagate_tensor_meta_non_cached is propagate
+
+
+# ----------------------------------------------------------------------------- CPU attention
+
+def test_cpu_flash_attention_formulas_against_attention_as_matmuls():
+    """The CPU flash-attention op a plan on CPU tensors dispatches (where a GPU run calls the CUDA
+    kernel) is counted by the formulas flops.py registers for it; held here to attention written as
+    its two matmuls under FlopCounterMode: the forward equal, the backward its four gradient
+    products plus the scores recomputed (half the forward), as flash kernels do."""
+    batch, heads, seq_len, head_dim = 2, 4, 256, 64
+
+    def as_matmuls(q, k, v):
+        return torch.softmax(q @ k.transpose(-1, -2) / head_dim**0.5, dim=-1) @ v
+
+    def make():
+        return [torch.randn(batch, heads, seq_len, head_dim) for _ in range(3)]
+
+    tensors = make()
+    torch.testing.assert_close(F.scaled_dot_product_attention(*tensors), as_matmuls(*tensors), atol=1e-5, rtol=1e-4)
+    reference = _forward_backward_flops(as_matmuls, make())
+    planned = _forward_backward_flops(F.scaled_dot_product_attention, make())
+    assert planned == (reference[0], reference[1] + reference[0] // 2), (planned, reference)
