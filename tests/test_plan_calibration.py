@@ -182,3 +182,33 @@ def test_gemms_run_below_each_parts_measured_best_and_keep_its_ranking(name, bes
         assert _gemm_share(gpu, fp8=True) / best_fp8 == pytest.approx(share / best_bf16, rel=0.01)
     if name == "a100":
         assert share > 0.75
+
+
+# ------------------------------------------------------------------------- what per-block compile fuses
+
+
+def test_compile_fuses_only_the_compiled_blocks():
+    """TorchTitan compiles each block of ``model.layers``: the plan fuses the elementwise ops run
+    inside them (forward, and backward with the checkpoint's recomputation) and nothing else. The
+    blocks hold 7 matmuls each (q, k, v, o, w1, w2, w3), the output projection and the loss stay
+    outside, as do the embedding and FSDP's copy-in/copy-out (they ran fused before, making the
+    compile speed-up and memory saving too large)."""
+    from canon_titan.kernels.backends import KernelEnvironment, planned_machine
+    from canon_titan.plan.fake_world import fake_rank_step
+    from canon_titan.plan.planner import _quiet, resolve
+    from conftest import CONFIGS
+
+    layers = 4
+    overrides = ["--training.seq_len", "128", "--activation_checkpoint.mode", "full", "--model.n_layers", str(layers)]
+    _, trainer_config = resolve(str(CONFIGS["llama"]), overrides, 2, GPUS["h100"])
+    with _quiet(), planned_machine(KernelEnvironment.planned_gpu(GPUS["h100"].capability)):
+        step = fake_rank_step(trainer_config, rank=0, world_size=2, positions=False, compiled_blocks=True)
+    ops, inside = step.trace.ops, step.compiled_ops
+    forward_mm = [i for i, op in enumerate(ops) if op.kind == "matmul" and op.phase == "forward"]
+    assert len(forward_mm) == 7 * layers + 1
+    assert [i for i in forward_mm if i not in inside] == [forward_mm[-1]]  # the output projection
+    for i, op in enumerate(ops):
+        if op.name.startswith(("fsdp.", "aten.embedding", "aten._log_softmax", "aten.nll_loss")):
+            assert i not in inside, op.name
+    recomputed = [i for i in inside if ops[i].phase == "backward" and ops[i].kind == "matmul"]
+    assert len(recomputed) == 3 * 7 * layers  # the recomputed forward, then two per linear

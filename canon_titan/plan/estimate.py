@@ -7,11 +7,14 @@ less than ``MIN_KERNEL_S``. Causal attention does its causal share of the counte
 kernels skip the masked blocks; ``recorder.causal_share``).
 
 Compile. The plan runs eagerly (fake tensors cannot run compiled code). With ``[compile]`` on,
-every run of consecutive elementwise/reduction ops between two matmuls, attention or custom
-kernels (Inductor's fusion boundaries) is one kernel that reads what it takes from outside and
-writes what is used outside; matmuls, attention and the custom kernels are unchanged. Memory:
-what such a run creates and uses only inside itself is never stored, and what only the backward
-reads is recomputed there from the run's inputs, kept instead (``compiled_memory_events``).
+TorchTitan compiles each block of the model (``fake_world.CompiledBlocks`` records which ops ran
+inside one): every run of consecutive elementwise/reduction ops there between two matmuls,
+attention or custom kernels (Inductor's fusion boundaries) is one kernel that reads what it takes
+from outside and writes what is used outside; matmuls, attention and the custom kernels are
+unchanged, and the embedding, the output projection, the loss, FSDP's copies and the optimizer
+stay eager. Memory: what such a run creates and uses only inside itself is never stored, and
+what only the backward reads is recomputed there from the run's inputs where that keeps fewer
+bytes alive (``compiled_memory_events``).
 
 Communication. A collective over n ranks moves ``(n - 1) / n`` of its buffer per rank (twice for
 an all-reduce) at the bus bandwidth of the slowest link its group crosses: NVLink inside a node,
@@ -134,11 +137,12 @@ def _op_seconds(gpu: GPU, kind: str, op, nbytes: int) -> float:
     return max(t_flops, t_mem, MIN_KERNEL_S)
 
 
-def _fused_regions(ops) -> list[tuple[int, int]]:
-    """Runs [start, end) of consecutive ``other`` (elementwise, reduction, copy) ops within one phase."""
+def _fused_regions(ops, compiled_ops=None) -> list[tuple[int, int]]:
+    """Runs [start, end) of consecutive ``other`` (elementwise, reduction, copy) ops within one phase,
+    of the ops inside the compiled blocks (``compiled_ops``; None: any)."""
     regions, start = [], None
     for i, op in enumerate(ops):
-        fusible = op.kind == "other"
+        fusible = op.kind == "other" and (compiled_ops is None or i in compiled_ops)
         if start is not None and (not fusible or op.phase != ops[start].phase):
             regions.append((start, i))
             start = None
@@ -210,7 +214,7 @@ def compiled_memory_events(step: RankStep) -> list[tuple[int, int, int]]:
     kept = set(step.trace.collective_buffers) | set(step.categories)
     away: set[int] = set()
     held_until: dict[int, int] = {}
-    for start, end in _fused_regions(ops):
+    for start, end in _fused_regions(ops, step.compiled_ops):
         phase = ops[start].phase
         if phase == "optimizer":
             continue
@@ -257,7 +261,7 @@ def compute_seconds(step: RankStep, gpu: GPU, compiled: bool) -> tuple[dict[str,
     fused_at: dict[int, tuple[int, int]] = {}
     if compiled:
         readers, born = _readers_and_births(ops)
-        for start, end in _fused_regions(ops):
+        for start, end in _fused_regions(ops, step.compiled_ops):
             if ops[start].phase != "optimizer":  # TorchTitan compiles the model, not the optimizer
                 fused_at[start] = (end, _region_bytes(ops, start, end, readers, born))
     i = 0

@@ -117,6 +117,9 @@ class RankStep:
     stages_per_rank: int = 1
     flops_per_token: int = 0
     """The trainer's own (analytic) FLOPs per token, as its MFU uses."""
+    compiled_ops: frozenset[int] | None = None
+    """Indices of the ops that ran inside the model's compiled blocks (``CompiledBlocks``); None
+    where that was not recorded."""
 
 
 _GROUP_NAMES = ("tp", "cp", "fsdp", "dp_shard", "dp_replicate", "pp", "batch", "loss", "dp_cp")
@@ -358,7 +361,7 @@ def materialized_as_fake(fake_mode: FakeTensorMode):
 
 
 def fake_rank_step(config, *, rank: int, world_size: int, positions: bool, fp8_linears: bool = False,
-                   pipeline_sent: dict | None = None) -> RankStep:
+                   pipeline_sent: dict | None = None, compiled_blocks: bool = False) -> RankStep:
     """Build ``config`` (a ``CanonTrainer.Config`` from ``build_trainer_config``) as rank ``rank`` of
     ``world_size`` on fake tensors and record one step. Under pipeline parallelism the stages
     before this rank's must have been stepped first with the same ``pipeline_sent``."""
@@ -382,11 +385,65 @@ def fake_rank_step(config, *, rank: int, world_size: int, positions: bool, fp8_l
         recorder = StepRecorder()
         if fp8_linears:
             _mark_fp8_linears(trainer, recorder)
+        blocks = CompiledBlocks(trainer, recorder) if compiled_blocks else contextlib.nullcontext()
         modes = (fake_mode, FakeScalars(), pipeline_without_peers({} if pipeline_sent is None else pipeline_sent,
-                                                                   recorder))
+                                                                   recorder), blocks)
         step = record_step(trainer, recorder, modes=modes)
+        if compiled_blocks:
+            step.compiled_ops = frozenset(blocks.ops)
         trainer.close()
         return step
+
+
+class CompiledBlocks(TorchDispatchMode):
+    """Which recorded ops a compiled step runs inside its compiled code: TorchTitan compiles each
+    block of ``model.layers`` (``apply_compile``), not the embedding, the final norm, the output
+    projection, the loss or the optimizer, and Dynamo skips FSDP's hooks (its all-gather copy-in,
+    copy-out and reduce-scatter staging stay eager). Forward: the ops between the block's own
+    forward hooks (registered inside FSDP's). Backward: the ops run while autograd executes a node
+    that the block's forward created (activation-checkpoint recomputation included)."""
+
+    def __init__(self, trainer, recorder):
+        super().__init__()
+        self.recorder = recorder
+        self.ops: set[int] = set()
+        self._depth = 0
+        self._nodes: set = set()
+        self._handles = []
+        for part in trainer.model_parts:
+            layers = getattr(part, "layers", None)
+            for block in (layers.values() if isinstance(layers, torch.nn.ModuleDict)
+                          else layers or ()):
+                self._handles.append(block.register_forward_pre_hook(self._enter))
+                self._handles.append(block.register_forward_hook(self._exit, prepend=True))
+
+    def _enter(self, module, args):
+        self._depth += 1
+
+    def _exit(self, module, args, output):
+        self._depth -= 1
+        out = output[0] if isinstance(output, tuple) else output
+        stop = {a.grad_fn for a in args if isinstance(a, torch.Tensor) and a.grad_fn is not None}
+        todo = [out.grad_fn] if isinstance(out, torch.Tensor) and out.grad_fn is not None else []
+        while todo:
+            node = todo.pop()
+            if node is None or node in stop or node in self._nodes:
+                continue
+            self._nodes.add(node)
+            todo.extend(n for n, _ in node.next_functions)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        inside = self._depth > 0 if torch._C._current_graph_task_id() == -1 \
+            else torch._C._current_autograd_node() in self._nodes
+        if inside and not str(func).startswith("fsdp."):
+            self.ops.add(len(self.recorder.trace.ops))
+        return func(*args, **(kwargs or {}))
+
+    def __exit__(self, *args):
+        for handle in self._handles:
+            handle.remove()
+        self._nodes.clear()
+        return super().__exit__(*args)
 
 
 def _mark_fp8_linears(trainer, recorder: StepRecorder) -> None:

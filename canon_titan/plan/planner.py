@@ -209,7 +209,8 @@ def plan(config: str, overrides: list[str], *, gpus: int, gpu: GPU, gpus_per_nod
         try:
             with _quiet(), planned_machine(KernelEnvironment.planned_gpu(gpu.capability)):
                 step = fake_rank_step(trainer_config, rank=rank, world_size=gpus, positions=positions,
-                                      fp8_linears=run["float8"]["enable"], pipeline_sent=sent)
+                                      fp8_linears=run["float8"]["enable"], pipeline_sent=sent,
+                                      compiled_blocks=compiled)
         except (ValueError, RuntimeError, AssertionError) as e:
             raise PlanError(f"{config}: the run fails to build on {gpus} GPUs (rank {rank}): "
                             f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}") from e
@@ -261,9 +262,10 @@ def _param_count(steps, pp: int) -> int:
 def _notes(run, result: Plan) -> list[str]:
     notes = []
     if result.compiled:
-        notes.append("compile: planned from the eager ops; each run of elementwise ops between matmuls, attention "
-                     "and custom kernels is one fused kernel; what only it uses is not stored, what only the backward "
-                     "reads is recomputed from the run's inputs (kept instead)")
+        notes.append("compile: planned from the eager ops; inside the compiled blocks each run of elementwise ops "
+                     "between matmuls, attention and custom kernels is one fused kernel; what only it uses is not "
+                     "stored, what only the backward reads is recomputed from the run's inputs where that keeps "
+                     "fewer bytes; the embedding, output, loss, FSDP's copies and the optimizer stay eager")
     else:
         notes.append("compile off: every op is its own kernel")
     if run["float8"]["enable"]:
