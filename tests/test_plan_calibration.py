@@ -212,3 +212,27 @@ def test_compile_fuses_only_the_compiled_blocks():
             assert i not in inside, op.name
     recomputed = [i for i in inside if ops[i].phase == "backward" and ops[i].kind == "matmul"]
     assert len(recomputed) == 3 * 7 * layers  # the recomputed forward, then two per linear
+
+
+# ------------------------------------------------------------------------------ the calibration set
+
+
+def test_every_calibration_point_is_a_valid_run_of_its_published_shape(monkeypatch):
+    """Each point of ``scripts/plan_calibration.py`` resolves as ``train`` would resolve it on its GPU
+    count, at the published model's parameter count (Llama 3.1 8B: 8.03B, 70B: 70.55B, from
+    their model cards) and with the published batch per GPU and sequence length."""
+    from canon_titan.config import load
+
+    monkeypatch.syspath_prepend(REPO / "scripts")
+    import plan_calibration
+
+    parameters = {"8B": 8.03e9, "70B": 70.55e9}
+    for point in plan_calibration.POINTS:
+        overrides = plan_calibration.LLAMA31[point.model] + point.overrides
+        monkeypatch.setenv("WORLD_SIZE", str(point.gpus))
+        run = load(str(plan_calibration.RECIPE), overrides, environment=False)
+        assert run.data_parallel_size(point.gpus) * run["training"]["local_batch_size"] \
+            == run["training"]["global_batch_size"], point.key
+        assert _whole_model_parameters(plan_calibration.RECIPE, overrides) == pytest.approx(
+            parameters[point.model], rel=0.005), point.key
+        assert point.gpu in GPUS
