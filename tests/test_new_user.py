@@ -68,6 +68,16 @@ def test_the_readme_recipe_name_patterns_expand_to_the_files_that_exist():
     assert len(patterns) >= 4 and sorted(n for n in names if "-Nemo-" in n) == on_disk
 
 
+def test_each_row_of_the_readme_recipe_plan_names_its_recipes():
+    """Row 1: each row of the planned-recipes table names the recipe files it plans (at 4a7b0a2 an
+    unlabelled "Llama-1B, 256 GPUs" row was the 2T recipe, and invited planning the 1T one at 256)."""
+    readme = (REPO / "README.md").read_text()
+    body = readme.split("<!-- plan:recipes -->", 1)[1].split("<!-- /plan:recipes -->", 1)[0]
+    cells = [line.strip("|").split("|")[0].strip() for line in body.splitlines() if line.startswith("| ")]
+    names = [name for cell in cells[1:] for part in cell.split(" / ") for name in _expand(part + ".toml")]
+    assert sorted(names) == sorted(p.name for p in (REPO / "train_configs").glob("*-Nemo-*.toml"))
+
+
 def test_the_readme_writes_only_under_ignored_folders():
     """Row 8: every folder or file the README's commands write (conversion outputs, dump folders,
     --out files) is ignored by git, so the tree is clean after following the guide."""

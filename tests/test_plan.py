@@ -526,7 +526,7 @@ def test_the_readme_plan_tables_hold(monkeypatch):
 
     from canon_titan.plan.planner import plan
 
-    cells = _readme_row("recipes", ["LlamaCanon-1B", "128"])
+    cells = _readme_row("recipes", ["LlamaCanon-1B-Nemo-1T-lr{0.002,0.003}", "128"])
     result = plan(str(REPO / "train_configs" / "LlamaCanon-1B-Nemo-1T-lr0.003.toml"), [], gpus=128,
                   gpu=GPUS["h200"], advise=False)
     assert float(cells[3].split()[0]) == pytest.approx(result.worst.device_bytes / 2**30, abs=0.05)

@@ -58,9 +58,17 @@ def recipes(pattern: str | None):
     return shapes
 
 
+def recipe_label(entries) -> str:
+    """The recipe files a row plans, as a name a user can type: ``Llama-1B-Nemo-2T-lr{0.003,0.005}``."""
+    stems = sorted(path.stem for path, _ in entries)
+    heads = dict.fromkeys(stem.rsplit("-lr", 1)[0] for stem in stems)
+    return " / ".join(head + "-lr{" + ",".join(s.rsplit("-lr", 1)[1] for s in stems if s.startswith(head + "-lr"))
+                      + "}" for head in heads)
+
+
 def recipe_table(gpu_name: str, pattern: str | None, log) -> list[str]:
     gpu = find_gpu(gpu_name)
-    rows = [f"| recipe | GPUs | batch per GPU | peak memory (of {gpu.memory_gib:.0f} GiB) | fits | tokens/s per GPU "
+    rows = [f"| recipes | GPUs | batch per GPU | peak memory (of {gpu.memory_gib:.0f} GiB) | fits | tokens/s per GPU "
             f"| MFU | step | GPU-hours (1T tokens) |", "|---|---:|---|---:|---|---:|---:|---:|---:|"]
     for (model, size, gpus), entries in recipes(pattern).items():
         path = entries[0][0]
@@ -69,7 +77,7 @@ def recipe_table(gpu_name: str, pattern: str | None, log) -> list[str]:
         log(f"{model}-{size} on {gpus} x {gpu.name}: {time.perf_counter() - started:.0f} s")
         hours = result.gpu_hours * 1e12 / (result.steps * result.tokens_per_step)  # per 1T tokens
         worst = result.worst
-        rows.append(f"| {model}-{size} | {gpus} | {result.local_batch} x {result.seq_len} | "
+        rows.append(f"| {recipe_label(entries)} | {gpus} | {result.local_batch} x {result.seq_len} | "
                     f"{worst.device_bytes / GIB:.1f} GiB | {'yes' if result.fits else '**no**'} | "
                     f"{result.tokens_per_s_per_gpu:,.0f} | {100 * result.mfu:.1f}% | {result.step_s:.2f} s | "
                     f"{hours:,.0f} |")
