@@ -183,7 +183,7 @@ def test_every_shipped_config_validates(repo):
 
 def test_static_mode_skips_only_environment_checks(tmp_path):
     path = write(tmp_path, MINIMAL + '[tokenizer]\npath = "/nonexistent/tok"\n')
-    with pytest.raises(ConfigError, match=r"\[tokenizer\] path: no hf tokenizer at /nonexistent/tok"):
+    with pytest.raises(ConfigError, match=r"\[tokenizer\] path = '/nonexistent/tok' does not exist"):
         load(path)
     load(path, environment=False)
     with pytest.raises(ConfigError, match=r"\[training\] stepz"):
