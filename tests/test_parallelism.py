@@ -150,7 +150,10 @@ def test_emulated_float8_alone_and_with_tensor_parallel(seed, reference, tmp_pat
     assert any(got[s] != loss[s] for s in loss)
     tp, out = train(seed, tmp_path / "tp", 2, f8 + ["--parallelism.tensor_parallel_degree", "2"])
     assert "Swapped to Float8Linear layers" in out and "Applied tensor parallelism" in out
-    assert_matches((got, read_scalars(one, "grad_norm")), tp, loss_rtol=3e-3, grad_rtol=3e-2)
+    # Each float8 run's grad norm moves from fp32's by rounding, either way: at step 4 of this run on an
+    # AMD EPYC, one process -0.7% and TP +2.3% (other steps under 0.5%). The two differ by up to the sum;
+    # a TP defect (a missing or doubled reduction) moves it by tens of percent.
+    assert_matches((got, read_scalars(one, "grad_norm")), tp, loss_rtol=3e-3, grad_rtol=5e-2)
     tp_loss = read_scalars(tp)
     assert max(abs(tp_loss[s] - loss[s]) / loss[s] for s in loss) > 1e-4  # not the fp32 run's losses
 
