@@ -84,16 +84,23 @@ def test_a_stop_signal_under_any_launcher_saves_and_exits_75_in_one_line(tmp_pat
     assert step >= max(steps) and (dump / "checkpoint" / f"step-{step}" / ".metadata").is_file()
 
 
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """A 2-step run trained to its end (through run_train.sh); refusals leave it as it is."""
+    dump = tmp_path_factory.mktemp("finished") / "run"
+    code, out, err = finish(start(run_train_sh(dump, "--training.steps", "2")))
+    assert code == 0, (out[-2000:], err[-3000:])
+    return dump
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("launcher", LAUNCHERS)
-def test_a_refusal_under_any_launcher_is_one_line_and_2_before_any_rank_builds(tmp_path, launcher):
+def test_a_refusal_under_any_launcher_is_one_line_and_2_before_any_rank_builds(finished_run, launcher):
     """A finished run launched again, and an edited model over its dump folder: rank 0 refuses
     before any rank builds the model or loads, in one line, with exit 2, and no other rank is
     left waiting (the job ends in seconds). At 4a7b0a2 the right line came inside a 60-line
     ChildFailedError traceback with exit 1, after every rank had built the model."""
-    dump = tmp_path / "run"
-    code, out, err = finish(start(LAUNCHERS[launcher](dump, "--training.steps", "2")))
-    assert code == 0, (out[-2000:], err[-3000:])
+    dump = finished_run
     for extra, expected in [(["--training.steps", "2"], "already holds a finished run"),
                             (["--training.steps", "4", "--model.dim", "96"], "written by another model")]:
         started = time.monotonic()
