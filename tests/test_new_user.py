@@ -21,32 +21,25 @@ def cli(*args, **kwargs):
                           capture_output=True, text=True, timeout=300, **kwargs)
 
 
-def test_a_global_batch_that_does_not_split_names_its_value_and_what_fits():
+def test_a_global_batch_that_does_not_split_names_its_value_and_what_fits(monkeypatch):
     """Row 1: ``plan Llama-1B --gpus 256``: the value (1024), the product it must divide by, and
-    overrides that fit, each of which really validates at 256 processes."""
+    overrides that fit, each of which really validates at its size."""
     from canon_titan.config import ConfigError, load
 
     recipe = REPO / "train_configs" / "Llama-1B-Nemo-1T-lr0.003.toml"
-    os.environ["WORLD_SIZE"] = "256"
-    try:
-        with pytest.raises(ConfigError) as refused:
-            load(recipe, [], environment=False)
-        message = str(refused.value)
-        assert "is 1024" in message and "8 x 256 = 2048" in message, message
-        fixes = re.findall(r"--training\.local_batch_size (\d+)", message)
-        assert fixes
-        for local in fixes:  # each suggestion is a run that validates
-            load(recipe, ["--training.local_batch_size", local], environment=False)
-        counts = [int(n) for n in re.findall(r"(\d+) processes", message.split("fits:")[1])]
-    finally:
-        del os.environ["WORLD_SIZE"]
-    assert counts
+    monkeypatch.setenv("WORLD_SIZE", "256")
+    with pytest.raises(ConfigError) as refused:
+        load(recipe, [], environment=False)
+    message = str(refused.value)
+    assert "is 1024" in message and "8 x 256 = 2048" in message, message
+    fixes = re.findall(r"--training\.local_batch_size (\d+)", message)
+    counts = re.findall(r"(\d+) processes", message.split("fits:")[1])
+    assert fixes and counts
+    for local in fixes:  # each suggestion is a run that validates
+        load(recipe, ["--training.local_batch_size", local], environment=False)
     for n in counts:
-        os.environ["WORLD_SIZE"] = str(n)
-        try:
-            load(recipe, [], environment=False)
-        finally:
-            del os.environ["WORLD_SIZE"]
+        monkeypatch.setenv("WORLD_SIZE", n)
+        load(recipe, [], environment=False)
 
 
 def _expand(pattern: str) -> list[str]:

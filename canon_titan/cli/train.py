@@ -4,15 +4,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
-from pathlib import Path
 
 from canon_titan.cli.common import OVERRIDES, fail, load_or_report, parse_with_overrides
-from canon_titan.components.exit_codes import REFUSED, STOP_SIGNALS, STOPPED_EXIT_CODES
+from canon_titan.components.exit_codes import REFUSED, STOP_SIGNALS
 from canon_titan.config.build import build_trainer_config
 from canon_titan.launch.ownership import torchrun_preexec
 from canon_titan.launch.prelaunch import CHECKED_ENV, check_launch
@@ -44,24 +41,17 @@ def main(argv: list[str]) -> int:
     if log_ranks is None:
         pp = run["parallelism"]["pipeline_parallel_degree"]
         log_ranks = str((pp - 1) * args.nproc // pp)
-    # torchrun's per-rank copies of the output (what --tee shows comes from them) go to the local temporary
-    # disk, never the dump folder: a full checkpoint disk must not silence the ranks' own messages.
-    log_dir = Path(tempfile.mkdtemp(prefix="torchelastic_"))
-    # torchrun waits this long for its workers after passing a signal on, before it SIGKILLs them.
-    shutdown_timeout = run["job"]["stop_grace_seconds"] + 30
+    # The wrapper puts torchrun's per-rank output copies on the local temporary disk (never the dump folder,
+    # whose disk may be the full one) and gives the workers the run's stop grace before it kills them.
     cmd = [sys.executable, "-m", "canon_titan.launch.torchrun", "--standalone", f"--nproc_per_node={args.nproc}",
-           "--local-ranks-filter", log_ranks, "--role", "rank", "--tee", "3", "--log-dir", str(log_dir),
-           "--shutdown-timeout", str(shutdown_timeout),
+           "--local-ranks-filter", log_ranks, "--role", "rank", "--tee", "3",
            "-m", "canon_titan.train", "--config", args.config, *overrides]
     print("+ " + " ".join(cmd), flush=True)
 
     env = dict(os.environ, CANON_TITAN_COLOR="1" if sys.stdout.isatty() else "0", **{CHECKED_ENV: "1"})
     # Share the cores between the processes (torchrun would default to 1 and print a banner saying so).
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc)))
-    code = _run_torchrun(cmd, env)
-    if code in (0, *STOPPED_EXIT_CODES):  # each rank has said what happened; else torchrun's report names the files
-        shutil.rmtree(log_dir, ignore_errors=True)
-    return code
+    return _run_torchrun(cmd, env)
 
 
 def _run_torchrun(cmd: list[str], env: dict) -> int:
