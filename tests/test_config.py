@@ -205,3 +205,15 @@ def test_model_vocabulary_follows_the_tokenizer(tmp_path):
     run = load(DEBUG_CONFIG)
     assert run.model_args.vocab_size == run["model"]["vocab_size"] == vocab != 2048  # flavor says 2048
     assert load(DEBUG_CONFIG, ["--model.vocab_size", str(vocab)]).model_args.vocab_size == vocab
+
+
+def test_profiling_section_reaches_torchtitans_profiler(tmp_path):
+    """``[profiling]`` is TorchTitan's profiler config (traces under the dump folder); a key it lacks
+    is named with the section."""
+    run = load(DEBUG_CONFIG, ["--profiling.enable_profiling", "true", "--profiling.profile_freq", "7",
+                              "--profiling.profiler_warmup", "2"])
+    cfg = build_trainer_config(run)
+    assert cfg.profiler.enable_profiling and cfg.profiler.profile_freq == 7 and cfg.profiler.profiler_warmup == 2
+    assert not build_trainer_config(load(DEBUG_CONFIG)).profiler.enable_profiling
+    with pytest.raises(ConfigError, match=r"\[profiling\].*trace_post_processor"):
+        load(write(tmp_path, MINIMAL + '[profiling]\ntrace_post_processor = "x"\n'))

@@ -23,22 +23,84 @@ def test_tiny_mode_runs_every_step_and_writes_the_report(tmp_path):
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     report = json.loads((out / "gpu_check.json").read_text())
     steps = report["steps"]
-    assert set(steps) == {"env", "kernel_tests", "losses", "canon_trainer", "ops", "linear_trainer",
-                          "float8_tensorwise"}
+    assert set(steps) == {"env", "kernel_tests", "losses", "canon_triton", "canon_bwd_blocks", "ops",
+                          "linear_gla5_4k", "float8_tensorwise"}
     assert all(s["status"] == "ok" for s in steps.values()), steps
     assert steps["kernel_tests"]["tests"]["tests"] >= 1 and not steps["kernel_tests"]["tests"]["failed"]
     # GLA5 trained on fla's kernels by the trainer (in the interpreter), against torch.
     (pair,) = steps["losses"]["data"].values()
     assert "gla kernel backend fla (requested fla)" in pair["kernels"] and pair["max_rel_diff"] < 1e-4
-    assert "conv backend triton (requested triton)" in steps["canon_trainer"]["data"][0]["kernels"]
+    canon = steps["canon_triton"]["data"]
+    assert "conv backend triton (requested triton)" in canon["kernels"]
+    # The profiled step (one past the timed ones) names the Canon op among its costs.
+    assert canon["profile_summary"]["total_ms"] > 0
+    assert any("canon" in name for name, _ in canon["profile_summary"]["top_ms"])
+    assert sorted(int(s) for s in canon["losses"]) == [1, 2]  # the profiled steps are not the run's figures
     assert [c["call"] for c in steps["ops"]["data"]["calls"]] == ["A", "D", "b (Mamba2)"]
+    sweep = steps["canon_bwd_blocks"]["data"]["rows"]
+    assert {r["call"] for r in sweep} == {"A", "D", "b (Mamba2)"} and sum(r["current"] for r in sweep) == 3
     md = (out / "gpu_check.md").read_text()
     for heading in ("Loss curves", "Trainer: llama vs llama_canon", "Canon ops", "Trainer: linear models",
-                    "Trainer: float8", " planner |"):
+                    "Trainer: float8", " planner |", "profile of llama_canon (triton)",
+                    "Canon backward kernels by block configuration"):
         assert heading in md
-    planned = [r["planner"] for r in steps["canon_trainer"]["data"] if "planner" in r]
-    assert planned and "tokens_per_second_per_gpu" in planned[0], planned
+    # The float8 table compares with the bf16 run of the same model (its base).
+    float8_table = md.split("Trainer: float8")[1].split("\n\n**")[0]
+    assert "| llama_canon (triton) | 32 |" in float8_table and "| llama_canon (triton) tensorwise | 32 |" in float8_table
+    assert "planner" in canon and "tokens_per_second_per_gpu" in canon["planner"], canon.get("planner")
     assert "===== float8_tensorwise: ok" in (out / "gpu_check.log").read_text()
+
+    # --replan plans what a cut-short GPU run left unplanned, from the report alone.
+    del canon["planner"]
+    (out / "gpu_check.json").write_text(json.dumps(report))
+    subprocess.run([sys.executable, str(REPO / "scripts" / "benchmarks" / "gpu_check.py"), str(out), "--replan"],
+                   cwd=REPO, check=True, capture_output=True, timeout=300)
+    replanned = json.loads((out / "gpu_check.json").read_text())["steps"]["canon_triton"]["data"]
+    assert "tokens_per_second_per_gpu" in replanned["planner"]
+
+
+def test_steps_run_in_the_order_of_their_value():
+    """A run cut short keeps what matters most: the kernel checks, the Canon ratio, the loss agreement,
+    the linear models at 4k then 16k, float8, then the op microbenchmarks."""
+    names = [s.name for s in gpu_check.steps(False, REPO)]
+    first = {prefix: min(i for i, n in enumerate(names) if n.startswith(prefix))
+             for prefix in ("env", "kernel_tests", "canon_llama", "canon_triton", "canon_bwd_blocks", "linear_",
+                            "float8_", "ops")}
+    assert list(first) == sorted(first, key=first.get)
+    assert gpu_check.steps(False, REPO)[names.index("losses")].group == "correctness"  # beside the kernel tests
+    linear = [n for n in names if n.startswith("linear_")]
+    assert linear == sorted(linear, key=lambda n: n.endswith("_16k"))
+    # Every trainer run names a base that runs before it.
+    for case in gpu_check.cases():
+        if case.base:
+            assert names.index(case.base) < names.index(case.name), case
+
+
+def test_profile_summary_sums_kernels_by_name_and_kind(tmp_path):
+    """A hand-made trace: the GPU kernels summed by name and sorted into kinds; CPU ops are ignored
+    when kernels are present."""
+    import gzip
+
+    import trainer_bench
+
+    events = [{"cat": "kernel", "name": "nvjet_sm90_tst_128x256", "dur": 3000},
+              {"cat": "kernel", "name": "nvjet_sm90_tst_128x256", "dur": 1000},
+              {"cat": "kernel", "name": "_canon_bwd_kernel", "dur": 2500},
+              {"cat": "kernel", "name": "cudnn_generated_fort_native_sdpa_sm90_flash_bprop", "dur": 1500},
+              {"cat": "kernel", "name": "triton_poi_fused_mul_silu_0", "dur": 500},
+              {"cat": "kernel", "name": "void at::native::chunk_cat_cuda_kernel", "dur": 250},
+              {"cat": "kernel", "name": "chunk_gla_fwd_kernel_o", "dur": 125},
+              {"cat": "kernel", "name": "cutlass_anything_else", "dur": 0},
+              {"cat": "kernel", "name": "memcpy32_post", "dur": 125},
+              {"cat": "cpu_op", "name": "aten::mm", "dur": 99999}]
+    trace = tmp_path / "rank0_trace.json.gz"
+    with gzip.open(trace, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    summary = trainer_bench.profile_summary(trace, top=2)
+    assert summary["total_ms"] == 9.0
+    assert summary["kinds_ms"] == {"gemm": 4.0, "canon (triton)": 2.5, "attention": 1.5, "inductor (fused)": 0.5,
+                                   "torch (copies, optimizer)": 0.25, "fla / mamba (triton)": 0.125, "other": 0.125}
+    assert summary["top_ms"] == [["nvjet_sm90_tst_128x256", 4.0], ["_canon_bwd_kernel", 2.5]]
 
 
 def test_a_step_past_its_limit_is_interrupted_and_reported(tmp_path):

@@ -46,6 +46,34 @@ def test_every_configuration_compiles_without_spills(compiled):
     assert {config for _, config in forward} == configs
 
 
+def test_no_kernel_waits_at_a_barrier_inside_its_loop(compiled):
+    """The backward kernels reduce the weight gradient across rows once per chunk, not on every tile
+    and tap (2026-11-26, H200: 3 and 6 barriers an iteration made them 20x slower than the bandwidth)."""
+    looping = [(k["kernel"], k["config"], k["loop_barriers"]) for k in compiled["kernels"] if k["loop_barriers"]]
+    assert not looping, looping
+
+
+def test_loop_barrier_count_against_hand_written_ptx():
+    from canon_titan.kernels.aot import loop_barriers
+
+    ptx = """
+    bar.sync 0;
+$L__BB0_1:                              // loop header
+    ld.global.b32 %r1, [%rd1];
+    bar.sync 0;
+$L__BB0_2:                              // inner loop
+    bar.sync 0;
+    @%p1 bra $L__BB0_2;
+    @%p2 bra $L__BB0_1;
+    bar.sync 0;
+    @%p3 bra $L__BB0_3;
+$L__BB0_3:
+    bar.sync 0;
+    ret;
+"""
+    assert loop_barriers(ptx) == 2  # the two inside BB0_1's loop (one of them in the nested loop too)
+
+
 def test_misaligned_rows_load_like_aligned_ones(compiled):
     from canon_titan.kernels.aot import ALIGNED_TWIN, MISALIGNED
 
@@ -79,4 +107,5 @@ def test_the_check_reports_a_spilling_configuration():
     kernels = {k["kernel"]: k for k in json.loads(proc.stdout.strip().splitlines()[-1])}
     backward = kernels["_canon_swiglu_bwd_kernel"]
     assert backward["config"] == "32x256/4w"
-    assert backward["spills"] and backward["spill_load_bytes"] > 0 and backward["registers"] >= 255, backward
+    # Eight fp32 per-tap accumulators of 32x256 on 128 threads cannot stay in registers: tens of KB spill.
+    assert backward["spills"] and backward["spill_load_bytes"] > 10_000, backward

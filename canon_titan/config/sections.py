@@ -16,6 +16,7 @@ from typing import Any, Literal
 from torchtitan.components.checkpointer import CheckpointManager
 from torchtitan.components.optimizer import LRSchedulersContainer
 from torchtitan.config.configs import CommConfig, CompileConfig, ParallelismConfig, TrainingConfig
+from torchtitan.tools.profiler import Profiler
 
 from canon_titan.components.divergence import DivergenceSection
 from canon_titan.data.kinds import DATASET_KINDS
@@ -205,6 +206,8 @@ SECTIONS: dict[str, Section] = {
     "divergence": Section(DivergenceSection),
     "eval": Section(EvalSection),
     "comm": Section(CommConfig, hidden=("mode", "trace_buf_size", "save_traces_folder", "save_traces_file_prefix")),
+    # TorchTitan's profiler: torch.profiler traces (and CUDA memory snapshots) under the dump folder.
+    "profiling": Section(Profiler.Config, hidden=("trace_post_processor",)),
     **{name: Section(cls) for name, cls in TASK_SECTIONS.items()},
 }
 

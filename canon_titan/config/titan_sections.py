@@ -13,13 +13,14 @@ import torch
 from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer
 from torchtitan.components.optimizer.optimizer import ParamGroupConfig
 from torchtitan.config.configs import CommConfig, CompileConfig, ParallelismConfig, TrainingConfig
+from torchtitan.tools.profiler import Profiler
 
 from canon_titan.components.checkpointer import CanonCheckpointer
 from canon_titan.config.run import ConfigError, RunConfig
 
 
 def titan_sections(run: RunConfig) -> dict:
-    """The TorchTitan config of each section, by ``Trainer.Config`` field; a ValueError of theirs
+    """The TorchTitan config of each section, by ``Trainer.Config`` field (``[profiling]`` is its ``profiler``); a ValueError of theirs
     becomes a ConfigError naming the section."""
     opt = run["optimizer"]
     ckpt = dict(run["checkpoint"])
@@ -41,6 +42,7 @@ def titan_sections(run: RunConfig) -> dict:
         "lr_scheduler": lambda: LRSchedulersContainer.Config(**run["lr_scheduler"]),
         "training": lambda: TrainingConfig(**run["training"]),
         # NCCL's flight recorder (and its comm_traces/ folder) only exist with CUDA.
+        "profiler": lambda: Profiler.Config(**run["profiling"]),
         "comm": lambda: CommConfig(**run["comm"], **({} if torch.cuda.is_available() else {"trace_buf_size": 0})),
     }
     built = {}

@@ -5,7 +5,9 @@ launched): each kernel launch it makes is recorded, then compiled by Triton for 
 default: H100/H200) with every configuration the launch may run with (each autotuning config, or
 the fixed one it passes). Triton hands the PTX to the ptxas it bundles, whose report gives the
 registers, stack and spill bytes; the PTX gives the global load instructions (16-byte vector loads
-against 2-byte scalar ones, which unaligned row strides cause).
+against 2-byte scalar ones, which unaligned row strides cause) and the barriers inside loops
+(reductions across warps repeated on every iteration: what made the backward kernels run at a
+twentieth of the memory bandwidth on an H200, 2026-11-26).
 
     python -m canon_titan.kernels.aot                 # the table for sm_90
     python -m canon_titan.kernels.aot --json out.json
@@ -53,6 +55,9 @@ class Compiled:
     vector_loads: int
     """``ld.global.v*`` instructions in the PTX."""
     scalar_2byte_loads: int
+    loop_barriers: int
+    """``bar.sync`` instructions inside the PTX's loops: a reduction across warps (shared memory and a
+    barrier) that runs on every iteration instead of once."""
     seconds: float
 
     @property
@@ -182,8 +187,22 @@ def compile_case(case: str, run, target: GPUTarget = SM90) -> list[Compiled]:
                 spill_store_bytes=int(spill.group(2)), spill_load_bytes=int(spill.group(3)),
                 vector_loads=len(re.findall(r"ld\.global(?:\.\w+)*\.v\d", ptx)),
                 scalar_2byte_loads=len(re.findall(r"ld\.global(?:\.[a-z]+)*\.[bu]16\b", ptx)),
-                seconds=seconds))
+                loop_barriers=loop_barriers(ptx), seconds=seconds))
     return results
+
+
+_LABEL = re.compile(r"^(\$L__BB\d+_\d+):")
+_BRANCH = re.compile(r"\bbra(?:\.uni)?\s+(\$L__BB\d+_\d+);")
+
+
+def loop_barriers(ptx: str) -> int:
+    """Barriers inside loops: a loop is a block label and a later branch back to it; each ``bar.sync``
+    between them counts once (however deep the nesting)."""
+    lines = ptx.splitlines()
+    labels = {m.group(1): i for i, line in enumerate(lines) if (m := _LABEL.match(line.strip()))}
+    loops = [(labels[m.group(1)], i) for i, line in enumerate(lines)
+             if (m := _BRANCH.search(line)) and labels.get(m.group(1), len(lines)) < i]
+    return sum(1 for i, line in enumerate(lines) if "bar.sync" in line and any(a <= i <= b for a, b in loops))
 
 
 def compile_all(target: GPUTarget = SM90, cases: dict | None = None, progress=None) -> list[Compiled]:
@@ -206,13 +225,14 @@ def compile_all(target: GPUTarget = SM90, cases: dict | None = None, progress=No
 
 def table(results: list[Compiled], target: GPUTarget = SM90) -> str:
     lines = [f"Triton {triton.__version__}, sm_{target.arch}: registers per thread, spills (bytes stored/loaded), "
-             "global loads in the PTX (16-byte vectors / 2-byte scalars), compile seconds on this machine", "",
-             "| case | kernel | config | registers | spills | vector / scalar loads | compile s |",
-             "|---|---|---|---:|---:|---:|---:|"]
+             "global loads in the PTX (16-byte vectors / 2-byte scalars), barriers inside loops, compile seconds on "
+             "this machine", "",
+             "| case | kernel | config | registers | spills | vector / scalar loads | loop barriers | compile s |",
+             "|---|---|---|---:|---:|---:|---:|---:|"]
     for r in results:
         spills = f"{r.spill_store_bytes}/{r.spill_load_bytes}" if r.spills else "0"
         lines.append(f"| {r.case} | {r.kernel} | {r.config} | {r.registers} | {spills} | "
-                     f"{r.vector_loads} / {r.scalar_2byte_loads} | {r.seconds:.1f} |")
+                     f"{r.vector_loads} / {r.scalar_2byte_loads} | {r.loop_barriers} | {r.seconds:.1f} |")
     return "\n".join(lines)
 
 

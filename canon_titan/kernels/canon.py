@@ -61,9 +61,10 @@ or hold 200+ registers (a quarter of the warps per SM at most) and are left out.
 BACKWARD_BLOCKS = {"BLOCK_T": 16, "BLOCK_C": 64, "num_warps": 4}
 """The backward kernels' configuration where dz is dy (no recomputation), and, with half the columns
 per thread, where they recompute the convolution on shifted rows (SiLU; the SwiGLU product needs both
-convolutions): about 150 registers there, 70 here, no spills. Fixed, not autotuned: the weight
-gradient sums over a tile's rows, then over the tiles of a chunk, in an order the blocks decide, so
-fixed blocks give the same bits in every process and run, where autotuning would pick by timing."""
+convolutions): on sm_90, 128 registers here, 96 and 168 there (the per-tap accumulators), no spills,
+16-byte loads. Fixed, not autotuned: the weight gradient sums over a chunk's rows in an order the
+blocks decide, so fixed blocks give the same bits in every process and run, where autotuning would
+pick by timing. ``bench_canon.py --mode bwd_blocks`` times the candidates on a GPU."""
 RECOMPUTING_BACKWARD_BLOCKS = {"BLOCK_T": 16, "BLOCK_C": 32, "num_warps": 4}
 
 CHUNK_T = 128
@@ -209,14 +210,38 @@ def _canon_swiglu_fwd_kernel(g_ptr, u_ptr, w_ptr, b_ptr, y_ptr, T, H, sg_b, sg_t
 # The backward kernels finish dx in the program that computes dz, the gradient of ``pre``: dx[t] =
 # sum_d w[K-1-d] * dz[t+d] needs dz on the K-1 rows after the tile too, which the program recomputes
 # (from the inputs it reads anyway) instead of writing dz out and reading it back in another kernel.
-# The weight gradient goes by the same shifts: dw[K-1-d] = sum_t dz[t+d] * input[t].
+# The weight gradient goes by the same shifts: dw[K-1-d] = sum_t dz[t+d] * input[t]. The shifts are
+# unrolled (K is a constant), so a tile's loads issue together; the products dz * input are kept per
+# tap and element over the whole chunk and summed across rows once at its end (a reduction across
+# rows crosses warps: shared memory and a barrier each time).
 
 
 @triton.jit
-def _shifted_weight_grad(dw_acc, dz, x, d, K: tl.constexpr, K_PAD: tl.constexpr):
-    """dw[K-1-d] += sum_t dz[t+d] * x[t] over the tile's rows (dz at the rows shifted by d)."""
+def _add_to_tap(a0, a1, a2, a3, value, TAP: tl.constexpr):
+    """``value`` added to accumulator number TAP (a constant: no code for the others)."""
+    if TAP == 0:
+        a0 += value
+    elif TAP == 1:
+        a1 += value
+    elif TAP == 2:
+        a2 += value
+    else:
+        a3 += value
+    return a0, a1, a2, a3
+
+
+@triton.jit
+def _taps_tile(a0, a1, a2, a3, K: tl.constexpr, K_PAD: tl.constexpr):
+    """The per-tap accumulators summed over their rows, as one [K_PAD, BLOCK_C] tile (row j: tap j)."""
     taps = tl.arange(0, K_PAD)[:, None]
-    return dw_acc + tl.where(taps == K - 1 - d, tl.sum(dz * x, axis=0)[None, :], 0.0)
+    out = tl.where(taps == 0, tl.sum(a0, axis=0)[None, :], 0.0)
+    if K > 1:
+        out += tl.where(taps == 1, tl.sum(a1, axis=0)[None, :], 0.0)
+    if K > 2:
+        out += tl.where(taps == 2, tl.sum(a2, axis=0)[None, :], 0.0)
+    if K > 3:
+        out += tl.where(taps == 3, tl.sum(a3, axis=0)[None, :], 0.0)
+    return out
 
 
 @triton.jit
@@ -248,29 +273,31 @@ def _canon_bwd_kernel(x_ptr, w_ptr, b_ptr, rs_ptr, cs_ptr, dy_ptr, dx_ptr, dw_pt
     x_ptr += batch * sx_b
     rs_ptr += batch * srs_b
     dy_ptr += batch * sdy_b
-    dw_acc = tl.zeros([K_PAD, BLOCK_C], dtype=tl.float32)
-    db_acc = tl.zeros([BLOCK_C], dtype=tl.float32)
+    a0 = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+    a1 = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+    a2 = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+    a3 = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+    db_rows = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
     for t0 in range(0, CHUNK_T, BLOCK_T):
         rows = tl.program_id(0) * CHUNK_T + t0 + tl.arange(0, BLOCK_T)
         x = _load_input(x_ptr, rs_ptr, cs, rows, x_cols, col_mask, T, sx_t, srs_t, SCALED)
         dx = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
-        for d in range(K):
+        for d in tl.static_range(K):
             dz = _load(dy_ptr, rows + d, dy_cols, T, sdy_t, col_mask)
-            if RESIDUAL:
-                if d == 0:
-                    dx += dz
+            if RESIDUAL and d == 0:
+                dx += dz
             if SILU:
                 pre, _ = _conv(x_ptr, w_ptr, b_ptr, rs_ptr, cs, rows + d, x_cols, w_cols, cols, col_mask, T, sx_t,
                                srs_t, sw_k, K, HAS_BIAS, SCALED)
                 dz *= _silu_grad(pre)
             dx += _tap(w_ptr, w_cols, K - 1 - d, sw_k, col_mask) * dz
-            dw_acc = _shifted_weight_grad(dw_acc, dz, x, d, K, K_PAD)
-            if HAS_BIAS:
-                if d == 0:
-                    db_acc += tl.sum(dz, axis=0)
+            a0, a1, a2, a3 = _add_to_tap(a0, a1, a2, a3, dz * x, K - 1 - d)
+            if HAS_BIAS and d == 0:
+                db_rows += dz
         _store(dx_ptr + batch * sdx_b, rows, dx_cols, T, sdx_t, col_mask, dx)
     part = batch * tl.num_programs(0) + tl.program_id(0)
-    _store_partials(dw_ptr, db_ptr, dw_acc, db_acc, part, C, cols, col_mask, K, K_PAD, HAS_BIAS)
+    _store_partials(dw_ptr, db_ptr, _taps_tile(a0, a1, a2, a3, K, K_PAD), tl.sum(db_rows, axis=0), part, C, cols,
+                    col_mask, K, K_PAD, HAS_BIAS)
 
 
 @triton.jit
@@ -292,17 +319,23 @@ def _canon_swiglu_bwd_kernel(g_ptr, u_ptr, w_ptr, b_ptr, dy_ptr, dg_ptr, du_ptr,
     g_ptr += batch * sg_b
     u_ptr += batch * su_b
     dy_ptr += batch * sdy_b
-    dw_g = tl.zeros([K_PAD, BLOCK_C], dtype=tl.float32)
-    dw_u = tl.zeros([K_PAD, BLOCK_C], dtype=tl.float32)
-    db_g = tl.zeros([BLOCK_C], dtype=tl.float32)
-    db_u = tl.zeros([BLOCK_C], dtype=tl.float32)
+    g0 = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+    g1 = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+    g2 = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+    g3 = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+    u0 = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+    u1 = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+    u2 = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+    u3 = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+    db_g = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+    db_u = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
     for t0 in range(0, CHUNK_T, BLOCK_T):
         rows = tl.program_id(0) * CHUNK_T + t0 + tl.arange(0, BLOCK_T)
         g = _load(g_ptr, rows, g_cols, T, sg_t, col_mask)
         u = _load(u_ptr, rows, u_cols, T, su_t, col_mask)
         dx_g = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
         dx_u = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
-        for d in range(K):
+        for d in tl.static_range(K):
             pre_g, x = _conv(g_ptr, w_ptr, b_ptr, w_ptr, w_cols, rows + d, g_cols, w_cols, cols, col_mask, T, sg_t, 0,
                              sw_k, K, HAS_BIAS, False)
             gate = _finish(pre_g, x, RESIDUAL, SILU)
@@ -313,26 +346,26 @@ def _canon_swiglu_bwd_kernel(g_ptr, u_ptr, w_ptr, b_ptr, dy_ptr, dg_ptr, du_ptr,
             sig = tl.sigmoid(gate)
             dz_g = dy * up * sig * (1.0 + gate * (1.0 - sig))
             dz_u = dy * gate * sig
-            if RESIDUAL:
-                if d == 0:
-                    dx_g += dz_g
-                    dx_u += dz_u
+            if RESIDUAL and d == 0:
+                dx_g += dz_g
+                dx_u += dz_u
             if SILU:
                 dz_g *= _silu_grad(pre_g)
                 dz_u *= _silu_grad(pre_u)
             dx_g += _tap(w_ptr, w_cols, K - 1 - d, sw_k, col_mask) * dz_g
             dx_u += _tap(wu_ptr, w_cols, K - 1 - d, sw_k, col_mask) * dz_u
-            dw_g = _shifted_weight_grad(dw_g, dz_g, g, d, K, K_PAD)
-            dw_u = _shifted_weight_grad(dw_u, dz_u, u, d, K, K_PAD)
-            if HAS_BIAS:
-                if d == 0:
-                    db_g += tl.sum(dz_g, axis=0)
-                    db_u += tl.sum(dz_u, axis=0)
+            g0, g1, g2, g3 = _add_to_tap(g0, g1, g2, g3, dz_g * g, K - 1 - d)
+            u0, u1, u2, u3 = _add_to_tap(u0, u1, u2, u3, dz_u * u, K - 1 - d)
+            if HAS_BIAS and d == 0:
+                db_g += dz_g
+                db_u += dz_u
         _store(dg_ptr + batch * sdx_b, rows, dx_cols, T, sdx_t, col_mask, dx_g)
         _store(du_ptr + batch * sdx_b, rows, dx_cols, T, sdx_t, col_mask, dx_u)
     part = batch * tl.num_programs(0) + tl.program_id(0)
-    _store_partials(dw_ptr, db_ptr, dw_g, db_g, part, 2 * H, cols, col_mask, K, K_PAD, HAS_BIAS)
-    _store_partials(dw_ptr, db_ptr, dw_u, db_u, part, 2 * H, cols + H, col_mask, K, K_PAD, HAS_BIAS)
+    _store_partials(dw_ptr, db_ptr, _taps_tile(g0, g1, g2, g3, K, K_PAD), tl.sum(db_g, axis=0), part, 2 * H, cols,
+                    col_mask, K, K_PAD, HAS_BIAS)
+    _store_partials(dw_ptr, db_ptr, _taps_tile(u0, u1, u2, u3, K, K_PAD), tl.sum(db_u, axis=0), part, 2 * H, cols + H,
+                    col_mask, K, K_PAD, HAS_BIAS)
 
 
 def _grid(batch: int, seq_len: int, channels: int, rows_per_program: int | None = None):

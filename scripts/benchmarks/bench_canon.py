@@ -51,7 +51,7 @@ MODELS = ("llama", "llama_canon")
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--mode", choices=("trainer", "raw", "saved", "traffic", "ops"), default="trainer")
+    p.add_argument("--mode", choices=("trainer", "raw", "saved", "traffic", "ops", "bwd_blocks"), default="trainer")
     p.add_argument("--flavor", default="1B", help="flavor of both families (debug, 1B, 3B, 8B)")
     p.add_argument("--dim", type=int, help="override the flavor's width")
     p.add_argument("--n-layers", type=int, help="override the flavor's depth")
@@ -276,6 +276,22 @@ def run_ops(args) -> dict:
     return result
 
 
+def run_bwd_blocks(args) -> dict:
+    from canon_op_bench import backward_blocks, llama_canon_layer, mamba2_short_conv
+
+    layer = {call.name: call for call in llama_canon_layer(args.flavor)}
+    result = backward_blocks([layer["A"], layer["D"], mamba2_short_conv(args.flavor)], args.batch, args.seq_len,
+                             args.reps)
+    print(f"Canon backward kernels by block configuration, {result['device']}, flavor {args.flavor} widths, batch "
+          f"{args.batch} x seq {args.seq_len} (* = the fixed configuration now)")
+    print(f"{'call':<11} {'channels':>8} {'config':>10} {'ms':>8} {'bound ms':>9}")
+    for r in result["rows"]:
+        bound = r["bound_ms"] if r["bound_ms"] is not None else float("nan")
+        print(f"{r['call']:<11} {r['channels']:>8} {r['config']:>10}{'*' if r['current'] else ' '} {r['ms']:>8.3f} "
+              f"{bound:>9.3f}")
+    return result
+
+
 # ----------------------------------------------------------------------------- driver
 
 
@@ -316,7 +332,7 @@ def main(argv=None) -> int:
         print(json.dumps(case))
         return 0
     results = {"trainer": run_trainer, "raw": run_raw, "saved": run_saved, "traffic": run_traffic,
-               "ops": run_ops}[args.mode](args)
+               "ops": run_ops, "bwd_blocks": run_bwd_blocks}[args.mode](args)
     if args.json:
         write_atomic(args.json, json.dumps(results, indent=2))
     return 0

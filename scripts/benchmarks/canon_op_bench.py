@@ -5,6 +5,10 @@ forward and backward, counted from the launches the op makes on meta tensors at 
 (each tensor argument of a kernel moved once: halo re-reads hit the caches), and the buffers it
 allocates. Device-independent; runs anywhere.
 
+``bwd_blocks``: on a GPU, the backward kernels alone at each candidate block configuration (the
+backward's blocks are fixed, not autotuned, so that dw/db are bitwise reproducible: this picks the
+fixed ones), against the backward's memory bound.
+
 ``ops``: on a GPU, forward+backward time of Canon calls (the Triton kernels, and fla's
 ``causal_conv1d`` on the same work) against the memory bound (``traffic``'s bytes over the bandwidth
 of a large device copy), the first call's compile-and-autotune time and the configurations the
@@ -234,3 +238,50 @@ def ops(calls: list[Call], batch: int, seq: int, reps: int) -> dict:
     return {"device": torch.cuda.get_device_name() if cuda else "cpu (Triton interpreter)", "batch": batch, "seq": seq,
             "copy_bandwidth_gb_s": bandwidth / 1e9 if bandwidth else None, "calls": results,
             "tuned": _tuned_configs()}
+
+
+BACKWARD_CANDIDATES = [(16, 32, 4), (16, 64, 4), (16, 64, 8), (32, 64, 8), (16, 128, 8)]
+"""(BLOCK_T, BLOCK_C, num_warps) of the backward kernels, each tried by ``backward_blocks``."""
+
+
+def _backward(call: Call, t: dict, dy: torch.Tensor):
+    if call.swiglu:
+        return lambda: canon.swiglu_backward(dy, t["x"], t["up"], t["weight"], t["bias"], call.residual,
+                                             call.activation)
+    return lambda: canon.conv_backward(dy, t["x"], t["weight"], t["bias"], t.get("row_scale"), t.get("col_scale"),
+                                       call.residual, call.activation)
+
+
+def backward_blocks(calls: list[Call], batch: int, seq: int, reps: int,
+                    candidates=BACKWARD_CANDIDATES) -> dict:
+    """Milliseconds of each call's backward kernels (and the host ops around them) at each candidate
+    configuration; the memory bound is the backward launches' bytes over the copy bandwidth."""
+    cuda = torch.cuda.is_available()
+    device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    bandwidth = copy_bandwidth() if cuda else None
+    chosen = {"plain": canon.BACKWARD_BLOCKS, "recomputing": canon.RECOMPUTING_BACKWARD_BLOCKS}
+    rows = []
+    try:
+        for call in calls:
+            gen = torch.Generator().manual_seed(0)
+            t = inputs(call, batch, seq, device, dtype, gen)
+            dy = torch.randn(batch, seq, call.channels, generator=gen).to(device, dtype)
+            recomputes = call.swiglu or call.activation
+            kind = "recomputing" if recomputes else "plain"
+            meta = inputs(call, batch, seq, "meta")
+            bound = None
+            if cuda:
+                moved = _launch_bytes(aot.record_launches(_backward(call, meta, meta["x"].new_empty(dy.shape))))
+                bound = 1000 * moved / bandwidth
+            for block_t, block_c, warps in candidates:
+                blocks = {"BLOCK_T": block_t, "BLOCK_C": block_c, "num_warps": warps}
+                setattr(canon, "RECOMPUTING_BACKWARD_BLOCKS" if recomputes else "BACKWARD_BLOCKS", blocks)
+                step = _backward(call, t, dy)
+                step()  # compiles
+                rows.append({"call": call.name, "channels": call.channels, "kind": kind,
+                             "config": f"{block_t}x{block_c}/{warps}w", "ms": _time_ms(step, reps),
+                             "bound_ms": bound, "current": blocks == chosen[kind]})
+    finally:
+        canon.BACKWARD_BLOCKS, canon.RECOMPUTING_BACKWARD_BLOCKS = chosen["plain"], chosen["recomputing"]
+    return {"device": torch.cuda.get_device_name() if cuda else "cpu (Triton interpreter)", "batch": batch,
+            "seq": seq, "rows": rows}

@@ -1,24 +1,31 @@
 #!/usr/bin/env python
-"""Everything a lent GPU should measure, in one run: the steps below in order, each a subprocess
-under its own time limit (``timeout -s INT``, so a hang prints where it was and costs only its step),
-all within ``--budget`` seconds; a step that no longer fits is skipped and named in the report. Run it
-through ``scripts/gpu_check.sh OUTDIR``, which installs the offline kit first where needed.
+"""Everything a lent GPU should measure, in one run, ordered by value so that a run cut short still
+brings back the figures that matter most. Each step is a subprocess under its own time limit
+(``timeout -s INT``, so a hang prints where it was and costs only its step), all within ``--budget``
+seconds; a step that no longer fits is skipped and named. After every step the report is rewritten,
+so a run killed from outside keeps what it measured. Run it through ``scripts/gpu_check.sh OUTDIR``,
+which installs the offline kit first where needed.
 
-  env             GPU, driver, torch/triton/fla/mamba-ssm versions, the kernel backends ``auto`` picks
-  kernel_tests    the kernel tests on CUDA (pytest)                                  } run side by side
-  losses          bf16 loss curves: llama_canon triton vs torch, gla5 fla vs torch,  }
-                  mamba2 mamba_ssm vs torch (debug models, the trainer)
-  canon_trainer   bench_canon.py --mode trainer: llama, llama_canon (triton, torch), 1B, seq 4096, compile
-  ops             bench_canon.py --mode ops: Canon ops vs fla's causal_conv1d and the memory bound,
-                  first-call compile+tune time, the autotuner's choices
-  linear_trainer  bench_linear.py --tables trainer: llama, gla5, gdn2, mamba2 at seq 4096 and 16384
-  float8          bench_canon.py --mode trainer with float8 tensorwise, then rowwise (llama_canon)
-Beside each trainer configuration, the planner's prediction (``canon-titan plan`` for that GPU): a
-calibration row each.
+  env                 GPU, driver, torch/triton/fla/mamba-ssm versions, the kernel backends ``auto`` picks
+  kernel_tests        the kernel tests on CUDA (pytest)                                      } side by
+  losses              bf16 loss curves, 100 steps: llama_canon triton vs torch, gla5 fla vs  } side
+                      torch, mamba2 mamba_ssm vs torch (debug models, the trainer), each pair as it ends
+  canon_llama         the trainer, one run each (TorchTitan's metrics; 1B, seq 4096, batch 2, compile):
+  canon_triton          Llama-1B, then LlamaCanon-1B on the Triton Canon op: the Canon ratio
+  canon_bwd_blocks    the Canon backward kernels at each candidate block configuration (bench_canon
+                      --mode bwd_blocks: the fixed blocks are chosen from it)
+  linear_*_4k         GLA5, GDN2, Mamba2 (Canon AbbCD) at seq 4096 (against canon_llama)
+  linear_*_16k        Llama, GLA5, GDN2, Mamba2 at seq 16384, batch 1
+  float8_tensorwise   LlamaCanon-1B (triton) with float8 training, each recipe (against canon_triton)
+  float8_rowwise
+  ops                 the Canon ops against fla's causal_conv1d and the memory bound (bench_canon --mode ops)
+  canon_torch         LlamaCanon-1B on the torch Canon backend (the 2026-11-22 baseline's configuration)
+Beside each trainer run, the planner's prediction (``canon-titan plan`` for that GPU), when time is left
+at the end; ``--replan OUTDIR`` adds them afterwards on any machine.
 
 Writes OUTDIR/gpu_check.md (tables), gpu_check.json (everything) and gpu_check.log (every step's
-output). ``--tiny`` runs each step at toy size on the CPU, in Triton's interpreter: a check that the
-script works, not a measurement (the test suite runs it).
+output). ``--tiny`` runs a step of each kind at toy size on the CPU, in Triton's interpreter: a check
+that the script works, not a measurement (the test suite runs it).
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -53,45 +61,100 @@ class Step:
     result: dict = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class Case:
+    """One trainer run of the report: ``table`` and ``base`` (the case it is compared with) place it."""
+    name: str
+    table: str
+    label: str
+    model: dict
+    seq: int
+    batch: int
+    base: str | None = None
+    extra: tuple[str, ...] = ()
+    tiny: bool = False
+    """Also run by --tiny."""
+    limit: int = 150
+
+
+TRAINER_STEPS, TRAINER_WARMUP = 12, 4
+"""Medians over steps 5-12: the first steps compile and autotune."""
+TINY = {"flavor": "debug", "seq": 32, "batch": 1, "steps": 2, "warmup": 1}
+LINEAR = ("mamba2", "gdn2", "gla5")
+"""In the order they run: GLA5 last, whose fla kernels took over 150 s to tune on an H200 (2026-11-26)."""
+
+
+def cases() -> list[Case]:
+    """Every trainer run, in the order they run (by value)."""
+    llama = {"name": "llama", "flavor": "1B"}
+    canon = {"name": "llama_canon", "flavor": "1B", "canon_set": "ABCD"}
+    out = [Case("canon_llama", "canon", "llama", llama, 4096, 2),
+           Case("canon_triton", "canon", "llama_canon (triton)", {**canon, "canon_backend": "triton"}, 4096, 2,
+                base="canon_llama", tiny=True)]
+    for seq, batch, base in ((4096, 2, "canon_llama"), (16384, 1, "linear_llama_16k")):
+        tag = f"{seq // 1024}k"
+        if seq != 4096:
+            out.append(Case(f"linear_llama_{tag}", "linear", "llama", llama, seq, batch))
+        out += [Case(f"linear_{family}_{tag}", "linear", f"{family}:AbbCD",
+                     {"name": family, "flavor": "1B", "canon_set": "AbbCD"}, seq, batch, base=base,
+                     tiny=(family == "gla5" and seq == 4096), limit=180) for family in LINEAR]
+    for recipe in ("tensorwise", "rowwise"):
+        out.append(Case(f"float8_{recipe}", "float8", f"llama_canon (triton) {recipe}",
+                        {**canon, "canon_backend": "triton"}, 4096, 2, base="canon_triton",
+                        extra=("--float8.enable=true", f"--float8.recipe_name={recipe}"),
+                        tiny=(recipe == "tensorwise"), limit=120))
+    out.append(Case("canon_torch", "canon", "llama_canon (torch)", {**canon, "canon_backend": "torch"}, 4096, 2,
+                    base="canon_llama"))
+    return out
+
+
 def steps(tiny: bool, work: Path) -> list[Step]:
     py = sys.executable
     if tiny:
-        canon = ["--flavor", "debug", "--seq-len", "32", "--batch", "1", "--steps", "2", "--warmup", "1",
-                 "--no-compile"]
-        linear = ["--trainer-flavor", "debug", "--trainer-seqs", "32", "--trainer-tokens", "32", "--trainer-steps", "2",
-                  "--trainer-warmup", "1", "--trainer-no-compile", "--trainer-models", "gla5:AbbCD"]
         ops = ["--flavor", "debug", "--seq-len", "32", "--batch", "1", "--reps", "1"]
         tests = ["tests/test_canon_triton.py", "-k", "fallback"]
-        float8 = [("float8_tensorwise", "tensorwise")]
-        backends, models = "triton", "llama_canon"
     else:
-        canon = ["--steps", "15", "--warmup", "5"]
-        linear = ["--trainer-models", "llama,gla5:AbbCD,gdn2:AbbCD,mamba2:AbbCD", "--trainer-steps", "15",
-                  "--trainer-warmup", "5"]
         ops = []
         tests = ["tests/test_canon_triton.py", "tests/test_kernel_backends.py", "tests/test_canon_determinism.py"]
-        float8 = [("float8_tensorwise", "tensorwise"), ("float8_rowwise", "rowwise")]
-        backends, models = "triton,torch", "llama,llama_canon"
-    bench_canon = [py, "scripts/benchmarks/bench_canon.py", "--mode"]
-    out = [
-        Step("env", 60, [py, SCRIPT, "--env", str(work / "env.json")]),
-        Step("kernel_tests", 240, [py, "-m", "pytest", *tests, "-q", "-rfE", "-p", "no:cacheprovider",
+    tiny_flag = ["--tiny"] if tiny else []
+    correctness = [
+        Step("kernel_tests", 120, [py, "-m", "pytest", *tests, "-q", "-rfE", "-p", "no:cacheprovider",
                                    f"--junitxml={work / 'kernel_tests.xml'}"], group="correctness"),
-        Step("losses", 240, [py, SCRIPT, "--losses", str(work / "losses.json")] + (["--tiny"] if tiny else []),
-             group="correctness"),
-        Step("canon_trainer", 240, [*bench_canon, "trainer", *canon, "--models", models, "--canon-backend", backends,
-                                    "--json", str(work / "canon_trainer.json")]),
-        Step("ops", 120, [*bench_canon, "ops", *ops, "--json", str(work / "ops.json")]),
-        Step("linear_trainer", 300, [py, "scripts/benchmarks/bench_linear.py", "--tables", "trainer", *linear,
-                                     "--json", str(work / "linear_trainer.json")]),
-    ]
-    emulate = " --float8.emulate=true" if tiny else ""
-    for name, recipe in float8:
-        out.append(Step(name, 120, [*bench_canon, "trainer", *canon, "--models", "llama_canon", "--canon-backend",
-                                    "triton", "--trainer-args",
-                                    f"--float8.enable=true --float8.recipe_name={recipe}{emulate}",
-                                    "--json", str(work / f"{name}.json")]))
-    return out
+        Step("losses", 120, [py, SCRIPT, "--losses", str(work / "losses.json"), *tiny_flag], group="correctness")]
+    trainer = {c.name: Step(c.name, c.limit, [py, SCRIPT, "--case", c.name, str(work / f"{c.name}.json"),
+                                              *tiny_flag]) for c in cases() if c.tiny or not tiny}
+    ops_step = Step("ops", 120, [py, "scripts/benchmarks/bench_canon.py", "--mode", "ops", *ops,
+                                 "--json", str(work / "ops.json")])
+    blocks_step = Step("canon_bwd_blocks", 90, [py, "scripts/benchmarks/bench_canon.py", "--mode", "bwd_blocks",
+                                                *(ops or ["--reps", "20"]), "--json",
+                                                str(work / "canon_bwd_blocks.json")])
+    ordered = [Step("env", 60, [py, SCRIPT, "--env", str(work / "env.json")]), *correctness]
+    names = list(trainer)
+    # The Canon backward's block sweep right after the Canon ratio (it picks the fixed blocks that the
+    # ratio depends on); the op microbenchmarks after every trainer run but the torch-backend reference.
+    after_canon = names.index("canon_triton") + 1
+    return (ordered + [trainer[n] for n in names[:after_canon]] + [blocks_step]
+            + [trainer[n] for n in names[after_canon:] if n != "canon_torch"] + [ops_step]
+            + ([trainer["canon_torch"]] if "canon_torch" in trainer else []))
+
+
+def trainer_case(name: str, tiny: bool) -> dict:
+    """Run one case of ``cases()`` in the trainer; its figures and where it sits in the report."""
+    from trainer_bench import run_case
+
+    case = next(c for c in cases() if c.name == name)
+    model, extra = dict(case.model), list(case.extra)
+    seq, batch, steps_, warmup = case.seq, case.batch, TRAINER_STEPS, TRAINER_WARMUP
+    if tiny:
+        model["flavor"] = TINY["flavor"]
+        seq, batch, steps_, warmup = TINY["seq"], TINY["batch"], TINY["steps"], TINY["warmup"]
+        if case.table == "float8":
+            extra.append("--float8.emulate=true")
+    with tempfile.TemporaryDirectory() as tmp:
+        result = run_case(model, os.path.join(tmp, name), seq_len=seq, batch=batch, steps=steps_, warmup=warmup,
+                          compile=not tiny, extra=tuple(extra), profile=True)
+    return {**result, "case": name, "table": case.table, "label": case.label, "base": case.base,
+            "canon_backend": model.get("canon_backend"), "steps": steps_, "warmup": warmup}
 
 
 # ----------------------------------------------------------------------------- sub-steps run by this script
@@ -119,35 +182,46 @@ def environment() -> dict:
             "auto_backends": {op: f"{b}" + (f" ({why})" if why else "") for op, (b, why) in chosen.items()}}
 
 
+LOSS_STEPS = 100
 LOSS_PAIRS = [("llama_canon", "canon_backend", "triton"), ("gla5", "kernel_backend", "fla"),
               ("mamba2", "kernel_backend", "mamba_ssm")]
 
 
-def loss_comparison(tiny: bool) -> dict:
+def loss_comparison(tiny: bool, path: str) -> None:
     """Each pair trains the same debug model from the same seed with the Triton backend and with torch;
-    the loss curves' largest difference."""
+    the loss curves' largest difference. The runs go side by side; ``path`` is rewritten as each pair
+    finishes (fastest first), so that a pair whose kernels take long to tune costs only itself."""
+    from concurrent.futures import as_completed
+
     from trainer_bench import run_case
 
     # Tiny: GLA5 on fla only (the trainer steps run llama_canon's Triton kernels; mamba_ssm's trainer
     # path is fla's), one step.
     pairs = LOSS_PAIRS[1:2] if tiny else LOSS_PAIRS
-    steps, seq, layers = (1, 32, 1) if tiny else (200, 256, 4)
+    steps, seq, layers = (1, 32, 1) if tiny else (LOSS_STEPS, 256, 4)
     cases = [(name, key, backend) for name, key, cuda in pairs for backend in (cuda, "torch")]
+    out: dict = {}
     with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(len(cases)) as pool:
-        runs = pool.map(lambda c: run_case({"name": c[0], "flavor": "debug", "n_layers": layers, c[1]: c[2]},
-                                           os.path.join(tmp, f"{c[0]}-{c[2]}"), seq_len=seq, batch=4, steps=steps,
-                                           warmup=0, compile=False), cases)
-        runs = {(c[0], c[2]): r for c, r in zip(cases, runs)}
-    out = {}
-    for name, _, cuda in pairs:
-        got, want = runs[(name, cuda)]["losses"], runs[(name, "torch")]["losses"]
-        assert list(got) == list(want) and got, f"{name}: steps {list(got)} vs {list(want)}"
-        diffs = [abs(got[s] - want[s]) for s in want]
-        out[f"{name} {cuda} vs torch"] = {"steps": len(want), "first_loss": want[min(want)],
-                                          "last_loss": want[max(want)], "max_abs_diff": max(diffs),
-                                          "max_rel_diff": max(d / abs(want[s]) for d, s in zip(diffs, want)),
-                                          "kernels": runs[(name, cuda)]["kernels"]}
-    return out
+        futures = {pool.submit(run_case, {"name": c[0], "flavor": "debug", "n_layers": layers, c[1]: c[2]},
+                               os.path.join(tmp, f"{c[0]}-{c[2]}"), seq_len=seq, batch=4, steps=steps, warmup=0,
+                               compile=False): c for c in cases}
+        runs = {}
+        for future in as_completed(futures):
+            name, _, backend = futures[future]
+            runs[(name, backend)] = future.result()
+            cuda = next(b for n, _, b in pairs if n == name)
+            if (name, cuda) in runs and (name, "torch") in runs:
+                out[f"{name} {cuda} vs torch"] = _loss_difference(runs[(name, cuda)], runs[(name, "torch")])
+                write_atomic(path, json.dumps(out, indent=2))
+
+
+def _loss_difference(got_run: dict, want_run: dict) -> dict:
+    got, want = got_run["losses"], want_run["losses"]
+    assert list(got) == list(want) and got, f"steps {list(got)} vs {list(want)}"
+    diffs = [abs(got[s] - want[s]) for s in want]
+    return {"steps": len(want), "first_loss": want[min(want)], "last_loss": want[max(want)],
+            "max_abs_diff": max(diffs), "max_rel_diff": max(d / abs(want[s]) for d, s in zip(diffs, want)),
+            "kernels": got_run["kernels"]}
 
 
 # ----------------------------------------------------------------------------- the planner
@@ -173,10 +247,11 @@ def predict(run: dict, gpu: str) -> dict:
 
 def run_step(step: Step, limit: int, log) -> None:
     started = time.perf_counter()
-    proc = subprocess.run(["timeout", "-s", "INT", str(limit), *step.command], cwd=REPO, capture_output=True,
+    # INT first (Python prints where it was), KILL 15 s later if it is still there.
+    proc = subprocess.run(["timeout", "-s", "INT", "-k", "15", str(limit), *step.command], cwd=REPO, capture_output=True,
                           text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     seconds = time.perf_counter() - started
-    status = "ok" if proc.returncode == 0 else ("timed out" if proc.returncode == 124 else f"failed ({proc.returncode})")
+    status = "ok" if proc.returncode == 0 else ("timed out" if proc.returncode in (124, 137) else f"failed ({proc.returncode})")
     step.result.update(status=status, seconds=round(seconds, 1), limit=limit)
     log.write(f"\n===== {step.name}: {status}, {seconds:.0f} s (limit {limit} s)\n$ {' '.join(step.command)}\n"
               f"{proc.stdout}{proc.stderr}")
@@ -204,33 +279,95 @@ def read_outputs(step: Step, work: Path) -> None:
         step.result["data"] = json.loads(path.read_text())
 
 
+def trainer_runs(report: dict) -> list[dict]:
+    """The report's trainer runs (one per trainer step that finished)."""
+    return [s["data"] for s in report["steps"].values() if isinstance(s.get("data"), dict) and "overrides" in s["data"]]
+
+
+_WRITING = threading.Lock()
+
+
+def write_report(out: Path, report: dict) -> None:
+    with _WRITING:
+        _write_report(out, report)
+
+
+def _write_report(out: Path, report: dict) -> None:
+    write_atomic(out / "gpu_check.json", json.dumps(report, indent=2, default=str))
+    write_atomic(out / "gpu_check.md", markdown(report))
+
+
+def add_predictions(report: dict, deadline: float | None = None) -> None:
+    """The planner's prediction beside each trainer run, while time is left (about 15 s each)."""
+    if not planner_available():
+        report["planner"] = "canon-titan plan is not available in this checkout: no predictions"
+        return
+    # Tiny mode checks the plumbing on one run, planned for an H100.
+    gpu = "h100" if report["tiny"] else report["steps"].get("env", {}).get("data", {}).get("gpu", "h100")
+    runs = [r for r in trainer_runs(report) if "planner" not in r][:1 if report["tiny"] else None]
+    for run in runs:
+        if deadline is not None and deadline - time.perf_counter() < 30:
+            report["planner"] = (f"no time left to plan {sum('planner' not in r for r in runs)} run(s): "
+                                 "`scripts/benchmarks/gpu_check.py --replan OUTDIR` adds them")
+            return
+        run["planner"] = predict(run, gpu)
+    report.pop("planner", None)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("out", nargs="?", help="output folder")
     p.add_argument("--tiny", action="store_true", help="toy sizes on the CPU (Triton's interpreter): checks the script")
     p.add_argument("--budget", type=float, default=510, help="seconds for all steps (default 510: 9 minutes less setup)")
-    p.add_argument("--only", help="comma list of steps to run (e.g. a second command for what the first skipped)")
+    p.add_argument("--only", help="comma list of steps to run, or their prefixes (linear_, float8_): a second "
+                                  "command for what the first skipped")
+    p.add_argument("--replan", action="store_true",
+                   help="add the planner's predictions to OUTDIR's report (any machine) and rewrite gpu_check.md")
     p.add_argument("--env", help=argparse.SUPPRESS)
     p.add_argument("--losses", help=argparse.SUPPRESS)
+    p.add_argument("--case", nargs=2, metavar=("NAME", "JSON"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.env or args.losses:  # a sub-step, in its own process
-        data = environment() if args.env else loss_comparison(args.tiny)
-        write_atomic(args.env or args.losses, json.dumps(data, indent=2))
+    if args.env or args.losses or args.case:  # a sub-step, in its own process
+        if args.case:
+            try:
+                data, path = trainer_case(args.case[0], args.tiny), args.case[1]
+            except RuntimeError as e:
+                print(e, file=sys.stderr)
+                return 1
+        elif args.losses:
+            loss_comparison(args.tiny, args.losses)
+            return 0
+        else:
+            data, path = environment(), args.env
+        write_atomic(path, json.dumps(data, indent=2))
         return 0
     if not args.out:
         p.error("the output folder is required")
-    deadline = time.perf_counter() + args.budget
     out = Path(args.out)
+    if args.replan:
+        report_path = out / "gpu_check.json"
+        if not report_path.exists():
+            p.error(f"--replan: {report_path} does not exist (run gpu_check.sh OUTDIR first)")
+        report = json.loads(report_path.read_text())
+        add_predictions(report)
+        write_report(out, report)
+        print(f"[gpu_check] planned {len(trainer_runs(report))} trainer run(s) into {out / 'gpu_check.md'}")
+        return 0
+    deadline = time.perf_counter() + args.budget
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp, open(out / "gpu_check.log", "w") as log:
         work = Path(tmp)
         todo = steps(args.tiny, work)
         if args.only:
-            wanted = set(args.only.split(","))
-            unknown = wanted - {s.name for s in todo}
+            wanted = args.only.split(",")
+            unknown = [w for w in wanted if not any(s.name == w or (w.endswith("_") and s.name.startswith(w))
+                                                    for s in todo)]
             if unknown:
-                p.error(f"--only: unknown step(s) {', '.join(sorted(unknown))}; steps: {', '.join(s.name for s in todo)}")
-            todo = [s for s in todo if s.name in wanted]
+                p.error(f"--only: unknown step(s) {', '.join(unknown)}; steps: {', '.join(s.name for s in todo)} "
+                        "(a prefix ending in _ takes every step it starts)")
+            todo = [s for s in todo if any(s.name == w or (w.endswith("_") and s.name.startswith(w)) for w in wanted)]
+        report = {"tiny": args.tiny, "budget_s": args.budget,
+                  "steps": {s.name: {"status": "not run yet"} for s in todo}}
         # Tiny: every step side by side, two at a time (nothing is timed).
         groups: list[list[Step]] = [todo] if args.tiny else []
         for step in [] if args.tiny else todo:
@@ -240,37 +377,23 @@ def main(argv=None) -> int:
                 groups.append([step])
 
         def run_in_time(step: Step) -> None:
-            left = deadline - time.perf_counter() - 5
+            left = deadline - time.perf_counter() - 20  # a step past its limit gets 15 s to go
             if left < 30:
                 step.result.update(status="skipped: no time left", seconds=0, limit=0)
-                return
-            run_step(step, int(min(step.limit, left)), log)
-            read_outputs(step, work)
+            else:
+                run_step(step, int(min(step.limit, left)), log)
+                read_outputs(step, work)
+            with _WRITING:  # the other step of a group may be writing: a copy, then the report, under the lock
+                report["steps"][step.name] = dict(step.result)
+                _write_report(out, report)
 
         for group in groups:
             with ThreadPoolExecutor(2 if args.tiny else len(group)) as pool:
                 list(pool.map(run_in_time, group))
-        report = {"tiny": args.tiny, "budget_s": args.budget, "steps": {s.name: s.result for s in todo}}
-        env = report["steps"].get("env", {}).get("data", {})
-        if planner_available():
-            # Tiny mode checks the plumbing on one run per step, planned for an H100.
-            gpu = "h100" if args.tiny else env.get("gpu", "h100")
-            for step in todo:
-                for run in _trainer_runs(step)[:1 if args.tiny else None]:
-                    run["planner"] = predict(run, gpu)
-        else:
-            report["planner"] = "canon-titan plan is not available in this checkout: no predictions"
-    write_atomic(out / "gpu_check.json", json.dumps(report, indent=2, default=str))
-    write_atomic(out / "gpu_check.md", markdown(report))
+        add_predictions(report, deadline + 20)
+    write_report(out, report)
     print(f"[gpu_check] wrote {out / 'gpu_check.md'}, {out / 'gpu_check.json'}, {out / 'gpu_check.log'}")
     return 0 if all(s.result.get("status") == "ok" for s in todo) else 1
-
-
-def _trainer_runs(step: Step) -> list[dict]:
-    data = step.result.get("data")
-    if isinstance(data, dict):  # bench_linear: {"trainer": [...]}
-        data = data.get("trainer")
-    return [r for r in data or [] if isinstance(r, dict) and "overrides" in r]
 
 
 if __name__ == "__main__":

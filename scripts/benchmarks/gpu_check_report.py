@@ -21,21 +21,48 @@ def _planner(run: dict) -> str:
             f"{_num(prediction.get('reserved_peak_gib'), '.2f')} GiB")
 
 
-def _trainer_table(runs: list[dict], title: str, base_label: str | None) -> list[str]:
+TABLES = {
+    "canon": "Trainer: llama vs llama_canon, 1B, seq 4096, batch 2, compile (targets: x0.97 tokens/s or more, "
+             "x1.05 peak memory or less)",
+    "linear": "Trainer: linear models vs llama, 1B, 8192 tokens a step at 4096, 16384 at 16384, compile "
+              "(targets: x0.9 tokens/s at 4096, x1.5 at 16384)",
+    "float8": "Trainer: float8 vs bf16, llama_canon (triton), 1B, seq 4096, batch 2, compile",
+}
+
+
+def _trainer_table(runs: list[dict], everything: dict[str, dict], title: str) -> list[str]:
+    """One table: each run with its ratio to its ``base`` run (``everything``: every run by case)."""
     planner = any("planner" in r for r in runs)
-    lines = [f"**{title}**", "", "| run | seq | tokens/s | x base | MFU % | peak reserved GiB | peak active GiB | "
-             "step 1 s |" + (" planner |" if planner else ""), "|---|---:|---:|---:|---:|---:|---:|---:|"
-             + ("---|" if planner else "")]
-    for r in runs:
-        label = r.get("label") or r.get("spec") or r["model"]
-        base = next((b for b in runs if (b.get("label") or b.get("spec") or b["model"]) == base_label
-                     and b["seq_len"] == r["seq_len"]), None)
-        ratio = f"x{r['tokens_per_s'] / base['tokens_per_s']:.3f}" if base else "-"
-        lines.append(f"| {label} | {r['seq_len']} | {_num(r['tokens_per_s'])} | {ratio} | {_num(r['mfu_pct'], '.1f')} | "
-                     f"{_num(r['peak_reserved_gib'], '.2f')} | {_num(r['peak_active_gib'], '.2f')} | "
-                     f"{_num(r.get('first_step_s'), '.1f')} |" + (f" {_planner(r)} |" if planner else ""))
+    lines = [f"**{title}**", "", "| run | seq | tokens/s | x base | MFU % | peak reserved GiB | x base | "
+             "peak active GiB | step 1 s |" + (" planner |" if planner else ""),
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---|" if planner else "")]
+    shown: list[dict] = []  # the bases from other tables first, so that each table is read alone
+    for r in [everything[r["base"]] for r in runs if r.get("base") in everything] + runs:
+        if r not in shown:
+            shown.append(r)
+    for r in shown:
+        base = everything.get(r.get("base")) if r in runs else None  # a base from another table: "-"
+        speed = f"x{r['tokens_per_s'] / base['tokens_per_s']:.3f}" if base else "-"
+        memory = f"x{r['peak_reserved_gib'] / base['peak_reserved_gib']:.3f}" if base else "-"
+        lines.append(f"| {r['label']} | {r['seq_len']} | {_num(r['tokens_per_s'])} | {speed} | "
+                     f"{_num(r['mfu_pct'], '.1f')} | {_num(r['peak_reserved_gib'], '.2f')} | {memory} | "
+                     f"{_num(r['peak_active_gib'], '.2f')} | {_num(r.get('first_step_s'), '.1f')} |"
+                     + (f" {_planner(r)} |" if planner else ""))
     kernels = sorted({r["kernels"] for r in runs if r.get("kernels")})
-    return lines + ([""] + [f"_kernels: {k}_" for k in kernels] if kernels else []) + [""]
+    lines += ([""] + [f"_kernels: {k}_" for k in kernels] if kernels else []) + [""]
+    return lines + [line for r in runs for line in _profile(r)]
+
+
+def _profile(run: dict) -> list[str]:
+    """Where one profiled step's time went: the share of each kind of kernel, then the largest five."""
+    p = run.get("profile_summary")
+    if not isinstance(p, dict) or not p.get("total_ms"):
+        return []
+    total = p["total_ms"]
+    kinds = ", ".join(f"{k} {100 * ms / total:.0f}%" for k, ms in p["kinds_ms"].items())
+    top = "; ".join(f"`{name[:60]}` {ms:.1f} ms" for name, ms in p["top_ms"][:5])
+    return [f"- profile of {run['label']} at {run['seq_len']} (one step, {total:,.1f} ms of kernels): {kinds}. "
+            f"Largest: {top}", ""]
 
 
 def markdown(report: dict) -> str:
@@ -48,7 +75,8 @@ def markdown(report: dict) -> str:
                   f"Python {env['python']}; " + ", ".join(f"{k} {v}" for k, v in env["packages"].items()), "",
                   "auto picks: " + "; ".join(f"{op} {b}" for op, b in env["auto_backends"].items()), ""]
     lines += ["| step | status | seconds | limit |", "|---|---|---:|---:|"]
-    lines += [f"| {name} | {s.get('status')} | {s.get('seconds')} | {s.get('limit')} |" for name, s in steps.items()]
+    lines += [f"| {name} | {s.get('status')} | {s.get('seconds', '')} | {s.get('limit', '')} |"
+              for name, s in steps.items()]
     lines.append("")
     for name, s in steps.items():
         if s.get("tail"):
@@ -64,9 +92,20 @@ def markdown(report: dict) -> str:
         lines += [f"| {pair} | {r['steps']} | {r['first_loss']:.4f} -> {r['last_loss']:.4f} | {r['max_abs_diff']:.2e} | "
                   f"{r['max_rel_diff']:.2e} |" for pair, r in losses.items()]
         lines += [""] + [f"_kernels of {pair.split(' vs ')[0]}: {r['kernels']}_" for pair, r in losses.items()] + [""]
-    canon = steps.get("canon_trainer", {}).get("data")
-    if canon:
-        lines += _trainer_table(canon, "Trainer: llama vs llama_canon (targets x0.97 tokens/s, x1.05 memory)", "llama")
+    runs = [s["data"] for s in steps.values() if isinstance(s.get("data"), dict) and "table" in s["data"]]
+    everything = {r["case"]: r for r in runs}
+    for table, title in TABLES.items():
+        mine = [r for r in runs if r["table"] == table]
+        if mine:
+            lines += _trainer_table(mine, everything, title)
+    blocks = steps.get("canon_bwd_blocks", {}).get("data")
+    if blocks:
+        lines += [f"**Canon backward kernels by block configuration**, {blocks['device']}, batch {blocks['batch']} x "
+                  f"seq {blocks['seq']} (* = the fixed configuration of this checkout)", "",
+                  "| call | channels | config | ms | memory bound ms |", "|---|---:|---|---:|---:|"]
+        lines += [f"| {r['call']} | {r['channels']} | {r['config']}{' *' if r['current'] else ''} | {r['ms']:.3f} | "
+                  f"{_num(r.get('bound_ms'), '.3f')} |" for r in blocks["rows"]]
+        lines.append("")
     ops = steps.get("ops", {}).get("data")
     if ops:
         lines += [f"**Canon ops**, forward + backward, {ops['device']}, batch {ops['batch']} x seq {ops['seq']}" +
@@ -77,18 +116,6 @@ def markdown(report: dict) -> str:
                   f"{_num(c.get('fla_causal_conv1d_ms'), '.3f')} | {_num(c.get('bound_ms'), '.3f')} |"
                   for c in ops["calls"]]
         lines += [""] + [f"- autotuned {k}: {v}" for k, v in ops["tuned"].items()] + [""]
-    linear = (steps.get("linear_trainer", {}).get("data") or {}).get("trainer")
-    if linear:
-        lines += _trainer_table(linear, "Trainer: linear models vs llama (targets x0.9 at 4096, x1.5 at 16384)",
-                                "llama")
-    float8 = [r for name, s in steps.items() if name.startswith("float8") for r in s.get("data") or []]
-    if float8:
-        for name in ("float8_tensorwise", "float8_rowwise"):
-            for r in steps.get(name, {}).get("data") or []:
-                r["label"] = f"{r['label']} {name.split('_')[1]}"
-        bf16 = [dict(r, label=f"{r['label']} bf16") for r in canon or [] if r.get("canon_backend") == "triton"]
-        lines += _trainer_table(bf16 + float8, "Trainer: float8 (llama_canon, triton)",
-                                bf16[0]["label"] if bf16 else None)
     if "planner" in report:
         lines += [f"_{report['planner']}_", ""]
     return "\n".join(lines)

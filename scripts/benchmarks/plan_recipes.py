@@ -33,10 +33,22 @@ RELEASE_GPU_HOURS_1B_1T = 5200
 # GPU measurements the planner is held to: the offline GPU kit's table (../shared/gpu/README.md,
 # H100, torch 2.11, Triton 3.6, 2026-11-22): one GPU, the recipe's shape on the built-in data
 # (vocabulary 784), batch 2 x 4096, compile, no activation checkpointing.
+BF16 = ["--training.dtype", "bfloat16", "--training.mixed_precision_param", "bfloat16"]
 CALIBRATION = [
     ("Llama-1B", "Llama-1B-Nemo-1T-lr0.003", [], "h100", 45_200, 33.4, "2026-11-22, H100, torch 2.11"),
     ("LlamaCanon-1B, torch Canon backend", "LlamaCanon-1B-Nemo-1T-lr0.003", ["--model.canon_backend", "torch"],
      "h100", 33_400, 46.3, "2026-11-22, H100, torch 2.11"),
+    # scripts/gpu_check.sh, 2026-11-26: one H200, torch 2.11, Triton 3.6, the same shape with bf16 weights
+    # and optimizer state (the benchmarks' setting on one GPU, where no FSDP casts fp32 weights).
+    ("Llama-1B, bf16 weights", "Llama-1B-Nemo-1T-lr0.003", BF16, "h200", 48_527, 25.5, "2026-11-26, H200, torch 2.11"),
+    ("LlamaCanon-1B, Triton Canon op, bf16 weights", "LlamaCanon-1B-Nemo-1T-lr0.003",
+     ["--model.canon_backend", "triton", *BF16], "h200", 33_402, 26.3, "2026-11-26, H200, torch 2.11"),
+    ("LlamaCanon-1B, Triton Canon op, bf16 weights, float8 tensorwise", "LlamaCanon-1B-Nemo-1T-lr0.003",
+     ["--model.canon_backend", "triton", *BF16, "--float8.enable", "true", "--float8.recipe_name", "tensorwise"],
+     "h200", 32_111, 25.1, "2026-11-26, H200, torch 2.11"),
+    ("LlamaCanon-1B, Triton Canon op, bf16 weights, float8 rowwise", "LlamaCanon-1B-Nemo-1T-lr0.003",
+     ["--model.canon_backend", "triton", *BF16, "--float8.enable", "true", "--float8.recipe_name", "rowwise"],
+     "h200", 25_056, 25.1, "2026-11-26, H200, torch 2.11"),
 ]
 CALIBRATION_SHAPE = ["--training.local_batch_size", "2", "--training.global_batch_size", "2",
                      "--model.vocab_size", "784"]
