@@ -217,3 +217,19 @@ def test_profiling_section_reaches_torchtitans_profiler(tmp_path):
     assert not build_trainer_config(load(DEBUG_CONFIG)).profiler.enable_profiling
     with pytest.raises(ConfigError, match=r"\[profiling\].*trace_post_processor"):
         load(write(tmp_path, MINIMAL + '[profiling]\ntrace_post_processor = "x"\n'))
+
+
+def test_profiling_settings_that_cannot_run_are_config_errors(tmp_path):
+    """A profile cycle shorter than its warm-up and recording, and a CUDA memory snapshot on a machine
+    without CUDA (TorchTitan fails inside the first step there), are named before any process starts;
+    a static check for another machine skips the hardware one."""
+    with pytest.raises(ConfigError, match=r"\[profiling\] profile_freq: is 3; it must be at least .*\(4\)"):
+        load(DEBUG_CONFIG, ["--profiling.enable_profiling", "true", "--profiling.profile_freq", "3",
+                            "--profiling.profiler_warmup", "3"])
+    snapshot = ["--profiling.enable_memory_snapshot", "true"]
+    import torch
+
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match=r"\[profiling\] enable_memory_snapshot: .*no CUDA GPU"):
+            load(DEBUG_CONFIG, snapshot)
+    assert load(DEBUG_CONFIG, snapshot, environment=False)["profiling"]["enable_memory_snapshot"]

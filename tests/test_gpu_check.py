@@ -42,7 +42,7 @@ def test_tiny_mode_runs_every_step_and_writes_the_report(tmp_path):
     md = (out / "gpu_check.md").read_text()
     for heading in ("Loss curves", "Trainer: llama vs llama_canon", "Canon ops", "Trainer: linear models",
                     "Trainer: float8", " planner |", "profile of llama_canon (triton)",
-                    "Canon backward kernels by block configuration"):
+                    "Canon backward kernels by block configuration", "planned / measured ms by kind: "):
         assert heading in md
     # The float8 table compares with the bf16 run of the same model (its base).
     float8_table = md.split("Trainer: float8")[1].split("\n\n**")[0]
@@ -110,3 +110,22 @@ def test_a_step_past_its_limit_is_interrupted_and_reported(tmp_path):
         gpu_check.run_step(step, 1, log)
     assert time.perf_counter() - started < 10
     assert step.result["status"] == "timed out" and "KeyboardInterrupt" in "\n".join(step.result["tail"])
+
+
+def test_planned_and_measured_time_by_kind_from_a_hand_made_run():
+    """The profile's kinds are mapped to the planner's (GEMMs to matmul, the rest to other), and the
+    step's time beyond its kernels is ``idle``: 8192 tokens at 40,960 tokens/s is 200 ms a step."""
+    import gpu_check_report
+
+    run = {"batch": 2, "seq_len": 4096, "tokens_per_s": 40960.0,
+           "profile_summary": {"total_ms": 150.0, "kinds_ms": {"gemm": 80.0, "attention": 30.0, "canon (triton)": 10.0,
+                                                               "inductor (fused)": 20.0, "torch (copies, optimizer)": 10.0}},
+           "planner": {"step_seconds": 0.16, "ranks": [{"time": {"compute": {"matmul": 0.09, "attention": 0.03,
+                                                                             "canon": 0.005, "other": 0.035}}}]}}
+    kinds = gpu_check_report.by_planner_kind(run)
+    want = {"matmul": (90.0, 80.0), "attention": (30.0, 30.0), "canon": (5.0, 10.0), "other": (35.0, 30.0),
+            "idle": (0.0, 50.0)}
+    assert set(kinds) == set(want)
+    for kind, pair in want.items():
+        assert kinds[kind] == pytest.approx(pair), kind
+    assert gpu_check_report.by_planner_kind({**run, "planner": None}) is None

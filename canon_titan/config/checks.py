@@ -260,6 +260,17 @@ def check_features(run: RunConfig, environment: bool) -> None:
         if torch._utils._get_available_device_type() is None:
             _fail(run, "training", "enable_cpu_offload",
                   "offloads accelerator memory to the CPU; this machine has no accelerator and trains on the CPU already")
+    profiling = run["profiling"]
+    if profiling["enable_profiling"] or profiling["enable_memory_snapshot"]:
+        _positive(run, "profiling", "profile_freq")
+        if profiling["enable_profiling"] and (
+                profiling["profile_freq"] < profiling["profiler_warmup"] + profiling["profiler_active"]):
+            _fail(run, "profiling", "profile_freq", f"is {profiling['profile_freq']}; it must be at least "
+                  f"profiler_warmup + profiler_active ({profiling['profiler_warmup'] + profiling['profiler_active']}): "
+                  "each cycle waits, warms up, then records")
+    if environment and profiling["enable_memory_snapshot"] and not torch.cuda.is_available():
+        _fail(run, "profiling", "enable_memory_snapshot",
+              "records CUDA allocator snapshots (torch.cuda.memory); this machine has no CUDA GPU")
     for component in compile_["components"]:
         if component not in ("model", "loss"):
             _fail(run, "compile", "components", f"entries must be 'model' or 'loss', got {component!r}")

@@ -7,7 +7,7 @@ the fixed one it passes). Triton hands the PTX to the ptxas it bundles, whose re
 registers, stack and spill bytes; the PTX gives the global load instructions (16-byte vector loads
 against 2-byte scalar ones, which unaligned row strides cause) and the barriers inside loops
 (reductions across warps repeated on every iteration: what made the backward kernels run at a
-twentieth of the memory bandwidth on an H200, 2026-11-26).
+twelfth of the memory bandwidth on an H200, 2026-11-26).
 
     python -m canon_titan.kernels.aot                 # the table for sm_90
     python -m canon_titan.kernels.aot --json out.json

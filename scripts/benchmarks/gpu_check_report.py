@@ -62,7 +62,39 @@ def _profile(run: dict) -> list[str]:
     kinds = ", ".join(f"{k} {100 * ms / total:.0f}%" for k, ms in p["kinds_ms"].items())
     top = "; ".join(f"`{name[:60]}` {ms:.1f} ms" for name, ms in p["top_ms"][:5])
     return [f"- profile of {run['label']} at {run['seq_len']} (one step, {total:,.1f} ms of kernels): {kinds}. "
-            f"Largest: {top}", ""]
+            f"Largest: {top}", *_planned_by_kind(run, p), ""]
+
+
+PLANNED_KIND = {"gemm": "matmul", "attention": "attention", "canon (triton)": "canon",
+                "fla / mamba (triton)": "recurrence"}
+"""The profile's kinds as the planner names them; every other kind is the planner's ``other``."""
+
+
+def by_planner_kind(run: dict) -> dict[str, tuple[float, float]] | None:
+    """Milliseconds per op kind, (planned, measured), for a run with a profiled step and a plan:
+    matmul, attention, canon, recurrence, other, and ``idle`` (the measured step time less its
+    kernels: launch gaps and host work; the plan has none)."""
+    profile, plan = run.get("profile_summary"), run.get("planner") or {}
+    ranks = plan.get("ranks") or []
+    if not isinstance(profile, dict) or not ranks or not run.get("tokens_per_s"):
+        return None
+    planned = {kind: 1000 * s for kind, s in ranks[0]["time"]["compute"].items()}
+    measured: dict[str, float] = {}
+    for kind, ms in profile["kinds_ms"].items():
+        name = PLANNED_KIND.get(kind, "other")
+        measured[name] = measured.get(name, 0.0) + ms
+    step_ms = 1000 * run["batch"] * run["seq_len"] / run["tokens_per_s"]
+    measured["idle"] = max(step_ms - profile["total_ms"], 0.0)
+    planned["idle"] = 1000 * plan["step_seconds"] - sum(planned.values())
+    return {k: (planned.get(k, 0.0), measured.get(k, 0.0)) for k in dict.fromkeys([*planned, *measured])}
+
+
+def _planned_by_kind(run: dict, profile: dict) -> list[str]:
+    kinds = by_planner_kind(run)
+    if not kinds:
+        return []
+    cells = ", ".join(f"{k} {planned:.1f} / {measured:.1f}" for k, (planned, measured) in kinds.items())
+    return [f"  planned / measured ms by kind: {cells}"]
 
 
 def markdown(report: dict) -> str:
