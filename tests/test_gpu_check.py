@@ -16,7 +16,7 @@ import gpu_check  # noqa: E402
 
 
 @pytest.mark.slow
-def test_tiny_mode_runs_every_step_and_writes_the_report(tmp_path):
+def test_tiny_mode_runs_every_step_and_writes_the_report(tmp_path, monkeypatch):
     out = tmp_path / "out"
     proc = subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh"), str(out), "--tiny"], cwd=REPO,
                           capture_output=True, text=True, timeout=900)
@@ -50,13 +50,17 @@ def test_tiny_mode_runs_every_step_and_writes_the_report(tmp_path):
     assert "planner" in canon and "tokens_per_second_per_gpu" in canon["planner"], canon.get("planner")
     assert "===== float8_tensorwise: ok" in (out / "gpu_check.log").read_text()
 
-    # --replan plans what a cut-short GPU run left unplanned, from the report alone.
+
+    # --replan plans what a cut-short GPU run left unplanned, from the report alone (the planner itself
+    # ran above; here a stand-in records what it is asked).
     del canon["planner"]
     (out / "gpu_check.json").write_text(json.dumps(report))
-    subprocess.run([sys.executable, str(REPO / "scripts" / "benchmarks" / "gpu_check.py"), str(out), "--replan"],
-                   cwd=REPO, check=True, capture_output=True, timeout=300)
+    asked = []
+    monkeypatch.setattr(gpu_check, "predict", lambda run, gpu: asked.append((run["case"], gpu)) or {"mfu": 0.5})
+    assert gpu_check.main([str(out), "--replan"]) == 0
+    assert asked == [("canon_triton", "h100")]
     replanned = json.loads((out / "gpu_check.json").read_text())["steps"]["canon_triton"]["data"]
-    assert "tokens_per_second_per_gpu" in replanned["planner"]
+    assert replanned["planner"] == {"mfu": 0.5} and "50.0% MFU" in (out / "gpu_check.md").read_text()
 
 
 def test_steps_run_in_the_order_of_their_value():

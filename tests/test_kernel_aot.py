@@ -85,13 +85,16 @@ def test_misaligned_rows_load_like_aligned_ones(compiled):
     assert misaligned and misaligned == aligned
 
 
-# The GPU review's worst case: the SwiGLU backward with 32x256 tiles on 4 warps, 255 registers and KBs
-# of spill traffic on sm_90. Compiled through aot's own path with that configuration forced in.
+# A tile the SwiGLU backward cannot hold (the GPU review measured 32x256 on 4 warps spilling; with the
+# per-tap accumulators 32x128 already does), compiled through aot's own path with that configuration
+# forced in, the backward kernel alone.
 _FORCED_TILE = """
 import json, sys
 from canon_titan.kernels import aot
-aot._configs = lambda kernel: [{"BLOCK_T": 32, "BLOCK_C": 256, "num_warps": 4}]
+aot._configs = lambda kernel: [{"BLOCK_T": 32, "BLOCK_C": 128, "num_warps": 4}]
 cases = {k: v for k, v in aot.model_cases().items() if k.startswith("D 8B")}
+record = aot.record_launches
+aot.record_launches = lambda run: [launch for launch in record(run) if "bwd" in aot._jit_function(launch[0]).__name__]
 results = aot.compile_all(cases=cases)
 print(json.dumps([{"kernel": r.kernel, "config": r.config, "registers": r.registers, "spills": r.spills,
                    "spill_load_bytes": r.spill_load_bytes} for r in results]))
@@ -106,6 +109,7 @@ def test_the_check_reports_a_spilling_configuration():
     assert proc.returncode == 0, proc.stderr[-4000:]
     kernels = {k["kernel"]: k for k in json.loads(proc.stdout.strip().splitlines()[-1])}
     backward = kernels["_canon_swiglu_bwd_kernel"]
-    assert backward["config"] == "32x256/4w"
-    # Eight fp32 per-tap accumulators of 32x256 on 128 threads cannot stay in registers: tens of KB spill.
-    assert backward["spills"] and backward["spill_load_bytes"] > 10_000, backward
+    assert backward["config"] == "32x128/4w"
+    # Eight fp32 per-tap accumulators of 32x128 on 128 threads (256 registers' worth) cannot stay in
+    # registers: KBs spill.
+    assert backward["spills"] and backward["spill_load_bytes"] > 4_000, backward
