@@ -262,20 +262,22 @@ def test_fsdp_at_scale_shards_as_fsdp2_does(size, gpus):
 def test_tensor_and_pipeline_parallel_at_scale():
     """8B on 512 ranks with TP 8 (its collectives on 8 consecutive ranks, one node; FSDP over the
     64 ranks of a TP position; rank 0 holds about a 512th of the weights) and 1B on 64 ranks with
-    PP 4 (the four stages, built in order, hold the whole model's parameters between them, once)."""
-    step = plan_step(RECIPE["8B"], ["--parallelism.tensor_parallel_degree", "8"], 512)
+    PP 4 (the four stages, built in order, hold the whole model's parameters between them, once).
+    Both at 8 of their layers: the layouts are the recipes', the planning a third of the time."""
+    shallow = ["--model.n_layers", "8"]
+    step = plan_step(RECIPE["8B"], ["--parallelism.tensor_parallel_degree", "8", *shallow], 512)
     groups = {step.group_names.get(tuple(sorted(c.group))): c.group for c in step.trace.collectives}
     assert sorted(groups["tp"]) == list(range(8))
     assert sorted(groups["fsdp"]) == list(range(0, 512, 8))
-    weights = 4 * sum(torch.Size(s).numel() for s in _param_shapes(RECIPE["8B"], []))
+    weights = 4 * sum(torch.Size(s).numel() for s in _param_shapes(RECIPE["8B"], shallow))
     assert weights / 512 < step.state_bytes["parameters"] < 1.1 * weights / 512
 
     overrides = ["--parallelism.pipeline_parallel_degree", "4", "--parallelism.pipeline_parallel_microbatch_size", "1",
-                 "--training.local_batch_size", "4", "--training.global_batch_size", "1024"]
+                 "--training.local_batch_size", "4", "--training.global_batch_size", "1024", *shallow]
     sent: dict = {}
     stages = [plan_step(RECIPE["1B"], overrides, 64, rank=s * 16, sent=sent) for s in range(4)]
     assert [s.pp_stage for s in stages] == [0, 1, 2, 3]
-    assert sum(s.param_count for s in stages) == sum(torch.Size(s).numel() for s in _param_shapes(RECIPE["1B"], []))
+    assert sum(s.param_count for s in stages) == sum(torch.Size(s).numel() for s in _param_shapes(RECIPE["1B"], shallow))
     assert all(any(c.kind in ("send", "recv") for c in s.trace.collectives) for s in stages)
 
 
