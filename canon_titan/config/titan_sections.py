@@ -20,8 +20,8 @@ from canon_titan.config.run import ConfigError, RunConfig
 
 
 def titan_sections(run: RunConfig) -> dict:
-    """The TorchTitan config of each section, by ``Trainer.Config`` field (``[profiling]`` is its ``profiler``); a ValueError of theirs
-    becomes a ConfigError naming the section."""
+    """The TorchTitan config of each section, by ``Trainer.Config`` field (``[profiling]`` is its
+    ``profiler``); a ValueError of theirs becomes a ConfigError naming the section."""
     opt = run["optimizer"]
     ckpt = dict(run["checkpoint"])
     # TorchTitan warns on every run that model-only has no effect without an initial load path.
@@ -41,8 +41,8 @@ def titan_sections(run: RunConfig) -> dict:
         ),
         "lr_scheduler": lambda: LRSchedulersContainer.Config(**run["lr_scheduler"]),
         "training": lambda: TrainingConfig(**run["training"]),
-        # NCCL's flight recorder (and its comm_traces/ folder) only exist with CUDA.
         "profiler": lambda: Profiler.Config(**run["profiling"]),
+        # NCCL's flight recorder (and its comm_traces/ folder) only exist with CUDA.
         "comm": lambda: CommConfig(**run["comm"], **({} if torch.cuda.is_available() else {"trace_buf_size": 0})),
     }
     built = {}

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Everything a lent GPU should measure, in one run, ordered by value so that a run cut short still
 brings back the figures that matter most. Each step is a subprocess under its own time limit
-(``timeout -s INT``, so a hang prints where it was and costs only its step), all within ``--budget``
+(``timeout -s INT``, so a hang prints where it was and costs only its step; KILL 15 s later), all within ``--budget``
 seconds; a step that no longer fits is skipped and named. After every step the report is rewritten,
 so a run killed from outside keeps what it measured. Run it through ``scripts/gpu_check.sh OUTDIR``,
 which installs the offline kit first where needed.
@@ -14,8 +14,8 @@ which installs the offline kit first where needed.
   canon_triton          Llama-1B, then LlamaCanon-1B on the Triton Canon op: the Canon ratio
   canon_bwd_blocks    the Canon backward kernels at each candidate block configuration (bench_canon
                       --mode bwd_blocks: the fixed blocks are chosen from it)
-  linear_*_4k         GLA5, GDN2, Mamba2 (Canon AbbCD) at seq 4096 (against canon_llama)
-  linear_*_16k        Llama, GLA5, GDN2, Mamba2 at seq 16384, batch 1
+  linear_*_4k         Mamba2, GDN2, GLA5 (Canon AbbCD) at seq 4096 (against canon_llama)
+  linear_*_16k        Llama, Mamba2, GDN2, GLA5 at seq 16384, batch 1
   float8_tensorwise   LlamaCanon-1B (triton) with float8 training, each recipe (against canon_triton)
   float8_rowwise
   ops                 the Canon ops against fla's causal_conv1d and the memory bound (bench_canon --mode ops)

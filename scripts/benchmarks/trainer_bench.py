@@ -29,22 +29,20 @@ def run_case(model: dict, dump: str, *, seq_len: int, batch: int, steps: int, wa
     step's time (compilation and autotuning included), the loss at every step, and the kernel choices
     the run logged. ``profile``: two more steps, the last under torch's profiler (left out of the medians), and
     its kernels summed by name (``profile_summary``)."""
+    # Profiled: step steps + 1 warms the profiler up, step steps + 2 is recorded.
     overrides = [f"--training.seq_len={seq_len}", f"--training.local_batch_size={batch}",
-                 f"--training.steps={steps}", "--training.global_batch_size=-1",
+                 f"--training.steps={steps + 2 if profile else steps}", "--training.global_batch_size=-1",
                  f"--lr_scheduler.warmup_steps={min(10, steps - 1)}", "--metrics.log_freq=1",
                  "--metrics.enable_tensorboard=true", "--checkpoint.enable=false", f"--job.dump_folder={dump}",
                  f"--compile.enable={'true' if compile else 'false'}"]
     overrides += [f"--model.{key}={json.dumps(value)}" for key, value in model.items()] + list(extra)
     if torch.cuda.is_available():
         overrides += ["--training.dtype=bfloat16", "--training.mixed_precision_param=bfloat16"]
-    profiling = []
     if profile:
-        # Step steps + 1 warms the profiler up, step steps + 2 is recorded.
-        profiling = [f"--training.steps={steps + 2}", "--profiling.enable_profiling=true",
-                     f"--profiling.profile_freq={steps + 2}", "--profiling.profiler_warmup=1",
-                     "--profiling.profiler_active=1"]
+        overrides += ["--profiling.enable_profiling=true", f"--profiling.profile_freq={steps + 2}",
+                      "--profiling.profiler_warmup=1", "--profiling.profiler_active=1"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "canon_titan.train", "--config", str(BASE_CONFIG), *overrides, *profiling]
+           "-m", "canon_titan.train", "--config", str(BASE_CONFIG), *overrides]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=dict(os.environ, WANDB_MODE="offline"))
     log = proc.stdout + proc.stderr
     if proc.returncode:
@@ -74,7 +72,8 @@ KERNEL_KINDS = (("gemm", ("gemm", "xmma", "cutlass", "nvjet", "cublas", "matmul"
 
 
 def profile_summary(trace: Path, top: int = 12) -> dict:
-    """One profiled step's GPU kernels (CPU ops where no GPU ran): total milliseconds, the share of
+    """One profiled step's GPU kernels (on a CPU its ops instead, nested ones counted in their callers
+    too: only a check of the plumbing): total milliseconds, the share of
     each kind (GEMMs, attention, Canon, collectives, torch's own kernels, Inductor's fused kernels,
     fla and mamba's kernels, the rest) and the ``top`` kernels by time."""
     opener = gzip.open if trace.suffix == ".gz" else open
