@@ -10,7 +10,10 @@ family at Llama 3.1's shape (``--model`` overrides of the Llama-8B recipe), with
 sequence, parallelism, activation checkpointing, compile and float8 from that file and TorchTitan's
 ``llama3_8b.toml`` / ``llama3_70b.toml`` at the commit it names (sequence 8192, selective
 checkpointing per op). Memory is TorchTitan's logged max reserved, compared with the plan's
-reserved peak. Planning a 70B point takes a minute or two on a 2-core machine.
+reserved peak. Both sets ran torch before 2.9, whose SDPA runs FlashAttention-2 on Hopper (cuDNN
+first from 2.9: pytorch/pytorch#162073), so their attention is planned on the flash backend; and
+what TorchTitan compiled follows its version: the blocks alone in 2024-12, the blocks and the
+loss by 2025-06. Planning a 70B point takes a minute or two on a 2-core machine.
 """
 
 from __future__ import annotations
@@ -44,10 +47,14 @@ H200_2025 = "benchmarks/llama3-8b_h200_202506_trainy-whitefiber.md"
 MARKERS = ("<!-- plan:published -->", "<!-- /plan:published -->")
 
 
-def _run(local: int, global_: int, seq: int, ac: str, compile_: bool, float8: bool, *extra: str) -> list[str]:
+def _run(local: int, global_: int, seq: int, ac: str, compile_: bool, float8: bool, *extra: str,
+         compiled: str = '["model"]') -> list[str]:
+    """``compiled``: what TorchTitan's compile covered at the run's commit (December 2024: each
+    block, ``apply_compile``; the loss was compiled too from early 2025)."""
     return ["--training.local_batch_size", str(local), "--training.global_batch_size", str(global_),
             "--training.seq_len", str(seq), "--activation_checkpoint.mode", ac,
-            "--compile.enable", str(compile_).lower(), "--float8.enable", str(float8).lower(), *extra]
+            "--compile.enable", str(compile_).lower(), "--compile.components", compiled,
+            "--float8.enable", str(float8).lower(), *extra]
 
 
 @dataclass
@@ -62,6 +69,8 @@ class Point:
     """Measured tokens/s per GPU."""
     memory_gib: float
     """Measured max reserved."""
+    attention: str = "flash"
+    """The SDPA backend the run's torch picked (every point here ran torch < 2.9: flash)."""
 
     @property
     def key(self) -> str:
@@ -84,7 +93,7 @@ POINTS = [
     Point(H100_2024, "table 4, 70B, FSDP 32 x TP 8", "70B", 256, "h100-hbm2e",
           _run(16, 512, 8192, "full", True, True, "--parallelism.tensor_parallel_degree", "8"), 829, 71.9),
     *(Point(H200_2025, f"8B, FSDP {gpus}, compile + float8", "8B", gpus, "h200",
-            _run(2, 2 * gpus, 8192, "selective", True, True), tps, mem)
+            _run(2, 2 * gpus, 8192, "selective", True, True, compiled='["model", "loss"]'), tps, mem)
       for gpus, tps, mem in ((32, 10938, 47.96), (64, 10753, 46.97))),
 ]
 
@@ -92,7 +101,7 @@ POINTS = [
 def plan_point(point: Point, log):
     started = time.perf_counter()
     result = plan(str(RECIPE), LLAMA31[point.model] + point.overrides, gpus=point.gpus, gpu=GPUS[point.gpu],
-                  advise=False)
+                  advise=False, attention=point.attention)
     log(f"{point.key}: planned in {time.perf_counter() - started:.0f} s")
     return result
 

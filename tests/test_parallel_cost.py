@@ -233,6 +233,30 @@ def test_the_plan_counts_a_lower_right_causal_attention_by_its_share():
     assert not [e for e in recorder.trace.memory_events if abs(e[2]) in mask_bytes]
 
 
+def test_the_cp_causal_bias_holds_no_storage_and_attends_as_torchs():
+    """``causal_lower_right`` allocates unused host memory of at least an fp32 [queries, keys] (at 262,144
+    tokens on CP 8: 32 GiB, which failed a plan here and asks any host for that much); the CP
+    shards' bias holds none and gives SDPA's output and gradients exactly."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    from canon_titan.models.common.context_parallel import lower_right_causal_bias
+
+    queries, keys = 48, 160
+    assert causal_lower_right(queries, keys).untyped_storage().nbytes() >= 4 * queries * keys
+    bias = lower_right_causal_bias(queries, keys)
+    assert bias.untyped_storage().nbytes() == 0
+    results = []
+    for mask in (causal_lower_right(queries, keys), bias):
+        torch.manual_seed(0)
+        q = torch.randn(1, 2, queries, 16, requires_grad=True)
+        k, v = torch.randn(1, 2, keys, 16, requires_grad=True), torch.randn(1, 2, keys, 16, requires_grad=True)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        out.square().sum().backward()
+        results.append((out, q.grad, k.grad, v.grad))
+    for expected, got in zip(*results):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
 def test_the_plan_of_tp_moves_activations_by_gather_and_reduce_scatter():
     """The issue's plan (``llama_debug`` at TP 2 with sequence parallelism): the TP all-reduces
     (QK-norm statistics, replicated weights' gradients) are under a quarter of the all-gathers'

@@ -25,11 +25,39 @@ def main(argv: list[str]) -> int:
                         "another GPU (see the README); default h100")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.add_argument("--no-advice", action="store_true", help="do not plan changes for a run that does not fit")
+    parser.add_argument("--attention-backend", choices=("cudnn", "flash"), default=None,
+                        help="the SDPA backend attention runs on (default: the one torch picks on that GPU: "
+                        "cudnn on sm90/sm100, flash elsewhere); flash for torch before 2.9 on Hopper")
+    search = parser.add_argument_group("layout search")
+    search.add_argument("--search", action="store_true",
+                        help="search the layouts that keep the run's global batch (FSDP/HSDP, TP, PP, CP, the "
+                        "local batch and its accumulation, activation checkpointing, keeping gathered weights, "
+                        "float8 apart) and print the fastest that fit")
+    search.add_argument("--top", type=int, default=5, help="with --search: how many layouts to print (default 5)")
+    search.add_argument("--budget-s", type=float, default=600.0,
+                        help="with --search: wall-clock budget in seconds (default 600)")
+    search.add_argument("--workers", type=int, default=None,
+                        help="with --search: planning processes (default: one per core, at most 4)")
+    search.add_argument("--write", metavar="FILE.toml", help="with --search: write the winner's resolved config here")
     args, overrides = parse_with_overrides(parser, argv)  # the rest, in order: --section.key value overrides
     if args.gpus < 1:
         return fail("plan", f"--gpus must be >= 1, got {args.gpus}")
     if args.gpus_per_node < 1:
         return fail("plan", f"--gpus-per-node must be >= 1, got {args.gpus_per_node}")
+
+    if not args.search:
+        for flag, value, default in (("--top", args.top, 5), ("--budget-s", args.budget_s, 600.0),
+                                     ("--workers", args.workers, None), ("--write", args.write, None)):
+            if value != default:
+                return fail("plan", f"{flag} applies to --search only")
+    if args.top < 1:
+        return fail("plan", f"--top must be >= 1, got {args.top}")
+    if args.budget_s <= 0:
+        return fail("plan", f"--budget-s must be > 0, got {args.budget_s}")
+    if args.workers is not None and args.workers < 1:
+        return fail("plan", f"--workers must be >= 1, got {args.workers}")
+    if args.write and not args.write.endswith(".toml"):
+        return fail("plan", f"--write {args.write}: expected a .toml path")
 
     from canon_titan.plan.gpus import UnknownGPU, find_gpu
 
@@ -41,9 +69,28 @@ def main(argv: list[str]) -> int:
     from canon_titan.plan import report
     from canon_titan.plan.planner import PlanError, plan, progress_printer
 
+    if args.search:
+        from canon_titan.plan import search
+
+        try:
+            found = search.search(args.config, overrides, gpus=args.gpus, gpu=gpu, gpus_per_node=args.gpus_per_node,
+                                  top=args.top, budget_s=args.budget_s, workers=args.workers,
+                                  attention=args.attention_backend, progress=progress_printer())
+        except ConfigError as e:
+            return fail("config", e)
+        except PlanError as e:
+            return fail("plan", e)
+        print(json.dumps(search.as_dict(found), indent=2) if args.json else search.text(found, args.top))
+        if args.write:
+            if not found.ranked:
+                return fail("plan", f"--write {args.write}: no layout fits, nothing written")
+            search.write_toml(found, args.config, overrides, args.write)
+            print(f"wrote the winner to {args.write}")
+        return 0
     try:
         result = plan(args.config, overrides, gpus=args.gpus, gpu=gpu, gpus_per_node=args.gpus_per_node,
-                      progress=progress_printer(), advise=not args.no_advice)
+                      progress=progress_printer(), advise=not args.no_advice,
+                      attention=args.attention_backend)
     except ConfigError as e:
         return fail("config", e)
     except PlanError as e:

@@ -4,17 +4,18 @@ their process groups cross, FSDP's overlap, the pipeline bubble.
 Compute. Each op takes the longer of its FLOPs at the GPU's peak for its kind and its bytes at
 the HBM bandwidth, each at the fraction of peak that such kernels reach (``EFFICIENCY``), and no
 less than ``MIN_KERNEL_S``. Causal attention does its causal share of the counted FLOPs (flash
-kernels skip the masked blocks; ``recorder.causal_share``).
+kernels skip the masked blocks; ``recorder.causal_share``), at the efficiency of the SDPA
+backend that runs it (FlashAttention-2 or cuDNN) for its head dim (``ATTENTION_EFFICIENCY``).
 
 Compile. The plan runs eagerly (fake tensors cannot run compiled code). With ``[compile]`` on,
-TorchTitan compiles each block of the model (``fake_world.CompiledBlocks`` records which ops ran
-inside one): every run of consecutive elementwise/reduction ops there between two matmuls,
-attention or custom kernels (Inductor's fusion boundaries) is one kernel that reads what it takes
-from outside and writes what is used outside; matmuls, attention and the custom kernels are
-unchanged, and the embedding, the output projection, the loss, FSDP's copies and the optimizer
-stay eager. Memory: what such a run creates and uses only inside itself is never stored, and
-what only the backward reads is recomputed there from the run's inputs where that keeps fewer
-bytes alive (``compiled_memory_events``).
+TorchTitan compiles each block of the model, and the loss where ``[compile] components`` names it
+(``fake_world.CompiledBlocks`` records which ops ran inside them): every run of consecutive
+elementwise/reduction ops there between two matmuls, attention or custom kernels (Inductor's
+fusion boundaries) is one kernel that reads what it takes from outside and writes what is used
+outside; matmuls, attention and the custom kernels are unchanged, and the embedding, the output
+projection, FSDP's copies and the optimizer stay eager. Memory: what such a run creates and uses
+only inside itself is never stored, and what only the backward reads is recomputed there from
+the run's inputs where that keeps fewer bytes alive (``compiled_memory_events``).
 
 Communication. A collective over n ranks moves ``(n - 1) / n`` of its buffer per rank (twice for
 an all-reduce) at the bus bandwidth of the slowest link its group crosses: NVLink inside a node,
@@ -42,8 +43,7 @@ EFFICIENCY = {
     # GEMM benchmarks), below the best shape's 80.3% (``GPU.matmul_efficiency``): the layers'
     # shapes quantize into waves of tiles less well. Other parts: ``matmul_efficiency``.
     "matmul": 0.70,
-    # FlashAttention-2 / cuDNN SDPA forward+backward on Hopper: ~40-50% of peak (FlashAttention-3
-    # paper, Table 1 baselines).
+    # SDPA forward+backward where ``ATTENTION_EFFICIENCY`` has no figure for the backend and part.
     "attention": 0.45,
     # Triton kernels of the recurrences (fla, mamba-ssm): chunked, tensor-core bound at ~35% of peak.
     "recurrence": 0.35,
@@ -51,6 +51,24 @@ EFFICIENCY = {
     # Streaming elementwise kernels reach ~80% of HBM bandwidth.
     "memory": 0.80,
 }
+ATTENTION_BACKENDS = ("cudnn", "flash")
+ATTENTION_EFFICIENCY = {
+    # (SDPA backend, compute capability major): {head dim: share of the bf16 peak for a causal
+    # forward + backward (the backward does 2.5x the forward's FLOPs)}.
+    # FlashAttention-2 (torch's "flash" backend) on Hopper: 35% of the H100's peak forward (the
+    # FlashAttention-3 paper, Shah et al. 2024, abstract and Fig. 5: ~335 TFLOPS at head dim 128)
+    # and ~290 TFLOPS backward (its Fig. 6): 3.5 / (1/335 + 2.5/290) = 302 TFLOPS, 0.30 of 989. It
+    # is written for Ampere; head dim 64 runs at about the same share.
+    ("flash", 9): {64: 0.30, 128: 0.30},
+    # cuDNN's fused attention on Hopper: at head dim 128 ~600 TFLOPS forward and ~450 backward
+    # (the same paper's Figs. 5-6): 3.5 / (1/600 + 2.5/450) = 485, 0.49 of 989; at head dim 64,
+    # 0.39: measured, LlamaCanon-1B on an H200, 2026-11-26 (gpu_check's profile: 30.0 ms of
+    # cuDNN attention kernels for the step's causal attention FLOPs; README, "Planned against
+    # measured by op kind").
+    ("cudnn", 9): {64: 0.39, 128: 0.49},
+}
+"""Attention kernels' efficiency by the SDPA backend that runs them and the head dim (linear
+between the head dims given, the nearest one outside them)."""
 H100_BEST_SHAPE = 0.803
 """The H100 SXM's best-shape bf16 GEMM efficiency (``gpus.GPUS["h100"].matmul_efficiency``)."""
 MIN_KERNEL_S = 3e-6
@@ -129,10 +147,43 @@ def matmul_efficiency(gpu: GPU, op) -> float:
     return best * EFFICIENCY["matmul"] / H100_BEST_SHAPE
 
 
-def _op_seconds(gpu: GPU, kind: str, op, nbytes: int) -> float:
+def default_attention_backend(gpu: GPU) -> str:
+    """The SDPA backend torch picks on ``gpu`` for a training step's bf16 causal attention: cuDNN
+    on sm90 and sm100 (``check_prefer_cudnn_attention`` in torch's ``sdp_utils.cpp``, on by
+    default from torch 2.9: pytorch/pytorch#162073; the H200 profile of 2026-11-26, torch 2.11,
+    ran cuDNN's kernels), FlashAttention-2 elsewhere. Torch 2.5.1 to 2.8 put flash first on every
+    part."""
+    return "cudnn" if gpu.capability in ((9, 0), (10, 0)) else "flash"
+
+
+def attention_efficiency(gpu: GPU, op, backend: str) -> float:
+    """The share of the peak an attention op reaches (``ATTENTION_EFFICIENCY``; ``EFFICIENCY``'s
+    generic figure for a backend and part it does not have)."""
+    table = ATTENTION_EFFICIENCY.get((backend, gpu.capability[0]))
+    if not table or not op.head_dim:
+        return EFFICIENCY["attention"]
+    dims = sorted(table)
+    if op.head_dim <= dims[0]:
+        return table[dims[0]]
+    if op.head_dim >= dims[-1]:
+        return table[dims[-1]]
+    above = next(d for d in dims if d >= op.head_dim)
+    below = max(d for d in dims if d <= op.head_dim)
+    if above == below:
+        return table[above]
+    share = (op.head_dim - below) / (above - below)
+    return table[below] + share * (table[above] - table[below])
+
+
+def _op_seconds(gpu: GPU, kind: str, op, nbytes: int, attention: str = "flash") -> float:
     flops = op.flops * op.attended
     t_mem = nbytes / (gpu.hbm_tb_s * 1e12 * EFFICIENCY["memory"])
-    efficiency = matmul_efficiency(gpu, op) if kind == "matmul" else EFFICIENCY.get(kind)
+    if kind == "matmul":
+        efficiency = matmul_efficiency(gpu, op)
+    elif kind == "attention":
+        efficiency = attention_efficiency(gpu, op, attention)
+    else:
+        efficiency = EFFICIENCY.get(kind)
     t_flops = flops / (_peak_flops(gpu, op) * efficiency) if efficiency and flops else 0.0
     return max(t_flops, t_mem, MIN_KERNEL_S)
 
@@ -252,8 +303,10 @@ def compiled_memory_events(step: RankStep) -> list[tuple[int, int, int]]:
     return events
 
 
-def compute_seconds(step: RankStep, gpu: GPU, compiled: bool) -> tuple[dict[str, float], dict[str, int], int]:
-    """Seconds and executed FLOPs per op kind for the whole step, and the kernels launched."""
+def compute_seconds(step: RankStep, gpu: GPU, compiled: bool,
+                    attention: str = "flash") -> tuple[dict[str, float], dict[str, int], int]:
+    """Seconds and executed FLOPs per op kind for the whole step, and the kernels launched
+    (attention on the SDPA backend ``attention``)."""
     ops = step.trace.ops
     seconds: dict[str, float] = defaultdict(float)
     flops: dict[str, int] = defaultdict(int)
@@ -278,7 +331,7 @@ def compute_seconds(step: RankStep, gpu: GPU, compiled: bool) -> tuple[dict[str,
             i = end
             continue
         if op.bytes or op.flops:
-            seconds[op.kind] += scale * _op_seconds(gpu, op.kind, op, op.bytes)
+            seconds[op.kind] += scale * _op_seconds(gpu, op.kind, op, op.bytes, attention)
             kernels += int(scale)
         flops[op.kind] += int(scale * op.flops)
         i += 1
@@ -347,12 +400,12 @@ def collectives(step: RankStep, gpu: GPU, gpus_per_node: int):
     return sorted(grouped.values(), key=lambda c: -c.seconds), overlappable, units, exposed
 
 
-def _phase_share(step: RankStep, gpu: GPU) -> dict[str, float]:
+def _phase_share(step: RankStep, gpu: GPU, attention: str) -> dict[str, float]:
     """Each phase's share (forward, backward, optimizer) of the step's eager op time."""
     per_phase: dict[str, float] = defaultdict(float)
     for i, op in enumerate(step.trace.ops):
         if op.bytes or op.flops:
-            per_phase[op.phase] += repeats(step, i) * _op_seconds(gpu, op.kind, op, op.bytes)
+            per_phase[op.phase] += repeats(step, i) * _op_seconds(gpu, op.kind, op, op.bytes, attention)
     total = sum(per_phase.values()) or 1.0
     return {phase: t / total for phase, t in per_phase.items()}
 
@@ -365,12 +418,12 @@ def bubble_slots(schedule: str, ranks: int, stages_per_rank: int) -> float:
     return (ranks - 1) / stages_per_rank
 
 
-def rank_time(step: RankStep, gpu: GPU, *, compiled: bool, gpus_per_node: int) -> RankTime:
+def rank_time(step: RankStep, gpu: GPU, *, compiled: bool, gpus_per_node: int, attention: str = "flash") -> RankTime:
     """This rank's step without the pipeline bubble (which the slowest stage sets: ``plan``)."""
-    compute, flops, kernels = compute_seconds(step, gpu, compiled)
+    compute, flops, kernels = compute_seconds(step, gpu, compiled, attention)
     costs, overlappable, units, exposed = collectives(step, gpu, gpus_per_node)
     total_compute = sum(compute.values())
-    share = _phase_share(step, gpu)
+    share = _phase_share(step, gpu, attention)
     exposed_s = sum(exposed.values())
     for phase in ("forward", "backward"):
         comm = overlappable.get(phase, 0.0)

@@ -361,7 +361,8 @@ def materialized_as_fake(fake_mode: FakeTensorMode):
 
 
 def fake_rank_step(config, *, rank: int, world_size: int, positions: bool, fp8_linears: bool = False,
-                   pipeline_sent: dict | None = None, compiled_blocks: bool = False) -> RankStep:
+                   pipeline_sent: dict | None = None, compiled_blocks: bool = False,
+                   compiled_loss: bool = False) -> RankStep:
     """Build ``config`` (a ``CanonTrainer.Config`` from ``build_trainer_config``) as rank ``rank`` of
     ``world_size`` on fake tensors and record one step. Under pipeline parallelism the stages
     before this rank's must have been stepped first with the same ``pipeline_sent``."""
@@ -385,11 +386,13 @@ def fake_rank_step(config, *, rank: int, world_size: int, positions: bool, fp8_l
         recorder = StepRecorder()
         if fp8_linears:
             _mark_fp8_linears(trainer, recorder)
-        blocks = CompiledBlocks(trainer, recorder) if compiled_blocks else contextlib.nullcontext()
+        compiled = compiled_blocks or compiled_loss
+        blocks = CompiledBlocks(trainer, recorder, blocks=compiled_blocks, loss=compiled_loss) if compiled \
+            else contextlib.nullcontext()
         modes = (fake_mode, FakeScalars(), pipeline_without_peers({} if pipeline_sent is None else pipeline_sent,
                                                                    recorder), blocks)
         step = record_step(trainer, recorder, modes=modes)
-        if compiled_blocks:
+        if compiled:
             step.compiled_ops = frozenset(blocks.ops)
         trainer.close()
         return step
@@ -397,25 +400,40 @@ def fake_rank_step(config, *, rank: int, world_size: int, positions: bool, fp8_l
 
 class CompiledBlocks(TorchDispatchMode):
     """Which recorded ops a compiled step runs inside its compiled code: TorchTitan compiles each
-    block of ``model.layers`` (``apply_compile``), not the embedding, the final norm, the output
-    projection, the loss or the optimizer, and Dynamo skips FSDP's hooks (its all-gather copy-in,
-    copy-out and reduce-scatter staging stay eager). Forward: the ops between the block's own
-    forward hooks (registered inside FSDP's). Backward: the ops run while autograd executes a node
-    that the block's forward created (activation-checkpoint recomputation included)."""
+    block of ``model.layers`` (``apply_compile``; ``blocks``) and, with ``loss`` in
+    ``[compile] components``, the loss function (``BaseLoss.fn``; ``loss``); not the embedding, the
+    final norm, the output projection or the optimizer, and Dynamo skips FSDP's hooks (its
+    all-gather copy-in, copy-out and reduce-scatter staging stay eager). Forward: the ops between
+    the block's own forward hooks (registered inside FSDP's), or inside the loss function.
+    Backward: the ops run while autograd executes a node that the block's (or the loss's) forward
+    created (activation-checkpoint recomputation included)."""
 
-    def __init__(self, trainer, recorder):
+    def __init__(self, trainer, recorder, *, blocks: bool = True, loss: bool = False):
         super().__init__()
         self.recorder = recorder
         self.ops: set[int] = set()
         self._depth = 0
         self._nodes: set = set()
         self._handles = []
-        for part in trainer.model_parts:
+        self._loss = None
+        for part in trainer.model_parts if blocks else ():
             layers = getattr(part, "layers", None)
             for block in (layers.values() if isinstance(layers, torch.nn.ModuleDict)
                           else layers or ()):
                 self._handles.append(block.register_forward_pre_hook(self._enter))
                 self._handles.append(block.register_forward_hook(self._exit, prepend=True))
+        if loss and callable(getattr(trainer.loss_fn, "fn", None)):
+            self._loss = trainer.loss_fn
+            inner = self._loss.fn
+
+            def compiled_loss(*args, **kwargs):
+                self._enter(None, args)
+                output = inner(*args, **kwargs)
+                self._exit(None, args, output)
+                return output
+
+            self._loss.fn = compiled_loss
+            self._loss_inner = inner
 
     def _enter(self, module, args):
         self._depth += 1
@@ -442,6 +460,8 @@ class CompiledBlocks(TorchDispatchMode):
     def __exit__(self, *args):
         for handle in self._handles:
             handle.remove()
+        if self._loss is not None:
+            self._loss.fn = self._loss_inner
         self._nodes.clear()
         return super().__exit__(*args)
 

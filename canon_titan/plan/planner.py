@@ -18,14 +18,13 @@ from unittest.mock import patch
 from canon_titan.config import ConfigError, load
 from canon_titan.data.kinds import SYNTHETIC
 from canon_titan.kernels.backends import KernelEnvironment, planned_machine
-from canon_titan.plan.estimate import DATA_PARALLEL_GROUPS, RankTime, bubble_slots, compiled_memory_events, rank_time, repeats
+from canon_titan.plan.estimate import (ATTENTION_BACKENDS, DATA_PARALLEL_GROUPS, RankTime, bubble_slots,
+                                      compiled_memory_events, default_attention_backend, rank_time, repeats)
+from canon_titan.plan.allocator import replay
 from canon_titan.plan.fake_world import RankStep, fake_rank_step
 from canon_titan.plan.gpus import GIB, GPU
 from canon_titan.plan.recorder import MemoryPeak, memory_peak
 
-FRAGMENTATION = 0.05
-"""What PyTorch's caching allocator reserves beyond the live tensors at the peak (block rounding,
-fragmentation): torchtitan's ``memory:`` figure is the reserved peak."""
 OUTSIDE_PYTORCH_GIB = 1.5
 """GPU memory PyTorch's allocator does not see: the CUDA context, NCCL's buffers, library
 workspaces."""
@@ -49,11 +48,13 @@ class RankKind:
     model_flops: int
     """FLOPs of the step as the trainer's MFU counts them: 3x the forward's matmul, attention and
     custom-kernel FLOPs (recomputation excluded), over every accumulation group."""
+    reserved: int = 0
+    """The peak as ``torch.cuda.max_memory_reserved`` would show it: the step's allocations and
+    frees replayed through the caching allocator (``allocator.replay``)."""
 
     @property
     def reserved_bytes(self) -> int:
-        """The peak as ``torch.cuda.max_memory_reserved`` would show it."""
-        return int(self.memory.total * (1 + FRAGMENTATION))
+        return max(self.reserved, self.memory.total)
 
     @property
     def device_bytes(self) -> int:
@@ -90,6 +91,8 @@ class Plan:
     bubble_s: float
     flops_per_token: int
     param_count: int
+    attention: str = "flash"
+    """The SDPA backend the attention ops are costed on (``estimate.ATTENTION_EFFICIENCY``)."""
     planner_s: float = 0.0
     notes: list[str] = field(default_factory=list)
     advice: list[tuple[str, Plan]] = field(default_factory=list)
@@ -137,6 +140,25 @@ def _categories(step: RankStep) -> dict[int, str]:
         if step.group_names.get(tuple(sorted(ranks))) in DATA_PARALLEL_GROUPS:
             categories.setdefault(sid, "communication buffers")
     return categories
+
+
+COLLECTIVE_STREAMS = {"all_gather": 1, "reduce_scatter": 2, "all_reduce": 2}
+"""The streams FSDP2 allocates its collectives' buffers on (its all-gather copy-in stream; its
+reduce-scatter stream, where HSDP's all-reduce runs too); 0 is the compute stream."""
+STATE_CATEGORIES = ("buffers", "parameters", "optimizer state")
+
+
+def reserved_peak(step: RankStep, events=None) -> int:
+    """The step's ``max_memory_reserved``: its allocations and frees (``events``, or the trace's)
+    replayed twice through the caching allocator, data-parallel collective buffers on FSDP2's
+    streams, the parameters, buffers and optimizer state allocated once."""
+    trace = step.trace
+    streams = {sid: COLLECTIVE_STREAMS.get(trace.collective_buffer_kinds.get(sid, ""), 0)
+               for sid, ranks in trace.collective_buffers.items()
+               if step.group_names.get(tuple(sorted(ranks))) in DATA_PARALLEL_GROUPS}
+    persistent = {sid for sid, category in step.categories.items() if category in STATE_CATEGORIES}
+    return replay(trace.memory_events if events is None else events, streams=streams,
+                  persistent=persistent).peak_reserved
 
 
 def _model_flops(step: RankStep) -> int:
@@ -188,15 +210,21 @@ def _stage_roles(pp: int, looped: bool) -> list[str]:
 
 
 def plan(config: str, overrides: list[str], *, gpus: int, gpu: GPU, gpus_per_node: int = 8,
-         progress=None, advise: bool = True) -> Plan:
-    """Plan ``config`` (with ``--section.key value`` ``overrides``) on ``gpus`` GPUs of kind ``gpu``.
+         progress=None, advise: bool = True, attention: str | None = None) -> Plan:
+    """Plan ``config`` (with ``--section.key value`` ``overrides``) on ``gpus`` GPUs of kind ``gpu``,
+    attention on the SDPA backend ``attention`` (default: the one torch picks on that GPU).
     ConfigError for what ``train`` would refuse; PlanError for a run that fails to build."""
     started = time.perf_counter()
+    attention = attention or default_attention_backend(gpu)
+    if attention not in ATTENTION_BACKENDS:
+        raise PlanError(f"attention backend {attention!r}: expected one of {', '.join(ATTENTION_BACKENDS)}")
     run, _ = resolve(config, overrides, gpus, gpu)
     par = run["parallelism"]
     pp = par["pipeline_parallel_degree"]
 
-    compiled = run["compile"]["enable"] and "model" in run["compile"]["components"]
+    compiled_blocks = run["compile"]["enable"] and "model" in run["compile"]["components"]
+    compiled_loss = run["compile"]["enable"] and "loss" in run["compile"]["components"]
+    compiled = compiled_blocks or compiled_loss
     positions = run["dataloader"]["dataset"] in SYNTHETIC or run["dataloader"]["document_masking"]
     steps: list[tuple[str, RankStep]] = []
     sent: dict = {}
@@ -210,7 +238,7 @@ def plan(config: str, overrides: list[str], *, gpus: int, gpu: GPU, gpus_per_nod
             with _quiet(), planned_machine(KernelEnvironment.planned_gpu(gpu.capability)):
                 step = fake_rank_step(trainer_config, rank=rank, world_size=gpus, positions=positions,
                                       fp8_linears=run["float8"]["enable"], pipeline_sent=sent,
-                                      compiled_blocks=compiled)
+                                      compiled_blocks=compiled_blocks, compiled_loss=compiled_loss)
         except (ValueError, RuntimeError, AssertionError) as e:
             raise PlanError(f"{config}: the run fails to build on {gpus} GPUs (rank {rank}): "
                             f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}") from e
@@ -219,8 +247,9 @@ def plan(config: str, overrides: list[str], *, gpus: int, gpu: GPU, gpus_per_nod
     for role, step in steps:
         events = compiled_memory_events(step) if compiled else None
         kinds.append(RankKind(role, step.rank, memory_peak(step.trace, _categories(step), events=events),
-                              rank_time(step, gpu, compiled=compiled, gpus_per_node=gpus_per_node),
-                              step.state_bytes, _model_flops(step)))
+                              rank_time(step, gpu, compiled=compiled, gpus_per_node=gpus_per_node,
+                                        attention=attention),
+                              step.state_bytes, _model_flops(step), reserved_peak(step, events)))
     first = steps[0][1]
     dp = run.data_parallel_size(gpus)
     local_batch = run["training"]["local_batch_size"]
@@ -242,12 +271,12 @@ def plan(config: str, overrides: list[str], *, gpus: int, gpu: GPU, gpus_per_nod
         global_batch=local_batch * dp * accumulation, steps=run["training"]["steps"], compiled=compiled,
         activation_checkpoint=run["activation_checkpoint"]["mode"], kinds=kinds,
         step_s=slowest.time.step_s + bubble, bubble_s=bubble, flops_per_token=first.flops_per_token,
-        param_count=_param_count(steps, pp),
+        param_count=_param_count(steps, pp), attention=attention,
     )
     result.notes = _notes(run, result)
     if advise and not result.fits:
         result.advice = _advice(config, overrides, run, gpus=gpus, gpu=gpu, gpus_per_node=gpus_per_node,
-                                progress=progress)
+                                progress=progress, attention=attention)
     result.planner_s = time.perf_counter() - started
     return result
 
@@ -262,12 +291,16 @@ def _param_count(steps, pp: int) -> int:
 def _notes(run, result: Plan) -> list[str]:
     notes = []
     if result.compiled:
-        notes.append("compile: planned from the eager ops; inside the compiled blocks each run of elementwise ops "
+        parts = " and ".join(name for key, name in (("model", "blocks"), ("loss", "loss"))
+                             if key in run["compile"]["components"])
+        eager = "the embedding, output, " + ("" if "loss" in run["compile"]["components"] else "loss, ")
+        notes.append(f"compile: planned from the eager ops; inside the compiled {parts} each run of elementwise ops "
                      "between matmuls, attention and custom kernels is one fused kernel; what only it uses is not "
                      "stored, what only the backward reads is recomputed from the run's inputs where that keeps "
-                     "fewer bytes; the embedding, output, loss, FSDP's copies and the optimizer stay eager")
+                     f"fewer bytes; {eager}FSDP's copies and the optimizer stay eager")
     else:
         notes.append("compile off: every op is its own kernel")
+    notes.append(f"attention on the {result.attention} SDPA backend (--attention-backend)")
     if run["float8"]["enable"]:
         notes.append(f"float8 {run['float8']['recipe_name']}: the float8 linears' matmuls at the fp8 peak; with TP, "
                      "activations cross the TP group in bf16 here (on NCCL, tensorwise linears send float8: half)")
@@ -303,7 +336,7 @@ def _candidates(run, gpus: int, gpus_per_node: int) -> list[tuple[str, list[str]
     return out
 
 
-def _advice(config, overrides, run, *, gpus, gpu, gpus_per_node, progress, tries: int = 6):
+def _advice(config, overrides, run, *, gpus, gpu, gpus_per_node, progress, attention, tries: int = 6):
     """The first change of each kind (AC, local batch, TP, PP) that makes the run fit, each planned;
     at most ``tries`` plans."""
     found, kinds_done = [], set()
@@ -318,7 +351,7 @@ def _advice(config, overrides, run, *, gpus, gpu, gpus_per_node, progress, tries
             progress(f"does it fit with {label}?")
         try:
             candidate = plan(config, [*overrides, *extra], gpus=gpus, gpu=gpu, gpus_per_node=gpus_per_node,
-                             progress=None, advise=False)
+                             progress=None, advise=False, attention=attention)
         except (ConfigError, PlanError):
             continue
         if candidate.fits:

@@ -98,6 +98,8 @@ class Op:
     attended: float = 1.0
     """An attention op's share of the score matrix that is computed: a causal mask's kept entries
     (fused kernels skip the fully masked blocks), 1 for no mask or any other mask."""
+    head_dim: int = 0
+    """An attention op's head dim (its query's last dimension; 0 for other ops)."""
     tf32: bool = False
     """fp32 operands run on TF32 tensor cores: a matmul or attention op in a step that allows it
     (``tf32_allowed``), a recurrence always (fla's and mamba-ssm's Triton ``tl.dot`` takes fp32 as
@@ -127,6 +129,8 @@ class StepTrace:
     """Storages resized in place (FSDP2's gathered parameters)."""
     collective_buffers: dict[int, tuple[int, ...]] = field(default_factory=dict)
     """Storages passed to a collective, with the collective's group (global ranks)."""
+    collective_buffer_kinds: dict[int, str] = field(default_factory=dict)
+    """The same storages, with the kind of the first collective they were passed to."""
     marks: dict[str, int] = field(default_factory=dict)
     """Named points in the op sequence (the driver's)."""
 
@@ -307,10 +311,11 @@ class StepRecorder(TorchDispatchMode):
             t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) for t in inputs))
         self._causal_mask(func, args, inputs, writes, outputs)
         attended = self._attended(func, args, kwargs) if kind == "attention" else 1.0
+        head_dim = _head_dim(func, args, kwargs) if kind == "attention" else 0
         tf32 = kind == "recurrence" or (kind in ("matmul", "attention") and self._tf32)
         self.trace.ops.append(Op(kind, self.phase(), str(packet).split("::")[-1], int(flops),
                                  sum(read_bytes) + sum(write_bytes), dtype, reads, read_bytes, writes, write_bytes,
-                                 fp8, attended, tf32))
+                                 fp8, attended, head_dim, tf32))
         return out
 
     def _collective(self, func, out, args, kwargs) -> None:
@@ -326,7 +331,9 @@ class StepRecorder(TorchDispatchMode):
         kind = collective_kind(func)
         self.trace.collectives.append(Collective(kind, ranks, nbytes, self.phase(), len(self.trace.ops)))
         for t in (a for a in tree_flatten((args, out))[0] if isinstance(a, torch.Tensor)):
-            self.trace.collective_buffers.setdefault(self.storage_id(t), ranks)
+            sid = self.storage_id(t)
+            self.trace.collective_buffers.setdefault(sid, ranks)
+            self.trace.collective_buffer_kinds.setdefault(sid, kind)
 
     # float8 linears in the plan run torchao's emulation (no fp8 matmul on a CPU); their matmuls
     # are the GPU's fp8 ones: in their forward (between these calls) and in their autograd
@@ -343,6 +350,11 @@ def _argument(func, args, kwargs, name: str):
         if argument.name == name:
             return args[i] if i < len(args) else kwargs.get(name, argument.default_value)
     return None
+
+
+def _head_dim(func, args, kwargs) -> int:
+    query = _argument(func, args, kwargs, "query")
+    return int(query.shape[-1]) if isinstance(query, torch.Tensor) and query.dim() else 0
 
 
 def _in_float8_backward() -> bool:

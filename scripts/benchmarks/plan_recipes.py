@@ -112,13 +112,20 @@ def calibration_table(log) -> list[str]:
     return rows
 
 
-def replace_block(text: str, name: str, rows: list[str]) -> str:
-    start, end = MARKERS[name]
+def split_block(text: str, start: str, end: str) -> tuple[str, str, str]:
+    """README.md's text before, between and after a pair of markers."""
     if start not in text or end not in text:
         raise SystemExit(f"README.md has no {start} ... {end} block")
     before, rest = text.split(start, 1)
-    _, after = rest.split(end, 1)
-    stamp = f"_Planned {datetime.date.today()} with `scripts/benchmarks/plan_recipes.py`._"
+    body, after = rest.split(end, 1)
+    return before, body, after
+
+
+def replace_block(text: str, name: str, rows: list[str], *, markers: tuple[str, str] | None = None,
+                  stamp: str | None = None) -> str:
+    start, end = markers or MARKERS[name]
+    before, _, after = split_block(text, start, end)
+    stamp = stamp or f"_Planned {datetime.date.today()} with `scripts/benchmarks/plan_recipes.py`._"
     return before + start + "\n" + "\n".join(rows) + "\n\n" + stamp + "\n" + end + after
 
 

@@ -56,6 +56,21 @@ def contiguous_runs(index: list[int]) -> list[tuple[int, int, int]]:
     return runs
 
 
+
+def lower_right_causal_bias(queries: int, keys: int):
+    """``torch.nn.attention.bias.causal_lower_right(queries, keys)`` without its storage: that
+    constructor goes through ``torch.Tensor``'s legacy sizes constructor (its variant, an int
+    enum, and the lengths are taken as sizes) and allocates an uninitialized fp32 tensor of at
+    least [queries, keys] on the host (32 GiB for one rank of 8 at 262,144 tokens), which SDPA
+    never reads (it dispatches on the bias's variant and lengths). Here the
+    same subclass wraps an empty tensor."""
+    # Imported here: the bias module imports torch._dynamo, and the config checks import this module.
+    from torch.nn.attention.bias import CausalBias, CausalVariant
+
+    bias = torch.Tensor._make_subclass(CausalBias, torch.empty(0))
+    bias.variant, bias.seq_len_q, bias.seq_len_kv = CausalVariant.LOWER_RIGHT, queries, keys
+    return bias
+
 @dataclass(eq=False)
 class ContextShards:
     """Which positions of each sequence this CP rank holds, and the collectives that give its
@@ -85,12 +100,10 @@ class ContextShards:
         # Made here, in the trainer's eager hook: torch.compile cannot construct the bias (a tensor
         # subclass) inside a compiled block, and no tensor subclass can be constructed under the
         # dispatch modes that plans and counters run the step in, so these are made outside them.
-        # Imported here: the bias module imports torch._dynamo, and the config checks import this module.
-        from torch.nn.attention.bias import causal_lower_right
         from torch.utils._python_dispatch import _disable_current_modes
 
         with _disable_current_modes():
-            self.causal_biases = [None if first == 0 else causal_lower_right(length, first + length)
+            self.causal_biases = [None if first == 0 else lower_right_causal_bias(length, first + length)
                                   for _, first, length in self.runs]
 
     @classmethod

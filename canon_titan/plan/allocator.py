@@ -1,0 +1,164 @@
+"""PyTorch's CUDA caching allocator, replayed over a recorded step's allocations and frees: what
+``torch.cuda.max_memory_reserved`` (TorchTitan's logged ``memory:`` figure) reaches, where the
+live tensors' peak is only what ``max_memory_allocated`` would show.
+
+The rules are those of ``c10/cuda/CUDACachingAllocator.cpp`` with its default settings (no
+``PYTORCH_CUDA_ALLOC_CONF``, no expandable segments, nothing released to the driver while memory
+lasts):
+
+- a request is rounded up to a multiple of 512 bytes;
+- requests of at most 1 MiB come from the small pool, larger ones from the large pool;
+- a request takes the smallest free block of its pool and stream that is large enough (best fit,
+  the lower address on a tie) and splits it when the rest is at least 512 bytes (small pool) or
+  more than 1 MiB (large pool);
+- with no such block it reserves a new segment from the driver: 2 MiB for a small request, 20 MiB
+  for a large one under 10 MiB, the request rounded up to 2 MiB above that;
+- a freed block merges with its free neighbours in the same segment; segments are never given back.
+
+Blocks belong to the stream that allocated them: memory freed by one stream is not reused by
+another. FSDP2 allocates its all-gather outputs on its all-gather copy-in stream and its
+reduce-scatter buffers on its reduce-scatter stream (``torch.distributed.fsdp``'s
+``_fsdp_collectives``), so they fragment apart from the compute stream's blocks.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+MIN_BLOCK = 512
+SMALL_SIZE = 1 << 20
+SMALL_BUFFER = 2 << 20
+LARGE_BUFFER = 20 << 20
+MIN_LARGE_ALLOC = 10 << 20
+ROUND_LARGE = 2 << 20
+
+
+def round_size(nbytes: int) -> int:
+    """The bytes a request of ``nbytes`` takes from a block."""
+    return MIN_BLOCK if nbytes < MIN_BLOCK else -(-nbytes // MIN_BLOCK) * MIN_BLOCK
+
+
+def segment_size(nbytes: int) -> int:
+    """The segment reserved from the driver for a (rounded) request that no free block serves."""
+    if nbytes <= SMALL_SIZE:
+        return SMALL_BUFFER
+    if nbytes < MIN_LARGE_ALLOC:
+        return LARGE_BUFFER
+    return -(-nbytes // ROUND_LARGE) * ROUND_LARGE
+
+
+@dataclass(eq=False)
+class Block:
+    segment: int
+    offset: int
+    size: int
+    stream: int
+    small: bool
+    allocated: bool = False
+    prev: Block | None = None
+    next: Block | None = None
+
+    def key(self) -> tuple[int, int, int]:
+        return (self.size, self.segment, self.offset)
+
+
+@dataclass
+class CachingAllocator:
+    reserved: int = 0
+    allocated: int = 0
+    peak_reserved: int = 0
+    peak_allocated: int = 0
+    _free: dict[tuple[int, bool], list] = field(default_factory=dict)
+    """(stream, small pool) -> free blocks, sorted by (size, segment, offset)."""
+    _segments: int = 0
+
+    def _pool(self, stream: int, small: bool) -> list:
+        return self._free.setdefault((stream, small), [])
+
+    def _insert(self, block: Block) -> None:
+        pool = self._pool(block.stream, block.small)
+        bisect.insort(pool, (block.key(), block))
+
+    def _remove(self, block: Block) -> None:
+        pool = self._pool(block.stream, block.small)
+        i = bisect.bisect_left(pool, (block.key(),))
+        while pool[i][1] is not block:
+            i += 1
+        del pool[i]
+
+    def malloc(self, nbytes: int, stream: int = 0) -> Block:
+        size = round_size(nbytes)
+        small = size <= SMALL_SIZE
+        pool = self._pool(stream, small)
+        i = bisect.bisect_left(pool, ((size, -1, -1),))
+        if i < len(pool):
+            block = pool.pop(i)[1]
+        else:
+            total = segment_size(size)
+            block = Block(self._segments, 0, total, stream, small)
+            self._segments += 1
+            self.reserved += total
+            self.peak_reserved = max(self.peak_reserved, self.reserved)
+        rest = block.size - size
+        if rest >= MIN_BLOCK if small else rest > SMALL_SIZE:
+            remaining = Block(block.segment, block.offset + size, rest, stream, small, prev=block, next=block.next)
+            if block.next is not None:
+                block.next.prev = remaining
+            block.next = remaining
+            block.size = size
+            self._insert(remaining)
+        block.allocated = True
+        self.allocated += block.size
+        self.peak_allocated = max(self.peak_allocated, self.allocated)
+        return block
+
+    def free(self, block: Block) -> None:
+        block.allocated = False
+        self.allocated -= block.size
+        for neighbour in (block.prev, block.next):
+            if neighbour is None or neighbour.allocated:
+                continue
+            self._remove(neighbour)
+            if neighbour is block.prev:
+                block.offset = neighbour.offset
+                block.prev = neighbour.prev
+                if neighbour.prev is not None:
+                    neighbour.prev.next = block
+            else:
+                block.next = neighbour.next
+                if neighbour.next is not None:
+                    neighbour.next.prev = block
+            block.size += neighbour.size
+        self._insert(block)
+
+
+def replay(events, *, streams: dict[int, int] | None = None, persistent: set[int] = frozenset(),
+           steps: int = 2) -> CachingAllocator:
+    """Replay a step's ``(op index, storage id, change in bytes)`` events ``steps`` times through
+    the allocator. ``streams``: storage id -> the stream that allocates it (0, the compute stream,
+    for the others). ``persistent``: storages that outlive a step (parameters, buffers, optimizer
+    state), allocated once; whatever else is alive at the end of a step is freed before the next
+    (the gradients, which the next step's ``zero_grad`` drops). A storage resized in place (FSDP2's
+    gathered parameters) frees its block and takes a new one."""
+    streams = streams or {}
+    allocator = CachingAllocator()
+    blocks: dict[int, Block] = {}
+    sizes: dict[int, int] = {}
+    for step in range(steps):
+        for _, sid, delta in events:
+            if step and sid in persistent:
+                continue
+            old = sizes.get(sid, 0)
+            new = max(old + delta, 0)
+            if new == old:
+                continue
+            if old:
+                allocator.free(blocks.pop(sid))
+            if new:
+                blocks[sid] = allocator.malloc(new, streams.get(sid, 0))
+            sizes[sid] = new
+        for sid in [sid for sid in blocks if sid not in persistent]:
+            allocator.free(blocks.pop(sid))
+            sizes[sid] = 0
+    return allocator

@@ -1,0 +1,526 @@
+"""``canon-titan plan --search``: the fastest layout of a run that fits a given cluster, keeping
+its global batch (and with it the recipe's training semantics).
+
+What it tries: every factorization of the GPUs into data-parallel (FSDP, or HSDP with one node's
+shard), tensor-, pipeline- and context-parallel degrees that the model family and canon-titan
+accept; for each, the activation-checkpoint modes and the largest local batch that fits (the rest
+of the global batch by accumulation); for the best of those, HSDP, keeping the gathered weights
+after the forward (``fsdp_reshard_after_forward never``), the other pipeline schedule, and
+float8 (listed apart: it changes the numerics).
+
+How, in three passes:
+1. **Bounds.** A layout whose divisibility the config checks refuse, or whose parameters,
+   gradients and optimizer state alone exceed the GPU (fp32 master weights and Adam: 16 bytes a
+   parameter over the FSDP x TP x PP shards), is dropped before any planning.
+2. **Probes.** The others are planned with a few layers (one and two per pipeline stage), which
+   takes about a second each, and extrapolated linearly in the layers: every block of these models
+   costs the same memory and time, and the rest (embedding, output, loss, optimizer) is what the
+   one-layer probe holds beyond a layer. Memory and the time per accumulation group are then
+   interpolated in the local batch between the smallest and largest local batch probed, to find the
+   largest local batch that fits (with ``MARGIN`` to spare) and its step time.
+3. **Plans.** The best probed layouts are planned in full (``plan``), and their variants; only
+   full plans are reported, so the overrides of any row, handed back to ``canon-titan plan``, give
+   its figures.
+
+Probes and plans run in worker processes (one per core, at most ``MAX_WORKERS``); progress goes
+to stderr.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as futures
+import multiprocessing
+import os
+import time
+from dataclasses import dataclass, field, replace
+
+MARGIN = 0.03
+"""The share of the GPU's memory a layout must leave free to be offered (and a probe's extrapolated
+peak to be planned in full)."""
+MAX_WORKERS = 4
+DEGREES = (1, 2, 4, 8)
+PP_SCHEDULES = ("1F1B", "Interleaved1F1B")
+LOOPED = {"Interleaved1F1B"}
+AC_MODES = ("none", "selective", "full")
+STATE_BYTES_PER_PARAMETER = {"float32": 16, "bfloat16": 8}
+"""Parameters, gradients and AdamW's two moments in the training dtype."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    pp: int
+    cp: int
+    local_batch: int
+    ac: str
+    reshard: str = "default"
+    schedule: str = "1F1B"
+    float8: str = ""
+
+    def overrides(self, global_batch: int) -> list[str]:
+        """The ``--section.key value`` arguments that make a run of this layout."""
+        out = ["--parallelism.data_parallel_replicate_degree", str(self.dp_replicate),
+               "--parallelism.data_parallel_shard_degree", str(self.dp_shard),
+               "--parallelism.tensor_parallel_degree", str(self.tp),
+               "--parallelism.pipeline_parallel_degree", str(self.pp),
+               "--parallelism.context_parallel_degree", str(self.cp),
+               "--training.local_batch_size", str(self.local_batch),
+               "--training.global_batch_size", str(global_batch),
+               "--activation_checkpoint.mode", self.ac,
+               "--parallelism.fsdp_reshard_after_forward", self.reshard]
+        if self.pp > 1:
+            out += ["--parallelism.pipeline_parallel_schedule", self.schedule,
+                    "--parallelism.pipeline_parallel_microbatch_size", "1"]
+        out += ["--float8.enable", "true" if self.float8 else "false"]
+        if self.float8:
+            out += ["--float8.recipe_name", self.float8]
+        return out
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def stages_per_rank(self) -> int:
+        return 2 if self.pp > 1 and self.schedule in LOOPED else 1
+
+    def describe(self, global_batch: int) -> str:
+        parts = [f"HSDP {self.dp_replicate}x{self.dp_shard}" if self.dp_replicate > 1 else f"FSDP {self.dp_shard}"]
+        parts += [f"TP {self.tp}"] if self.tp > 1 else []
+        parts += [f"PP {self.pp} {self.schedule}"] if self.pp > 1 else []
+        parts += [f"CP {self.cp}"] if self.cp > 1 else []
+        accumulation = global_batch // (self.local_batch * self.dp)
+        parts.append(f"local {self.local_batch}" + (f" x {accumulation} accum" if accumulation > 1 else ""))
+        parts.append(f"AC {self.ac}")
+        if self.reshard == "never":
+            parts.append("keep gathered weights")
+        if self.float8:
+            parts.append(f"float8 {self.float8}")
+        return ", ".join(parts)
+
+
+@dataclass
+class Outcome:
+    """A full plan's figures for a layout."""
+    layout: Layout
+    fits: bool
+    device_bytes: int
+    tokens_per_s_per_gpu: float
+    mfu: float
+    step_s: float
+    gpu_hours: float
+    error: str = ""
+
+
+@dataclass
+class SearchResult:
+    config: str
+    gpus: int
+    gpu_name: str
+    global_batch: int
+    seq_len: int
+    steps: int
+    recipe: Outcome | None
+    """The config's own layout on these GPUs (None: it is not a valid run there)."""
+    ranked: list[Outcome]
+    """Full plans that fit, bf16, fastest first."""
+    float8: list[Outcome]
+    """Full plans that fit with float8, fastest first."""
+    tried: dict[str, int] = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def structures(gpus: int, gpus_per_node: int, layers: int, global_batch: int, cp_allowed: bool):
+    """(tp, pp, cp) whose product divides ``gpus``, the rest data-parallel (FSDP over all of it) with
+    a data-parallel size that divides the global batch: TP within a node, CP without TP or PP
+    (canon-titan's limit), PP dividing the layers. HSDP and the looped pipeline schedule are
+    variants of the best of these (``hsdp_shard``, ``PP_SCHEDULES``)."""
+    for tp in DEGREES:
+        for pp in DEGREES:
+            for cp in DEGREES if cp_allowed else (1,):
+                if tp > gpus_per_node or (cp > 1 and (tp > 1 or pp > 1)) or gpus % (tp * pp * cp):
+                    continue
+                dp = gpus // (tp * pp * cp)
+                if global_batch % dp or (pp > 1 and layers % pp):
+                    continue
+                yield tp, pp, cp
+
+
+def hsdp_shard(layout: Layout, gpus_per_node: int) -> int:
+    """The shard degree of HSDP with one node's worth of data-parallel ranks per shard group (0: none:
+    under PP the node holds pipeline ranks too, or the shard would be all of the data parallelism)."""
+    per_node = gpus_per_node // (layout.tp * layout.cp) if gpus_per_node % (layout.tp * layout.cp) == 0 else 0
+    return per_node if layout.pp == 1 and 1 < per_node < layout.dp and layout.dp % per_node == 0 else 0
+
+
+PP_MAX_MICROBATCHES_PER_STAGE = 2
+PP_PROBE_BUDGET_S = 1800
+"""With a layout without PP that fits, pipeline layouts are probed only under a budget this large."""
+"""Under PP the local batch is cut into microbatches of one sequence; the search takes at most this
+many per stage (a plan records every microbatch, so its cost grows with them; past a few per stage
+the bubble is small already)."""
+
+
+def local_batches(per_rank: int, pp: int) -> list[int]:
+    """The local batches (sequences per step per data-parallel rank) that divide its share of the
+    global batch, largest first; under PP at least one microbatch per stage and at most
+    ``PP_MAX_MICROBATCHES_PER_STAGE``."""
+    return [b for b in reversed(_divisors(per_rank))
+            if pp == 1 or pp <= b <= PP_MAX_MICROBATCHES_PER_STAGE * pp]
+
+
+# ------------------------------------------------------------------------------------ workers
+
+
+def _plan_figures(config, overrides, gpus, gpu, gpus_per_node, attention):
+    """Run in a worker: one plan's figures (or its error)."""
+    from canon_titan.config import ConfigError
+    from canon_titan.plan.planner import PlanError, plan
+
+    try:
+        result = plan(config, overrides, gpus=gpus, gpu=gpu, gpus_per_node=gpus_per_node, advise=False,
+                      attention=attention)
+    except (ConfigError, PlanError) as e:
+        return {"error": str(e).splitlines()[0][:300]}
+    return {"fits": result.fits, "device_bytes": result.worst.device_bytes, "step_s": result.step_s,
+            "tokens_per_s_per_gpu": result.tokens_per_s_per_gpu, "mfu": result.mfu,
+            "gpu_hours": result.gpu_hours, "accumulation": result.accumulation}
+
+
+class _Pool:
+    """Plans in worker processes (spawned: the parent's torch state is not theirs), or in this
+    process when one worker is asked for."""
+
+    def __init__(self, workers: int):
+        self.workers = workers
+        self._pool = futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) \
+            if workers > 1 else None
+
+    def map(self, calls: list[tuple]) -> list[dict]:
+        if self._pool is None:
+            return [_plan_figures(*call) for call in calls]
+        return list(self._pool.map(_plan_figures, *zip(*calls))) if calls else []
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(cancel_futures=True)
+
+    def terminate(self) -> None:
+        """Stop the workers now (an interrupted or failed search leaves no planner running)."""
+        if self._pool is not None:
+            for process in list((self._pool._processes or {}).values()):
+                process.terminate()
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+# ------------------------------------------------------------------------------------- search
+
+
+def search(config: str, base_overrides: list[str], *, gpus: int, gpu, gpus_per_node: int = 8, top: int = 5,
+           budget_s: float = 600.0, workers: int | None = None, attention: str | None = None,
+           float8: bool = True, progress=None) -> SearchResult:
+    """Search the layouts of ``config`` (with ``base_overrides``) on ``gpus`` GPUs of kind ``gpu``."""
+    from unittest.mock import patch
+
+    import torch
+
+    from canon_titan.config import ConfigError, load
+    from canon_titan.plan.planner import PlanError
+
+    started = time.perf_counter()
+    say = progress or (lambda message: None)
+    with patch.dict(os.environ, WORLD_SIZE=str(gpus)):
+        try:
+            run = load(config, base_overrides, environment=False)
+        except ConfigError:
+            raise
+    training = run["training"]
+    dp_recipe = run.data_parallel_size(gpus) if training["global_batch_size"] == -1 else 1
+    global_batch = training["global_batch_size"] if training["global_batch_size"] != -1 \
+        else training["local_batch_size"] * dp_recipe
+    layers = run.model_args.n_layers
+    with torch.device("meta"):
+        parameters = sum(p.numel() for p in run.model_spec().model.build().parameters())
+    state_per_param = STATE_BYTES_PER_PARAMETER.get(str(training.get("dtype", "float32")), 16)
+    cp_allowed = not getattr(run.model_args, "context_parallel_problem", lambda cp: None)(2)
+    tried = {"structures": 0, "refused by the config checks": 0, "over memory by their state alone": 0,
+             "probed": 0, "planned in full": 0}
+    workers = max(1, min(workers or os.cpu_count() or 1, MAX_WORKERS))
+    pool = _Pool(workers)
+
+    def valid(layout: Layout) -> bool:
+        with patch.dict(os.environ, WORLD_SIZE=str(gpus)):
+            try:
+                load(config, [*base_overrides, *layout.overrides(global_batch)], environment=False)
+            except ConfigError:
+                return False
+        return True
+
+    def call(layout: Layout, extra=()):
+        return (config, [*base_overrides, *layout.overrides(global_batch), *extra], gpus, gpu, gpus_per_node,
+                attention)
+
+    def outcome(layout: Layout, figures: dict) -> Outcome:
+        if "error" in figures:
+            return Outcome(layout, False, 0, 0.0, 0.0, 0.0, 0.0, figures["error"])
+        # what the search offers leaves MARGIN of the GPU free: the plan's memory is within 8% of the
+        # published runs' (README), not exact
+        return Outcome(layout, figures["fits"] and figures["device_bytes"] <= gpu.memory_bytes * (1 - MARGIN),
+                       figures["device_bytes"], figures["tokens_per_s_per_gpu"], figures["mfu"], figures["step_s"],
+                       figures["gpu_hours"])
+
+    try:
+        # The config's own layout on these GPUs, for comparison.
+        say("planning the config's own layout")
+        try:
+            recipe_figures = _plan_figures(config, list(base_overrides), gpus, gpu, gpus_per_node, attention)
+        except (ConfigError, PlanError) as e:  # pragma: no cover - _plan_figures catches these
+            recipe_figures = {"error": str(e)}
+        par = run["parallelism"]
+        recipe = None if "error" in recipe_figures else Outcome(
+            Layout(par["data_parallel_replicate_degree"], run.data_parallel_size(gpus) // par["data_parallel_replicate_degree"],
+                   par["tensor_parallel_degree"], par["pipeline_parallel_degree"], par["context_parallel_degree"],
+                   training["local_batch_size"], run["activation_checkpoint"]["mode"],
+                   str(par["fsdp_reshard_after_forward"]), par["pipeline_parallel_schedule"],
+                   run["float8"]["recipe_name"] if run["float8"]["enable"] else ""),
+            recipe_figures["fits"], recipe_figures["device_bytes"], recipe_figures["tokens_per_s_per_gpu"],
+            recipe_figures["mfu"], recipe_figures["step_s"], recipe_figures["gpu_hours"])
+
+        # 1. Bounds.
+        shapes: list[tuple[Layout, list[int]]] = []
+        for tp, pp, cp in structures(gpus, gpus_per_node, layers, global_batch, cp_allowed):
+            tried["structures"] += 1
+            dp = gpus // (tp * pp * cp)
+            batches = local_batches(global_batch // dp, pp)
+            if not batches:
+                tried["refused by the config checks"] += 1
+                continue
+            if parameters * state_per_param / (dp * tp * pp) > gpu.memory_bytes:
+                tried["over memory by their state alone"] += 1
+                continue
+            modes = []
+            for ac in AC_MODES:
+                if valid(Layout(1, dp, tp, pp, cp, batches[0], ac)):
+                    modes.append(ac)
+                else:
+                    tried["refused by the config checks"] += 1
+            if modes:
+                shapes.append((Layout(1, dp, tp, pp, cp, batches[0], modes[0]), batches, modes))
+        say(f"{len(shapes)} parallel layouts to probe ({tried['structures']} factorizations; "
+            f"{tried['over memory by their state alone']} over memory by their state alone, "
+            f"{tried['refused by the config checks']} refused by the config checks)")
+
+        # 2. Probes, in rounds: for each layout the fastest checkpointing mode at the largest local
+        # batch first; where that does not fit, the same mode at the smallest batch (to interpolate)
+        # and the next mode at the largest, and so on.
+        capacity = gpu.memory_bytes * (1 - MARGIN)
+
+        def probe_calls(layout: Layout):
+            return [call(layout, ["--model.n_layers", str(k * layout.pp)]) for k in (1, 2)]
+
+        def extrapolate(layout: Layout, pair: list[dict]):
+            """Memory, seconds per accumulation group and accumulation at the model's layers."""
+            if any("error" in f for f in pair):
+                return None
+            per_stage = layers // layout.pp
+            memory = pair[0]["device_bytes"] + (per_stage - 1) * (pair[1]["device_bytes"] - pair[0]["device_bytes"])
+            step = pair[0]["step_s"] + (per_stage - 1) * (pair[1]["step_s"] - pair[0]["step_s"])
+            return memory, step / pair[0]["accumulation"], pair[0]["accumulation"]
+
+        probed: dict[Layout, tuple | None] = {}
+
+        def needs(shape: Layout, batches: list[int], modes: list[str]) -> list[Layout]:
+            out = []
+            for ac in modes:
+                big = replace(shape, ac=ac, local_batch=batches[0])
+                if big not in probed:
+                    return out + [big]
+                if probed[big] and probed[big][0] <= capacity:
+                    return out  # fits at the largest batch: slower modes cannot be faster
+                small = replace(big, local_batch=batches[-1])
+                if small != big and small not in probed:
+                    out.append(small)
+            return out
+
+        def probe(group: list, deadline: float) -> None:
+            while True:
+                todo = [lay for shape, batches, modes in group for lay in needs(shape, batches, modes)]
+                if not todo:
+                    return
+                if time.perf_counter() - started > deadline:
+                    say("probe budget spent: ranking what was probed")
+                    return
+                say(f"probing {len(todo)} layouts ({2 * len(todo)} few-layer plans on {workers} worker(s))")
+                for i in range(0, len(todo), 2 * workers):
+                    chunk = todo[i:i + 2 * workers]
+                    figures = pool.map([c for lay in chunk for c in probe_calls(lay)])
+                    for n, lay in enumerate(chunk):
+                        probed[lay] = extrapolate(lay, figures[2 * n:2 * n + 2])
+                    say(f"probed {len(probed)} layouts, {time.perf_counter() - started:.0f} s")
+
+        def fitting_probes() -> bool:
+            return any(p and p[0] <= capacity for p in probed.values())
+
+        # Pipeline layouts cost far more to plan (every microbatch of every stage is recorded: a
+        # minute for an 8B model on 8 stages) and pay a bubble: they are probed when nothing else
+        # fits, or when the budget is large (PP_PROBE_BUDGET_S).
+        probe([shape for shape in shapes if shape[0].pp == 1], budget_s * 0.6)
+        pipelined = [shape for shape in shapes if shape[0].pp > 1]
+        if pipelined and (not fitting_probes() or budget_s >= PP_PROBE_BUDGET_S):
+            probe(pipelined, budget_s * 0.6)
+        elif pipelined:
+            tried["pipeline layouts not probed (a layout without PP fits)"] = len(pipelined)
+        tried["probed"] = len(probed)
+
+        estimates: list[tuple[float, Layout]] = []
+        for shape, batches, modes in shapes:
+            for ac in modes:
+                big = probed.get(replace(shape, ac=ac, local_batch=batches[0]))
+                small = probed.get(replace(shape, ac=ac, local_batch=batches[-1]))
+                if big and big[0] <= capacity:
+                    estimates.append((big[1] * big[2], replace(shape, ac=ac, local_batch=batches[0])))
+                    continue
+                if not big or not small or small[0] > capacity or len(batches) == 1:
+                    continue
+                # memory and the time per accumulation group, linear in the local batch between the probes
+                b0, b1 = batches[-1], batches[0]
+                for b in batches:
+                    share = (b - b0) / (b1 - b0)
+                    if small[0] + share * (big[0] - small[0]) <= capacity:
+                        group_s = small[1] + share * (big[1] - small[1])
+                        estimates.append((group_s * (global_batch // (b * shape.dp)),
+                                          replace(shape, ac=ac, local_batch=b)))
+                        break
+        estimates.sort(key=lambda e: e[0])
+        say(f"{len(estimates)} layouts fit by the probes; planning the best in full")
+
+        # 3. Full plans of the best, then their variants.
+        planned: dict[Layout, Outcome] = {}
+
+        def plan_all(layouts: list[Layout]) -> None:
+            todo = [lay for lay in dict.fromkeys(layouts) if lay not in planned]
+            if not todo:
+                return
+            say(f"planning {len(todo)} layouts in full ({time.perf_counter() - started:.0f} s so far)")
+            for layout, figures in zip(todo, pool.map([call(lay) for lay in todo])):
+                planned[layout] = outcome(layout, figures)
+            tried["planned in full"] = len(planned)
+
+        best = [layout for _, layout in estimates[:max(2 * top, 6)]]
+        plan_all(best)
+        # a best-guess batch that did not fit: one step smaller
+        retry = []
+        for layout in best:
+            if not planned[layout].fits and not planned[layout].error:
+                dp = layout.dp
+                smaller = [b for b in local_batches(global_batch // dp, layout.pp) if b < layout.local_batch]
+                if smaller:
+                    retry.append(replace(layout, local_batch=smaller[0]))
+        plan_all(retry)
+        fitting = sorted((o for o in planned.values() if o.fits), key=lambda o: -o.tokens_per_s_per_gpu)
+        variants = []
+        for o in fitting[:3]:
+            lay = o.layout
+            if lay.dp_shard > 1:
+                variants.append(replace(lay, reshard="never"))
+            shard = hsdp_shard(lay, gpus_per_node)
+            if shard:
+                variants.append(replace(lay, dp_replicate=lay.dp // shard, dp_shard=shard))
+            if lay.pp > 1:
+                other = [s for s in PP_SCHEDULES if s != lay.schedule]
+                variants += [replace(lay, schedule=s) for s in other if layers % (lay.pp * (2 if s in LOOPED else 1)) == 0]
+        variants = [v for v in variants if valid(v)]
+        if time.perf_counter() - started < budget_s * 0.85:
+            plan_all(variants)
+        fitting = sorted((o for o in planned.values() if o.fits and not o.layout.float8),
+                         key=lambda o: -o.tokens_per_s_per_gpu)
+        float8_outcomes: list[Outcome] = []
+        if float8 and gpu.fp8_tflops and time.perf_counter() - started < budget_s * 0.9:
+            trials = [replace(o.layout, float8=recipe_name) for o in fitting[:2] for recipe_name in ("tensorwise", "rowwise")]
+            trials = [t for t in trials if valid(t)]
+            plan_all(trials)
+            float8_outcomes = sorted((planned[t] for t in trials if planned[t].fits),
+                                     key=lambda o: -o.tokens_per_s_per_gpu)
+    except BaseException:
+        pool.terminate()
+        raise
+    pool.close()
+    return SearchResult(config, gpus, gpu.name, global_batch, training["seq_len"], training["steps"], recipe,
+                        fitting, float8_outcomes, tried, time.perf_counter() - started)
+
+
+# ------------------------------------------------------------------------------------- output
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+def text(result: SearchResult, top: int) -> str:
+    b = result.global_batch
+    out = [f"Search: {result.config} on {result.gpus} x {result.gpu_name}, global batch {b} x {result.seq_len} "
+           f"tokens, {result.steps:,} steps",
+           "Tried: " + ", ".join(f"{n} {what}" for what, n in result.tried.items()) + f", in {result.seconds:.0f} s", ""]
+
+    def row(rank: str, o: Outcome) -> list[str]:
+        return [f"{rank} {o.layout.describe(b)}",
+                f"    {_gib(o.device_bytes)}, {o.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, MFU {100 * o.mfu:.1f}%, "
+                f"{o.gpu_hours:,.0f} GPU-hours for the run",
+                "    overrides: " + " ".join(o.layout.overrides(b))]
+
+    if result.recipe is not None:
+        verdict = "fits" if result.recipe.fits else "DOES NOT FIT"
+        out += [f"The config's own layout ({verdict}):"] + row("  -", result.recipe) + [""]
+    else:
+        out += ["The config's own layout: not a valid run on these GPUs", ""]
+    if not result.ranked:
+        out.append("No layout found that fits (more GPUs, or a smaller model)")
+    else:
+        out.append(f"Fastest layouts that fit with {100 * MARGIN:.0f}% of the memory spare (bf16, the recipe's "
+                   f"numerics; top {min(top, len(result.ranked))}):")
+        for i, o in enumerate(result.ranked[:top], 1):
+            out += row(f"{i:>3}.", o)
+        if result.recipe is not None and result.recipe.fits:
+            best = result.ranked[0]
+            out.append(f"Best against the config's own layout: x{best.tokens_per_s_per_gpu / result.recipe.tokens_per_s_per_gpu:.2f} "
+                       f"tokens/s, {result.recipe.gpu_hours - best.gpu_hours:,.0f} GPU-hours saved")
+    if result.float8:
+        out += ["", "With float8 (changes the numerics: not a drop-in for the recipe):"]
+        for i, o in enumerate(result.float8[:top], 1):
+            out += row(f"{i:>3}.", o)
+    return "\n".join(out)
+
+
+def as_dict(result: SearchResult) -> dict:
+    def one(o: Outcome) -> dict:
+        return {"layout": o.layout.describe(result.global_batch), "overrides": o.layout.overrides(result.global_batch),
+                "fits": o.fits, "device_bytes": o.device_bytes, "tokens_per_second_per_gpu": o.tokens_per_s_per_gpu,
+                "mfu": o.mfu, "step_seconds": o.step_s, "gpu_hours": o.gpu_hours}
+
+    return {"config": result.config, "gpus": result.gpus, "gpu": result.gpu_name, "global_batch": result.global_batch,
+            "seq_len": result.seq_len, "steps": result.steps, "recipe": one(result.recipe) if result.recipe else None,
+            "ranked": [one(o) for o in result.ranked], "float8": [one(o) for o in result.float8],
+            "tried": result.tried, "seconds": result.seconds}
+
+
+def write_toml(result: SearchResult, config: str, base_overrides: list[str], path: str) -> None:
+    """The winner as a resolved TOML config (``canon-titan config show`` of the config with its
+    overrides), written to a temporary file and renamed."""
+    from unittest.mock import patch
+
+    from canon_titan.config import dumps, load
+    from canon_titan.tools.fileio import write_atomic
+
+    best = result.ranked[0]
+    overrides = [*base_overrides, *best.layout.overrides(result.global_batch)]
+    with patch.dict(os.environ, WORLD_SIZE=str(result.gpus)):
+        run = load(config, overrides, environment=False)
+    header = (f"# canon-titan plan --search winner for {result.gpus} x {result.gpu_name}: "
+              f"{best.layout.describe(result.global_batch)}\n# resolved from {config} with {' '.join(overrides)}\n")
+    write_atomic(path, header + dumps(run.sections))

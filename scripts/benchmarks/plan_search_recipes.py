@@ -1,0 +1,93 @@
+"""``canon-titan plan --search`` over the release recipes: each recipe's own layout against the
+fastest layout found that keeps its global batch, at the recipe's reference GPU count on H200 (the
+release's GPU) and on one smaller cluster (64 H100s); GPU-hours per 1T tokens. Prints the table as
+Markdown, or writes it into README.md between its markers (rows of recipes not searched this time
+are kept).
+
+    .venv/bin/python scripts/benchmarks/plan_search_recipes.py [--readme] [--only PATTERN] [--budget-s S]
+
+Recipes that differ only in learning rate share a row. A search takes 2-10 minutes on a 2-core CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from canon_titan.plan.gpus import GPUS  # noqa: E402
+from canon_titan.plan.planner import progress_printer  # noqa: E402
+from canon_titan.plan.search import search  # noqa: E402
+from canon_titan.tools.fileio import write_atomic  # noqa: E402
+from plan_recipes import recipe_label, recipes, replace_block, split_block  # noqa: E402
+
+MARKERS = ("<!-- plan:search -->", "<!-- /plan:search -->")
+HEADER = ["| recipes | cluster | recipe's layout | its GPU-hours (1T tokens) | best layout found | its GPU-hours "
+          "(1T tokens) | saving | best with float8 (GPU-hours) |",
+          "|---|---|---|---:|---|---:|---:|---|"]
+
+
+def _per_trillion(outcome, tokens_per_step: int, gpus: int) -> float:
+    return 1e12 / tokens_per_step * outcome.step_s * gpus / 3600
+
+
+def rows(pattern: str | None, budget_s: float) -> list[str]:
+    out = []
+    for (model, size, reference), entries in recipes(pattern).items():
+        config = str(entries[0][0])
+        label = recipe_label(entries)
+        for gpus, gpu in ((reference, "h200"), (64, "h100")):
+            cluster = f"{gpus} x {GPUS[gpu].name}"
+            print(f"[plan_search_recipes] {label} on {cluster}", file=sys.stderr, flush=True)
+            found = search(config, [], gpus=gpus, gpu=GPUS[gpu], budget_s=budget_s, progress=progress_printer())
+            tokens = found.global_batch * found.seq_len
+            if found.recipe is not None and found.recipe.fits:
+                own, own_hours = found.recipe.layout.describe(found.global_batch), _per_trillion(found.recipe, tokens, gpus)
+                own_text = f"{own_hours:,.0f}"
+            else:
+                own, own_hours, own_text = "does not fit", None, "-"
+            if found.ranked:
+                best = found.ranked[0]
+                hours = _per_trillion(best, tokens, gpus)
+                saving = f"{100 * (1 - hours / own_hours):.0f}%" if own_hours else "-"
+                best_text, hours_text = best.layout.describe(found.global_batch), f"{hours:,.0f}"
+            else:
+                best_text, hours_text, saving = "none fits", "-", "-"
+            f8 = (f"{found.float8[0].layout.describe(found.global_batch)} "
+                  f"({_per_trillion(found.float8[0], tokens, gpus):,.0f})") if found.float8 else "-"
+            out.append(f"| {label} | {cluster} | {own} | {own_text} | {best_text} | {hours_text} | {saving} | {f8} |")
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--readme", action="store_true", help="write the rows into README.md between the markers")
+    parser.add_argument("--only", help="recipes whose name matches this glob")
+    parser.add_argument("--budget-s", type=float, default=600.0, help="each search's budget (default 600)")
+    args = parser.parse_args()
+    new = rows(args.only, args.budget_s)
+    if not args.readme:
+        print("\n".join(HEADER + new))
+        return 0
+    readme = REPO / "README.md"
+    text = readme.read_text()
+    _, body, _ = split_block(text, *MARKERS)
+    kept = {}
+    for line in body.splitlines() + new:  # rows of recipes not searched this time stay
+        if line.startswith("| ") and not line.startswith(("| recipes", "|---")):
+            cells = [c.strip() for c in line.strip("|").split("|")]
+            kept[(cells[0], cells[1])] = line
+    stamp = f"_Searched {datetime.date.today()} with `scripts/benchmarks/plan_search_recipes.py`._"
+    write_atomic(readme, replace_block(text, "search", HEADER + [kept[k] for k in sorted(kept)], markers=MARKERS,
+                                       stamp=stamp))
+    print(f"[plan_search_recipes] wrote {len(new)} rows into {readme}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

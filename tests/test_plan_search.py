@@ -1,0 +1,148 @@
+"""``canon-titan plan --search`` (issue 45): the layouts it enumerates keep the global batch, what it
+offers are full plans (handed back to ``plan`` they give the same figures), and its winner, stepped
+on real gloo processes, is the run the plan described.
+
+References: the config checks' own arithmetic of a layout's data-parallel size and accumulation
+(``load``), hand-enumerated factorizations, ``plan`` itself for the offered rows, and a real
+two-process run measured by FlopCounterMode, CommDebugMode, gloo's flight recorder and MemTracker
+(as ``tests/test_plan.py`` holds a plan to a real run).
+"""
+
+import os
+import subprocess
+import sys
+from unittest.mock import patch
+
+import pytest
+
+from canon_titan.plan.gpus import GPUS
+from conftest import CONFIGS, REPO
+
+BASE = ["--training.seq_len", "128"]
+
+
+def test_structures_are_every_factorization_the_checks_allow_by_hand():
+    """8 GPUs, 8 per node, 4 layers, a global batch of 8: TP within the node, CP only alone (with
+    FSDP), PP dividing the layers; each leaves a data-parallel size dividing the batch."""
+    from canon_titan.plan.search import structures
+
+    got = set(structures(8, 8, 4, 8, cp_allowed=True))
+    expected = {(1, 1, 1), (1, 1, 2), (1, 1, 4), (1, 1, 8), (1, 2, 1), (1, 4, 1), (2, 1, 1), (2, 2, 1),
+                (2, 4, 1), (4, 1, 1), (4, 2, 1), (8, 1, 1)}
+    assert got == expected
+    assert (1, 8, 1) not in set(structures(8, 8, 4, 8, cp_allowed=True))  # 8 stages of 4 layers
+    assert all(cp == 1 for _, _, cp in structures(8, 8, 4, 8, cp_allowed=False))
+    assert all(tp <= 4 for tp, _, _ in structures(16, 4, 4, 16, cp_allowed=True))  # TP within a 4-GPU node
+
+
+def test_every_local_batch_keeps_the_global_batch():
+    """For every structure of 64 GPUs and a global batch of 1,536 (the LlamaCanon-8B recipe), each
+    local batch the search offers resolves, through the config checks, to local x dp x
+    accumulation = 1,536, and under PP to 1-2 microbatches of one sequence per stage."""
+    from canon_titan.config import load
+    from canon_titan.plan.search import Layout, local_batches, structures
+
+    config = REPO / "train_configs" / "LlamaCanon-8B-Nemo-1T-lr0.003.toml"
+    checked = 0
+    for tp, pp, cp in structures(64, 8, 32, 1536, cp_allowed=True):
+        dp = 64 // (tp * pp * cp)
+        batches = local_batches(1536 // dp, pp)
+        assert batches == sorted(batches, reverse=True) and batches
+        for b in (batches[0], batches[-1]):
+            layout = Layout(1, dp, tp, pp, cp, b, "none")
+            with patch.dict(os.environ, WORLD_SIZE="64"):
+                run = load(str(config), layout.overrides(1536), environment=False)
+            assert run.data_parallel_size(64) == dp
+            accumulation = run["training"]["global_batch_size"] // (run["training"]["local_batch_size"] * dp)
+            assert run["training"]["local_batch_size"] * dp * accumulation == 1536
+            if pp > 1:
+                assert pp <= b <= 2 * pp
+            checked += 1
+    assert checked >= 30
+
+
+@pytest.fixture(scope="module")
+def found():
+    from canon_titan.plan.search import search
+
+    return search(str(CONFIGS["llama"]), BASE, gpus=2, gpu=GPUS["h100"], top=5, budget_s=900, workers=1)
+
+
+@pytest.mark.slow
+def test_a_search_offers_full_plans_that_keep_the_global_batch(found):
+    """At least three layouts fit; they are sorted fastest first; none changes the global batch;
+    float8 ones are listed apart; the winner's overrides handed back to ``plan`` give its figures."""
+    from canon_titan.config import load
+    from canon_titan.plan.planner import plan
+
+    assert len(found.ranked) >= 3
+    speeds = [o.tokens_per_s_per_gpu for o in found.ranked]
+    assert speeds == sorted(speeds, reverse=True)
+    assert all(not o.layout.float8 for o in found.ranked) and all(o.layout.float8 for o in found.float8)
+    for o in found.ranked + found.float8:
+        with patch.dict(os.environ, WORLD_SIZE="2"):
+            run = load(str(CONFIGS["llama"]), [*BASE, *o.layout.overrides(found.global_batch)], environment=False)
+        assert run["training"]["global_batch_size"] == found.global_batch == 8
+        assert found.global_batch % (run["training"]["local_batch_size"] * run.data_parallel_size(2)) == 0
+        assert o.fits
+    best = found.ranked[0]
+    again = plan(str(CONFIGS["llama"]), [*BASE, *best.layout.overrides(found.global_batch)], gpus=2,
+                 gpu=GPUS["h100"], advise=False)
+    assert again.tokens_per_s_per_gpu == pytest.approx(best.tokens_per_s_per_gpu, rel=1e-9)
+    assert again.worst.device_bytes == best.device_bytes
+    assert best.tokens_per_s_per_gpu >= found.recipe.tokens_per_s_per_gpu
+
+
+@pytest.mark.slow
+def test_the_winner_written_as_toml_is_the_same_run(found, tmp_path):
+    from canon_titan.config import load
+    from canon_titan.plan.search import write_toml
+
+    path = tmp_path / "winner.toml"
+    write_toml(found, str(CONFIGS["llama"]), BASE, str(path))
+    best = found.ranked[0].layout
+    with patch.dict(os.environ, WORLD_SIZE="2"):
+        written = load(str(path), [], environment=False)
+        direct = load(str(CONFIGS["llama"]), [*BASE, *best.overrides(found.global_batch)], environment=False)
+    for section in ("training", "parallelism", "activation_checkpoint", "float8", "model"):
+        assert written[section] == direct[section], section
+
+
+@pytest.mark.slow
+def test_the_winner_stepped_on_real_processes_is_the_planned_run(found, tmp_path):
+    """The top layout on two real gloo processes: FLOPs equal FlopCounterMode's, collectives by kind
+    CommDebugMode's, bytes per group what gloo recorded, the activation peak within 10% of
+    MemTracker's (the gathered parameters on MemTracker's side of the line); parameters, gradients, optimizer state and every collective's bytes by kind, group
+    and phase equal to the real step recorded op by op."""
+    from test_plan import assert_plan_is_the_real_run, plan_step, real_run, summary
+
+    from canon_titan.plan.planner import _categories
+    from canon_titan.plan.recorder import memory_peak
+
+    overrides = [*BASE, *found.ranked[0].layout.overrides(found.global_batch)]
+    real, measured = real_run(CONFIGS["llama"], overrides, 2, tmp_path)
+    step = plan_step(CONFIGS["llama"], overrides, 2)
+    # MemTracker files the gathered (unsharded) parameters under PARAM (it registers a module's
+    # parameters as its forward starts, when FSDP has swapped in the gathered ones); kept after the
+    # forward (fsdp_reshard_after_forward never) they are alive at the activation peak, where the
+    # plan calls them gathered parameters.
+    gathered = memory_peak(step.trace, _categories(step)).by_category.get("gathered parameters", 0)
+    assert_plan_is_the_real_run(summary(step), real, measured, gathered)
+
+
+def _cli(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "canon_titan.cli", "plan", *map(str, args)], cwd=REPO,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--gpus", "2", "--top", "3"], "--top applies to --search only"),
+    (["--gpus", "2", "--write", "w.toml"], "--write applies to --search only"),
+    (["--gpus", "2", "--search", "--top", "0"], "--top must be >= 1"),
+    (["--gpus", "2", "--search", "--write", "w.txt"], "expected a .toml path"),
+    (["--gpus", "2", "--search", "--budget-s", "0"], "--budget-s must be > 0"),
+])
+def test_bad_search_arguments_are_one_line_and_exit_2(args, message):
+    proc = _cli(CONFIGS["llama"], *args)
+    assert proc.returncode == 2
+    assert message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
