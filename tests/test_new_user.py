@@ -81,7 +81,8 @@ def test_the_readme_writes_only_under_ignored_folders():
         written |= set(re.findall(r"convert (?:to-hf|from-hf) \S+ (\S+)", block))
         written |= set(re.findall(r"--job\.dump_folder (\S+)", block))
         written |= {w for w in re.findall(r"--out (\S+)", block) if not w.startswith("$")}
-    assert {"outputs/hf/debug", "outputs/dcp/debug"} <= written
+        written |= set(re.findall(r"--write (\S+)", block))  # plan --search's winner
+    assert {"outputs/hf/debug", "outputs/dcp/debug", "outputs/LlamaCanon-8B-64xH100.toml"} <= written
     written = {w for w in written if not os.path.isabs(w)}  # a path of the user's own (/data/...)
     ignored = subprocess.run(["git", "check-ignore", "--no-index", *sorted(written)], cwd=REPO, capture_output=True,
                              text=True).stdout.split()

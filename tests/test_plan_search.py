@@ -9,8 +9,6 @@ two-process run measured by FlopCounterMode, CommDebugMode, gloo's flight record
 """
 
 import os
-import subprocess
-import sys
 from unittest.mock import patch
 
 import pytest
@@ -130,19 +128,17 @@ def test_the_winner_stepped_on_real_processes_is_the_planned_run(found, tmp_path
     assert_plan_is_the_real_run(summary(step), real, measured, gathered)
 
 
-def _cli(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "canon_titan.cli", "plan", *map(str, args)], cwd=REPO,
-                          capture_output=True, text=True, timeout=timeout)
-
-
 @pytest.mark.parametrize("args,message", [
     (["--gpus", "2", "--top", "3"], "--top applies to --search only"),
     (["--gpus", "2", "--write", "w.toml"], "--write applies to --search only"),
     (["--gpus", "2", "--search", "--top", "0"], "--top must be >= 1"),
     (["--gpus", "2", "--search", "--write", "w.txt"], "expected a .toml path"),
     (["--gpus", "2", "--search", "--budget-s", "0"], "--budget-s must be > 0"),
+    (["--gpus", "2", "--search", "--workers", "0"], "--workers must be >= 1"),
 ])
-def test_bad_search_arguments_are_one_line_and_exit_2(args, message):
-    proc = _cli(CONFIGS["llama"], *args)
-    assert proc.returncode == 2
-    assert message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+def test_bad_search_arguments_are_one_line_and_exit_2(args, message, capsys):
+    from canon_titan.cli.plan import main
+
+    assert main([str(CONFIGS["llama"]), *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1, err
