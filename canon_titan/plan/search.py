@@ -231,15 +231,11 @@ def search(config: str, base_overrides: list[str], *, gpus: int, gpu, gpus_per_n
     import torch
 
     from canon_titan.config import ConfigError, load
-    from canon_titan.plan.planner import PlanError
 
     started = time.perf_counter()
     say = progress or (lambda message: None)
     with patch.dict(os.environ, WORLD_SIZE=str(gpus)):
-        try:
-            run = load(config, base_overrides, environment=False)
-        except ConfigError:
-            raise
+        run = load(config, base_overrides, environment=False)  # ConfigError: the caller's to report
     training = run["training"]
     dp_recipe = run.data_parallel_size(gpus) if training["global_batch_size"] == -1 else 1
     global_batch = training["global_batch_size"] if training["global_batch_size"] != -1 \
@@ -278,10 +274,7 @@ def search(config: str, base_overrides: list[str], *, gpus: int, gpu, gpus_per_n
     try:
         # The config's own layout on these GPUs, for comparison.
         say("planning the config's own layout")
-        try:
-            recipe_figures = _plan_figures(config, list(base_overrides), gpus, gpu, gpus_per_node, attention)
-        except (ConfigError, PlanError) as e:  # pragma: no cover - _plan_figures catches these
-            recipe_figures = {"error": str(e)}
+        recipe_figures = _plan_figures(config, list(base_overrides), gpus, gpu, gpus_per_node, attention)
         par = run["parallelism"]
         recipe = None if "error" in recipe_figures else Outcome(
             Layout(par["data_parallel_replicate_degree"], run.data_parallel_size(gpus) // par["data_parallel_replicate_degree"],
