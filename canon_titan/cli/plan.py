@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from canon_titan.cli.common import OVERRIDES, fail, parse_with_overrides
 from canon_titan.config import ConfigError
@@ -46,9 +47,9 @@ def main(argv: list[str]) -> int:
         return fail("plan", f"--gpus-per-node must be >= 1, got {args.gpus_per_node}")
 
     if not args.search:
-        for flag, value, default in (("--top", args.top, 5), ("--budget-s", args.budget_s, 600.0),
-                                     ("--workers", args.workers, None), ("--write", args.write, None)):
-            if value != default:
+        for flag in ("--top", "--budget-s", "--workers", "--write"):
+            dest = flag[2:].replace("-", "_")
+            if getattr(args, dest) != parser.get_default(dest):
                 return fail("plan", f"{flag} applies to --search only")
     if args.top < 1:
         return fail("plan", f"--top must be >= 1, got {args.top}")
@@ -85,7 +86,7 @@ def main(argv: list[str]) -> int:
             if not found.ranked:
                 return fail("plan", f"--write {args.write}: no layout fits, nothing written")
             search.write_toml(found, args.config, overrides, args.write)
-            print(f"wrote the winner to {args.write}")
+            print(f"wrote the winner to {args.write}", file=sys.stderr)  # stdout stays the table or JSON
         return 0
     try:
         result = plan(args.config, overrides, gpus=args.gpus, gpu=gpu, gpus_per_node=args.gpus_per_node,

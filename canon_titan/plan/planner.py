@@ -48,13 +48,9 @@ class RankKind:
     model_flops: int
     """FLOPs of the step as the trainer's MFU counts them: 3x the forward's matmul, attention and
     custom-kernel FLOPs (recomputation excluded), over every accumulation group."""
-    reserved: int = 0
+    reserved_bytes: int
     """The peak as ``torch.cuda.max_memory_reserved`` would show it: the step's allocations and
     frees replayed through the caching allocator (``allocator.replay``)."""
-
-    @property
-    def reserved_bytes(self) -> int:
-        return max(self.reserved, self.memory.total)
 
     @property
     def device_bytes(self) -> int:

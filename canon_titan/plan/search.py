@@ -18,6 +18,8 @@ How, in three passes:
    one-layer probe holds beyond a layer. Memory and the time per accumulation group are then
    interpolated in the local batch between the smallest and largest local batch probed, to find the
    largest local batch that fits (with ``MARGIN`` to spare) and its step time.
+   Pipeline layouts are probed only when no layout without PP fits, or under a budget of
+   ``PP_PROBE_BUDGET_S`` (a plan records every microbatch of every stage: slow).
 3. **Plans.** The best probed layouts are planned in full (``plan``), and their variants; only
    full plans are reported, so the overrides of any row, handed back to ``canon-titan plan``, give
    its figures.
@@ -81,10 +83,6 @@ class Layout:
     @property
     def dp(self) -> int:
         return self.dp_replicate * self.dp_shard
-
-    @property
-    def stages_per_rank(self) -> int:
-        return 2 if self.pp > 1 and self.schedule in LOOPED else 1
 
     def describe(self, global_batch: int) -> str:
         parts = [f"HSDP {self.dp_replicate}x{self.dp_shard}" if self.dp_replicate > 1 else f"FSDP {self.dp_shard}"]
@@ -160,11 +158,11 @@ def hsdp_shard(layout: Layout, gpus_per_node: int) -> int:
 
 
 PP_MAX_MICROBATCHES_PER_STAGE = 2
-PP_PROBE_BUDGET_S = 1800
-"""With a layout without PP that fits, pipeline layouts are probed only under a budget this large."""
 """Under PP the local batch is cut into microbatches of one sequence; the search takes at most this
 many per stage (a plan records every microbatch, so its cost grows with them; past a few per stage
 the bubble is small already)."""
+PP_PROBE_BUDGET_S = 1800
+"""With a layout without PP that fits, pipeline layouts are probed only under a budget this large."""
 
 
 def local_batches(per_rank: int, pp: int) -> list[int]:
@@ -198,7 +196,6 @@ class _Pool:
     process when one worker is asked for."""
 
     def __init__(self, workers: int):
-        self.workers = workers
         self._pool = futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) \
             if workers > 1 else None
 
