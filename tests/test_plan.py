@@ -429,14 +429,36 @@ def test_collective_time_by_hand():
     """An all-gather of 1 GB over 16 ranks on two nodes: 15/16 of it through each GPU's 50 GB/s
     network link, after NCCL's ring latency (8.4 us to start, 14 hops over NVLink at 3.4 us and 1
     between the nodes at 14 us); an all-reduce inside a node: twice (n-1)/n of it over NVLink, after
-    14 ring hops (the tree's 2 x 7 hops at 4 us are slower)."""
+    14 ring hops (the tree's 2 x 7 hops at 4 us are slower), at the 370 GB/s NCCL's topology model
+    gives Hopper's 18 NVLinks, not the datasheet's 450."""
     from canon_titan.plan.estimate import collective_seconds
 
     assert collective_seconds("all_gather", 10**9, 16, "network", H100, nodes=2) == pytest.approx(
         (8.4 + 14 * 3.4 + 14.0) * 1e-6 + 10**9 * 15 / 16 / 50e9)
     assert collective_seconds("all_reduce", 10**9, 8, "nvlink", H100) == pytest.approx(
-        (8.4 + 14 * 3.4) * 1e-6 + 2 * 10**9 * 7 / 8 / 450e9)
+        (8.4 + 14 * 3.4) * 1e-6 + 2 * 10**9 * 7 / 8 / 370e9)
     assert collective_seconds("all_gather", 10**9, 1, "nvlink", H100) == 0.0
+
+
+def test_nvlink_runs_at_nccls_rate_for_each_architecture(tmp_path):
+    """Each part's NVLink bandwidth for collectives is the per-GPU figure of NCCL's topology model,
+    which torch's own communication model carries (``torch._inductor.comm_analysis``); a part
+    described in a file without one gets the same share of its datasheet figure as Hopper's."""
+    comm_analysis = pytest.importorskip("torch._inductor.comm_analysis")
+    table = getattr(comm_analysis, "_GPU_NVLINK_BW", None)
+    if table is None:
+        pytest.skip("this torch has no NVLink table in _inductor.comm_analysis")
+    by_major = {8: "AMPERE", 9: "HOPPER", 10: "BLACKWELL"}
+    for key, gpu in GPUS.items():
+        arch = comm_analysis.NVIDIA_GPU_TYPE[by_major[gpu.capability[0]]]
+        assert gpu.collective_nvlink_gb_s == pytest.approx(table[arch], rel=0.01), key
+        assert gpu.collective_nvlink_gb_s < gpu.nvlink_gb_s, key
+    spec = tmp_path / "part.toml"
+    spec.write_text('name = "p"\nmemory_gib = 80\nbf16_tflops = 989\nfp8_tflops = 1979\nhbm_tb_s = 3.35\n'
+                    'nvlink_gb_s = 900\nnetwork_gb_s = 50\nfp32_tflops = 67\n')
+    assert find_gpu(str(spec)).collective_nvlink_gb_s == pytest.approx(900 * 370 / 450)
+    spec.write_text(spec.read_text() + "nccl_nvlink_gb_s = 700\n")
+    assert find_gpu(str(spec)).collective_nvlink_gb_s == 700
 
 
 def test_collective_latency_grows_with_ranks_and_nodes():

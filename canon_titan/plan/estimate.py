@@ -18,9 +18,10 @@ only inside itself is never stored, and what only the backward reads is recomput
 the run's inputs where that keeps fewer bytes alive (``compiled_memory_events``).
 
 Communication. A collective over n ranks moves ``(n - 1) / n`` of its buffer per rank (twice for
-an all-reduce) at the bus bandwidth of the slowest link its group crosses: NVLink inside a node,
-the GPU's network link between nodes, after NCCL's latency (a start, then a hop per step of its
-ring, or of its tree for an all-reduce where that is faster: it grows with ranks and nodes).
+an all-reduce) at the bus bandwidth of the slowest link its group crosses: NVLink inside a node
+(at the rate NCCL's topology model gives it, ``GPU.nccl_nvlink_gb_s``), the GPU's network link
+between nodes, after NCCL's latency (a start, then a hop per step of its ring, or of its tree for
+an all-reduce where that is faster: it grows with ranks and nodes).
 FSDP's all-gathers and reduce-scatters overlap the compute of their phase (prefetching), except
 the first all-gather of a phase and the last reduce-scatter;
 tensor-, context- and pipeline-parallel traffic and the loss reductions are on the critical path.
@@ -364,7 +365,7 @@ def collective_latency(kind: str, n: int, nodes: int) -> float:
 def collective_seconds(kind: str, nbytes: int, n: int, link: str, gpu: GPU, nodes: int = 1) -> float:
     if n <= 1:
         return 0.0
-    bandwidth = (gpu.network_gb_s if link == "network" else gpu.nvlink_gb_s) * 1e9
+    bandwidth = (gpu.network_gb_s if link == "network" else gpu.collective_nvlink_gb_s) * 1e9
     factor = {"all_reduce": 2 * (n - 1) / n, "send": 1.0, "recv": 0.0, "send/recv": 1.0}.get(kind, (n - 1) / n)
     return collective_latency(kind, n, nodes) + nbytes * factor / bandwidth
 

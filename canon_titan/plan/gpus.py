@@ -44,6 +44,15 @@ class GPU:
     H100 SXM's."""
     fp8_matmul_efficiency: float = field(default=0.709, kw_only=True)
     """The same for float8 GEMMs against the fp8 peak. Default: the H100 SXM's."""
+    nccl_nvlink_gb_s: float | None = field(default=None, kw_only=True)
+    """The NVLink bandwidth NCCL's collectives reach per GPU and direction, 10^9 bytes/s: its
+    per-link rate for the architecture times the links (NCCL's ``src/graph/topo.h``; torch's
+    ``_inductor.comm_analysis`` carries the same table: 240 on Ampere, 370 on Hopper, 720 on
+    Blackwell), about 0.8 of the datasheet's ``nvlink_gb_s``. Default: ``NCCL_NVLINK_SHARE`` of it."""
+
+    @property
+    def collective_nvlink_gb_s(self) -> float:
+        return self.nccl_nvlink_gb_s or NCCL_NVLINK_SHARE * self.nvlink_gb_s
 
     @property
     def memory_bytes(self) -> int:
@@ -56,6 +65,10 @@ class GPU:
         return self.bf16_tflops / 2
 
 
+NCCL_NVLINK_SHARE = 370.0 / 450.0
+"""NCCL's NVLink bandwidth over the datasheet's on Hopper (``GPU.nccl_nvlink_gb_s``), for parts
+described without their own figure."""
+
 GPUS: dict[str, GPU] = {
     # NVIDIA H100 Tensor Core GPU datasheet, SXM column: 989 TFLOPS bf16 and 1,979 fp8 (dense: half
     # the "with sparsity" figures), 67 TFLOPS fp32, 3.35 TB/s HBM3, NVLink 900 GB/s (both directions);
@@ -64,7 +77,7 @@ GPUS: dict[str, GPU] = {
     # achievable matmul FLOPS table of Stas Bekman's "Machine Learning Engineering"
     # (compute/accelerator), which the efficiencies of every part below come from too.
     "h100": GPU("H100 SXM 80GB", 79.6, 989.0, 1979.0, 3.35, 450.0, 50.0, (9, 0), fp32_tflops=67.0,
-                matmul_efficiency=0.803, fp8_matmul_efficiency=0.709),
+                matmul_efficiency=0.803, fp8_matmul_efficiency=0.709, nccl_nvlink_gb_s=370.0),
     # The H100 of TorchTitan's published runs (benchmarks/llama3_h100_202412_torchtitan.md, Meta's
     # Grand Teton): 96 GB HBM2e at 2.4 TB/s, a 500 W power limit, NVLink with NVSwitch and 400 Gb/s
     # RDMA per GPU. Its peak is "between SXM and NVL" (that file's footnote 2), which no datasheet
@@ -72,26 +85,27 @@ GPUS: dict[str, GPU] = {
     # NVL datasheet's 835 / 1,671 / 60 (dense). Memory: 96 GiB of HBM, of which the driver shows
     # the same share as the 80 GB part's 81,559 of 81,920 MiB.
     "h100-hbm2e": GPU("H100 96GB HBM2e 500W", 95.5, 912.0, 1825.0, 2.4, 450.0, 50.0, (9, 0),
-                      fp32_tflops=63.5, matmul_efficiency=0.803, fp8_matmul_efficiency=0.709),
+                      fp32_tflops=63.5, matmul_efficiency=0.803, fp8_matmul_efficiency=0.709,
+                      nccl_nvlink_gb_s=370.0),
     # NVIDIA H200 Tensor Core GPU datasheet, SXM column: the H100's compute, 4.8 TB/s HBM3e, 141 GB
     # (nvidia-smi: 143,771 MiB), NVLink 900 GB/s; HGX H200 with 400 Gb/s NDR per GPU.
     # Best-shape GEMMs: bf16 as the H100 ("H200 is the same"), 1,453.4 of 1,979 fp8 (73.4%).
     "h200": GPU("H200 SXM 141GB", 140.4, 989.0, 1979.0, 4.8, 450.0, 50.0, (9, 0), fp32_tflops=67.0,
-                matmul_efficiency=0.803, fp8_matmul_efficiency=0.734),
+                matmul_efficiency=0.803, fp8_matmul_efficiency=0.734, nccl_nvlink_gb_s=370.0),
     # NVIDIA A100 Tensor Core GPU datasheet, 80GB SXM column: 312 TFLOPS bf16, no fp8, 19.5 fp32,
     # 2,039 GB/s HBM2e, NVLink 600 GB/s; DGX A100: one 200 Gb/s HDR per GPU (25 GB/s).
     # Best-shape GEMMs: 271.2 of 312 bf16 (86.9%): the A100 holds its 1,410 MHz boost clock.
     "a100": GPU("A100 SXM 80GB", 80.0, 312.0, 0.0, 2.039, 300.0, 25.0, (8, 0), fp32_tflops=19.5,
-                matmul_efficiency=0.869),
+                matmul_efficiency=0.869, nccl_nvlink_gb_s=240.0),
     # NVIDIA DGX B200 / HGX B200 datasheet, per GPU: 2.25 PFLOPS bf16 and 4.5 fp8 dense, 75 TFLOPS
     # fp32, 180 GB HBM3e at 8 TB/s, fifth-generation NVLink 1.8 TB/s; 400 Gb/s ConnectX-7 per GPU.
     # Best-shape GEMMs: 1,745 of 2,250 bf16 (77.6%), 3,432.5 of 4,500 fp8 (76.3%).
     "b200": GPU("B200 180GB", 180.0, 2250.0, 4500.0, 8.0, 900.0, 50.0, (10, 0), fp32_tflops=75.0,
-                matmul_efficiency=0.776, fp8_matmul_efficiency=0.763),
+                matmul_efficiency=0.776, fp8_matmul_efficiency=0.763, nccl_nvlink_gb_s=720.0),
 }
 
 _FIELDS = {f.name: f.type for f in dataclasses.fields(GPU)}
-_OPTIONAL = {"capability", "matmul_efficiency", "fp8_matmul_efficiency"}
+_OPTIONAL = {"capability", "matmul_efficiency", "fp8_matmul_efficiency", "nccl_nvlink_gb_s"}
 
 
 class UnknownGPU(ValueError):

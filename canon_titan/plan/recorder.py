@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._sharding_prop import ShardingPropagator
 from torch.distributed._tools.fake_collectives import CollectiveOp, collective_ops, sync_ops
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 from torch.utils.weak import WeakIdKeyDictionary
@@ -74,7 +74,22 @@ def tf32_allowed() -> bool:
     return torch.backends.cuda.matmul.fp32_precision == "tf32"
 
 
+def _inner(t: torch.Tensor) -> list[torch.Tensor] | None:
+    """The tensors that hold a wrapper subclass's data (torchao's ``Float8TrainingTensor``: its
+    float8 data and scale), or None for a plain tensor. DTensors are not unwrapped here: the
+    recorder lets DTensor run their ops on the local shards, which it records."""
+    if isinstance(t, DTensor) or not is_traceable_wrapper_subclass(t):
+        return None
+    names, _ = t.__tensor_flatten__()
+    return [x for x in (getattr(t, name) for name in names) if isinstance(x, torch.Tensor)]
+
+
 def tensor_bytes(t: torch.Tensor) -> int:
+    """What reading or writing ``t`` moves: a wrapper subclass moves its inner tensors (a float8
+    tensor's 1-byte data, not the 2 bytes of the dtype it reports)."""
+    inner = _inner(t)
+    if inner is not None:
+        return sum(tensor_bytes(x) for x in inner)
     return t.numel() * t.element_size()
 
 
@@ -159,6 +174,11 @@ class StepRecorder(TorchDispatchMode):
     # --- storages -------------------------------------------------------------------------------
 
     def storage_id(self, t: torch.Tensor) -> int:
+        inner = _inner(t)
+        if inner:
+            # A wrapper's data is its first inner tensor's storage: a view or transpose of a
+            # float8 tensor is a view of the same data, and moves nothing.
+            return self.storage_id(inner[0])
         st = t.untyped_storage()
         sid = self._ids.get(st)
         if sid is None:
