@@ -268,8 +268,9 @@ def test_tensor_and_pipeline_parallel_at_scale():
     """8B on 512 ranks with TP 8 (its collectives on 8 consecutive ranks, one node; FSDP over the
     64 ranks of a TP position; rank 0 holds about a 512th of the weights) and 1B on 64 ranks with
     PP 4 (the four stages, built in order, hold the whole model's parameters between them, once).
-    Both at 8 of their layers: the layouts are the recipes', the planning a third of the time."""
-    shallow = ["--model.n_layers", "8"]
+    Both at 4 of their layers (one per pipeline stage): the layouts are the recipes', the planning
+    a sixth of the time."""
+    shallow = ["--model.n_layers", "4"]
     step = plan_step(RECIPE["8B"], ["--parallelism.tensor_parallel_degree", "8", *shallow], 512)
     groups = {step.group_names.get(tuple(sorted(c.group))): c.group for c in step.trace.collectives}
     assert sorted(groups["tp"]) == list(range(8))
