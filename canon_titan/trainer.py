@@ -133,10 +133,15 @@ class CanonTrainer(Trainer):
         model_label: Annotated[str, tyro.conf.Suppress] = ""
         """The config file, model name and flavor, for messages."""
 
+    takes_stop_signals = True
+    """Whether the trainer takes the process's stop signals (SIGTERM, SIGINT, SIGUSR1) to finish its
+    step and checkpoint; a rank that ``canon-titan plan`` steps on fake tensors does not."""
+
     def __init__(self, config: Config):
         self._batch_in_checkpoint = False
         self.stop_signals = StopSignals(config.stop_grace_seconds, on_disk=self._on_disk)
-        self.stop_signals.install()
+        if self.takes_stop_signals:
+            self.stop_signals.install()
         if config.model_seed is None:
             super().__init__(config)
         else:

@@ -582,3 +582,62 @@ def test_a_looped_pipeline_schedule_plans_each_rank_with_its_stages():
     assert [r.stages_per_rank for r in ranks] == [2, 2]
     assert sum(r.param_count for r in ranks) == sum(torch.Size(s).numel() for s in _param_shapes(CONFIGS["llama"], []))
     assert all(any(c.kind == "send" for c in r.trace.collectives) for r in ranks)
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_a_planned_gpu_run_takes_the_gpus_float8_tensor_parallel_styles(monkeypatch, recipe):
+    """On a GPU the TP linears of a tensorwise float8 run take torchao's float8 styles (NCCL moves
+    float8; gloo cannot, so a CPU run keeps the plain styles and still casts in each matmul). The plan
+    builds what the GPU run builds: the float8 styles for tensorwise, the plain ones for rowwise
+    (torchao's styles assume one scale per tensor)."""
+    from types import SimpleNamespace
+
+    from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
+
+    from canon_titan.kernels.backends import KernelEnvironment, planned_machine
+    from canon_titan.models.common import parallelize
+
+    cpu_mesh = SimpleNamespace(device_type="cpu")
+    assert not parallelize.float8_collectives(cpu_mesh)
+    with planned_machine(KernelEnvironment.planned_gpu((9, 0))):
+        assert parallelize.float8_collectives(cpu_mesh)
+    assert parallelize.float8_collectives(SimpleNamespace(device_type="cuda"))
+
+    built = []
+    styles = parallelize.float8_styles
+
+    def spy(module, plan):
+        out = styles(module, plan)
+        built.extend(type(s) for s in out.values())
+        return out
+
+    monkeypatch.setattr(parallelize, "float8_styles", spy)
+    plan_step(CONFIGS["llama"], DEBUG + ["--parallelism.tensor_parallel_degree", "2", "--float8.enable", "true",
+                                         "--float8.recipe_name", recipe, "--training.dtype", "bfloat16"], 2)
+    float8 = [s for s in built if s in (Float8ColwiseParallel, Float8RowwiseParallel)]
+    if recipe == "tensorwise":  # each block's seven linears (lm_head stays out: [float8] filter_fqns)
+        from canon_titan.config import load
+
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        assert len(float8) == 7 * load(str(CONFIGS["llama"]), [], environment=False).model_args.n_layers
+    else:
+        assert built and not float8
+
+
+def test_planning_in_process_leaves_the_stop_signals_alone():
+    """A plan steps canon-titan's Trainer on fake tensors; the trainer's stop-signal handling (a
+    watcher thread on a wakeup pipe) is a training process's, not the planner's: after planning, the
+    process's handlers and threads are what they were, so a search that plans hundreds of ranks in
+    one process still stops on SIGTERM."""
+    import signal
+    import threading
+
+    from canon_titan.components.exit_codes import STOP_SIGNALS
+
+    before = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    wakeup = signal.set_wakeup_fd(-1)
+    signal.set_wakeup_fd(wakeup)
+    plan_step(CONFIGS["llama"], DEBUG, 1)
+    assert {sig: signal.getsignal(sig) for sig in STOP_SIGNALS} == before
+    assert signal.set_wakeup_fd(wakeup) == wakeup
+    assert not [t for t in threading.enumerate() if t.name == "stop-signals"]

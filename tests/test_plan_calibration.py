@@ -6,6 +6,8 @@ a layout puts each rank in (hand arithmetic of TorchTitan's mesh order), the GPU
 datasheets, and the eager plan of the same run.
 """
 
+import math
+
 import pytest
 import torch
 
@@ -270,3 +272,89 @@ def test_float8_tensors_move_their_float8_bytes_and_their_views_move_none(recipe
     scales = (8192 + 1024) * 4 if recipe == "rowwise" else 2 * 4
     assert sum(forward_mm.read_bytes) == 8192 * 4096 + 1024 * 4096 + scales
     assert forward_mm.write_bytes == (8192 * 1024 * 2,)
+
+
+def _torchao_gemm_epilogues(recipe: str) -> list[tuple[tuple[int, ...], list[str]]]:
+    """What torchao's hardware path (``emulate`` off, on fake tensors: ``torch._scaled_mm`` has a
+    fake kernel) runs for each float8 GEMM of one linear's forward and backward: the GEMM's output
+    shape and the ops after ``_scaled_mm`` inside ``addmm_float8_unwrapped``, as a dispatch mode
+    sees them."""
+    import torchao.float8.float8_ops as float8_ops
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func._overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    gemms = []
+    unwrapped = float8_ops.addmm_float8_unwrapped
+
+    def watched(*args, **kwargs):
+        with Ops() as ops:
+            out = unwrapped(*args, **kwargs)
+        after = ops.names[ops.names.index("_scaled_mm") + 1:]
+        gemms.append((tuple(out.shape), after))
+        return out
+
+    float8_ops.addmm_float8_unwrapped = watched
+    try:
+        with FakeTensorMode():
+            model = torch.nn.Sequential(torch.nn.Linear(512, 128, bias=False, dtype=torch.bfloat16))
+            convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(recipe))
+            x = torch.randn(256, 512, dtype=torch.bfloat16, requires_grad=True)
+            model(x).sum().backward()
+    finally:
+        float8_ops.addmm_float8_unwrapped = unwrapped
+    return gemms
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_float8_gemms_are_followed_by_what_torchao_runs_after_them(recipe):
+    """The plan runs torchao's emulation, which hides what its hardware path does around a GEMM: for
+    row-wise scaled operands with slow accumulation (the ``rowwise`` recipe's backward GEMMs) it runs
+    cuBLAS's tensor-wise GEMM and then rescales the output in place by the outer product of the
+    inverse scales. The reference is torchao's hardware path itself, stepped on fake tensors: the
+    recorder adds the rescale after exactly the GEMMs that torchao follows with a multiply. By hand:
+    the product is an fp32 [M, N] tensor; the rescale reads and writes the bf16 output once."""
+    import dataclasses
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    from canon_titan.plan.recorder import StepRecorder
+
+    reference = _torchao_gemm_epilogues(recipe)
+    assert len(reference) == 3  # output, grad_input, grad_weight
+    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=True)
+    with FakeTensorMode():
+        model = torch.nn.Sequential(torch.nn.Linear(512, 128, bias=False, dtype=torch.bfloat16))
+        convert_to_float8_training(model, config=config)
+        x = torch.randn(256, 512, dtype=torch.bfloat16, requires_grad=True)
+        recorder = StepRecorder()
+        with recorder:
+            recorder.enter_fp8_linear()  # as the planner marks a float8 linear's forward
+            y = model(x)
+            recorder.exit_fp8_linear()
+            y.sum().backward()
+    ops = recorder.trace.ops
+    gemms = [i for i, op in enumerate(ops) if op.kind == "matmul"]
+    assert len(gemms) == 3 and all(ops[i].fp8 for i in gemms)
+    for i, (shape, after) in zip(gemms, reference):
+        added = [op for op in ops if op.after == i]
+        assert ("mul_" in after) == bool(added), (recipe, shape, after)
+        if added:
+            out_bytes = math.prod(shape) * 2
+            product, rescale = added
+            assert product.write_bytes == (math.prod(shape) * 4,)
+            assert rescale.reads[0] == ops[i].writes[0] and rescale.writes == ops[i].writes
+            assert rescale.read_bytes == (out_bytes, math.prod(shape) * 4) and rescale.write_bytes == (out_bytes,)
+    # the rowwise recipe: the forward GEMM (fast accumulation) runs PyTorch's row-wise kernel as is
+    assert [bool("mul_" in after) for _, after in reference] == ([False, True, True] if recipe == "rowwise"
+                                                                  else [False, False, False])

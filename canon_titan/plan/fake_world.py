@@ -374,6 +374,10 @@ def fake_rank_step(config, *, rank: int, world_size: int, positions: bool, fp8_l
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
 
     class FakeRankTrainer(CanonTrainer):
+        # the planning process keeps its own signal handling (a search plans hundreds of ranks
+        # in one process, and must stop on SIGTERM)
+        takes_stop_signals = False
+
         def init_distributed(self):
             return ParallelDims.from_config(self.config.parallelism, world_size)
 
@@ -393,7 +397,9 @@ def fake_rank_step(config, *, rank: int, world_size: int, positions: bool, fp8_l
                                                                    recorder), blocks)
         step = record_step(trainer, recorder, modes=modes)
         if compiled:
-            step.compiled_ops = frozenset(blocks.ops)
+            # the steps the recorder adds after an op (a float8 GEMM's rescale) run where it runs
+            step.compiled_ops = frozenset(blocks.ops | {i for i, op in enumerate(step.trace.ops)
+                                                        if op.after in blocks.ops})
         trainer.close()
         return step
 

@@ -119,6 +119,9 @@ class Op:
     """fp32 operands run on TF32 tensor cores: a matmul or attention op in a step that allows it
     (``tf32_allowed``), a recurrence always (fla's and mamba-ssm's Triton ``tl.dot`` takes fp32 as
     TF32 by default)."""
+    after: int = -1
+    """For a step the recorder adds after an op that hides it (torchao's rescale after a float8
+    GEMM), that op's index; -1 for the ops dispatched."""
 
 
 @dataclass
@@ -336,7 +339,32 @@ class StepRecorder(TorchDispatchMode):
         self.trace.ops.append(Op(kind, self.phase(), str(packet).split("::")[-1], int(flops),
                                  sum(read_bytes) + sum(write_bytes), dtype, reads, read_bytes, writes, write_bytes,
                                  fp8, attended, head_dim, tf32))
+        if fp8 and len(outputs) == 1 and _rescaled_after_gemm(inputs):
+            self._rescale(inputs, outputs[0])
         return out
+
+    def _rescale(self, inputs: list[torch.Tensor], output: torch.Tensor) -> None:
+        """What torchao's ``addmm_float8_unwrapped`` runs after a GEMM of row-wise scaled operands
+        with slow accumulation (``_rescaled_after_gemm``): the GEMM is cuBLAS's tensor-wise one at
+        unit scales, then the output is multiplied in place by the outer product of the two
+        operands' inverse scales, an fp32 [M, N] tensor (materialized in eager mode; under compile
+        the product fuses into the multiply, which stays a kernel of its own after the GEMM: Inductor
+        does not fuse into cuBLAS's epilogue, pytorch/ao#2184)."""
+        scales = [x for t in inputs if (inner := _inner(t)) for x in inner[1:]][:2]
+        scale_ids = tuple(self.storage_id(x) for x in scales)
+        scale_bytes = tuple(tensor_bytes(x) for x in scales)
+        out_id, out_bytes = self.storage_id(output), tensor_bytes(output)
+        product_id, product_bytes = self._next_id, output.numel() * 4
+        self._next_id += 1
+        phase, gemm = self.phase(), len(self.trace.ops) - 1
+        self.trace.memory_events.append((len(self.trace.ops), product_id, product_bytes))
+        self.trace.ops.append(Op("other", phase, "float8 rowwise scales outer product", output.numel(),
+                                 sum(scale_bytes) + product_bytes, torch.float32, scale_ids, scale_bytes,
+                                 (product_id,), (product_bytes,), after=gemm))
+        self.trace.ops.append(Op("other", phase, "float8 rowwise output rescale", output.numel(),
+                                 2 * out_bytes + product_bytes, output.dtype, (out_id, product_id),
+                                 (out_bytes, product_bytes), (out_id,), (out_bytes,), after=gemm))
+        self.trace.memory_events.append((len(self.trace.ops), product_id, -product_bytes))
 
     def _collective(self, func, out, args, kwargs) -> None:
         try:
@@ -375,6 +403,22 @@ def _argument(func, args, kwargs, name: str):
 def _head_dim(func, args, kwargs) -> int:
     query = _argument(func, args, kwargs, "query")
     return int(query.shape[-1]) if isinstance(query, torch.Tensor) and query.dim() else 0
+
+
+def _rescaled_after_gemm(inputs: list[torch.Tensor]) -> bool:
+    """A GEMM of two torchao float8 tensors scaled per row (and per column) whose GEMM config asks
+    for slow accumulation (the backward GEMMs of torchao's ``rowwise`` recipe): torchao runs it as a
+    tensor-wise GEMM followed by a rescale of its output (``StepRecorder._rescale``), because
+    PyTorch's row-wise CUTLASS kernel is much slower without fast accumulation."""
+    operands = [t for t in inputs if _inner(t) is not None and hasattr(t, "_linear_mm_config")]
+    if len(operands) != 2 or any(t._scale.numel() <= 1 for t in operands):
+        return False
+    from torchao.float8.float8_ops import choose_scaled_mm_config
+
+    a, b = operands
+    config = choose_scaled_mm_config(a._gemm_input_role, a._linear_mm_config, b._gemm_input_role,
+                                     b._linear_mm_config)
+    return not config.use_fast_accum
 
 
 def _in_float8_backward() -> bool:

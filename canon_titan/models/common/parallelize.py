@@ -45,6 +45,7 @@ from torchtitan.distributed.compile import apply_compile
 from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
 from torchtitan.tools.logging import logger
 
+from canon_titan.kernels.backends import KernelEnvironment
 from canon_titan.models.common.tensor_parallel import ChannelShard
 
 
@@ -181,8 +182,13 @@ def float8_styles(module: nn.Module, plan: dict) -> dict:
 
 def float8_collectives(tp_mesh) -> bool:
     """Whether the TP group can move float8 tensors: NCCL can; gloo (CPU) has no float8 dtype, so
-    there the plain styles carry the high-precision activations and the matmuls still cast."""
-    return tp_mesh.device_type == "cuda"
+    there the plain styles carry the high-precision activations and the matmuls still cast. A run
+    that ``canon-titan plan`` traces for a GPU (``planned_machine``, on a fake process group) takes
+    the GPU's styles, as that run would."""
+    if tp_mesh.device_type == "cuda":
+        return True
+    planned = KernelEnvironment.current()
+    return planned.planned and planned.cuda_capability is not None
 
 
 def parallelize_plan(module: nn.Module, tp_mesh, plan: dict) -> None:
