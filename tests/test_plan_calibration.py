@@ -250,28 +250,44 @@ def test_float8_tensors_move_their_float8_bytes_and_their_views_move_none(recipe
     or transpose of one as a view (it was a copy at 2 bytes an element, about 40% of the
     elementwise time of an 8B TP 8 float8 step). By hand: a [8192, 4096] input and a [1024, 4096]
     weight in float8, their scales per tensor or per row."""
-    import dataclasses
-
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-
-    from canon_titan.plan.recorder import StepRecorder
-
-    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=True)
-    with FakeTensorMode():
-        model = torch.nn.Sequential(torch.nn.Linear(4096, 1024, bias=False, dtype=torch.bfloat16))
-        convert_to_float8_training(model, config=config)
-        x = torch.randn(8192, 4096, dtype=torch.bfloat16, requires_grad=True)
-        recorder = StepRecorder()
-        with recorder:
-            model(x).sum().backward()
-    ops = recorder.trace.ops
+    ops = _recorded_float8_linear(recipe, 8192, 4096, 1024)
     views = [op for op in ops if op.name in ("aten.t", "aten.view", "aten.transpose")]
     assert views and all(op.bytes == 0 for op in views)
     forward_mm = next(op for op in ops if op.kind == "matmul" and op.phase == "forward")
     scales = (8192 + 1024) * 4 if recipe == "rowwise" else 2 * 4
     assert sum(forward_mm.read_bytes) == 8192 * 4096 + 1024 * 4096 + scales
     assert forward_mm.write_bytes == (8192 * 1024 * 2,)
+
+
+def _float8_linear(recipe: str, tokens: int, dim_in: int, dim_out: int, emulate: bool):
+    """A [tokens, dim_in] input and a torchao float8 linear to dim_out (fake tensors: enter the
+    caller's ``FakeTensorMode`` first)."""
+    import dataclasses
+
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=emulate)
+    model = torch.nn.Sequential(torch.nn.Linear(dim_in, dim_out, bias=False, dtype=torch.bfloat16))
+    convert_to_float8_training(model, config=config)
+    return model, torch.randn(tokens, dim_in, dtype=torch.bfloat16, requires_grad=True)
+
+
+def _recorded_float8_linear(recipe: str, tokens: int, dim_in: int, dim_out: int):
+    """The ops the plan's recorder records of one emulated float8 linear's forward and backward,
+    its forward marked as the planner marks a float8 linear's."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from canon_titan.plan.recorder import StepRecorder
+
+    with FakeTensorMode():
+        model, x = _float8_linear(recipe, tokens, dim_in, dim_out, emulate=True)
+        recorder = StepRecorder()
+        with recorder:
+            recorder.enter_fp8_linear()
+            y = model(x)
+            recorder.exit_fp8_linear()
+            y.sum().backward()
+    return recorder.trace.ops
 
 
 def _torchao_gemm_epilogues(recipe: str) -> list[tuple[tuple[int, ...], list[str]]]:
@@ -282,7 +298,6 @@ def _torchao_gemm_epilogues(recipe: str) -> list[tuple[tuple[int, ...], list[str
     import torchao.float8.float8_ops as float8_ops
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils._python_dispatch import TorchDispatchMode
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     class Ops(TorchDispatchMode):
         def __init__(self):
@@ -306,9 +321,7 @@ def _torchao_gemm_epilogues(recipe: str) -> list[tuple[tuple[int, ...], list[str
     float8_ops.addmm_float8_unwrapped = watched
     try:
         with FakeTensorMode():
-            model = torch.nn.Sequential(torch.nn.Linear(512, 128, bias=False, dtype=torch.bfloat16))
-            convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(recipe))
-            x = torch.randn(256, 512, dtype=torch.bfloat16, requires_grad=True)
+            model, x = _float8_linear(recipe, 256, 512, 128, emulate=False)
             model(x).sum().backward()
     finally:
         float8_ops.addmm_float8_unwrapped = unwrapped
@@ -323,27 +336,9 @@ def test_float8_gemms_are_followed_by_what_torchao_runs_after_them(recipe):
     inverse scales. The reference is torchao's hardware path itself, stepped on fake tensors: the
     recorder adds the rescale after exactly the GEMMs that torchao follows with a multiply. By hand:
     the product is an fp32 [M, N] tensor; the rescale reads and writes the bf16 output once."""
-    import dataclasses
-
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-
-    from canon_titan.plan.recorder import StepRecorder
-
     reference = _torchao_gemm_epilogues(recipe)
     assert len(reference) == 3  # output, grad_input, grad_weight
-    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=True)
-    with FakeTensorMode():
-        model = torch.nn.Sequential(torch.nn.Linear(512, 128, bias=False, dtype=torch.bfloat16))
-        convert_to_float8_training(model, config=config)
-        x = torch.randn(256, 512, dtype=torch.bfloat16, requires_grad=True)
-        recorder = StepRecorder()
-        with recorder:
-            recorder.enter_fp8_linear()  # as the planner marks a float8 linear's forward
-            y = model(x)
-            recorder.exit_fp8_linear()
-            y.sum().backward()
-    ops = recorder.trace.ops
+    ops = _recorded_float8_linear(recipe, 256, 512, 128)
     gemms = [i for i, op in enumerate(ops) if op.kind == "matmul"]
     assert len(gemms) == 3 and all(ops[i].fp8 for i in gemms)
     for i, (shape, after) in zip(gemms, reference):
