@@ -9,6 +9,7 @@ two-process run measured by FlopCounterMode, CommDebugMode, gloo's flight record
 """
 
 import os
+import re
 from unittest.mock import patch
 
 import pytest
@@ -142,3 +143,85 @@ def test_bad_search_arguments_are_one_line_and_exit_2(args, message, capsys):
     assert main([str(CONFIGS["llama"]), *args]) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1, err
+
+
+def _layout_from_text(text: str):
+    """``Layout.describe`` read back: the README's words for a layout, as the layout itself."""
+    from canon_titan.plan.search import Layout
+
+    fields = {"dp_replicate": 1, "tp": 1, "pp": 1, "cp": 1}
+    for part in text.split(", "):
+        words = part.split()
+        if words[0] == "FSDP":
+            fields["dp_shard"] = int(words[1])
+        elif words[0] == "HSDP":
+            fields["dp_replicate"], fields["dp_shard"] = map(int, words[1].split("x"))
+        elif words[0] in ("TP", "PP", "CP"):
+            fields[words[0].lower()] = int(words[1])
+            if words[0] == "PP":
+                fields["schedule"] = words[2]
+        elif words[0] == "local":
+            fields["local_batch"] = int(words[1])
+        elif words[0] == "AC":
+            fields["ac"] = words[1]
+        elif part == "keep gathered weights":
+            fields["reshard"] = "never"
+        elif words[0] == "float8":
+            fields["float8"] = words[1]
+        else:
+            raise AssertionError(f"{text!r}: {part!r} is not a part of a layout")
+    return Layout(**fields)
+
+
+def _search_rows() -> list[list[str]]:
+    text = (REPO / "README.md").read_text()
+    body = text.split("<!-- plan:search -->", 1)[1].split("<!-- /plan:search -->", 1)[0]
+    return [[c.strip() for c in line.strip().strip("|").split("|")] for line in body.splitlines()
+            if line.startswith("| ") and not line.startswith(("| recipes", "|---"))]
+
+
+@pytest.mark.slow
+def test_the_readme_search_table_is_what_the_search_offers(monkeypatch):
+    """Every row of the README's search table names shipped recipes and a cluster of a known GPU;
+    its layouts, read back, are runs the config checks accept on those GPUs with the recipe's global
+    batch (the recipe's own layout is the recipe's); its saving is its two figures'. The row of the
+    smallest model, planned again with its best layout's overrides, gives its GPU-hours."""
+    monkeypatch.syspath_prepend(REPO / "scripts" / "benchmarks")
+    from plan_recipes import recipe_label, recipes
+
+    from canon_titan.config import load
+    from canon_titan.plan.planner import plan
+
+    by_label = {recipe_label(entries): entries for entries in recipes(None).values()}
+    gpus_by_name = {gpu.name: key for key, gpu in GPUS.items()}
+    rows = _search_rows()
+    assert len(rows) >= 4
+    for label, cluster, own, own_hours, best, best_hours, saving, float8 in rows:
+        config = str(by_label[label][0][0])
+        gpus, gpu_name = cluster.split(" x ", 1)
+        gpus = int(gpus)
+        assert gpu_name in gpus_by_name, cluster
+        monkeypatch.setenv("WORLD_SIZE", str(gpus))
+        recipe = load(config, [], environment=False)
+        global_batch = recipe["training"]["global_batch_size"]
+        layouts = [best] + ([own] if own != "does not fit" else []) + ([float8.rsplit(" (", 1)[0]] if float8 != "-" else [])
+        for text in layouts:
+            layout = _layout_from_text(text)
+            run = load(config, layout.overrides(global_batch), environment=False)
+            dp = run.data_parallel_size(gpus)
+            assert global_batch % (layout.local_batch * dp) == 0, (label, cluster, text)
+        if own != "does not fit":
+            assert _layout_from_text(own).local_batch == recipe["training"]["local_batch_size"]
+            assert _layout_from_text(own).ac == recipe["activation_checkpoint"]["mode"]
+            assert saving == f"{100 * (1 - float(best_hours.replace(',', '')) / float(own_hours.replace(',', ''))):.0f}%"
+
+    size = lambda row: int(re.search(r"-(\d+)B-", row[0]).group(1))  # noqa: E731
+    label, cluster, _, _, best, best_hours, _, _ = min(rows, key=lambda row: (size(row), int(row[1].split()[0])))
+    gpus, gpu_name = int(cluster.split(" x ")[0]), cluster.split(" x ", 1)[1]
+    config = str(by_label[label][0][0])
+    recipe = load(config, [], environment=False)
+    tokens = recipe["training"]["global_batch_size"] * recipe["training"]["seq_len"]
+    result = plan(config, _layout_from_text(best).overrides(recipe["training"]["global_batch_size"]), gpus=gpus,
+                  gpu=GPUS[gpus_by_name[gpu_name]], advise=False)
+    hours = 1e12 / tokens * result.step_s * gpus / 3600
+    assert float(best_hours.replace(",", "")) == pytest.approx(hours, rel=2e-3)

@@ -4,7 +4,7 @@ release's GPU) and on one smaller cluster (64 H100s); GPU-hours per 1T tokens. P
 Markdown, or writes it into README.md between its markers (rows of recipes not searched this time
 are kept).
 
-    .venv/bin/python scripts/benchmarks/plan_search_recipes.py [--readme] [--only PATTERN] [--budget-s S] [--workers N]
+    .venv/bin/python scripts/benchmarks/plan_search_recipes.py [--readme] [--only PATTERN] [--budget-s S] [--workers N] [--top K]
 
 Recipes that differ only in learning rate share a row. A search takes 2-10 minutes on a 2-core CPU.
 """
@@ -36,7 +36,7 @@ def _per_trillion(outcome, tokens_per_step: int, gpus: int) -> float:
     return 1e12 / tokens_per_step * outcome.step_s * gpus / 3600
 
 
-def rows(pattern: str | None, budget_s: float, workers: int | None = None) -> list[str]:
+def rows(pattern: str | None, budget_s: float, workers: int | None = None, top: int = 3) -> list[str]:
     out = []
     for (model, size, reference), entries in recipes(pattern).items():
         config = str(entries[0][0])
@@ -44,7 +44,7 @@ def rows(pattern: str | None, budget_s: float, workers: int | None = None) -> li
         for gpus, gpu in ((reference, "h200"), (64, "h100")):
             cluster = f"{gpus} x {GPUS[gpu].name}"
             print(f"[plan_search_recipes] {label} on {cluster}", file=sys.stderr, flush=True)
-            found = search(config, [], gpus=gpus, gpu=GPUS[gpu], budget_s=budget_s, workers=workers,
+            found = search(config, [], gpus=gpus, gpu=GPUS[gpu], budget_s=budget_s, workers=workers, top=top,
                            progress=progress_printer())
             tokens = found.global_batch * found.seq_len
             if found.recipe is not None and found.recipe.fits:
@@ -71,8 +71,10 @@ def main() -> int:
     parser.add_argument("--only", help="recipes whose name matches this glob")
     parser.add_argument("--budget-s", type=float, default=600.0, help="each search's budget (default 600)")
     parser.add_argument("--workers", type=int, help="planning processes per search (default: the search's own)")
+    parser.add_argument("--top", type=int, default=3,
+                        help="the search's --top: it plans the best 2 x top (at least 6) probed layouts in full (default 3)")
     args = parser.parse_args()
-    new = rows(args.only, args.budget_s, args.workers)
+    new = rows(args.only, args.budget_s, args.workers, args.top)
     if not args.readme:
         print("\n".join(HEADER + new))
         return 0
