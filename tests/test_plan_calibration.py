@@ -353,3 +353,38 @@ def test_float8_gemms_are_followed_by_what_torchao_runs_after_them(recipe):
     # the rowwise recipe: the forward GEMM (fast accumulation) runs PyTorch's row-wise kernel as is
     assert [bool("mul_" in after) for _, after in reference] == ([False, True, True] if recipe == "rowwise"
                                                                   else [False, False, False])
+
+
+def test_the_readme_published_table_is_the_calibration_set(monkeypatch):
+    """The README's table of published points has one row per point of ``scripts/plan_calibration.py``
+    (its source, label, GPUs and measured figures), and its median and worst errors are those of
+    its own rows' ratios (the planned figures themselves are held by the planning tests)."""
+    import re
+    import statistics
+
+    monkeypatch.syspath_prepend(REPO / "scripts")
+    import plan_calibration
+
+    text = (REPO / "README.md").read_text()
+    body = text.split(plan_calibration.MARKERS[0], 1)[1].split(plan_calibration.MARKERS[1], 1)[0]
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in body.splitlines()
+            if line.startswith("| `")]
+    assert len(rows) == len(plan_calibration.POINTS)
+    errors = {"tokens/s": [], "memory": []}
+    for row, point in zip(rows, plan_calibration.POINTS):
+        assert row[0] == f"`{point.source}`" and row[1] == point.label, row[:2]
+        assert row[2] == f"{point.gpus} x {GPUS[point.gpu].name}"
+        assert float(row[3].replace(",", "")) == pytest.approx(point.tokens_per_s, abs=0.5)
+        assert float(row[5].lstrip("x")) == pytest.approx(float(row[4].replace(",", "")) / point.tokens_per_s, abs=0.006)
+        errors["tokens/s"].append(abs(float(row[4].replace(",", "")) / point.tokens_per_s - 1))
+        if point.memory_gib is None:
+            assert row[6] == "not published"
+        else:
+            assert row[6] == f"{point.memory_gib} GiB"
+            errors["memory"].append(abs(float(row[7].split()[0]) / point.memory_gib - 1))
+    for name, errs in errors.items():
+        line = re.search(rf"- {re.escape(name)}: median error (\d+)%, worst (\d+)% over (\d+) points", body)
+        assert line, name
+        assert int(line.group(3)) == len(errs)
+        assert int(line.group(1)) == pytest.approx(100 * statistics.median(errs), abs=1)
+        assert int(line.group(2)) == pytest.approx(100 * max(errs), abs=1)
