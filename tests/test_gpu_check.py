@@ -24,7 +24,7 @@ def test_tiny_mode_runs_every_step_and_writes_the_report(tmp_path, monkeypatch):
     report = json.loads((out / "gpu_check.json").read_text())
     steps = report["steps"]
     assert set(steps) == {"env", "kernel_tests", "losses", "canon_triton", "canon_bwd_blocks", "ops",
-                          "linear_gla5_4k", "float8_tensorwise"}
+                          "linear_gla5_4k", "float8_tensorwise", "float8_gemms"}
     assert all(s["status"] == "ok" for s in steps.values()), steps
     assert steps["kernel_tests"]["tests"]["tests"] >= 1 and not steps["kernel_tests"]["tests"]["failed"]
     # GLA5 trained on fla's kernels by the trainer (in the interpreter), against torch.
@@ -42,7 +42,8 @@ def test_tiny_mode_runs_every_step_and_writes_the_report(tmp_path, monkeypatch):
     md = (out / "gpu_check.md").read_text()
     for heading in ("Loss curves", "Trainer: llama vs llama_canon", "Canon ops", "Trainer: linear models",
                     "Trainer: float8", " planner |", "profile of llama_canon (triton)",
-                    "Canon backward kernels by block configuration", "planned / measured ms by kind: "):
+                    "Canon backward kernels by block configuration", "planned / measured ms by kind: ",
+                    "Float8 GEMMs of one block"):
         assert heading in md
     # The float8 table compares with the bf16 run of the same model (its base).
     float8_table = md.split("Trainer: float8")[1].split("\n\n**")[0]
@@ -133,3 +134,23 @@ def test_planned_and_measured_time_by_kind_from_a_hand_made_run():
     for kind, pair in want.items():
         assert kinds[kind] == pytest.approx(pair), kind
     assert gpu_check_report.by_planner_kind({**run, "planner": None}) is None
+
+
+@pytest.mark.parametrize("forward", [True, False])
+def test_the_float8_gemm_benchmark_computes_what_torchao_computes(forward):
+    """bench_float8_gemm's float8 ways are the GEMM the planner's linears run: each equals the product
+    of its dequantized float8 operands in fp32 (to bf16 rounding), the row-wise backward way (tensor-wise
+    kernel, then the outer product of the inverse scales) as well as the row-wise kernel; and its block
+    holds the seven linears of a Llama block at their TP shard, by hand for Llama 3.1 8B at TP 8."""
+    import torch
+    from bench_float8_gemm import block_linears, gemm_ways, LLAMA31
+
+    ways, reference = gemm_ways(48, 64, 32, forward, torch.device("cpu"))
+    for way in ("tensorwise", "rowwise"):
+        got, want = ways[way]().float(), reference(way)
+        assert got.shape == want.shape == (48, 32)
+        torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
+    assert ways["bf16"]().shape == (48, 32)
+    assert block_linears("Llama-8B-Nemo-1T-lr0.003", LLAMA31["8B"], 8) == [
+        ("wq", 4096, 512), ("wk", 4096, 128), ("wv", 4096, 128), ("wo", 512, 4096),
+        ("w1", 4096, 1792), ("w3", 4096, 1792), ("w2", 1792, 4096)]

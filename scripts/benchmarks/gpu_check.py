@@ -18,6 +18,8 @@ which installs the offline kit first where needed.
   linear_*_16k        Llama, Mamba2, GDN2, GLA5 at seq 16384, batch 1
   float8_tensorwise   LlamaCanon-1B (triton) with float8 training, each recipe (against canon_triton)
   float8_rowwise
+  float8_gemms        a Llama block's float8 GEMMs as torchao's recipes run them, against bf16, at the
+                      shapes of the planner's TP 8 calibration points and of LlamaCanon-1B (bench_float8_gemm)
   ops                 the Canon ops against fla's causal_conv1d and the memory bound (bench_canon --mode ops)
   canon_torch         LlamaCanon-1B on the torch Canon backend (the 2026-11-22 baseline's configuration)
 Beside each trainer run, the planner's prediction (``canon-titan plan`` for that GPU), when time is left
@@ -125,6 +127,8 @@ def steps(tiny: bool, work: Path) -> list[Step]:
                                               *tiny_flag]) for c in cases() if c.tiny or not tiny}
     ops_step = Step("ops", 120, [py, "scripts/benchmarks/bench_canon.py", "--mode", "ops", *ops,
                                  "--json", str(work / "ops.json")])
+    float8_gemms = Step("float8_gemms", 60, [py, "scripts/benchmarks/bench_float8_gemm.py", *tiny_flag,
+                                             "--json", str(work / "float8_gemms.json")])
     blocks_step = Step("canon_bwd_blocks", 90, [py, "scripts/benchmarks/bench_canon.py", "--mode", "bwd_blocks",
                                                 *(ops or ["--reps", "20"]), "--json",
                                                 str(work / "canon_bwd_blocks.json")])
@@ -134,7 +138,7 @@ def steps(tiny: bool, work: Path) -> list[Step]:
     # ratio depends on); the op microbenchmarks after every trainer run but the torch-backend reference.
     after_canon = names.index("canon_triton") + 1
     return (ordered + [trainer[n] for n in names[:after_canon]] + [blocks_step]
-            + [trainer[n] for n in names[after_canon:] if n != "canon_torch"] + [ops_step]
+            + [trainer[n] for n in names[after_canon:] if n != "canon_torch"] + [float8_gemms, ops_step]
             + ([trainer["canon_torch"]] if "canon_torch" in trainer else []))
 
 

@@ -138,6 +138,11 @@ def markdown(report: dict) -> str:
         lines += [f"| {r['call']} | {r['channels']} | {r['config']}{' *' if r['current'] else ''} | {r['ms']:.3f} | "
                   f"{_num(r.get('bound_ms'), '.3f')} |" for r in blocks["rows"]]
         lines.append("")
+    gemms = steps.get("float8_gemms", {}).get("data")
+    if gemms:
+        from bench_float8_gemm import table as float8_gemm_table
+
+        lines += [f"**{line}**" if i == 0 else line for i, line in enumerate(float8_gemm_table(gemms))] + [""]
     ops = steps.get("ops", {}).get("data")
     if ops:
         lines += [f"**Canon ops**, forward + backward, {ops['device']}, batch {ops['batch']} x seq {ops['seq']}" +
