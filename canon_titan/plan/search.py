@@ -221,8 +221,10 @@ class _Pool:
 
 def search(config: str, base_overrides: list[str], *, gpus: int, gpu, gpus_per_node: int = 8, top: int = 5,
            budget_s: float = 600.0, workers: int | None = None, attention: str | None = None,
-           float8: bool = True, progress=None) -> SearchResult:
-    """Search the layouts of ``config`` (with ``base_overrides``) on ``gpus`` GPUs of kind ``gpu``."""
+           float8: bool = True, pipelines: bool | None = None, progress=None) -> SearchResult:
+    """Search the layouts of ``config`` (with ``base_overrides``) on ``gpus`` GPUs of kind ``gpu``.
+    ``pipelines``: probe pipeline layouts always (True), only when no layout without PP fits (False),
+    or as the budget decides (None: always from ``PP_PROBE_BUDGET_S``)."""
     from unittest.mock import patch
 
     import torch
@@ -362,7 +364,9 @@ def search(config: str, base_overrides: list[str], *, gpus: int, gpu, gpus_per_n
         # fits, or when the budget is large (PP_PROBE_BUDGET_S).
         probe([shape for shape in shapes if shape[0].pp == 1], budget_s * 0.6)
         pipelined = [shape for shape in shapes if shape[0].pp > 1]
-        if pipelined and (not fitting_probes() or budget_s >= PP_PROBE_BUDGET_S):
+        if pipelines is None:
+            pipelines = budget_s >= PP_PROBE_BUDGET_S
+        if pipelined and (not fitting_probes() or pipelines):
             probe(pipelined, budget_s * 0.6)
         elif pipelined:
             tried["pipeline layouts not probed (a layout without PP fits)"] = len(pipelined)

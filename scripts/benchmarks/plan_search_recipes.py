@@ -6,7 +6,8 @@ are kept).
 
     .venv/bin/python scripts/benchmarks/plan_search_recipes.py [--readme] [--only PATTERN] [--budget-s S] [--workers N] [--top K]
 
-Recipes that differ only in learning rate share a row. A search takes 2-10 minutes on a 2-core CPU.
+Recipes that differ only in learning rate share a row. A search takes 5-40 minutes on a 2-core CPU
+with one worker, by the model's size and the machine.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def rows(pattern: str | None, budget_s: float, workers: int | None = None, top: 
             cluster = f"{gpus} x {GPUS[gpu].name}"
             print(f"[plan_search_recipes] {label} on {cluster}", file=sys.stderr, flush=True)
             found = search(config, [], gpus=gpus, gpu=GPUS[gpu], budget_s=budget_s, workers=workers, top=top,
-                           progress=progress_printer())
+                           pipelines=False, progress=progress_printer())
             tokens = found.global_batch * found.seq_len
             if found.recipe is not None and found.recipe.fits:
                 own, own_hours = found.recipe.layout.describe(found.global_batch), _per_trillion(found.recipe, tokens, gpus)
@@ -69,7 +70,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--readme", action="store_true", help="write the rows into README.md between the markers")
     parser.add_argument("--only", help="recipes whose name matches this glob")
-    parser.add_argument("--budget-s", type=float, default=600.0, help="each search's budget (default 600)")
+    parser.add_argument("--budget-s", type=float, default=7200.0,
+                        help="each search's budget (default 7200: a row is the whole search, its variants and "
+                             "float8 included, however loaded the machine; pipeline layouts are probed only "
+                             "where no other layout fits, as under plan --search's default budget)")
     parser.add_argument("--workers", type=int, help="planning processes per search (default: the search's own)")
     parser.add_argument("--top", type=int, default=3,
                         help="the search's --top: it plans the best 2 x top (at least 6) probed layouts in full (default 3)")
