@@ -60,6 +60,77 @@ def test_every_local_batch_keeps_the_global_batch():
     assert checked >= 30
 
 
+class _Clock:
+    """A clock that moves only as the fake planner below spends time."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+def _fake_planner(clock: _Clock, planned: list, probe_s: float, full_s: float):
+    """Stands in for ``plan`` in the search's worker (one worker: in-process): a probe (few layers)
+    costs ``probe_s`` of the clock, a full plan ``full_s``. Every layout fits in a few GB; less TP and
+    CP and a larger local batch are faster; keeping the gathered weights a little, float8 more."""
+
+    def figures(config, overrides, gpus, gpu, gpus_per_node, attention):
+        value = {flag: overrides[i + 1] for i, flag in enumerate(overrides) if flag.startswith("--")}
+        probe = "--model.n_layers" in value
+        clock.now += probe_s if probe else full_s
+        if not probe:
+            planned.append(dict(value))
+        local = int(value.get("--training.local_batch_size", 1))
+        tp = int(value.get("--parallelism.tensor_parallel_degree", 1))
+        cp = int(value.get("--parallelism.context_parallel_degree", 1))
+        step = (1 + 0.2 * tp + 0.5 * cp + 1 / local) * (0.8 if value.get("--float8.enable") == "true" else 1.0)
+        step *= 0.99 if value.get("--parallelism.fsdp_reshard_after_forward") == "never" else 1.0
+        return {"fits": True, "device_bytes": local * 2**28, "step_s": step, "tokens_per_s_per_gpu": 1e4 / step,
+                "mfu": 0.5, "gpu_hours": step, "accumulation": 1, "seconds": probe_s if probe else full_s}
+
+    return figures
+
+
+def _search_on_the_clock(monkeypatch, budget_s: float):
+    from canon_titan.plan import search as search_module
+
+    clock, planned = _Clock(), []
+    monkeypatch.setattr(search_module, "time", clock)
+    monkeypatch.setattr(search_module, "_plan_figures", _fake_planner(clock, planned, 1.0, 60.0))
+    found = search_module.search(str(CONFIGS["llama"]), BASE, gpus=8, gpu=GPUS["h100"], top=3, budget_s=budget_s,
+                                 workers=1, pipelines=False)
+    return found, [(v["--training.local_batch_size"], v["--parallelism.tensor_parallel_degree"],
+                    v["--parallelism.fsdp_reshard_after_forward"], v["--float8.enable"]) for v in planned[1:]]  # after the config's own
+
+
+@pytest.mark.parametrize("budget_s", [120.0, 200.0, 450.0])
+def test_the_budget_bounds_the_search_and_goes_first_to_what_it_prints(monkeypatch, budget_s):
+    """On a simulated clock (the config's own plan and every full plan 60 s, a probe 1 s; the debug
+    config on 8 GPUs probes 5 layouts, 10 probes): the search ends within its budget and plans in full
+    the first (budget - 70) // 60 layouts of what an ample budget plans, in the same order; that
+    order is three layouts to print, the probes' best one's variant (keeping the gathered weights)
+    and float8 (tensorwise, rowwise), float8 of the variant that won, then the rest."""
+    ample, order = _search_on_the_clock(monkeypatch, 7200.0)
+    assert "not planned in full (budget)" not in ample.tried
+    assert all(p[2:] == ("default", "false") for p in order[:3])
+    assert order[3][2:] == ("never", "false") and order[4][2:] == order[5][2:] == ("default", "true")
+    assert order[6][2:] == order[7][2:] == ("never", "true")  # the variant won: its float8 next
+    assert ample.ranked[0].layout.reshard == "never"  # the fake planner's variant wins
+    assert {o.layout.float8 for o in ample.float8} == {"tensorwise", "rowwise"}
+
+    found, cut = _search_on_the_clock(monkeypatch, budget_s)
+    assert found.seconds <= budget_s
+    assert cut == order[:int(budget_s - 70) // 60]
+    assert found.tried["not planned in full (budget)"] >= 1
+    assert len(found.ranked) == sum(p[3] == "false" for p in cut)
+    assert len(found.float8) == sum(p[3] == "true" for p in cut)
+    if not found.ranked:
+        from canon_titan.plan.search import text
+
+        assert "raise --budget-s" in text(found, 3)
+
+
 @pytest.fixture(scope="module")
 def found():
     from canon_titan.plan.search import search

@@ -22,7 +22,12 @@ How, in three passes:
    ``PP_PROBE_BUDGET_S`` (a plan records every microbatch of every stage: slow).
 3. **Plans.** The best probed layouts are planned in full (``plan``), and their variants; only
    full plans are reported, so the overrides of any row, handed back to ``canon-titan plan``, give
-   its figures.
+   its figures. They go in order of value: three layouts to print, the best one's variants and its
+   float8, then the rest of ``top`` and the other candidates, the next two's variants, float8 of
+   the second. A round of plans (one per worker) starts only if it is expected to end within the
+   budget: its slowest layout's probes' own wall time extrapolated in the layers, scaled by how
+   the config's own plan and the rounds so far compared with theirs. The search ends within the
+   budget, with what it had time for.
 
 Probes and plans run in worker processes (one per core, at most ``MAX_WORKERS``); progress goes
 to stderr.
@@ -181,14 +186,16 @@ def _plan_figures(config, overrides, gpus, gpu, gpus_per_node, attention):
     from canon_titan.config import ConfigError
     from canon_titan.plan.planner import PlanError, plan
 
+    began = time.perf_counter()
     try:
         result = plan(config, overrides, gpus=gpus, gpu=gpu, gpus_per_node=gpus_per_node, advise=False,
                       attention=attention)
     except (ConfigError, PlanError) as e:
-        return {"error": str(e).splitlines()[0][:300]}
+        return {"error": str(e).splitlines()[0][:300], "seconds": time.perf_counter() - began}
     return {"fits": result.fits, "device_bytes": result.worst.device_bytes, "step_s": result.step_s,
             "tokens_per_s_per_gpu": result.tokens_per_s_per_gpu, "mfu": result.mfu,
-            "gpu_hours": result.gpu_hours, "accumulation": result.accumulation}
+            "gpu_hours": result.gpu_hours, "accumulation": result.accumulation,
+            "seconds": time.perf_counter() - began}
 
 
 class _Pool:
@@ -220,7 +227,7 @@ class _Pool:
 
 
 def search(config: str, base_overrides: list[str], *, gpus: int, gpu, gpus_per_node: int = 8, top: int = 5,
-           budget_s: float = 600.0, workers: int | None = None, attention: str | None = None,
+           budget_s: float = 580.0, workers: int | None = None, attention: str | None = None,
            float8: bool = True, pipelines: bool | None = None, progress=None) -> SearchResult:
     """Search the layouts of ``config`` (with ``base_overrides``) on ``gpus`` GPUs of kind ``gpu``.
     ``pipelines``: probe pipeline layouts always (True), only when no layout without PP fits (False),
@@ -273,7 +280,9 @@ def search(config: str, base_overrides: list[str], *, gpus: int, gpu, gpus_per_n
     try:
         # The config's own layout on these GPUs, for comparison.
         say("planning the config's own layout")
+        began = time.perf_counter()
         recipe_figures = _plan_figures(config, list(base_overrides), gpus, gpu, gpus_per_node, attention)
+        recipe_s = 0.0 if "error" in recipe_figures else time.perf_counter() - began
         par = run["parallelism"]
         recipe = None if "error" in recipe_figures else Outcome(
             Layout(par["data_parallel_replicate_degree"], run.data_parallel_size(gpus) // par["data_parallel_replicate_degree"],
@@ -326,6 +335,8 @@ def search(config: str, base_overrides: list[str], *, gpus: int, gpu, gpus_per_n
             return memory, step / pair[0]["accumulation"], pair[0]["accumulation"]
 
         probed: dict[Layout, tuple | None] = {}
+        plan_seconds: dict[Layout, float] = {}
+        """A full plan's wall time, extrapolated in the layers from the probes' own."""
 
         def needs(shape: Layout, batches: list[int], modes: list[str]) -> list[Layout]:
             out = []
@@ -354,6 +365,8 @@ def search(config: str, base_overrides: list[str], *, gpus: int, gpu, gpus_per_n
                     figures = pool.map([c for lay in chunk for c in probe_calls(lay)])
                     for n, lay in enumerate(chunk):
                         probed[lay] = extrapolate(lay, figures[2 * n:2 * n + 2])
+                        one, two = (f.get("seconds", 0.0) for f in figures[2 * n:2 * n + 2])
+                        plan_seconds[lay] = one + (layers // lay.pp - 1) * max(two - one, 0.0)
                     say(f"probed {len(probed)} layouts, {time.perf_counter() - started:.0f} s")
 
         def fitting_probes() -> bool:
@@ -394,53 +407,108 @@ def search(config: str, base_overrides: list[str], *, gpus: int, gpu, gpus_per_n
         estimates.sort(key=lambda e: e[0])
         say(f"{len(estimates)} layouts fit by the probes; planning the best in full")
 
-        # 3. Full plans of the best, then their variants.
+        # 3. Full plans, in order of value, each round of ``workers`` plans started only when the
+        # slowest full plan so far (the config's own, to begin with) would still end within the
+        # budget: the bf16 layouts to print, the best one's variants, float8 of the best; then the
+        # rest of the candidates, the variants of the next two and float8 of the second.
         planned: dict[Layout, Outcome] = {}
+        budget_cut: list[Layout] = []
+
+        def round_s(chunk: list[Layout]) -> float:
+            """A round's expected wall time: its slowest layout's, by the probes of its parallel
+            structure (their slowest), times the worst that a round so far took against its
+            expectation (a float8 plan records more; workers share cores); without probes, the
+            slowest round so far."""
+            guesses = []
+            for lay in chunk:
+                same = [t for p, t in plan_seconds.items() if (p.tp, p.pp, p.cp) == (lay.tp, lay.pp, lay.cp)]
+                guesses.append(max(same or plan_seconds.values() or [0.0]))
+            return max(guesses) * slowdown if max(guesses) > 0 else slowest_round
 
         def plan_all(layouts: list[Layout]) -> None:
-            todo = [lay for lay in dict.fromkeys(layouts) if lay not in planned]
+            nonlocal slowdown, slowest_round
+            todo = [lay for lay in dict.fromkeys(layouts) if lay not in planned and lay not in budget_cut]
             if not todo:
                 return
-            say(f"planning {len(todo)} layouts in full ({time.perf_counter() - started:.0f} s so far)")
-            for layout, figures in zip(todo, pool.map([call(lay) for lay in todo])):
-                planned[layout] = outcome(layout, figures)
-            tried["planned in full"] = len(planned)
+            chunks = [todo[i:i + workers] for i in range(0, len(todo), workers)]
+            if not budget_cut:
+                say(f"planning {len(todo)} layouts in full ({time.perf_counter() - started:.0f} s so far)")
+            for n, chunk in enumerate(chunks):
+                expected = round_s(chunk)
+                if budget_cut or time.perf_counter() - started + expected > budget_s:
+                    if not budget_cut:
+                        say(f"budget: the rest not planned in full (the next {len(chunk)} would take about "
+                            f"{expected:.0f} s; {budget_s - (time.perf_counter() - started):.0f} s of --budget-s left)")
+                    budget_cut.extend(lay for rest in chunks[n:] for lay in rest)
+                    return
+                began = time.perf_counter()
+                for layout, figures in zip(chunk, pool.map([call(lay) for lay in chunk])):
+                    planned[layout] = outcome(layout, figures)
+                took = time.perf_counter() - began
+                slowest_round = max(slowest_round, took)
+                if expected > 0 and plan_seconds:
+                    slowdown = max(slowdown, took * slowdown / expected)
+                tried["planned in full"] = len(planned)
+                left = sum(round_s(rest) for rest in chunks[n + 1:])
+                say(f"planned {len(planned)} layouts in full, {time.perf_counter() - started:.0f} s"
+                    + (f"; these {len(todo)} done in about {left:.0f} s" if left else ""))
 
-        best = [layout for _, layout in estimates[:max(2 * top, 6)]]
-        plan_all(best)
-        # a best-guess batch that did not fit: one step smaller
-        retry = []
-        for layout in best:
-            if not planned[layout].fits and not planned[layout].error:
-                dp = layout.dp
-                smaller = [b for b in local_batches(global_batch // dp, layout.pp) if b < layout.local_batch]
-                if smaller:
-                    retry.append(replace(layout, local_batch=smaller[0]))
-        plan_all(retry)
-        fitting = sorted((o for o in planned.values() if o.fits), key=lambda o: -o.tokens_per_s_per_gpu)
-        variants = []
-        for o in fitting[:3]:
-            lay = o.layout
-            if lay.dp_shard > 1:
-                variants.append(replace(lay, reshard="never"))
-            shard = hsdp_shard(lay, gpus_per_node)
-            if shard:
-                variants.append(replace(lay, dp_replicate=lay.dp // shard, dp_shard=shard))
-            if lay.pp > 1:
-                other = [s for s in PP_SCHEDULES if s != lay.schedule]
-                variants += [replace(lay, schedule=s) for s in other if layers % (lay.pp * (2 if s in LOOPED else 1)) == 0]
-        variants = [v for v in variants if valid(v)]
-        if time.perf_counter() - started < budget_s * 0.85:
-            plan_all(variants)
-        fitting = sorted((o for o in planned.values() if o.fits and not o.layout.float8),
-                         key=lambda o: -o.tokens_per_s_per_gpu)
-        float8_outcomes: list[Outcome] = []
-        if float8 and gpu.fp8_tflops and time.perf_counter() - started < budget_s * 0.9:
-            trials = [replace(o.layout, float8=recipe_name) for o in fitting[:2] for recipe_name in ("tensorwise", "rowwise")]
-            trials = [t for t in trials if valid(t)]
-            plan_all(trials)
-            float8_outcomes = sorted((planned[t] for t in trials if planned[t].fits),
-                                     key=lambda o: -o.tokens_per_s_per_gpu)
+        def retry(chosen: list[Layout]) -> None:
+            """A best-guess batch that did not fit, one step smaller."""
+            smaller = []
+            for layout in chosen:
+                if layout in planned and not planned[layout].fits and not planned[layout].error:
+                    batches = [b for b in local_batches(global_batch // layout.dp, layout.pp) if b < layout.local_batch]
+                    smaller += [replace(layout, local_batch=batches[0])] if batches else []
+            plan_all(smaller)
+
+        def ranked(with_float8: bool) -> list[Outcome]:
+            return sorted((o for o in planned.values() if o.fits and bool(o.layout.float8) == with_float8),
+                          key=lambda o: -o.tokens_per_s_per_gpu)
+
+        def variants(layouts: list[Layout]) -> list[Layout]:
+            out = []
+            for lay in layouts:
+                if lay.dp_shard > 1:
+                    out.append(replace(lay, reshard="never"))
+                shard = hsdp_shard(lay, gpus_per_node)
+                if shard:
+                    out.append(replace(lay, dp_replicate=lay.dp // shard, dp_shard=shard))
+                if lay.pp > 1:
+                    other = [s for s in PP_SCHEDULES if s != lay.schedule]
+                    out += [replace(lay, schedule=s) for s in other if layers % (lay.pp * (2 if s in LOOPED else 1)) == 0]
+            return [v for v in out if valid(v)]
+
+        def with_float8(layouts: list[Layout]) -> list[Layout]:
+            if not (float8 and gpu.fp8_tflops):
+                return []
+            return [t for t in (replace(lay, float8=name) for lay in layouts for name in ("tensorwise", "rowwise"))
+                    if valid(t)]
+
+        def best(count: int) -> list[Layout]:
+            return [o.layout for o in ranked(False)[:count]]
+
+        # the config's own plan, against what the probes of its structure say, sets the first
+        # rounds' expectation
+        slowdown, slowest_round = 1.0, recipe_s
+        own = round_s([recipe.layout]) if recipe is not None else 0.0
+        if own > 0:
+            slowdown = max(1.0, recipe_s / own)
+        # the first rounds: three layouts to print and, on the probes' word, the best one's variants
+        # and float8 (filling the rounds); then the same for the best as planned, if another
+        first = [layout for _, layout in estimates[:min(top, 3)]]
+        plan_all(first + variants(first[:1]) + with_float8(first[:1]))
+        retry(first)
+        plan_all(variants(best(1)))
+        plan_all(with_float8(best(1)))
+        more = [layout for _, layout in estimates[min(top, 3):max(2 * top, 6)]]
+        plan_all(more)
+        retry(more)
+        plan_all(variants(best(3)))
+        plan_all(with_float8(best(2)))
+        if budget_cut:
+            tried["not planned in full (budget)"] = len(budget_cut)
+        fitting, float8_outcomes = ranked(False), ranked(True)
     except BaseException:
         pool.terminate()
         raise
@@ -473,7 +541,9 @@ def text(result: SearchResult, top: int) -> str:
         out += [f"The config's own layout ({verdict}):"] + row("  -", result.recipe) + [""]
     else:
         out += ["The config's own layout: not a valid run on these GPUs", ""]
-    if not result.ranked:
+    if not result.ranked and result.tried.get("not planned in full (budget)"):
+        out.append("No layout planned in full within the budget: raise --budget-s")
+    elif not result.ranked:
         out.append("No layout found that fits (more GPUs, or a smaller model)")
     else:
         out.append(f"Fastest layouts that fit with {100 * MARGIN:.0f}% of the memory spare (bf16, the recipe's "
