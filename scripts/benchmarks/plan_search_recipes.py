@@ -6,8 +6,8 @@ are kept).
 
     .venv/bin/python scripts/benchmarks/plan_search_recipes.py [--readme] [--only PATTERN] [--budget-s S] [--workers N] [--top K]
 
-Recipes that differ only in learning rate share a row. A search takes 5-40 minutes on a 2-core CPU
-with one worker, by the model's size and the machine.
+Recipes that differ only in learning rate share a row. A recipe (its two clusters) takes 5-100
+minutes on a 2-core CPU with one worker, by the model's size, the machine and what else runs on it.
 """
 
 from __future__ import annotations
