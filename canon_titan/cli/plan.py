@@ -36,8 +36,8 @@ def main(argv: list[str]) -> int:
                         "float8 apart) and print the fastest that fit")
     search.add_argument("--top", type=int, default=5, help="with --search: how many layouts to print (default 5)")
     search.add_argument("--budget-s", type=float, default=580.0,
-                        help="with --search: wall-clock budget in seconds; no full plan is started that the "
-                        "slowest so far says would end past it (default 580: the command within 10 minutes)")
+                        help="with --search: wall-clock budget in seconds; no round of full plans is started that "
+                        "is expected to end past it (default 580: the command within 10 minutes)")
     search.add_argument("--workers", type=int, default=None,
                         help="with --search: planning processes (default: one per core, at most 4)")
     search.add_argument("--write", metavar="FILE.toml", help="with --search: write the winner's resolved config here")

@@ -335,8 +335,7 @@ def search(config: str, base_overrides: list[str], *, gpus: int, gpu, gpus_per_n
             return memory, step / pair[0]["accumulation"], pair[0]["accumulation"]
 
         probed: dict[Layout, tuple | None] = {}
-        plan_seconds: dict[Layout, float] = {}
-        """A full plan's wall time, extrapolated in the layers from the probes' own."""
+        plan_seconds: dict[Layout, float] = {}  # a full plan's wall time, from the probes' own in the layers
 
         def needs(shape: Layout, batches: list[int], modes: list[str]) -> list[Layout]:
             out = []
@@ -407,10 +406,8 @@ def search(config: str, base_overrides: list[str], *, gpus: int, gpu, gpus_per_n
         estimates.sort(key=lambda e: e[0])
         say(f"{len(estimates)} layouts fit by the probes; planning the best in full")
 
-        # 3. Full plans, in order of value, each round of ``workers`` plans started only when the
-        # slowest full plan so far (the config's own, to begin with) would still end within the
-        # budget: the bf16 layouts to print, the best one's variants, float8 of the best; then the
-        # rest of the candidates, the variants of the next two and float8 of the second.
+        # 3. Full plans, in order of value (module docstring), each round of ``workers`` plans
+        # started only when it is expected to end within the budget (round_s).
         planned: dict[Layout, Outcome] = {}
         budget_cut: list[Layout] = []
 
