@@ -70,10 +70,11 @@ class _Clock:
         return self.now
 
 
-def _fake_planner(clock: _Clock, planned: list, probe_s: float, full_s: float):
+def _fake_planner(clock: _Clock, planned: list, probe_s: float, full_s: float, network_s: float = 0.0):
     """Stands in for ``plan`` in the search's worker (one worker: in-process): a probe (few layers)
     costs ``probe_s`` of the clock, a full plan ``full_s``. Every layout fits in a few GB; less TP and
-    CP and a larger local batch are faster; keeping the gathered weights a little, float8 more."""
+    CP and a larger local batch are faster; keeping the gathered weights a little, float8 more. An
+    FSDP shard group that spans nodes adds ``network_s`` per rank in it."""
 
     def figures(config, overrides, gpus, gpu, gpus_per_node, attention):
         value = {flag: overrides[i + 1] for i, flag in enumerate(overrides) if flag.startswith("--")}
@@ -84,7 +85,9 @@ def _fake_planner(clock: _Clock, planned: list, probe_s: float, full_s: float):
         local = int(value.get("--training.local_batch_size", 1))
         tp = int(value.get("--parallelism.tensor_parallel_degree", 1))
         cp = int(value.get("--parallelism.context_parallel_degree", 1))
-        step = (1 + 0.2 * tp + 0.5 * cp + 1 / local) * (0.8 if value.get("--float8.enable") == "true" else 1.0)
+        shard = int(value.get("--parallelism.data_parallel_shard_degree", gpus // (tp * cp)))
+        step = 1 + 0.2 * tp + 0.5 * cp + 1 / local + (network_s * shard if shard * tp * cp > gpus_per_node else 0.0)
+        step *= 0.8 if value.get("--float8.enable") == "true" else 1.0
         step *= 0.99 if value.get("--parallelism.fsdp_reshard_after_forward") == "never" else 1.0
         return {"fits": True, "device_bytes": local * 2**28, "step_s": step, "tokens_per_s_per_gpu": 1e4 / step,
                 "mfu": 0.5, "gpu_hours": step, "accumulation": 1, "seconds": probe_s if probe else full_s}
@@ -129,6 +132,27 @@ def test_the_budget_bounds_the_search_and_goes_first_to_what_it_prints(monkeypat
         from canon_titan.plan.search import text
 
         assert "raise --budget-s" in text(found, 3)
+
+
+def test_a_structure_fastest_as_hsdp_is_found_though_its_fsdp_form_probes_last(monkeypatch):
+    """16 GPUs on two nodes of 8, a global batch of 256, the fake planner's network cost 0.2 s per
+    rank of an FSDP group that spans nodes. By hand (step = 1.5 + 0.2 TP + 1/local + network): as
+    FSDP every structure spans nodes and TP 1, with 16 ranks in its group, probes slowest (4.96 s,
+    against 3.12 s for TP 4); as HSDP 2x8 each shard group is one node, and TP 1 at local 16 is the
+    fastest layout of all (1.76 s; HSDP 2x4 with TP 2 1.93 s). The search must offer it first; a
+    search that tried HSDP only as a variant of its best-probed structures would not find it."""
+    from canon_titan.plan import search as search_module
+
+    clock, planned = _Clock(), []
+    monkeypatch.setattr(search_module, "time", clock)
+    monkeypatch.setattr(search_module, "_plan_figures", _fake_planner(clock, planned, 1.0, 60.0, network_s=0.2))
+    found = search_module.search(str(CONFIGS["llama"]), [*BASE, "--training.global_batch_size", "256"], gpus=16,
+                                 gpu=GPUS["h100"], top=3, budget_s=7200.0, workers=1, pipelines=False)
+    best = found.ranked[0].layout
+    assert (best.dp_replicate, best.dp_shard, best.tp, best.cp, best.local_batch) == (2, 8, 1, 1, 16)
+    assert found.tried["HSDP forms"] >= 2  # TP 1 (2x8) and TP 2 (2x4) at least
+    fsdp_tp1 = [o for o in found.ranked if (o.layout.dp_replicate, o.layout.tp, o.layout.cp) == (1, 1, 1)]
+    assert all(o.step_s > 2 * found.ranked[0].step_s for o in fsdp_tp1)
 
 
 @pytest.fixture(scope="module")

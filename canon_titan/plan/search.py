@@ -1,12 +1,13 @@
 """``canon-titan plan --search``: the fastest layout of a run that fits a given cluster, keeping
 its global batch (and with it the recipe's training semantics).
 
-What it tries: every factorization of the GPUs into data-parallel (FSDP, or HSDP with one node's
-shard), tensor-, pipeline- and context-parallel degrees that the model family and canon-titan
-accept; for each, the activation-checkpoint modes and the largest local batch that fits (the rest
-of the global batch by accumulation); for the best of those, HSDP, keeping the gathered weights
-after the forward (``fsdp_reshard_after_forward never``), the other pipeline schedule, and
-float8 (listed apart: it changes the numerics).
+What it tries: every factorization of the GPUs into data-parallel, tensor-, pipeline- and
+context-parallel degrees that the model family and canon-titan accept, the data parallelism as
+FSDP over all of it and (without PP) as HSDP with one node's shard; for each, the
+activation-checkpoint modes and the largest local batch that fits (the rest of the global batch
+by accumulation); for the best of those, keeping the gathered weights after the forward
+(``fsdp_reshard_after_forward never``), the other pipeline schedule, and float8 (listed apart: it
+changes the numerics).
 
 How, in three passes:
 1. **Bounds.** A layout whose divisibility the config checks refuse, or whose parameters,
@@ -251,8 +252,8 @@ def search(config: str, base_overrides: list[str], *, gpus: int, gpu, gpus_per_n
         parameters = sum(p.numel() for p in run.model_spec().model.build().parameters())
     state_per_param = STATE_BYTES_PER_PARAMETER.get(str(training.get("dtype", "float32")), 16)
     cp_allowed = not getattr(run.model_args, "context_parallel_problem", lambda cp: None)(2)
-    tried = {"structures": 0, "refused by the config checks": 0, "over memory by their state alone": 0,
-             "probed": 0, "planned in full": 0}
+    tried = {"structures": 0, "HSDP forms": 0, "refused by the config checks": 0,
+             "over memory by their state alone": 0, "probed": 0, "planned in full": 0}
     workers = max(1, min(workers or os.cpu_count() or 1, MAX_WORKERS))
     pool = _Pool(workers)
 
@@ -305,15 +306,26 @@ def search(config: str, base_overrides: list[str], *, gpus: int, gpu, gpus_per_n
             if parameters * state_per_param / (dp * tp * pp) > gpu.memory_bytes:
                 tried["over memory by their state alone"] += 1
                 continue
-            modes = []
-            for ac in AC_MODES:
-                if valid(Layout(1, dp, tp, pp, cp, batches[0], ac)):
-                    modes.append(ac)
-                else:
-                    tried["refused by the config checks"] += 1
-            if modes:
-                shapes.append((Layout(1, dp, tp, pp, cp, batches[0], modes[0]), batches, modes))
-        say(f"{len(shapes)} parallel layouts to probe ({tried['structures']} factorizations; "
+            # FSDP over all the data parallelism, and HSDP with one node's shard: at scale the two
+            # differ most in what crosses the network, so each is probed (a variant of the best
+            # alone would miss a structure whose FSDP form ranks low only for its network traffic)
+            fsdp = Layout(1, dp, tp, pp, cp, batches[0], "none")
+            forms = [fsdp]
+            shard = hsdp_shard(fsdp, gpus_per_node)
+            if shard and parameters * state_per_param / (shard * tp * pp) <= gpu.memory_bytes:
+                forms.append(replace(fsdp, dp_replicate=dp // shard, dp_shard=shard))
+            for form in forms:
+                modes = []
+                for ac in AC_MODES:
+                    if valid(replace(form, ac=ac)):
+                        modes.append(ac)
+                    else:
+                        tried["refused by the config checks"] += 1
+                if modes:
+                    shapes.append((replace(form, ac=modes[0]), batches, modes))
+                    tried["HSDP forms"] += form.dp_replicate > 1
+        say(f"{len(shapes)} parallel layouts to probe ({tried['structures']} factorizations, "
+            f"{tried['HSDP forms']} of them also as HSDP; "
             f"{tried['over memory by their state alone']} over memory by their state alone, "
             f"{tried['refused by the config checks']} refused by the config checks)")
 
