@@ -78,6 +78,30 @@ def test_a_replayed_step_reserves_its_fragmented_peak_and_keeps_the_state_once()
     assert resized.peak_reserved == 60 * MIB and resized.peak_allocated == 60 * MIB
 
 
+def test_at_the_gpus_memory_the_allocator_releases_its_free_segments_or_runs_out():
+    """c10's caching allocator, when a new segment would not fit the GPU, releases every cached
+    segment with nothing allocated in it and tries again (``release_cached_blocks``); a segment
+    split by a live block stays. By hand, on 100 MiB:
+    - 60 MiB allocated and freed, then 70 MiB: the free 60 MiB block is too small, a new segment
+      would make 130 MiB, so the whole free 60 MiB segment goes back: 70 MiB reserved, one retry;
+    - 60 MiB allocated and freed, 30 MiB taken from it (split; kept), then 50 MiB: the free 30 MiB
+      rest is too small, and the split segment cannot go back: 110 MiB, out of memory.
+    Without a capacity the first reserves 130 MiB."""
+    gone = replay([(0, 1, 60 * MIB), (1, 1, -60 * MIB), (2, 2, 70 * MIB)], steps=1, capacity=100 * MIB)
+    assert (gone.peak_reserved, gone.reserved, gone.retries, gone.out_of_memory) == (70 * MIB, 70 * MIB, 1, 0)
+    assert replay([(0, 1, 60 * MIB), (1, 1, -60 * MIB), (2, 2, 70 * MIB)], steps=1).peak_reserved == 130 * MIB
+    split = replay([(0, 1, 60 * MIB), (1, 1, -60 * MIB), (2, 2, 30 * MIB), (3, 3, 50 * MIB)], steps=1,
+                   capacity=100 * MIB)
+    assert (split.peak_reserved, split.retries, split.out_of_memory) == (110 * MIB, 1, 1)
+    # the released segment is gone from the free pool: a later 60 MiB request reserves anew
+    allocator = CachingAllocator(capacity=100 * MIB)
+    first = allocator.malloc(60 * MIB)
+    allocator.free(first)
+    allocator.malloc(70 * MIB)
+    allocator.malloc(20 * MIB)
+    assert allocator.reserved == 90 * MIB and allocator.retries == 1
+
+
 def test_fsdp_buffers_are_placed_on_their_own_streams():
     """The recorded step's all-gather and reduce-scatter buffers (FSDP2 allocates them on its own
     streams) go to streams 1 and 2 in the replay; a plan's reserved peak is at least its live one."""

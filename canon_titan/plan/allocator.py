@@ -13,7 +13,12 @@ lasts):
   more than 1 MiB (large pool);
 - with no such block it reserves a new segment from the driver: 2 MiB for a small request, 20 MiB
   for a large one under 10 MiB, the request rounded up to 2 MiB above that;
-- a freed block merges with its free neighbours in the same segment; segments are never given back.
+- a freed block merges with its free neighbours in the same segment;
+- segments are given back only when a new one would not fit the GPU (``capacity``): then every
+  segment with nothing allocated in it is released (``release_cached_blocks``, after a device
+  synchronize: an "allocation retry", which TorchTitan's log counts) and the reservation is tried
+  again; if it still does not fit, the run is out of memory. (``release_available_cached_blocks``,
+  tried first, does nothing without a ``max_split_size_mb``.)
 
 Blocks belong to the stream that allocated them: memory freed by one stream is not reused by
 another. FSDP2 allocates its all-gather outputs on its all-gather copy-in stream and its
@@ -65,10 +70,16 @@ class Block:
 
 @dataclass
 class CachingAllocator:
+    capacity: int | None = None
+    """The bytes the driver can give the allocator (None: unbounded)."""
     reserved: int = 0
     allocated: int = 0
     peak_reserved: int = 0
     peak_allocated: int = 0
+    retries: int = 0
+    """Times a new segment did not fit and the cached free segments were released."""
+    out_of_memory: int = 0
+    """Requests that did not fit even then (reserved past ``capacity`` to keep counting)."""
     _free: dict[tuple[int, bool], list] = field(default_factory=dict)
     """(stream, small pool) -> free blocks, sorted by (size, segment, offset)."""
     _segments: int = 0
@@ -96,6 +107,10 @@ class CachingAllocator:
             block = pool.pop(i)[1]
         else:
             total = segment_size(size)
+            if self.capacity is not None and self.reserved + total > self.capacity:
+                self.retries += 1
+                self._release_cached()
+                self.out_of_memory += self.reserved + total > self.capacity
             block = Block(self._segments, 0, total, stream, small)
             self._segments += 1
             self.reserved += total
@@ -112,6 +127,14 @@ class CachingAllocator:
         self.allocated += block.size
         self.peak_allocated = max(self.peak_allocated, self.allocated)
         return block
+
+    def _release_cached(self) -> None:
+        """Give back every segment with nothing allocated in it (one free block, unsplit)."""
+        for key, pool in self._free.items():
+            whole = [entry for entry in pool if entry[1].prev is None and entry[1].next is None]
+            for entry in whole:
+                self.reserved -= entry[1].size
+            self._free[key] = [entry for entry in pool if entry[1].prev is not None or entry[1].next is not None]
 
     def free(self, block: Block) -> None:
         block.allocated = False
@@ -134,15 +157,16 @@ class CachingAllocator:
 
 
 def replay(events, *, streams: dict[int, int] | None = None, persistent: set[int] = frozenset(),
-           steps: int = 2) -> CachingAllocator:
+           steps: int = 2, capacity: int | None = None) -> CachingAllocator:
     """Replay a step's ``(op index, storage id, change in bytes)`` events ``steps`` times through
     the allocator. ``streams``: storage id -> the stream that allocates it (0, the compute stream,
     for the others). ``persistent``: storages that outlive a step (parameters, buffers, optimizer
     state), allocated once; whatever else is alive at the end of a step is freed before the next
     (the gradients, which the next step's ``zero_grad`` drops). A storage resized in place (FSDP2's
-    gathered parameters) frees its block and takes a new one."""
+    gathered parameters) frees its block and takes a new one. ``capacity``: the bytes the GPU
+    leaves the allocator."""
     streams = streams or {}
-    allocator = CachingAllocator()
+    allocator = CachingAllocator(capacity)
     blocks: dict[int, Block] = {}
     sizes: dict[int, int] = {}
     for step in range(steps):

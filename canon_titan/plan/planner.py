@@ -50,7 +50,10 @@ class RankKind:
     custom-kernel FLOPs (recomputation excluded), over every accumulation group."""
     reserved_bytes: int
     """The peak as ``torch.cuda.max_memory_reserved`` would show it: the step's allocations and
-    frees replayed through the caching allocator (``allocator.replay``)."""
+    frees replayed through the caching allocator (``allocator.replay``), on the GPU's memory."""
+    allocator_retries: int = 0
+    """Times in the replayed steps that the allocator reached the GPU's memory and released its
+    cached free segments to go on (each a device synchronize and ``cudaFree``s)."""
 
     @property
     def device_bytes(self) -> int:
@@ -144,17 +147,18 @@ reduce-scatter stream, where HSDP's all-reduce runs too); 0 is the compute strea
 STATE_CATEGORIES = ("buffers", "parameters", "optimizer state")
 
 
-def reserved_peak(step: RankStep, events=None) -> int:
+def reserved_peak(step: RankStep, events=None, capacity: int | None = None):
     """The step's ``max_memory_reserved``: its allocations and frees (``events``, or the trace's)
-    replayed twice through the caching allocator, data-parallel collective buffers on FSDP2's
-    streams, the parameters, buffers and optimizer state allocated once."""
+    replayed twice through the caching allocator (on ``capacity`` bytes), data-parallel collective
+    buffers on FSDP2's streams, the parameters, buffers and optimizer state allocated once. Returns
+    the allocator after the replay."""
     trace = step.trace
     streams = {sid: COLLECTIVE_STREAMS.get(trace.collective_buffer_kinds.get(sid, ""), 0)
                for sid, ranks in trace.collective_buffers.items()
                if step.group_names.get(tuple(sorted(ranks))) in DATA_PARALLEL_GROUPS}
     persistent = {sid for sid, category in step.categories.items() if category in STATE_CATEGORIES}
     return replay(trace.memory_events if events is None else events, streams=streams,
-                  persistent=persistent).peak_reserved
+                  persistent=persistent, capacity=capacity)
 
 
 def _model_flops(step: RankStep) -> int:
@@ -242,10 +246,12 @@ def plan(config: str, overrides: list[str], *, gpus: int, gpu: GPU, gpus_per_nod
     kinds = []
     for role, step in steps:
         events = compiled_memory_events(step) if compiled else None
+        allocator = reserved_peak(step, events, capacity=gpu.memory_bytes - int(OUTSIDE_PYTORCH_GIB * GIB))
         kinds.append(RankKind(role, step.rank, memory_peak(step.trace, _categories(step), events=events),
                               rank_time(step, gpu, compiled=compiled, gpus_per_node=gpus_per_node,
                                         attention=attention),
-                              step.state_bytes, _model_flops(step), reserved_peak(step, events)))
+                              step.state_bytes, _model_flops(step), allocator.peak_reserved,
+                              allocator.retries))
     first = steps[0][1]
     dp = run.data_parallel_size(gpus)
     local_batch = run["training"]["local_batch_size"]
@@ -303,6 +309,11 @@ def _notes(run, result: Plan) -> list[str]:
     if result.accumulation > 2:
         notes.append(f"gradient accumulation: 2 of {result.accumulation} groups were stepped; the others repeat the "
                      "second")
+    retries = max(k.allocator_retries for k in result.kinds)
+    if retries and result.fits:
+        notes.append(f"allocator: reaches the GPU's memory {retries} time(s) in two replayed steps and releases its "
+                     "cached free segments to go on (a device synchronize each: TorchTitan logs them as "
+                     "num_alloc_retries; the step time does not include them)")
     return notes
 
 
