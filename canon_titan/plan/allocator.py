@@ -78,8 +78,6 @@ class CachingAllocator:
     peak_allocated: int = 0
     retries: int = 0
     """Times a new segment did not fit and the cached free segments were released."""
-    out_of_memory: int = 0
-    """Requests that did not fit even then (reserved past ``capacity`` to keep counting)."""
     _free: dict[tuple[int, bool], list] = field(default_factory=dict)
     """(stream, small pool) -> free blocks, sorted by (size, segment, offset)."""
     _segments: int = 0
@@ -109,8 +107,7 @@ class CachingAllocator:
             total = segment_size(size)
             if self.capacity is not None and self.reserved + total > self.capacity:
                 self.retries += 1
-                self._release_cached()
-                self.out_of_memory += self.reserved + total > self.capacity
+                self._release_cached()  # if still over capacity: out of memory (reserved past it)
             block = Block(self._segments, 0, total, stream, small)
             self._segments += 1
             self.reserved += total
