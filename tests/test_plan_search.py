@@ -70,11 +70,14 @@ class _Clock:
         return self.now
 
 
-def _fake_planner(clock: _Clock, planned: list, probe_s: float, full_s: float, network_s: float = 0.0):
+def _fake_planner(clock: _Clock, planned: list, probe_s: float, full_s: float, network_s: float = 0.0,
+                  gather_s: float = 0.0, kept_share: float = 1.0, replicate_s: float = 0.0):
     """Stands in for ``plan`` in the search's worker (one worker: in-process): a probe (few layers)
     costs ``probe_s`` of the clock, a full plan ``full_s``. Every layout fits in a few GB; less TP and
     CP and a larger local batch are faster; keeping the gathered weights a little, float8 more. An
-    FSDP shard group that spans nodes adds ``network_s`` per rank in it."""
+    FSDP shard group that spans nodes adds ``network_s`` per rank in it and ``gather_s`` / TP (its
+    share of the weights' bytes), of which ``kept_share`` remains when the gathered weights are kept;
+    HSDP's all-reduce across its replicas adds ``replicate_s``."""
 
     def figures(config, overrides, gpus, gpu, gpus_per_node, attention):
         value = {flag: overrides[i + 1] for i, flag in enumerate(overrides) if flag.startswith("--")}
@@ -86,9 +89,14 @@ def _fake_planner(clock: _Clock, planned: list, probe_s: float, full_s: float, n
         tp = int(value.get("--parallelism.tensor_parallel_degree", 1))
         cp = int(value.get("--parallelism.context_parallel_degree", 1))
         shard = int(value.get("--parallelism.data_parallel_shard_degree", gpus // (tp * cp)))
-        step = 1 + 0.2 * tp + 0.5 * cp + 1 / local + (network_s * shard if shard * tp * cp > gpus_per_node else 0.0)
+        kept = value.get("--parallelism.fsdp_reshard_after_forward") == "never"
+        spans = shard * tp * cp > gpus_per_node
+        network = (network_s * shard + gather_s / tp) * (kept_share if kept else 1.0) if spans else 0.0
+        replicas = int(value.get("--parallelism.data_parallel_replicate_degree", 1))
+        step = 1 + 0.2 * tp + 0.5 * cp + 1 / local
         step *= 0.8 if value.get("--float8.enable") == "true" else 1.0
-        step *= 0.99 if value.get("--parallelism.fsdp_reshard_after_forward") == "never" else 1.0
+        step *= 0.99 if kept else 1.0
+        step += network + (replicate_s if replicas > 1 else 0.0)
         return {"fits": True, "device_bytes": local * 2**28, "step_s": step, "tokens_per_s_per_gpu": 1e4 / step,
                 "mfu": 0.5, "gpu_hours": step, "accumulation": 1, "seconds": probe_s if probe else full_s}
 
@@ -153,6 +161,33 @@ def test_a_structure_fastest_as_hsdp_is_found_though_its_fsdp_form_probes_last(m
     assert found.tried["HSDP forms"] >= 2  # TP 1 (2x8) and TP 2 (2x4) at least
     fsdp_tp1 = [o for o in found.ranked if (o.layout.dp_replicate, o.layout.tp, o.layout.cp) == (1, 1, 1)]
     assert all(o.step_s > 2 * found.ranked[0].step_s for o in fsdp_tp1)
+
+
+def test_keeping_the_gathered_weights_is_tried_on_the_best_fsdp_form_though_hsdp_forms_rank_above_it(monkeypatch):
+    """16 GPUs on two nodes of 8, a global batch of 256. The fake planner: an FSDP group that spans
+    nodes pays 0.3 s / TP of all-gathers and reduce-scatters, a fifth of it when the gathered weights
+    are kept; HSDP pays 0.1 s for its all-reduce across nodes. By hand (compute 1.5 + 0.2 TP + 1/local,
+    x0.99 keeping the gathered weights): HSDP 2x8 TP 1 at local 16 1.8625 s, kept 1.8449; HSDP 2x4
+    TP 2 2.0313; FSDP 16 TP 1 2.0625 (the fastest FSDP form: TP 2 2.0813), fourth of those planned
+    after the first variant, and kept 1.8049: the fastest of all. A search that tries the variant
+    only on its best three would offer HSDP 2x8 kept (1.8449)."""
+    from canon_titan.plan import search as search_module
+
+    clock, planned = _Clock(), []
+    monkeypatch.setattr(search_module, "time", clock)
+    monkeypatch.setattr(search_module, "_plan_figures",
+                        _fake_planner(clock, planned, 1.0, 60.0, gather_s=0.3, kept_share=0.2, replicate_s=0.1))
+    found = search_module.search(str(CONFIGS["llama"]), [*BASE, "--training.global_batch_size", "256"], gpus=16,
+                                 gpu=GPUS["h100"], top=3, budget_s=7200.0, workers=1, pipelines=False)
+    steps = {(o.layout.dp_replicate, o.layout.dp_shard, o.layout.tp, o.layout.cp, o.layout.local_batch,
+              o.layout.reshard): o.step_s for o in found.ranked}
+    assert steps[(2, 8, 1, 1, 16, "default")] == pytest.approx(1.8625)
+    assert steps[(1, 16, 1, 1, 16, "default")] == pytest.approx(2.0625)
+    best = found.ranked[0]
+    assert (best.layout.dp_replicate, best.layout.dp_shard, best.layout.tp, best.layout.cp,
+            best.layout.local_batch, best.layout.reshard) == (1, 16, 1, 1, 16, "never")
+    assert best.step_s == pytest.approx(1.5 * 0.99 + 1 / 16 * 0.99 + 0.2 * 0.99 + 0.06)
+    assert sum(s < 2.0625 for s in steps.values()) >= 3  # the FSDP form ranked below the best three
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ How, in three passes:
    full plans are reported, so the overrides of any row, handed back to ``canon-titan plan``, give
    its figures. They go in order of value: three layouts to print, the best one's variants and its
    float8, then the rest of ``top`` and the other candidates, the next two's variants, float8 of
-   the second. A round of plans (one per worker) starts only if it is expected to end within the
+   the second, and last the variants of the best FSDP and the best HSDP layout planned. A round of plans (one per worker) starts only if it is expected to end within the
    budget: its slowest layout's probes' own wall time extrapolated in the layers, scaled by how
    the config's own plan and the rounds so far compared with theirs. The search ends within the
    budget, with what it had time for.
@@ -497,6 +497,16 @@ def search(config: str, base_overrides: list[str], *, gpus: int, gpu, gpus_per_n
         def best(count: int) -> list[Layout]:
             return [o.layout for o in ranked(False)[:count]]
 
+        def best_of_each_form() -> list[Layout]:
+            """The fastest layout planned of each data-parallel form, FSDP over all the data
+            parallelism and HSDP: keeping the gathered weights spares an FSDP form its all-gathers
+            in the backward, across the network where its shard group spans nodes (an HSDP form's is
+            one node), so the variant can make an FSDP form that ranks below the best few the fastest."""
+            out = []
+            for hsdp in (False, True):
+                out += [o.layout for o in ranked(False) if (o.layout.dp_replicate > 1) == hsdp][:1]
+            return out
+
         # the config's own plan, against what the probes of its structure say, sets the first
         # rounds' expectation
         slowdown, slowest_round = 1.0, recipe_s
@@ -515,6 +525,7 @@ def search(config: str, base_overrides: list[str], *, gpus: int, gpu, gpus_per_n
         retry(more)
         plan_all(variants(best(3)))
         plan_all(with_float8(best(2)))
+        plan_all(variants(best_of_each_form()))
         if budget_cut:
             tried["not planned in full (budget)"] = len(budget_cut)
         fitting, float8_outcomes = ranked(False), ranked(True)
