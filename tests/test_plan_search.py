@@ -142,6 +142,25 @@ def test_the_budget_bounds_the_search_and_goes_first_to_what_it_prints(monkeypat
         assert "raise --budget-s" in text(found, 3)
 
 
+def test_probing_stops_within_a_round_at_its_share_of_the_budget_and_leaves_time_for_full_plans(monkeypatch):
+    """Probes as slow as a loaded machine makes an 8B model's (30 s each, two a layout; the config's
+    own plan and a full plan 60 s), budget 400 s: the debug config on 8 GPUs probes its 5 layouts in
+    one round of three chunks of two layouts (2 per worker). By hand: the own plan ends at 60 s, the
+    first chunk at 180, the second at 300, past the probes' share (0.6 x 400 = 240), so the third is
+    not started and one full plan (60 s) fits in the 100 s left. A search that checked its share only
+    between rounds would end the round at 420 s, past the budget, and offer nothing."""
+    from canon_titan.plan import search as search_module
+
+    clock, planned = _Clock(), []
+    monkeypatch.setattr(search_module, "time", clock)
+    monkeypatch.setattr(search_module, "_plan_figures", _fake_planner(clock, planned, 30.0, 60.0))
+    found = search_module.search(str(CONFIGS["llama"]), BASE, gpus=8, gpu=GPUS["h100"], top=3, budget_s=400.0,
+                                 workers=1, pipelines=False)
+    assert found.tried["probed"] == 4
+    assert found.seconds <= 400.0
+    assert len(planned) == 2 and len(found.ranked) == 1  # the own plan, then the probes' best
+
+
 def test_a_structure_fastest_as_hsdp_is_found_though_its_fsdp_form_probes_last(monkeypatch):
     """16 GPUs on two nodes of 8, a global batch of 256, the fake planner's network cost 0.2 s per
     rank of an FSDP group that spans nodes. By hand (step = 1.5 + 0.2 TP + 1/local + network): as

@@ -372,6 +372,11 @@ def search(config: str, base_overrides: list[str], *, gpus: int, gpu, gpus_per_n
                     return
                 say(f"probing {len(todo)} layouts ({2 * len(todo)} few-layer plans on {workers} worker(s))")
                 for i in range(0, len(todo), 2 * workers):
+                    if i and time.perf_counter() - started > deadline:
+                        # checked between chunks too: a round of probes of an 8B model on a loaded
+                        # machine takes minutes, and what is left of the budget is for full plans
+                        say(f"probe budget spent after {len(probed)} layouts: ranking what was probed")
+                        return
                     chunk = todo[i:i + 2 * workers]
                     figures = pool.map([c for lay in chunk for c in probe_calls(lay)])
                     for n, lay in enumerate(chunk):
