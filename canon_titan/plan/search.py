@@ -16,7 +16,9 @@ How, in three passes:
 2. **Probes.** The others are planned with a few layers (one and two per pipeline stage), which
    takes about a second each, and extrapolated linearly in the layers: every block of these models
    costs the same memory and time, and the rest (embedding, output, loss, optimizer) is what the
-   one-layer probe holds beyond a layer. Memory and the time per accumulation group are then
+   one-layer probe holds beyond a layer (memory: the reserved peak, and no less than the live peak
+   plus the probes' allocator slack, ``extrapolate``; probes replay the allocator without the GPU's
+   capacity, which would flatten the growth). Memory and the time per accumulation group are then
    interpolated in the local batch between the smallest and largest local batch probed, to find the
    largest local batch that fits (with ``MARGIN`` to spare) and its step time.
    Pipeline layouts are probed only when no layout without PP fits, or under a budget of
@@ -182,21 +184,45 @@ def local_batches(per_rank: int, pp: int) -> list[int]:
 # ------------------------------------------------------------------------------------ workers
 
 
-def _plan_figures(config, overrides, gpus, gpu, gpus_per_node, attention):
-    """Run in a worker: one plan's figures (or its error)."""
+def _plan_figures(config, overrides, gpus, gpu, gpus_per_node, attention, probe=False):
+    """Run in a worker: one plan's figures (or its error). A ``probe`` (a few layers, extrapolated in
+    the layers) replays the allocator without the GPU's capacity: released at the GPU's memory, its
+    reserved peak would stop growing with the layers and extrapolate to a fit."""
     from canon_titan.config import ConfigError
     from canon_titan.plan.planner import PlanError, plan
 
     began = time.perf_counter()
     try:
         result = plan(config, overrides, gpus=gpus, gpu=gpu, gpus_per_node=gpus_per_node, advise=False,
-                      attention=attention)
+                      attention=attention, gpu_capacity=not probe)
     except (ConfigError, PlanError) as e:
         return {"error": str(e).splitlines()[0][:300], "seconds": time.perf_counter() - began}
-    return {"fits": result.fits, "device_bytes": result.worst.device_bytes, "step_s": result.step_s,
+    return {"fits": result.fits, "device_bytes": result.worst.device_bytes,
+            "live_bytes": result.worst.memory.total, "step_s": result.step_s,
             "tokens_per_s_per_gpu": result.tokens_per_s_per_gpu, "mfu": result.mfu,
             "gpu_hours": result.gpu_hours, "accumulation": result.accumulation,
             "seconds": time.perf_counter() - began}
+
+
+def extrapolate(pair: list[dict], layers: int) -> tuple[float, float, int] | None:
+    """A probe pair's figures (one and two layers a stage) at ``layers`` a stage: memory, seconds
+    per accumulation group and the accumulation; None where a probe failed. Every block costs the
+    same, so time and the live peak grow linearly in the layers. The allocator's slack over the live
+    peak need not: the replay's fragmentation can fall from one layer to two (LlamaCanon-8B on 64
+    H100s, HSDP 8x2 x CP 4, local 96 reserves 92.3 GB at one layer and 86.8 at two, which
+    extrapolates to a fit, where its live peak, 54.7 and 73.7 GB, extrapolates to the 643 GB that
+    planning it in full gives). So memory is the reserved peak extrapolated, and no less than the
+    live peak extrapolated plus the probes' larger slack."""
+    if any("error" in f for f in pair):
+        return None
+    one, two = pair
+
+    def linear(key: str) -> float:
+        return one[key] + (layers - 1) * (two[key] - one[key])
+
+    slack = max(f["device_bytes"] - f["live_bytes"] for f in pair)
+    memory = max(linear("device_bytes"), linear("live_bytes") + slack)
+    return memory, linear("step_s") / one["accumulation"], one["accumulation"]
 
 
 class _Pool:
@@ -335,16 +361,7 @@ def search(config: str, base_overrides: list[str], *, gpus: int, gpu, gpus_per_n
         capacity = gpu.memory_bytes * (1 - MARGIN)
 
         def probe_calls(layout: Layout):
-            return [call(layout, ["--model.n_layers", str(k * layout.pp)]) for k in (1, 2)]
-
-        def extrapolate(layout: Layout, pair: list[dict]):
-            """Memory, seconds per accumulation group and accumulation at the model's layers."""
-            if any("error" in f for f in pair):
-                return None
-            per_stage = layers // layout.pp
-            memory = pair[0]["device_bytes"] + (per_stage - 1) * (pair[1]["device_bytes"] - pair[0]["device_bytes"])
-            step = pair[0]["step_s"] + (per_stage - 1) * (pair[1]["step_s"] - pair[0]["step_s"])
-            return memory, step / pair[0]["accumulation"], pair[0]["accumulation"]
+            return [(*call(layout, ["--model.n_layers", str(k * layout.pp)]), True) for k in (1, 2)]
 
         probed: dict[Layout, tuple | None] = {}
         plan_seconds: dict[Layout, float] = {}  # a full plan's wall time, from the probes' own in the layers
@@ -380,7 +397,7 @@ def search(config: str, base_overrides: list[str], *, gpus: int, gpu, gpus_per_n
                     chunk = todo[i:i + 2 * workers]
                     figures = pool.map([c for lay in chunk for c in probe_calls(lay)])
                     for n, lay in enumerate(chunk):
-                        probed[lay] = extrapolate(lay, figures[2 * n:2 * n + 2])
+                        probed[lay] = extrapolate(figures[2 * n:2 * n + 2], layers // lay.pp)
                         one, two = (f.get("seconds", 0.0) for f in figures[2 * n:2 * n + 2])
                         plan_seconds[lay] = one + (layers // lay.pp - 1) * max(two - one, 0.0)
                     say(f"probed {len(probed)} layouts, {time.perf_counter() - started:.0f} s")
