@@ -27,10 +27,11 @@ How, in three passes:
    full plans are reported, so the overrides of any row, handed back to ``canon-titan plan``, give
    its figures. They go in order of value: three layouts to print, the best one's variants and its
    float8, then the rest of ``top`` and the other candidates, the next two's variants, float8 of
-   the second, and last the variants of the best FSDP and the best HSDP layout planned. A round of plans (one per worker) starts only if it is expected to end within the
-   budget: its slowest layout's probes' own wall time extrapolated in the layers, scaled by how
-   the config's own plan and the rounds so far compared with theirs. The search ends within the
-   budget, with what it had time for.
+   the second, and last the variants of the best FSDP and the best HSDP layout planned. A round of
+   plans (one per worker) starts only if it is expected to end within the budget: its slowest
+   layout's probes' own wall time extrapolated in the layers, scaled by how the config's own plan
+   and the rounds so far compared with theirs. The search ends within the budget, with what it had
+   time for.
 
 Probes and plans run in worker processes (one per core, at most ``MAX_WORKERS``); progress goes
 to stderr.
