@@ -210,13 +210,9 @@ def _stage_roles(pp: int, looped: bool) -> list[str]:
 
 
 def plan(config: str, overrides: list[str], *, gpus: int, gpu: GPU, gpus_per_node: int = 8,
-         progress=None, advise: bool = True, attention: str | None = None, gpu_capacity: bool = True) -> Plan:
+         progress=None, advise: bool = True, attention: str | None = None) -> Plan:
     """Plan ``config`` (with ``--section.key value`` ``overrides``) on ``gpus`` GPUs of kind ``gpu``,
     attention on the SDPA backend ``attention`` (default: the one torch picks on that GPU).
-    ``gpu_capacity`` False: the allocator replay keeps its cached segments past the GPU's memory
-    instead of releasing them there, so the reserved peak grows with the layers as the allocations
-    do (``plan --search`` extrapolates few-layer plans in the layers; at the GPU's memory a released
-    cache would flatten that growth).
     ConfigError for what ``train`` would refuse; PlanError for a run that fails to build."""
     started = time.perf_counter()
     attention = attention or default_attention_backend(gpu)
@@ -250,8 +246,7 @@ def plan(config: str, overrides: list[str], *, gpus: int, gpu: GPU, gpus_per_nod
     kinds = []
     for role, step in steps:
         events = compiled_memory_events(step) if compiled else None
-        allocator = reserved_peak(step, events, capacity=gpu.memory_bytes - int(OUTSIDE_PYTORCH_GIB * GIB)
-                                  if gpu_capacity else None)
+        allocator = reserved_peak(step, events, capacity=gpu.memory_bytes - int(OUTSIDE_PYTORCH_GIB * GIB))
         kinds.append(RankKind(role, step.rank, memory_peak(step.trace, _categories(step), events=events),
                               rank_time(step, gpu, compiled=compiled, gpus_per_node=gpus_per_node,
                                         attention=attention),

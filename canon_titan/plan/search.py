@@ -17,8 +17,7 @@ How, in three passes:
    takes about a second each, and extrapolated linearly in the layers: every block of these models
    costs the same memory and time, and the rest (embedding, output, loss, optimizer) is what the
    one-layer probe holds beyond a layer (memory: the reserved peak, and no less than the live peak
-   plus the probes' allocator slack, ``extrapolate``; probes replay the allocator without the GPU's
-   capacity, which would flatten the growth). Memory and the time per accumulation group are then
+   plus the probes' allocator slack, ``extrapolate``). Memory and the time per accumulation group are then
    interpolated in the local batch between the smallest and largest local batch probed, to find the
    largest local batch that fits (with ``MARGIN`` to spare) and its step time.
    Pipeline layouts are probed only when no layout without PP fits, or under a budget of
@@ -185,17 +184,15 @@ def local_batches(per_rank: int, pp: int) -> list[int]:
 # ------------------------------------------------------------------------------------ workers
 
 
-def _plan_figures(config, overrides, gpus, gpu, gpus_per_node, attention, probe=False):
-    """Run in a worker: one plan's figures (or its error). A ``probe`` (a few layers, extrapolated in
-    the layers) replays the allocator without the GPU's capacity: released at the GPU's memory, its
-    reserved peak would stop growing with the layers and extrapolate to a fit."""
+def _plan_figures(config, overrides, gpus, gpu, gpus_per_node, attention):
+    """Run in a worker: one plan's figures (or its error)."""
     from canon_titan.config import ConfigError
     from canon_titan.plan.planner import PlanError, plan
 
     began = time.perf_counter()
     try:
         result = plan(config, overrides, gpus=gpus, gpu=gpu, gpus_per_node=gpus_per_node, advise=False,
-                      attention=attention, gpu_capacity=not probe)
+                      attention=attention)
     except (ConfigError, PlanError) as e:
         return {"error": str(e).splitlines()[0][:300], "seconds": time.perf_counter() - began}
     return {"fits": result.fits, "device_bytes": result.worst.device_bytes,
@@ -209,10 +206,10 @@ def extrapolate(pair: list[dict], layers: int) -> tuple[float, float, int] | Non
     """A probe pair's figures (one and two layers a stage) at ``layers`` a stage: memory, seconds
     per accumulation group and the accumulation; None where a probe failed. Every block costs the
     same, so time and the live peak grow linearly in the layers. The allocator's slack over the live
-    peak need not: the replay's fragmentation can fall from one layer to two (LlamaCanon-8B on 64
-    H100s, HSDP 8x2 x CP 4, local 96 reserves 92.3 GB at one layer and 86.8 at two, which
-    extrapolates to a fit, where its live peak, 54.7 and 73.7 GB, extrapolates to the 643 GB that
-    planning it in full gives). So memory is the reserved peak extrapolated, and no less than the
+    peak need not: the replay's fragmentation can fall from one layer to two, and at the GPU's
+    memory the replay releases its cache (LlamaCanon-8B on 64 H100s, HSDP 8x2 x CP 4, local 96
+    reserves 84.9 GB at one layer and 84.7 at two, which extrapolates to a fit, where its live peak,
+    54.7 and 73.7 GB, extrapolates to the 643 GB that planning it in full gives). So memory is the reserved peak extrapolated, and no less than the
     live peak extrapolated plus the probes' larger slack."""
     if any("error" in f for f in pair):
         return None
@@ -362,7 +359,7 @@ def search(config: str, base_overrides: list[str], *, gpus: int, gpu, gpus_per_n
         capacity = gpu.memory_bytes * (1 - MARGIN)
 
         def probe_calls(layout: Layout):
-            return [(*call(layout, ["--model.n_layers", str(k * layout.pp)]), True) for k in (1, 2)]
+            return [call(layout, ["--model.n_layers", str(k * layout.pp)]) for k in (1, 2)]
 
         probed: dict[Layout, tuple | None] = {}
         plan_seconds: dict[Layout, float] = {}  # a full plan's wall time, from the probes' own in the layers
