@@ -14,12 +14,13 @@ How, in three passes:
    gradients and optimizer state alone exceed the GPU (fp32 master weights and Adam: 16 bytes a
    parameter over the FSDP x TP x PP shards), is dropped before any planning.
 2. **Probes.** The others are planned with a few layers (one and two per pipeline stage), which
-   takes about a second each, and extrapolated linearly in the layers: every block of these models
-   costs the same memory and time, and the rest (embedding, output, loss, optimizer) is what the
-   one-layer probe holds beyond a layer (memory: the reserved peak, and no less than the live peak
-   plus the probes' allocator slack, ``extrapolate``). Memory and the time per accumulation group are then
-   interpolated in the local batch between the smallest and largest local batch probed, to find the
-   largest local batch that fits (with ``MARGIN`` to spare) and its step time.
+   takes a few seconds each on a 2-core machine, and extrapolated linearly in the layers: every
+   block of these models costs the same memory and time, and the rest (embedding, output, loss,
+   optimizer) is what the one-layer probe holds beyond a layer (memory: the reserved peak, and no
+   less than the live peak plus the probes' allocator slack, ``extrapolate``). Memory and the time
+   per accumulation group are then interpolated in the local batch between the smallest and largest
+   local batch probed, to find the largest local batch that fits (with ``MARGIN`` to spare) and its
+   step time.
    Pipeline layouts are probed only when no layout without PP fits, or under a budget of
    ``PP_PROBE_BUDGET_S`` (a plan records every microbatch of every stage: slow).
 3. **Plans.** The best probed layouts are planned in full (``plan``), and their variants; only
@@ -209,8 +210,9 @@ def extrapolate(pair: list[dict], layers: int) -> tuple[float, float, int] | Non
     peak need not: the replay's fragmentation can fall from one layer to two, and at the GPU's
     memory the replay releases its cache (LlamaCanon-8B on 64 H100s, HSDP 8x2 x CP 4, local 96
     reserves 84.9 GB at one layer and 84.7 at two, which extrapolates to a fit, where its live peak,
-    54.7 and 73.7 GB, extrapolates to the 643 GB that planning it in full gives). So memory is the reserved peak extrapolated, and no less than the
-    live peak extrapolated plus the probes' larger slack."""
+    54.7 and 73.7 GB, extrapolates to the 643 GB that planning it in full gives). So memory is the
+    reserved peak extrapolated, and no less than the live peak extrapolated plus the probes' larger
+    slack."""
     if any("error" in f for f in pair):
         return None
     one, two = pair
