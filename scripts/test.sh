@@ -19,4 +19,8 @@ MAMBA_SKIP_CUDA_BUILD=TRUE MAMBA_FORCE_BUILD=TRUE .venv/bin/python -m pip instal
 [ -f .venv/triton36/triton/__init__.py ] || .venv/bin/python -m pip install --quiet --disable-pip-version-check \
   --no-deps --target .venv/triton36 triton==3.6.0
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-exec .venv/bin/python -m pytest -ra --durations=30 "$@"
+# The tests run in parallel worker processes (pytest-xdist), one per core, at most 4 by default (TEST_WORKERS
+# sets the number; 0 runs them in this process). Most tests keep one core busy, so on the 2-core CI machine two
+# workers keep both busy. Work stealing evens out the long multi-process tests. "-n 0" after it wins.
+WORKERS=${TEST_WORKERS:-$(.venv/bin/python -c "import os; print(min(4, len(os.sched_getaffinity(0))))")}
+exec .venv/bin/python -m pytest -ra --durations=30 -n "$WORKERS" --dist worksteal "$@"

@@ -85,17 +85,31 @@ class _PurposefulStops(logging.Filter):
     which must stay the last thing on screen): ``failed (exitcode: 3)`` and the error-file line that
     follows it; any other failure keeps them, and torchrun's report. Its ``Sending process N closing
     signal SIGTERM``, logged as it stops the other workers and before it logs why, goes too: it
-    names pids, not a cause."""
+    names pids, not a cause.
 
-    def __init__(self):
+    torchrun names the failure with the earliest timestamp, and a worker it stopped with SIGTERM or
+    SIGKILL can hold an earlier one than the rank that stopped on purpose (an error file written
+    while it was still exiting, on a loaded machine). Such a line goes too when a worker has
+    reported a purposeful stop to ``outcomes`` (the folder the workers report their exit codes to),
+    as ``main`` then exits with that worker's code."""
+
+    def __init__(self, outcomes: str | None = None):
         super().__init__()
         self.seen = False
+        self.outcomes = outcomes
+
+    def _stopped_on_purpose(self, exitcode) -> bool:
+        if exitcode in STOPPED_EXIT_CODES:
+            return True
+        if exitcode not in (-signal.SIGTERM, -signal.SIGKILL) or not self.outcomes:
+            return False
+        return any(code in STOPPED_EXIT_CODES for code in reported_exits(self.outcomes).values())
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.msg if isinstance(record.msg, str) else ""
         if message.startswith("Sending process %s closing signal"):
             return False
-        if message.startswith("failed (exitcode: %s)") and record.args and record.args[0] in STOPPED_EXIT_CODES:
+        if message.startswith("failed (exitcode: %s)") and record.args and self._stopped_on_purpose(record.args[0]):
             self.seen = True
             return False
         return not (self.seen and message.startswith("no error file defined"))
@@ -147,12 +161,12 @@ def main(argv: list[str] | None = None) -> int:
     elastic_api._terminate_process_handler = _terminate_once
     for sig in set(STOP_SIGNALS) - {signal.SIGTERM, signal.SIGINT}:  # the ones torchrun does not handle
         signal.signal(sig, _stop_as_sigterm)
-    quiet = _PurposefulStops()
+    outcomes = tempfile.mkdtemp(prefix="canon-titan-exits-")
+    os.environ[OUTCOME_DIR_ENV] = outcomes  # the workers inherit it
+    quiet = _PurposefulStops(outcomes)
     for name in ("torch.distributed.elastic.multiprocessing.api",
                  "torch.distributed.elastic.multiprocessing.errors.error_handler"):
         logging.getLogger(name).addFilter(quiet)
-    outcomes = tempfile.mkdtemp(prefix="canon-titan-exits-")
-    os.environ[OUTCOME_DIR_ENV] = outcomes  # the workers inherit it
     code = None
     try:
         torchrun_main(argv)
