@@ -20,6 +20,8 @@ else
   source "$KIT/setup.sh"
   PY=python3
 fi
-case " $* " in *" --tiny "*) export TRITON_INTERPRET=1 OMP_NUM_THREADS=1 ;; esac
+# On a GPU every Triton autotuner keeps its results in Triton's cache (fla's and the Canon forward's do anyway),
+# which gpu_check.py brings back as OUTDIR/triton_autotune.json and restores from scripts/benchmarks/gpu_check_tuned.json.
+case " $* " in *" --tiny "*) export TRITON_INTERPRET=1 OMP_NUM_THREADS=1 ;; *) export TRITON_CACHE_AUTOTUNING=1 ;; esac
 export WANDB_MODE=offline PYTHONUNBUFFERED=1
 exec "$PY" scripts/benchmarks/gpu_check.py "$OUT" --budget $((540 - (SECONDS - started) - 15)) "$@"

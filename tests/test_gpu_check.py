@@ -3,6 +3,7 @@ this CPU, Triton's interpreter for the kernels), so that it keeps working betwee
 its time limits."""
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -115,6 +116,55 @@ def test_a_step_past_its_limit_is_interrupted_and_reported(tmp_path):
         gpu_check.run_step(step, 1, log)
     assert time.perf_counter() - started < 10
     assert step.result["status"] == "timed out" and "KeyboardInterrupt" in "\n".join(step.result["tail"])
+
+
+def test_a_steps_processes_in_sessions_of_their_own_do_not_outlive_it(tmp_path):
+    """torchrun starts its workers in new sessions, out of reach of the step's ``timeout``: the step's
+    leftovers are found by the mark in their environment and killed before the next step runs (and a
+    process without the mark is left alone)."""
+    spawn = ("import subprocess, sys; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'], "
+             "start_new_session=True, env={**__import__('os').environ, **dict(%s)})")
+    stranger = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
+    try:
+        step = gpu_check.Step("spawns", 30, [sys.executable, "-c", spawn % "()"])
+        with open(tmp_path / "log", "w") as log:
+            gpu_check.run_step(step, 30, log)
+        assert step.result["status"] == "ok" and step.result["leftovers_killed"] == 1
+        assert "1 leftover process(es) killed" in (tmp_path / "log").read_text()
+        assert not gpu_check.leftover_processes(f"spawns-{os.getpid()}")
+        assert stranger.poll() is None
+        # Without the kill, the child would still be there: a step whose child carries another mark has no
+        # leftovers to report, and its child outlives it.
+        other = f"elsewhere-{os.getpid()}"
+        step = gpu_check.Step("other", 30, [sys.executable, "-c", spawn % f"{gpu_check.STEP_MARK}='{other}'"])
+        with open(tmp_path / "log", "w") as log:
+            gpu_check.run_step(step, 30, log)
+        assert "leftovers_killed" not in step.result
+        assert len(gpu_check.kill_leftovers(other)) == 1
+    finally:
+        stranger.kill()
+
+
+def test_autotuning_results_go_from_one_run_to_the_next(tmp_path):
+    """What Triton's autotuners wrote into its cache (``<key>/<kernel>.autotune.json``) is collected, and
+    restored into an empty cache where absent (a present entry is kept); a name that would leave the
+    cache is refused. (Triton reads these files only on a GPU: its interpreter never caches tuning.)"""
+    cache = tmp_path / "cache"
+    (cache / "k1").mkdir(parents=True)
+    (cache / "k1" / "kernel_a.autotune.json").write_text('{"a": 1}')
+    (cache / "k1" / "kernel_a.cubin").write_text("binary")
+    (cache / "k2").mkdir()
+    (cache / "k2" / "kernel_b.autotune.json").write_text('{"b": 2}')
+    files = gpu_check.collect_tuning(cache)
+    assert files == {"k1/kernel_a.autotune.json": '{"a": 1}', "k2/kernel_b.autotune.json": '{"b": 2}'}
+    fresh = tmp_path / "fresh"
+    (fresh / "k2").mkdir(parents=True)
+    (fresh / "k2" / "kernel_b.autotune.json").write_text('{"b": 3}')
+    assert gpu_check.restore_tuning(files, fresh) == 1
+    assert gpu_check.collect_tuning(fresh) == {**files, "k2/kernel_b.autotune.json": '{"b": 3}'}
+    for bad in ("../outside.autotune.json", "/abs/x.autotune.json", "k1/kernel_a.cubin"):
+        with pytest.raises(ValueError, match="is not a file of Triton's cache"):
+            gpu_check.restore_tuning({bad: "{}"}, fresh)
 
 
 def test_planned_and_measured_time_by_kind_from_a_hand_made_run():

@@ -292,6 +292,28 @@ def _cli(*args, timeout=600):
                           capture_output=True, text=True, timeout=timeout)
 
 
+def test_a_plan_on_a_gpu_machine_is_the_plan_on_a_cpu(tmp_path):
+    """The planner builds every rank on fake CPU tensors, on a machine with a GPU too. There, TorchTitan
+    picks the GPU (its ``device_type``) and ``torch.cuda.set_device``s the trainer's device, which the
+    planner makes the CPU: on an H200 (2026-11-27) every plan failed with "Expected a cuda device, but
+    got: cpu". Here torch reports an accelerator (a ``sitecustomize`` says one is present, as torch
+    would on a GPU machine): the plan must run, and equal the one without it."""
+    (tmp_path / "sitecustomize.py").write_text(
+        "import torch._utils\ntorch._utils._get_available_device_type = lambda: 'cuda'\n")
+    args = [CONFIGS["llama_canon"], "--gpus", 2, "--gpu", "h200", "--json", "--model.canon_backend", "torch"]
+    plans = []
+    for pythonpath in (str(tmp_path), ""):
+        proc = subprocess.run([sys.executable, "-m", "canon_titan.cli", "plan", *map(str, args)], cwd=REPO,
+                              capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "PYTHONPATH": pythonpath})
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        plans.append(json.loads(proc.stdout))
+    on_gpu, on_cpu = plans
+    for key in ("fits", "margin_bytes", "step_seconds", "tokens_per_second_per_gpu", "reserved_peak_gib"):
+        assert on_gpu[key] == on_cpu[key], key
+    assert on_gpu["ranks"] == on_cpu["ranks"]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["LlamaCanon-8B-Nemo-1T-lr0.003", "GDN2Canon-8B-Nemo-1T-lr0.003"])
 def test_the_release_8b_recipes_plan_at_512_h200(recipe):

@@ -370,7 +370,7 @@ def fake_rank_step(config, *, rank: int, world_size: int, positions: bool, fp8_l
     from canon_titan.trainer import CanonTrainer
     from torchtitan.distributed import ParallelDims
 
-    runtime.apply()
+    runtime.apply(cpu=True)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
 
     class FakeRankTrainer(CanonTrainer):

@@ -21,6 +21,13 @@ import torch.distributed as dist
 from torchtitan.tools.logging import logger
 
 _applied: list[str] = []
+_force_cpu = False
+"""Set by ``apply(cpu=True)``: the CPU shims apply even where an accelerator is present."""
+
+
+def _accelerator() -> bool:
+    """Whether this process trains on an accelerator (its shims for a CPU stay off)."""
+    return not _force_cpu and torch._utils._get_available_device_type() is not None
 
 
 class CpuDeviceModule:
@@ -93,7 +100,7 @@ def _quiet_cpu_log() -> None:
 
     import torchtitan.tools.utils as tt_utils
 
-    if torch._utils._get_available_device_type() is not None:
+    if _accelerator() or "quiet-cpu-log" in _applied:
         return
     original = tt_utils.get_peak_flops
 
@@ -111,7 +118,7 @@ def _quiet_cpu_log() -> None:
 def _use_cpu_device() -> None:
     import torchtitan.tools.utils as tt_utils
 
-    if torch._utils._get_available_device_type() is not None:
+    if _accelerator() or "cpu-device" in _applied:
         return
     old_type, old_module = tt_utils.device_type, tt_utils.device_module
     cpu_module = CpuDeviceModule()
@@ -131,7 +138,7 @@ def _gloo_safe_fsdp_reduction() -> None:
     import torchtitan.distributed.fsdp as tt_fsdp
     from torch.distributed.fsdp import FSDPModule
 
-    if torch._utils._get_available_device_type() is not None:
+    if _accelerator():
         return
     original = tt_fsdp.disable_fsdp_gradient_division
     if getattr(original, "_canon_titan_shim", False):
@@ -150,7 +157,7 @@ def _gloo_safe_fsdp_reduction() -> None:
 
 def _gloo_safe_barrier() -> None:
     """Gloo's barrier rejects device ids; TorchTitan passes the current device's index."""
-    if torch._utils._get_available_device_type() is not None:
+    if _accelerator():
         return
     original = dist.barrier
     if getattr(original, "_canon_titan_shim", False):
@@ -213,10 +220,17 @@ def _pipeline_step_with_microbatches() -> None:
         _applied.append(f"pp-step-microbatches:{cls.__name__}")
 
 
-def apply() -> list[str]:
-    """Apply every shim this machine needs; returns their names (also logged once)."""
-    if _applied:
+def apply(*, cpu: bool = False) -> list[str]:
+    """Apply every shim this machine needs; returns their names (also logged once). ``cpu``: the shims
+    for a CPU apply even where an accelerator is present: the planner builds and steps every rank on
+    fake CPU tensors, on a GPU machine too (TorchTitan would otherwise ``torch.cuda.set_device`` the
+    CPU and fail with "Expected a cuda device, but got: cpu")."""
+    global _force_cpu
+    if _applied and not (cpu and not _force_cpu):
         return list(_applied)
+    _force_cpu = _force_cpu or cpu
+    if "none" in _applied:
+        _applied.remove("none")
     _use_cpu_device()
     _quiet_cpu_log()
     _gloo_safe_fsdp_reduction()

@@ -112,16 +112,10 @@ def cases() -> list[Case]:
 
 def steps(tiny: bool, work: Path) -> list[Step]:
     py = sys.executable
-    if tiny:
-        ops = ["--flavor", "debug", "--seq-len", "32", "--batch", "1", "--reps", "1"]
-        tests = ["tests/test_canon_triton.py", "-k", "fallback"]
-    else:
-        ops = []
-        tests = ["tests/test_canon_triton.py", "tests/test_kernel_backends.py", "tests/test_canon_determinism.py"]
+    ops = ["--flavor", "debug", "--seq-len", "32", "--batch", "1", "--reps", "1"] if tiny else []
     tiny_flag = ["--tiny"] if tiny else []
     correctness = [
-        Step("kernel_tests", 120, [py, "-m", "pytest", *tests, "-q", "-rfE", "-p", "no:cacheprovider",
-                                   f"--junitxml={work / 'kernel_tests.xml'}"], group="correctness"),
+        Step("kernel_tests", 120, [py, SCRIPT, "--kernel-tests", str(work), *tiny_flag], group="correctness"),
         Step("losses", 120, [py, SCRIPT, "--losses", str(work / "losses.json"), *tiny_flag], group="correctness")]
     trainer = {c.name: Step(c.name, c.limit, [py, SCRIPT, "--case", c.name, str(work / f"{c.name}.json"),
                                               *tiny_flag]) for c in cases() if c.tiny or not tiny}
@@ -140,6 +134,38 @@ def steps(tiny: bool, work: Path) -> list[Step]:
     return (ordered + [trainer[n] for n in names[:after_canon]] + [blocks_step]
             + [trainer[n] for n in names[after_canon:] if n != "canon_torch"] + [float8_gemms, ops_step]
             + ([trainer["canon_torch"]] if "canon_torch" in trainer else []))
+
+
+KERNEL_TESTS = (("tests/test_canon_triton.py", "-k", "equals_torch or rmsnorm"),
+                ("tests/test_canon_triton.py", "-k", "not (equals_torch or rmsnorm)"),
+                ("tests/test_kernel_backends.py", "-k", "fla_equals_torch"),
+                ("tests/test_kernel_backends.py", "-k", "not fla_equals_torch"),
+                ("tests/test_canon_determinism.py",))
+"""Shards of about equal Triton compile work (each shape of the equality tests tunes its kernels afresh)."""
+TINY_KERNEL_TESTS = (("tests/test_canon_triton.py", "-k", "fallback"),)
+
+
+def kernel_tests(tiny: bool, work: Path) -> int:
+    """The kernel tests, one pytest per shard side by side (their Triton compiles dominate, and the GPU machine
+    has 16 cores: in one process, 26 of the 60 tests ran in 120 s on an H200), each writing its own JUnit file.
+    On SIGINT (the step's limit: ``timeout`` signals the whole process group) each pytest stops and still writes
+    its file; one that has not stopped 5 s later is interrupted again from here."""
+    import signal
+
+    files = TINY_KERNEL_TESTS if tiny else KERNEL_TESTS
+    procs = [subprocess.Popen([sys.executable, "-m", "pytest", *args, "-q", "-rfE", "-p", "no:cacheprovider",
+                               f"--junitxml={work / f'kernel_tests-{i}.xml'}"], cwd=REPO) for i, args in enumerate(files)]
+    try:
+        codes = [p.wait() for p in procs]
+    except KeyboardInterrupt:
+        time.sleep(5)
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGINT)
+        for p in procs:
+            p.wait()
+        return 130
+    return max(codes)
 
 
 def trainer_case(name: str, tiny: bool) -> dict:
@@ -249,35 +275,120 @@ def predict(run: dict, gpu: str) -> dict:
 # ----------------------------------------------------------------------------- running and reporting
 
 
+TUNED = REPO / "scripts" / "benchmarks" / "gpu_check_tuned.json"
+"""Triton's autotuning results from an earlier lent GPU (``OUTDIR/triton_autotune.json`` of its run, committed
+here): restored into Triton's cache before the steps run, so that the kernels of fla, mamba-ssm and the Canon
+forward pick their tuned configurations without timing every candidate again. On 2026-11-26/27 that tuning took
+over 150 s of GLA5's first step and most of Mamba2's 115 s, in a lease of 15 minutes. Triton keys each entry by
+its version, the GPU architecture, the kernel's source, the tuning key and the candidates, so an entry that does
+not match this machine is never read."""
+
+
+def triton_cache_dir() -> Path:
+    return Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
+
+
+def collect_tuning(cache: Path) -> dict:
+    """Every autotuning result in Triton's cache (``<key>/<kernel>.autotune.json``), by its path there."""
+    return {str(path.relative_to(cache)): path.read_text() for path in sorted(cache.glob("*/*.autotune.json"))}
+
+
+def restore_tuning(files: dict, cache: Path) -> int:
+    """Write ``collect_tuning``'s results into Triton's cache where absent; returns how many were written."""
+    written = 0
+    for name, text in files.items():
+        path = cache / name
+        if Path(name).is_absolute() or ".." in Path(name).parts or not name.endswith(".autotune.json"):
+            raise ValueError(f"{TUNED}: {name!r} is not a file of Triton's cache")
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_atomic(path, text)
+            written += 1
+    return written
+
+
+STEP_MARK = "CANON_GPU_CHECK_STEP"
+"""Set in every step's environment (and so in every process it starts): how its leftovers are found."""
+
+
+def leftover_processes(mark: str) -> list[int]:
+    """Processes, other than this one, whose environment holds ``STEP_MARK=mark``. torchrun starts its
+    workers in sessions of their own, so a trainer run stopped with its step (``timeout`` signals one process
+    group) can leave them behind, training on the GPU and compiling on the CPU through the steps that follow:
+    on 2026-11-27 the loss step's runs did, and Llama-1B's step time rose from 168.8 to 194 ms."""
+    needle = f"{STEP_MARK}={mark}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if needle in (entry / "environ").read_bytes().split(b"\0"):
+                found.append(int(entry.name))
+        except OSError:  # gone, or not ours
+            pass
+    return found
+
+
+def kill_leftovers(mark: str, wait: float = 10.0) -> list[int]:
+    """SIGKILL every leftover process of a step; wait until they are gone. Returns their pids."""
+    import signal
+
+    pids = leftover_processes(mark)
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    deadline = time.perf_counter() + wait
+    while leftover_processes(mark) and time.perf_counter() < deadline:
+        time.sleep(0.2)
+    return pids
+
+
 def run_step(step: Step, limit: int, log) -> None:
     started = time.perf_counter()
-    # INT first (Python prints where it was), KILL 15 s later if it is still there.
-    proc = subprocess.run(["timeout", "-s", "INT", "-k", "15", str(limit), *step.command], cwd=REPO, capture_output=True,
-                          text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    seconds = time.perf_counter() - started
+    mark = f"{step.name}-{os.getpid()}"
+    # INT first (Python prints where it was), KILL 15 s later if it is still there. The output goes to a file,
+    # not a pipe: a leftover process holding the pipe open would keep the step from ending.
+    with tempfile.TemporaryFile("w+") as output:
+        proc = subprocess.run(["timeout", "-s", "INT", "-k", "15", str(limit), *step.command], cwd=REPO,
+                              stdout=output, stderr=subprocess.STDOUT, text=True,
+                              env=dict(os.environ, PYTHONUNBUFFERED="1", **{STEP_MARK: mark}))
+        seconds = time.perf_counter() - started
+        output.seek(0)
+        text = output.read()
     status = "ok" if proc.returncode == 0 else ("timed out" if proc.returncode in (124, 137) else f"failed ({proc.returncode})")
     step.result.update(status=status, seconds=round(seconds, 1), limit=limit)
-    log.write(f"\n===== {step.name}: {status}, {seconds:.0f} s (limit {limit} s)\n$ {' '.join(step.command)}\n"
-              f"{proc.stdout}{proc.stderr}")
+    leftovers = kill_leftovers(mark)
+    if leftovers:
+        step.result["leftovers_killed"] = len(leftovers)
+    log.write(f"\n===== {step.name}: {status}, {seconds:.0f} s (limit {limit} s)"
+              f"{f'; {len(leftovers)} leftover process(es) killed' if leftovers else ''}\n$ {' '.join(step.command)}\n"
+              f"{text}")
     log.flush()
     if proc.returncode:
-        step.result["tail"] = (proc.stdout + proc.stderr).strip().splitlines()[-15:]
+        step.result["tail"] = text.strip().splitlines()[-15:]
     print(f"[gpu_check] {step.name}: {status} in {seconds:.0f} s", flush=True)
 
 
 def read_outputs(step: Step, work: Path) -> None:
     path = work / f"{step.name}.json"
     if step.name == "kernel_tests":
-        path = work / "kernel_tests.xml"
-        if path.exists():
-            import xml.etree.ElementTree as ET
+        import xml.etree.ElementTree as ET
 
-            suite = ET.parse(path).getroot()
-            suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
-            failed = [f"{case.get('classname')}::{case.get('name')}" for case in suite.iter("testcase")
-                      if case.find("failure") is not None or case.find("error") is not None]
-            step.result["tests"] = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
-            step.result["tests"]["failed"] = failed
+        # A pytest stopped by the step's limit writes no file: its tests are not counted.
+        paths = sorted(work.glob("kernel_tests-*.xml"))
+        if paths:
+            counts = dict.fromkeys(("tests", "failures", "errors", "skipped"), 0)
+            failed = []
+            for path in paths:
+                suite = ET.parse(path).getroot()
+                suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+                failed += [f"{case.get('classname')}::{case.get('name')}" for case in suite.iter("testcase")
+                           if case.find("failure") is not None or case.find("error") is not None]
+                for k in counts:
+                    counts[k] += int(suite.get(k, 0))
+            step.result["tests"] = {**counts, "failed": failed, "files": len(paths)}
         return
     if path.exists():
         step.result["data"] = json.loads(path.read_text())
@@ -308,7 +419,8 @@ def add_predictions(report: dict, deadline: float | None = None) -> None:
         return
     # Tiny mode checks the plumbing on one run, planned for an H100.
     gpu = "h100" if report["tiny"] else report["steps"].get("env", {}).get("data", {}).get("gpu", "h100")
-    runs = [r for r in trainer_runs(report) if "planner" not in r][:1 if report["tiny"] else None]
+    # Runs without a plan, or whose planning failed (on a GPU machine every plan did before 2026-11-27).
+    runs = [r for r in trainer_runs(report) if "error" in r.get("planner", {"error": 1})][:1 if report["tiny"] else None]
     for run in runs:
         if deadline is not None and deadline - time.perf_counter() < 30:
             report["planner"] = (f"no time left to plan {sum('planner' not in r for r in runs)} run(s): "
@@ -329,8 +441,11 @@ def main(argv=None) -> int:
                    help="add the planner's predictions to OUTDIR's report (any machine) and rewrite gpu_check.md")
     p.add_argument("--env", help=argparse.SUPPRESS)
     p.add_argument("--losses", help=argparse.SUPPRESS)
+    p.add_argument("--kernel-tests", help=argparse.SUPPRESS)
     p.add_argument("--case", nargs=2, metavar=("NAME", "JSON"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.kernel_tests:
+        return kernel_tests(args.tiny, Path(args.kernel_tests))
     if args.env or args.losses or args.case:  # a sub-step, in its own process
         if args.case:
             try:
@@ -372,6 +487,8 @@ def main(argv=None) -> int:
             todo = [s for s in todo if any(s.name == w or (w.endswith("_") and s.name.startswith(w)) for w in wanted)]
         report = {"tiny": args.tiny, "budget_s": args.budget,
                   "steps": {s.name: {"status": "not run yet"} for s in todo}}
+        if not args.tiny and TUNED.exists():
+            report["tuning_restored"] = restore_tuning(json.loads(TUNED.read_text()), triton_cache_dir())
         # Tiny: every step side by side, two at a time (nothing is timed).
         groups: list[list[Step]] = [todo] if args.tiny else []
         for step in [] if args.tiny else todo:
@@ -390,6 +507,10 @@ def main(argv=None) -> int:
             with _WRITING:  # the other step of a group may be writing: a copy, then the report, under the lock
                 report["steps"][step.name] = dict(step.result)
                 _write_report(out, report)
+                if not args.tiny:
+                    tuned = collect_tuning(triton_cache_dir())
+                    if tuned:
+                        write_atomic(out / "triton_autotune.json", json.dumps(tuned, indent=1))
 
         for group in groups:
             with ThreadPoolExecutor(2 if args.tiny else len(group)) as pool:

@@ -107,8 +107,9 @@ def markdown(report: dict) -> str:
                   f"Python {env['python']}; " + ", ".join(f"{k} {v}" for k, v in env["packages"].items()), "",
                   "auto picks: " + "; ".join(f"{op} {b}" for op, b in env["auto_backends"].items()), ""]
     lines += ["| step | status | seconds | limit |", "|---|---|---:|---:|"]
-    lines += [f"| {name} | {s.get('status')} | {s.get('seconds', '')} | {s.get('limit', '')} |"
-              for name, s in steps.items()]
+    lines += [f"| {name} | {s.get('status')}"
+              f"{f' ({n} leftover processes killed)' if (n := s.get('leftovers_killed')) else ''} | "
+              f"{s.get('seconds', '')} | {s.get('limit', '')} |" for name, s in steps.items()]
     lines.append("")
     for name, s in steps.items():
         if s.get("tail"):

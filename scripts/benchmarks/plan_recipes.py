@@ -49,6 +49,16 @@ CALIBRATION = [
     ("LlamaCanon-1B, Triton Canon op, bf16 weights, float8 rowwise", "LlamaCanon-1B-Nemo-1T-lr0.003",
      ["--model.canon_backend", "triton", *BF16, "--float8.enable", "true", "--float8.recipe_name", "rowwise"],
      "h200", 25_056, 25.1, "2026-11-26, H200, torch 2.11"),
+    # scripts/gpu_check.sh, 2026-11-27: the same H200 kit, the Canon backward kernels with their loops
+    # rewritten; the loss step's leftover processes shared the host then (README, "Measured on a GPU"). The
+    # linear recipes train at 16384: measured, and planned, at 4096.
+    ("Llama-1B, bf16 weights", "Llama-1B-Nemo-1T-lr0.003", BF16, "h200", 42_158, 25.5, "2026-11-27, H200, torch 2.11"),
+    ("LlamaCanon-1B, Triton Canon op, bf16 weights", "LlamaCanon-1B-Nemo-1T-lr0.003",
+     ["--model.canon_backend", "triton", *BF16], "h200", 35_580, 26.3, "2026-11-27, H200, torch 2.11"),
+    ("Mamba2Canon-1B, mamba-ssm SSD kernel, bf16 weights", "Mamba2Canon-1B-Nemo-1T-lr0.003",
+     ["--model.kernel_backend", "mamba_ssm", "--training.seq_len", "4096", *BF16], "h200", 32_683, 27.4, "2026-11-27, H200, torch 2.11"),
+    ("GDN2Canon-1B, torch recurrence kernel, bf16 weights", "GDN2Canon-1B-Nemo-1T-lr0.003",
+     ["--model.kernel_backend", "torch", "--training.seq_len", "4096", *BF16], "h200", 9_091, 63.0, "2026-11-27, H200, torch 2.11"),
 ]
 CALIBRATION_SHAPE = ["--training.local_batch_size", "2", "--training.global_batch_size", "2",
                      "--model.vocab_size", "784"]
