@@ -75,11 +75,25 @@ def test_steps_run_in_the_order_of_their_value():
     assert list(first) == sorted(first, key=first.get)
     assert gpu_check.steps(False, REPO)[names.index("losses")].group == "correctness"  # beside the kernel tests
     linear = [n for n in names if n.startswith("linear_")]
-    assert linear == sorted(linear, key=lambda n: n.endswith("_16k"))
+    # 4k before 16k, except GLA5, whose two runs (fla's long first tuning) come after all others.
+    assert linear == sorted(linear, key=lambda n: (n.startswith("linear_gla5"), n.endswith("_16k")))
+    assert linear[-2:] == ["linear_gla5_4k", "linear_gla5_16k"]
     # Every trainer run names a base that runs before it.
     for case in gpu_check.cases():
         if case.base:
             assert names.index(case.base) < names.index(case.name), case
+
+
+def test_a_linear_case_on_the_torch_fallback_is_skipped_and_says_why():
+    """Where ``auto`` runs a case's recurrence on torch (GDN2 on Hopper with Triton < 3.7.1), the case is
+    skipped with the reason from the env step; a case on its kernel, or without a recurrence, runs."""
+    report = {"steps": {"env": {"data": {"auto_backends": {
+        "canon": "triton", "gla": "fla", "ssd": "mamba_ssm", "gated_delta_rule": "torch (fla refuses it (issue 640))"}}}}}
+    assert gpu_check.torch_fallback("linear_gdn2_4k", report) == \
+        "auto runs gated_delta_rule on torch here: fla refuses it (issue 640)"
+    assert gpu_check.torch_fallback("linear_gdn2_16k", report).startswith("auto runs gated_delta_rule on torch")
+    for name in ("linear_gla5_4k", "linear_mamba2_16k", "linear_llama_16k", "canon_triton", "kernel_tests"):
+        assert gpu_check.torch_fallback(name, report) is None, name
 
 
 def test_profile_summary_sums_kernels_by_name_and_kind(tmp_path):

@@ -7,15 +7,16 @@ so a run killed from outside keeps what it measured. Run it through ``scripts/gp
 which installs the offline kit first where needed.
 
   env                 GPU, driver, torch/triton/fla/mamba-ssm versions, the kernel backends ``auto`` picks
-  kernel_tests        the kernel tests on CUDA (pytest)                                      } side by
+  kernel_tests        the kernel tests on CUDA (five pytest shards side by side)             } side by
   losses              bf16 loss curves, 100 steps: llama_canon triton vs torch, gla5 fla vs  } side
                       torch, mamba2 mamba_ssm vs torch (debug models, the trainer), each pair as it ends
   canon_llama         the trainer, one run each (TorchTitan's metrics; 1B, seq 4096, batch 2, compile):
   canon_triton          Llama-1B, then LlamaCanon-1B on the Triton Canon op: the Canon ratio
   canon_bwd_blocks    the Canon backward kernels at each candidate block configuration (bench_canon
                       --mode bwd_blocks: the fixed blocks are chosen from it)
-  linear_*_4k         Mamba2, GDN2, GLA5 (Canon AbbCD) at seq 4096 (against canon_llama)
-  linear_*_16k        Llama, Mamba2, GDN2, GLA5 at seq 16384, batch 1
+  linear_*_4k         Mamba2, GDN2 (Canon AbbCD) at seq 4096 (against canon_llama)
+  linear_*_16k        Llama, Mamba2, GDN2 at seq 16384, batch 1; then GLA5 at 4096 and 16384 (fla's tuning is
+                      long); a case whose recurrence ``auto`` runs on torch here is skipped, saying why
   float8_tensorwise   LlamaCanon-1B (triton) with float8 training, each recipe (against canon_triton)
   float8_rowwise
   float8_gemms        a Llama block's float8 GEMMs as torchao's recipes run them, against bf16, at the
@@ -77,13 +78,18 @@ class Case:
     tiny: bool = False
     """Also run by --tiny."""
     limit: int = 150
+    kernel_op: str | None = None
+    """The recurrence op the case measures (``backends.CUDA_BACKENDS``): skipped where ``auto`` would run it on the
+    torch fallback, which is not what the case is for."""
 
 
 TRAINER_STEPS, TRAINER_WARMUP = 12, 4
 """Medians over steps 5-12: the first steps compile and autotune."""
 TINY = {"flavor": "debug", "seq": 32, "batch": 1, "steps": 2, "warmup": 1}
 LINEAR = ("mamba2", "gdn2", "gla5")
-"""In the order they run: GLA5 last, whose fla kernels took over 150 s to tune on an H200 (2026-11-26)."""
+"""In the order they run at each length, GLA5's two runs after all others: its fla kernels took over 150 s to tune
+on an H200 (2026-11-26 and 27), and its 16k run reuses the 4k run's tuning."""
+LINEAR_OPS = {"mamba2": "ssd", "gdn2": "gated_delta_rule", "gla5": "gla"}
 
 
 def cases() -> list[Case]:
@@ -93,13 +99,16 @@ def cases() -> list[Case]:
     out = [Case("canon_llama", "canon", "llama", llama, 4096, 2),
            Case("canon_triton", "canon", "llama_canon (triton)", {**canon, "canon_backend": "triton"}, 4096, 2,
                 base="canon_llama", tiny=True)]
+    linear = []
     for seq, batch, base in ((4096, 2, "canon_llama"), (16384, 1, "linear_llama_16k")):
         tag = f"{seq // 1024}k"
         if seq != 4096:
-            out.append(Case(f"linear_llama_{tag}", "linear", "llama", llama, seq, batch))
-        out += [Case(f"linear_{family}_{tag}", "linear", f"{family}:AbbCD",
-                     {"name": family, "flavor": "1B", "canon_set": "AbbCD"}, seq, batch, base=base,
-                     tiny=(family == "gla5" and seq == 4096), limit=180) for family in LINEAR]
+            linear.append(Case(f"linear_llama_{tag}", "linear", "llama", llama, seq, batch))
+        linear += [Case(f"linear_{family}_{tag}", "linear", f"{family}:AbbCD",
+                        {"name": family, "flavor": "1B", "canon_set": "AbbCD"}, seq, batch, base=base,
+                        tiny=(family == "gla5" and seq == 4096), limit=180, kernel_op=LINEAR_OPS[family])
+                   for family in LINEAR]
+    out += sorted(linear, key=lambda c: c.model["name"] == "gla5")  # stable: otherwise as built
     for recipe in ("tensorwise", "rowwise"):
         out.append(Case(f"float8_{recipe}", "float8", f"llama_canon (triton) {recipe}",
                         {**canon, "canon_backend": "triton"}, 4096, 2, base="canon_triton",
@@ -166,6 +175,25 @@ def kernel_tests(tiny: bool, work: Path) -> int:
             p.wait()
         return 130
     return max(codes)
+
+
+def torch_fallback(step_name: str, report: dict) -> str | None:
+    """Why a trainer case would measure the torch fallback of its recurrence here, or None. GDN2 on an H200 with
+    the kit's Triton 3.6 (fla refuses its gated-delta backward there) ran at 9,091 tokens/s in 174 s of a
+    15-minute lease on 2026-11-27: that figure is on record, and a run of it again measures nothing new.
+    What ``auto`` picks comes from the ``env`` step, or (``--only`` without it) from a process of its own: this
+    one stays off the GPU."""
+    case = next((c for c in cases() if c.name == step_name), None)
+    if case is None or case.kernel_op is None:
+        return None
+    picks = report["steps"].get("env", {}).get("data", {}).get("auto_backends") or report.get("auto_backends")
+    if picks is None:
+        proc = subprocess.run([sys.executable, SCRIPT, "--env", "-"], cwd=REPO, capture_output=True, text=True)
+        picks = report["auto_backends"] = json.loads(proc.stdout)["auto_backends"] if proc.returncode == 0 else {}
+    pick = picks.get(case.kernel_op, "")
+    if not pick.startswith("torch"):
+        return None
+    return f"auto runs {case.kernel_op} on torch here" + (f": {pick[len('torch ('):-1]}" if pick != "torch" else "")
 
 
 def trainer_case(name: str, tiny: bool) -> dict:
@@ -458,7 +486,10 @@ def main(argv=None) -> int:
             return 0
         else:
             data, path = environment(), args.env
-        write_atomic(path, json.dumps(data, indent=2))
+        if path == "-":
+            print(json.dumps(data))
+        else:
+            write_atomic(path, json.dumps(data, indent=2))
         return 0
     if not args.out:
         p.error("the output folder is required")
@@ -499,7 +530,10 @@ def main(argv=None) -> int:
 
         def run_in_time(step: Step) -> None:
             left = deadline - time.perf_counter() - 20  # a step past its limit gets 15 s to go
-            if left < 30:
+            fallback = None if args.tiny else torch_fallback(step.name, report)
+            if fallback:
+                step.result.update(status=f"skipped: {fallback}", seconds=0, limit=0)
+            elif left < 30:
                 step.result.update(status="skipped: no time left", seconds=0, limit=0)
             else:
                 run_step(step, int(min(step.limit, left)), log)
