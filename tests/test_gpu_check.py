@@ -84,6 +84,24 @@ def test_steps_run_in_the_order_of_their_value():
             assert names.index(case.base) < names.index(case.name), case
 
 
+def test_the_warm_tuning_step_trains_each_case_untimed_and_lists_those_that_finished(tmp_path, monkeypatch):
+    """It runs beside the correctness checks (not in tiny mode: the interpreter tunes nothing), two compiled
+    steps of each case at its model and length, batch 1."""
+    import trainer_bench
+
+    calls = []
+    monkeypatch.setattr(trainer_bench, "run_case", lambda model, dump, **kw: calls.append((model, kw)) or {})
+    gpu_check.warm_tuning(str(tmp_path / "warm.json"))
+    assert json.loads((tmp_path / "warm.json").read_text()) == {"warmed": list(gpu_check.WARM)}
+    for (model, kw), name in zip(sorted(calls, key=lambda c: c[0]["name"]), sorted(gpu_check.WARM)):
+        case = next(c for c in gpu_check.cases() if c.name == name)
+        assert model == case.model and kw["seq_len"] == case.seq
+        assert kw["steps"] == 2 and kw["compile"] and kw["batch"] == 1
+    by_name = {s.name: s for s in gpu_check.steps(False, REPO)}
+    assert by_name["warm_tuning"].group == "correctness"
+    assert "warm_tuning" not in {s.name for s in gpu_check.steps(True, REPO)}
+
+
 def test_a_linear_case_on_the_torch_fallback_is_skipped_and_says_why():
     """Where ``auto`` runs a case's recurrence on torch (GDN2 on Hopper with Triton < 3.7.1), the case is
     skipped with the reason from the env step; a case on its kernel, or without a recurrence, runs."""

@@ -9,7 +9,10 @@ which installs the offline kit first where needed.
   env                 GPU, driver, torch/triton/fla/mamba-ssm versions, the kernel backends ``auto`` picks
   kernel_tests        the kernel tests on CUDA (five pytest shards side by side)             } side by
   losses              bf16 loss curves, 100 steps: llama_canon triton vs torch, gla5 fla vs  } side
-                      torch, mamba2 mamba_ssm vs torch (debug models, the trainer), each pair as it ends
+                      torch, mamba2 mamba_ssm vs torch (debug models, the trainer), each pair  }
+                      as it ends                                                            }
+  warm_tuning         two untimed steps of Mamba2-1B and GLA5-1B, so that their kernels are   }
+                      tuned and compiled (on disk) before their timed runs
   canon_llama         the trainer, one run each (TorchTitan's metrics; 1B, seq 4096, batch 2, compile):
   canon_triton          Llama-1B, then LlamaCanon-1B on the Triton Canon op: the Canon ratio
   canon_bwd_blocks    the Canon backward kernels at each candidate block configuration (bench_canon
@@ -126,6 +129,9 @@ def steps(tiny: bool, work: Path) -> list[Step]:
     correctness = [
         Step("kernel_tests", 120, [py, SCRIPT, "--kernel-tests", str(work), *tiny_flag], group="correctness"),
         Step("losses", 120, [py, SCRIPT, "--losses", str(work / "losses.json"), *tiny_flag], group="correctness")]
+    if not tiny:  # nothing to tune in the interpreter
+        correctness.append(Step("warm_tuning", 120, [py, SCRIPT, "--warm", str(work / "warm_tuning.json")],
+                                group="correctness"))
     trainer = {c.name: Step(c.name, c.limit, [py, SCRIPT, "--case", c.name, str(work / f"{c.name}.json"),
                                               *tiny_flag]) for c in cases() if c.tiny or not tiny}
     ops_step = Step("ops", 120, [py, "scripts/benchmarks/bench_canon.py", "--mode", "ops", *ops,
@@ -152,6 +158,33 @@ KERNEL_TESTS = (("tests/test_canon_triton.py", "-k", "equals_torch or rmsnorm"),
                 ("tests/test_canon_determinism.py",))
 """Shards of about equal Triton compile work (each shape of the equality tests tunes its kernels afresh)."""
 TINY_KERNEL_TESTS = (("tests/test_canon_triton.py", "-k", "fallback"),)
+
+
+WARM = ("linear_mamba2_4k", "linear_gla5_4k")
+"""Cases whose kernels' autotuning and compilation the ``warm_tuning`` step does beside the correctness checks:
+Mamba2's first step took 115 s and GLA5's over 150 s on an H200, mostly mamba-ssm's and fla's Triton autotuners
+timing every candidate; with ``TRITON_CACHE_AUTOTUNING`` their choices (and Inductor's and Triton's compiled
+kernels) stay on disk for the timed runs later, whose tuning keys leave the batch and sequence length out. Tuned beside
+other work, a choice may differ from a quiet GPU's: every candidate is a valid configuration."""
+
+
+def warm_tuning(path: str) -> None:
+    """Two trainer steps of each ``WARM`` case, side by side, untimed; ``path`` lists those that finished."""
+    from trainer_bench import run_case
+
+    def warm(name: str) -> str:
+        case = next(c for c in cases() if c.name == name)
+        with tempfile.TemporaryDirectory() as tmp:
+            # Batch 1: half the memory beside the other checks (an H100 has 80 GB); no tuning key holds it.
+            run_case(dict(case.model), os.path.join(tmp, name), seq_len=case.seq, batch=1, steps=2,
+                     warmup=0, compile=True, extra=case.extra)
+        return name
+
+    done = []
+    with ThreadPoolExecutor(len(WARM)) as pool:
+        for name in pool.map(warm, WARM):
+            done.append(name)
+            write_atomic(path, json.dumps({"warmed": done}))
 
 
 def kernel_tests(tiny: bool, work: Path) -> int:
@@ -469,12 +502,13 @@ def main(argv=None) -> int:
                    help="add the planner's predictions to OUTDIR's report (any machine) and rewrite gpu_check.md")
     p.add_argument("--env", help=argparse.SUPPRESS)
     p.add_argument("--losses", help=argparse.SUPPRESS)
+    p.add_argument("--warm", help=argparse.SUPPRESS)
     p.add_argument("--kernel-tests", help=argparse.SUPPRESS)
     p.add_argument("--case", nargs=2, metavar=("NAME", "JSON"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.kernel_tests:
         return kernel_tests(args.tiny, Path(args.kernel_tests))
-    if args.env or args.losses or args.case:  # a sub-step, in its own process
+    if args.env or args.losses or args.case or args.warm:  # a sub-step, in its own process
         if args.case:
             try:
                 data, path = trainer_case(args.case[0], args.tiny), args.case[1]
@@ -483,6 +517,9 @@ def main(argv=None) -> int:
                 return 1
         elif args.losses:
             loss_comparison(args.tiny, args.losses)
+            return 0
+        elif args.warm:
+            warm_tuning(args.warm)
             return 0
         else:
             data, path = environment(), args.env
