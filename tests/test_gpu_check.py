@@ -130,7 +130,14 @@ def test_profile_summary_sums_kernels_by_name_and_kind(tmp_path):
               {"cat": "kernel", "name": "chunk_gla_fwd_kernel_o", "dur": 125},
               {"cat": "kernel", "name": "cutlass_anything_else", "dur": 0},
               {"cat": "kernel", "name": "memcpy32_post", "dur": 125},
-              {"cat": "cpu_op", "name": "aten::mm", "dur": 99999}]
+              {"cat": "cpu_op", "name": "aten::mm", "dur": 99999},
+              {"cat": "user_annotation", "name": "ProfilerStep#14", "dur": 12000},
+              {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "dur": 7},
+              {"cat": "cuda_runtime", "name": "cuLaunchKernel", "dur": 13},
+              {"cat": "cuda_runtime", "name": "cudaMemcpyAsync", "dur": 500},
+              {"cat": "cpu_op", "name": "canon_titan::canon_conv", "dur": 40},
+              {"cat": "cpu_op", "name": "canon_titan::canon_conv", "dur": 60},
+              {"cat": "cpu_op", "name": "canon_titan::canon_swiglu", "dur": 250}]
     trace = tmp_path / "rank0_trace.json.gz"
     with gzip.open(trace, "wt") as f:
         json.dump({"traceEvents": events}, f)
@@ -139,6 +146,14 @@ def test_profile_summary_sums_kernels_by_name_and_kind(tmp_path):
     assert summary["kinds_ms"] == {"gemm": 4.0, "canon (triton)": 2.5, "attention": 1.5, "inductor (fused)": 0.5,
                                    "torch (copies, optimizer)": 0.25, "fla / mamba (triton)": 0.125, "other": 0.125}
     assert summary["top_ms"] == [["nvjet_sm90_tst_128x256", 4.0], ["_canon_bwd_kernel", 2.5]]
+    # The host's side: the step's span, two launches (a memcpy is not one), the custom ops by time.
+    assert summary["host"] == {"step_ms": 12.0, "launches": 2, "launch_ms": 0.02, "custom_ops": {
+        "canon_titan::canon_swiglu": {"calls": 1, "ms": 0.25}, "canon_titan::canon_conv": {"calls": 2, "ms": 0.1}}}
+    import gpu_check_report
+
+    (line,) = gpu_check_report._host(summary["host"])
+    assert line == ("  host: the step spans 12.0 ms on the host, 2 kernel launches (0.0 ms in the launch calls); custom "
+                    "ops (launches included): `canon_swiglu` 1 calls 0.2 ms; `canon_conv` 2 calls 0.1 ms")
 
 
 def test_a_step_past_its_limit_is_interrupted_and_reported(tmp_path):

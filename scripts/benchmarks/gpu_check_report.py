@@ -62,7 +62,18 @@ def _profile(run: dict) -> list[str]:
     kinds = ", ".join(f"{k} {100 * ms / total:.0f}%" for k, ms in p["kinds_ms"].items())
     top = "; ".join(f"`{name[:60]}` {ms:.1f} ms" for name, ms in p["top_ms"][:5])
     return [f"- profile of {run['label']} at {run['seq_len']} (one step, {total:,.1f} ms of kernels): {kinds}. "
-            f"Largest: {top}", *_planned_by_kind(run, p), ""]
+            f"Largest: {top}", *_host(p.get("host")), *_planned_by_kind(run, p), ""]
+
+
+def _host(host: dict | None) -> list[str]:
+    """The host's side of the profiled step (where idle GPU time comes from)."""
+    if not host or not (host.get("step_ms") or host.get("launches")):
+        return []
+    ops = "; ".join(f"`{name.split('::', 1)[-1]}` {o['calls']} calls {o['ms']:.1f} ms"
+                    for name, o in list(host["custom_ops"].items())[:6])
+    span = f"the step spans {host['step_ms']:.1f} ms on the host, " if host.get("step_ms") else ""
+    return [f"  host: {span}{host['launches']:,} kernel launches ({host['launch_ms']:.1f} ms in the launch calls)"
+            + (f"; custom ops (launches included): {ops}" if ops else "")]
 
 
 PLANNED_KIND = {"gemm": "matmul", "attention": "attention", "canon (triton)": "canon",

@@ -93,4 +93,25 @@ def profile_summary(trace: Path, top: int = 12) -> dict:
         kinds[kind] = kinds.get(kind, 0.0) + ms
     ranked = sorted(by_name.items(), key=lambda kv: -kv[1])[:top]
     return {"total_ms": round(total, 3), "kinds_ms": {k: round(v, 3) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
-            "top_ms": [[name[:120], round(ms, 3)] for name, ms in ranked]}
+            "top_ms": [[name[:120], round(ms, 3)] for name, ms in ranked], "host": host_summary(events)}
+
+
+LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
+"""The CUDA runtime and driver calls that launch a kernel (Triton's launcher calls the driver's)."""
+
+
+def host_summary(events: list[dict]) -> dict:
+    """What the host did in the profiled step, where a GPU step's idle time comes from: the step's span on the
+    host (TorchTitan's ``ProfilerStep#N``), the kernel launches (count and time in the launch calls), and each of
+    canon-titan's custom ops (``canon_titan::*``: the Canon op, the fla and mamba-ssm wrappers; calls and time,
+    their launches included)."""
+    step = [e["dur"] for e in events if str(e.get("name", "")).startswith("ProfilerStep#") and "dur" in e]
+    launches = [e["dur"] for e in events if e.get("cat") == "cuda_runtime" and e.get("name") in LAUNCHES and "dur" in e]
+    ops: dict[str, list[float]] = {}
+    for e in events:
+        if e.get("cat") == "cpu_op" and str(e.get("name", "")).startswith("canon_titan::") and "dur" in e:
+            ops.setdefault(e["name"], []).append(e["dur"])
+    return {"step_ms": round(max(step) / 1000, 3) if step else None, "launches": len(launches),
+            "launch_ms": round(sum(launches) / 1000, 3),
+            "custom_ops": {name: {"calls": len(d), "ms": round(sum(d) / 1000, 3)}
+                           for name, d in sorted(ops.items(), key=lambda kv: -sum(kv[1]))}}
