@@ -90,9 +90,18 @@ def test_the_warm_tuning_step_trains_each_case_untimed_and_lists_those_that_fini
     import trainer_bench
 
     calls = []
-    monkeypatch.setattr(trainer_bench, "run_case", lambda model, dump, **kw: calls.append((model, kw)) or {})
+
+    def run_case(model, dump, **kw):
+        calls.append((model, kw))
+        if model["name"] == "gla5":
+            raise RuntimeError("gla5 at seq 4096 failed (exit 1):\n...\ntorch.OutOfMemoryError: CUDA out of memory")
+        return {}
+
+    monkeypatch.setattr(trainer_bench, "run_case", run_case)
     gpu_check.warm_tuning(str(tmp_path / "warm.json"))
-    assert json.loads((tmp_path / "warm.json").read_text()) == {"warmed": list(gpu_check.WARM)}
+    # A failed case is named with its last line; the other is still listed.
+    assert json.loads((tmp_path / "warm.json").read_text()) == {
+        "warmed": ["linear_mamba2_4k"], "failed": {"linear_gla5_4k": "torch.OutOfMemoryError: CUDA out of memory"}}
     for (model, kw), name in zip(sorted(calls, key=lambda c: c[0]["name"]), sorted(gpu_check.WARM)):
         case = next(c for c in gpu_check.cases() if c.name == name)
         assert model == case.model and kw["seq_len"] == case.seq

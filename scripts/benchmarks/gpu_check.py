@@ -169,22 +169,33 @@ other work, a choice may differ from a quiet GPU's: every candidate is a valid c
 
 
 def warm_tuning(path: str) -> None:
-    """Two trainer steps of each ``WARM`` case, side by side, untimed; ``path`` lists those that finished."""
+    """Two trainer steps of each ``WARM`` case, side by side, untimed; ``path`` lists those that finished (as
+    each ends) and the last line of any that failed."""
+    from concurrent.futures import as_completed
+
     from trainer_bench import run_case
 
-    def warm(name: str) -> str:
+    def warm(name: str) -> str | None:
         case = next(c for c in cases() if c.name == name)
         with tempfile.TemporaryDirectory() as tmp:
-            # Batch 1: half the memory beside the other checks (an H100 has 80 GB); no tuning key holds it.
-            run_case(dict(case.model), os.path.join(tmp, name), seq_len=case.seq, batch=1, steps=2,
-                     warmup=0, compile=True, extra=case.extra)
-        return name
+            try:
+                # Batch 1: half the memory beside the other checks (an H100 has 80 GB); no tuning key holds it.
+                run_case(dict(case.model), os.path.join(tmp, name), seq_len=case.seq, batch=1, steps=2,
+                         warmup=0, compile=True, extra=case.extra)
+            except RuntimeError as e:
+                return str(e).strip().splitlines()[-1]
+        return None
 
-    done = []
+    result: dict = {"warmed": [], "failed": {}}
     with ThreadPoolExecutor(len(WARM)) as pool:
-        for name in pool.map(warm, WARM):
-            done.append(name)
-            write_atomic(path, json.dumps({"warmed": done}))
+        futures = {pool.submit(warm, name): name for name in WARM}
+        for future in as_completed(futures):
+            error = future.result()
+            if error:
+                result["failed"][futures[future]] = error
+            else:
+                result["warmed"].append(futures[future])
+            write_atomic(path, json.dumps(result))
 
 
 def kernel_tests(tiny: bool, work: Path) -> int:
