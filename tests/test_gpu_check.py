@@ -105,7 +105,7 @@ def test_the_warm_tuning_step_trains_each_case_untimed_and_lists_those_that_fini
     for (model, kw), name in zip(sorted(calls, key=lambda c: c[0]["name"]), sorted(gpu_check.WARM)):
         case = next(c for c in gpu_check.cases() if c.name == name)
         assert model == case.model and kw["seq_len"] == case.seq
-        assert kw["steps"] == 2 and kw["compile"] and kw["batch"] == 1
+        assert kw["steps"] == 2 and kw["compile"] and kw["batch"] == 1  # no GPU here: the small-GPU batch
     by_name = {s.name: s for s in gpu_check.steps(False, REPO)}
     assert by_name["warm_tuning"].group == "correctness"
     assert "warm_tuning" not in {s.name for s in gpu_check.steps(True, REPO)}

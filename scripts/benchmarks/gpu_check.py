@@ -163,9 +163,10 @@ TINY_KERNEL_TESTS = (("tests/test_canon_triton.py", "-k", "fallback"),)
 WARM = ("linear_mamba2_4k", "linear_gla5_4k")
 """Cases whose kernels' autotuning and compilation the ``warm_tuning`` step does beside the correctness checks:
 Mamba2's first step took 115 s and GLA5's over 150 s on an H200, mostly mamba-ssm's and fla's Triton autotuners
-timing every candidate; with ``TRITON_CACHE_AUTOTUNING`` their choices (and Inductor's and Triton's compiled
-kernels) stay on disk for the timed runs later, whose tuning keys leave the batch and sequence length out. Tuned beside
-other work, a choice may differ from a quiet GPU's: every candidate is a valid configuration."""
+timing every candidate, most of it compiling them. Triton's compiled kernels stay on disk for the timed runs
+later, and with ``TRITON_CACHE_AUTOTUNING`` the choices too (not for mamba-ssm's kernels whose candidates carry a
+pre-hook, which Triton will not cache: those are timed again, from compiled binaries). No tuning key holds the
+sequence length. Tuned beside other work, a choice may differ from a quiet GPU's: every candidate is valid."""
 
 
 def warm_tuning(path: str) -> None:
@@ -173,15 +174,19 @@ def warm_tuning(path: str) -> None:
     each ends) and the last line of any that failed."""
     from concurrent.futures import as_completed
 
+    import torch
     from trainer_bench import run_case
+
+    # The timed runs' batch where the GPU holds both beside the other checks (Triton specialises an int argument
+    # equal to 1, so batch 1 can compile other binaries); batch 1, half the memory, on an 80 GB GPU.
+    roomy = torch.cuda.is_available() and torch.cuda.get_device_properties(0).total_memory >= 120 * 2**30
 
     def warm(name: str) -> str | None:
         case = next(c for c in cases() if c.name == name)
         with tempfile.TemporaryDirectory() as tmp:
             try:
-                # Batch 1: half the memory beside the other checks (an H100 has 80 GB); no tuning key holds it.
-                run_case(dict(case.model), os.path.join(tmp, name), seq_len=case.seq, batch=1, steps=2,
-                         warmup=0, compile=True, extra=case.extra)
+                run_case(dict(case.model), os.path.join(tmp, name), seq_len=case.seq,
+                         batch=case.batch if roomy else 1, steps=2, warmup=0, compile=True, extra=case.extra)
             except RuntimeError as e:
                 return str(e).strip().splitlines()[-1]
         return None
