@@ -25,3 +25,58 @@ def test_shims_match_this_machine():
     for cls in (schedules.PipelineScheduleSingle, schedules.PipelineScheduleMulti):
         assert "arg_mbs" in inspect.signature(cls.step).parameters or getattr(cls.step, "_canon_titan_shim", False)
     assert runtime.apply() == applied  # idempotent
+
+
+
+def _foreach_on_dtensors(count: int, strided: bool, rows: int):
+    """A foreach op over ``count`` pairs of DTensors on a one-rank mesh; the placements of its
+    outputs. A shape not used before (``rows``) makes DTensor propagate its sharding afresh."""
+    from torch.distributed.tensor import DTensor, Shard, init_device_mesh
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    mesh = init_device_mesh("cpu", (1,))
+    placement = _StridedShard(0, split_factor=2) if strided else Shard(0)
+    tensors = [DTensor.from_local(torch.full((rows, 3), float(i)), mesh, [placement]) for i in range(count)]
+    out = torch._foreach_add(tensors, tensors)
+    assert all(torch.equal(o.to_local(), 2 * t.to_local()) for o, t in zip(out, tensors))
+    return [(o.placements, o._spec.use_strided_shard_as_shard_order, o._spec.shard_order) for o in out]
+
+
+def test_the_strided_shard_scan_runs_once_per_op_not_once_per_tensor(monkeypatch, tmp_path):
+    """DTensor's propagation of a foreach op calls torch's ``_propagate_use_strided_shard_flag``
+    once per tensor, and each call scans every argument: quadratic. With the shim an op whose
+    arguments hold no ``_StridedShard`` never reaches torch's function (which would return at
+    once); one that does reaches it for every tensor as before, with one argument to scan instead
+    of all 48; and the outputs' placements and strided-shard flags are the same as without it."""
+    runtime.apply()
+    from torch.distributed.tensor import _sharding_prop as sharding_prop
+
+    shim = sharding_prop._propagate_use_strided_shard_flag
+    assert getattr(shim, "_canon_titan_shim", False)
+    torch_function = shim.original
+    calls = []
+
+    def counted(op_strategy, op_schema):
+        calls.append(len(op_schema.args_spec))
+        return torch_function(op_strategy, op_schema)
+
+    started = not dist.is_initialized()
+    if started:
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        placements, counts = {}, {}
+        for shimmed in (True, False):
+            if shimmed:
+                monkeypatch.setattr(shim, "original", counted)
+            else:
+                monkeypatch.setattr(sharding_prop, "_propagate_use_strided_shard_flag", counted)
+            for strided in (False, True):
+                calls.clear()
+                placements[shimmed, strided] = _foreach_on_dtensors(24, strided, rows=4 + 2 * len(counts))
+                counts[shimmed, strided] = list(calls)
+    finally:
+        if started:
+            dist.destroy_process_group()
+    assert counts == {(False, False): [48] * 24, (False, True): [48] * 24, (True, False): [], (True, True): [1] * 24}
+    for strided in (False, True):
+        assert placements[True, strided] == placements[False, strided]
