@@ -2,8 +2,9 @@
 
 Every shim is guarded by a feature check, never by a version string: on a CUDA machine with
 torch >= 2.14 none of them applies but one, a faster equivalent of a quadratic scan in DTensor's
-sharding propagation, which applies wherever torch has that scan. ``apply()`` must run before ``torchtitan.trainer`` is used;
-it also rebinds names in already-imported torchtitan modules, so import order does not matter.
+sharding propagation, which applies wherever torch has that scan. ``apply()`` must run before
+``torchtitan.trainer`` is used; it also rebinds names in already-imported torchtitan modules, so
+import order does not matter.
 
 Not shimmed on purpose: FlexAttention has no CPU backward, but canon-titan's attention calls
 causal SDPA directly (as the reference does), so the trainer never builds flex masks for it.
@@ -13,7 +14,9 @@ from __future__ import annotations
 
 import inspect
 import os
+import re
 import sys
+import threading
 import types
 
 import torch
@@ -243,7 +246,8 @@ def _strided_shard_scan_once_per_op() -> None:
     scans once per op (the same schema object and argument tuple) and then calls torch's function
     only where some argument is strided, with a stand-in schema holding one argument that gives
     the same answer, so torch's own code fixes up each child; arguments whose flag is unset
-    (None) get torch's full scan."""
+    (None) get torch's full scan. It applies only where torch's function reads nothing of the
+    schema but its argument specs (its source says so), which is all the stand-in carries."""
     try:
         from torch.distributed.tensor import _sharding_prop as sharding_prop
         from torch.distributed.tensor.placement_types import _StridedShard
@@ -252,7 +256,12 @@ def _strided_shard_scan_once_per_op() -> None:
     original = getattr(sharding_prop, "_propagate_use_strided_shard_flag", None)
     if original is None or getattr(original, "_canon_titan_shim", False):
         return
-    last: dict = {"schema": None, "args": None, "stand_in": None}
+    try:  # the stand-in below carries the argument specs alone: only where that is all torch reads
+        if set(re.findall(r"op_schema\.(\w+)", inspect.getsource(original))) != {"args_spec"}:
+            return
+    except (OSError, TypeError):
+        return
+    last = threading.local()  # (schema, its argument tuple, its stand-in) of this thread's last op
 
     def stand_in(op_schema):
         strided = [spec for spec in op_schema.args_spec if any(isinstance(p, _StridedShard) for p in spec.placements)]
@@ -264,10 +273,12 @@ def _strided_shard_scan_once_per_op() -> None:
         return _ArgsSpecs([strided[flags.index(True)] if True in flags else strided[0]])
 
     def propagate(op_strategy, op_schema) -> None:
-        if last["schema"] is not op_schema or last["args"] is not op_schema.args_schema:
-            last.update(schema=op_schema, args=op_schema.args_schema, stand_in=stand_in(op_schema))
-        if last["stand_in"] is not None:
-            propagate.original(op_strategy, last["stand_in"])
+        schema, args, schema_stand_in = getattr(last, "op", (None, None, None))
+        if schema is not op_schema or args is not op_schema.args_schema:
+            schema_stand_in = stand_in(op_schema)
+            last.op = (op_schema, op_schema.args_schema, schema_stand_in)
+        if schema_stand_in is not None:
+            propagate.original(op_strategy, schema_stand_in)
 
     propagate.original = original
     propagate._canon_titan_shim = True
