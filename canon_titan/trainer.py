@@ -34,6 +34,7 @@ from canon_titan.convert.hf import tokenizer_info, write_hf_files
 from canon_titan.evaluation.in_training import EvalSettings, InTrainingEval
 from canon_titan.launch.resume_checks import GLOBAL_BATCH_KEY, check_resume, loads_model_only, saved_loader_keys
 from canon_titan.models.common.context_parallel import context_parallel_inputs
+from canon_titan.tools import runtime
 from canon_titan.tools.fileio import write_atomic
 
 RUN_CONFIG_FILE = "run_config.toml"
@@ -221,6 +222,7 @@ class CanonTrainer(Trainer):
             super().train()
         finally:
             logger.removeFilter(untrue)
+        runtime.end_barrier()  # every rank has left the loop (TorchTitan's own 2-second sleep, shimmed)
         if self.stop_signals.requested and self.step >= self.config.training.steps:
             logger.info(f"the stop signal came during or after the last step ({self.step}): the run is complete")
         if self._skipped_steps and not self._applied_steps:

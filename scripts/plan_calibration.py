@@ -54,13 +54,17 @@ MARKERS = ("<!-- plan:published -->", "<!-- /plan:published -->")
 
 
 def _run(local: int, global_: int, seq: int, ac: str, compile_: bool, float8: bool, *extra: str,
-         compiled: str = '["model"]') -> list[str]:
+         compiled: str = '["model"]', recipe: str = "tensorwise") -> list[str]:
     """``compiled``: what TorchTitan's compile covered at the run's commit (December 2024: each
-    block, ``apply_compile``; the loss was compiled too from early 2025)."""
+    block, ``apply_compile``; the loss was compiled too from early 2025). ``recipe``: the float8
+    scaling. TorchTitan's float8 was tensor-wise dynamic scaling unless a run chose a recipe: at
+    9dec370 it had no other (``--float8.scaling_type_*``: dynamic or delayed, per tensor), and
+    the H200 runs of June 2025 name none (and use FSDP's float8 all-gather, a tensor-wise feature);
+    canon-titan's own default is ``rowwise``."""
     return ["--training.local_batch_size", str(local), "--training.global_batch_size", str(global_),
             "--training.seq_len", str(seq), "--activation_checkpoint.mode", ac,
             "--compile.enable", str(compile_).lower(), "--compile.components", compiled,
-            "--float8.enable", str(float8).lower(), *extra]
+            "--float8.enable", str(float8).lower(), *(["--float8.recipe_name", recipe] if float8 else []), *extra]
 
 
 @dataclass
@@ -111,7 +115,7 @@ POINTS = [
     # local batch x FSDP degree).
     *(Point(H100_2025_TP, f"{model}, FSDP {fsdp} x TP 8, {name}", model, 8 * fsdp, "h100-hbm2e",
             _run(local, local * fsdp, 8192, ac, True, recipe is not None, "--parallelism.tensor_parallel_degree", "8",
-                 *(["--float8.recipe_name", recipe] if recipe else []), compiled='["model", "loss"]'), tps, None)
+                 compiled='["model", "loss"]', recipe=recipe or "tensorwise"), tps, None)
       for model, fsdp, local, ac, rows in (
           ("70B", 32, 16, "full", (("bf16", None, 597.3), ("float8 tensorwise", "tensorwise", 809.8),
                                    ("float8 rowwise", "rowwise", 599.6))),
@@ -132,48 +136,63 @@ def plan_point(point: Point, log):
     return result
 
 
-def table(points: list[Point], log) -> list[str]:
-    rows = ["| source | configuration | GPUs | measured tokens/s per GPU | planned | planned / measured "
-            "| measured memory (max reserved) | planned | planned / measured |",
-            "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+def point_row(point: Point, log) -> str:
+    """The point's table row, planned now (a point that cannot be planned is a row saying why)."""
+    try:
+        result = plan_point(point, log)
+    except Exception as e:
+        log(f"{point.key}: {type(e).__name__}: {e}")
+        return (f"| `{point.source}` | {point.label} | {point.gpus} x {GPUS[point.gpu].name} | "
+                f"{point.tokens_per_s:,.0f} | not planned: {str(e).splitlines()[0][:120]} | | "
+                f"{point.memory_gib or 'not published'}{' GiB' if point.memory_gib else ''} | | |")
+    tokens = result.tokens_per_s_per_gpu / point.tokens_per_s
+    planned_gib = result.worst.reserved_bytes / GIB
+    if point.memory_gib is None:
+        memory_cells = f"not published | {planned_gib:.1f} GiB | -"
+    else:
+        memory_cells = f"{point.memory_gib} GiB | {planned_gib:.1f} GiB | x{planned_gib / point.memory_gib:.2f}"
+    gc.collect()
+    return (f"| `{point.source}` | {point.label} | {point.gpus} x {GPUS[point.gpu].name} | "
+            f"{point.tokens_per_s:,.0f} | {result.tokens_per_s_per_gpu:,.0f} | x{tokens:.2f} | {memory_cells} |")
+
+
+def _cells(row: str) -> list[str]:
+    return [c.strip() for c in row.strip().strip("|").split("|")]
+
+
+def summary(rows: list[str]) -> list[str]:
+    """The median and worst errors of the rows' own planned / measured ratios."""
     errors = {"tokens/s": [], "memory": []}
-    for point in points:
-        try:
-            result = plan_point(point, log)
-        except Exception as e:  # a point that cannot be planned is a row saying why
-            log(f"{point.key}: {type(e).__name__}: {e}")
-            rows.append(f"| `{point.source}` | {point.label} | {point.gpus} x {GPUS[point.gpu].name} | "
-                        f"{point.tokens_per_s:,.0f} | not planned: {str(e).splitlines()[0][:120]} | | "
-                        f"{point.memory_gib or 'not published'}{' GiB' if point.memory_gib else ''} | | |")
-            continue
-        tokens = result.tokens_per_s_per_gpu / point.tokens_per_s
-        errors["tokens/s"].append(abs(tokens - 1))
-        planned_gib = result.worst.reserved_bytes / GIB
-        if point.memory_gib is None:
-            memory_cells = f"not published | {planned_gib:.1f} GiB | -"
-        else:
-            memory = planned_gib / point.memory_gib
-            errors["memory"].append(abs(memory - 1))
-            memory_cells = f"{point.memory_gib} GiB | {planned_gib:.1f} GiB | x{memory:.2f}"
-        rows.append(f"| `{point.source}` | {point.label} | {point.gpus} x {GPUS[point.gpu].name} | "
-                    f"{point.tokens_per_s:,.0f} | {result.tokens_per_s_per_gpu:,.0f} | x{tokens:.2f} | "
-                    f"{memory_cells} |")
-        gc.collect()
-    rows.append("")
-    for name, errs in errors.items():
-        if errs:
-            rows.append(f"- {name}: median error {100 * statistics.median(errs):.0f}%, worst "
-                        f"{100 * max(errs):.0f}% over {len(errs)} points")
-    return rows
+    for row in rows:
+        cells = _cells(row)
+        if cells[5].startswith("x"):
+            errors["tokens/s"].append(abs(float(cells[5][1:]) - 1))
+        if cells[8].startswith("x"):
+            errors["memory"].append(abs(float(cells[8][1:]) - 1))
+    return [f"- {name}: median error {100 * statistics.median(errs):.0f}%, worst {100 * max(errs):.0f}% over "
+            f"{len(errs)} points" for name, errs in errors.items() if errs]
+
+
+HEADER = ["| source | configuration | GPUs | measured tokens/s per GPU | planned | planned / measured "
+          "| measured memory (max reserved) | planned | planned / measured |",
+          "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+
+
+def table(points: list[Point], log, kept: dict[str, str] | None = None) -> list[str]:
+    """The table of ``points``, each planned now unless ``kept`` holds its row (by label)."""
+    rows = [kept[p.label] if kept and p.label in kept else point_row(p, log) for p in points]
+    return HEADER + rows + [""] + summary(rows)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--readme", action="store_true", help="write the table into README.md between its markers")
-    parser.add_argument("--only", help="points whose 'file: label' matches this glob (e.g. '*table 1*')")
+    parser.add_argument("--readme", action="store_true", help="write the table into README.md between its markers "
+                        "(with --only: replan those rows, keep the others)")
+    parser.add_argument("--only", action="append",
+                        help="points whose 'file: label' matches this glob (e.g. '*table 1*'); repeat for more")
     parser.add_argument("--list", action="store_true", help="list the points and exit")
     args = parser.parse_args()
-    points = [p for p in POINTS if not args.only or fnmatch.fnmatch(p.key, args.only)]
+    points = [p for p in POINTS if not args.only or any(fnmatch.fnmatch(p.key, glob) for glob in args.only)]
     if args.list:
         print("\n".join(p.key for p in points))
         return 0
@@ -181,21 +200,38 @@ def main() -> int:
     def log(message: str) -> None:
         print(f"[plan_calibration] {message}", file=sys.stderr, flush=True)
 
-    rows = table(points, log)
     if not args.readme:
-        print("\n".join(rows))
+        print("\n".join(table(points, log)))
         return 0
     readme = REPO / "README.md"
-    text = readme.read_text()
     start, end = MARKERS
-    if start not in text or end not in text:
+    if start not in readme.read_text() or end not in readme.read_text():
         raise SystemExit(f"README.md has no {start} ... {end} block")
+    if args.only:
+        labels = {p.label for p in points} | {_cells(row)[1] for row in readme.read_text().split(start, 1)[1]
+                                              .split(end, 1)[0].splitlines() if row.startswith("| `")}
+        missing = [p.key for p in POINTS if p.label not in labels]
+        if missing:
+            raise SystemExit(f"README.md has no row for {missing[0]}: plan every point (no --only) first")
+    planned = {p.label: point_row(p, log) for p in points}
+    # README.md is read again only now, so that what changed in it while the points were planned
+    # (another run's rows included) is kept.
+    text = readme.read_text()
     before, rest = text.split(start, 1)
-    _, after = rest.split(end, 1)
-    stamp = f"_Planned {datetime.date.today()} with `scripts/plan_calibration.py`" + (
-        f" --only '{args.only}'" if args.only else "") + "._"
+    old, after = rest.split(end, 1)
+    if args.only:
+        # the other points keep their rows (and the stamp says which were planned when)
+        kept = {_cells(row)[1]: row for row in old.splitlines() if row.startswith("| `")}
+        rows = table(POINTS, log, {**kept, **planned})
+        globs = ", ".join(f"`{glob}`" for glob in args.only)
+        stamp = "\n".join([line for line in old.splitlines() if line.startswith("_Planned") or (
+            line.startswith("_Rows matching") and not line.startswith(f"_Rows matching {globs} "))]
+            + [f"_Rows matching {globs} planned {datetime.date.today()}._"])
+    else:
+        rows = table(POINTS, log, planned)
+        stamp = f"_Planned {datetime.date.today()} with `scripts/plan_calibration.py`._"
     write_atomic(readme, before + start + "\n" + "\n".join(rows) + "\n\n" + stamp + "\n" + end + after)
-    log(f"wrote {len(points)} points into {readme}")
+    log(f"wrote {len(points)} planned points into {readme}")
     return 0
 
 

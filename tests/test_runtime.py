@@ -2,6 +2,7 @@
 
 import inspect
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -26,6 +27,45 @@ def test_shims_match_this_machine():
         assert "arg_mbs" in inspect.signature(cls.step).parameters or getattr(cls.step, "_canon_titan_shim", False)
     assert runtime.apply() == applied  # idempotent
 
+
+def _end_barrier_worker(rank: int, world: int, init: str, queue) -> None:
+    import time
+
+    runtime.apply()
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        if rank == 1:
+            time.sleep(1.5)  # the slow rank ends its loop late
+        started = time.perf_counter()
+        runtime.end_barrier()
+        queue.put((rank, time.perf_counter() - started))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_ranks_leave_training_together_without_torchtitans_sleep(tmp_path):
+    """TorchTitan ends its training loop with rank 0 sleeping 2 seconds for the other ranks. Under
+    the ``end-barrier`` shim that sleep returns at once (the module's ``time`` is otherwise
+    untouched), and each rank instead waits at ``end_barrier`` for the slowest: two gloo processes,
+    rank 1 arriving 1.5 s late, rank 0 waits for it."""
+    import time
+
+    import torch.multiprocessing as mp
+    import torchtitan.trainer as tt_trainer
+
+    assert "end-barrier" in runtime.apply()
+    started = time.perf_counter()
+    tt_trainer.time.sleep(2)
+    assert time.perf_counter() - started < 0.5
+    assert tt_trainer.time.perf_counter is time.perf_counter
+
+    context = mp.get_context("spawn")
+    queue = context.Queue()
+    init = f"file://{tmp_path / 'store'}"
+    mp.start_processes(_end_barrier_worker, args=(2, init, queue), nprocs=2, join=True, start_method="spawn")
+    waited = dict(queue.get(timeout=5) for _ in range(2))
+    assert waited[0] >= 1.0 and waited[1] < 1.0
 
 
 def _foreach_on_dtensors(count: int, strided: bool, rows: int):

@@ -15,7 +15,9 @@ fusion boundaries) is one kernel that reads what it takes from outside and write
 outside; matmuls, attention and the custom kernels are unchanged, and the embedding, the output
 projection, FSDP's copies and the optimizer stay eager. Memory: what such a run creates and uses
 only inside itself is never stored, and what only the backward reads is recomputed there from
-the run's inputs where that keeps fewer bytes alive (``compiled_memory_events``).
+the run's inputs where that keeps fewer bytes alive (``compiled_memory_events``). One exception to
+the single fused pass is measured, not modelled: torchao's row-wise float8 casts, which Inductor
+compiles into kernels that move far more (``recorder.ROWWISE_CAST_BYTES``).
 
 Communication. A collective over n ranks moves ``(n - 1) / n`` of its buffer per rank (twice for
 an all-reduce) at the bus bandwidth of the slowest link its group crosses: NVLink inside a node
@@ -331,7 +333,7 @@ def compute_seconds(step: RankStep, gpu: GPU, compiled: bool,
             flops["other"] += int(scale * region_flops)
             i = end
             continue
-        if op.bytes or op.flops:
+        if (op.bytes or op.flops) and not op.compiled_only:
             seconds[op.kind] += scale * _op_seconds(gpu, op.kind, op, op.bytes, attention)
             kernels += int(scale)
         flops[op.kind] += int(scale * op.flops)
@@ -405,7 +407,7 @@ def _phase_share(step: RankStep, gpu: GPU, attention: str) -> dict[str, float]:
     """Each phase's share (forward, backward, optimizer) of the step's eager op time."""
     per_phase: dict[str, float] = defaultdict(float)
     for i, op in enumerate(step.trace.ops):
-        if op.bytes or op.flops:
+        if (op.bytes or op.flops) and not op.compiled_only:
             per_phase[op.phase] += repeats(step, i) * _op_seconds(gpu, op.kind, op, op.bytes, attention)
     total = sum(per_phase.values()) or 1.0
     return {phase: t / total for phase, t in per_phase.items()}

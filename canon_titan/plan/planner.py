@@ -304,8 +304,12 @@ def _notes(run, result: Plan) -> list[str]:
         notes.append("compile off: every op is its own kernel")
     notes.append(f"attention on the {result.attention} SDPA backend (--attention-backend)")
     if run["float8"]["enable"]:
-        notes.append(f"float8 {run['float8']['recipe_name']}: the float8 linears' matmuls at the fp8 peak; with TP, "
-                     "activations cross the TP group in bf16 here (on NCCL, tensorwise linears send float8: half)")
+        rowwise = run["float8"]["recipe_name"].startswith("rowwise")
+        notes.append(f"float8 {run['float8']['recipe_name']}: the float8 linears' matmuls at the fp8 peak"
+                     + ("; under compile their row-wise casts cost what torchao's published microbenchmark "
+                        "measured (recorder.ROWWISE_CAST_BYTES)" if rowwise else "")
+                     + "; with TP, activations cross the TP group in bf16 here (on NCCL, tensorwise linears send "
+                       "float8: half)")
     if result.accumulation > 2:
         notes.append(f"gradient accumulation: 2 of {result.accumulation} groups were stepped; the others repeat the "
                      "second")

@@ -27,6 +27,22 @@ from canon_titan.plan.flops import op_kind  # importing it registers the FLOP fo
 ALLOCATION_ROUNDING = 512
 """The CUDA caching allocator hands out multiples of 512 bytes."""
 
+ROWWISE_CAST_BYTES = {"INPUT": 10.9, "GRAD_OUTPUT": 4.1}
+"""Bytes per element that a compiled step moves, beyond the plan's one fused pass, to cast an
+activation operand of a float8 GEMM with row-wise (or column-wise) scales (torchao's ``rowwise``
+recipes), per GEMM it enters: the linear's input (``INPUT``: its forward GEMM, and its
+grad-weight GEMM scaled per column) and its output gradient (``GRAD_OUTPUT``: the grad-input
+and grad-weight GEMMs). Source: torchao's published microbenchmark of a compiled LayerNorm ->
+Linear -> Sigmoid forward and backward, row-wise float8 against bf16, on an H100 for M, K, N in
+1024-32768 (``docs/static/fp8-rowwise-perf.png``, pytorch/ao#2312, PyTorch 2.8.0a0, June 2025).
+Planned with no such cost, the plan's speed-up misses the table by a median 37% (worst 133%)
+over its rows of M >= 8192 (for thin layers it plans 1.1-1.2x where 0.5-0.6x was measured). A
+least-squares fit of the missing time as ``a * M * K + b * M * N`` leaves a median 3.5% (worst
+23%): ``a`` = 8.2 ps and ``b`` = 3.1 ps per element, 21.9 and 8.3 bytes at 80% of the H100 SXM's
+3.35 TB/s, split evenly here between the two GEMMs each tensor enters
+(``scripts/benchmarks/fit_rowwise_casts.py`` refits them). In eager mode every recorded cast op
+is its own kernel and is counted in full instead."""
+
 _FACTORIES = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default,
               torch.ops.aten.empty_like.default, torch.ops.aten.new_empty.default,
               torch.ops.aten.new_empty_strided.default}
@@ -122,6 +138,9 @@ class Op:
     after: int = -1
     """For a step the recorder adds after an op that hides it (torchao's rescale after a float8
     GEMM), that op's index; -1 for the ops dispatched."""
+    compiled_only: bool = False
+    """A cost that only compiled code pays over what its ops move (``ROWWISE_CAST_BYTES``): eager
+    mode runs each recorded op as its own kernel, which the plan already counts in full."""
 
 
 @dataclass
@@ -173,6 +192,11 @@ class StepRecorder(TorchDispatchMode):
         # tensor they are cut from are left out of the memory a plan counts.
         self._causal_masks: dict[int, float] = {}
         self._ones: set[int] = set()
+        # Row-wise float8 casts: the storage each float8 cast's elementwise results come from
+        # (followed back through the cast's same-sized ops, inside a float8 linear's forward or
+        # its backward node) and the casts already charged (``_rowwise_casts``).
+        self._sources: dict[int, int] = {}
+        self._casts_charged: set[tuple] = set()
 
     # --- storages -------------------------------------------------------------------------------
 
@@ -195,6 +219,7 @@ class StepRecorder(TorchDispatchMode):
         return sid
 
     def _freed(self, sid: int) -> None:
+        self._sources.pop(sid, None)
         size = self._sizes.pop(sid, 0)
         if size:
             self.trace.memory_events.append((len(self.trace.ops), sid, -size))
@@ -329,6 +354,10 @@ class StepRecorder(TorchDispatchMode):
             read_bytes = tuple(tensor_bytes(t) for t in inputs)
             write_bytes = tuple(tensor_bytes(t) for t in outputs)
         kind = op_kind(packet)
+        if kind == "other" and len(writes) == 1 and reads and outputs[0].numel() > 1 \
+                and outputs[0].numel() == inputs[0].numel() and writes[0] != reads[0] \
+                and (self._fp8_context > 0 or _in_float8_backward()):  # a float8 cast's own ops
+            self._sources[writes[0]] = self._sources.get(reads[0], reads[0])
         dtype = inputs[0].dtype if inputs else (outputs[0].dtype if outputs else None)
         fp8 = kind == "matmul" and (self._fp8_context > 0 or _in_float8_backward() or any(
             t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) for t in inputs))
@@ -339,9 +368,40 @@ class StepRecorder(TorchDispatchMode):
         self.trace.ops.append(Op(kind, self.phase(), str(packet).split("::")[-1], int(flops),
                                  sum(read_bytes) + sum(write_bytes), dtype, reads, read_bytes, writes, write_bytes,
                                  fp8, attended, head_dim, tf32))
+        gemm = len(self.trace.ops) - 1
         if fp8 and len(outputs) == 1 and _rescaled_after_gemm(inputs):
             self._rescale(inputs, outputs[0])
+        if fp8:
+            self._rowwise_casts(inputs, gemm)
         return out
+
+    def _rowwise_casts(self, inputs: list[torch.Tensor], gemm: int) -> None:
+        """What Inductor's kernels for torchao's row-wise casts move beyond one fused pass
+        (``ROWWISE_CAST_BYTES``), for each activation operand of a float8 GEMM scaled per row or
+        per column: read as bytes from a storage of its own, so that it adds to the compiled
+        region it falls in and to nothing else. ``gemm``: the GEMM's op index. Linears that take
+        the same input (the attention's wq, wk and wv; the MLP's w1 and w3) cast it the same way
+        in one compiled graph, which AOTAutograd's common-subexpression elimination
+        (``torch._functorch.config.cse``, on by default) makes one cast: it is charged once per
+        source tensor, role, scale shape and phase."""
+        for t in inputs:
+            inner = _inner(t)
+            role = getattr(getattr(t, "_gemm_input_role", None), "name", None)
+            if not inner or len(inner) < 2 or inner[1].numel() <= 1 or role not in ROWWISE_CAST_BYTES:
+                continue
+            data = self.storage_id(inner[0])
+            cast = (self._sources.get(data, data), role, tuple(inner[1].shape), self.phase())
+            if cast in self._casts_charged:
+                continue  # the same cast of the same tensor (wq, wk and wv's input): one kernel
+            self._casts_charged.add(cast)
+            extra = int(ROWWISE_CAST_BYTES[role] * t.numel())
+            if not extra:
+                continue
+            source = self._next_id
+            self._next_id += 1
+            self.trace.ops.append(Op("other", self.phase(), f"float8 row-wise cast of the {role.lower()} (Inductor)",
+                                     0, extra, t.dtype, (source,), (extra,), (), (), after=gemm,
+                                     compiled_only=True))
 
     def _rescale(self, inputs: list[torch.Tensor], output: torch.Tensor) -> None:
         """What torchao's ``addmm_float8_unwrapped`` runs after a GEMM of row-wise scaled operands

@@ -1,10 +1,11 @@
 """Compatibility shims that let TorchTitan 0.3.0's real Trainer run on CPU (gloo) and torch 2.13.
 
 Every shim is guarded by a feature check, never by a version string: on a CUDA machine with
-torch >= 2.14 none of them applies but one, a faster equivalent of a quadratic scan in DTensor's
-sharding propagation, which applies wherever torch has that scan. ``apply()`` must run before
-``torchtitan.trainer`` is used; it also rebinds names in already-imported torchtitan modules, so
-import order does not matter.
+torch >= 2.14 none of them applies but two, a faster equivalent of a quadratic scan in DTensor's
+sharding propagation, which applies wherever torch has that scan, and a barrier in place of the
+2-second sleep that ends TorchTitan's training loop, which applies wherever TorchTitan has it.
+``apply()`` must run before ``torchtitan.trainer`` is used; it also rebinds names in
+already-imported torchtitan modules, so import order does not matter.
 
 Not shimmed on purpose: FlexAttention has no CPU backward, but canon-titan's attention calls
 causal SDPA directly (as the reference does), so the trainer never builds flex masks for it.
@@ -17,6 +18,7 @@ import os
 import re
 import sys
 import threading
+import time
 import types
 
 import torch
@@ -286,6 +288,59 @@ def _strided_shard_scan_once_per_op() -> None:
     _applied.append("dtensor-strided-scan-once")
 
 
+END_OF_TRAINING_SLEEP = "Sleeping 2 seconds for other ranks to complete"
+
+
+class _TimeWithoutSleep:
+    """The ``time`` module as ``torchtitan.trainer`` sees it under ``end-barrier``: all of it but
+    ``sleep``, which returns at once."""
+
+    def __getattr__(self, name):
+        return getattr(time, name)
+
+    @staticmethod
+    def sleep(seconds: float) -> None:
+        return None
+
+
+def _end_barrier_not_sleep() -> None:
+    """TorchTitan's training loop ends with rank 0 sleeping 2 seconds "for other ranks to
+    complete", on every run, one process too (every training run of the test suite pays it). Under
+    this shim that sleep returns at once (and its log line is dropped), and every rank instead
+    waits at a barrier until all have left the loop (``CanonTrainer.train``, ``end_barrier``):
+    what the sleep stands for, no longer than the slowest rank takes. It applies only where
+    ``time.sleep`` is called once in ``torchtitan.trainer``, in ``Trainer.train`` after that log
+    line."""
+    import logging
+
+    import torchtitan.trainer as tt_trainer
+
+    if "end-barrier" in _applied or isinstance(getattr(tt_trainer, "time", None), _TimeWithoutSleep):
+        return
+    try:
+        module_source = inspect.getsource(tt_trainer)
+        train_source = inspect.getsource(tt_trainer.Trainer.train)
+    except (OSError, TypeError):
+        return
+    if module_source.count("time.sleep(") != 1 or END_OF_TRAINING_SLEEP not in train_source \
+            or "time.sleep(" not in train_source.split(END_OF_TRAINING_SLEEP, 1)[1]:
+        return
+    tt_trainer.time = _TimeWithoutSleep()
+    logging.getLogger().addFilter(lambda record: record.getMessage() != END_OF_TRAINING_SLEEP)
+    _applied.append("end-barrier")
+
+
+def end_barrier() -> None:
+    """Where ``end-barrier`` applies: every rank waits here, at the end of its training loop, until
+    all have reached it (nothing on one process, or without the shim)."""
+    if "end-barrier" not in _applied or not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    if dist.get_backend() == "nccl":
+        dist.barrier(device_ids=[torch.cuda.current_device()])
+    else:
+        dist.barrier()
+
+
 def apply(*, cpu: bool = False) -> list[str]:
     """Apply every shim this machine needs; returns their names (also logged once). ``cpu``: the shims
     for a CPU apply even where an accelerator is present: the planner builds and steps every rank on
@@ -304,6 +359,7 @@ def apply(*, cpu: bool = False) -> list[str]:
     _set_timeout()
     _pipeline_step_with_microbatches()
     _strided_shard_scan_once_per_op()
+    _end_barrier_not_sleep()
     if not _applied:
         _applied.append("none")
     logger.info(f"canon-titan runtime shims: {', '.join(_applied)}")

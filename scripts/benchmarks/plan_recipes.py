@@ -3,6 +3,7 @@ GPUs") on the release's GPU (H200), and the GPU-measured configurations against 
 measurements; print both tables as Markdown, or write them into README.md between their markers.
 
     .venv/bin/python scripts/benchmarks/plan_recipes.py [--readme] [--only PATTERN] [--gpu h200]
+        [--no-calibration | --no-recipes]
 
 Recipes that differ only in learning rate share a plan (a 2T-token recipe scales the GPU-hours
 of its 1T twin's plan by its steps). Each plan takes 5-40 s on a 2-core CPU.
@@ -145,12 +146,13 @@ def main() -> int:
     parser.add_argument("--only", help="recipes whose name matches this glob (e.g. 'Llama*-1B-*')")
     parser.add_argument("--gpu", default="h200", help="the GPU of the recipe table (default h200, the release's)")
     parser.add_argument("--no-calibration", action="store_true")
+    parser.add_argument("--no-recipes", action="store_true", help="the GPU-measured table alone")
     args = parser.parse_args()
 
     def log(message: str) -> None:
         print(f"[plan_recipes] {message}", file=sys.stderr, flush=True)
 
-    tables = {"recipes": recipe_table(args.gpu, args.only, log)}
+    tables = {} if args.no_recipes else {"recipes": recipe_table(args.gpu, args.only, log)}
     if not args.no_calibration:
         tables["calibration"] = calibration_table(log)
     if args.readme:
