@@ -34,7 +34,7 @@ recipes), per GEMM it enters: the linear's input (``INPUT``: its forward GEMM, a
 grad-weight GEMM scaled per column) and its output gradient (``GRAD_OUTPUT``: the grad-input
 and grad-weight GEMMs). Source: torchao's published microbenchmark of a compiled LayerNorm ->
 Linear -> Sigmoid forward and backward, row-wise float8 against bf16, on an H100 for M, K, N in
-1024-32768 (``docs/static/fp8-rowwise-perf.png``, pytorch/ao#2312, PyTorch 2.8.0a0, June 2025).
+1024-32768 (``pytorch/ao/docs/static/fp8-rowwise-perf.png``, pytorch/ao#2312, PyTorch 2.8.0a0, June 2025).
 Planned with no such cost, the plan's speed-up misses the table by a median 37% (worst 133%)
 over its rows of M >= 8192 (for thin layers it plans 1.1-1.2x where 0.5-0.6x was measured). A
 least-squares fit of the missing time as ``a * M * K + b * M * N`` leaves a median 3.5% (worst

@@ -3,7 +3,7 @@ ROWWISE_CAST_BYTES``), and how well the plan meets its source with it.
 
     .venv/bin/python scripts/benchmarks/fit_rowwise_casts.py [--fit] [--min-m 8192]
 
-The source is torchao's published microbenchmark (pytorch/ao#2312, ``docs/static/fp8-rowwise-perf.png``,
+The source is torchao's published microbenchmark (pytorch/ao#2312, ``pytorch/ao/docs/static/fp8-rowwise-perf.png``,
 June 2025, PyTorch 2.8.0a0 on an H100): the speed-up of a compiled LayerNorm -> Linear -> Sigmoid
 forward and backward with torchao's ``rowwise`` float8 recipe over the same in bf16, by the forward's
 M (tokens), K (in features) and N (out features). ``TABLE`` holds its rows of M >= 8192 (training's
