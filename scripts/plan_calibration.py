@@ -160,6 +160,20 @@ def _cells(row: str) -> list[str]:
     return [c.strip() for c in row.strip().strip("|").split("|")]
 
 
+def _readme_block(text: str) -> tuple[str, str, str]:
+    """README.md's text before, inside and after the table's markers."""
+    start, end = MARKERS
+    if start not in text or end not in text:
+        raise SystemExit(f"README.md has no {start} ... {end} block")
+    before, rest = text.split(start, 1)
+    body, after = rest.split(end, 1)
+    return before, body, after
+
+
+def _rows_by_label(body: str) -> dict[str, str]:
+    return {_cells(row)[1]: row for row in body.splitlines() if row.startswith("| `")}
+
+
 def summary(rows: list[str]) -> list[str]:
     """The median and worst errors of the rows' own planned / measured ratios."""
     errors = {"tokens/s": [], "memory": []}
@@ -204,25 +218,17 @@ def main() -> int:
         print("\n".join(table(points, log)))
         return 0
     readme = REPO / "README.md"
-    start, end = MARKERS
-    if start not in readme.read_text() or end not in readme.read_text():
-        raise SystemExit(f"README.md has no {start} ... {end} block")
-    if args.only:
-        labels = {p.label for p in points} | {_cells(row)[1] for row in readme.read_text().split(start, 1)[1]
-                                              .split(end, 1)[0].splitlines() if row.startswith("| `")}
-        missing = [p.key for p in POINTS if p.label not in labels]
-        if missing:
-            raise SystemExit(f"README.md has no row for {missing[0]}: plan every point (no --only) first")
+    kept = _rows_by_label(_readme_block(readme.read_text())[1])
+    missing = [p.key for p in POINTS if p.label not in kept and p not in points]
+    if missing:
+        raise SystemExit(f"README.md has no row for {missing[0]}: plan every point (no --only) first")
     planned = {p.label: point_row(p, log) for p in points}
     # README.md is read again only now, so that what changed in it while the points were planned
     # (another run's rows included) is kept.
-    text = readme.read_text()
-    before, rest = text.split(start, 1)
-    old, after = rest.split(end, 1)
+    before, old, after = _readme_block(readme.read_text())
     if args.only:
         # the other points keep their rows (and the stamp says which were planned when)
-        kept = {_cells(row)[1]: row for row in old.splitlines() if row.startswith("| `")}
-        rows = table(POINTS, log, {**kept, **planned})
+        rows = table(POINTS, log, {**_rows_by_label(old), **planned})
         globs = ", ".join(f"`{glob}`" for glob in args.only)
         stamp = "\n".join([line for line in old.splitlines() if line.startswith("_Planned") or (
             line.startswith("_Rows matching") and not line.startswith(f"_Rows matching {globs} "))]
@@ -230,7 +236,7 @@ def main() -> int:
     else:
         rows = table(POINTS, log, planned)
         stamp = f"_Planned {datetime.date.today()} with `scripts/plan_calibration.py`._"
-    write_atomic(readme, before + start + "\n" + "\n".join(rows) + "\n\n" + stamp + "\n" + end + after)
+    write_atomic(readme, before + MARKERS[0] + "\n" + "\n".join(rows) + "\n\n" + stamp + "\n" + MARKERS[1] + after)
     log(f"wrote {len(points)} planned points into {readme}")
     return 0
 
