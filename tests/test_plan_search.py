@@ -323,28 +323,7 @@ def _layout_from_text(text: str):
     """``Layout.describe`` read back: the README's words for a layout, as the layout itself."""
     from canon_titan.plan.search import Layout
 
-    fields = {"dp_replicate": 1, "tp": 1, "pp": 1, "cp": 1}
-    for part in text.split(", "):
-        words = part.split()
-        if words[0] == "FSDP":
-            fields["dp_shard"] = int(words[1])
-        elif words[0] == "HSDP":
-            fields["dp_replicate"], fields["dp_shard"] = map(int, words[1].split("x"))
-        elif words[0] in ("TP", "PP", "CP"):
-            fields[words[0].lower()] = int(words[1])
-            if words[0] == "PP":
-                fields["schedule"] = words[2]
-        elif words[0] == "local":
-            fields["local_batch"] = int(words[1])
-        elif words[0] == "AC":
-            fields["ac"] = words[1]
-        elif part == "keep gathered weights":
-            fields["reshard"] = "never"
-        elif words[0] == "float8":
-            fields["float8"] = words[1]
-        else:
-            raise AssertionError(f"{text!r}: {part!r} is not a part of a layout")
-    return Layout(**fields)
+    return Layout.from_text(text)
 
 
 def _search_rows() -> list[list[str]]:

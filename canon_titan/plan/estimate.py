@@ -191,13 +191,16 @@ def _op_seconds(gpu: GPU, kind: str, op, nbytes: int, attention: str = "flash") 
     return max(t_flops, t_mem, MIN_KERNEL_S)
 
 
-def _fused_regions(ops, compiled_ops=None) -> list[tuple[int, int]]:
-    """Runs [start, end) of consecutive ``other`` (elementwise, reduction, copy) ops within one phase,
-    of the ops inside the compiled blocks (``compiled_ops``; None: any)."""
+def _fused_regions(ops, compiled_ops=None, graphs: dict[int, int] | None = None) -> list[tuple[int, int]]:
+    """Runs [start, end) of consecutive ``other`` (elementwise, reduction, copy) ops within one phase
+    and one compiled graph (``graphs``: op index -> graph; None: one graph), of the ops inside the
+    compiled blocks (``compiled_ops``; None: any)."""
+    graphs = graphs or {}
     regions, start = [], None
     for i, op in enumerate(ops):
         fusible = op.kind == "other" and (compiled_ops is None or i in compiled_ops)
-        if start is not None and (not fusible or op.phase != ops[start].phase):
+        if start is not None and (not fusible or op.phase != ops[start].phase
+                                  or graphs.get(i) != graphs.get(start)):
             regions.append((start, i))
             start = None
         if fusible and start is None:
@@ -207,33 +210,91 @@ def _fused_regions(ops, compiled_ops=None) -> list[tuple[int, int]]:
     return regions
 
 
-def _region_bytes(ops, start: int, end: int, readers: dict[int, list[int]], born: dict[int, int]) -> int:
+def _region_bytes(ops, start: int, end: int, readers: dict[int, list[int]], born: dict[int, int],
+                  inlined: dict[int, tuple[tuple[int, int], ...]] | None = None) -> int:
     """What a fused region moves: the tensors it reads from outside it, and the tensors it writes
-    that are used outside it or outlive it."""
+    that are used outside it or outlive it. A tensor in ``inlined`` (``_inlined``) is never stored:
+    a region that reads it reads the stored tensors it is computed from instead, and a region that
+    stores nothing moves nothing."""
+    inlined = inlined or {}
     written_inside = set()
-    moved = 0
+    moved = stored = 0
+
+    def load(sid: int, nbytes: int) -> None:
+        nonlocal moved
+        if sid in written_inside:
+            return
+        written_inside.add(sid)  # read once into the kernel
+        if sid in inlined and born.get(sid, -1) < start:
+            for source, source_bytes in inlined[sid]:
+                load(source, source_bytes)
+        else:
+            moved += nbytes
+
+    charged = 0
     for i in range(start, end):
         op = ops[i]
+        if op.compiled_only:  # a measured cost of compiled code (``recorder.ROWWISE_CAST_BYTES``)
+            charged += op.bytes
+            continue
         for sid, nbytes in zip(op.reads, op.read_bytes):
-            if sid not in written_inside:
-                moved += nbytes
-                written_inside.add(sid)  # read once into the kernel
+            # an op that only looks at a tensor (``prim.device``, a view's metadata) reads no bytes
+            # and does not bring it into the kernel: the op that loads it does
+            if nbytes:
+                load(sid, nbytes)
         for sid, nbytes in zip(op.writes, op.write_bytes):
             if nbytes == 0:
                 continue
             exported = born.get(sid, -1) < start or any(r >= end or r < start for r in readers.get(sid, ()))
-            if exported or not readers.get(sid):
-                moved += nbytes
+            if (exported or not readers.get(sid)) and sid not in inlined:
+                stored += nbytes
             written_inside.add(sid)
-    return moved
+    # a run that stores nothing (its results all inlined where they are used) is no kernel at all
+    return charged + (moved + stored if stored else 0)
+
+
+def _inlined(ops, regions: list[tuple[int, int]], readers: dict[int, list[int]], born: dict[int, int],
+             kept: set[int], graphs: dict[int, int] | None = None) -> dict[int, tuple[tuple[int, int], ...]]:
+    """The tensors a compiled step never stores, with (storage, bytes) of what each is computed
+    from. Inductor inlines a pointwise result into the kernels that use it (it realizes a buffer
+    for a reduction's result, for a matmul's, attention's or custom kernel's input, and for what
+    leaves the compiled graph), so an elementwise op's output that only elementwise ops of the same
+    phase read, in later fused runs of the same compiled graph (``graphs``: op index -> graph;
+    None: one graph), is recomputed in each of them from the op's own inputs; a block's output is
+    its graph's output, and is stored. A pointwise op writes at least a quarter of the bytes it
+    reads (a cast from fp32 to float8); a reduction writes less. Tensors read across phases (saved
+    for the backward) are the memory model's to place (``_compiled_placement``), not this one's."""
+    graphs = graphs or {}
+    region_of = {i: (a, b) for a, b in regions for i in range(a, b)}
+    inlined: dict[int, tuple[tuple[int, int], ...]] = {}
+    for a, b in regions:
+        for i in range(a, b):
+            op = ops[i]
+            written = sum(op.write_bytes)
+            if not written or written * 4 < max(op.read_bytes, default=0):
+                continue  # a reduction (or a view): its result is realized
+            for sid, nbytes in zip(op.writes, op.write_bytes):
+                if not nbytes or sid in kept or born.get(sid) != i:
+                    continue
+                later = [r for r in readers.get(sid, ()) if r >= b]
+                if not later or any(region_of.get(r) is None or ops[r].phase != op.phase
+                                    or graphs.get(r) != graphs.get(i) for r in later):
+                    continue
+                if any(r < a for r in readers.get(sid, ())):
+                    continue
+                inlined[sid] = tuple((src, n) for src, n in zip(op.reads, op.read_bytes) if n and src != sid)
+    return inlined
 
 
 def _readers_and_births(ops) -> tuple[dict[int, list[int]], dict[int, int]]:
+    """The ops that load each storage (an op that reads no bytes of it, a view or ``prim.device``,
+    only looks at it), and the op that first writes it."""
     readers: dict[int, list[int]] = defaultdict(list)
     born: dict[int, int] = {}
     for i, op in enumerate(ops):
-        for sid in op.reads:
-            readers[sid].append(i)
+        for sid, nbytes in zip(op.reads, op.read_bytes):
+            if nbytes:
+                readers[sid].append(i)
         for sid in op.writes:
             born.setdefault(sid, i)
     return readers, born
@@ -251,24 +312,16 @@ def _lives(events) -> tuple[dict[int, int], dict[int, int]]:
     return size, freed
 
 
-def compiled_memory_events(step: RankStep) -> list[tuple[int, int, int]]:
-    """The step's allocations and frees as a compiled step makes them. A storage that an elementwise
-    run creates and only that run uses is fused away. One that only the backward reads besides
-    (saved for it) is either stored as in eager mode or recomputed in the backward from the run's
-    inputs, which then stay alive until that point instead: Inductor's min-cut partitioner takes
-    whichever saves fewer bytes (recomputing elementwise work on a tie), so the run's saved outputs
-    are dropped only when they weigh at least as much as the inputs whose life that extends (under activation checkpointing the inputs were freed after the
-    forward, and keeping them costs more than the outputs the checkpoint already drops). A storage
-    an allocation makes (``empty``, FSDP's buffers) has nothing to be recomputed from. What a
-    matmul, attention, a custom kernel, a collective or a later op of the same phase reads is
-    stored as in eager mode."""
+def _compiled_placement(step: RankStep) -> tuple[set[int], dict[int, int]]:
+    """``compiled_memory_events``' decisions: the storages a compiled step never stores, and the
+    op index until which each storage kept for a recomputation stays alive."""
     ops = step.trace.ops
     readers, born = _readers_and_births(ops)
     size, freed = _lives(step.trace.memory_events)
     kept = set(step.trace.collective_buffers) | set(step.categories)
     away: set[int] = set()
     held_until: dict[int, int] = {}
-    for start, end in _fused_regions(ops, step.compiled_ops):
+    for start, end in _fused_regions(ops, step.compiled_ops, step.compiled_graphs):
         phase = ops[start].phase
         if phase == "optimizer":
             continue
@@ -295,6 +348,21 @@ def compiled_memory_events(step: RankStep) -> list[tuple[int, int, int]]:
             away.update(saved)
             for source in inputs:
                 held_until[source] = max(held_until.get(source, 0), until)
+    return away, held_until
+
+
+def compiled_memory_events(step: RankStep) -> list[tuple[int, int, int]]:
+    """The step's allocations and frees as a compiled step makes them. A storage that an elementwise
+    run creates and only that run uses is fused away. One that only the backward reads besides
+    (saved for it) is either stored as in eager mode or recomputed in the backward from the run's
+    inputs, which then stay alive until that point instead: Inductor's min-cut partitioner takes
+    whichever saves fewer bytes (recomputing elementwise work on a tie), so the run's saved outputs
+    are dropped only when they weigh at least as much as the inputs whose life that extends (under activation checkpointing the inputs were freed after the
+    forward, and keeping them costs more than the outputs the checkpoint already drops). A storage
+    an allocation makes (``empty``, FSDP's buffers) has nothing to be recomputed from. What a
+    matmul, attention, a custom kernel, a collective or a later op of the same phase reads is
+    stored as in eager mode."""
+    away, held_until = _compiled_placement(step)
     events = []
     for op_index, sid, delta in step.trace.memory_events:
         if sid in away:
@@ -306,6 +374,26 @@ def compiled_memory_events(step: RankStep) -> list[tuple[int, int, int]]:
     return events
 
 
+def fused_region_bytes(step: RankStep) -> list[tuple[int, int, int]]:
+    """The fused kernels of a compiled step, as (first op, end op, bytes moved): every run of
+    elementwise ops inside the compiled code (``_fused_regions``; TorchTitan compiles the model, not
+    the optimizer), each reading and writing what ``_region_bytes`` counts, with what Inductor
+    inlines (``_inlined``) and what the partitioner recomputes in the backward instead of saving
+    it (``_compiled_placement``, as the memory model keeps it) loaded from what it is computed
+    from. ``scripts/benchmarks/inductor_bytes.py`` holds it to Inductor's own count."""
+    ops = step.trace.ops
+    readers, born = _readers_and_births(ops)
+    regions = [(a, b) for a, b in _fused_regions(ops, step.compiled_ops, step.compiled_graphs)
+               if ops[a].phase != "optimizer"]
+    kept = set(step.trace.collective_buffers) | set(step.categories)
+    inlined = _inlined(ops, regions, readers, born, kept, step.compiled_graphs)
+    for sid in _compiled_placement(step)[0]:
+        if sid in born and sid not in inlined:
+            producer = ops[born[sid]]
+            inlined[sid] = tuple((src, n) for src, n in zip(producer.reads, producer.read_bytes) if n and src != sid)
+    return [(a, b, _region_bytes(ops, a, b, readers, born, inlined)) for a, b in regions]
+
+
 def compute_seconds(step: RankStep, gpu: GPU, compiled: bool,
                     attention: str = "flash") -> tuple[dict[str, float], dict[str, int], int]:
     """Seconds and executed FLOPs per op kind for the whole step, and the kernels launched
@@ -314,12 +402,7 @@ def compute_seconds(step: RankStep, gpu: GPU, compiled: bool,
     seconds: dict[str, float] = defaultdict(float)
     flops: dict[str, int] = defaultdict(int)
     kernels = 0
-    fused_at: dict[int, tuple[int, int]] = {}
-    if compiled:
-        readers, born = _readers_and_births(ops)
-        for start, end in _fused_regions(ops, step.compiled_ops):
-            if ops[start].phase != "optimizer":  # TorchTitan compiles the model, not the optimizer
-                fused_at[start] = (end, _region_bytes(ops, start, end, readers, born))
+    fused_at = {start: (end, nbytes) for start, end, nbytes in fused_region_bytes(step)} if compiled else {}
     i = 0
     while i < len(ops):
         op = ops[i]

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import os
 import sys
 import tempfile
@@ -120,6 +121,10 @@ class RankStep:
     compiled_ops: frozenset[int] | None = None
     """Indices of the ops that ran inside the model's compiled blocks (``CompiledBlocks``); None
     where that was not recorded."""
+    compiled_graphs: dict[int, int] | None = None
+    """For each op in ``compiled_ops``, the compiled graph it ran in: one per call of a block (or
+    of the loss) for its forward, and the same for that call's backward (its phase tells them
+    apart). Inductor fuses and inlines only inside one graph."""
 
 
 _GROUP_NAMES = ("tp", "cp", "fsdp", "dp_shard", "dp_replicate", "pp", "batch", "loss", "dp_cp")
@@ -398,8 +403,10 @@ def fake_rank_step(config, *, rank: int, world_size: int, positions: bool, fp8_l
         step = record_step(trainer, recorder, modes=modes)
         if compiled:
             # the steps the recorder adds after an op (a float8 GEMM's rescale) run where it runs
-            step.compiled_ops = frozenset(blocks.ops | {i for i, op in enumerate(step.trace.ops)
-                                                        if op.after in blocks.ops})
+            graphs = blocks.graph_of
+            step.compiled_graphs = {**graphs, **{i: graphs[op.after] for i, op in enumerate(step.trace.ops)
+                                                 if op.after in graphs}}
+            step.compiled_ops = frozenset(step.compiled_graphs)
         trainer.close()
         return step
 
@@ -417,9 +424,11 @@ class CompiledBlocks(TorchDispatchMode):
     def __init__(self, trainer, recorder, *, blocks: bool = True, loss: bool = False):
         super().__init__()
         self.recorder = recorder
-        self.ops: set[int] = set()
-        self._depth = 0
-        self._nodes: set = set()
+        self.graph_of: dict[int, int] = {}
+        """Op index -> the compiled graph (one per block or loss call) it ran in."""
+        self._calls: list[int] = []
+        self._ids = itertools.count()
+        self._nodes: dict = {}
         self._handles = []
         self._loss = None
         for part in trainer.model_parts if blocks else ():
@@ -441,11 +450,15 @@ class CompiledBlocks(TorchDispatchMode):
             self._loss.fn = compiled_loss
             self._loss_inner = inner
 
+    @property
+    def ops(self) -> set[int]:
+        return set(self.graph_of)
+
     def _enter(self, module, args):
-        self._depth += 1
+        self._calls.append(next(self._ids))
 
     def _exit(self, module, args, output):
-        self._depth -= 1
+        call = self._calls.pop()
         out = output[0] if isinstance(output, tuple) else output
         stop = {a.grad_fn for a in args if isinstance(a, torch.Tensor) and a.grad_fn is not None}
         todo = [out.grad_fn] if isinstance(out, torch.Tensor) and out.grad_fn is not None else []
@@ -453,14 +466,16 @@ class CompiledBlocks(TorchDispatchMode):
             node = todo.pop()
             if node is None or node in stop or node in self._nodes:
                 continue
-            self._nodes.add(node)
+            self._nodes[node] = call
             todo.extend(n for n, _ in node.next_functions)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        inside = self._depth > 0 if torch._C._current_graph_task_id() == -1 \
-            else torch._C._current_autograd_node() in self._nodes
-        if inside and not str(func).startswith("fsdp."):
-            self.ops.add(len(self.recorder.trace.ops))
+        if torch._C._current_graph_task_id() == -1:
+            call = self._calls[-1] if self._calls else None
+        else:
+            call = self._nodes.get(torch._C._current_autograd_node())
+        if call is not None and not str(func).startswith("fsdp."):
+            self.graph_of[len(self.recorder.trace.ops)] = call
         return func(*args, **(kwargs or {}))
 
     def __exit__(self, *args):

@@ -27,20 +27,21 @@ from canon_titan.plan.flops import op_kind  # importing it registers the FLOP fo
 ALLOCATION_ROUNDING = 512
 """The CUDA caching allocator hands out multiples of 512 bytes."""
 
-ROWWISE_CAST_BYTES = {"INPUT": 10.9, "GRAD_OUTPUT": 4.1}
-"""Bytes per element that a compiled step moves, beyond the plan's one fused pass, to cast an
+ROWWISE_CAST_BYTES = {"INPUT": 12.2, "GRAD_OUTPUT": 4.0}
+"""Bytes per element that a compiled step moves, beyond the plan's fused passes, to cast an
 activation operand of a float8 GEMM with row-wise (or column-wise) scales (torchao's ``rowwise``
 recipes), per GEMM it enters: the linear's input (``INPUT``: its forward GEMM, and its
 grad-weight GEMM scaled per column) and its output gradient (``GRAD_OUTPUT``: the grad-input
 and grad-weight GEMMs). Source: torchao's published microbenchmark of a compiled LayerNorm ->
 Linear -> Sigmoid forward and backward, row-wise float8 against bf16, on an H100 for M, K, N in
 1024-32768 (``pytorch/ao/docs/static/fp8-rowwise-perf.png``, pytorch/ao#2312, PyTorch 2.8.0a0, June 2025).
-Planned with no such cost, the plan's speed-up misses the table by a median 37% (worst 133%)
-over its rows of M >= 8192 (for thin layers it plans 1.1-1.2x where 0.5-0.6x was measured). A
-least-squares fit of the missing time as ``a * M * K + b * M * N`` leaves a median 3.5% (worst
-23%): ``a`` = 8.2 ps and ``b`` = 3.1 ps per element, 21.9 and 8.3 bytes at 80% of the H100 SXM's
+Planned with no such cost, the plan's speed-up misses the table by a median 26% (worst 57%)
+over its rows of M >= 8192 (thin layers plan far faster than the 0.5-0.6x measured). A
+least-squares fit of the missing time as ``a * M * K + b * M * N`` leaves a median 4.1% (worst
+21%): ``a`` = 9.1 ps and ``b`` = 3.0 ps per element, 24.4 and 7.9 bytes at 80% of the H100 SXM's
 3.35 TB/s, split evenly here between the two GEMMs each tensor enters
-(``scripts/benchmarks/fit_rowwise_casts.py`` refits them). In eager mode every recorded cast op
+(``scripts/benchmarks/fit_rowwise_casts.py`` refits them; the figures are those of the compile
+model as it stands, ``estimate.fused_region_bytes``). In eager mode every recorded cast op
 is its own kernel and is counted in full instead."""
 
 _FACTORIES = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default,

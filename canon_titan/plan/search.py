@@ -93,6 +93,33 @@ class Layout:
     def dp(self) -> int:
         return self.dp_replicate * self.dp_shard
 
+    @classmethod
+    def from_text(cls, text: str) -> "Layout":
+        """``describe`` read back (the README's words for a layout); ValueError names a part it
+        does not know."""
+        fields: dict = {"dp_replicate": 1, "tp": 1, "pp": 1, "cp": 1}
+        for part in text.split(", "):
+            words = part.split()
+            if words[0] == "FSDP":
+                fields["dp_shard"] = int(words[1])
+            elif words[0] == "HSDP":
+                fields["dp_replicate"], fields["dp_shard"] = map(int, words[1].split("x"))
+            elif words[0] in ("TP", "PP", "CP"):
+                fields[words[0].lower()] = int(words[1])
+                if words[0] == "PP":
+                    fields["schedule"] = words[2]
+            elif words[0] == "local":
+                fields["local_batch"] = int(words[1])
+            elif words[0] == "AC":
+                fields["ac"] = words[1]
+            elif part == "keep gathered weights":
+                fields["reshard"] = "never"
+            elif words[0] == "float8":
+                fields["float8"] = words[1]
+            else:
+                raise ValueError(f"{text!r}: {part!r} is not a part of a layout")
+        return cls(**fields)
+
     def describe(self, global_batch: int) -> str:
         parts = [f"HSDP {self.dp_replicate}x{self.dp_shard}" if self.dp_replicate > 1 else f"FSDP {self.dp_shard}"]
         parts += [f"TP {self.tp}"] if self.tp > 1 else []

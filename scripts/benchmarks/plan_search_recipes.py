@@ -5,6 +5,10 @@ Markdown, or writes it into README.md between its markers (rows of recipes not s
 are kept).
 
     .venv/bin/python scripts/benchmarks/plan_search_recipes.py [--readme] [--only PATTERN] [--budget-s S] [--workers N] [--top K]
+    .venv/bin/python scripts/benchmarks/plan_search_recipes.py --readme --refigure [--only PATTERN]
+
+``--refigure`` plans the figures of the README's rows again with their layouts as found, without a
+search (after a change to the planner's cost model; the layouts are not re-ranked).
 
 Recipes that differ only in learning rate share a row. A recipe (its two clusters) takes 5-100
 minutes on a 2-core CPU with one worker, by the model's size, the machine and what else runs on it.
@@ -66,6 +70,49 @@ def rows(pattern: str | None, budget_s: float, workers: int | None = None, top: 
     return out
 
 
+def refigured_rows(text: str, pattern: str | None) -> dict[tuple[str, str], str]:
+    """The README's rows whose recipe matches ``pattern``, their layouts kept as found and their
+    figures planned again (after a change to the planner's cost model, without the hours a search
+    takes; the ranking of the layouts is not redone)."""
+    from canon_titan.config import load
+    from canon_titan.plan.planner import plan
+    from canon_titan.plan.search import Layout
+
+    by_label = {recipe_label(entries): entries for entries in recipes(pattern).values()}
+    gpu_keys = {gpu.name: key for key, gpu in GPUS.items()}
+    _, body, _ = split_block(text, *MARKERS)
+    out = {}
+    for line in body.splitlines():
+        if not line.startswith("| ") or line.startswith(("| recipes", "|---")):
+            continue
+        label, cluster, own, _, best, _, _, float8 = [c.strip() for c in line.strip().strip("|").split("|")]
+        if label not in by_label:
+            continue
+        config = str(by_label[label][0][0])
+        count, name = cluster.split(" x ", 1)
+        gpus, gpu = int(count), GPUS[gpu_keys[name]]
+        recipe = load(config, [], environment=False)
+        global_batch = recipe["training"]["global_batch_size"]
+        tokens = global_batch * recipe["training"]["seq_len"]
+
+        def hours(layout_text: str) -> float:
+            result = plan(config, Layout.from_text(layout_text).overrides(global_batch), gpus=gpus, gpu=gpu,
+                          advise=False)
+            return 1e12 / tokens * result.step_s * gpus / 3600
+
+        print(f"[plan_search_recipes] refiguring {label} on {cluster}", file=sys.stderr, flush=True)
+        own_hours = hours(own) if own != "does not fit" else None
+        best_hours = hours(best) if best != "none fits" else None
+        saving = f"{100 * (1 - best_hours / own_hours):.0f}%" if own_hours and best_hours else "-"
+        f8 = float8
+        if float8 != "-":
+            f8_layout = float8.rsplit(" (", 1)[0]
+            f8 = f"{f8_layout} ({hours(f8_layout):,.0f})"
+        out[(label, cluster)] = (f"| {label} | {cluster} | {own} | {f'{own_hours:,.0f}' if own_hours else '-'} | "
+                                 f"{best} | {f'{best_hours:,.0f}' if best_hours else '-'} | {saving} | {f8} |")
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--readme", action="store_true", help="write the rows into README.md between the markers")
@@ -77,7 +124,28 @@ def main() -> int:
     parser.add_argument("--workers", type=int, help="planning processes per search (default: the search's own)")
     parser.add_argument("--top", type=int, default=3,
                         help="the search's --top: it plans the best 2 x top (at least 6) probed layouts in full (default 3)")
+    parser.add_argument("--refigure", action="store_true",
+                        help="with --readme: plan the figures of the README's rows again with their layouts as "
+                             "found (no search); the stamp says which rows")
     args = parser.parse_args()
+    if args.refigure:
+        if not args.readme:
+            parser.error("--refigure rewrites README.md's rows: give --readme too")
+        readme = REPO / "README.md"
+        refigured = refigured_rows(readme.read_text(), args.only)
+        text = readme.read_text()  # read again: another script may have written meanwhile
+        _, body, _ = split_block(text, *MARKERS)
+        lines = [line for line in body.splitlines() if line.startswith("| ")
+                 and not line.startswith(("| recipes", "|---"))]
+        keyed = {tuple(c.strip() for c in line.strip().strip("|").split("|")[:2]): line for line in lines}
+        keyed.update(refigured)
+        stamps = [line for line in body.splitlines() if line.startswith("_")]
+        stamps.append(f"_Figures of the rows matching `{args.only or '*'}` planned again {datetime.date.today()} "
+                      f"with their layouts as found (`--refigure`)._")
+        write_atomic(readme, replace_block(text, "search", HEADER + [keyed[k] for k in sorted(keyed)],
+                                           markers=MARKERS, stamp="\n".join(stamps)))
+        print(f"[plan_search_recipes] refigured {len(refigured)} rows in {readme}", file=sys.stderr)
+        return 0
     new = rows(args.only, args.budget_s, args.workers, args.top)
     if not args.readme:
         print("\n".join(HEADER + new))
