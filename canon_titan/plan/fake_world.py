@@ -450,10 +450,6 @@ class CompiledBlocks(TorchDispatchMode):
             self._loss.fn = compiled_loss
             self._loss_inner = inner
 
-    @property
-    def ops(self) -> set[int]:
-        return set(self.graph_of)
-
     def _enter(self, module, args):
         self._calls.append(next(self._ids))
 
