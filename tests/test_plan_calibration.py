@@ -597,3 +597,52 @@ def test_the_readme_published_table_is_the_calibration_set(monkeypatch):
         assert int(line.group(3)) == len(errs)
         assert int(line.group(1)) == pytest.approx(100 * statistics.median(errs), abs=1)
         assert int(line.group(2)) == pytest.approx(100 * max(errs), abs=1)
+
+
+def test_a_cp_ranks_attention_benchmark_runs_each_implementations_calls(tmp_path):
+    """``scripts/benchmarks/cp_attention_rank.py`` (a GPU step of ``gpu_check``: one CP rank's
+    attention on a fake process group) at toy sizes on the CPU: torch's ring and canon-titan's gather
+    make the SDPA calls their algorithms make, by hand. With load-balanced head-tail chunks of h = L / 2
+    tokens, rank r holds positions [r h, (r + 1) h) and [(2 cp - 1 - r) h, (2 cp - r) h). The ring's
+    step 0 is causal on the rank's L queries and keys; at step i its keys came from rank r - i: rank
+    r >= i runs all L queries against their first h keys (their head chunk, wholly before both of its
+    chunks), a lower rank its last h queries against all L keys (the tail chunk sees both of the other
+    rank's chunks, the head chunk neither). The gather runs one causal call per contiguous run of the
+    rank's positions against every key before the run's end (causal, aligned to the lower right). Both do the rank's causal share: one
+    (query, key) pair for each position p and each key at or before it, p + 1."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "cp.json"
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "benchmarks" / "cp_attention_rank.py"), "--tiny",
+                           "--cp", "1,2,4", "--json", str(out)], capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    length, heads, dim = report["seq_local"], report["heads"], report["head_dim"]
+    h = length // 2
+    seen = set()
+    for row in report["rows"]:
+        cp, r, impl = row["cp"], row["rank"], row["implementation"]
+        seen.add((cp, r, impl))
+        forward = [tuple(c[1:]) for c in row["calls"] if c[0] == "forward"]
+        backward = [tuple(c[1:]) for c in row["calls"] if c[0] == "backward"]
+        positions = [*range(r * h, (r + 1) * h), *range((2 * cp - 1 - r) * h, (2 * cp - r) * h)]
+        if impl == "ring":
+            expected = [(length, length, True)] + [(length, h, False) if i <= r else (h, length, False)
+                                                   for i in range(1, cp)]
+        else:
+            runs = [(r * h, 2 * h)] if 2 * cp - 1 - r == r + 1 else [(r * h, h), ((2 * cp - 1 - r) * h, h)]
+            expected = [(n, first + n, True) for first, n in runs]
+        assert forward == expected and backward == expected, (cp, r, impl, row["calls"])
+        assert row["forward_flops"] == 4 * heads * dim * sum(p + 1 for p in positions), (cp, r, impl)
+        assert row["forward_backward_ms"] > 0 and row["kernels_ms"] > 0 and row["planned_ms"] > 0
+        assert (row["overhead_per_ring_step_ms"] is None) == (impl == "canon" or cp == 1)
+    assert seen == {(cp, r, impl) for cp in (1, 2, 4) for r in {0, cp - 1} for impl in ("ring", "canon")}
+    # gpu_check's report shows the table.
+    sys.path.insert(0, str(REPO / "scripts" / "benchmarks"))
+    from gpu_check_report import markdown
+
+    md = markdown({"tiny": True, "steps": {"cp_attention": {"status": "ok", "data": report}}})
+    assert "One CP rank's attention of one layer" in md
+    assert sum(line.startswith("| 4 | ") for line in md.splitlines()) == 4

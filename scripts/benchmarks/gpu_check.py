@@ -25,6 +25,8 @@ which installs the offline kit first where needed.
   float8_gemms        a Llama block's float8 GEMMs as torchao's recipes run them, against bf16, at the
                       shapes of the planner's TP 8 calibration points and of LlamaCanon-1B (bench_float8_gemm)
   ops                 the Canon ops against fla's causal_conv1d and the memory bound (bench_canon --mode ops)
+  cp_attention        one context-parallel rank's attention at TorchTitan's table 2 shapes, torch's ring and
+                      canon-titan's gather, compute alone (cp_attention_rank: issue 42's CP 4 and 8 points)
   canon_torch         LlamaCanon-1B on the torch Canon backend (the 2026-11-22 baseline's configuration)
 Beside each trainer run, the planner's prediction (``canon-titan plan`` for that GPU), when time is left
 at the end; ``--replan OUTDIR`` adds them afterwards on any machine.
@@ -138,6 +140,8 @@ def steps(tiny: bool, work: Path) -> list[Step]:
                                  "--json", str(work / "ops.json")])
     float8_gemms = Step("float8_gemms", 60, [py, "scripts/benchmarks/bench_float8_gemm.py", *tiny_flag,
                                              "--json", str(work / "float8_gemms.json")])
+    cp_step = Step("cp_attention", 90, [py, "scripts/benchmarks/cp_attention_rank.py", *tiny_flag,
+                                        "--json", str(work / "cp_attention.json")])
     blocks_step = Step("canon_bwd_blocks", 90, [py, "scripts/benchmarks/bench_canon.py", "--mode", "bwd_blocks",
                                                 *(ops or ["--reps", "20"]), "--json",
                                                 str(work / "canon_bwd_blocks.json")])
@@ -147,7 +151,7 @@ def steps(tiny: bool, work: Path) -> list[Step]:
     # ratio depends on); the op microbenchmarks after every trainer run but the torch-backend reference.
     after_canon = names.index("canon_triton") + 1
     return (ordered + [trainer[n] for n in names[:after_canon]] + [blocks_step]
-            + [trainer[n] for n in names[after_canon:] if n != "canon_torch"] + [float8_gemms, ops_step]
+            + [trainer[n] for n in names[after_canon:] if n != "canon_torch"] + [float8_gemms, ops_step, cp_step]
             + ([trainer["canon_torch"]] if "canon_torch" in trainer else []))
 
 

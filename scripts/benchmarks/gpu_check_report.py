@@ -165,6 +165,11 @@ def markdown(report: dict) -> str:
                   f"{_num(c.get('fla_causal_conv1d_ms'), '.3f')} | {_num(c.get('bound_ms'), '.3f')} |"
                   for c in ops["calls"]]
         lines += [""] + [f"- autotuned {k}: {v}" for k, v in ops["tuned"].items()] + [""]
+    cp = steps.get("cp_attention", {}).get("data")
+    if cp:
+        from cp_attention_rank import table as cp_attention_table
+
+        lines += [f"**{line}**" if i == 0 else line for i, line in enumerate(cp_attention_table(cp))] + [""]
     if "planner" in report:
         lines += [f"_{report['planner']}_", ""]
     return "\n".join(lines)
