@@ -31,14 +31,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -138,22 +137,10 @@ def causal_share_flops(calls, heads: int, head_dim: int) -> int:
 
 
 def timed(fn, reps: int, cuda: bool) -> float:
-    """Median milliseconds of ``fn()`` over ``reps`` runs after one warm-up."""
-    fn()
-    times = []
-    for _ in range(reps):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(1e3 * (time.perf_counter() - t0))
-    return statistics.median(times)
+    """Median milliseconds of ``fn()`` over ``reps`` runs after one warm-up (bench_float8_gemm's timer)."""
+    from bench_float8_gemm import _timer
+
+    return _timer(torch.device("cuda" if cuda else "cpu"), reps)(fn)
 
 
 def kernels_alone_ms(calls, batch: int, heads: int, head_dim: int, device: str, dtype, reps: int) -> float:
