@@ -78,6 +78,10 @@ def test_steps_run_in_the_order_of_their_value():
     # 4k before 16k, except GLA5, whose two runs (fla's long first tuning) come after all others.
     assert linear == sorted(linear, key=lambda n: (n.startswith("linear_gla5"), n.endswith("_16k")))
     assert linear[-2:] == ["linear_gla5_4k", "linear_gla5_16k"]
+    # The CP rank's attention after the op microbenchmarks (issue 42's question, not the Canon op's); not in
+    # --tiny, whose test would only repeat what its own test checks.
+    assert names.index("cp_attention") == names.index("ops") + 1
+    assert "cp_attention" not in [s.name for s in gpu_check.steps(True, REPO)]
     # Every trainer run names a base that runs before it.
     for case in gpu_check.cases():
         if case.base:
