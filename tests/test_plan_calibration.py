@@ -602,7 +602,8 @@ def test_the_readme_published_table_is_the_calibration_set(monkeypatch):
 def test_a_cp_ranks_attention_benchmark_runs_each_implementations_calls(tmp_path):
     """``scripts/benchmarks/cp_attention_rank.py`` (a GPU step of ``gpu_check``: one CP rank's
     attention on a fake process group) at toy sizes on the CPU: torch's ring and canon-titan's gather
-    make the SDPA calls their algorithms make, by hand. With load-balanced head-tail chunks of h = L / 2
+    make the SDPA calls their algorithms make, by hand (the ring's through the op it is handed, the
+    gather's as ``F.scaled_dot_product_attention`` sees them). With load-balanced head-tail chunks of h = L / 2
     tokens, rank r holds positions [r h, (r + 1) h) and [(2 cp - 1 - r) h, (2 cp - r) h). The ring's
     step 0 is causal on the rank's L queries and keys; at step i its keys came from rank r - i: rank
     r >= i runs all L queries against their first h keys (their head chunk, wholly before both of its

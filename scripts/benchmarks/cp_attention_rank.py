@@ -41,6 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.overrides import TorchFunctionMode  # noqa: E402
 
 from canon_titan.tools.fileio import write_atomic  # noqa: E402
 
@@ -71,6 +73,11 @@ class Flash:
             return aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, scale=scale)
         return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, dropout_p, is_causal, scale=scale)
 
+    def saved(self, rest) -> dict:
+        """The flash forward's outputs after (out, logsumexp) that its backward takes (none on a CPU)."""
+        names = ("cum_seq_q", "cum_seq_k", "max_q", "max_k", "philox_seed", "philox_offset")
+        return dict(zip(names, rest[:6])) if self.cuda else {}
+
     def backward(self, *, grad_out, query, key, value, out, logsumexp, is_causal, dropout_p=0.0, scale=None, **kw):
         self.calls.append(("backward", query.shape[2], key.shape[2], bool(is_causal)))
         if self.cuda:
@@ -100,28 +107,40 @@ def ring_step(flash: Flash, group, q, k, v, backward: bool, rotate: str):
                                                      dropout_p=0.0, scale=None)
     if not backward:
         return out
-    extra = {}
-    if flash.cuda:
-        extra = dict(zip(("cum_seq_q", "cum_seq_k", "max_q", "max_k", "philox_seed", "philox_offset"), rest[:6]))
     grads = ring._templated_ring_attention_backward(group, 2, flash.backward, grad_out=torch.ones_like(out),
                                                     grad_out_name="grad_out", query=q, key=k, value=v, out=out,
-                                                    logsumexp=lse, is_causal=True, dropout_p=0.0, scale=None, **extra)
+                                                    logsumexp=lse, is_causal=True, dropout_p=0.0, scale=None,
+                                                    **flash.saved(rest))
     return grads[0]
 
 
-def canon_step(flash: Flash, shards, q, k, v, backward: bool):
-    """Canon-titan's CP attention of one layer: [batch, L, heads, dim] in, as its blocks call it. Its
-    SDPA calls are counted from the rank's runs: each causal, aligned to the lower right (torch's
-    lower-right bias runs the flash kernel with its causal flag, which aligns so)."""
-    for _, first, length in shards.runs:
-        flash.calls.append(("forward", length, first + length, True))
+def canon_step(shards, q, k, v, backward: bool):
+    """Canon-titan's CP attention of one layer: [batch, L, heads, dim] in, as its blocks call it."""
     q, k, v = (t.detach().requires_grad_(backward) for t in (q, k, v))
     out = shards.attention(q, k, v, enable_gqa=False)
     if backward:
         out.backward(torch.ones_like(out))
-        for _, first, length in shards.runs:
-            flash.calls.append(("backward", length, first + length, True))
     return out
+
+
+class SDPACalls(TorchFunctionMode):
+    """Records each ``F.scaled_dot_product_attention`` call as a forward call of ``flash`` (queries, keys,
+    causal: the flag, or torch's causal bias, which canon-titan passes aligned to the lower right, where
+    the flash kernel's causal flag aligns)."""
+
+    def __init__(self, flash: Flash):
+        super().__init__()
+        self.flash = flash
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            from torch.nn.attention.bias import CausalBias
+
+            mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
+            causal = bool(kwargs.get("is_causal", False)) or isinstance(mask, CausalBias)
+            self.flash.calls.append(("forward", args[0].shape[2], args[1].shape[2], causal))
+        return func(*args, **kwargs)
 
 
 def causal_share_flops(calls, heads: int, head_dim: int) -> int:
@@ -158,11 +177,8 @@ def kernels_alone_ms(calls, batch: int, heads: int, head_dim: int, device: str, 
 
         def both():
             out, lse, *rest = flash.forward(q, k, v, is_causal=causal)
-            extra = {}
-            if flash.cuda:
-                extra = dict(zip(("cum_seq_q", "cum_seq_k", "max_q", "max_k", "philox_seed", "philox_offset"), rest[:6]))
             flash.backward(grad_out=torch.ones_like(out), query=q, key=k, value=v, out=out, logsumexp=lse,
-                           is_causal=causal, **extra)
+                           is_causal=causal, **flash.saved(rest))
 
         total += count * timed(both, reps, flash.cuda)
     return total
@@ -195,10 +211,15 @@ def measure(cp: int, rank: int, impl: str, args, device: str, dtype) -> dict:
         q, k, v = (torch.randn(batch, length, args.heads, args.head_dim, device=device, dtype=dtype) for _ in range(3))
 
         def run(backward):
-            return canon_step(flash, shards, q, k, v, backward)
+            return canon_step(shards, q, k, v, backward)
 
-    run(True)
-    calls = list(flash.calls)
+    if impl == "ring":
+        run(True)
+        calls = list(flash.calls)
+    else:  # its calls as torch sees them; the backward runs one backward kernel per forward call
+        with SDPACalls(flash):
+            run(True)
+        calls = flash.calls + [("backward", *c[1:]) for c in flash.calls]
     forward_ms = timed(lambda: run(False), args.reps, flash.cuda)
     both_ms = timed(lambda: run(True), args.reps, flash.cuda)
     kernels = kernels_alone_ms(calls, batch, args.heads, args.head_dim, device, dtype, args.reps)
