@@ -2,6 +2,8 @@
 
 import logging
 
+from canon_titan.tools.startup import freeze_at_exit
+
 
 def _quiet_known_noise() -> None:
     """Drop two messages that every import of TorchTitan prints and that tell a user nothing:
@@ -19,3 +21,6 @@ def _quiet_known_noise() -> None:
 
 
 _quiet_known_noise()
+
+
+freeze_at_exit()  # a process that imported TorchTitan spends seconds collecting it at exit

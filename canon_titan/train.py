@@ -8,24 +8,27 @@ import os
 import signal
 import sys
 
-import torch
+from canon_titan.tools.startup import importing
 
-from torchtitan.tools.logging import init_logger, logger
+with importing():  # seconds of imports, without the garbage collector walking them
+    import torch
 
-from canon_titan.components.checkpointer import NonFiniteParameters, SaveFailed
-from canon_titan.components.divergence import Diverged
-from canon_titan.components.exit_codes import PREEMPTED, REFUSED, STOPPED, report_exit, report_saved
-from canon_titan.components.preemption import Preempted
-from canon_titan.config import ConfigError, load
-from canon_titan.config.build import build_trainer_config
-from canon_titan.convert.dcp_io import NoLoadableCheckpoint
-from canon_titan.data.documents import DataError
-from canon_titan.data.inputs import DataConfigError
-from canon_titan.launch.ownership import die_with_parent
-from canon_titan.launch.prelaunch import agreed_verdict
-from canon_titan.launch.resume_checks import ResumeRefused
-from canon_titan.tools import runtime
-from canon_titan.trainer import FinishedRun
+    from torchtitan.tools.logging import init_logger, logger
+
+    from canon_titan.components.checkpointer import NonFiniteParameters, SaveFailed
+    from canon_titan.components.divergence import Diverged
+    from canon_titan.components.exit_codes import PREEMPTED, REFUSED, STOPPED, report_exit, report_saved
+    from canon_titan.components.preemption import Preempted
+    from canon_titan.config import ConfigError, load
+    from canon_titan.config.build import build_trainer_config
+    from canon_titan.convert.dcp_io import NoLoadableCheckpoint
+    from canon_titan.data.documents import DataError
+    from canon_titan.data.inputs import DataConfigError
+    from canon_titan.launch.ownership import die_with_parent
+    from canon_titan.launch.prelaunch import agreed_verdict
+    from canon_titan.launch.resume_checks import ResumeRefused
+    from canon_titan.tools import runtime
+    from canon_titan.trainer import FinishedRun
 
 
 def parse_args(argv: list[str]) -> tuple[str, list[str]]:

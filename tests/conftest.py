@@ -20,18 +20,46 @@ DEBUG_CONFIG = REPO / "train_configs" / "llama_debug.toml"
 CONFIGS = {name: REPO / "train_configs" / f"{name}_debug.toml" for name in ("llama", "llama_canon")}
 # Short sequences and a loss/grad-norm value at every step, in TensorBoard, for comparisons.
 COMMON = ["--training.seq_len", "128", "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "true"]
-_seeds: dict[str, Path] = {}
+
+
+def made_once(tmp_path_factory, name: str, make) -> Path:
+    """The folder ``name``, filled by ``make(folder)`` once per test session however many pytest-xdist workers
+    ask for it: the first makes it, the others wait for it and read it. (A module- or session-scoped fixture is
+    made once per worker that runs one of its tests, and a training run costs each of its processes about 10 s
+    of CPU in imports before it trains.)"""
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent  # this session's folder, which its workers share
+    (base / "made_once").mkdir(exist_ok=True)
+    return make_once(base / "made_once" / name, make)
+
+
+def make_once(folder: Path, make) -> Path:
+    """``folder``, filled by ``make(folder)`` unless a process did so before, under a file lock: processes
+    that ask while one makes it wait for it. A ``make`` that raises leaves no folder: the next one to ask
+    tries again (and fails with its own error)."""
+    from filelock import FileLock
+
+    with FileLock(f"{folder}.lock"):
+        if not (folder / ".made").exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            try:
+                make(folder)
+            except BaseException:
+                shutil.rmtree(folder, ignore_errors=True)
+                raise
+            (folder / ".made").touch()
+    return folder
 
 
 def seed_checkpoint(model: str, tmp_path_factory) -> Path:
-    """Initial weights written once (per session) by one process, so runs on any layout start
-    from identical weights."""
-    if model not in _seeds:
-        out = tmp_path_factory.mktemp(f"seed_{model}")
-        run_training(1, COMMON + ["--job.dump_folder", str(out), "--checkpoint.enable",
-                                  "--checkpoint.create_seed_checkpoint"], config=CONFIGS[model])
-        _seeds[model] = out / "checkpoint" / "step-0"
-    return _seeds[model]
+    """Initial weights written once per session by one process, so runs on any layout start from
+    identical weights."""
+    made = made_once(tmp_path_factory, f"seed_{model}", lambda out: run_training(
+        1, COMMON + ["--job.dump_folder", str(out), "--checkpoint.enable", "--checkpoint.create_seed_checkpoint"],
+        config=CONFIGS[model]))
+    return made / "checkpoint" / "step-0"
 
 
 def make_checkpoint(tmp_path, overrides, config=CONFIGS["llama_canon"], seed=0):

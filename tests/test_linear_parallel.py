@@ -11,7 +11,7 @@ import warnings
 import pytest
 
 from canon_titan.components.metrics import read_scalars
-from conftest import COMMON, REPO, make_checkpoint, run_training, start_from
+from conftest import COMMON, REPO, made_once, make_checkpoint, run_training, start_from
 
 pytestmark = pytest.mark.slow
 
@@ -44,10 +44,14 @@ def final_weights(name, dump) -> dict:
 def family(request, tmp_path_factory):
     """(name, seed checkpoint, (losses, grad norms, final weights) of one process)."""
     name = request.param
-    _, seed, _ = make_checkpoint(tmp_path_factory.mktemp(f"seed_{name}"), [], config=CONFIGS[name])
-    dump = start_from(seed, tmp_path_factory.mktemp(f"reference_{name}"))
-    run_training(1, COMMON + STEPS + ["--job.dump_folder", str(dump), "--training.local_batch_size", str(GLOBAL_BATCH)],
-                 config=CONFIGS[name])
+
+    def make(folder):
+        _, seed, _ = make_checkpoint(folder / "seed", [], config=CONFIGS[name])
+        run_training(1, COMMON + STEPS + ["--job.dump_folder", str(start_from(seed, folder / "reference")),
+                                          "--training.local_batch_size", str(GLOBAL_BATCH)], config=CONFIGS[name])
+
+    folder = made_once(tmp_path_factory, f"linear_parallel_{name}", make)
+    seed, dump = folder / "seed" / "ckpt" / "step-0", folder / "reference"
     return name, seed, (read_scalars(dump), read_scalars(dump, "grad_norm"), final_weights(name, dump))
 
 

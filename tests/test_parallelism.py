@@ -13,7 +13,8 @@ import subprocess
 import pytest
 
 from canon_titan.components.metrics import read_scalars
-from conftest import COMMON, CONFIGS, REPO, free_port, run_training, seed_checkpoint, start_from, torchrun_cmd, train_env
+from conftest import (COMMON, CONFIGS, REPO, free_port, made_once, run_training, seed_checkpoint, start_from, torchrun_cmd,
+                      train_env)
 
 pytestmark = pytest.mark.slow
 
@@ -29,21 +30,23 @@ def seed(tmp_path_factory):
     return seed_checkpoint("llama_canon", tmp_path_factory)
 
 
-def _reference(seed, dump, steps):
-    run_training(1, COMMON + steps + ["--job.dump_folder", str(start_from(seed, dump)), "--training.local_batch_size",
-                                      str(GLOBAL_BATCH)], config=CONFIGS["llama_canon"])
+def _reference(seed, tmp_path_factory, name, steps):
+    """(losses, grad norms) of one process, trained once per session whichever worker asks first."""
+    dump = made_once(tmp_path_factory, f"parallelism_{name}", lambda dump: run_training(
+        1, COMMON + steps + ["--job.dump_folder", str(start_from(seed, dump)), "--training.local_batch_size",
+                             str(GLOBAL_BATCH)], config=CONFIGS["llama_canon"]))
     return read_scalars(dump), read_scalars(dump, "grad_norm")
 
 
 @pytest.fixture(scope="module")
 def reference(seed, tmp_path_factory):
-    return _reference(seed, tmp_path_factory.mktemp("reference"), STEPS)
+    return _reference(seed, tmp_path_factory, "reference", STEPS)
 
 
 @pytest.fixture(scope="module")
 def short_reference(seed, tmp_path_factory):
     """The reference's run cut to ``SHORT`` (its learning-rate schedule is the run's length)."""
-    return _reference(seed, tmp_path_factory.mktemp("short_reference"), SHORT)
+    return _reference(seed, tmp_path_factory, "short_reference", SHORT)
 
 
 MASKED = ["--dataloader.document_masking", "true"]
@@ -52,7 +55,7 @@ MASKED = ["--dataloader.document_masking", "true"]
 @pytest.fixture(scope="module")
 def masked_reference(seed, tmp_path_factory):
     """One process with per-document attention (positions restart at every BOS)."""
-    return _reference(seed, tmp_path_factory.mktemp("masked"), STEPS + MASKED)
+    return _reference(seed, tmp_path_factory, "masked_reference", STEPS + MASKED)
 
 
 def train(seed, tmp_path, nproc, args, dp=1, steps=STEPS):

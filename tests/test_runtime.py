@@ -120,3 +120,39 @@ def test_the_strided_shard_scan_runs_once_per_op_not_once_per_tensor(monkeypatch
     assert counts == {(False, False): [48] * 24, (False, True): [48] * 24, (True, False): [], (True, True): [1] * 24}
     for strided in (False, True):
         assert placements[True, strided] == placements[False, strided]
+
+
+def test_imports_run_without_the_garbage_collector_which_is_then_as_before():
+    import gc
+
+    from canon_titan.tools.startup import importing
+
+    for before in (True, False):
+        (gc.enable if before else gc.disable)()
+        with importing():
+            assert not gc.isenabled()
+        assert gc.isenabled() is before
+        with pytest.raises(ImportError), importing():
+            import canon_titan.no_such_module  # noqa: F401
+        assert gc.isenabled() is before
+    gc.enable()
+
+
+def test_a_process_that_imported_canon_titan_freezes_the_collectors_objects_at_exit(tmp_path):
+    """The last exit handler to run (registered first) sees the objects frozen: the interpreter's last
+    collections skip them."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    code = ("import atexit, gc\n"
+            "atexit.register(lambda: print('frozen at exit:', gc.get_freeze_count()))\n"
+            "import canon_titan\n"
+            "print('frozen before:', gc.get_freeze_count())\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                         env={**os.environ, "PYTHONPATH": str(REPO)}).stdout
+    before = int(out.split("frozen before:")[1].split()[0])
+    at_exit = int(out.split("frozen at exit:")[1].split()[0])
+    assert before == 0 and at_exit > 1000, out

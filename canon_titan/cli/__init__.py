@@ -50,5 +50,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _command(argv: list[str]) -> int:
+    from canon_titan.tools.startup import importing
+
     # A command's module imports torch and torchtitan (seconds): only the one asked for is loaded.
-    return importlib.import_module(f"{__name__}.{COMMANDS[argv[0]]}").main(argv[1:])
+    with importing():
+        command = importlib.import_module(f"{__name__}.{COMMANDS[argv[0]]}")
+    return command.main(argv[1:])

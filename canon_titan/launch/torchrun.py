@@ -150,11 +150,14 @@ def _stop_grace_seconds(training_args: list[str]) -> int | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from canon_titan.tools.startup import importing
+
     # Imported here, after ``stop_at_once_until_started`` (importing torch takes seconds).
-    from torch.distributed.elastic.multiprocessing import api as elastic_api
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import main as torchrun_main
+    with importing():
+        from torch.distributed.elastic.multiprocessing import api as elastic_api
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+        from torch.distributed.run import main as torchrun_main
 
     argv, own_log_dir = with_defaults(sys.argv[1:] if argv is None else argv)
     # torchrun installs the module's handler by name when it starts its workers.
