@@ -214,7 +214,9 @@ def test_slurm_template_launches_a_two_node_job(seed, reference, tmp_path):
     task per node, here two local processes), so its real torchrun command line is exercised."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    (bin_dir / "scontrol").write_text("#!/bin/sh\necho 127.0.0.1\necho 127.0.0.2\n")
+    # The node list in two writes, the second late: a reader that stops at the first line (head -n 1) has gone
+    # by then, and under pipefail the script failed with 141 (SIGPIPE), at random before the pause.
+    (bin_dir / "scontrol").write_text("#!/bin/sh\necho 127.0.0.1\nsleep 0.5\necho 127.0.0.2\n")
     (bin_dir / "srun").write_text(
         '#!/bin/bash\nshift  # --kill-on-bad-exit\n"$@" & a=$!\n"$@" & b=$!\nwait $a && wait $b\n')
     for tool in ("scontrol", "srun"):

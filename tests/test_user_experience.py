@@ -159,3 +159,21 @@ def test_local_eval_files_missing_are_named_as_such(tmp_path):
     assert message.startswith("local test files are missing") and "Hugging Face cache" not in message
     assert f"{tmp_path / 'babilong' / 'qa1_0k.jsonl'} does not exist" in message
     assert "README, section 'Evaluating', Babilong" in message
+
+
+@pytest.mark.slow
+def test_the_startup_benchmark_times_each_command_with_the_cpu_of_all_its_processes():
+    """``scripts/benchmarks/bench_startup.py``, whose figures the README quotes: a row per command with
+    its wall and CPU seconds, the CPU of every process a command started included. The training job's
+    launcher alone imports about what ``config validate`` does; its two ranks each import TorchTitan
+    too, so counting them makes its CPU several times the validation's."""
+    proc = subprocess.run([sys.executable, "scripts/benchmarks/bench_startup.py", "--runs", "1"], cwd=REPO,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    rows = {line[:45].strip(): line[45:].split() for line in proc.stdout.splitlines()[1:]}
+    train = "train, 2 ranks, 2 steps (llama_canon debug)"
+    assert list(rows) == ["--help", "config validate (5 debug configs)", train], proc.stdout
+    validate_cpu = float(rows["config validate (5 debug configs)"][2])
+    wall, _, cpu = (float(x) for x in rows[train][:3])
+    assert cpu > 3 * validate_cpu and wall > float(rows["--help"][0]), proc.stdout
+    assert rows["--help"][3:6] == ["<", "5", "s:"] and rows["--help"][6] in ("ok", "OVER"), proc.stdout
