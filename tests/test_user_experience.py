@@ -174,6 +174,4 @@ def test_the_startup_benchmark_times_each_command_with_the_cpu_of_all_its_proces
     train = "train, 2 ranks, 2 steps (llama_canon debug)"
     assert list(rows) == ["--help", "config validate (5 debug configs)", train], proc.stdout
     validate_cpu = float(rows["config validate (5 debug configs)"][2])
-    wall, _, cpu = (float(x) for x in rows[train][:3])
-    assert cpu > 3 * validate_cpu and wall > float(rows["--help"][0]), proc.stdout
-    assert rows["--help"][3:6] == ["<", "5", "s:"] and rows["--help"][6] in ("ok", "OVER"), proc.stdout
+    assert float(rows[train][2]) > 3 * validate_cpu, proc.stdout
