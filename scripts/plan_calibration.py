@@ -14,8 +14,9 @@ checkpointing per op). Memory is TorchTitan's logged max reserved, compared with
 reserved peak. Both sets ran torch before 2.9, whose SDPA runs FlashAttention-2 on Hopper (cuDNN
 first from 2.9: pytorch/pytorch#162073), so their attention is planned on the flash backend; and
 what TorchTitan compiled follows its version: the blocks alone in 2024-12, the blocks and the
-loss by 2025-06. Planning an 8B point takes under a minute on a 2-core machine, a 70B point two,
-and a 405B pipeline point about 25 minutes (each of its eight stages records its eight microbatches);
+loss by 2025-06; and their looped pipeline schedule gathered each block's parameters as the block
+ran (torch before 2.10; the pinned torch gathers a whole stage's at once). Planning an 8B point takes under a minute on a 2-core machine, a 70B point two,
+and a 405B pipeline point about 11 minutes (each of its eight stages records its eight microbatches);
 ``--only`` picks points.
 """
 
@@ -81,6 +82,9 @@ class Point:
     """Measured max reserved (None where the source gives tokens/s alone)."""
     attention: str = "flash"
     """The SDPA backend the run's torch picked (every point here ran torch < 2.9: flash)."""
+    pipeline_unshard: str = "stage"
+    """When a looped pipeline schedule gathered a stage's parameters (``fake_world.PIPELINE_UNSHARD``):
+    the table 5 runs' torch (2024-12-23) ran Interleaved1F1B block by block (``layer``)."""
 
     @property
     def key(self) -> str:
@@ -103,12 +107,15 @@ POINTS = [
     Point(H100_2024, "table 4, 70B, FSDP 32 x TP 8", "70B", 256, "h100-hbm2e",
           _run(16, 512, 8192, "full", True, True, "--parallelism.tensor_parallel_degree", "8"), 829, 71.9),
     # Table 5: 405B on TorchTitan's 3D layout, eight microbatches of 4 (the pipeline's default then:
-    # as many microbatches as stages; looped schedules put two stages on each rank). It ran async
-    # TP, which canon-titan does not have: the plan's TP is vanilla.
+    # as many microbatches as the pipeline degree; looped schedules put two stages on each rank). It
+    # ran async TP, which canon-titan does not have: the plan's TP is vanilla. Its torch's
+    # Interleaved1F1B (a PipelineScheduleMulti until torch 2.10) gathered each block's parameters
+    # by FSDP's hook as it ran, not a whole stage's at once as the pinned torch does.
     *(Point(H100_2024, f"table 5, 405B, FSDP 8 x TP 8 x PP 8, {schedule} (async TP; planned vanilla)", "405B", 512,
             "h100-hbm2e", _run(32, 256, 8192, "full", True, True, "--parallelism.tensor_parallel_degree", "8",
                                "--parallelism.pipeline_parallel_degree", "8", "--parallelism.pipeline_parallel_schedule",
-                               schedule, "--parallelism.pipeline_parallel_microbatch_size", "4"), tps, mem)
+                               schedule, "--parallelism.pipeline_parallel_microbatch_size", "4"), tps, mem,
+            pipeline_unshard="layer")
       for schedule, tps, mem in (("1F1B", 100, 82.5), ("Interleaved1F1B", 128, 72.7))),
     # The vanilla-TP columns of the June 2025 async-TP benchmark (tokens/s only): TorchTitan's
     # llama3 tomls with the commands that file gives; no gradient accumulation (global batch =
@@ -131,7 +138,7 @@ POINTS = [
 def plan_point(point: Point, log):
     started = time.perf_counter()
     result = plan(str(RECIPE), LLAMA31[point.model] + point.overrides, gpus=point.gpus, gpu=GPUS[point.gpu],
-                  advise=False, attention=point.attention)
+                  advise=False, attention=point.attention, pipeline_unshard=point.pipeline_unshard)
     log(f"{point.key}: planned in {time.perf_counter() - started:.0f} s")
     return result
 

@@ -28,15 +28,16 @@ DEBUG = ["--training.seq_len", "128"]
 RECIPE = {size: REPO / "train_configs" / f"LlamaCanon-{size}-Nemo-1T-lr0.003.toml" for size in ("1B", "8B")}
 
 
-def plan_step(config, overrides, gpus, rank=0, sent=None):
-    """The fake rank's recorded step, built as ``plan`` builds it."""
+def plan_step(config, overrides, gpus, rank=0, sent=None, **options):
+    """The fake rank's recorded step, built as ``plan`` builds it (``options``: ``fake_rank_step``'s)."""
     from canon_titan.kernels.backends import KernelEnvironment, planned_machine
     from canon_titan.plan.fake_world import fake_rank_step
     from canon_titan.plan.planner import _quiet, resolve
 
     run, trainer_config = resolve(str(config), overrides, gpus, H100)
     with _quiet(), planned_machine(KernelEnvironment.planned_gpu(H100.capability)):
-        return fake_rank_step(trainer_config, rank=rank, world_size=gpus, positions=False, pipeline_sent=sent)
+        return fake_rank_step(trainer_config, rank=rank, world_size=gpus, positions=False, pipeline_sent=sent,
+                              **options)
 
 
 def summary(step) -> dict:
@@ -604,6 +605,37 @@ def test_a_looped_pipeline_schedule_plans_each_rank_with_its_stages():
     assert [r.stages_per_rank for r in ranks] == [2, 2]
     assert sum(r.param_count for r in ranks) == sum(torch.Size(s).numel() for s in _param_shapes(CONFIGS["llama"], []))
     assert all(any(c.kind == "send" for c in r.trace.collectives) for r in ranks)
+
+
+def test_a_looped_schedule_gathers_a_whole_stage_before_its_first_op_as_the_pinned_torch_does():
+    """torch's schedule runtime (Interleaved1F1B's from torch 2.10) all-gathers every FSDP module of a
+    stage before the stage's first op; until 2.10 each block's FSDP hook gathered it as it ran. The
+    plan builds either. Rank 0 holds stages 0 and 2 (the embedding and four blocks, each its own
+    FSDP module): in the first case all five of its forward all-gathers come before its first
+    matmul (stage 2's prefetched with stage 0's), in the second two do (the embedding's and the
+    first block's); the step computes the same in both."""
+    from canon_titan.plan.planner import PlanError, plan
+
+    overrides = DEBUG + ["--model.n_layers", "8", "--parallelism.pipeline_parallel_degree", "2",
+                         "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B",
+                         "--parallelism.pipeline_parallel_microbatch_size", "1"]
+
+    def first_stage_order(unshard):
+        step = plan_step(CONFIGS["llama"], overrides, 4, rank=0, sent={}, pipeline_unshard=unshard)
+        fsdp = {group for group, name in step.group_names.items() if name in ("fsdp", "dp_shard")}
+        gathers = [c.op_index for c in step.trace.collectives
+                   if c.kind == "all_gather" and tuple(sorted(c.group)) in fsdp and c.phase == "forward"]
+        first_matmul = next(i for i, op in enumerate(step.trace.ops) if op.kind == "matmul")
+        ops = Counter((op.name, op.phase, op.flops) for op in step.trace.ops if op.flops)
+        return sum(i <= first_matmul for i in gathers), len(gathers), ops
+
+    whole, gathers_whole, ops_whole = first_stage_order("stage")
+    by_block, gathers_by_block, ops_by_block = first_stage_order("layer")
+    assert gathers_whole == gathers_by_block == 5
+    assert (whole, by_block) == (5, 2)
+    assert ops_whole == ops_by_block
+    with pytest.raises(PlanError, match="pipeline unshard 'block': expected one of stage, layer"):
+        plan(str(CONFIGS["llama"]), DEBUG, gpus=1, gpu=H100, advise=False, pipeline_unshard="block")
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])

@@ -263,6 +263,33 @@ def for_fake_world(config, *, positions: bool, dump_folder: str) -> None:
     config.tokenizer = ShapeOnlyData(positions)
 
 
+PIPELINE_UNSHARD = ("stage", "layer")
+"""When a looped pipeline schedule gathers a stage's FSDP-sharded parameters. ``stage``: as torch
+runs it from 2.10 (pinned here: 2.13), where ``ScheduleInterleaved1F1B`` (``ScheduleLoopedBFS``
+and the zero-bubble schedules too) runs on ``_PipelineScheduleRuntime``: its lowering
+(``_add_unshard_reshard``) puts an UNSHARD action before a stage's first compute, which issues the
+all-gathers of every FSDP module of the stage at once and waits for them all before the first
+one runs, so every block's all-gather buffer is alive together. ``layer``: as torch 2.9 and
+before ran ``ScheduleInterleaved1F1B`` (a ``PipelineScheduleMulti``, no UNSHARD action; read in
+the 2.6.0 to 2.10.0 wheels): each block gathered by its own FSDP pre-forward hook when it
+runs. Single-stage schedules (1F1B, GPipe) gather block by block in both."""
+
+
+@contextlib.contextmanager
+def layer_by_layer_unshard():
+    """Looped pipeline schedules built and run inside gather block by block, as torch's
+    ``PipelineScheduleMulti`` did before 2.10 (``PIPELINE_UNSHARD``'s ``layer``): the lowering adds
+    no UNSHARD or RESHARD actions and the runtime leaves the gathering to FSDP's hooks."""
+    from torch.distributed.pipelining import schedules
+
+    def compute_only(actions, max_active_stages=3):
+        return [action for action in actions if action is not None]
+
+    with patch.object(schedules, "_add_unshard_reshard", compute_only), \
+            patch.object(schedules._PipelineScheduleRuntime, "_assert_unsharded", lambda self, stage: None):
+        yield
+
+
 @contextlib.contextmanager
 def pipeline_without_peers(sent: dict, recorder: StepRecorder):
     """Pipeline stages on a fake process group: their start-up exchange of shapes (a vote on how to
@@ -367,10 +394,13 @@ def materialized_as_fake(fake_mode: FakeTensorMode):
 
 def fake_rank_step(config, *, rank: int, world_size: int, positions: bool, fp8_linears: bool = False,
                    pipeline_sent: dict | None = None, compiled_blocks: bool = False,
-                   compiled_loss: bool = False) -> RankStep:
+                   compiled_loss: bool = False, pipeline_unshard: str = "stage") -> RankStep:
     """Build ``config`` (a ``CanonTrainer.Config`` from ``build_trainer_config``) as rank ``rank`` of
     ``world_size`` on fake tensors and record one step. Under pipeline parallelism the stages
-    before this rank's must have been stepped first with the same ``pipeline_sent``."""
+    before this rank's must have been stepped first with the same ``pipeline_sent``; a looped
+    schedule gathers a stage's parameters as ``pipeline_unshard`` says (``PIPELINE_UNSHARD``)."""
+    if pipeline_unshard not in PIPELINE_UNSHARD:
+        raise ValueError(f"pipeline_unshard {pipeline_unshard!r}: expected one of {', '.join(PIPELINE_UNSHARD)}")
     from canon_titan.tools import runtime
     from canon_titan.trainer import CanonTrainer
     from torchtitan.distributed import ParallelDims
@@ -388,7 +418,8 @@ def fake_rank_step(config, *, rank: int, world_size: int, positions: bool, fp8_l
 
     with tempfile.TemporaryDirectory(prefix="canon-titan-plan-") as dump_folder, \
             patch.dict(os.environ, RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE=str(world_size)), \
-            fake_process_group(rank, world_size):
+            fake_process_group(rank, world_size), \
+            (layer_by_layer_unshard() if pipeline_unshard == "layer" else contextlib.nullcontext()):
         for_fake_world(config, positions=positions, dump_folder=dump_folder)
         with materialized_as_fake(fake_mode):
             trainer = FakeRankTrainer(config)

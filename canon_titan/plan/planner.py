@@ -21,7 +21,7 @@ from canon_titan.kernels.backends import KernelEnvironment, planned_machine
 from canon_titan.plan.estimate import (ATTENTION_BACKENDS, DATA_PARALLEL_GROUPS, RankTime, bubble_slots,
                                       compiled_memory_events, default_attention_backend, rank_time, repeats)
 from canon_titan.plan.allocator import replay
-from canon_titan.plan.fake_world import RankStep, fake_rank_step
+from canon_titan.plan.fake_world import PIPELINE_UNSHARD, RankStep, fake_rank_step
 from canon_titan.plan.gpus import GIB, GPU
 from canon_titan.plan.recorder import MemoryPeak, memory_peak
 
@@ -92,6 +92,8 @@ class Plan:
     param_count: int
     attention: str = "flash"
     """The SDPA backend the attention ops are costed on (``estimate.ATTENTION_EFFICIENCY``)."""
+    pipeline_unshard: str = "stage"
+    """When a looped pipeline schedule gathers a stage's parameters (``fake_world.PIPELINE_UNSHARD``)."""
     planner_s: float = 0.0
     notes: list[str] = field(default_factory=list)
     advice: list[tuple[str, Plan]] = field(default_factory=list)
@@ -210,14 +212,19 @@ def _stage_roles(pp: int, looped: bool) -> list[str]:
 
 
 def plan(config: str, overrides: list[str], *, gpus: int, gpu: GPU, gpus_per_node: int = 8,
-         progress=None, advise: bool = True, attention: str | None = None) -> Plan:
+         progress=None, advise: bool = True, attention: str | None = None,
+         pipeline_unshard: str = "stage") -> Plan:
     """Plan ``config`` (with ``--section.key value`` ``overrides``) on ``gpus`` GPUs of kind ``gpu``,
-    attention on the SDPA backend ``attention`` (default: the one torch picks on that GPU).
+    attention on the SDPA backend ``attention`` (default: the one torch picks on that GPU), a looped
+    pipeline schedule gathering each stage's parameters as ``pipeline_unshard`` says (``stage``: as
+    the pinned torch does; ``layer``: as torch before 2.10 did; ``fake_world.PIPELINE_UNSHARD``).
     ConfigError for what ``train`` would refuse; PlanError for a run that fails to build."""
     started = time.perf_counter()
     attention = attention or default_attention_backend(gpu)
     if attention not in ATTENTION_BACKENDS:
         raise PlanError(f"attention backend {attention!r}: expected one of {', '.join(ATTENTION_BACKENDS)}")
+    if pipeline_unshard not in PIPELINE_UNSHARD:
+        raise PlanError(f"pipeline unshard {pipeline_unshard!r}: expected one of {', '.join(PIPELINE_UNSHARD)}")
     run, _ = resolve(config, overrides, gpus, gpu)
     par = run["parallelism"]
     pp = par["pipeline_parallel_degree"]
@@ -238,7 +245,8 @@ def plan(config: str, overrides: list[str], *, gpus: int, gpu: GPU, gpus_per_nod
             with _quiet(), planned_machine(KernelEnvironment.planned_gpu(gpu.capability)):
                 step = fake_rank_step(trainer_config, rank=rank, world_size=gpus, positions=positions,
                                       fp8_linears=run["float8"]["enable"], pipeline_sent=sent,
-                                      compiled_blocks=compiled_blocks, compiled_loss=compiled_loss)
+                                      compiled_blocks=compiled_blocks, compiled_loss=compiled_loss,
+                                      pipeline_unshard=pipeline_unshard)
         except (ValueError, RuntimeError, AssertionError) as e:
             raise PlanError(f"{config}: the run fails to build on {gpus} GPUs (rank {rank}): "
                             f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}") from e
@@ -273,7 +281,7 @@ def plan(config: str, overrides: list[str], *, gpus: int, gpu: GPU, gpus_per_nod
         global_batch=local_batch * dp * accumulation, steps=run["training"]["steps"], compiled=compiled,
         activation_checkpoint=run["activation_checkpoint"]["mode"], kinds=kinds,
         step_s=slowest.time.step_s + bubble, bubble_s=bubble, flops_per_token=first.flops_per_token,
-        param_count=_param_count(steps, pp), attention=attention,
+        param_count=_param_count(steps, pp), attention=attention, pipeline_unshard=pipeline_unshard,
     )
     result.notes = _notes(run, result)
     if advise and not result.fits:
@@ -303,6 +311,12 @@ def _notes(run, result: Plan) -> list[str]:
     else:
         notes.append("compile off: every op is its own kernel")
     notes.append(f"attention on the {result.attention} SDPA backend (--attention-backend)")
+    if run["parallelism"]["pipeline_parallel_degree"] > 1 and \
+            run["parallelism"]["pipeline_parallel_schedule"] in LOOPED_SCHEDULES:
+        notes.append("pipeline: each stage's parameters gathered all at once before its first compute (torch's "
+                     "schedule runtime, from 2.10)" if result.pipeline_unshard == "stage" else
+                     "pipeline: each block's parameters gathered by its FSDP hook as it runs (Interleaved1F1B "
+                     "before torch 2.10)")
     if run["float8"]["enable"]:
         rowwise = run["float8"]["recipe_name"].startswith("rowwise")
         notes.append(f"float8 {run['float8']['recipe_name']}: the float8 linears' matmuls at the fp8 peak"
