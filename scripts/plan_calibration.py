@@ -15,9 +15,9 @@ reserved peak. Both sets ran torch before 2.9, whose SDPA runs FlashAttention-2 
 first from 2.9: pytorch/pytorch#162073), so their attention is planned on the flash backend; and
 what TorchTitan compiled follows its version: the blocks alone in 2024-12, the blocks and the
 loss by 2025-06; and their looped pipeline schedule gathered each block's parameters as the block
-ran (torch before 2.10; the pinned torch gathers a whole stage's at once). Planning an 8B point takes under a minute on a 2-core machine, a 70B point two,
-and a 405B pipeline point about 11 minutes (each of its eight stages records its eight microbatches);
-``--only`` picks points.
+ran (torch before 2.10; the pinned torch gathers a whole stage's at once). Planning an 8B point
+takes under a minute on a 2-core machine, a 70B point two, and a 405B pipeline point about 11
+minutes (each of its eight stages records its eight microbatches); ``--only`` picks points.
 """
 
 from __future__ import annotations
