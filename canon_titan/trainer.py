@@ -28,6 +28,7 @@ from torchtitan.trainer import Trainer
 
 from canon_titan.components.checkpointer import newest_checkpoint_hint, newest_checkpoint_line
 from canon_titan.components.divergence import Diverged, DivergenceSection, LossGuard
+from canon_titan.components.float8 import precompute_float8_scales
 from canon_titan.components.preemption import Preempted, StopSignals
 from canon_titan.convert.dcp_io import hf_export_steps, model_only_steps, read_metadata, resume_step
 from canon_titan.convert.hf import tokenizer_info, write_hf_files
@@ -129,6 +130,9 @@ class CanonTrainer(Trainer):
         the run's random state after that, as the release seeds its weights with 42 and its run with
         777. None: ``debug.seed`` seeds the weights too."""
         divergence: Annotated[DivergenceSection, tyro.conf.Suppress] = field(default_factory=DivergenceSection)
+        float8_precompute_scales: Annotated[bool, tyro.conf.Suppress] = False
+        """``[float8] precompute_float8_dynamic_scale_for_fsdp``: after each optimizer step, the float8
+        weights' scales for FSDP's float8 all-gather, in one all-reduce."""
         stop_grace_seconds: Annotated[int, tyro.conf.Suppress] = 90
         allow_changed_data: Annotated[bool, tyro.conf.Suppress] = False
         model_label: Annotated[str, tyro.conf.Suppress] = ""
@@ -164,7 +168,10 @@ class CanonTrainer(Trainer):
                 self._skipped_steps += 1
                 return None
             self._applied_steps += 1
-            return optimizer_step(*args, **kwargs)
+            result = optimizer_step(*args, **kwargs)
+            if config.float8_precompute_scales:
+                precompute_float8_scales(self.model_parts)
+            return result
 
         self._applied_steps = self._skipped_steps = 0
 

@@ -51,6 +51,8 @@ LLAMA31 = {
 H100_2024 = "benchmarks/llama3_h100_202412_torchtitan.md"
 H200_2025 = "benchmarks/llama3-8b_h200_202506_trainy-whitefiber.md"
 H100_2025_TP = "benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md"
+FSDP_FLOAT8 = ("--float8.enable_fsdp_float8_all_gather", "true", "--float8.precompute_float8_dynamic_scale_for_fsdp",
+               "true")
 MARKERS = ("<!-- plan:published -->", "<!-- /plan:published -->")
 
 
@@ -60,8 +62,8 @@ def _run(local: int, global_: int, seq: int, ac: str, compile_: bool, float8: bo
     block, ``apply_compile``; the loss was compiled too from early 2025). ``recipe``: the float8
     scaling. TorchTitan's float8 was tensor-wise dynamic scaling unless a run chose a recipe: at
     9dec370 it had no other (``--float8.scaling_type_*``: dynamic or delayed, per tensor), and
-    the H200 runs of June 2025 name none (and use FSDP's float8 all-gather, a tensor-wise feature);
-    canon-titan's own default is ``rowwise``."""
+    the H200 runs of June 2025 name none (and use FSDP's float8 all-gather, a tensor-wise feature:
+    ``FSDP_FLOAT8``); canon-titan's own default is ``rowwise``."""
     return ["--training.local_batch_size", str(local), "--training.global_batch_size", str(global_),
             "--training.seq_len", str(seq), "--activation_checkpoint.mode", ac,
             "--compile.enable", str(compile_).lower(), "--compile.components", compiled,
@@ -129,8 +131,10 @@ POINTS = [
           ("8B", 8, 12, "selective", (("bf16", None, 4378), ("float8 tensorwise", "tensorwise", 5078.1),
                                       ("float8 rowwise", "rowwise", 3708.5))))
       for name, recipe, tps in rows),
+    # The H200 runs gathered the float8 weights in float8 with precomputed scales (their command's
+    # --float8.enable_fsdp_float8_all_gather and --float8.precompute_float8_dynamic_scale_for_fsdp).
     *(Point(H200_2025, f"8B, FSDP {gpus}, compile + float8", "8B", gpus, "h200",
-            _run(2, 2 * gpus, 8192, "selective", True, True, compiled='["model", "loss"]'), tps, mem)
+            _run(2, 2 * gpus, 8192, "selective", True, True, *FSDP_FLOAT8, compiled='["model", "loss"]'), tps, mem)
       for gpus, tps, mem in ((32, 10938, 47.96), (64, 10753, 46.97))),
 ]
 

@@ -9,8 +9,10 @@ missing all-reduce, a mis-scaled micro-batch) shows at >= 1e-3.
 """
 
 import subprocess
+from pathlib import Path
 
 import pytest
+import torch
 
 from canon_titan.components.metrics import read_scalars
 from conftest import (COMMON, CONFIGS, REPO, free_port, made_once, run_training, seed_checkpoint, start_from, torchrun_cmd,
@@ -144,30 +146,73 @@ def test_compile_with_tensor_parallel(seed, reference, tmp_path, sp):
     assert_matches(reference, dump, loss_rtol=1e-4, grad_rtol=1e-3)
 
 
+def float8_args(recipe: str) -> list[str]:
+    return ["--float8.enable", "--float8.emulate", "--float8.recipe_name", recipe]
+
+
+def float8_one(seed, tmp_path_factory, recipe: str) -> Path:
+    """One process's emulated float8 run of ``STEPS`` (its dump folder), made once per session."""
+    return made_once(tmp_path_factory, f"parallelism_float8_{recipe}", lambda dump: run_training(
+        1, COMMON + STEPS + ["--job.dump_folder", str(start_from(seed, dump)), "--training.local_batch_size",
+                             str(GLOBAL_BATCH), *float8_args(recipe)], config=CONFIGS["llama_canon"]))
+
+
+def final_weights(dump: Path) -> dict:
+    from canon_titan.convert.dcp_io import find_step_dir, load_tensor, model_tensor_metadata
+
+    step = find_step_dir(dump / "checkpoint")
+    return {name: load_tensor(step, name, meta) for name, meta in model_tensor_metadata(step).items()}
+
+
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
-def test_emulated_float8_alone_and_with_tensor_parallel(seed, reference, tmp_path, recipe):
+def test_emulated_float8_alone_and_with_tensor_parallel(seed, reference, tmp_path, tmp_path_factory, recipe):
     """Emulated float8 on one process stays close to fp32; with TP=2 and sequence parallel it stays
     as close to that float8 run as float8 rounding allows, and away from fp32 (float8 is on). Over
     gloo the TP group moves high-precision activations (gloo has no float8 dtype; on NCCL
     tensorwise scaling takes torchao's float8 styles, checked in test_model.py), the matmuls cast.
     Row-wise scales of a row-sharded linear (wo, w2) cover only the rank's half of the inner
     dimension, so they differ from one process's by design: the runs agree to ~1e-3, not exactly."""
-    f8 = ["--float8.enable", "--float8.emulate", "--float8.recipe_name", recipe]
-    one, out = train(seed, tmp_path / "one", 1, f8)
-    assert "Swapped to Float8Linear layers" in out and f"float8: recipe {recipe}, emulated" in out
+    one = float8_one(seed, tmp_path_factory, recipe)
     loss, got = reference[0], read_scalars(one)
     # e4m3 keeps 3 mantissa bits (~6% error per element); averaged over dot products and tokens
     # the loss moved <= 0.5% in 6 steps here. 2% bounds it; equality would mean float8 was off.
     assert all(got[s] == pytest.approx(loss[s], rel=2e-2) for s in loss)
     assert any(got[s] != loss[s] for s in loss)
-    tp, out = train(seed, tmp_path / "tp", 2, f8 + ["--parallelism.tensor_parallel_degree", "2"])
+    tp, out = train(seed, tmp_path / "tp", 2, float8_args(recipe) + ["--parallelism.tensor_parallel_degree", "2"])
     assert "Swapped to Float8Linear layers" in out and "Applied tensor parallelism" in out
+    assert f"float8: recipe {recipe}, emulated" in out
     # Each float8 run's grad norm moves from fp32's by rounding, either way: at step 4 of this run on an
     # AMD EPYC, one process -0.7% and TP +2.3% (other steps under 0.5%). The two differ by up to the sum;
     # a TP defect (a missing or doubled reduction) moves it by tens of percent.
     assert_matches((got, read_scalars(one, "grad_norm")), tp, loss_rtol=3e-3, grad_rtol=5e-2)
     tp_loss = read_scalars(tp)
     assert max(abs(tp_loss[s] - loss[s]) / loss[s] for s in loss) > 1e-4  # not the fp32 run's losses
+
+
+def test_fsdp_gathers_float8_weights_in_float8_as_each_rank_would_cast_them(seed, tmp_path):
+    """``[float8] enable_fsdp_float8_all_gather`` (with the scales precomputed after each step) on
+    FSDP 2: each rank casts its shard of a weight with the weight's global amax, so the gathered
+    float8 weight is the one each rank casts from the gathered high-precision weight without the
+    option, and the run trains as that FSDP 2 float8 run does (losses and grad norms to 1e-5 / 1e-4,
+    as every layout here; measured: equal). Its reference is FSDP 2, not one process: tensorwise
+    scaling takes each activation's amax over the rank's own batch, so data parallelism changes the
+    float8 rounding (step 1's loss 0.1% from one process's, with or without the option). Both runs
+    start from the seed checkpoint (loaded into the wrapped weights) and end with a checkpoint of
+    plain tensors, whose weights agree. That the gathers move one byte a weight element is
+    ``test_plan.py``'s."""
+    f8 = float8_args("tensorwise")
+    plain, _ = train(seed, tmp_path / "plain", 2, f8, dp=2)
+    dump, out = train(seed, tmp_path / "gathered", 2, f8 + [
+        "--float8.enable_fsdp_float8_all_gather", "true", "--float8.precompute_float8_dynamic_scale_for_fsdp", "true"],
+        dp=2)
+    linears = 7 * 4  # wq, wk, wv, wo, w1, w2, w3 of each of the debug model's 4 blocks
+    assert f"float8: FSDP all-gathers the weights of {linears} float8 linears in float8" in out
+    assert_matches((read_scalars(plain), read_scalars(plain, "grad_norm")), dump)
+    ours, theirs = final_weights(dump), final_weights(plain)
+    assert sorted(ours) == sorted(theirs)
+    for name, tensor in theirs.items():
+        assert type(ours[name]) is torch.Tensor
+        torch.testing.assert_close(ours[name], tensor, rtol=1e-5, atol=1e-7, msg=name)
 
 
 def test_context_parallel_training_matches_one_process(seed, reference, tmp_path):

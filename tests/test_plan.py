@@ -638,6 +638,47 @@ def test_a_looped_schedule_gathers_a_whole_stage_before_its_first_op_as_the_pinn
         plan(str(CONFIGS["llama"]), DEBUG, gpus=1, gpu=H100, advise=False, pipeline_unshard="block")
 
 
+def test_fsdp_float8_all_gather_moves_a_byte_a_float8_weight_element():
+    """With ``[float8] enable_fsdp_float8_all_gather`` FSDP2 (the real code, on fake tensors) gathers
+    each float8 linear's weight in float8: the forward's all-gathers move the same bytes as without
+    it less (param bytes - 1) a padded element of those weights, which are the blocks' 28 linears
+    (lm_head is filtered out), by hand from the model's shapes. Each gather first all-reduces its
+    weight's amax (28 more forward all-reduces); precomputing the scales makes them one all-reduce
+    after the optimizer step. Reduce-scatters are unchanged: gradients stay high precision."""
+    from canon_titan.config import load
+
+    f8 = ["--float8.enable", "--float8.recipe_name", "tensorwise"]
+    gather = ["--float8.enable_fsdp_float8_all_gather", "true"]
+    precompute = ["--float8.precompute_float8_dynamic_scale_for_fsdp", "true"]
+
+    def moved(extra):
+        step = plan_step(CONFIGS["llama"], DEBUG + f8 + extra, 2)
+        out = Counter()
+        for c in step.trace.collectives:
+            if step.group_names.get(tuple(sorted(c.group))) == "fsdp":
+                out[(c.kind, c.phase, "bytes")] += c.bytes
+                out[(c.kind, c.phase, "count")] += 1
+        return out
+
+    run = load(CONFIGS["llama"], DEBUG, environment=False)
+    with torch.device("meta"):
+        model = run.model_spec().model.build()
+    padded = {name: -(-p.shape[0] // 2) * 2 * (p.numel() // p.shape[0]) for name, p in model.named_parameters()}
+    linears = [f"{name}.weight" for name, m in model.named_modules()
+               if isinstance(m, torch.nn.Linear) and name.startswith("layers.")]
+    assert len(linears) == 28
+    plain, gathered, precomputed = moved([]), moved(gather), moved(gather + precompute)
+    element = plain[("all_gather", "forward", "bytes")] // sum(padded.values())
+    assert plain[("all_gather", "forward", "bytes")] == element * sum(padded.values())
+    assert gathered[("all_gather", "forward", "bytes")] == (plain[("all_gather", "forward", "bytes")]
+                                                            - (element - 1) * sum(padded[n] for n in linears))
+    assert gathered[("reduce_scatter", "backward", "bytes")] == plain[("reduce_scatter", "backward", "bytes")]
+    assert gathered[("all_reduce", "forward", "count")] == plain[("all_reduce", "forward", "count")] + 28
+    assert precomputed[("all_gather", "forward", "bytes")] == gathered[("all_gather", "forward", "bytes")]
+    assert precomputed[("all_reduce", "forward", "count")] == plain[("all_reduce", "forward", "count")]
+    assert precomputed[("all_reduce", "optimizer", "count")] == plain[("all_reduce", "optimizer", "count")] + 1
+
+
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_a_planned_gpu_run_takes_the_gpus_float8_tensor_parallel_styles(monkeypatch, recipe):
     """On a GPU the TP linears of a tensorwise float8 run take torchao's float8 styles (NCCL moves

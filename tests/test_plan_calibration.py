@@ -321,8 +321,9 @@ def test_every_calibration_point_is_a_valid_run_of_its_published_shape(monkeypat
     count, at the published model's parameter count (Llama 3.1 8B: 8.03B, 70B: 70.55B, 405B: 405.85B, from
     their model cards), with the published batch per GPU and sequence length, and with float8's
     tensor-wise scaling unless the run names row-wise (TorchTitan had no other at 9dec370, and
-    the H200 runs name no recipe; canon-titan defaults to row-wise), and with an interleaved pipeline
-    gathering block by block as torch before 2.10 did."""
+    the H200 runs name no recipe; canon-titan defaults to row-wise), FSDP's float8 all-gather where the
+    run's command has it (the H200 runs), and with an interleaved pipeline gathering block by block as
+    torch before 2.10 did."""
     from canon_titan.config import load
 
     monkeypatch.syspath_prepend(REPO / "scripts")
@@ -340,6 +341,10 @@ def test_every_calibration_point_is_a_valid_run_of_its_published_shape(monkeypat
         assert point.gpu in GPUS
         if run["float8"]["enable"]:  # TorchTitan's float8 was tensor-wise where a run names no recipe
             assert run["float8"]["recipe_name"] == ("rowwise" if "rowwise" in point.label else "tensorwise"), point.key
+            # The H200 runs' command gathers float8 weights in float8, with precomputed scales.
+            gathered = point.source == plan_calibration.H200_2025
+            assert run["float8"]["enable_fsdp_float8_all_gather"] == gathered, point.key
+            assert run["float8"]["precompute_float8_dynamic_scale_for_fsdp"] == gathered, point.key
         # Every point ran torch before 2.10, whose Interleaved1F1B gathered block by block.
         if run["parallelism"]["pipeline_parallel_schedule"] == "Interleaved1F1B" and \
                 run["parallelism"]["pipeline_parallel_degree"] > 1:

@@ -2,12 +2,21 @@
 
 Only ``Linear`` layers are converted: Canon convolutions, norms and embeddings stay in high
 precision (and ``[float8] filter_fqns``, default ``["lm_head"]``, keeps chosen linears out).
+
+``[float8] enable_fsdp_float8_all_gather`` (tensorwise only) has FSDP gather those linears'
+weights in float8: torchao's ``WeightWithDynamicFloat8CastTensor`` wraps each weight before
+tensor parallelism and FSDP see it (``models/common/parallelize.py``), so FSDP's pre-all-gather
+hook casts each rank's shard with the weight's global amax, and the gathered weight is the float8
+tensor the linear would have cast. TorchTitan 0.3.0 dropped the option; its earlier releases had
+it, and its published float8 runs of June 2025 used it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+import torch
+from torch import nn
 from torchtitan.components.quantization import Float8LinearConverter
 from torchtitan.tools.logging import logger
 
@@ -15,18 +24,21 @@ RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 
 
 class Float8Converter(Float8LinearConverter):
-    """TorchTitan's converter plus the tensorwise recipe, and an emulated mode that keeps the
-    recipe's scaling (TorchTitan's emulation always falls back to tensorwise)."""
+    """TorchTitan's converter plus the tensorwise recipe, an emulated mode that keeps the recipe's
+    scaling (TorchTitan's emulation always falls back to tensorwise), and FSDP's float8 all-gather."""
 
-    def __init__(self, config: Float8LinearConverter.Config):
+    def __init__(self, config: Float8LinearConverter.Config, fsdp_float8_all_gather: bool = False):
         super().__init__(config)
         from torchao.float8 import Float8LinearConfig
 
         torchao_config = Float8LinearConfig.from_recipe_name(config.recipe_name)
         if config.emulate:
             torchao_config = dataclasses.replace(torchao_config, emulate=True)
+        if fsdp_float8_all_gather:
+            torchao_config = dataclasses.replace(torchao_config, enable_fsdp_float8_all_gather=True)
         self.torchao_config = torchao_config
-        logger.info(f"float8: recipe {config.recipe_name}, {'emulated' if config.emulate else 'hardware'} matmuls")
+        logger.info(f"float8: recipe {config.recipe_name}, {'emulated' if config.emulate else 'hardware'} matmuls"
+                    + (", FSDP all-gathers the weights in float8" if fsdp_float8_all_gather else ""))
 
 
 def float8_converter(section: dict, model_compiled: bool) -> Float8Converter:
@@ -35,4 +47,14 @@ def float8_converter(section: dict, model_compiled: bool) -> Float8Converter:
         emulate=section["emulate"],
         filter_fqns=list(section["filter_fqns"]),
         model_compile_enabled=model_compiled,
-    ))
+    ), fsdp_float8_all_gather=section.get("enable_fsdp_float8_all_gather", False))
+
+
+@torch.no_grad()
+def precompute_float8_scales(model_parts: list[nn.Module]) -> None:
+    """Every FSDP-sharded float8 weight's scale for its next all-gather, in one all-reduce per part
+    (torchao's ``precompute_float8_dynamic_scale_for_fsdp``); run after each optimizer step."""
+    from torchao.float8.fsdp_utils import precompute_float8_dynamic_scale_for_fsdp
+
+    for part in model_parts:
+        precompute_float8_dynamic_scale_for_fsdp(part)

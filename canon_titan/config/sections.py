@@ -114,6 +114,13 @@ class Float8Section:
     """Emulate float8 matmuls in high precision: tests the float8 path on hardware without it."""
     filter_fqns: list[str] = field(default_factory=lambda: ["lm_head"])
     """Linear layers whose name contains one of these stay in high precision."""
+    enable_fsdp_float8_all_gather: bool = False
+    """FSDP all-gathers the float8 linears' weights in float8 (one byte an element; each rank casts
+    its shard, with one all-reduce of the weight's amax) instead of in the param dtype: half the
+    gathered bytes and buffers of those weights. Tensorwise scaling only (one scale a weight)."""
+    precompute_float8_dynamic_scale_for_fsdp: bool = False
+    """With ``enable_fsdp_float8_all_gather``: after each optimizer step, compute every float8
+    weight's scale in one all-reduce, instead of one all-reduce a weight at its all-gather."""
 
 
 @dataclass(kw_only=True)

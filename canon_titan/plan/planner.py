@@ -323,7 +323,9 @@ def _notes(run, result: Plan) -> list[str]:
                      + ("; under compile their row-wise casts cost what torchao's published microbenchmark "
                         "measured (recorder.ROWWISE_CAST_BYTES)" if rowwise else "")
                      + "; with TP, activations cross the TP group in bf16 here (on NCCL, tensorwise linears send "
-                       "float8: half)")
+                       "float8: half)"
+                     + ("; FSDP gathers their weights in float8 ([float8] enable_fsdp_float8_all_gather)"
+                        if run["float8"]["enable_fsdp_float8_all_gather"] else ""))
     if result.accumulation > 2:
         notes.append(f"gradient accumulation: 2 of {result.accumulation} groups were stepped; the others repeat the "
                      "second")

@@ -40,6 +40,7 @@ from torch.distributed.tensor.parallel import (
 from torchao.float8.config import ScalingGranularity, ScalingType
 from torchao.float8.float8_linear import Float8Linear
 from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
+from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.distributed.compile import apply_compile
 from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
@@ -191,6 +192,39 @@ def float8_collectives(tp_mesh) -> bool:
     return planned.planned and planned.cuda_capability is not None
 
 
+def wrap_weights_for_float8_all_gather(model: nn.Module) -> int:
+    """Wrap the weight of every float8 linear whose config asks for FSDP's float8 all-gather in
+    torchao's float8-casting weight tensor, as torchao's ``Float8Linear.from_float`` does (the
+    converter builds the linears from their config, which does not): before tensor parallelism and
+    FSDP. Returns how many were wrapped."""
+    wrapped = 0
+    for module in model.modules():
+        if not (isinstance(module, Float8Linear) and module.config.enable_fsdp_float8_all_gather):
+            continue
+        if isinstance(module.weight, WeightWithDynamicFloat8CastTensor):
+            continue
+        module.weight = nn.Parameter(
+            WeightWithDynamicFloat8CastTensor(module.weight, module.linear_mm_config,
+                                              module.config.cast_config_weight.target_dtype),
+            requires_grad=module.weight.requires_grad)
+        module._register_state_dict_hook(_unwrapped_float8_weight)
+        wrapped += 1
+    return wrapped
+
+
+def _unwrapped_float8_weight(module, state_dict, prefix, local_metadata) -> None:
+    """The state dict holds the wrapped weight's own tensor (same storage, same sharding): a
+    checkpoint stores a plain tensor (DCP cannot write the wrapper's storage), and loading one
+    writes into the weight."""
+    key = prefix + "weight"
+    weight = state_dict.get(key)
+    if isinstance(weight, DTensor) and isinstance(weight._local_tensor, WeightWithDynamicFloat8CastTensor):
+        state_dict[key] = DTensor.from_local(weight._local_tensor._tensor, weight.device_mesh, weight.placements,
+                                             run_check=False, shape=weight.shape, stride=weight.stride())
+    elif isinstance(weight, WeightWithDynamicFloat8CastTensor):
+        state_dict[key] = weight._tensor
+
+
 def parallelize_plan(module: nn.Module, tp_mesh, plan: dict) -> None:
     """``parallelize_module``, with the float8 styles where the module's linears take them."""
     parallelize_module(module, tp_mesh, float8_styles(module, plan) if float8_collectives(tp_mesh) else plan)
@@ -252,6 +286,9 @@ def parallelize_decoder(model, *, parallelize_block: Callable, parallel_dims, tr
                         ac_config, dump_folder):
     """TorchTitan's ``parallelize_fn`` for a family whose blocks ``parallelize_block(block, tp_mesh,
     enable_sp)`` shards."""
+    gathered = wrap_weights_for_float8_all_gather(model)
+    if gathered:
+        logger.info(f"float8: FSDP all-gathers the weights of {gathered} float8 linears in float8")
     if parallel_dims.tp_enabled:
         apply_tp(model, parallel_dims.get_mesh("tp"), enable_sp=parallelism.enable_sequence_parallel,
                  parallelize_block=parallelize_block)
