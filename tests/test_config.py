@@ -93,8 +93,6 @@ def test_unknown_section_and_missing_model(tmp_path):
      "[dataloader] dataset_path", "matches no file"),
     (["--parallelism.spmd_backend", "spmd_types"], "[parallelism] spmd_backend", "only 'partial_dtensor'"),
     (["--float8.recipe_name", "mxfp8"], "[float8] recipe_name", "expected one of 'tensorwise', 'rowwise'"),
-    (["--float8.enable_fsdp_float8_all_gather", "true"], "[float8] enable_fsdp_float8_all_gather",
-     "needs [float8] enable = true"),
     (["--float8.enable", "--float8.emulate", "--float8.enable_fsdp_float8_all_gather", "true"],
      "[float8] enable_fsdp_float8_all_gather", "needs recipe_name = 'tensorwise', got 'rowwise'"),
     (["--float8.enable", "--float8.emulate", "--float8.recipe_name", "tensorwise",

@@ -161,6 +161,24 @@ def test_probing_stops_within_a_round_at_its_share_of_the_budget_and_leaves_time
     assert len(planned) == 2 and len(found.ranked) == 1  # the own plan, then the probes' best
 
 
+def test_float8_layouts_of_a_config_that_gathers_in_float8_are_runs():
+    """A config with FSDP's float8 all-gather (tensor-wise only): its tensor-wise float8 layouts keep
+    it, its row-wise ones gather in the param dtype (else the config check refuses them), and its
+    bf16 ones ignore it as float8 being off does."""
+    from canon_titan.config import load
+    from canon_titan.plan.search import Layout
+
+    base = ["--float8.enable", "--float8.emulate", "--float8.recipe_name", "tensorwise",
+            "--float8.enable_fsdp_float8_all_gather", "true", "--float8.precompute_float8_dynamic_scale_for_fsdp", "true"]
+    for float8, gathers in (("tensorwise", True), ("rowwise", False), ("", False)):
+        layout = Layout(1, 2, 1, 1, 1, 2, "none", float8=float8)
+        with patch.dict(os.environ, WORLD_SIZE="2"):
+            run = load(str(CONFIGS["llama"]), [*base, *layout.overrides(4)], environment=False)
+        f8 = run["float8"]
+        assert (f8["enable"], f8["recipe_name"] if f8["enable"] else "") == (bool(float8), float8)
+        assert (f8["enable"] and f8["enable_fsdp_float8_all_gather"]) == gathers, float8
+
+
 def test_a_probe_pair_extrapolates_by_hand_and_never_below_its_live_peak():
     """Time and the live peak are linear in the layers. By hand, 32 layers: step 1.0 + 31 x 0.25 =
     8.75 s over 2 accumulation groups; reserved 20 + 31 x 2 = 82 GB, live 10 + 31 x 2 = 72 GB plus

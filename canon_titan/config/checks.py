@@ -248,13 +248,11 @@ def check_parallelism(run: RunConfig, environment: bool) -> None:
 
 def check_features(run: RunConfig, environment: bool) -> None:
     f8, compile_ = run["float8"], run["compile"]
-    if f8["enable_fsdp_float8_all_gather"] and not f8["enable"]:
-        _fail(run, "float8", "enable_fsdp_float8_all_gather", "gathers the float8 linears' weights in float8: "
-              "it needs [float8] enable = true")
-    if f8["enable_fsdp_float8_all_gather"] and f8["recipe_name"] != "tensorwise":
+    # Like recipe_name and emulate, the all-gather keys do nothing while float8 is off.
+    if f8["enable"] and f8["enable_fsdp_float8_all_gather"] and f8["recipe_name"] != "tensorwise":
         _fail(run, "float8", "enable_fsdp_float8_all_gather", "gathers each weight in float8 with one scale: it "
               f"needs recipe_name = 'tensorwise', got {f8['recipe_name']!r}")
-    if f8["precompute_float8_dynamic_scale_for_fsdp"] and not f8["enable_fsdp_float8_all_gather"]:
+    if f8["enable"] and f8["precompute_float8_dynamic_scale_for_fsdp"] and not f8["enable_fsdp_float8_all_gather"]:
         _fail(run, "float8", "precompute_float8_dynamic_scale_for_fsdp", "precomputes the scales of FSDP's float8 "
               "all-gather: it needs enable_fsdp_float8_all_gather = true")
     if f8["enable"]:

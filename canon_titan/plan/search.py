@@ -87,6 +87,11 @@ class Layout:
         out += ["--float8.enable", "true" if self.float8 else "false"]
         if self.float8:
             out += ["--float8.recipe_name", self.float8]
+        if self.float8 and self.float8 != "tensorwise":
+            # FSDP's float8 all-gather is tensor-wise: a row-wise layout of a config that gathers in
+            # float8 gathers in the param dtype (a tensor-wise layout keeps the config's choice).
+            out += ["--float8.enable_fsdp_float8_all_gather", "false",
+                    "--float8.precompute_float8_dynamic_scale_for_fsdp", "false"]
         return out
 
     @property
