@@ -6,8 +6,8 @@ precision (and ``[float8] filter_fqns``, default ``["lm_head"]``, keeps chosen l
 ``[float8] enable_fsdp_float8_all_gather`` (tensorwise only) has FSDP gather those linears'
 weights in float8: torchao's ``WeightWithDynamicFloat8CastTensor`` wraps each weight before
 tensor parallelism and FSDP see it (``models/common/parallelize.py``), so FSDP's pre-all-gather
-hook casts each rank's shard with the weight's global amax, and the gathered weight is the float8
-tensor the linear would have cast. TorchTitan 0.3.0 dropped the option; its earlier releases had
+hook casts each rank's shard with the amax of what the FSDP group holds (the whole weight, or its
+TP shard under TP), and the gathered weight is the float8 tensor the linear would have cast. TorchTitan 0.3.0 dropped the option; its earlier releases had
 it, and its published float8 runs of June 2025 used it.
 """
 
