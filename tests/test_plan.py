@@ -638,6 +638,28 @@ def test_a_looped_schedule_gathers_a_whole_stage_before_its_first_op_as_the_pinn
         plan(str(CONFIGS["llama"]), DEBUG, gpus=1, gpu=H100, advise=False, pipeline_unshard="block")
 
 
+def test_tensorwise_float8_under_tp_moves_the_tp_bytes_of_bf16():
+    """Canon-titan's TP regions gather before their linears cast and reduce-scatter their outputs:
+    with sequence parallelism a tensorwise float8 run (torchao's float8 styles, as on a GPU) moves
+    exactly the bf16 run's all-gather and reduce-scatter bytes over the TP group, forward and
+    backward, which is what the plan's float8 note and the README say (TorchTitan's llama3, whose
+    linears gather their own input, would halve the forward all-gathers)."""
+    tp = ["--parallelism.tensor_parallel_degree", "2", "--parallelism.enable_sequence_parallel", "true",
+          "--training.mixed_precision_param", "bfloat16"]
+
+    def moved(extra):
+        step = plan_step(CONFIGS["llama"], DEBUG + tp + extra, 4)
+        out = Counter()
+        for c in step.trace.collectives:
+            if step.group_names.get(tuple(sorted(c.group))) == "tp" and c.kind in ("all_gather", "reduce_scatter"):
+                out[(c.kind, c.phase)] += c.bytes
+        return out
+
+    plain, float8 = moved([]), moved(["--float8.enable", "--float8.recipe_name", "tensorwise"])
+    assert set(plain) == {(k, p) for k in ("all_gather", "reduce_scatter") for p in ("forward", "backward")}
+    assert float8 == plain
+
+
 def test_fsdp_float8_all_gather_moves_a_byte_a_float8_weight_element():
     """With ``[float8] enable_fsdp_float8_all_gather`` FSDP2 (the real code, on fake tensors) gathers
     each float8 linear's weight in float8: the forward's all-gathers move the same bytes as without

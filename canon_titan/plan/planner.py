@@ -322,8 +322,9 @@ def _notes(run, result: Plan) -> list[str]:
         notes.append(f"float8 {run['float8']['recipe_name']}: the float8 linears' matmuls at the fp8 peak"
                      + ("; under compile their row-wise casts cost what torchao's published microbenchmark "
                         "measured (recorder.ROWWISE_CAST_BYTES)" if rowwise else "")
-                     + "; with TP, activations cross the TP group in bf16 here (on NCCL, tensorwise linears send "
-                       "float8: half)"
+                     + "; with TP, activations and their gradients cross the TP group in high precision (the TP "
+                       "regions gather before their linears cast; TorchTitan's llama3 sends a tensorwise input in "
+                       "float8)"
                      + ("; FSDP gathers their weights in float8 ([float8] enable_fsdp_float8_all_gather)"
                         if run["float8"]["enable_fsdp_float8_all_gather"] else ""))
     if result.accumulation > 2:

@@ -165,11 +165,13 @@ def _tensorwise_float8(module: nn.Module) -> bool:
 
 def float8_styles(module: nn.Module, plan: dict) -> dict:
     """``plan`` with torchao's float8 column/row-wise styles on the linears of ``module`` that
-    float8 converted with tensorwise scaling: their activations cross the TP group in float8 (half
-    the bytes of bf16) and their output gradients are cast in the backward, as TorchTitan's llama3
-    does. Row-wise recipes keep the plain styles (torchao's float8 styles assume one scale per
-    tensor), and so does everything that is not a linear: Canon layers, norms and embeddings stay
-    in high precision. Either way each linear's matmul runs in float8."""
+    float8 converted with tensorwise scaling, as TorchTitan's llama3 takes them: their output
+    gradients are cast in the backward. Inside canon-titan's TP regions the collectives stay where
+    the region puts them, before the linears cast and after their output, so what crosses the TP
+    group is high precision either way (TorchTitan's llama3, whose linears gather their own input,
+    sends a tensorwise input in float8). Row-wise recipes keep the plain styles (torchao's float8
+    styles assume one scale per tensor), and so does everything that is not a linear: Canon layers,
+    norms and embeddings stay in high precision. Either way each linear's matmul runs in float8."""
     styles = {ColwiseParallel: Float8ColwiseParallel, RowwiseParallel: Float8RowwiseParallel}
     out = {}
     for name, style in plan.items():
