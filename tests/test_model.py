@@ -164,7 +164,8 @@ def test_float8_linears_get_torchaos_float8_tp_styles_with_tensorwise_scaling(re
     from canon_titan.models.common.parallelize import float8_styles
 
     spec = model_registry.model_spec("llama_canon", "debug", {})
-    section = {"recipe_name": recipe, "emulate": True, "filter_fqns": ["lm_head"]}
+    section = {"recipe_name": recipe, "emulate": True, "filter_fqns": ["lm_head"],
+               "enable_fsdp_float8_all_gather": False}
     model = float8_converter(section, False).convert(copy.deepcopy(spec.model)).build()
     block = model.layers["0"]
     plan = {"attention.wq": ColwiseParallel(), "attention.wo": RowwiseParallel(output_layouts=Shard(1)),

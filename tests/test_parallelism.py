@@ -150,13 +150,6 @@ def float8_args(recipe: str) -> list[str]:
     return ["--float8.enable", "--float8.emulate", "--float8.recipe_name", recipe]
 
 
-def float8_one(seed, tmp_path_factory, recipe: str) -> Path:
-    """One process's emulated float8 run of ``STEPS`` (its dump folder), made once per session."""
-    return made_once(tmp_path_factory, f"parallelism_float8_{recipe}", lambda dump: run_training(
-        1, COMMON + STEPS + ["--job.dump_folder", str(start_from(seed, dump)), "--training.local_batch_size",
-                             str(GLOBAL_BATCH), *float8_args(recipe)], config=CONFIGS["llama_canon"]))
-
-
 def final_weights(dump: Path) -> dict:
     from canon_titan.convert.dcp_io import find_step_dir, load_tensor, model_tensor_metadata
 
@@ -165,14 +158,15 @@ def final_weights(dump: Path) -> dict:
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
-def test_emulated_float8_alone_and_with_tensor_parallel(seed, reference, tmp_path, tmp_path_factory, recipe):
+def test_emulated_float8_alone_and_with_tensor_parallel(seed, reference, tmp_path, recipe):
     """Emulated float8 on one process stays close to fp32; with TP=2 and sequence parallel it stays
     as close to that float8 run as float8 rounding allows, and away from fp32 (float8 is on). Over
     gloo the TP group moves high-precision activations (gloo has no float8 dtype; on NCCL
     tensorwise scaling takes torchao's float8 styles, checked in test_model.py), the matmuls cast.
     Row-wise scales of a row-sharded linear (wo, w2) cover only the rank's half of the inner
     dimension, so they differ from one process's by design: the runs agree to ~1e-3, not exactly."""
-    one = float8_one(seed, tmp_path_factory, recipe)
+    one, out = train(seed, tmp_path / "one", 1, float8_args(recipe))
+    assert "Swapped to Float8Linear layers" in out and f"float8: recipe {recipe}, emulated" in out
     loss, got = reference[0], read_scalars(one)
     # e4m3 keeps 3 mantissa bits (~6% error per element); averaged over dot products and tokens
     # the loss moved <= 0.5% in 6 steps here. 2% bounds it; equality would mean float8 was off.
@@ -180,7 +174,6 @@ def test_emulated_float8_alone_and_with_tensor_parallel(seed, reference, tmp_pat
     assert any(got[s] != loss[s] for s in loss)
     tp, out = train(seed, tmp_path / "tp", 2, float8_args(recipe) + ["--parallelism.tensor_parallel_degree", "2"])
     assert "Swapped to Float8Linear layers" in out and "Applied tensor parallelism" in out
-    assert f"float8: recipe {recipe}, emulated" in out
     # Each float8 run's grad norm moves from fp32's by rounding, either way: at step 4 of this run on an
     # AMD EPYC, one process -0.7% and TP +2.3% (other steps under 0.5%). The two differ by up to the sum;
     # a TP defect (a missing or doubled reduction) moves it by tens of percent.
@@ -211,7 +204,6 @@ def test_fsdp_gathers_float8_weights_in_float8_as_each_rank_would_cast_them(seed
     ours, theirs = final_weights(dump), final_weights(plain)
     assert sorted(ours) == sorted(theirs)
     for name, tensor in theirs.items():
-        assert type(ours[name]) is torch.Tensor
         torch.testing.assert_close(ours[name], tensor, rtol=1e-5, atol=1e-7, msg=name)
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
 from torch import nn
 from torchtitan.components.quantization import Float8LinearConverter
 from torchtitan.tools.logging import logger
@@ -47,10 +46,9 @@ def float8_converter(section: dict, model_compiled: bool) -> Float8Converter:
         emulate=section["emulate"],
         filter_fqns=list(section["filter_fqns"]),
         model_compile_enabled=model_compiled,
-    ), fsdp_float8_all_gather=section.get("enable_fsdp_float8_all_gather", False))
+    ), fsdp_float8_all_gather=section["enable_fsdp_float8_all_gather"])
 
 
-@torch.no_grad()
 def precompute_float8_scales(model_parts: list[nn.Module]) -> None:
     """Every FSDP-sharded float8 weight's scale for its next all-gather, in one all-reduce per part
     (torchao's ``precompute_float8_dynamic_scale_for_fsdp``); run after each optimizer step."""

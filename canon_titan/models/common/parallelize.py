@@ -203,8 +203,6 @@ def wrap_weights_for_float8_all_gather(model: nn.Module) -> int:
     for module in model.modules():
         if not (isinstance(module, Float8Linear) and module.config.enable_fsdp_float8_all_gather):
             continue
-        if isinstance(module.weight, WeightWithDynamicFloat8CastTensor):
-            continue
         module.weight = nn.Parameter(
             WeightWithDynamicFloat8CastTensor(module.weight, module.linear_mm_config,
                                               module.config.cast_config_weight.target_dtype),
@@ -215,16 +213,14 @@ def wrap_weights_for_float8_all_gather(model: nn.Module) -> int:
 
 
 def _unwrapped_float8_weight(module, state_dict, prefix, local_metadata) -> None:
-    """The state dict holds the wrapped weight's own tensor (same storage, same sharding): a
-    checkpoint stores a plain tensor (DCP cannot write the wrapper's storage), and loading one
-    writes into the weight."""
+    """The state dict holds the wrapped weight's own tensor (same storage, same sharding; FSDP2
+    always shards it here, so it is a DTensor): a checkpoint stores a plain tensor (DCP cannot write
+    the wrapper's storage), and loading one writes into the weight."""
     key = prefix + "weight"
     weight = state_dict.get(key)
     if isinstance(weight, DTensor) and isinstance(weight._local_tensor, WeightWithDynamicFloat8CastTensor):
         state_dict[key] = DTensor.from_local(weight._local_tensor._tensor, weight.device_mesh, weight.placements,
                                              run_check=False, shape=weight.shape, stride=weight.stride())
-    elif isinstance(weight, WeightWithDynamicFloat8CastTensor):
-        state_dict[key] = weight._tensor
 
 
 def parallelize_plan(module: nn.Module, tp_mesh, plan: dict) -> None:
