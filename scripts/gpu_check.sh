@@ -4,11 +4,15 @@
 #   scripts/gpu_check.sh OUTDIR                    # on the GPU machine (offline: the kit is installed first)
 #   scripts/gpu_check.sh OUTDIR --only float8_rowwise,linear_trainer   # a second command for skipped steps
 #   scripts/gpu_check.sh OUTDIR --tiny             # CPU, toy sizes in Triton's interpreter: checks the script
+# GPU_CHECK_SECONDS (default 540) is the whole command's time, the kit's install included; scripts/gpu_lease.sh
+# runs it across two device calls.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: scripts/gpu_check.sh OUTDIR [--tiny] [--only STEP,...]}
 shift
 started=$SECONDS
+[[ ${GPU_CHECK_SECONDS:-540} =~ ^[0-9]+$ ]] || {
+  echo "gpu_check: GPU_CHECK_SECONDS must be whole seconds, got '${GPU_CHECK_SECONDS}'" >&2; exit 2; }
 if [ -x .venv/bin/python ] && .venv/bin/python -c 'import torchtitan' 2>/dev/null; then
   PY=.venv/bin/python
 else
@@ -24,4 +28,4 @@ fi
 # which gpu_check.py brings back as OUTDIR/triton_autotune.json and restores from scripts/benchmarks/gpu_check_tuned.json.
 case " $* " in *" --tiny "*) export TRITON_INTERPRET=1 OMP_NUM_THREADS=1 ;; *) export TRITON_CACHE_AUTOTUNING=1 ;; esac
 export WANDB_MODE=offline PYTHONUNBUFFERED=1
-exec "$PY" scripts/benchmarks/gpu_check.py "$OUT" --budget $((540 - (SECONDS - started) - 15)) "$@"
+exec "$PY" scripts/benchmarks/gpu_check.py "$OUT" --budget $((${GPU_CHECK_SECONDS:-540} - (SECONDS - started) - 15)) "$@"

@@ -18,10 +18,21 @@ import gpu_check  # noqa: E402
 
 @pytest.mark.slow
 def test_tiny_mode_runs_every_step_and_writes_the_report(tmp_path, monkeypatch):
-    out = tmp_path / "out"
-    proc = subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh"), str(out), "--tiny"], cwd=REPO,
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    """Through ``scripts/gpu_lease.sh``, as a lease runs it: a first call starts the check in a session of
+    its own and brings back what it has written by its end; a second follows it until it ends."""
+    lease, run, first, out = REPO / "scripts" / "gpu_lease.sh", tmp_path / "run", tmp_path / "first", tmp_path / "out"
+    proc = subprocess.run(["bash", str(lease), "start", str(run), str(first), "3", "--tiny"], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 3 and "follow it in the next call" in proc.stdout, proc.stdout + proc.stderr
+    assert (first / "console.log").exists()
+    again = subprocess.run(["bash", str(lease), "start", str(run), str(first), "3", "--tiny"], cwd=REPO,
+                           capture_output=True, text=True, timeout=60)
+    assert again.returncode == 2 and "already holds a run" in again.stderr
+    proc = subprocess.run(["bash", str(lease), "follow", str(run), str(out), "900"], cwd=REPO,
+                          capture_output=True, text=True, timeout=960)
+    assert proc.returncode == 0 and "the check has ended" in proc.stdout, (proc.stdout + proc.stderr)[-4000:]
+    assert "[gpu_check] wrote" in (out / "console.log").read_text()
+    assert float((run / "deadline").read_text()) > time.time() + 600  # the follower's end, for the check to plan by
     report = json.loads((out / "gpu_check.json").read_text())
     steps = report["steps"]
     assert set(steps) == {"env", "kernel_tests", "losses", "canon_triton", "canon_bwd_blocks", "ops",
@@ -70,14 +81,16 @@ def test_steps_run_in_the_order_of_their_value():
     the linear models at 4k then 16k, float8, then the op microbenchmarks."""
     names = [s.name for s in gpu_check.steps(False, REPO)]
     first = {prefix: min(i for i, n in enumerate(names) if n.startswith(prefix))
-             for prefix in ("env", "kernel_tests", "canon_llama", "canon_triton", "canon_bwd_blocks", "linear_",
-                            "float8_", "ops")}
+             for prefix in ("env", "kernel_tests", "canon_llama", "canon_triton", "linear_", "float8_",
+                            "canon_bwd_blocks", "ops")}
     assert list(first) == sorted(first, key=first.get)
     assert gpu_check.steps(False, REPO)[names.index("losses")].group == "correctness"  # beside the kernel tests
     linear = [n for n in names if n.startswith("linear_")]
-    # 4k before 16k, except GLA5, whose two runs (fla's long first tuning) come after all others.
+    # 4k before 16k, except GLA5, whose two runs (fla's first tuning, over 150 s and never seen to end) come
+    # after all others, and after float8.
     assert linear == sorted(linear, key=lambda n: (n.startswith("linear_gla5"), n.endswith("_16k")))
     assert linear[-2:] == ["linear_gla5_4k", "linear_gla5_16k"]
+    assert names.index("float8_rowwise") < names.index("linear_gla5_4k") < names.index("canon_bwd_blocks")
     # The CP rank's attention after the op microbenchmarks (issue 42's question, not the Canon op's); not in
     # --tiny, whose test would only repeat what its own test checks.
     assert names.index("cp_attention") == names.index("ops") + 1
@@ -145,11 +158,12 @@ def test_profile_summary_sums_kernels_by_name_and_kind(tmp_path):
               {"cat": "kernel", "name": "memcpy32_post", "dur": 125},
               {"cat": "cpu_op", "name": "aten::mm", "dur": 99999},
               {"cat": "user_annotation", "name": "ProfilerStep#14", "dur": 12000},
-              {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "dur": 7},
-              {"cat": "cuda_runtime", "name": "cuLaunchKernel", "dur": 13},
-              {"cat": "cuda_runtime", "name": "cudaMemcpyAsync", "dur": 500},
-              {"cat": "cpu_op", "name": "canon_titan::canon_conv", "dur": 40},
-              {"cat": "cpu_op", "name": "canon_titan::canon_conv", "dur": 60},
+              {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "dur": 7, "ts": 1000, "tid": 1},
+              {"cat": "cuda_driver", "name": "cuLaunchKernel", "dur": 13, "ts": 1045, "tid": 1},
+              {"cat": "cuda_runtime", "name": "cudaMemcpyAsync", "dur": 500, "ts": 1010, "tid": 1},
+              {"cat": "cuda_runtime", "name": "cuLaunchKernel", "dur": 20, "ts": 1020, "tid": 2},
+              {"cat": "cpu_op", "name": "canon_titan::canon_conv", "dur": 40, "ts": 1000, "tid": 1},
+              {"cat": "cpu_op", "name": "canon_titan::canon_conv", "dur": 60, "ts": 1040, "tid": 2},
               {"cat": "cpu_op", "name": "canon_titan::canon_swiglu", "dur": 250}]
     trace = tmp_path / "rank0_trace.json.gz"
     with gzip.open(trace, "wt") as f:
@@ -159,14 +173,31 @@ def test_profile_summary_sums_kernels_by_name_and_kind(tmp_path):
     assert summary["kinds_ms"] == {"gemm": 4.0, "canon (triton)": 2.5, "attention": 1.5, "inductor (fused)": 0.5,
                                    "torch (copies, optimizer)": 0.25, "fla / mamba (triton)": 0.125, "other": 0.125}
     assert summary["top_ms"] == [["nvjet_sm90_tst_128x256", 4.0], ["_canon_bwd_kernel", 2.5]]
-    # The host's side: the step's span, two launches (a memcpy is not one), the custom ops by time.
-    assert summary["host"] == {"step_ms": 12.0, "launches": 2, "launch_ms": 0.02, "custom_ops": {
-        "canon_titan::canon_swiglu": {"calls": 1, "ms": 0.25}, "canon_titan::canon_conv": {"calls": 2, "ms": 0.1}}}
+    # The host's side: the step's span, three launches (a memcpy is not one), the custom ops by time, each with
+    # the launches on its thread within its span (the 45 us launch is on thread 1 after its call there ended;
+    # the one on thread 2 precedes that thread's call).
+    assert summary["host"] == {"step_ms": 12.0, "launches": 3, "launch_ms": 0.04, "custom_ops": {
+        "canon_titan::canon_swiglu": {"calls": 1, "ms": 0.25, "launches": 0, "launch_ms": 0.0},
+        "canon_titan::canon_conv": {"calls": 2, "ms": 0.1, "launches": 1, "launch_ms": 0.007}}}
     import gpu_check_report
 
     (line,) = gpu_check_report._host(summary["host"])
-    assert line == ("  host: the step spans 12.0 ms on the host, 2 kernel launches (0.0 ms in the launch calls); custom "
-                    "ops (launches included): `canon_swiglu` 1 calls 0.2 ms; `canon_conv` 2 calls 0.1 ms")
+    assert line == ("  host: the step spans 12.0 ms on the host, 3 kernel launches (0.0 ms in the launch calls); custom "
+                    "ops (launches included): `canon_swiglu` 1 calls 0.2 ms; `canon_conv` 2 calls 0.1 ms "
+                    "(1 launches, 0.0 ms)")
+
+
+def test_a_lease_end_written_later_shortens_the_budget(tmp_path):
+    """The end that ``gpu_lease.sh follow`` writes (Unix seconds) is taken where it is earlier than the run's
+    own; absent or unreadable, the run's own stands."""
+    path, own = tmp_path / "deadline", time.perf_counter() + 1000
+    assert gpu_check.lease_deadline(own, None) == own == gpu_check.lease_deadline(own, str(path))
+    path.write_text("soon")
+    assert gpu_check.lease_deadline(own, str(path)) == own
+    path.write_text(str(time.time() + 100))
+    assert gpu_check.lease_deadline(own, str(path)) - time.perf_counter() == pytest.approx(100, abs=1)
+    path.write_text(str(time.time() + 5000))
+    assert gpu_check.lease_deadline(own, str(path)) == own
 
 
 def test_a_step_past_its_limit_is_interrupted_and_reported(tmp_path):
@@ -176,6 +207,24 @@ def test_a_step_past_its_limit_is_interrupted_and_reported(tmp_path):
         gpu_check.run_step(step, 1, log)
     assert time.perf_counter() - started < 10
     assert step.result["status"] == "timed out" and "KeyboardInterrupt" in "\n".join(step.result["tail"])
+
+
+def test_a_step_that_outlasts_its_interrupt_is_killed_and_reported_as_timed_out(tmp_path, monkeypatch):
+    """The KILL that follows the interrupt takes ``timeout`` with it (its process group): the step timed out,
+    it did not fail."""
+    monkeypatch.setattr(gpu_check, "KILL_AFTER", 1)
+    deaf = "import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); time.sleep(60)"
+    step = gpu_check.Step("deaf", 1, [sys.executable, "-c", deaf])
+    started = time.perf_counter()
+    with open(tmp_path / "log", "w") as log:
+        gpu_check.run_step(step, 1, log)
+    assert time.perf_counter() - started < 10
+    assert step.result["status"] == "timed out, killed 1 s after its interrupt", step.result
+    # A step killed from elsewhere before its limit failed.
+    step = gpu_check.Step("killed", 30, [sys.executable, "-c", "import os, signal; os.killpg(0, signal.SIGKILL)"])
+    with open(tmp_path / "log", "w") as log:
+        gpu_check.run_step(step, 30, log)
+    assert step.result["status"] == "failed (-9)", step.result
 
 
 def test_a_steps_processes_in_sessions_of_their_own_do_not_outlive_it(tmp_path):

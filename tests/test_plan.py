@@ -298,9 +298,13 @@ def test_a_plan_on_a_gpu_machine_is_the_plan_on_a_cpu(tmp_path):
     picks the GPU (its ``device_type``) and ``torch.cuda.set_device``s the trainer's device, which the
     planner makes the CPU: on an H200 (2026-11-27) every plan failed with "Expected a cuda device, but
     got: cpu". Here torch reports an accelerator (a ``sitecustomize`` says one is present, as torch
-    would on a GPU machine): the plan must run, and equal the one without it."""
+    would on a GPU machine): the plan must run, and equal the one without it. Its torch also lacks the
+    pipeline stage's start-up names of torch 2.13, as the H200 kit's torch 2.11 did (2026-11-28: every plan
+    there failed importing ``InferenceMode``), which a plan without pipeline parallelism does not need."""
     (tmp_path / "sitecustomize.py").write_text(
-        "import torch._utils\ntorch._utils._get_available_device_type = lambda: 'cuda'\n")
+        "import torch._utils\ntorch._utils._get_available_device_type = lambda: 'cuda'\n"
+        "import torch.distributed.pipelining._utils as pp_utils\n"
+        "del pp_utils.InferenceMode, pp_utils._derive_grad_metas, pp_utils._StageBackwardMeta\n")
     args = [CONFIGS["llama_canon"], "--gpus", 2, "--gpu", "h200", "--json", "--model.canon_backend", "torch"]
     plans = []
     for pythonpath in (str(tmp_path), ""):

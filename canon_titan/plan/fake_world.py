@@ -296,7 +296,11 @@ def pipeline_without_peers(sent: dict, recorder: StepRecorder):
     learn them, then the shapes) is answered in this process. ``sent`` carries what earlier
     stages sent to later ones."""
     from torch.distributed.pipelining import stage as pipeline_stage
-    from torch.distributed.pipelining._utils import InferenceMode, _derive_grad_metas, _StageBackwardMeta
+    try:
+        from torch.distributed.pipelining._utils import InferenceMode, _derive_grad_metas, _StageBackwardMeta
+    except ImportError as e:  # torch 2.11 (the H200 kit of 2026-11-28) has another stage start-up
+        raise RuntimeError(f"planning pipeline parallelism needs torch >= 2.13, whose pipeline stages this planner "
+                           f"answers (this torch: {torch.__version__}: {e})") from None
 
     cls = pipeline_stage.PipelineStage
     names = ("_warmup_forward_vote", "_warmup_backward_result", "_recv_meta", "_send_meta",
@@ -429,8 +433,10 @@ def fake_rank_step(config, *, rank: int, world_size: int, positions: bool, fp8_l
         compiled = compiled_blocks or compiled_loss
         blocks = CompiledBlocks(trainer, recorder, blocks=compiled_blocks, loss=compiled_loss) if compiled \
             else contextlib.nullcontext()
-        modes = (fake_mode, FakeScalars(), pipeline_without_peers({} if pipeline_sent is None else pipeline_sent,
-                                                                   recorder), blocks)
+        # Only pipeline stages exchange shapes at start-up (and only torch >= 2.13's are answered here).
+        peers = pipeline_without_peers({} if pipeline_sent is None else pipeline_sent, recorder) \
+            if config.parallelism.pipeline_parallel_degree > 1 else contextlib.nullcontext()
+        modes = (fake_mode, FakeScalars(), peers, blocks)
         step = record_step(trainer, recorder, modes=modes)
         if compiled:
             # the steps the recorder adds after an op (a float8 GEMM's rescale) run where it runs

@@ -15,13 +15,15 @@ which installs the offline kit first where needed.
                       tuned and compiled (on disk) before their timed runs
   canon_llama         the trainer, one run each (TorchTitan's metrics; 1B, seq 4096, batch 2, compile):
   canon_triton          Llama-1B, then LlamaCanon-1B on the Triton Canon op: the Canon ratio
-  canon_bwd_blocks    the Canon backward kernels at each candidate block configuration (bench_canon
-                      --mode bwd_blocks: the fixed blocks are chosen from it)
   linear_*_4k         Mamba2, GDN2 (Canon AbbCD) at seq 4096 (against canon_llama)
-  linear_*_16k        Llama, Mamba2, GDN2 at seq 16384, batch 1; then GLA5 at 4096 and 16384 (fla's tuning is
-                      long); a case whose recurrence ``auto`` runs on torch here is skipped, saying why
+  linear_*_16k        Llama, Mamba2, GDN2 at seq 16384, batch 1; a case whose recurrence ``auto`` runs on torch
+                      here is skipped, saying why
   float8_tensorwise   LlamaCanon-1B (triton) with float8 training, each recipe (against canon_triton)
   float8_rowwise
+  linear_gla5_*       GLA5 at 4096 and 16384, after float8: fla's first tuning took over 150 s and no lease saw
+                      its end
+  canon_bwd_blocks    the Canon backward kernels at each candidate block configuration (bench_canon
+                      --mode bwd_blocks: the fixed blocks are chosen from it)
   float8_gemms        a Llama block's float8 GEMMs as torchao's recipes run them, against bf16, at the
                       shapes of the planner's TP 8 calibration points and of LlamaCanon-1B (bench_float8_gemm)
   ops                 the Canon ops against fla's causal_conv1d and the memory bound (bench_canon --mode ops)
@@ -92,8 +94,9 @@ TRAINER_STEPS, TRAINER_WARMUP = 12, 4
 """Medians over steps 5-12: the first steps compile and autotune."""
 TINY = {"flavor": "debug", "seq": 32, "batch": 1, "steps": 2, "warmup": 1}
 LINEAR = ("mamba2", "gdn2", "gla5")
-"""In the order they run at each length, GLA5's two runs after all others: its fla kernels took over 150 s to tune
-on an H200 (2026-11-26 and 27), and its 16k run reuses the 4k run's tuning."""
+"""In the order they run at each length, GLA5's two runs after all others and after float8: its fla kernels took
+over 150 s to tune on an H200 (2026-11-26 and 27; no lease saw the end of it), and its 16k run reuses the 4k run's
+tuning."""
 LINEAR_OPS = {"mamba2": "ssd", "gdn2": "gated_delta_rule", "gla5": "gla"}
 
 
@@ -113,12 +116,13 @@ def cases() -> list[Case]:
                         {"name": family, "flavor": "1B", "canon_set": "AbbCD"}, seq, batch, base=base,
                         tiny=(family == "gla5" and seq == 4096), limit=180, kernel_op=LINEAR_OPS[family])
                    for family in LINEAR]
-    out += sorted(linear, key=lambda c: c.model["name"] == "gla5")  # stable: otherwise as built
+    out += [c for c in linear if c.model["name"] != "gla5"]
     for recipe in ("tensorwise", "rowwise"):
         out.append(Case(f"float8_{recipe}", "float8", f"llama_canon (triton) {recipe}",
                         {**canon, "canon_backend": "triton"}, 4096, 2, base="canon_triton",
                         extra=("--float8.enable=true", f"--float8.recipe_name={recipe}"),
                         tiny=(recipe == "tensorwise"), limit=120))
+    out += [c for c in linear if c.model["name"] == "gla5"]  # after float8: fla's tuning has no known bound
     out.append(Case("canon_torch", "canon", "llama_canon (torch)", {**canon, "canon_backend": "torch"}, 4096, 2,
                     base="canon_llama"))
     return out
@@ -146,12 +150,9 @@ def steps(tiny: bool, work: Path) -> list[Step]:
                                                 *(ops or ["--reps", "20"]), "--json",
                                                 str(work / "canon_bwd_blocks.json")])
     ordered = [Step("env", 60, [py, SCRIPT, "--env", str(work / "env.json")]), *correctness]
-    names = list(trainer)
-    # The Canon backward's block sweep right after the Canon ratio (it picks the fixed blocks that the
-    # ratio depends on); the op microbenchmarks after every trainer run but the torch-backend reference.
-    after_canon = names.index("canon_triton") + 1
-    return (ordered + [trainer[n] for n in names[:after_canon]] + [blocks_step]
-            + [trainer[n] for n in names[after_canon:] if n != "canon_torch"] + [float8_gemms, ops_step]
+    # The op microbenchmarks (the Canon backward's block sweep first: it picks the fixed blocks) after every
+    # trainer run but the torch-backend reference.
+    return (ordered + [trainer[n] for n in trainer if n != "canon_torch"] + [blocks_step, float8_gemms, ops_step]
             + ([] if tiny else [cp_step])  # its own test runs it at toy sizes
             + ([trainer["canon_torch"]] if "canon_torch" in trainer else []))
 
@@ -427,19 +428,27 @@ def kill_leftovers(mark: str, wait: float = 10.0) -> list[int]:
     return pids
 
 
+KILL_AFTER = 15
+"""Seconds between a step's interrupt at its limit and its KILL."""
+
+
 def run_step(step: Step, limit: int, log) -> None:
     started = time.perf_counter()
     mark = f"{step.name}-{os.getpid()}"
     # INT first (Python prints where it was), KILL 15 s later if it is still there. The output goes to a file,
     # not a pipe: a leftover process holding the pipe open would keep the step from ending.
     with tempfile.TemporaryFile("w+") as output:
-        proc = subprocess.run(["timeout", "-s", "INT", "-k", "15", str(limit), *step.command], cwd=REPO,
+        proc = subprocess.run(["timeout", "-s", "INT", "-k", str(KILL_AFTER), str(limit), *step.command], cwd=REPO,
                               stdout=output, stderr=subprocess.STDOUT, text=True,
                               env=dict(os.environ, PYTHONUNBUFFERED="1", **{STEP_MARK: mark}))
         seconds = time.perf_counter() - started
         output.seek(0)
         text = output.read()
-    status = "ok" if proc.returncode == 0 else ("timed out" if proc.returncode in (124, 137) else f"failed ({proc.returncode})")
+    # A step that outlasts its interrupt is killed with its process group, ``timeout`` itself included (-9): on
+    # the H200 (2026-11-28) the three correctness steps were, and read "failed (-9)".
+    killed = proc.returncode == -9 and seconds >= limit
+    status = ("ok" if proc.returncode == 0 else "timed out" if proc.returncode in (124, 137)
+              else f"timed out, killed {KILL_AFTER} s after its interrupt" if killed else f"failed ({proc.returncode})")
     step.result.update(status=status, seconds=round(seconds, 1), limit=limit)
     leftovers = kill_leftovers(mark)
     if leftovers:
@@ -481,6 +490,19 @@ def trainer_runs(report: dict) -> list[dict]:
     return [s["data"] for s in report["steps"].values() if isinstance(s.get("data"), dict) and "overrides" in s["data"]]
 
 
+def lease_deadline(deadline: float, path: str | None) -> float:
+    """The earlier of ``deadline`` (``time.perf_counter`` seconds) and the end written in ``path`` (Unix seconds),
+    where it holds one: a run started before its lease's end was known (``scripts/gpu_lease.sh``: the second
+    device call writes it) plans its remaining steps against that end."""
+    if not path:
+        return deadline
+    try:
+        end = float(Path(path).read_text())
+    except (OSError, ValueError):
+        return deadline
+    return min(deadline, time.perf_counter() + end - time.time())
+
+
 _WRITING = threading.Lock()
 
 
@@ -519,6 +541,8 @@ def main(argv=None) -> int:
     p.add_argument("--budget", type=float, default=510, help="seconds for all steps (default 510: 9 minutes less setup)")
     p.add_argument("--only", help="comma list of steps to run, or their prefixes (linear_, float8_): a second "
                                   "command for what the first skipped")
+    p.add_argument("--deadline-file", help="a file that may come to hold an earlier end (Unix seconds), read "
+                                           "before each step (scripts/gpu_lease.sh's second call writes it)")
     p.add_argument("--replan", action="store_true",
                    help="add the planner's predictions to OUTDIR's report (any machine) and rewrite gpu_check.md")
     p.add_argument("--env", help=argparse.SUPPRESS)
@@ -587,7 +611,8 @@ def main(argv=None) -> int:
                 groups.append([step])
 
         def run_in_time(step: Step) -> None:
-            left = deadline - time.perf_counter() - 20  # a step past its limit gets 15 s to go
+            # A step past its limit gets 15 s to go.
+            left = lease_deadline(deadline, args.deadline_file) - time.perf_counter() - 20
             fallback = None if args.tiny else torch_fallback(step.name, report)
             if fallback:
                 step.result.update(status=f"skipped: {fallback}", seconds=0, limit=0)
@@ -607,7 +632,7 @@ def main(argv=None) -> int:
         for group in groups:
             with ThreadPoolExecutor(2 if args.tiny else len(group)) as pool:
                 list(pool.map(run_in_time, group))
-        add_predictions(report, deadline + 20)
+        add_predictions(report, lease_deadline(deadline, args.deadline_file) + 20)
     write_report(out, report)
     print(f"[gpu_check] wrote {out / 'gpu_check.md'}, {out / 'gpu_check.json'}, {out / 'gpu_check.log'}")
     return 0 if all(s.result.get("status") == "ok" for s in todo) else 1

@@ -70,6 +70,7 @@ def _host(host: dict | None) -> list[str]:
     if not host or not (host.get("step_ms") or host.get("launches")):
         return []
     ops = "; ".join(f"`{name.split('::', 1)[-1]}` {o['calls']} calls {o['ms']:.1f} ms"
+                    + (f" ({o['launches']} launches, {o['launch_ms']:.1f} ms)" if o.get("launches") else "")
                     for name, o in list(host["custom_ops"].items())[:6])
     span = f"the step spans {host['step_ms']:.1f} ms on the host, " if host.get("step_ms") else ""
     return [f"  host: {span}{host['launches']:,} kernel launches ({host['launch_ms']:.1f} ms in the launch calls)"

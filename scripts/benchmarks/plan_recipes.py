@@ -35,6 +35,7 @@ RELEASE_GPU_HOURS_1B_1T = 5200
 # H100, torch 2.11, Triton 3.6, 2026-11-22): one GPU, the recipe's shape on the built-in data
 # (vocabulary 784), batch 2 x 4096, compile, no activation checkpointing.
 BF16 = ["--training.dtype", "bfloat16", "--training.mixed_precision_param", "bfloat16"]
+SEQ_16K = ["--training.seq_len", "16384", "--training.local_batch_size", "1", "--training.global_batch_size", "1"]
 CALIBRATION = [
     ("Llama-1B", "Llama-1B-Nemo-1T-lr0.003", [], "h100", 45_200, 33.4, "2026-11-22, H100, torch 2.11"),
     ("LlamaCanon-1B, torch Canon backend", "LlamaCanon-1B-Nemo-1T-lr0.003", ["--model.canon_backend", "torch"],
@@ -60,6 +61,23 @@ CALIBRATION = [
      ["--model.kernel_backend", "mamba_ssm", "--training.seq_len", "4096", *BF16], "h200", 32_683, 27.4, "2026-11-27, H200, torch 2.11"),
     ("GDN2Canon-1B, torch recurrence kernel, bf16 weights", "GDN2Canon-1B-Nemo-1T-lr0.003",
      ["--model.kernel_backend", "torch", "--training.seq_len", "4096", *BF16], "h200", 9_091, 63.0, "2026-11-27, H200, torch 2.11"),
+    # scripts/gpu_lease.sh (one gpu_check.sh run across the lease's two calls), 2026-11-28: the same H200 kit and
+    # kernels, a host of its own (no leftover processes); the 16k runs at batch 1.
+    ("Llama-1B, bf16 weights", "Llama-1B-Nemo-1T-lr0.003", BF16, "h200", 45_904, 25.5, "2026-11-28, H200, torch 2.11"),
+    ("LlamaCanon-1B, Triton Canon op, bf16 weights", "LlamaCanon-1B-Nemo-1T-lr0.003",
+     ["--model.canon_backend", "triton", *BF16], "h200", 38_004, 26.2, "2026-11-28, H200, torch 2.11"),
+    ("LlamaCanon-1B, Triton Canon op, bf16 weights, float8 tensorwise", "LlamaCanon-1B-Nemo-1T-lr0.003",
+     ["--model.canon_backend", "triton", *BF16, "--float8.enable", "true", "--float8.recipe_name", "tensorwise"],
+     "h200", 31_422, 25.1, "2026-11-28, H200, torch 2.11"),
+    ("LlamaCanon-1B, Triton Canon op, bf16 weights, float8 rowwise", "LlamaCanon-1B-Nemo-1T-lr0.003",
+     ["--model.canon_backend", "triton", *BF16, "--float8.enable", "true", "--float8.recipe_name", "rowwise"],
+     "h200", 32_922, 25.1, "2026-11-28, H200, torch 2.11"),
+    ("Mamba2Canon-1B, mamba-ssm SSD kernel, bf16 weights", "Mamba2Canon-1B-Nemo-1T-lr0.003",
+     ["--model.kernel_backend", "mamba_ssm", "--training.seq_len", "4096", *BF16], "h200", 19_189, 27.4, "2026-11-28, H200, torch 2.11"),
+    ("Llama-1B at 16384, batch 1, bf16 weights", "Llama-1B-Nemo-1T-lr0.003",
+     [*SEQ_16K, *BF16], "h200", 35_294, 39.6, "2026-11-28, H200, torch 2.11"),
+    ("Mamba2Canon-1B at 16384, batch 1, mamba-ssm SSD kernel, bf16 weights", "Mamba2Canon-1B-Nemo-1T-lr0.003",
+     ["--model.kernel_backend", "mamba_ssm", *SEQ_16K, *BF16], "h200", 42_759, 43.7, "2026-11-28, H200, torch 2.11"),
 ]
 CALIBRATION_SHAPE = ["--training.local_batch_size", "2", "--training.global_batch_size", "2",
                      "--model.vocab_size", "784"]

@@ -97,21 +97,36 @@ def profile_summary(trace: Path, top: int = 12) -> dict:
 
 
 LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
-"""The CUDA runtime and driver calls that launch a kernel (Triton's launcher calls the driver's)."""
+"""The CUDA runtime and driver calls that launch a kernel (Triton's launcher calls the driver's; the profiler files
+driver calls under ``cuda_driver``, runtime calls under ``cuda_runtime``)."""
 
 
 def host_summary(events: list[dict]) -> dict:
     """What the host did in the profiled step, where a GPU step's idle time comes from: the step's span on the
     host (TorchTitan's ``ProfilerStep#N``), the kernel launches (count and time in the launch calls), and each of
     canon-titan's custom ops (``canon_titan::*``: the Canon op, the fla and mamba-ssm wrappers; calls and time,
-    their launches included)."""
+    their launches included, and the launches made inside them: how much of a custom op's host time is its
+    kernels' launching, and how much the Python around it)."""
     step = [e["dur"] for e in events if str(e.get("name", "")).startswith("ProfilerStep#") and "dur" in e]
-    launches = [e["dur"] for e in events if e.get("cat") == "cuda_runtime" and e.get("name") in LAUNCHES and "dur" in e]
-    ops: dict[str, list[float]] = {}
+    launches = [e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver") and e.get("name") in LAUNCHES
+                and "dur" in e]
+    ops: dict[str, list[dict]] = {}
     for e in events:
         if e.get("cat") == "cpu_op" and str(e.get("name", "")).startswith("canon_titan::") and "dur" in e:
-            ops.setdefault(e["name"], []).append(e["dur"])
+            ops.setdefault(e["name"], []).append(e)
+
+    def inside(calls: list[dict]) -> list[float]:
+        """The launches' times made on a call's thread within its span."""
+        spans = [(c.get("tid"), c["ts"], c["ts"] + c["dur"]) for c in calls if "ts" in c]
+        return [l["dur"] for l in launches if "ts" in l
+                and any(tid == l.get("tid") and start <= l["ts"] <= end for tid, start, end in spans)]
+
+    def op(calls: list[dict]) -> dict:
+        made = inside(calls)
+        return {"calls": len(calls), "ms": round(sum(c["dur"] for c in calls) / 1000, 3), "launches": len(made),
+                "launch_ms": round(sum(made) / 1000, 3)}
+
     return {"step_ms": round(max(step) / 1000, 3) if step else None, "launches": len(launches),
-            "launch_ms": round(sum(launches) / 1000, 3),
-            "custom_ops": {name: {"calls": len(d), "ms": round(sum(d) / 1000, 3)}
-                           for name, d in sorted(ops.items(), key=lambda kv: -sum(kv[1]))}}
+            "launch_ms": round(sum(l["dur"] for l in launches) / 1000, 3),
+            "custom_ops": {name: op(calls) for name, calls in sorted(ops.items(), key=lambda kv: -sum(
+                c["dur"] for c in kv[1]))}}
