@@ -38,6 +38,8 @@ def test_tiny_mode_runs_every_step_and_writes_the_report(tmp_path, monkeypatch):
     assert set(steps) == {"env", "kernel_tests", "losses", "canon_triton", "canon_bwd_blocks", "ops",
                           "linear_gla5_4k", "float8_tensorwise", "float8_gemms"}
     assert all(s["status"] == "ok" for s in steps.values()), steps
+    # The host that ran it: its CPU and cores (a host-bound step runs at its speed).
+    assert steps["env"]["data"]["host"].endswith(f", {os.cpu_count()} cores")
     assert steps["kernel_tests"]["tests"]["tests"] >= 1 and not steps["kernel_tests"]["tests"]["failed"]
     # GLA5 trained on fla's kernels by the trainer (in the interpreter), against torch.
     (pair,) = steps["losses"]["data"].values()
@@ -207,6 +209,8 @@ def test_a_step_past_its_limit_is_interrupted_and_reported(tmp_path):
         gpu_check.run_step(step, 1, log)
     assert time.perf_counter() - started < 10
     assert step.result["status"] == "timed out" and "KeyboardInterrupt" in "\n".join(step.result["tail"])
+    # The host's 1-minute load as it started (what else ran beside it).
+    assert step.result["load_before"] == pytest.approx(os.getloadavg()[0], abs=2)
 
 
 def test_a_step_that_outlasts_its_interrupt_is_killed_and_reported_as_timed_out(tmp_path, monkeypatch):

@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import subprocess
 import sys
 import tempfile
@@ -291,6 +292,12 @@ def environment() -> dict:
         problem = backends.import_problem(backend)
         packages[backend] = problem or backends.installed_version(backend)
     chosen = {op: backends.resolve_backend("auto", op=op) for op in backends.CUDA_BACKENDS}
+    # The host: a step bound by the host's work (Mamba2-1B at 4096 on the H200s, 2026-11-27 and 28) runs at
+    # its CPU's speed.
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() \
+        else platform.processor()
+    gpu["host"] = f"{cpu or 'unknown CPU'}, {os.cpu_count()} cores"
     return {**gpu, "python": sys.version.split()[0], "packages": packages,
             "auto_backends": {op: f"{b}" + (f" ({why})" if why else "") for op, (b, why) in chosen.items()}}
 
@@ -433,6 +440,8 @@ KILL_AFTER = 15
 
 
 def run_step(step: Step, limit: int, log) -> None:
+    # The host's load as the step starts (1-minute average): what else was running beside a timed run.
+    step.result["load_before"] = round(os.getloadavg()[0], 2)
     started = time.perf_counter()
     mark = f"{step.name}-{os.getpid()}"
     # INT first (Python prints where it was), KILL 15 s later if it is still there. The output goes to a file,

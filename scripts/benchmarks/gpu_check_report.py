@@ -116,12 +116,13 @@ def markdown(report: dict) -> str:
                                                       if report["tiny"] else ""), ""]
     if env:
         lines += [f"GPU {env.get('gpu', 'none')} {env.get('capability', '')}, driver {env.get('driver', '-')}, "
-                  f"Python {env['python']}; " + ", ".join(f"{k} {v}" for k, v in env["packages"].items()), "",
+                  f"host {env.get('host', '-')}, Python {env['python']}; "
+                  + ", ".join(f"{k} {v}" for k, v in env["packages"].items()), "",
                   "auto picks: " + "; ".join(f"{op} {b}" for op, b in env["auto_backends"].items()), ""]
-    lines += ["| step | status | seconds | limit |", "|---|---|---:|---:|"]
+    lines += ["| step | status | seconds | limit | host load before |", "|---|---|---:|---:|---:|"]
     lines += [f"| {name} | {s.get('status')}"
               f"{f' ({n} leftover processes killed)' if (n := s.get('leftovers_killed')) else ''} | "
-              f"{s.get('seconds', '')} | {s.get('limit', '')} |" for name, s in steps.items()]
+              f"{s.get('seconds', '')} | {s.get('limit', '')} | {s.get('load_before', '')} |" for name, s in steps.items()]
     lines.append("")
     for name, s in steps.items():
         if s.get("tail"):
