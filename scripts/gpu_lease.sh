@@ -19,17 +19,17 @@ shift 4
 mkdir -p "$out" || exit 2
 case $mode in
   start)
-    limit=540
-    if [ $# -ge 1 ] && [[ $1 =~ ^[0-9]+$ ]]; then limit=$1; shift; fi
+    # SECONDS, where given, becomes gpu_check.sh's GPU_CHECK_SECONDS (its own default otherwise).
+    if [ $# -ge 1 ] && [[ $1 =~ ^[0-9]+$ ]]; then export GPU_CHECK_SECONDS=$1; shift; fi
     if [ -e "$run/pid" ]; then echo "gpu_lease: $run already holds a run (its pid file); follow it" >&2; exit 2; fi
     mkdir -p "$run" || exit 2
     # setsid: a session of its own, which outlives this call; the pid written is the check's (exec all the way).
-    GPU_CHECK_SECONDS=$limit RUN=$run setsid bash -c 'echo $$ >"$RUN/pid.tmp" && mv "$RUN/pid.tmp" "$RUN/pid" &&
+    RUN=$run setsid bash -c 'echo $$ >"$RUN/pid.tmp" && mv "$RUN/pid.tmp" "$RUN/pid" &&
       exec bash scripts/gpu_check.sh "$RUN" --deadline-file "$RUN/deadline" "$@"' gpu_check "$@" \
       >"$run/console.log" 2>&1 </dev/null &
     for _ in $(seq 50); do [ -f "$run/pid" ] && break; sleep 0.1; done
     [ -f "$run/pid" ] || { echo "gpu_lease: the check did not start (see $run/console.log)" >&2; exit 1; }
-    echo "[gpu_lease] started scripts/gpu_check.sh $run (pid $(cat "$run/pid"), $limit s); copying its report for $wait s" ;;
+    echo "[gpu_lease] started scripts/gpu_check.sh $run (pid $(cat "$run/pid")${GPU_CHECK_SECONDS:+, $GPU_CHECK_SECONDS s}); copying its report for $wait s" ;;
   follow)
     [ -f "$run/pid" ] || { echo "gpu_lease: $run holds no run (no pid file): start one first" >&2; exit 2; }
     # The check stops starting steps 25 s before this call's end, and so ends within it.

@@ -319,6 +319,19 @@ def test_a_plan_on_a_gpu_machine_is_the_plan_on_a_cpu(tmp_path):
     assert on_gpu["ranks"] == on_cpu["ranks"]
 
 
+def test_planning_pipeline_stages_on_a_torch_without_their_start_up_names_says_what_it_needs(monkeypatch):
+    """Pipeline stages are answered through torch 2.13's start-up exchange; on a torch without it (the H200
+    kit's 2.11) a pipeline plan stops with an error that names the torch it needs."""
+    import torch.distributed.pipelining._utils as pp_utils
+
+    from canon_titan.plan.fake_world import StepRecorder, pipeline_without_peers
+
+    monkeypatch.delattr(pp_utils, "InferenceMode")
+    with pytest.raises(RuntimeError, match=r"planning pipeline parallelism needs torch >= 2.13.*InferenceMode"):
+        with pipeline_without_peers({}, StepRecorder()):
+            pass
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["LlamaCanon-8B-Nemo-1T-lr0.003", "GDN2Canon-8B-Nemo-1T-lr0.003"])
 def test_the_release_8b_recipes_plan_at_512_h200(recipe):

@@ -294,11 +294,11 @@ def environment() -> dict:
     chosen = {op: backends.resolve_backend("auto", op=op) for op in backends.CUDA_BACKENDS}
     # The host: a step bound by the host's work (Mamba2-1B at 4096 on the H200s, 2026-11-27 and 28) runs at
     # its CPU's speed.
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() \
-        else platform.processor()
-    gpu["host"] = f"{cpu or 'unknown CPU'}, {os.cpu_count()} cores"
-    return {**gpu, "python": sys.version.split()[0], "packages": packages,
+    cpuinfo = Path("/proc/cpuinfo")
+    models = [line.split(":", 1)[1].strip() for line in (cpuinfo.read_text() if cpuinfo.exists() else "").splitlines()
+              if line.startswith("model name")]
+    host = f"{(models[0] if models else platform.processor()) or 'unknown CPU'}, {os.cpu_count()} cores"
+    return {**gpu, "host": host, "python": sys.version.split()[0], "packages": packages,
             "auto_backends": {op: f"{b}" + (f" ({why})" if why else "") for op, (b, why) in chosen.items()}}
 
 
