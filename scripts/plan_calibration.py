@@ -1,7 +1,7 @@
-"""Plan every point of the published calibration set (issue 42) and print, or write into README.md,
+"""Plan every point of the published calibration set (issue 42) and print, or write into docs/benchmarks/planner.md,
 a table of measured against planned tokens/s per GPU and memory, with the median and worst error.
 
-    .venv/bin/python scripts/plan_calibration.py [--readme] [--only PATTERN] [--list]
+    .venv/bin/python scripts/plan_calibration.py [--docs] [--only PATTERN] [--list]
 
 The points are TorchTitan's own measurements (the pytorch/torchtitan repository's ``benchmarks/``
 folder): Llama 3.1 8B, 70B and 405B on the 500 W, 96 GB HBM2e H100 (``llama3_h100_202412_torchtitan.md``,
@@ -171,11 +171,11 @@ def _cells(row: str) -> list[str]:
     return [c.strip() for c in row.strip().strip("|").split("|")]
 
 
-def _readme_block(text: str) -> tuple[str, str, str]:
-    """README.md's text before, inside and after the table's markers."""
+def _page_block(text: str) -> tuple[str, str, str]:
+    """docs/benchmarks/planner.md's text before, inside and after the table's markers."""
     start, end = MARKERS
     if start not in text or end not in text:
-        raise SystemExit(f"README.md has no {start} ... {end} block")
+        raise SystemExit(f"docs/benchmarks/planner.md has no {start} ... {end} block")
     before, rest = text.split(start, 1)
     body, after = rest.split(end, 1)
     return before, body, after
@@ -211,7 +211,7 @@ def table(points: list[Point], log, kept: dict[str, str] | None = None) -> list[
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--readme", action="store_true", help="write the table into README.md between its markers "
+    parser.add_argument("--docs", action="store_true", help="write the table into docs/benchmarks/planner.md between its markers "
                         "(with --only: replan those rows, keep the others)")
     parser.add_argument("--only", action="append",
                         help="points whose 'file: label' matches this glob (e.g. '*table 1*'); repeat for more")
@@ -225,18 +225,18 @@ def main() -> int:
     def log(message: str) -> None:
         print(f"[plan_calibration] {message}", file=sys.stderr, flush=True)
 
-    if not args.readme:
+    if not args.docs:
         print("\n".join(table(points, log)))
         return 0
-    readme = REPO / "README.md"
-    kept = _rows_by_label(_readme_block(readme.read_text())[1])
+    page = REPO / "docs" / "benchmarks" / "planner.md"
+    kept = _rows_by_label(_page_block(page.read_text())[1])
     missing = [p.key for p in POINTS if p.label not in kept and p not in points]
     if missing:
-        raise SystemExit(f"README.md has no row for {missing[0]}: plan every point (no --only) first")
+        raise SystemExit(f"docs/benchmarks/planner.md has no row for {missing[0]}: plan every point (no --only) first")
     planned = {p.label: point_row(p, log) for p in points}
-    # README.md is read again only now, so that what changed in it while the points were planned
+    # The page is read again only now, so that what changed in it while the points were planned
     # (another run's rows included) is kept.
-    before, old, after = _readme_block(readme.read_text())
+    before, old, after = _page_block(page.read_text())
     if args.only:
         # the other points keep their rows (and the stamp says which were planned when)
         rows = table(POINTS, log, {**_rows_by_label(old), **planned})
@@ -247,8 +247,8 @@ def main() -> int:
     else:
         rows = table(POINTS, log, planned)
         stamp = f"_Planned {datetime.date.today()} with `scripts/plan_calibration.py`._"
-    write_atomic(readme, before + MARKERS[0] + "\n" + "\n".join(rows) + "\n\n" + stamp + "\n" + MARKERS[1] + after)
-    log(f"wrote {len(points)} planned points into {readme}")
+    write_atomic(page, before + MARKERS[0] + "\n" + "\n".join(rows) + "\n\n" + stamp + "\n" + MARKERS[1] + after)
+    log(f"wrote {len(points)} planned points into {page}")
     return 0
 
 

@@ -18,9 +18,9 @@ STEPS = ["--training.local_batch_size", "2", "--checkpoint.enable", "--checkpoin
 
 
 def readme_torchrun(dump, *extra):
-    """The README's "with torchrun directly" line, as it is written there, for ``dump``."""
-    readme = (REPO / "README.md").read_text()
-    block = re.search(r"# the same, with torchrun directly\n(.*?)\n```", readme, re.S).group(1)
+    """The launching guide's "with torchrun directly" line, as it is written there, for ``dump``."""
+    guide = (REPO / "docs" / "launching.md").read_text()
+    block = re.search(r"# the same, with torchrun directly\n(.*?)\n```", guide, re.S).group(1)
     words = block.replace("\\\n", " ").split()
     env = dict(word.split("=", 1) for word in words if re.fullmatch(r"[A-Z_]+=\S+", word))
     words = [w for w in words if not re.fullmatch(r"[A-Z_]+=\S+", w)]
@@ -117,8 +117,8 @@ def test_a_refusal_under_any_launcher_is_one_line_and_2_before_any_rank_builds(f
 def test_the_readme_launch_commands_run_in_order_each_in_its_own_dump_folder():
     """Run one after the other as written, the README's three single-node launch commands train
     (the second and third did not: they met the first one's finished run)."""
-    readme = (REPO / "README.md").read_text()
-    section = readme[readme.index("### Launching"):readme.index("Multi-node:")]
+    guide = (REPO / "docs" / "launching.md").read_text()
+    section = guide[:guide.index("## Multi-node")]
     folders = re.findall(r"--job\.dump_folder (\S+)", section)
     commands = [c for c in re.findall(r"```bash\n(.*?)```", section, re.S)]
     assert sum(block.count("canon_titan.train") + block.count("canon-titan train") + block.count("run_train.sh")

@@ -52,8 +52,8 @@ def _expand(pattern: str) -> list[str]:
 def test_the_readme_recipe_name_patterns_expand_to_the_files_that_exist():
     """Row 13: each pattern of the Release recipes section expands to names a user can type: files
     that exist, all of them, once (at 4a7b0a2 one pattern expanded to 36 names, of which 16 existed)."""
-    readme = (REPO / "README.md").read_text()
-    section = readme[readme.index("### Release recipes"):readme.index("### Planning a run at scale")]
+    configs = (REPO / "docs" / "configs.md").read_text()
+    section = configs[configs.index("## Release recipes"):]
     patterns = [p for p in re.findall(r"`([^`\s]*\{[^`\s]*\.toml)`", section)]
     names = [name for p in patterns for name in _expand(p)]
     assert all((REPO / n).is_file() or (REPO / "train_configs" / n).is_file() for n in names), names
@@ -64,8 +64,8 @@ def test_the_readme_recipe_name_patterns_expand_to_the_files_that_exist():
 def test_each_row_of_the_readme_recipe_plan_names_its_recipes():
     """Row 1: each row of the planned-recipes table names the recipe files it plans (at 4a7b0a2 an
     unlabelled "Llama-1B, 256 GPUs" row was the 2T recipe, and invited planning the 1T one at 256)."""
-    readme = (REPO / "README.md").read_text()
-    body = readme.split("<!-- plan:recipes -->", 1)[1].split("<!-- /plan:recipes -->", 1)[0]
+    page = (REPO / "docs" / "benchmarks" / "planner.md").read_text()
+    body = page.split("<!-- plan:recipes -->", 1)[1].split("<!-- /plan:recipes -->", 1)[0]
     cells = [line.strip("|").split("|")[0].strip() for line in body.splitlines() if line.startswith("| ")]
     names = [name for cell in cells[1:] for part in cell.split(" / ") for name in _expand(part + ".toml")]
     assert sorted(names) == sorted(p.name for p in (REPO / "train_configs").glob("*-Nemo-*.toml"))
@@ -74,9 +74,9 @@ def test_each_row_of_the_readme_recipe_plan_names_its_recipes():
 def test_the_readme_writes_only_under_ignored_folders():
     """Row 8: every folder or file the README's commands write (conversion outputs, dump folders,
     --out files) is ignored by git, so the tree is clean after following the guide."""
-    readme = (REPO / "README.md").read_text()
+    guide = "\n".join(p.read_text() for p in [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))])
     written = set()
-    for block in re.findall(r"```bash\n(.*?)```", readme, re.S):
+    for block in re.findall(r"```bash\n(.*?)```", guide, re.S):
         block = block.replace("\\\n", " ")
         written |= set(re.findall(r"convert (?:to-hf|from-hf) \S+ (\S+)", block))
         written |= set(re.findall(r"--job\.dump_folder (\S+)", block))

@@ -345,7 +345,7 @@ def _layout_from_text(text: str):
 
 
 def _search_rows() -> list[list[str]]:
-    text = (REPO / "README.md").read_text()
+    text = (REPO / "docs" / "benchmarks" / "planner.md").read_text()
     body = text.split("<!-- plan:search -->", 1)[1].split("<!-- /plan:search -->", 1)[0]
     return [[c.strip() for c in line.strip().strip("|").split("|")] for line in body.splitlines()
             if line.startswith("| ") and not line.startswith(("| recipes", "|---"))]

@@ -158,7 +158,7 @@ def test_local_eval_files_missing_are_named_as_such(tmp_path):
     message = str(e.value)
     assert message.startswith("local test files are missing") and "Hugging Face cache" not in message
     assert f"{tmp_path / 'babilong' / 'qa1_0k.jsonl'} does not exist" in message
-    assert "README, section 'Evaluating', Babilong" in message
+    assert "docs/evaluation.md, section Babilong" in message
 
 
 @pytest.mark.slow

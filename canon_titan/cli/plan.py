@@ -23,7 +23,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8): which groups "
                         "cross the network")
     parser.add_argument("--gpu", default="h100", help="h100, h200, a100, b200, or a TOML file with the figures of "
-                        "another GPU (see the README); default h100")
+                        "another GPU (see docs/planning.md); default h100")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.add_argument("--no-advice", action="store_true", help="do not plan changes for a run that does not fit")
     parser.add_argument("--attention-backend", choices=("cudnn", "flash"), default=None,

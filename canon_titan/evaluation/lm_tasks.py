@@ -31,7 +31,7 @@ def local_jsonl(data_dir: str = "eval_data", file: str = "", qa: str | None = No
     if not path.is_file():
         hint = ("canon-titan data multihop --out-dir" if file.startswith("multihop")
                 else "export the public Babilong release as JSON lines of input, question and target; "
-                     "README, section 'Evaluating', Babilong")
+                     "docs/evaluation.md, section Babilong")
         raise FileNotFoundError(f"test file {path} does not exist (data dir {data_dir!r}: pass --data-dir or set "
                                 f"CANON_EVAL_DATA; to make it: {hint})")
     if qa is not None:

@@ -2,7 +2,7 @@
 """Train-step throughput, memory and sequence-length scaling of the linear models (gla5, gdn2,
 mamba2; Canon 'AbbCD' and the conv baseline 'bb') against ``llama_canon`` (Canon-ABCD attention).
 
-Markdown tables (ready for the README):
+Markdown tables (ready for docs/benchmarks/):
 
 1. throughput: every model at one width (``--dim``, ``--layers``) and shape (``--batch`` x
    ``--seq-len``): tokens/s, step time, parameters and peak memory (CPU: the process's peak RSS

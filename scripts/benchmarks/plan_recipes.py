@@ -1,8 +1,8 @@
 """Plan every shipped release recipe at its reference GPU count (its header's "Reference run: N
 GPUs") on the release's GPU (H200), and the GPU-measured configurations against their
-measurements; print both tables as Markdown, or write them into README.md between their markers.
+measurements; print both tables as Markdown, or write them into docs/benchmarks/planner.md between their markers.
 
-    .venv/bin/python scripts/benchmarks/plan_recipes.py [--readme] [--only PATTERN] [--gpu h200]
+    .venv/bin/python scripts/benchmarks/plan_recipes.py [--docs] [--only PATTERN] [--gpu h200]
         [--no-calibration | --no-recipes]
 
 Recipes that differ only in learning rate share a plan (a 2T-token recipe scales the GPU-hours
@@ -52,7 +52,7 @@ CALIBRATION = [
      ["--model.canon_backend", "triton", *BF16, "--float8.enable", "true", "--float8.recipe_name", "rowwise"],
      "h200", 25_056, 25.1, "2026-11-26, H200, torch 2.11"),
     # scripts/gpu_check.sh, 2026-11-27: the same H200 kit, the Canon backward kernels with their loops
-    # rewritten; the loss step's leftover processes shared the host then (README, "Measured on a GPU"). The
+    # rewritten; the loss step's leftover processes shared the host then (docs/benchmarks/gpu.md). The
     # linear recipes train at 16384: measured, and planned, at 4096.
     ("Llama-1B, bf16 weights", "Llama-1B-Nemo-1T-lr0.003", BF16, "h200", 42_158, 25.5, "2026-11-27, H200, torch 2.11"),
     ("LlamaCanon-1B, Triton Canon op, bf16 weights", "LlamaCanon-1B-Nemo-1T-lr0.003",
@@ -142,9 +142,9 @@ def calibration_table(log) -> list[str]:
 
 
 def split_block(text: str, start: str, end: str) -> tuple[str, str, str]:
-    """README.md's text before, between and after a pair of markers."""
+    """docs/benchmarks/planner.md's text before, between and after a pair of markers."""
     if start not in text or end not in text:
-        raise SystemExit(f"README.md has no {start} ... {end} block")
+        raise SystemExit(f"docs/benchmarks/planner.md has no {start} ... {end} block")
     before, rest = text.split(start, 1)
     body, after = rest.split(end, 1)
     return before, body, after
@@ -160,7 +160,7 @@ def replace_block(text: str, name: str, rows: list[str], *, markers: tuple[str, 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--readme", action="store_true", help="write the tables into README.md")
+    parser.add_argument("--docs", action="store_true", help="write the tables into docs/benchmarks/planner.md")
     parser.add_argument("--only", help="recipes whose name matches this glob (e.g. 'Llama*-1B-*')")
     parser.add_argument("--gpu", default="h200", help="the GPU of the recipe table (default h200, the release's)")
     parser.add_argument("--no-calibration", action="store_true")
@@ -173,13 +173,13 @@ def main() -> int:
     tables = {} if args.no_recipes else {"recipes": recipe_table(args.gpu, args.only, log)}
     if not args.no_calibration:
         tables["calibration"] = calibration_table(log)
-    if args.readme:
-        readme = REPO / "README.md"
-        text = readme.read_text()
+    if args.docs:
+        page = REPO / "docs" / "benchmarks" / "planner.md"
+        text = page.read_text()
         for name, rows in tables.items():
             text = replace_block(text, name, rows)
-        write_atomic(readme, text)
-        log(f"wrote {', '.join(tables)} into {readme}")
+        write_atomic(page, text)
+        log(f"wrote {', '.join(tables)} into {page}")
     else:
         for rows in tables.values():
             print("\n".join(rows) + "\n")

@@ -1,13 +1,13 @@
 """``canon-titan plan --search`` over the release recipes: each recipe's own layout against the
 fastest layout found that keeps its global batch, at the recipe's reference GPU count on H200 (the
 release's GPU) and on one smaller cluster (64 H100s); GPU-hours per 1T tokens. Prints the table as
-Markdown, or writes it into README.md between its markers (rows of recipes not searched this time
+Markdown, or writes it into docs/benchmarks/planner.md between its markers (rows of recipes not searched this time
 are kept).
 
-    .venv/bin/python scripts/benchmarks/plan_search_recipes.py [--readme] [--only PATTERN] [--budget-s S] [--workers N] [--top K]
-    .venv/bin/python scripts/benchmarks/plan_search_recipes.py --readme --refigure [--only PATTERN]
+    .venv/bin/python scripts/benchmarks/plan_search_recipes.py [--docs] [--only PATTERN] [--budget-s S] [--workers N] [--top K]
+    .venv/bin/python scripts/benchmarks/plan_search_recipes.py --docs --refigure [--only PATTERN]
 
-``--refigure`` plans the figures of the README's rows again with their layouts as found, without a
+``--refigure`` plans the figures of the table's rows again with their layouts as found, without a
 search (after a change to the planner's cost model; the layouts are not re-ranked).
 
 Recipes that differ only in learning rate share a row. A recipe (its two clusters) takes 5-100
@@ -71,7 +71,7 @@ def rows(pattern: str | None, budget_s: float, workers: int | None = None, top: 
 
 
 def refigured_rows(text: str, pattern: str | None) -> dict[tuple[str, str], str]:
-    """The README's rows whose recipe matches ``pattern``, their layouts kept as found and their
+    """The table's rows whose recipe matches ``pattern``, their layouts kept as found and their
     figures planned again (after a change to the planner's cost model, without the hours a search
     takes; the ranking of the layouts is not redone)."""
     from canon_titan.config import load
@@ -115,7 +115,7 @@ def refigured_rows(text: str, pattern: str | None) -> dict[tuple[str, str], str]
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--readme", action="store_true", help="write the rows into README.md between the markers")
+    parser.add_argument("--docs", action="store_true", help="write the rows into docs/benchmarks/planner.md between the markers")
     parser.add_argument("--only", help="recipes whose name matches this glob")
     parser.add_argument("--budget-s", type=float, default=7200.0,
                         help="each search's budget (default 7200: a row is the whole search, its variants and "
@@ -125,15 +125,15 @@ def main() -> int:
     parser.add_argument("--top", type=int, default=3,
                         help="the search's --top: it plans the best 2 x top (at least 6) probed layouts in full (default 3)")
     parser.add_argument("--refigure", action="store_true",
-                        help="with --readme: plan the figures of the README's rows again with their layouts as "
+                        help="with --docs: plan the figures of the table's rows again with their layouts as "
                              "found (no search); the stamp says which rows")
     args = parser.parse_args()
     if args.refigure:
-        if not args.readme:
-            parser.error("--refigure rewrites README.md's rows: give --readme too")
-        readme = REPO / "README.md"
-        refigured = refigured_rows(readme.read_text(), args.only)
-        text = readme.read_text()  # read again: another script may have written meanwhile
+        if not args.docs:
+            parser.error("--refigure rewrites docs/benchmarks/planner.md's rows: give --docs too")
+        page = REPO / "docs" / "benchmarks" / "planner.md"
+        refigured = refigured_rows(page.read_text(), args.only)
+        text = page.read_text()  # read again: another script may have written meanwhile
         _, body, _ = split_block(text, *MARKERS)
         lines = [line for line in body.splitlines() if line.startswith("| ")
                  and not line.startswith(("| recipes", "|---"))]
@@ -142,16 +142,16 @@ def main() -> int:
         stamps = [line for line in body.splitlines() if line.startswith("_")]
         stamps.append(f"_Figures of the rows matching `{args.only or '*'}` planned again {datetime.date.today()} "
                       f"with their layouts as found (`--refigure`)._")
-        write_atomic(readme, replace_block(text, "search", HEADER + [keyed[k] for k in sorted(keyed)],
+        write_atomic(page, replace_block(text, "search", HEADER + [keyed[k] for k in sorted(keyed)],
                                            markers=MARKERS, stamp="\n".join(stamps)))
-        print(f"[plan_search_recipes] refigured {len(refigured)} rows in {readme}", file=sys.stderr)
+        print(f"[plan_search_recipes] refigured {len(refigured)} rows in {page}", file=sys.stderr)
         return 0
     new = rows(args.only, args.budget_s, args.workers, args.top)
-    if not args.readme:
+    if not args.docs:
         print("\n".join(HEADER + new))
         return 0
-    readme = REPO / "README.md"
-    text = readme.read_text()
+    page = REPO / "docs" / "benchmarks" / "planner.md"
+    text = page.read_text()
     _, body, _ = split_block(text, *MARKERS)
     kept = {}
     for line in body.splitlines() + new:  # rows of recipes not searched this time stay
@@ -159,9 +159,9 @@ def main() -> int:
             cells = [c.strip() for c in line.strip("|").split("|")]
             kept[(cells[0], cells[1])] = line
     stamp = f"_Searched {datetime.date.today()} with `scripts/benchmarks/plan_search_recipes.py`._"
-    write_atomic(readme, replace_block(text, "search", HEADER + [kept[k] for k in sorted(kept)], markers=MARKERS,
+    write_atomic(page, replace_block(text, "search", HEADER + [kept[k] for k in sorted(kept)], markers=MARKERS,
                                        stamp=stamp))
-    print(f"[plan_search_recipes] wrote {len(new)} rows into {readme}", file=sys.stderr)
+    print(f"[plan_search_recipes] wrote {len(new)} rows into {page}", file=sys.stderr)
     return 0
 
 

@@ -1,0 +1,195 @@
+"""The user's guide is true about the tree: README.md and every page under docs/. Every repository
+path a page names exists, every ``canon-titan`` command it shows names a real subcommand and only
+options that subcommand's ``--help`` lists (``--section.key`` overrides are the config's, checked by
+``config validate``), every link between pages resolves to a file and, with an anchor, to one of its
+headings; README.md stays a front page."""
+
+import re
+import shutil
+
+import pytest
+
+from conftest import REPO
+
+README = REPO / "README.md"
+PAGES = [README, *sorted((REPO / "docs").rglob("*.md"))]
+TOPICS = ["configs", "models", "data", "launching", "parallelism", "checkpoints", "evaluation", "planning",
+          "failures", "extending", "development"]
+BENCHMARKS = ["gpu", "planner", "cpu"]
+MAX_README_LINES = 400
+TOP = ("canon_titan", "scripts", "train_configs", "tests", "docs", "eval", "model_registry", "synthetic_data", ".ci")
+PATH = re.compile(r"(?<![\w./-])((?:%s)/[\w./-]*)" % "|".join(re.escape(t) for t in TOP))
+TWO_LEVEL = {"config", "convert", "data", "eval"}
+NOT_PATHS = {
+    "eval/depo1/k", "eval/hellaswag/acc_norm",  # metric names in the logs, not files
+    "train_configs/FILE.toml", "train_configs/my.toml",  # a placeholder, and an example error message's file
+}
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def named_paths(text: str) -> set[str]:
+    """Repository paths in backticks, code blocks and links; patterns and placeholders are not paths."""
+    found = set()
+    for match in PATH.finditer(text):
+        path = match.group(1).rstrip(".,:;)")
+        end = match.end(1)
+        if end < len(text) and text[end] in "*{<":  # a glob or a placeholder follows
+            continue
+        found.add(path)
+    return found - NOT_PATHS
+
+
+def missing_paths(text: str, root) -> list[str]:
+    return sorted(p for p in named_paths(text) if not (root / p).exists())
+
+
+def commands(text: str) -> list[list[str]]:
+    """Each ``canon-titan ...`` command line (continuations joined), as words."""
+    joined = re.sub(r"\\\n\s*", " ", text)
+    out = []
+    # In code (a backtick, the venv's bin folder or the start of a code line before it), not in prose.
+    for match in re.finditer(r"(?:(?<=`)|(?<=\.venv/bin/)|(?<=^)|(?<=^\$ ))canon-titan ([^`\n|]*)", joined, re.M):
+        words = match.group(1).split()
+        log_line = any(w.endswith(":") for w in words[:3])  # what a run prints, e.g. `canon-titan runtime shims: ...`
+        if words and re.fullmatch(r"[a-z][a-z-]*", words[0]) and not log_line:
+            out.append(words)
+    return out
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, markup and punctuation dropped, spaces as hyphens."""
+    text = re.sub(r"[`*]|\[([^\]]*)\]\([^)]*\)", lambda m: m.group(1) or "", heading.strip().lower())
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def anchors(text: str) -> set[str]:
+    """The anchors of a page's headings (outside code blocks), repeats numbered as GitHub numbers them."""
+    seen: dict[str, int] = {}
+    out = set()
+    for heading in re.findall(r"^#{1,6} (.+)$", re.sub(r"```.*?```", "", text, flags=re.S), re.M):
+        base = slug(heading)
+        out.add(f"{base}-{seen[base]}" if base in seen else base)
+        seen[base] = seen.get(base, 0) + 1
+    return out
+
+
+def broken_links(page, root) -> list[str]:
+    """Links of ``page`` (a path under ``root``) to files of the tree that do not exist, or to an
+    anchor that is not one of the target page's headings."""
+    text = page.read_text()
+    out = []
+    for target in LINK.findall(re.sub(r"```.*?```", "", text, flags=re.S)):
+        if re.match(r"[a-z]+://", target) or target.startswith("mailto:"):
+            continue
+        path, _, anchor = target.partition("#")
+        file = (page.parent / path).resolve() if path else page
+        if not file.exists() or root.resolve() not in file.parents and file != root.resolve():
+            out.append(f"{page.relative_to(root)}: {target} (no such file)")
+        elif anchor and file.suffix == ".md" and anchor not in anchors(file.read_text()):
+            out.append(f"{page.relative_to(root)}: {target} (no such heading)")
+    return out
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(REPO)))
+def test_every_path_a_page_names_exists(page):
+    assert missing_paths(page.read_text(), REPO) == []
+
+
+def test_the_guide_names_paths():
+    assert len(set().union(*(named_paths(p.read_text()) for p in PAGES))) > 80
+
+
+def test_a_path_removed_from_the_tree_is_caught(tmp_path):
+    """The check above fails when a named file goes: a copy of the tree without one of them."""
+    text = "\n".join(p.read_text() for p in PAGES)
+    paths = sorted(named_paths(text))
+    for p in paths:
+        source, target = REPO / p, tmp_path / p
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if source.is_dir():
+            target.mkdir(exist_ok=True)
+        else:
+            shutil.copy(source, target)
+    assert missing_paths(text, tmp_path) == []
+    removed = "scripts/benchmarks/plan_recipes.py"
+    assert removed in paths
+    (tmp_path / removed).unlink()
+    assert missing_paths(text, tmp_path) == [removed]
+
+
+def _help(argv: list[str], capsys) -> str:
+    from canon_titan.cli import COMMANDS, main
+
+    assert argv[0] in COMMANDS, f"the guide names `canon-titan {argv[0]}`; commands: {', '.join(COMMANDS)}"
+    with pytest.raises(SystemExit) as exit_:
+        main([*argv, "--help"])
+    assert exit_.value.code == 0, argv
+    return capsys.readouterr().out
+
+
+def test_every_canon_titan_command_in_the_guide_exists_with_its_options(capsys):
+    found = [words for page in PAGES for words in commands(page.read_text())]
+    assert len(found) > 20
+    helps: dict[tuple[str, ...], str] = {}
+    for words in found:
+        key = tuple(words[:2]) if words[0] in TWO_LEVEL and len(words) > 1 and not words[1].startswith("-") \
+            else (words[0],)
+        if key not in helps:
+            helps[key] = _help(list(key), capsys)
+        options = {w.split("=")[0] for w in words if re.fullmatch(r"--[a-z][\w-]*(=.*)?", w)}
+        unknown = sorted(o for o in options if o not in helps[key] and o != "--help")
+        assert not unknown, f"`canon-titan {' '.join(words)}`: {unknown} not in `canon-titan {' '.join(key)} --help`"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(REPO)))
+def test_every_link_between_pages_resolves(page):
+    assert broken_links(page, REPO) == []
+
+
+def test_a_broken_link_is_caught(tmp_path):
+    """A link to a page that is not there, and one to a heading the page does not have."""
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.md").write_text("# A page\n\n## Multi-node: `run_train.sh`\n\n```\n## not a heading\n```\n")
+    page = tmp_path / "README.md"
+    page.write_text("[ok](docs/a.md#multi-node-run_trainsh) [ok](docs/a.md#a-page) [ok](#front) [web](https://x.org/y)\n"
+                    "[gone](docs/b.md) [bad](docs/a.md#not-a-heading) [self](#nowhere)\n# Front\n")
+    assert broken_links(page, tmp_path) == ["README.md: docs/b.md (no such file)",
+                                            "README.md: docs/a.md#not-a-heading (no such heading)",
+                                            "README.md: #nowhere (no such heading)"]
+
+
+def test_the_readme_is_a_front_page():
+    """At most 400 lines; the two set-up commands on its first screen; a link to every topic page and
+    benchmark file, each of which exists."""
+    lines = README.read_text().splitlines()
+    assert len(lines) <= MAX_README_LINES, f"README.md has {len(lines)} lines; keep it to {MAX_README_LINES}"
+    first = "\n".join(lines[:15])
+    assert "scripts/quickstart.sh" in first and "scripts/test.sh" in first
+    links = set(LINK.findall(README.read_text()))
+    for name in TOPICS:
+        assert (REPO / "docs" / f"{name}.md").is_file() and f"docs/{name}.md" in links, name
+    for name in BENCHMARKS:
+        assert (REPO / "docs" / "benchmarks" / f"{name}.md").is_file() and f"docs/benchmarks/{name}.md" in links, name
+
+
+def test_the_playground_figure_is_drawn_from_the_playground_tables(tmp_path):
+    """``docs/accuracy.png`` is drawn from ``docs/playground_results.json``; every bar of it, with
+    its 95% interval, is a cell of the playground tables in docs/data.md, and the quick start's
+    cells are the README's."""
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location("playground", REPO / "scripts" / "playground.py")
+    playground = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(playground)
+    results = json.loads((REPO / "docs" / "playground_results.json").read_text())
+    text = (REPO / "docs" / "data.md").read_text().replace("**", "")
+    cells = [playground.cell(group) for task in results.values() for model in task.values()
+             for group in model["groups"].values()]
+    assert len(cells) == 16
+    assert [c for c in cells if f"| {c} |" not in text] == []
+    readme = README.read_text().replace("**", "")
+    quick = [playground.cell(group) for model in results["Depo, 300 steps (quick start)"].values() for group in model["groups"].values()]
+    assert quick and [c for c in quick if f"| {c} |" not in readme] == []
+    playground.plot(results, tmp_path / "accuracy.png")
+    assert (tmp_path / "accuracy.png").stat().st_size > 10_000
