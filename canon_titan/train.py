@@ -8,7 +8,14 @@ import os
 import signal
 import sys
 
-from canon_titan.tools.startup import importing
+from canon_titan.components.exit_codes import stop_before_training
+from canon_titan.tools.cuda_allocator import use_expandable_segments
+from canon_titan.tools.startup import importing, process_setup
+
+if __name__ == "__main__":
+    process_setup()  # before the imports below print
+    stop_before_training()  # from the first instant: a stop signal while importing torch is one line and 75
+    use_expandable_segments()
 
 with importing():  # seconds of imports, without the garbage collector walking them
     import torch
@@ -17,7 +24,7 @@ with importing():  # seconds of imports, without the garbage collector walking t
 
     from canon_titan.components.checkpointer import NonFiniteParameters, SaveFailed
     from canon_titan.components.divergence import Diverged
-    from canon_titan.components.exit_codes import PREEMPTED, REFUSED, STOPPED, report_exit, report_saved
+    from canon_titan.components.exit_codes import PREEMPTED, REFUSED, STOPPED, report_exit, report_saved, say_once
     from canon_titan.components.preemption import Preempted
     from canon_titan.config import ConfigError, load
     from canon_titan.config.build import build_trainer_config
@@ -26,7 +33,7 @@ with importing():  # seconds of imports, without the garbage collector walking t
     from canon_titan.data.inputs import DataConfigError
     from canon_titan.launch.ownership import die_with_parent
     from canon_titan.launch.prelaunch import agreed_verdict
-    from canon_titan.launch.resume_checks import ResumeRefused
+    from canon_titan.components.resume_checks import ResumeRefused
     from canon_titan.tools import runtime
     from canon_titan.trainer import FinishedRun
 
@@ -50,21 +57,18 @@ def _main(argv: list[str] | None) -> int:
         die_with_parent(signal.SIGKILL)
     path, overrides = parse_args(sys.argv[1:] if argv is None else argv)
     init_logger()
-    rank0 = int(os.environ.get("RANK", "0")) == 0
     try:
         run = load(path, overrides)
         config = build_trainer_config(run)
-    except ConfigError as e:  # the same on every rank: said once
-        if rank0:
-            print(f"canon-titan: config error: {e}", file=sys.stderr)
+    except ConfigError as e:  # the same on every rank
+        say_once(f"config error: {e}")
         return REFUSED
     # Before any rank builds or loads: rank 0 decides whether the run may start, every rank agrees.
     verdict = agreed_verdict(run)
     for message in verdict.warnings:
         logger.warning(message)
-    if verdict.problem:
-        if rank0:
-            print(f"canon-titan: {verdict.problem}", file=sys.stderr)
+    if verdict.problem:  # every rank has it: on every node's console
+        say_once(verdict.problem)
         return REFUSED
     runtime.apply()
     logger.info(f"Run config {run.source} ({run['model']['name']} {run['model']['flavor']})")
@@ -81,9 +85,9 @@ def _main(argv: list[str] | None) -> int:
         else:
             trainer.train()
     except (NoLoadableCheckpoint, FinishedRun, ResumeRefused) as e:
-        code, say = REFUSED, _rank0_line(str(e))
+        code, say = REFUSED, functools.partial(say_once, str(e))
     except (DataConfigError, DataError) as e:  # found as the loader opens the data (a damaged token shard, ...)
-        code, say = REFUSED, _rank0_line(f"data error: {e}")
+        code, say = REFUSED, functools.partial(say_once, f"data error: {e}")
     except Preempted as e:
         # 75 says "saved, requeue": only with a checkpoint of the step reached, which the torchrun wrapper checks.
         code, say = PREEMPTED, functools.partial(logger.warning, str(e))
@@ -92,7 +96,7 @@ def _main(argv: list[str] | None) -> int:
         else:
             code = STOPPED
     except (Diverged, NonFiniteParameters, SaveFailed) as e:
-        code, say = STOPPED, _rank0_line(str(e))
+        code, say = STOPPED, functools.partial(say_once, str(e))
     finally:
         if trainer is not None:
             trainer.close()
@@ -101,14 +105,6 @@ def _main(argv: list[str] | None) -> int:
     if say is not None:
         say()
     return code
-
-
-def _rank0_line(message: str):
-    """Print ``canon-titan: message`` on rank 0 (every rank stops for the same reason)."""
-    def say():
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"canon-titan: {message}", file=sys.stderr, flush=True)
-    return say
 
 
 if __name__ == "__main__":

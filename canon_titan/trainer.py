@@ -18,7 +18,6 @@ from typing import Annotated
 
 import torch
 import tyro
-from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.tensor import DTensor
 
 from torchtitan.components.metrics import MetricsProcessor
@@ -26,15 +25,19 @@ from torchtitan.distributed.utils import set_determinism
 from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
-from canon_titan.components.checkpointer import newest_checkpoint_hint, newest_checkpoint_line
-from canon_titan.components.divergence import Diverged, DivergenceSection, LossGuard
+from canon_titan.components.checkpointer import newest_checkpoint_line
+from canon_titan.components.divergence import RECORD_SIZE, Diverged, DivergenceSection, LossGuard
 from canon_titan.components.float8 import precompute_float8_scales
 from canon_titan.components.preemption import Preempted, StopSignals
-from canon_titan.convert.dcp_io import hf_export_steps, model_only_steps, read_metadata, resume_step
+from canon_titan.components.resume_checks import (GLOBAL_BATCH_KEY, ResumeRefused, check_resume, loads_model_only,
+                                                   saved_loader_keys)
+from canon_titan.components.step_records import StepRecords
+from canon_titan.convert.dcp_io import (NoLoadableCheckpoint, hf_export_steps, model_only_steps, read_metadata,
+                                       resume_step)
 from canon_titan.convert.hf import tokenizer_info, write_hf_files
 from canon_titan.evaluation.in_training import EvalSettings, InTrainingEval
-from canon_titan.launch.resume_checks import GLOBAL_BATCH_KEY, check_resume, loads_model_only, saved_loader_keys
 from canon_titan.models.common.context_parallel import context_parallel_inputs
+from canon_titan.models.common.tensor_parallel import sum_partial_gradients
 from canon_titan.tools import runtime
 from canon_titan.tools.fileio import write_atomic
 
@@ -61,6 +64,45 @@ def resume_point(folder: str, load_step: int, steps: int, dump_folder: str) -> t
     if step >= steps:
         raise FinishedRun(finished_message(dump_folder, step, steps))
     return step, skipped
+
+
+@dataclass
+class ResumePlan:
+    """Where a run resumes (``step``, -1: a fresh start) and what of that checkpoint it takes."""
+
+    step: int
+    skipped: list[str]
+    """One line per newer step folder skipped."""
+    resumes: bool
+    """A checkpoint the run continues from (not a fresh start or a ``load_only`` one)."""
+    warnings: list[str] = field(default_factory=list)
+    new_data_pass: bool = False
+    model_only: bool = False
+    batch_in_checkpoint: bool = False
+    loader_keys: list[str] = field(default_factory=list)
+
+
+def rank_zero_decides(decide):
+    """``decide()`` run by rank 0 alone, and its result, or the refusal it raised, for every rank: one
+    rank reads the checkpoint folder's metadata (not a thousand), and every rank stops on a refusal,
+    none left waiting in the load's collectives."""
+    if not torch.distributed.is_initialized():
+        return decide()
+    answer, failure = [None], None
+    if torch.distributed.get_rank() == 0:
+        try:
+            answer[0] = decide()
+        except (FinishedRun, NoLoadableCheckpoint, ResumeRefused) as refusal:
+            answer[0] = refusal
+        except Exception as e:  # anything else (an unreadable folder): every rank stops, none left waiting here
+            failure = e
+            answer[0] = RuntimeError(f"rank 0 could not decide where to resume: {type(e).__name__}: {e}")
+    torch.distributed.broadcast_object_list(answer, src=0)
+    if failure is not None:
+        raise failure
+    if isinstance(answer[0], Exception):
+        raise answer[0]
+    return answer[0]
 
 
 def config_changes(previous_file: str, new_toml: str, shown: int = 8) -> str:
@@ -131,8 +173,9 @@ class CanonTrainer(Trainer):
         777. None: ``debug.seed`` seeds the weights too."""
         divergence: Annotated[DivergenceSection, tyro.conf.Suppress] = field(default_factory=DivergenceSection)
         float8_precompute_scales: Annotated[bool, tyro.conf.Suppress] = False
-        """``[float8] precompute_float8_dynamic_scale_for_fsdp``: after each optimizer step, the float8
-        weights' scales for FSDP's float8 all-gather, in one all-reduce."""
+        """``[float8] precompute_float8_dynamic_scale_for_fsdp``: after the checkpoint load that starts
+        training and after each optimizer step, the float8 weights' scales for FSDP's float8
+        all-gather, each over its whole weight, in one all-reduce."""
         stop_grace_seconds: Annotated[int, tyro.conf.Suppress] = 90
         allow_changed_data: Annotated[bool, tyro.conf.Suppress] = False
         model_label: Annotated[str, tyro.conf.Suppress] = ""
@@ -144,31 +187,44 @@ class CanonTrainer(Trainer):
 
     def __init__(self, config: Config):
         self._batch_in_checkpoint = False
+        # Taken once a step is done (``train_step``); until then a stop signal ends the process at once.
         self.stop_signals = StopSignals(config.stop_grace_seconds, on_disk=self._on_disk)
-        if self.takes_stop_signals:
-            self.stop_signals.install()
         if config.model_seed is None:
             super().__init__(config)
         else:
             self._init_with_model_seed(config)
-        self.loss_guard = LossGuard(config.divergence)
+        self.loss_guard = LossGuard(config.divergence, self.device)
+        self._records = StepRecords()
         self._step_loss: torch.Tensor | None = None
         self._groups_done = 0
-        self._skip_update = False
+        self._skip_flag: torch.Tensor | None = None
+        self._last_skipped = False
         self._preempting = False
+        self._loader_excluded = False  # "dataloader" added to the checkpointer's exclude_from_loading
         self._batch_in_checkpoint = True
         self.global_batch_size = (config.training.local_batch_size * self.gradient_accumulation_steps
                                   * getattr(self.dataloader, "dp_world_size", 1))
-        # A skipped step must not reach the optimizer at all (AdamW moves the weights even on zero
-        # gradients); TorchTitan's train_step calls this container's step, so it is guarded here.
+        # A skipped step's update must not be applied at all (AdamW moves the weights even on zero
+        # gradients). The fused optimizer takes the device's skip flag as its ``found_inf`` and skips
+        # the whole update in its kernel; the others cannot, so with them the host reads the step's
+        # verdict (a sync) and does not call them. TorchTitan's train_step calls this container's step.
         optimizer_step = self.optimizers.step
+        self._skips_on_device = all(group.get("fused") for optimizer in self.optimizers.optimizers
+                                    for group in optimizer.param_groups)
 
         def guarded_step(*args, **kwargs):
-            if self._skip_update:
-                self._skipped_steps += 1
-                return None
-            self._applied_steps += 1
-            result = optimizer_step(*args, **kwargs)
+            if not self._skips_on_device:
+                self._read_verdicts(self.step)
+                if self._last_skipped:
+                    return None
+            elif self._skip_flag is not None:
+                for optimizer in self.optimizers.optimizers:
+                    optimizer.found_inf = self._skip_flag
+            try:
+                result = optimizer_step(*args, **kwargs)
+            finally:
+                for optimizer in self.optimizers.optimizers:
+                    optimizer.__dict__.pop("found_inf", None)
             if config.float8_precompute_scales:
                 precompute_float8_scales(self.model_parts)
             return result
@@ -176,6 +232,18 @@ class CanonTrainer(Trainer):
         self._applied_steps = self._skipped_steps = 0
 
         self.optimizers.step = guarded_step
+        if config.float8_precompute_scales:
+            # The first forward gathers with the scales of the weights it trains from (TorchTitan's
+            # train() always calls load, which restores a checkpoint or returns at once): without them
+            # torchao takes each rank's amax over the FSDP mesh alone, a TP shard's under TP.
+            load = self.checkpointer.load
+
+            def load_then_precompute(*args, **kwargs):
+                loaded = load(*args, **kwargs)
+                precompute_float8_scales(self.model_parts)
+                return loaded
+
+            self.checkpointer.load = load_then_precompute
         self._progress_origin: tuple[float, int] | None = None
         self.evaluator = None
         if config.evaluation is not None:
@@ -212,16 +280,18 @@ class CanonTrainer(Trainer):
         first (its tensor layout). A last save in HF format gets the rest of an export beside it."""
         ckpt = self.config.checkpoint
         if ckpt.enable:
-            step, skipped = resume_point(self.checkpointer.folder, ckpt.load_step, self.config.training.steps,
-                                         self.config.dump_folder)
-            for message in skipped:
+            plan = rank_zero_decides(self._resume_plan)
+            for message in plan.skipped + plan.warnings:
                 logger.warning(message)
-            if skipped:
-                ckpt.load_step = step
-            if step == -1 and ckpt.initial_load_in_hf:
+            if ckpt.load_step >= 0:
+                self.checkpointer.pinned_step = ckpt.load_step
+            if plan.skipped:
+                ckpt.load_step = plan.step
+            if plan.step == -1 and ckpt.initial_load_in_hf:
                 self.checkpointer.sd_adapter.read_source(ckpt.initial_load_path)
-            if step >= 0 and not ckpt.load_only:
-                self._prepare_resume(Path(self.checkpointer.folder) / f"step-{step}")
+            if plan.resumes:
+                self._prepare_resume(plan)
+                self.checkpointer.before_fallback = self._resume_from  # a damaged one's fallback, checked alike
         untrue = _DropRecord("Training completed", when=lambda: self._preempting and
                              self.step < self.config.training.steps)  # TorchTitan says it however the loop ends
         logger.addFilter(untrue)
@@ -229,12 +299,15 @@ class CanonTrainer(Trainer):
             super().train()
         finally:
             logger.removeFilter(untrue)
+        self._read_verdicts(self.step)  # where the loop ended early (the data ran out)
+        if self.checkpointer.force_next_save:  # a stop request read only now: the step it stops at is saved
+            self.checkpointer.save(self.step)
         runtime.end_barrier()  # every rank has left the loop (TorchTitan's own 2-second sleep, shimmed)
         if self.stop_signals.requested and self.step >= self.config.training.steps:
             logger.info(f"the stop signal came during or after the last step ({self.step}): the run is complete")
         if self._skipped_steps and not self._applied_steps:
             raise Diverged(f"every step this run trained ({self._skipped_steps}) was skipped ([divergence]), so it "
-                           f"trained nothing; {newest_checkpoint_hint(self.checkpointer.folder, self.step + 1)}")
+                           f"trained nothing; {self.checkpointer.resume_hint(self.step + 1)}")
         if self._preempting and self.step < self.config.training.steps:
             if not ckpt.enable:
                 raise Preempted(f"preempted at step {self.step}; nothing saved ([checkpoint] enable = false)")
@@ -252,25 +325,55 @@ class CanonTrainer(Trainer):
         self.ntokens_seen += labels.numel()
         return inputs, labels, extra
 
-    def _prepare_resume(self, step_dir: Path) -> None:
-        """Refuse a checkpoint that cannot continue this run (``check_resume``); let a loader that
-        reads every rank's state (the synthetic one), or fills in a fingerprint, know which entries
-        the checkpoint holds; on changed data that may be used, start the loader afresh."""
+    def _resume_plan(self) -> ResumePlan:
+        """Where this run resumes (``resume_point``), and what of that checkpoint it takes."""
+        ckpt = self.config.checkpoint
+        step, skipped = resume_point(self.checkpointer.folder, ckpt.load_step, self.config.training.steps,
+                                     self.config.dump_folder)
+        plan = ResumePlan(step=step, skipped=skipped, resumes=step >= 0 and not ckpt.load_only)
+        return self._checked(plan, Path(self.checkpointer.folder) / f"step-{step}") if plan.resumes else plan
+
+    def _checked(self, plan: ResumePlan, step_dir: Path) -> ResumePlan:
+        """``plan`` with what the run takes of ``step_dir``, read from its metadata; ResumeRefused for a
+        checkpoint that cannot continue this run (``check_resume``)."""
         verdict = check_resume(step_dir, shapes=self.checkpointer.sd_adapter.shapes, model=self.config.model_label,
                                fingerprint=getattr(self.dataloader, "fingerprint", ""),
                                allow_changed_data=self.config.allow_changed_data,
                                dp_size=getattr(self.dataloader, "dp_world_size", 1),
                                global_batch=self.global_batch_size,
                                batch_explicit=self.config.training.global_batch_size > 0)
-        for message in verdict.warnings:
+        plan.warnings, plan.new_data_pass = verdict.warnings, verdict.new_data_pass
+        plan.model_only = loads_model_only(step_dir)
+        if not plan.model_only:
+            plan.batch_in_checkpoint = GLOBAL_BATCH_KEY in read_metadata(step_dir).state_dict_metadata
+            plan.loader_keys = saved_loader_keys(step_dir)
+        return plan
+
+    def _resume_from(self, step_dir: Path) -> None:
+        """The checkpoint a load falls back to (every rank is there), checked as the first one was."""
+        step = int(step_dir.name.removeprefix("step-"))
+        plan = rank_zero_decides(lambda: self._checked(ResumePlan(step=step, skipped=[], resumes=True), step_dir))
+        for message in plan.warnings:
             logger.warning(message)
-        if loads_model_only(step_dir):
+        self._prepare_resume(plan)
+
+    def _prepare_resume(self, plan: ResumePlan) -> None:
+        """Let a loader that reads every rank's state (the synthetic one), or fills in a fingerprint,
+        know which entries the checkpoint holds; on changed data that may be used, start the loader
+        afresh."""
+        if plan.model_only:
             return  # a seed checkpoint: TorchTitan loads the model alone
-        self._batch_in_checkpoint = GLOBAL_BATCH_KEY in read_metadata(step_dir).state_dict_metadata
-        if verdict.new_data_pass:
-            self.checkpointer.exclude_from_loading.append("dataloader")
-        elif hasattr(self.dataloader, "expect_checkpoint"):
-            self.dataloader.expect_checkpoint(saved_loader_keys(step_dir))
+        self._batch_in_checkpoint = plan.batch_in_checkpoint
+        # Called again for the checkpoint a damaged one falls back to: what was excluded for the first
+        # (its data changed) is not excluded for the second unless its data changed too.
+        excluded = self.checkpointer.exclude_from_loading
+        if plan.new_data_pass and not self._loader_excluded:
+            excluded.append("dataloader")
+        elif self._loader_excluded and not plan.new_data_pass:
+            excluded.remove("dataloader")
+        self._loader_excluded = plan.new_data_pass
+        if not plan.new_data_pass and hasattr(self.dataloader, "expect_checkpoint"):
+            self.dataloader.expect_checkpoint(plan.loader_keys)
 
     def state_dict(self) -> dict:
         """TorchTitan's train state, plus the global batch (its change is caught at resume); a
@@ -299,37 +402,37 @@ class CanonTrainer(Trainer):
         logger.info(f"Wrote a Hugging Face export of step {self.step} to {folder}")
 
     def forward_backward_step(self, **kwargs) -> torch.Tensor:
-        """TorchTitan's, plus: after the step's last gradient-accumulation group, the loss, whether
-        the gradients are finite and any stop request are reduced across ranks (one all-reduce) and
-        judged, before the optimizer step."""
+        """TorchTitan's, plus, after the step's last gradient-accumulation group: under tensor
+        parallelism the replicated parameters' partial gradients summed over the TP group (one
+        all-reduce, ``sum_partial_gradients``); then the loss, whether the gradients are finite and
+        any stop request reduced across ranks (one all-reduce on the device) and judged on the
+        device, before clipping and the optimizer step."""
         loss = super().forward_backward_step(**kwargs)
         holds_loss = getattr(self, "pp_has_last_stage", True)
         part = loss.detach().float().sum() if holds_loss else torch.zeros((), device=self.device)
         self._step_loss = part if self._step_loss is None else self._step_loss + part
         self._groups_done += 1
         if self._groups_done == self.gradient_accumulation_steps:
+            if self.parallel_dims.tp_enabled:
+                sum_partial_gradients(self.model_parts, self.parallel_dims.get_mesh("tp").get_group())
             self._judge_step(holds_loss)
         return loss
 
     def _judge_step(self, holds_loss: bool) -> None:
-        stats = torch.stack([self._step_loss, torch.tensor(float(holds_loss), device=self.device),
-                             torch.tensor(float(self.stop_signals.requested), device=self.device),
-                             self._nonfinite_gradients()])
+        """The step's skip flag for the optimizer and its record for the host, by device ops alone
+        (``new_full`` fills on the device: a tensor made from a host value would be a copy that waits)."""
+        step_loss = self._step_loss
+        stats = torch.stack([step_loss, step_loss.new_full((), float(holds_loss)),
+                             step_loss.new_full((), float(self.stop_signals.requested)), self._nonfinite_gradients()])
         self._step_loss, self._groups_done = None, 0
         if torch.distributed.is_initialized():
             torch.distributed.all_reduce(stats)
-        loss_sum, holders, stop, nonfinite_gradients = stats.tolist()
+        loss_sum, holders, stop, nonfinite_gradients = stats.unbind()
         # Ranks of one tensor- or pipeline-parallel group hold the same loss (pipelines: the last stage).
         dims = self.parallel_dims
         loss = loss_sum / (holders / max(1, dims.world_size // (dims.tp * dims.pp)))
-        self._act_on(self.loss_guard.judge(self.step, loss))
-        # A finite loss over gradients that are not (the step's backward is done: judged before clipping
-        # and the optimizer step). A plan's fake step has no values to judge.
-        if not self._skip_update and not isinstance(stats, FakeTensor):
-            self._act_on(self.loss_guard.judge_gradients(self.step, finite=nonfinite_gradients == 0))
-        if stop and not self._preempting:
-            self._preempting = True
-            self.checkpointer.force_next_save = True
+        self._skip_flag, record = self.loss_guard.judge(loss, nonfinite_gradients)
+        self._records.put(self.step, torch.cat([record, stop.view(1)]))
 
     def _nonfinite_gradients(self) -> torch.Tensor:
         """1 when this rank's gradients are not all finite, else 0: one fused norm over them."""
@@ -340,14 +443,32 @@ class CanonTrainer(Trainer):
         # The max-norm: a 2-norm of finite fp32 values above ~1e19 overflows to inf.
         return torch.nn.utils.get_total_norm(local, norm_type=math.inf).isfinite().logical_not().float()
 
-    def _act_on(self, verdict: str) -> None:
-        """The guard's verdict on this step: apply its update, skip it, or stop before any save of it."""
-        self._skip_update = verdict == "skip"
-        if verdict == "skip":
-            logger.warning(f"{self.loss_guard.problem}: its update is skipped ([divergence] section)")
-        elif verdict == "stop":
-            raise Diverged(f"{self.loss_guard.problem}: the run stops before saving it; "
-                           f"{newest_checkpoint_hint(self.checkpointer.folder, self.step + 1)}")
+    def _read_verdicts(self, through: int) -> None:
+        """Act on the records of the steps up to ``through`` not yet read: say which were skipped,
+        stop on one that stops the run (its update, and every later one, was not applied), and
+        start saving and stopping on a stop request."""
+        for step, values in self._records.take(through):
+            verdict = self.loss_guard.verdict(step, values[:RECORD_SIZE])
+            self._last_skipped = verdict.skipped
+            if verdict.stop:
+                raise Diverged(f"{verdict.problem}: the run stops before saving it; "
+                               f"{self.checkpointer.resume_hint(step + 1)}")
+            if verdict.skipped:
+                self._skipped_steps += 1
+                logger.warning(f"{verdict.problem}: its update is skipped ([divergence] section)")
+            else:
+                self._applied_steps += 1
+            if values[RECORD_SIZE] and not self._preempting:
+                self._preempting = True
+                self.checkpointer.force_next_save = True
+
+    def _decides_now(self) -> bool:
+        """Whether the host reads this step's verdict at once rather than after the next step's work:
+        a logged step (its loss is read anyway), a step whose checkpoint is written (none of a step
+        that stops the run), the last step."""
+        step, steps = self.step, self.config.training.steps
+        return (self.metrics_processor.should_log(step) or step >= steps
+                or self.checkpointer._should_save(step, last_step=step == steps))
 
     def should_continue_training(self) -> bool:
         return not self._preempting and super().should_continue_training()
@@ -355,13 +476,25 @@ class CanonTrainer(Trainer):
     def train_step(self, data_iterator):
         if self._progress_origin is None:
             self._progress_origin = (time.perf_counter(), self.step - 1)
+        if self.takes_stop_signals and not self.stop_signals.installed:
+            self.stop_signals.install()  # before the step's first collective: a stop signal now finishes and saves
         try:
             super().train_step(data_iterator)
         except RuntimeError as e:
-            # TorchTitan's own stop on a non-finite loss, on logging steps: this one is skipped.
-            if not (self._skip_update and str(e).startswith("Loss is not finite")):
+            # TorchTitan's own stop on a non-finite loss, on logging steps: judged here.
+            if not str(e).startswith("Loss is not finite"):
+                raise
+            self._read_verdicts(self.step)
+            if not self._last_skipped:
                 raise
             return
+        if self.takes_stop_signals:
+            self.stop_signals.step_done()
+        # The previous step's verdict, now that this step's work is queued behind it (a stop request
+        # in it makes this step one that is saved); this step's own where the host decides on it now.
+        self._read_verdicts(self.step - 1)
+        if self._decides_now():
+            self._read_verdicts(self.step)
         if self.metrics_processor.should_log(self.step):
             self._log_progress()
         if self.evaluator is not None and self.evaluator.due(self.step):

@@ -99,6 +99,7 @@ def _train_under_tp(rank: int, world: int) -> dict:
 
     import model_registry
     from canon_titan.models.common.parallelize import apply_tp
+    from canon_titan.models.common.tensor_parallel import sum_partial_gradients
     from canon_titan.models.llama.parallelize import parallelize_block
 
     device = torch.device("cuda", rank) if DEVICE.type == "cuda" else DEVICE
@@ -106,8 +107,8 @@ def _train_under_tp(rank: int, world: int) -> dict:
     with device:
         model = model_registry.model_spec("llama_canon", "debug", {"canon_backend": "triton", "n_layers": 1}).model.build()
     model.init_states()
-    apply_tp(model, init_device_mesh(device.type, (world,), mesh_dim_names=("tp",)), enable_sp=True,
-             parallelize_block=parallelize_block)
+    mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("tp",))
+    apply_tp(model, mesh, enable_sp=True, parallelize_block=parallelize_block)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     tokens = torch.randint(0, 2048, (2, 33), generator=torch.Generator().manual_seed(1)).to(device)
     with kernel_path("canon_conv", "canon_conv_backward", "canon_swiglu", "canon_swiglu_backward"):
@@ -115,6 +116,7 @@ def _train_under_tp(rank: int, world: int) -> dict:
             logits = model(tokens[:, :-1])
             logits = logits.full_tensor() if isinstance(logits, DTensor) else logits
             F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+            sum_partial_gradients([model], mesh.get_group())  # as the trainer does after the last backward
             optimizer.step()
             optimizer.zero_grad()
     return {name: p.to_local().detach().cpu().numpy() for name, p in model.named_parameters()

@@ -24,6 +24,7 @@ pytestmark = pytest.mark.skipif(not triton_runs_here(), reason="needs a GPU or T
 # differs (tiles, per-chunk partial sums of the weight gradient).
 TOL = dict(rtol=1e-5, atol=1e-4)
 CONV_OPS = ("canon_conv", "canon_conv_backward")
+SCALED_CONV_OPS = ("canon_conv", "canon_conv_weight_grads")  # the input's gradient by torch ops (Inductor's)
 SWIGLU_OPS = ("canon_swiglu", "canon_swiglu_backward")
 
 # batch, seq, channels, kernel, residual, activation, bias
@@ -77,7 +78,7 @@ def test_fused_rmsnorm_input(batch, seq, channels, kernel, residual, activation,
         return canon_conv(x, w, b, row_scale=row_scale, col_scale=col_scale, residual=residual,
                           activation=activation, backend=backend)
 
-    assert_backends_agree(fn, [x, w, b, row_scale, col_scale], CONV_OPS)
+    assert_backends_agree(fn, [x, w, b, row_scale, col_scale], CONV_OPS if activation else SCALED_CONV_OPS)
 
 
 @pytest.mark.parametrize("batch, seq, channels, kernel, residual, activation, bias", CASES)
@@ -91,6 +92,29 @@ def test_canon_swiglu_triton_equals_torch(batch, seq, channels, kernel, residual
         return canon_swiglu(gate, up, w, b, residual=residual, activation=activation, backend=backend)
 
     assert_backends_agree(fn, [gate, up, w, b], SWIGLU_OPS)
+
+
+def test_long_chunks_give_the_same_gradients(monkeypatch):
+    """Where a backward launch keeps enough programs its programs reduce the weight gradient over 512 rows
+    (here forced at a small shape: two chunks, the second partial), with the fused norm, SiLU and SwiGLU."""
+    monkeypatch.setattr(canon, "MIN_PROGRAMS", 1)
+    assert canon._chunk_rows(1, 700, 24) == canon.LONG_CHUNK_T == 512
+    gen = torch.Generator().manual_seed(0)
+    x, u, w, b = randn(gen, 1, 700, 24), randn(gen, 1, 700, 24), randn(gen, 48, 4), randn(gen, 48)
+    row_scale, col_scale = (torch.rand(1, 700, generator=gen) + 0.5).to(DEVICE), randn(gen, 24)
+
+    def norm_conv(x, w, rs, cs, backend):
+        return canon_conv(x, w, row_scale=rs, col_scale=cs, backend=backend)
+
+    def silu_conv(x, w, b, backend):
+        return canon_conv(x, w, b, residual=False, activation=True, backend=backend)
+
+    def swiglu(g, u, w, backend):
+        return canon_swiglu(g, u, w, backend=backend)
+
+    assert_backends_agree(norm_conv, [x, w[:24], row_scale, col_scale], SCALED_CONV_OPS)
+    assert_backends_agree(silu_conv, [x, w[:24], b[:24]], CONV_OPS)
+    assert_backends_agree(swiglu, [x, u, w], SWIGLU_OPS)
 
 
 def test_non_contiguous_inputs_and_weights():
@@ -164,7 +188,7 @@ def test_real_shapes_in_bfloat16(batch, channels):
     row_scale, col_scale = torch.rand(batch, 4096, device=DEVICE) + 0.5, randn(gen, channels, dtype=torch.bfloat16)
     dy = randn(gen, batch, 4096, channels, dtype=torch.bfloat16)
     cases = [
-        (CONV_OPS, [x, w[:channels], row_scale, col_scale],
+        (SCALED_CONV_OPS, [x, w[:channels], row_scale, col_scale],
          lambda x, w, rs, cs, backend: canon_conv(x, w, row_scale=rs, col_scale=cs, backend=backend)),
         (SWIGLU_OPS, [x, u, w], lambda g, u, w, backend: canon_swiglu(g, u, w, backend=backend)),
     ]
@@ -176,18 +200,21 @@ def test_real_shapes_in_bfloat16(batch, channels):
             assert _relative_error(g, e) < 1e-2, ops
 
 
-@pytest.mark.parametrize("op, args", [
-    ("canon_conv", lambda g: (randn(g, 2, 20, 48), randn(g, 48, 4), randn(g, 48), None, None, True, True)),
-    ("canon_conv", lambda g: (randn(g, 2, 20, 48), randn(g, 48, 2), None, torch.rand(2, 20, generator=g).to(DEVICE),
-                              randn(g, 48), True, False)),
-    ("canon_swiglu", lambda g: (randn(g, 2, 20, 24), randn(g, 2, 20, 24), randn(g, 48, 3), None, True, False)),
+@pytest.mark.parametrize("op, backward, args", [
+    ("canon_conv", "canon_conv_backward",
+     lambda g: (randn(g, 2, 20, 48), randn(g, 48, 4), randn(g, 48), None, None, True, True)),
+    ("canon_conv", "canon_conv_weight_grads",
+     lambda g: (randn(g, 2, 20, 48), randn(g, 48, 2), None, torch.rand(2, 20, generator=g).to(DEVICE), randn(g, 48),
+                True, False)),
+    ("canon_swiglu", "canon_swiglu_backward",
+     lambda g: (randn(g, 2, 20, 24), randn(g, 2, 20, 24), randn(g, 48, 3), None, True, False)),
 ])
-def test_custom_op_registration(op, args):
+def test_custom_op_registration(op, backward, args):
     """torch.library's own checks: schema, fake (meta) kernel against the real one, autograd
     registration, and AOT dispatch with dynamic shapes."""
     inputs = args(torch.Generator().manual_seed(0))
     inputs = tuple(t.requires_grad_() if isinstance(t, torch.Tensor) else t for t in inputs)
-    with kernel_path(op, f"{op}_backward"):
+    with kernel_path(op, backward):
         torch.library.opcheck(getattr(torch.ops.canon_titan, op).default, inputs)
 
 

@@ -98,6 +98,10 @@ def test_unknown_section_and_missing_model(tmp_path):
     (["--float8.enable", "--float8.emulate", "--float8.recipe_name", "tensorwise",
       "--float8.precompute_float8_dynamic_scale_for_fsdp", "true"], "[float8] precompute_float8_dynamic_scale_for_fsdp",
      "needs enable_fsdp_float8_all_gather = true"),
+    (["--float8.enable", "--float8.emulate", "--float8.recipe_name", "tensorwise",
+      "--float8.enable_fsdp_float8_all_gather", "true", "--parallelism.tensor_parallel_degree", "2"],
+     "[float8] enable_fsdp_float8_all_gather", "under tensor parallelism needs "
+     "precompute_float8_dynamic_scale_for_fsdp = true"),
     (["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "Bogus"],
      "[parallelism] pipeline_parallel_schedule", "Bogus"),
     (["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "3",
@@ -108,6 +112,72 @@ def test_impossible_values_fail_before_training(override, key, message):
     with pytest.raises(ConfigError) as e:
         load(DEBUG_CONFIG, override)
     assert e.value.source == "command line" and e.value.key == key and message in e.value.message
+
+
+@pytest.mark.parametrize("override, key, message", [
+    (["--job.dump_folder", ""], "[job] dump_folder", "must name a folder"),
+    (["--job.dump_folder", "  "], "[job] dump_folder", "must name a folder"),
+    (["--dataloader.seed", "-1"], "[dataloader] seed", "must be >= 0, got -1"),
+    (["--lr_scheduler.total_steps", "-3"], "[lr_scheduler] total_steps", "is -3, below [training] steps"),
+    (["--lr_scheduler.total_steps", "5", "--training.steps", "10"], "[lr_scheduler] total_steps",
+     "is 5, below [training] steps = 10"),
+    (["--dataloader.text_key", ""], "[dataloader] text_key", "must name the documents' text field"),
+    (["--profiling.enable_profiling", "--profiling.profiler_active", "0"], "[profiling] profiler_active",
+     "must be > 0"),
+    (["--profiling.enable_profiling", "--profiling.profiler_warmup", "-1", "--profiling.profile_freq", "10"],
+     "[profiling] profiler_warmup", "must be >= 0"),
+    (["--profiling.enable_profiling", "--profiling.profiler_repeat", "-1"], "[profiling] profiler_repeat",
+     "must be >= 0"),
+    (["--profiling.enable_memory_snapshot", "--profiling.memory_snapshot_max_entries", "0"],
+     "[profiling] memory_snapshot_max_entries", "must be > 0"),
+    (["--activation_checkpoint.mode", "full", "--activation_checkpoint.determinism_check", "always"],
+     "[activation_checkpoint] determinism_check", "must be 'default' or 'none'"),
+    (["--compile.enable", "--compile.backend", "inductr"], "[compile] backend", "not a torch.compile backend"),
+    (["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_layers_per_stage", "0"],
+     "[parallelism] pipeline_parallel_layers_per_stage", "must be >= 1"),
+    (["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_first_stage_less_layers",
+      "-1"], "[parallelism] pipeline_parallel_first_stage_less_layers", "must be >= 0"),
+    (["--checkpoint.enable", "--checkpoint.purge_before_save", "true", "--checkpoint.keep_latest_k", "0"],
+     "[checkpoint] purge_before_save", "needs keep_latest_k >= 2"),
+])
+def test_values_that_failed_only_after_launch_are_refused(override, key, message):
+    """Values that passed the checks at 432670c and failed in the trainer (a 75-147-line traceback after
+    launch: issue 78) or after it started (the profiler's schedule, torch.compile, the checkpoint's
+    AC determinism mode, pipeline stage splits): each is refused before launch, naming its key."""
+    with pytest.raises(ConfigError) as e:
+        load(DEBUG_CONFIG, override)
+    assert e.value.key == key and message in e.value.message, (e.value.key, e.value.message)
+
+
+@pytest.mark.parametrize("override", [["--job.dump_folder", ""], ["--dataloader.seed", "-1"],
+                                      ["--lr_scheduler.total_steps", "-3"]])
+def test_canon_titan_train_refuses_them_before_it_launches_or_writes(tmp_path, monkeypatch, capsys, override):
+    """On the launch path of issue 78 (`canon-titan train`): one line, exit 2, torchrun never started, and
+    nothing written in the current directory (at 432670c an empty dump_folder left .canon-titan.lock and
+    tb/ there before the 75-147-line traceback)."""
+    from canon_titan import cli
+    from canon_titan.cli import train as cli_train
+
+    launched = []
+    monkeypatch.setattr(cli_train, "_run_torchrun", lambda *args, **kwargs: launched.append(args) or 0)
+    monkeypatch.chdir(tmp_path)
+    code = cli.main(["train", "--config", str(DEBUG_CONFIG), "--nproc", "2", *override])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and not launched and list(tmp_path.iterdir()) == []
+    assert len(err) == 1 and err[0].startswith("canon-titan: config error: command line: ["), err
+
+
+def test_a_data_path_on_the_builtin_dataset_suggests_the_dataset_that_reads_it(tmp_path):
+    """dataset_path (or sources) without a dataset is one's own data on the default built-in corpus: the
+    message names the dataset that reads it ("files" for documents, "tokens" for a token folder,
+    "stream" for sources). At 432670c it said only "remove it"."""
+    (tmp_path / "index.json").write_text("{}")
+    for override, wanted in ((["--dataloader.dataset_path", "data/*.jsonl"], 'set dataset = "files"'),
+                             (["--dataloader.dataset_path", str(tmp_path)], 'set dataset = "tokens"'),
+                             (["--dataloader.sources", '["data/*.jsonl"]'], 'set dataset = "stream"')):
+        with pytest.raises(ConfigError) as e:
+            load(DEBUG_CONFIG, override)
+        assert e.value.key == f"[dataloader] {override[0].split('.')[1]}" and wanted in e.value.message, e.value.message
 
 
 @pytest.mark.parametrize("config, override, key, message", [

@@ -131,7 +131,7 @@ def test_rank_positions_are_pytorchs_head_tail_split():
 
 @pytest.mark.parametrize("name,overrides,key", [
     ("gla5", [], "has no context-parallel path"),
-    ("llama_canon", ["--parallelism.tensor_parallel_degree", "2"], "not with tensor or pipeline"),
+    ("llama_canon", ["--parallelism.pipeline_parallel_degree", "2"], "not with pipeline parallelism"),
     ("llama_canon", ["--parallelism.context_parallel_load_balancer", "ptrr"], "must be 'headtail', got 'ptrr'"),
     ("llama_canon", ["--training.seq_len", "8"], "at least canon_kernel - 1 = 3 tokens"),
 ])

@@ -17,6 +17,7 @@ from canon_titan.convert.dcp_io import (
 )
 from canon_titan.components.metrics import read_scalars
 from canon_titan.convert.hf import from_hf, to_hf
+from canon_titan.data.builtin import ASSET_DIR
 from model_registry import register_with_transformers
 from conftest import COMMON, CONFIGS, make_checkpoint, run_training, seed_checkpoint, start_from
 
@@ -71,6 +72,20 @@ def test_plain_llama_exports_as_standard_llama(tmp_path):
     with torch.no_grad():
         logits, reference = hf_model(TOKENS).logits, model(TOKENS)
     torch.testing.assert_close(logits, reference, rtol=1e-5, atol=1e-5 * reference.abs().max().item())
+
+
+def test_the_export_tokenizer_says_the_model_s_length(tmp_path):
+    """A model trained at 256 tokens: the exported tokenizer's model_max_length is 256, as is the
+    config's max_position_embeddings, whatever the tokenizer folder said (the built-in one: 4096, which
+    432670c copied as is), and AutoTokenizer reads it so."""
+    from transformers import AutoTokenizer
+
+    run, step, _ = make_checkpoint(tmp_path, ["--training.seq_len", "256"])
+    assert json.loads((ASSET_DIR / "tokenizer_config.json").read_text())["model_max_length"] != 256
+    out = to_hf(step, tmp_path / "hf", run, dtype="fp32")
+    assert json.loads((out / "config.json").read_text())["max_position_embeddings"] == 256
+    assert json.loads((out / "tokenizer_config.json").read_text())["model_max_length"] == 256
+    assert AutoTokenizer.from_pretrained(out).model_max_length == 256
 
 
 @pytest.mark.parametrize("config,overrides,architecture", [

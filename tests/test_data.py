@@ -97,3 +97,71 @@ def test_small_dataset_is_rejected(tmp_path, tokenizer):
 
 def test_stream_dtype_fits_vocabulary(tokenizer):
     assert tokenize_stream(["a b"], tokenizer, True, True).dtype == np.uint16
+
+
+def test_the_end_of_each_epoch_is_said_once_with_the_tokens_seen(tokenizer, caplog):
+    """A corpus smaller than the run is read again: each pass's end is logged once (rank 0), with the
+    windows of a pass and the tokens seen in all; a loader resumed mid-epoch says only the ends it
+    reaches. At 432670c the data was re-looped without a word."""
+    import logging
+
+    dl = loader(tokenizer, batch=3, seq_len=256)
+    n = dl.num_windows
+    batches = (3 * n) // 3 + 2  # past the end of the third pass
+    it = iter(dl)
+    with caplog.at_level(logging.INFO):
+        for _ in range(batches):
+            next(it)
+    ends = [r.getMessage() for r in caplog.records if "ended (" in r.getMessage()]
+    passes = (batches * 3 - 1) // n  # passes completed before the last sample read
+    assert passes == 3 and len(ends) == passes, ends
+    for epoch, message in enumerate(ends, 1):
+        assert message.startswith(f"dataset 'builtin': epoch {epoch} ended ({n:,} windows of 256 tokens each, "
+                                  f"{epoch * n * 256:,} tokens seen in all); epoch {epoch + 1} reads the same data "
+                                  "again, reshuffled"), message
+    caplog.clear()
+    resumed = loader(tokenizer, batch=3, seq_len=256)
+    resumed.load_state_dict({"next_sample": n + 3})  # inside the second pass
+    it = iter(resumed)
+    with caplog.at_level(logging.INFO):
+        for _ in range(n // 3 + 1):
+            next(it)
+    assert [r.getMessage()[:34] for r in caplog.records if "ended (" in r.getMessage()] == \
+        ["dataset 'builtin': epoch 2 ended ("]
+
+
+@pytest.mark.parametrize("suffix", ["jsonl", "parquet"])
+def test_a_text_field_under_another_name_is_named_with_the_key_to_set(tmp_path, tokenizer, suffix):
+    """Documents whose text is under "content": the error names the record's fields and the setting
+    that reads them ([dataloader] text_key), not on_error = "skip" (which skips every record and trains
+    on nothing). With on_error = "skip" anyway, every record skipped is an error, not 0 tokens. At
+    432670c: "missing the 'text' text field (use [dataloader] on_error = "skip" to skip bad records)"."""
+    rows = [{"id": i, "content": f"document {i}: " + "word " * 50, "lang": "en"} for i in range(40)]
+    path = tmp_path / f"docs.{suffix}"
+    if suffix == "jsonl":
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        where = f"{path}:1: the 'text' text field is missing; the record's fields: 'id', 'content', 'lang'"
+    else:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.Table.from_pylist(rows), path)
+        where = f"{path}: no column 'text' (columns: id, content, lang)"
+    with pytest.raises(DataConfigError) as error:
+        loader(tokenizer, dataset="files", dataset_path=str(path))
+    message = str(error.value)
+    assert message.startswith(where) and "on_error" not in message, message
+    assert message.endswith("set [dataloader] text_key = \"content\" if its text is there"), message
+    with pytest.raises(DataConfigError, match=r"every record was skipped \(\d+, \[dataloader\] on_error = \"skip\"\)"):
+        loader(tokenizer, dataset="files", dataset_path=str(path), on_error="skip")
+    dl = loader(tokenizer, dataset="files", dataset_path=str(path), text_key="content")
+    assert dl.num_windows > 0
+
+
+def test_a_record_without_the_field_after_good_ones_may_be_skipped(tmp_path):
+    """Where earlier records had the field, a record without it is a bad record: skipping stays the advice."""
+    path = tmp_path / "docs.jsonl"
+    path.write_text(json.dumps({"text": "fine"}) + "\n" + json.dumps({"body": "odd one"}) + "\n")
+    with pytest.raises(Exception, match=r"docs.jsonl:2: the 'text' text field is missing; the record's fields: "
+                                        r"'body'; set K=body if its text is there \(use SKIP to skip bad records\)"):
+        list(iter_documents(str(path), "text", "fail", skip_hint="SKIP", key_hint="K={}"))

@@ -25,6 +25,7 @@ NOT_PATHS = {
     "train_configs/FILE.toml", "train_configs/my.toml",  # a placeholder, and an example error message's file
 }
 LINK = re.compile(r"\]\(([^)\s]+)\)")
+TEST = re.compile(r"(?:tests/)?(test_\w+\.py)::(\w+)")
 
 
 def named_paths(text: str) -> set[str]:
@@ -146,6 +147,25 @@ def test_every_link_between_pages_resolves(page):
     assert broken_links(page, REPO) == []
 
 
+def missing_tests(text: str, root) -> list[str]:
+    """``test_file.py::test_name`` references (the fault table's) whose file has no such test."""
+    return sorted({f"{file}::{name}" for file, name in TEST.findall(text)
+                   if not (root / "tests" / file).is_file()
+                   or not re.search(rf"^(async )?def {name}\(", (root / "tests" / file).read_text(), re.M)})
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(REPO)))
+def test_every_test_a_page_names_exists(page):
+    assert missing_tests(page.read_text(), REPO) == []
+
+
+def test_a_renamed_test_is_caught(tmp_path):
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_a.py").write_text("def test_kept():\n    pass\n")
+    text = "`test_a.py::test_kept`, `tests/test_a.py::test_renamed`, `test_b.py::test_kept`"
+    assert missing_tests(text, tmp_path) == ["test_a.py::test_renamed", "test_b.py::test_kept"]
+
+
 def test_a_broken_link_is_caught(tmp_path):
     """A link to a page that is not there, and one to a heading the page does not have."""
     (tmp_path / "docs").mkdir()
@@ -193,3 +213,30 @@ def test_the_playground_figure_is_drawn_from_the_playground_tables(tmp_path):
     assert quick and [c for c in quick if f"| {c} |" not in readme] == []
     playground.plot(results, tmp_path / "accuracy.png")
     assert (tmp_path / "accuracy.png").stat().st_size > 10_000
+
+
+def test_the_readme_gpu_figures_are_measured_runs_of_record():
+    """Every row of the README's GPU table is a run of ``canon_titan.plan.calibration.POINTS`` (the
+    runs the planner is held to): its tokens/s, peak memory and date; and its ratio is its tokens/s
+    over the Llama-1B run of the same shape and date."""
+    from canon_titan.plan.calibration import POINTS
+
+    text = README.read_text()
+    table = text[text.index("**On a GPU**"):text.index("GLA5 and GDN2 have no GPU figure")]
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in table.splitlines()
+            if line.startswith("| ") and not line.startswith(("| run", "|---"))]
+    assert len(rows) >= 4
+    number = lambda cell: float(re.match(r"[\d,.]+", cell.replace("**", "")).group(0).replace(",", ""))  # noqa: E731
+    runs = {}
+    for run, shape, tokens, ratio, memory, date in rows:
+        batch, seq = (int(x.replace(",", "")) for x in shape.split(" x "))
+        matches = [p for p in POINTS if p.date == date and p.measured_tokens_per_s == number(tokens)
+                   and p.measured_gib == number(memory)]
+        assert len(matches) == 1, (run, tokens, memory, date)
+        point = matches[0]
+        assert f"--training.local_batch_size {batch}" in " ".join(point.overrides), run
+        assert f"--training.seq_len {seq}" in " ".join(point.overrides), run
+        runs[(shape, date, run.split(",")[0])] = number(tokens)
+        if ratio != "-":
+            base = runs[(shape, date, "Llama-1B")]
+            assert number(ratio.lstrip("x")) == pytest.approx(number(tokens) / base, abs=5e-4), run

@@ -82,7 +82,7 @@ def test_tiny_mode_runs_every_step_and_writes_the_report(tmp_path, monkeypatch):
 
 def test_steps_run_in_the_order_of_their_value():
     """A run cut short keeps what matters most: the kernel checks, the Canon ratio, the loss agreement,
-    the linear models at 4k then 16k, float8, then the op microbenchmarks."""
+    the linear models at the recipes' 16k (their figure of record) then 4k, float8, then the op microbenchmarks."""
     names = [s.name for s in gpu_check.steps(False, REPO)]
     first = {prefix: min(i for i, n in enumerate(names) if n.startswith(prefix))
              for prefix in ("env", "kernel_tests", "canon_llama", "canon_triton", "linear_", "float8_",
@@ -90,11 +90,11 @@ def test_steps_run_in_the_order_of_their_value():
     assert list(first) == sorted(first, key=first.get)
     assert gpu_check.steps(False, REPO)[names.index("losses")].group == "correctness"  # beside the kernel tests
     linear = [n for n in names if n.startswith("linear_")]
-    # 4k before 16k, except GLA5, whose two runs (fla's first tuning, over 150 s and never seen to end) come
-    # after all others, and after float8.
-    assert linear == sorted(linear, key=lambda n: (n.startswith("linear_gla5"), n.endswith("_16k")))
-    assert linear[-2:] == ["linear_gla5_4k", "linear_gla5_16k"]
-    assert names.index("float8_rowwise") < names.index("linear_gla5_4k") < names.index("canon_bwd_blocks")
+    # 16k (Llama's first, Mamba2 with CUDA graphs after the three families) before 4k; GLA5 and GDN2 with the
+    # others, before float8 and the Canon op microbenchmarks.
+    assert linear == sorted(linear, key=lambda n: "_4k" in n)
+    assert linear[0] == "linear_llama_16k" and linear.index("linear_mamba2_16k_graphs") == 4
+    assert names.index("linear_gdn2_4k") < names.index("float8_tensorwise") < names.index("canon_bwd_blocks")
     # The CP rank's attention after the op microbenchmarks (issue 42's question, not the Canon op's); not in
     # --tiny, whose test would only repeat what its own test checks.
     assert names.index("cp_attention") == names.index("ops") + 1
@@ -107,7 +107,7 @@ def test_steps_run_in_the_order_of_their_value():
 
 def test_the_warm_tuning_step_trains_each_case_untimed_and_lists_those_that_finished(tmp_path, monkeypatch):
     """It runs beside the correctness checks (not in tiny mode: the interpreter tunes nothing), two compiled
-    steps of each case at its model and length, batch 1."""
+    steps of each case at its model and batch; without a GPU of 120 GB or more, a quarter of its length."""
     import trainer_bench
 
     calls = []
@@ -122,11 +122,11 @@ def test_the_warm_tuning_step_trains_each_case_untimed_and_lists_those_that_fini
     gpu_check.warm_tuning(str(tmp_path / "warm.json"))
     # A failed case is named with its last line; the other is still listed.
     assert json.loads((tmp_path / "warm.json").read_text()) == {
-        "warmed": ["linear_mamba2_4k"], "failed": {"linear_gla5_4k": "torch.OutOfMemoryError: CUDA out of memory"}}
+        "warmed": ["linear_mamba2_16k"], "failed": {"linear_gla5_16k": "torch.OutOfMemoryError: CUDA out of memory"}}
     for (model, kw), name in zip(sorted(calls, key=lambda c: c[0]["name"]), sorted(gpu_check.WARM)):
         case = next(c for c in gpu_check.cases() if c.name == name)
-        assert model == case.model and kw["seq_len"] == case.seq
-        assert kw["steps"] == 2 and kw["compile"] and kw["batch"] == 1  # no GPU here: the small-GPU batch
+        assert model == case.model and kw["batch"] == case.batch == 1
+        assert kw["steps"] == 2 and kw["compile"] and kw["seq_len"] == 4096  # no GPU here: the small-GPU length
     by_name = {s.name: s for s in gpu_check.steps(False, REPO)}
     assert by_name["warm_tuning"].group == "correctness"
     assert "warm_tuning" not in {s.name for s in gpu_check.steps(True, REPO)}
@@ -299,6 +299,58 @@ def test_planned_and_measured_time_by_kind_from_a_hand_made_run():
     for kind, pair in want.items():
         assert kinds[kind] == pytest.approx(pair), kind
     assert gpu_check_report.by_planner_kind({**run, "planner": None}) is None
+
+
+def test_a_linear_case_without_figures_says_why_in_its_table():
+    """GDN2 skipped where ``auto`` runs its recurrence on torch (fla refuses its backward on Hopper with Triton
+    < 3.7.1), GLA5 past its limit: each a row of the linear table, beside the runs that have figures."""
+    import gpu_check_report
+
+    llama = {"table": "linear", "case": "linear_llama_16k", "label": "llama", "base": None, "batch": 1,
+             "seq_len": 16384, "tokens_per_s": 35294.0, "mfu_pct": 60.9, "peak_reserved_gib": 39.64,
+             "peak_active_gib": 30.0, "first_step_s": 12.7, "kernels": ""}
+    why = "skipped: auto runs gated_delta_rule on torch here: flash-linear-attention 0.6.0 refuses ..."
+    report = {"tiny": False, "steps": {"linear_llama_16k": {"status": "ok", "data": llama},
+                                       "linear_gla5_16k": {"status": "timed out"},
+                                       "linear_gdn2_16k": {"status": why}}}
+    table = gpu_check_report.markdown(report).split("Trainer: linear models")[1].split("\n\n")[1]
+    rows = table.splitlines()
+    assert rows[2].startswith("| llama | 16384 | 35,294 |")
+    assert rows[3:] == ["| linear_gla5_16k | | timed out | | | | | | |", f"| linear_gdn2_16k | | {why} | | | | | | |"]
+
+
+def test_the_canon_ratio_of_record_runs_first_at_the_recipes_batch():
+    """The first trainer runs are Llama-1B and LlamaCanon-1B (Triton) at the 1B recipes' local batch, 8 x 4096,
+    the second against the first, each with a profiled step; bench_canon's trainer mode runs that shape too."""
+    import bench_canon
+    import tomllib
+
+    recipe = tomllib.loads((REPO / "train_configs" / "LlamaCanon-1B-Nemo-1T-lr0.003.toml").read_text())["training"]
+    llama, canon = [c for c in gpu_check.cases() if c.table == "canon"][:2]
+    assert [c.name for c in gpu_check.cases()][:2] == [llama.name, canon.name]
+    assert (llama.model["name"], canon.model["name"], canon.model["canon_backend"]) == ("llama", "llama_canon",
+                                                                                          "triton")
+    assert {(c.seq, c.batch) for c in (llama, canon)} == {(recipe["seq_len"], recipe["local_batch_size"])}
+    assert canon.base == llama.name
+    args = bench_canon.parse_args(["--mode", "trainer"])
+    assert (args.seq_len, args.batch) == (recipe["seq_len"], recipe["local_batch_size"])
+
+
+def test_the_canon_step_against_llamas_from_hand_made_profiles():
+    """The Canon row's profile line: its Canon kernels, Inductor's fused kernels against Llama's (those the
+    Canon ops take over), and each step's idle time (32,768 tokens at 65,536 tokens/s: 500 ms a step; at 52,428.8:
+    625 ms)."""
+    import gpu_check_report
+
+    llama = {"label": "llama, batch 8", "batch": 8, "seq_len": 4096, "tokens_per_s": 65536.0,
+             "profile_summary": {"total_ms": 450.0, "kinds_ms": {"gemm": 300.0, "inductor (fused)": 150.0}}}
+    canon = {"label": "llama_canon (triton), batch 8", "batch": 8, "seq_len": 4096, "tokens_per_s": 52428.8,
+             "profile_summary": {"total_ms": 540.0, "kinds_ms": {"gemm": 300.0, "canon (triton)": 110.0,
+                                                                 "inductor (fused)": 130.0}}}
+    (line, _) = gpu_check_report._canon_step(canon, llama)
+    assert ("Canon kernels 110.0; Inductor's fused kernels 130.0 against 150.0 (taken over by Canon's ops: 20.0); "
+            "idle 85.0 against 50.0; all kernels 540.0 against 450.0") in line
+    assert gpu_check_report._canon_step(llama, None) == [] and gpu_check_report._canon_step(canon, canon) == []
 
 
 @pytest.mark.parametrize("forward", [True, False])

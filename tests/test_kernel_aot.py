@@ -53,8 +53,20 @@ def test_no_kernel_waits_at_a_barrier_inside_its_loop(compiled):
     assert not looping, looping
 
 
+def test_backward_kernels_load_each_input_tile_once_per_iteration(compiled):
+    """The backward kernels that recompute the convolution (Canon-D's SwiGLU, the short convolutions' SiLU)
+    read the input at a tile's rows and the K-1 rows each side once (2K-1 = 7 tiles at K = 4; gate and up for
+    Canon-D) and dy at the K rows they need: 18 and 11 loads in their loops, where each of the K convolutions
+    loading its own K rows and taps issued 62 and 34."""
+    from canon_titan.kernels.aot import ALIGNED_TWIN
+
+    loads = {(k["case"], k["kernel"]): k["loop_loads"] for k in compiled["kernels"] if "bwd" in k["kernel"]}
+    assert loads[("D 8B, swiglu", "_canon_swiglu_bwd_kernel")] == 2 * 7 + 4
+    assert loads[(ALIGNED_TWIN, "_canon_bwd_kernel")] == 7 + 4
+
+
 def test_loop_barrier_count_against_hand_written_ptx():
-    from canon_titan.kernels.aot import loop_barriers
+    from canon_titan.kernels.aot import loop_barriers, loop_loads
 
     ptx = """
     bar.sync 0;
@@ -72,6 +84,7 @@ $L__BB0_3:
     ret;
 """
     assert loop_barriers(ptx) == 2  # the two inside BB0_1's loop (one of them in the nested loop too)
+    assert loop_loads(ptx) == 1
 
 
 def test_misaligned_rows_load_like_aligned_ones(compiled):

@@ -9,10 +9,11 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
-from conftest import COMMON, DEBUG_CONFIG, REPO, kill_tree, train_env
+from conftest import COMMON, DEBUG_CONFIG, REPO, descendants, free_port, kill_tree, train_env
 
 STEPS = ["--training.local_batch_size", "2", "--checkpoint.enable", "--checkpoint.interval", "100"]
 
@@ -32,17 +33,18 @@ def readme_torchrun(dump, *extra):
 
 
 def run_train_sh(dump, *extra):
-    return ["bash", "scripts/run_train.sh", *COMMON, *STEPS, "--job.dump_folder", str(dump), *extra], {"NGPU": "2"}
+    return ["bash", str(REPO / "scripts" / "run_train.sh"), *COMMON, *STEPS, "--job.dump_folder", str(dump), *extra], \
+        {"NGPU": "2"}
 
 
 LAUNCHERS = {"run_train.sh": run_train_sh, "torchrun": readme_torchrun}
 
 
-def start(cmd_env, merged=False):
+def start(cmd_env, merged=False, cwd=REPO):
     """Start a launch command in its own process group; ``merged``: its stderr in its stdout, in order."""
     cmd, env = cmd_env
     env = dict(train_env(), PYTHON=sys.executable, **env)
-    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, text=True, start_new_session=True,
+    return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, text=True, start_new_session=True,
                             stderr=subprocess.STDOUT if merged else subprocess.PIPE)
 
 
@@ -84,13 +86,58 @@ def test_a_stop_signal_under_any_launcher_saves_and_exits_75_in_one_line(tmp_pat
     assert step >= max(steps) and (dump / "checkpoint" / f"step-{step}" / ".metadata").is_file()
 
 
+# Records, at exit, the allocator configuration a training process ran with (its os.environ, which
+# /proc does not show once the process has changed it).
+RECORD_ALLOC_CONF = """
+import atexit, os, sys
+def _record():
+    if sys.argv and sys.argv[0].endswith(os.path.join("canon_titan", "train.py")):
+        with open(os.path.join(os.environ["ALLOC_CONF_RECORDS"], str(os.getpid())), "w") as f:
+            f.write(os.environ.get("PYTORCH_ALLOC_CONF", "unset"))
+atexit.register(_record)
+"""
+
+
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory):
-    """A 2-step run trained to its end (through run_train.sh); refusals leave it as it is."""
-    dump = tmp_path_factory.mktemp("finished") / "run"
-    code, out, err = finish(start(run_train_sh(dump, "--training.steps", "2")))
+    """A 2-step run trained to its end through run_train.sh, started from another directory than the
+    checkout's with a relative CONFIG whose TOML names a relative dump folder; refusals leave it as it
+    is. Returns (that directory, the dump folder); the allocator configuration of each training process
+    is recorded in its ``records`` folder."""
+    here = tmp_path_factory.mktemp("finished")
+    (here / "mydata").mkdir()
+    toml = DEBUG_CONFIG.read_text().replace('dump_folder = "./outputs/llama_debug"', 'dump_folder = "outputs/run"')
+    (here / "mydata" / "x.toml").write_text(toml)
+    (here / "site").mkdir()
+    (here / "site" / "sitecustomize.py").write_text(RECORD_ALLOC_CONF)
+    (here / "records").mkdir()
+    cmd, env = run_train_sh(here / "unused", "--training.steps", "2")
+    cmd = cmd[:cmd.index("--job.dump_folder")] + cmd[cmd.index("--job.dump_folder") + 2:]
+    env.update(CONFIG="mydata/x.toml", PYTHONPATH=str(here / "site"), ALLOC_CONF_RECORDS=str(here / "records"))
+    code, out, err = finish(start((cmd, env), cwd=here))
     assert code == 0, (out[-2000:], err[-3000:])
-    return dump
+    return here, here / "outputs" / "run"
+
+
+@pytest.mark.slow
+def test_run_train_sh_reads_relative_paths_from_the_current_directory_with_expandable_segments(finished_run):
+    """CONFIG and the TOML's relative dump folder are read from the current directory, as ``canon-titan
+    train`` reads them (at 432670c run_train.sh changed to the checkout and found no config), and every
+    training process ran with expandable segments, as TorchTitan's run_train.sh sets (at 432670c no launch
+    path did)."""
+    here, dump = finished_run
+    assert (dump / "checkpoint" / "step-2" / ".metadata").is_file()
+    records = [path.read_text() for path in (here / "records").iterdir()]
+    assert records == ["expandable_segments:True"] * 2, records
+
+
+def test_run_train_sh_names_the_directory_a_missing_relative_config_is_read_from(tmp_path):
+    """One line naming the current directory, exit 2, before torchrun starts."""
+    cmd, env = run_train_sh(tmp_path / "run")
+    code, out, err = finish(start((cmd, dict(env, CONFIG="mydata/x.toml")), cwd=tmp_path), timeout=120)
+    assert code == 2, err[-3000:]
+    assert err.strip().splitlines() == [f"canon-titan: config error: mydata/x.toml: config file not found in "
+                                        f"{tmp_path} (a relative path is read from the current directory)"], err
 
 
 @pytest.mark.slow
@@ -100,7 +147,7 @@ def test_a_refusal_under_any_launcher_is_one_line_and_2_before_any_rank_builds(f
     before any rank builds the model or loads, in one line, with exit 2, and no other rank is
     left waiting (the job ends in seconds). At 4a7b0a2 the right line came inside a 60-line
     ChildFailedError traceback with exit 1, after every rank had built the model."""
-    dump = finished_run
+    _, dump = finished_run
     for extra, expected in [(["--training.steps", "2"], "already holds a finished run"),
                             (["--training.steps", "4", "--model.dim", "96"], "written by another model")]:
         started = time.monotonic()
@@ -203,3 +250,195 @@ def test_sigint_reaches_a_run_started_in_the_background_of_a_script(tmp_path):
     code, out, _ = finish(proc)
     out = "".join(lines) + out
     assert code == 75 and "preempted at step" in out, out[-3000:]
+
+
+def training_processes(pid):
+    """The training processes (``-m canon_titan.train``) under ``pid``."""
+    found = []
+    for child in descendants(pid):
+        try:
+            command = open(f"/proc/{child}/cmdline").read().split("\0")
+        except OSError:
+            continue
+        if "canon_titan.train" in command and "canon_titan.launch.torchrun" not in command:
+            found.append(child)
+    return found
+
+
+def signal_every_process(proc, sig=signal.SIGTERM):
+    """``sig`` to every process of a job at once, as a scheduler sends it."""
+    for pid in [proc.pid, *descendants(proc.pid)]:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+BEFORE_TRAINING = "canon-titan: SIGTERM before training started: stopped, nothing to save; run the same command again"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("phase", ["importing torch", "building the trainer"])
+def test_a_stop_signal_to_every_process_during_start_up_is_one_line_and_75_on_every_rank(tmp_path, phase):
+    """SIGTERM to every process of a run_train.sh job while its training processes import torch, or just
+    before they build the trainer: every rank stops at once with 75 (nothing had trained), the job exits
+    75 (a requeue runs it again) with one line saying so, long before the 90 s grace. At 432670c the
+    first exited 3 with a line about "the step they reached", and in the second one rank died at once
+    while rank 0 waited out the grace and exited 3, saying checkpointing was off."""
+    exits = tmp_path / "exits"
+    exits.mkdir()
+    cmd, env = run_train_sh(tmp_path / "run", "--training.steps", "20")
+    proc = start((cmd, dict(env, CANON_TITAN_OUTCOME_DIR=str(exits))))
+    try:
+        if phase == "importing torch":
+            while len(training_processes(proc.pid)) < 2 and proc.poll() is None:
+                time.sleep(0.05)
+            time.sleep(1.0)  # each has taken the signals (its first lines), and imports torch for seconds more
+        else:
+            for line in proc.stdout:
+                if "Run config" in line:  # the line just before the trainer is built
+                    break
+        signal_every_process(proc)
+        sent = time.monotonic()
+        code, out, err = finish(proc, timeout=120)
+    finally:
+        kill_tree(proc.pid)
+    assert code == 75, (code, out[-2000:], err[-3000:])
+    assert time.monotonic() - sent < 30, time.monotonic() - sent
+    lines = [line for line in err.splitlines() if "canon-titan:" in line]
+    assert lines == [BEFORE_TRAINING] and err.strip().splitlines()[-1] == BEFORE_TRAINING, err[-3000:]
+    assert "Traceback" not in out + err
+    assert {path.name: path.read_text() for path in exits.glob("rank-*")} == {"rank-0": "75", "rank-1": "75"}
+    assert not (tmp_path / "run" / "checkpoint").exists()
+
+
+@pytest.mark.slow
+def test_a_killed_torchrun_is_one_line_3_and_leaves_no_temporary_folders(tmp_path):
+    """torchrun SIGKILLed under ``canon-titan train`` (its workers die with it): one line naming what
+    happened and what there is to resume from, exit 3 (stopped without saving the step reached), and
+    torchrun's log and exit-report folders gone from the temporary disk. At 432670c it exited 247 with no
+    line and left both behind."""
+    dump = tmp_path / "run"
+    cmd = [sys.executable, "-m", "canon_titan.cli", "train", "--config", str(DEBUG_CONFIG), "--nproc", "2", *COMMON,
+           *STEPS, "--training.steps", "40", "--checkpoint.interval", "2", "--job.dump_folder", str(dump)]
+    proc = start((cmd, {}), merged=True)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if "step:  3" in line:
+            torchrun = [pid for pid in descendants(proc.pid) if "canon_titan.launch.torchrun" in
+                        open(f"/proc/{pid}/cmdline").read().split("\0")]
+            workers = training_processes(proc.pid)
+            os.kill(torchrun[0], signal.SIGKILL)
+            break
+    code, out, _ = finish(proc, timeout=120)
+    out = "".join(lines) + out
+    scratch = Path(re.search(r"--log-dir (\S+)/logs", out).group(1))
+    assert code == 3, out[-3000:]
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("canon-titan: torchrun was killed by SIGKILL, and its training processes with it"), last
+    assert f"the newest complete checkpoint is step 2 ({dump / 'checkpoint' / 'step-2'})" in last, last
+    assert not scratch.exists()
+    time.sleep(1)
+    assert not [pid for pid in workers if Path(f"/proc/{pid}").exists()]
+
+
+def hostname_not_resolving(command: list[str]) -> list[str]:
+    """``command`` in a UTS namespace of its own whose host name resolves nowhere."""
+    return ["unshare", "--uts", "sh", "-c", 'hostname canon-titan-unresolvable && exec "$@"', "sh", *command]
+
+
+def can_rename_host() -> bool:
+    try:
+        return subprocess.run(hostname_not_resolving(["true"]), capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not can_rename_host(), reason="needs unshare --uts (root or user namespaces)")
+def test_a_host_whose_name_does_not_resolve_trains_alone_and_refuses_several_nodes(tmp_path):
+    """On a host whose own name resolves nowhere, ``canon-titan train`` runs on the loopback address and
+    trains (at 432670c it waited over 400 s in c10d's connection retries), and a multi-node run_train.sh
+    is refused in one line naming the host, within seconds."""
+    cmd = [sys.executable, "-m", "canon_titan.cli", "train", "--config", str(DEBUG_CONFIG), "--nproc", "1",
+           "--training.seq_len", "64", "--training.local_batch_size", "1", "--training.steps", "1",
+           "--checkpoint.enable", "false", "--job.dump_folder", str(tmp_path / "alone")]
+    started = time.monotonic()
+    code, out, err = finish(start((hostname_not_resolving(cmd), {})), timeout=400)
+    assert code == 0, err[-3000:]
+    assert "step:  1" in out and time.monotonic() - started < 240
+    cmd, env = run_train_sh(tmp_path / "nodes")
+    env.update(NNODES="2", NODE_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    started = time.monotonic()
+    code, out, err = finish(start((hostname_not_resolving(cmd), env)), timeout=120)
+    assert code == 2 and time.monotonic() - started < 60, err[-3000:]
+    line, = err.strip().splitlines()
+    assert line.startswith("canon-titan: this host's name 'canon-titan-unresolvable' does not resolve"), line
+
+
+def global_rank_of(launcher) -> int | None:
+    """The global rank of the (single) training process under ``launcher``, while it runs."""
+    for pid in training_processes(launcher.pid):
+        try:
+            env = dict(item.split("=", 1) for item in open(f"/proc/{pid}/environ").read().split("\0") if "=" in item)
+        except OSError:
+            continue
+        if "RANK" in env:
+            return int(env["RANK"])
+    return None
+
+
+@pytest.mark.slow
+def test_node_rank_decides_where_rank_0_runs_and_a_waiting_node_says_for_whom(tmp_path):
+    """Two run_train.sh nodes on loopback, one process each, node 1 started first: it says every 30 s
+    that it waits for node 0 at MASTER_ADDR:MASTER_PORT; once node 0 joins, global rank 0 runs on node 0
+    (NODE_RANK=0), not on the node that joined first (at 432670c, with c10d's rendezvous, it did, and
+    a node waited in silence). Launched again on the finished run, both nodes refuse in one line each."""
+    port = free_port()
+    launched = []
+
+    def node(rank):
+        cmd, env = run_train_sh(tmp_path / "run", "--training.steps", "1")
+        env.update(NGPU="1", NNODES="2", NODE_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        launched.append(start((cmd, env)))
+        return launched[-1]
+
+    try:
+        first = node(1)
+        said = next(line for line in first.stderr if "canon-titan:" in line)
+        assert said.startswith(f"canon-titan: node 1 of 2: waiting for node 0 at 127.0.0.1:{port}, which does not "
+                               "answer yet"), said
+        second = node(0)
+        ranks = {}
+        while len(ranks) < 2 and first.poll() is None and second.poll() is None:
+            for rank, launcher in ((1, first), (0, second)):
+                found = global_rank_of(launcher)
+                if found is not None:
+                    ranks[rank] = found
+            time.sleep(0.1)
+        assert ranks == {0: 0, 1: 1}, ranks
+        results = [finish(launcher) for launcher in (first, second)]
+        assert [code for code, _, _ in results] == [0, 0], [err[-2000:] for _, _, err in results]
+        for code, out, err in [finish(launcher) for launcher in (node(1), node(0))]:
+            lines = [line for line in err.splitlines() if "canon-titan:" in line]
+            assert code == 2 and len(lines) == 1 and "already holds a finished run" in lines[0], err[-3000:]
+    finally:
+        for launcher in launched:
+            kill_tree(launcher.pid)
+
+
+def test_a_second_node_left_at_node_rank_0_is_refused_in_one_line(tmp_path):
+    """run_train.sh on several nodes needs each node's NODE_RANK and node 0's address; and a node that
+    has node rank 0 while the master address is another host's (a second node started without its own
+    rank) is refused, where it would host a store of its own and wait for nodes that never come."""
+    cmd, env = run_train_sh(tmp_path / "run")
+    code, out, err = finish(start((cmd, dict(env, NNODES="2", MASTER_ADDR="127.0.0.1"))), timeout=60)
+    assert code == 2 and err.strip().splitlines() == [
+        "canon-titan: NNODES=2: set NODE_RANK (another on each node, 0 to 1; node 0 holds global rank 0) and "
+        "MASTER_ADDR (node 0's address) on every node"], err
+    elsewhere = "192.0.2.1"  # TEST-NET-1: no host's own address
+    code, out, err = finish(start((cmd, dict(env, NNODES="2", NODE_RANK="0", MASTER_ADDR=elsewhere))), timeout=120)
+    assert code == 2, err[-3000:]
+    line, = err.strip().splitlines()
+    assert line.startswith(f"canon-titan: this node has node rank 0, so it hosts the rendezvous at '{elsewhere}'"), line

@@ -194,3 +194,140 @@ def test_results_are_named_after_the_model_and_printed_with_lm_evals_table(setup
     acc = first["results"]["tiny_mc"]["acc,none"]
     n = len(MC)
     assert stderr == pytest.approx(math.sqrt(acc * (1 - acc) / (n - 1)))  # lm-eval's sample standard error
+
+
+LONG_TASKS = {
+    "long_gen": "output_type: generate_until\ndoc_to_text: q\ndoc_to_target: a\ntarget_delimiter: ''\n"
+                "generation_kwargs:\n  until: ['\\n']\n  max_gen_toks: 4\n  do_sample: false\n"
+                "metric_list:\n  - metric: exact_match\n",
+    "long_mc": TINY_TASKS["tiny_mc"],
+    "long_ppl": TINY_TASKS["tiny_ppl"],
+}
+
+
+def _text_of(tok, tokens: int, seed: int) -> str:
+    """Words until the text has at least ``tokens`` tokens."""
+    import random
+
+    rng = random.Random(seed)
+    words = []
+    while len(tok.encode(" ".join(words), add_special_tokens=False)) < tokens:
+        words.append(rng.choice(["river", "stone", "the", "old", "mill", "ran", "past", "green", "light", "north"]))
+    return " ".join(words)
+
+
+def _greedy_ids(model, tok, ids: list[int], steps: int) -> str:
+    ids, start = list(ids), len(ids)
+    for _ in range(steps):
+        ids.append(int(_logprobs(model, ids)[-1].argmax()))
+    return tok.decode(ids[start:]).split("\n")[0]
+
+
+@pytest.fixture(scope="module")
+def long_inputs(setup):
+    """Tasks whose inputs pass the model's training length (128): a generation prompt of ~190 tokens
+    (read whole at twice that length) and one of ~300 (still cut), a multiple-choice question of
+    ~300 tokens, and a text of ~190 tokens to score as perplexity. Each generation target is the
+    model's greedy continuation of what it should read: the whole prompt, or its last 256 - 4 tokens."""
+    model, tok = _hf_model(setup)
+    folder = setup["root"] / "long_tasks"
+    folder.mkdir(exist_ok=True)
+    short, long = _text_of(tok, 190, 0), _text_of(tok, 300, 1)
+    long_ids = tok.encode(long, add_special_tokens=False)
+    gen = [{"q": short, "a": greedy(model, tok, short, steps=4)},
+           {"q": long, "a": _greedy_ids(model, tok, long_ids[-(256 - 4):], steps=4)}]
+    mc = [{"q": _text_of(tok, 300, 2), "choices": [" blue", " a green cat", " red"], "label": 1}]
+    ppl = [{"text": _text_of(tok, 190, 3)}]
+    for name, rows in (("long_gen", gen), ("long_mc", mc), ("long_ppl", ppl)):
+        data = folder / f"{name}.jsonl"
+        data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (folder / f"{name}.yaml").write_text(f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+                                             f"    test: {data}\ntest_split: test\n" + LONG_TASKS[name])
+    return {"folder": folder, "model": model, "tok": tok, "gen": gen, "mc": mc, "ppl": ppl, "long_ids": long_ids}
+
+
+def _eval_long(setup, long_inputs, out, *extra):
+    code = main(["eval", "lm", "--model", str(setup["export"]), "--suite", "long_gen", "long_mc", "long_ppl",
+                 "--include-path", str(long_inputs["folder"]), "--dtype", "fp32", "--out", str(out), *extra])
+    assert code == 0
+    return json.loads(out.read_text())
+
+
+def test_inputs_past_the_training_length_are_read_to_twice_it_and_the_rest_is_reported(setup, long_inputs, capsys):
+    """A model trained at 128 tokens is evaluated at max_length 256, as the release evaluates its
+    4096-token models at 8192: a 190-token prompt is read whole (its greedy continuation is the one
+    from the whole prompt; the 190-token text is one perplexity window, RoPE past 128), and what is
+    still longer is cut from the left, said once per task and written to the results: the counts, the
+    longest input (tokenized here) and the limit (256, less the 4 tokens to generate)."""
+    record = _eval_long(setup, long_inputs, setup["root"] / "long.json")
+    printed = capsys.readouterr().out
+    model, tok = long_inputs["model"], long_inputs["tok"]
+    assert record["training_length"] == 128 and record["max_length"] == 256
+    assert record["results"]["long_gen"]["exact_match,none"] == 1.0
+
+    mc = long_inputs["mc"][0]
+    longest_mc = max(len(tok.encode(mc["q"] + c, add_special_tokens=False)) - 1 for c in mc["choices"])
+    assert record["truncated"] == {
+        "long_gen": {"inputs": 1, "of": 2, "longest_tokens": len(long_inputs["long_ids"]), "limit_tokens": 252},
+        "long_mc": {"inputs": 3, "of": 3, "longest_tokens": longest_mc, "limit_tokens": 256},
+    }
+    for task in ("long_gen", "long_mc"):
+        assert sum(f"{task}: " in line and "inputs are longer" in line for line in printed.splitlines()) == 1
+    assert "long_ppl: " not in printed
+
+    text = long_inputs["ppl"][0]["text"]
+    prefix = tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id
+    ids = [prefix] + tok.encode(text, add_special_tokens=False)
+    assert 128 < len(ids) <= 256
+    lp = _logprobs(model, ids)
+    total_ll = sum(lp[i, ids[i + 1]].item() for i in range(len(ids) - 1))
+    words = len(re.split(r"\s+", text))
+    assert record["results"]["long_ppl"]["word_perplexity,none"] == pytest.approx(math.exp(-total_ll / words),
+                                                                                  rel=1e-6)
+
+
+def test_max_length_reads_longer_inputs(setup, long_inputs, capsys):
+    record = _eval_long(setup, long_inputs, setup["root"] / "long_512.json", "--max-length", "512")
+    assert record["max_length"] == 512 and record["truncated"] == {}
+    with pytest.raises(SystemExit) as exit_:
+        main(["eval", "lm", "--model", str(setup["export"]), "--suite", "long_gen", "--max-length", "1"])
+    assert exit_.value.code == 2 and "--max-length must be >= 2 tokens, got 1" in capsys.readouterr().err
+
+
+def test_lm_evals_noise_is_quiet_and_its_real_warnings_are_not(setup, tmp_path, capsys):
+    """An eval/ task reads its file through a custom dataset: lm-eval's warning that custom kwargs can
+    be passed (twice per task, 16 per multi-hop group) is gone. In a process set up as `eval lm` sets
+    it up, a Hub retry line shows once, not once through huggingface_hub's own handler and again
+    through the root logger's, and any other warning of those loggers still shows."""
+    (tmp_path / "multihop").mkdir()
+    rows = [{"prompt": f"Ann Bee Cole was born in the year of {1950 + i}. Answer me: Ann Bee Cole was born in the "
+             "year of ", "answer": str(1950 + i)} for i in range(2)]
+    (tmp_path / "multihop" / "1hop_0k.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["eval", "lm", "--model", str(setup["export"]), "--suite", "multihop_1hop_0k", "--data-dir",
+                 str(tmp_path), "--dtype", "fp32", "--out", str(tmp_path / "out.json")]) == 0
+    out, err = capsys.readouterr()
+    assert "Custom kwargs" not in out + err
+
+    script = ("import logging\n"
+              "import datasets, huggingface_hub, lm_eval  # what eval lm imports, with their own handlers\n"
+              "from canon_titan.cli.common import init_logging\n"
+              "from canon_titan.evaluation import lm\n"
+              "init_logging()\n"
+              "lm.quiet_lm_eval()\n"
+              "logging.getLogger('huggingface_hub.utils._http').warning('Retrying in 1s [Retry 1/5].')\n"
+              "logging.getLogger('lm_eval.api.task').warning('multihop_1hop_0k: a real problem')\n")
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert (proc.stdout + proc.stderr).count("Retrying in 1s [Retry 1/5].") == 1
+    assert "multihop_1hop_0k: a real problem" in proc.stdout + proc.stderr
+
+
+def test_the_guide_names_the_results_file_as_the_command_does(capsys):
+    """docs/evaluation.md says what --out defaults to as `eval lm --help` does, and the command
+    writes that name."""
+    with pytest.raises(SystemExit):
+        main(["eval", "lm", "--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    documented = re.search(r"`--out`, default `([^`]+)`", (REPO / "docs" / "evaluation.md").read_text()).group(1)
+    assert f"default: {documented} beside the model folder" in shown
+    assert lm.default_output("/x/runs/hf").name == documented.replace("<model folder>", "hf")

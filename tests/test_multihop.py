@@ -81,4 +81,4 @@ def test_generator_command_writes_the_file_and_reports_bad_input(tmp_path):
     assert all(r["n"] == 3 and r["k"] == 2 and r["background_tokens"] < 400 for r in records)
     background.write_text('{"txt": 1}\n')
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
-    assert proc.returncode == 2 and "bg.jsonl:1: missing the 'text' text field\n" in proc.stderr
+    assert proc.returncode == 2 and "bg.jsonl:1: the 'text' text field is missing; the record's fields: 'txt'\n" in proc.stderr

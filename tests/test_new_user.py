@@ -181,11 +181,10 @@ def test_a_checkpoint_of_another_family_is_named_as_such(tmp_path):
 def test_known_harmless_library_lines_are_filtered_and_nothing_else(caplog):
     """Row 9: torchao's CUDA-kernel load failures, torch's pytree enum notice and DTensor's
     two-step norm reduction note are dropped from canon-titan's processes; other records of the
-    same loggers pass."""
-    import canon_titan  # noqa: F401  (installs the filters)
+    same loggers pass (the filters a canon-titan program installs as it starts)."""
+    from canon_titan.tools.startup import process_setup
 
-    assert canon_titan.__name__
-
+    process_setup()
     for name, noise, kept in [
             ("torchao", "Failed to load /x/torchao/_C_mxfp8.so: Could not load this library", "quantizing 3 layers"),
             ("torch.utils._pytree", "<enum 'X'> is an Enum subclass and is now natively supported by torch.compile",

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from canon_titan.components.metrics import read_scalars
+import slurm_standin
 from conftest import (COMMON, CONFIGS, REPO, free_port, made_once, run_training, seed_checkpoint, start_from, torchrun_cmd,
                       train_env)
 
@@ -182,24 +183,29 @@ def test_emulated_float8_alone_and_with_tensor_parallel(seed, reference, tmp_pat
     assert max(abs(tp_loss[s] - loss[s]) / loss[s] for s in loss) > 1e-4  # not the fp32 run's losses
 
 
-def test_fsdp_gathers_float8_weights_in_float8_as_each_rank_would_cast_them(seed, tmp_path):
-    """``[float8] enable_fsdp_float8_all_gather`` (with the scales precomputed after each step) on
-    FSDP 2: each rank casts its shard of a weight with the weight's global amax, so the gathered
-    float8 weight is the one each rank casts from the gathered high-precision weight without the
-    option, and the run trains as that FSDP 2 float8 run does (losses and grad norms to 1e-5 / 1e-4,
-    as every layout here; measured: equal). Its reference is FSDP 2, not one process: tensorwise
-    scaling takes each activation's amax over the rank's own batch, so data parallelism changes the
-    float8 rounding (step 1's loss 0.1% from one process's, with or without the option). Both runs
-    start from the seed checkpoint (loaded into the wrapped weights) and end with a checkpoint of
-    plain tensors, whose weights agree. That the gathers move one byte a weight element is
+def test_fsdp_times_tp_gathers_float8_weights_in_float8_as_each_rank_would_cast_them(seed, tmp_path):
+    """``[float8] enable_fsdp_float8_all_gather`` with the scales precomputed (which TP requires) on
+    FSDP 2 x TP 2: each rank casts its shard of a weight with the amax of the whole weight (all of its
+    FSDP and TP shards), from the first step on (the scales are computed after the seed checkpoint
+    loads, not only after each optimizer step), so the gathered float8 weight is the one each rank
+    casts from the gathered high-precision weight without the option, and the run trains as that
+    float8 run does (losses and grad norms to 1e-5 / 1e-4, as every layout here; measured: equal).
+    With torchao's own pre-all-gather amax, or scales first computed after step 1, each TP shard
+    took its own scale on step 1 (loss 7.12713 against 7.12977, grad norm -0.4%). Its reference is
+    the same layout without the option, not one process: tensorwise scaling takes each activation's
+    amax over the rank's own batch, so data parallelism changes the float8 rounding. Both runs start
+    from the seed checkpoint (loaded into the wrapped weights) and end with a checkpoint of plain
+    tensors, whose weights agree. That the gathers move one byte a weight element is
     ``test_plan.py``'s."""
     f8 = float8_args("tensorwise")
-    plain, _ = train(seed, tmp_path / "plain", 2, f8, dp=2)
-    dump, out = train(seed, tmp_path / "gathered", 2, f8 + [
+    layout = ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.tensor_parallel_degree", "2"]
+    plain, _ = train(seed, tmp_path / "plain", 4, f8 + layout, dp=2)
+    dump, out = train(seed, tmp_path / "gathered", 4, f8 + layout + [
         "--float8.enable_fsdp_float8_all_gather", "true", "--float8.precompute_float8_dynamic_scale_for_fsdp", "true"],
         dp=2)
     linears = 7 * 4  # wq, wk, wv, wo, w1, w2, w3 of each of the debug model's 4 blocks
     assert f"float8: FSDP all-gathers the weights of {linears} float8 linears in float8" in out
+    assert "dp_shard=2" in out and "tp=2" in out
     assert_matches((read_scalars(plain), read_scalars(plain, "grad_norm")), dump)
     ours, theirs = final_weights(dump), final_weights(plain)
     assert sorted(ours) == sorted(theirs)
@@ -226,6 +232,20 @@ def test_context_parallel_times_fsdp_on_four_processes(seed, reference, tmp_path
     assert_matches(reference, dump)
 
 
+@pytest.mark.parametrize("sp", ["true"])
+def test_context_parallel_times_tensor_parallel_on_four_processes(seed, short_reference, tmp_path, sp):
+    """CP 2 x TP 2 with sequence parallelism, Canon-ABCD and QK-norm: each TP rank's heads gather
+    their K and V, and its Canon-B/D channels their halos, over the CP ranks that hold the same
+    shard; the TP regions gather the rank's CP share of the sequence. Two steps (the first checks
+    the forward and backward on the starting weights, the second the update) against one process."""
+    dump, out = train(seed, tmp_path, 4, ["--parallelism.context_parallel_degree", "2",
+                                          "--parallelism.tensor_parallel_degree", "2",
+                                          "--parallelism.enable_sequence_parallel", sp], steps=SHORT)
+    assert "cp=2" in out and "tp=2" in out
+    assert "Applied tensor parallelism (degree 2, sequence parallel True)" in out
+    assert_matches(short_reference, dump, steps=2)
+
+
 def test_two_launchers_on_loopback_train_together(seed, reference, tmp_path):
     """Two torchrun agents, --nnodes 2 with a c10d rendezvous, as two machines would."""
     dump = start_from(seed, tmp_path / "run")
@@ -248,16 +268,9 @@ def test_two_launchers_on_loopback_train_together(seed, reference, tmp_path):
 
 def test_slurm_template_launches_a_two_node_job(seed, reference, tmp_path):
     """scripts/train.slurm under bash, with stand-ins for scontrol (node list) and srun (one
-    task per node, here two local processes), so its real torchrun command line is exercised."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    # The node list in two writes, the second late: a reader that stops at the first line (head -n 1) has gone
-    # by then, and under pipefail the script failed with 141 (SIGPIPE), at random before the pause.
-    (bin_dir / "scontrol").write_text("#!/bin/sh\necho 127.0.0.1\nsleep 0.5\necho 127.0.0.2\n")
-    (bin_dir / "srun").write_text(
-        '#!/bin/bash\nshift  # --kill-on-bad-exit\n"$@" & a=$!\n"$@" & b=$!\nwait $a && wait $b\n')
-    for tool in ("scontrol", "srun"):
-        (bin_dir / tool).chmod(0o755)
+    task per node, here two local processes; tests/slurm_standin.py), so its real torchrun command
+    line is exercised."""
+    bin_dir = slurm_standin.install(tmp_path / "bin")
     dump = start_from(seed, tmp_path / "run")
     port = free_port()
     env = dict(train_env(), PATH=f"{bin_dir}:{train_env()['PATH']}", SLURM_JOB_NODELIST="node[1-2]",

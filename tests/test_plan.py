@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from canon_titan.plan.calibration import POINTS
 from canon_titan.plan.gpus import GPUS, UnknownGPU, find_gpu
 from conftest import CONFIGS, REPO, free_port
 
@@ -83,6 +84,34 @@ def _gloo_collectives(records, group_ranks) -> dict:
     return dict(moved)
 
 
+def _attention_as_matmuls(q_shape, k_shape, v_shape, backward: bool) -> int:
+    """Attention counted as its products by torch's own batched-matmul formula (K/V heads shared by
+    the queries' heads count per query head): forward S = QK^T and O = PV; a flash backward
+    recomputes S and forms dV = P^T dO, dP = dO V^T, dQ = dS K and dK = dS^T Q."""
+    from torch.utils.flop_counter import bmm_flop
+
+    batch, heads, queries, dim = q_shape
+    keys, dim_v = k_shape[2], v_shape[-1]
+    n = batch * heads
+    scores = bmm_flop((n, queries, dim), (n, dim, keys))
+    if not backward:
+        return scores + bmm_flop((n, queries, keys), (n, keys, dim_v))
+    return (scores + bmm_flop((n, keys, queries), (n, queries, dim_v)) + bmm_flop((n, queries, dim_v), (n, dim_v, keys))
+            + bmm_flop((n, queries, keys), (n, keys, dim)) + bmm_flop((n, keys, queries), (n, queries, dim)))
+
+
+REFERENCE_FLOPS = {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu:
+        lambda q, k, v, *args, out_shape=None, **kwargs: _attention_as_matmuls(q, k, v, backward=False),
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward:
+        lambda grad, q, k, v, *args, out_shape=None, **kwargs: _attention_as_matmuls(q, k, v, backward=True),
+}
+"""The real step's counter for the CPU attention op, whose only formula in torch's registry is the
+one the planner registers (``canon_titan/plan/flops.py``): counted from its matmuls instead, so the
+plan's FLOPs are held to torch's own formulas, not to themselves. (The custom ops do not run in
+these steps: the Canon layers are on the torch backend.)"""
+
+
 def _real_worker(rank, world, port, config, overrides, dump_folder, queue):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world))
@@ -111,7 +140,8 @@ def _real_worker(rank, world, port, config, overrides, dump_folder, queue):
         tracker = MemTracker()
         tracker.track_external(*trainer.model_parts, *trainer.optimizers.optimizers)
         seen = len(_flight_records())
-        with tracker, FlopCounterMode(display=False) as flops, CommDebugMode() as comms:
+        with tracker, FlopCounterMode(display=False, custom_mapping=REFERENCE_FLOPS) as flops, \
+                CommDebugMode() as comms:
             trainer.train_step(iter(trainer.dataloader))
         snapshot = {str(k).split(".")[-1]: v for dev in tracker.get_tracker_snapshot("peak").values()
                     for k, v in dev.items()}
@@ -368,6 +398,7 @@ def test_8b_on_one_gpu_does_not_fit():
     (["--gpus", "100", "--parallelism.tensor_parallel_degree", "8"], "does not divide the world size 100"),
     (["--gpus", "8", "--gpu", "v100"], "unknown GPU 'v100'"),
     (["--gpus", "0"], "--gpus must be >= 1"),
+    (["--gpus", "1000000"], "--gpus is 1,000,000; a plan is made for at most 16,384 GPUs"),
     (["--gpus", "8", "--training.nonsense", "1"], "nonsense"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, message):
@@ -394,10 +425,14 @@ def test_a_gpu_described_in_a_file(tmp_path):
     ("bf16_tflops = inf", "bf16_tflops must be a finite positive number, got inf"),
     ("hbm_tb_s = -inf", "hbm_tb_s must be a finite positive number, got -inf"),
     ("capability = [9, -1]", "capability must be [major, minor] with major >= 1 and minor >= 0, got [9, -1]"),
+    ("memory_gib = 1e308", "memory_gib = 1e+308 is outside 1 to 4,096 GiB"),
+    ("bf16_tflops = 1e-300", "bf16_tflops = 1e-300 is outside 1 to 100,000 TFLOP/s"),
+    ("matmul_efficiency = 0.001", "matmul_efficiency = 0.001 is outside 0.05 to 1 of the peak"),
 ])
 def test_an_impossible_gpu_figure_is_one_line_and_exit_2(tmp_path, line, message):
     """A non-finite or impossible figure in a GPU file is refused before planning (it gave a
-    traceback for nan, and "MFU 0.0% against inf TFLOP/s" for inf)."""
+    traceback for nan, and "MFU 0.0% against inf TFLOP/s" for inf; at 432670c an OverflowError
+    traceback for memory_gib = 1e308 and an MFU of 3e305 % for bf16_tflops = 1e-300)."""
     figures = {"name": '"x"', "memory_gib": "80", "bf16_tflops": "989", "fp8_tflops": "1979", "hbm_tb_s": "3.35",
                "nvlink_gb_s": "450", "network_gb_s": "50", "capability": "[9, 0]", "fp32_tflops": "67"}
     key, value = line.split(" = ")
@@ -407,6 +442,17 @@ def test_an_impossible_gpu_figure_is_one_line_and_exit_2(tmp_path, line, message
     proc = _cli(CONFIGS["llama"], "--gpus", "1", "--gpu", str(spec), timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_the_gpu_figure_bounds_hold_every_gpu_of_the_table():
+    """The bounds a GPU file is held to leave room around every GPU the table describes (a share of the
+    peak up to 1 itself)."""
+    from canon_titan.plan.gpus import BOUNDS
+
+    for gpu in GPUS.values():
+        for key, (low, high, unit) in BOUNDS.items():
+            value, room = getattr(gpu, key), 1 if unit == "of the peak" else 2
+            assert value is None or (key == "fp8_tflops" and value == 0) or 2 * low <= value <= high / room, (gpu, key)
 
 
 # ----------------------------------------------------------------------------- the models, by hand
@@ -440,6 +486,17 @@ def test_the_roofline_by_hand():
     assert seconds["matmul"] == pytest.approx(1e12 / (989e12 * EFFICIENCY["matmul"]))
     assert seconds["other"] == pytest.approx(1e9 / (3.35e12 * EFFICIENCY["memory"]))
     assert flops == {"matmul": 10**12, "other": 0} and kernels == 2
+
+
+def test_the_canon_op_moves_its_bytes_at_its_measured_share_of_the_bandwidth():
+    """A 1 GB Canon call on an H100 takes 1 GB at the bandwidth share its kernels were measured at on an
+    H200 (28.5 ms for 38.0 GB a step: 0.28 of 4.8 TB/s), not at the streaming kernels' 80%."""
+    from canon_titan.plan.estimate import EFFICIENCY, compute_seconds
+
+    assert EFFICIENCY["canon_memory"] == pytest.approx(38.0e9 / 28.5e-3 / 4.8e12, abs=0.005)
+    step = _trace([_op("canon", 4 * 10**8, (0, 1), (5 * 10**8, 8192), (2,), (5 * 10**8 - 8192,))])
+    seconds, _, _ = compute_seconds(step, H100, compiled=False)
+    assert seconds["canon"] == pytest.approx(1e9 / (3.35e12 * EFFICIENCY["canon_memory"]))
 
 
 def test_compile_fuses_an_elementwise_run_and_stores_only_what_leaves_it():
@@ -587,13 +644,10 @@ def _planner_row(block: str, first_cells: list[str]) -> list[str]:
 
 
 @pytest.mark.slow
-def test_the_readme_plan_tables_hold(monkeypatch):
+def test_the_readme_plan_tables_hold():
     """The README's recipe table and calibration table are what the planner says today, and the
     calibration row of Llama-1B stays within the aims against its GPU measurement (memory within
     15%, throughput within 25%)."""
-    monkeypatch.syspath_prepend(REPO / "scripts" / "benchmarks")
-    import plan_recipes
-
     from canon_titan.plan.planner import plan
 
     cells = _planner_row("recipes", ["LlamaCanon-1B-Nemo-1T-lr{0.002,0.003}", "128"])
@@ -602,14 +656,37 @@ def test_the_readme_plan_tables_hold(monkeypatch):
     assert float(cells[3].split()[0]) == pytest.approx(result.worst.device_bytes / 2**30, abs=0.05)
     assert float(cells[5].replace(",", "")) == pytest.approx(result.tokens_per_s_per_gpu, rel=2e-3)
 
-    label, recipe, extra, gpu, measured_tokens, measured_gib, _ = plan_recipes.CALIBRATION[0]
+    point = POINTS[0]
+    label, measured_tokens, measured_gib = point.label, point.measured_tokens_per_s, point.measured_gib
     cells = _planner_row("calibration", [label])
-    result = plan(str(REPO / "train_configs" / f"{recipe}.toml"), plan_recipes.CALIBRATION_SHAPE + extra, gpus=1,
-                  gpu=GPUS[gpu], advise=False)
+    result = plan(str(REPO / "train_configs" / f"{point.recipe}.toml"), list(point.overrides), gpus=1,
+                  gpu=GPUS[point.gpu], advise=False)
     planned_gib = result.worst.reserved_bytes / 2**30
     assert float(cells[3].replace(",", "")) == pytest.approx(result.tokens_per_s_per_gpu, rel=2e-3)
     assert float(cells[6].split()[0]) == pytest.approx(planned_gib, abs=0.05)
     assert abs(planned_gib / measured_gib - 1) < 0.15 and abs(result.tokens_per_s_per_gpu / measured_tokens - 1) < 0.25
+
+
+@pytest.mark.slow
+def test_the_plan_of_llama_canon_at_the_recipes_batch_is_within_ten_percent_of_the_gpu():
+    """LlamaCanon-1B and Llama-1B at 8 x 4096 on an H200 (2026-11-28): each plan within 10% of its measured
+    tokens/s, and so the Canon ratio (x0.860 measured; the plan said x0.976 while it priced the Canon kernels
+    at the streaming kernels' bandwidth)."""
+    from canon_titan.plan.planner import plan
+
+    rows = [p for p in POINTS if p.label.startswith(("Llama-1B at 8 x 4096", "LlamaCanon-1B at 8 x 4096"))
+            and not p.kind.float8]
+    assert len(rows) == 2
+    planned = {}
+    for point in rows:
+        label, measured_tokens = point.label, point.measured_tokens_per_s
+        result = plan(str(REPO / "train_configs" / f"{point.recipe}.toml"), list(point.overrides),
+                      gpus=1, gpu=GPUS[point.gpu], advise=False)
+        assert result.local_batch == 8
+        planned[label.split()[0]] = (result.tokens_per_s_per_gpu, measured_tokens)
+        assert abs(result.tokens_per_s_per_gpu / measured_tokens - 1) < 0.10, (label, result.tokens_per_s_per_gpu)
+    (canon, canon_measured), (llama, llama_measured) = planned["LlamaCanon-1B"], planned["Llama-1B"]
+    assert abs((canon / llama) / (canon_measured / llama_measured) - 1) < 0.10
 
 
 def test_a_looped_pipeline_schedule_plans_each_rank_with_its_stages():
@@ -800,7 +877,8 @@ def test_planning_in_process_leaves_the_stop_signals_alone():
     before = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
     wakeup = signal.set_wakeup_fd(-1)
     signal.set_wakeup_fd(wakeup)
+    watchers = {t for t in threading.enumerate() if t.name == "stop-signals"}  # an earlier test's, in this process
     plan_step(CONFIGS["llama"], DEBUG, 1)
     assert {sig: signal.getsignal(sig) for sig in STOP_SIGNALS} == before
     assert signal.set_wakeup_fd(wakeup) == wakeup
-    assert not [t for t in threading.enumerate() if t.name == "stop-signals"]
+    assert {t for t in threading.enumerate() if t.name == "stop-signals"} == watchers

@@ -539,28 +539,32 @@ def test_row_wise_casts_cost_compiled_steps_their_bytes_and_eager_steps_nothing(
         assert longer == pytest.approx(added, rel=1e-6, abs=1e-12), compiled
 
 
-def test_the_plan_meets_torchaos_row_wise_float8_table(monkeypatch):
+def test_the_plan_meets_torchaos_row_wise_float8_table_where_it_was_not_fitted(monkeypatch):
     """The planned speed-up of torchao's benchmark module (compiled LayerNorm -> Linear -> Sigmoid,
     forward and backward, row-wise float8 against bf16, H100) against the speed-ups torchao
-    published for it (``fit_rowwise_casts.TABLE``), over the table's corners and thin layers:
-    within 25% each, 10% at the median. Without the casts' measured cost, thin layers planned
+    published for it (``fit_rowwise_casts.TABLE``), on the half of the table the cast constants
+    were not fitted to (its 54 rows of M >= 8192): within 10% at the median and 30% each (the
+    thinnest layers at M = 8192, 0.45-0.52x measured, plan up to 27% faster: launch overheads the
+    plan does not model still show there). Without the casts' measured cost, thin layers planned
     1.1-1.2x where 0.5-0.6x was measured."""
     import statistics
 
     monkeypatch.syspath_prepend(REPO / "scripts" / "benchmarks")
     import fit_rowwise_casts
 
-    shapes = [(m, k, n) for m in (8192, 32768) for k in (1024, 4096, 32768) for n in (1024, 8192, 32768)]
-    table = {(m, k, n): s for m, k, n, s in fit_rowwise_casts.rows()}
-    errors = {shape: fit_rowwise_casts.planned_speedup(*shape) / table[shape] - 1 for shape in shapes}
-    assert max(abs(e) for e in errors.values()) <= 0.25, errors
+    held_out = list(fit_rowwise_casts.rows(8192, "held_out"))
+    fitted = {(m, k, n) for m, k, n, _ in fit_rowwise_casts.rows(8192, "fit")}
+    assert len(held_out) == len(fitted) == 54 and not fitted & {(m, k, n) for m, k, n, _ in held_out}
+    errors = {(m, k, n): fit_rowwise_casts.planned_speedup(m, k, n) / s - 1 for m, k, n, s in held_out}
+    assert max(abs(e) for e in errors.values()) <= 0.30, errors
     assert statistics.median(abs(e) for e in errors.values()) <= 0.10, errors
 
 
-def test_the_row_wise_cast_constants_are_their_fit_to_the_table(monkeypatch):
-    """``ROWWISE_CAST_BYTES`` is what ``fit_rowwise_casts.py --fit`` derives from torchao's table with
-    the plan as it is (least squares of the time it misses without them): a change to the plan's
-    compiled cost model that moves the fit shows here, and the constants are refitted with it."""
+def test_the_row_wise_cast_constants_are_their_fit_to_half_the_table(monkeypatch):
+    """``ROWWISE_CAST_BYTES`` is what ``fit_rowwise_casts.py --fit`` derives from half of torchao's
+    table with the plan as it is (least squares of the time it misses without them): a change to
+    the plan's compiled cost model that moves the fit shows here, and the constants are refitted
+    with it. The other half tests them (above)."""
     from canon_titan.plan.estimate import EFFICIENCY
     from canon_titan.plan.recorder import ROWWISE_CAST_BYTES
 
@@ -620,16 +624,21 @@ def test_a_cp_ranks_attention_benchmark_runs_each_implementations_calls(tmp_path
     chunks), a lower rank its last h queries against all L keys (the tail chunk sees both of the other
     rank's chunks, the head chunk neither). The gather runs one causal call per contiguous run of the
     rank's positions against every key before the run's end (causal, aligned to the lower right). Both do the rank's causal share: one
-    (query, key) pair for each position p and each key at or before it, p + 1."""
+    (query, key) pair for each position p and each key at or before it, p + 1. With fewer K/V heads
+    (``--kv-heads``, grouped-query attention) the gather's outputs and gradients were first checked
+    against plain causal SDPA on each degree's first and last rank (the script stops otherwise)."""
     import json
     import subprocess
     import sys
 
     out = tmp_path / "cp.json"
     proc = subprocess.run([sys.executable, str(REPO / "scripts" / "benchmarks" / "cp_attention_rank.py"), "--tiny",
-                           "--cp", "1,2,4", "--json", str(out)], capture_output=True, text=True, timeout=600, cwd=REPO)
+                           "--cp", "1,2,4", "--kv-heads", "1", "--json", str(out)], capture_output=True, text=True,
+                          timeout=600, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
+    assert report["kv_heads"] == 1 < report["heads"]
+    assert {(c["cp"], c["rank"]) for c in report["checked"]} == {(cp, r) for cp in (1, 2, 4) for r in {0, cp - 1}}
     length, heads, dim = report["seq_local"], report["heads"], report["head_dim"]
     h = length // 2
     seen = set()

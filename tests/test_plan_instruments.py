@@ -14,8 +14,9 @@ the intra-sub-chunk scores by v as one more product (-4% forward); the torch gat
 solves its triangular system with ``solve_triangular`` (counted by the textbook n^2 per right-hand
 side, which PyTorch leaves uncounted) where fla multiplies by the inverse (+10% forward). A formula
 off by a term, a factor of 2 or a wrong chunk length leaves these bounds. The CPU flash-attention
-op's formulas (registered there too) are held to attention written as matmuls; the names the
-planner patches in torch and TorchTitan are pinned.
+op's formulas (registered there too) are held to attention written as matmuls. The names the
+planner patches in torch and TorchTitan are pinned in ``tests/test_upstream.py``; here, that it puts
+them back.
 """
 
 from __future__ import annotations
@@ -165,60 +166,17 @@ def test_ssd_formula_against_its_torch_backend(heads, groups, head_dim, state, c
 
 # ----------------------------------------------------------------------------- what the plan patches
 
-# Every torch and TorchTitan name the planner replaces or wraps, where, and the parameters its
-# replacement assumes. A torch that renames one (or changes what it takes) fails here by name,
-# instead of a plan that silently runs the original on a fake process group.
-PATCHED = [
-    # fake_world.pipeline_without_peers: the pipeline stages' start-up exchange with their peers,
-    # answered in this process (a fake process group has no peers).
-    ("torch.distributed.pipelining.stage", "PipelineStage._warmup_forward_vote",
-     ["self", "has_backward", "received_acc"]),
-    ("torch.distributed.pipelining.stage", "PipelineStage._warmup_backward_result", ["self", "received_result"]),
-    ("torch.distributed.pipelining.stage", "PipelineStage._recv_meta", ["self", "src_stage"]),
-    ("torch.distributed.pipelining.stage", "PipelineStage._send_meta", ["self", "meta", "dst_stage"]),
-    ("torch.distributed.pipelining.stage", "PipelineStage._forward_metadata_inference", None),
-    ("torch.distributed.pipelining.stage", "PipelineStage._backward_metadata_inference", None),
-    ("torch.distributed.pipelining._utils", "InferenceMode.needs_dynamic", ["meta", "stage_has_backward"]),
-    ("torch.distributed.pipelining._utils", "_derive_grad_metas", ["tensor_metas"]),
-    ("torch.distributed.pipelining._utils", "_StageBackwardMeta", ["backward_metas"]),
-    # recorder.StepRecorder: FSDP2's storage resizes (invisible to dispatch) and DTensor's shape
-    # propagation on fake tensors (no kernel of the step).
-    ("torch", "UntypedStorage.resize_", None),
-    ("torch.distributed.tensor._sharding_prop", "ShardingPropagator._propagate_tensor_meta_non_cached",
-     ["self", "op_schema"]),
-    ("torch.distributed._tools.fake_collectives", "CollectiveOp.get_process_group", None),
-    ("torch.distributed._tools.fake_collectives", "CollectiveOp.get_comm_tensor_size", None),
-    # fake_world.materialized_as_fake: the model materialised as fake tensors on "cpu".
-    ("torch.nn", "Module.to_empty", ["self", "device", "recurse"]),
-    ("torchtitan.protocols.model", "BaseModel.init_weights", ["self", "kwargs"]),
-    ("torchtitan.tools.utils", "get_local_device", []),
-]
-
-
-@pytest.mark.parametrize("module,name,parameters", PATCHED, ids=[p[1] for p in PATCHED])
-def test_every_patched_name_is_still_there(module, name, parameters):
-    import importlib
-    import inspect
-
-    owner = importlib.import_module(module)
-    target = owner
-    for part in name.split("."):
-        assert hasattr(target, part), f"the planner patches {module}.{name}, and this torch/TorchTitan has no such name"
-        target = getattr(target, part)
-    if parameters is not None:
-        assert list(inspect.signature(target).parameters) == parameters, \
-            f"{module}.{name} now takes {inspect.signature(target)}; the planner's patch takes {parameters}"
-
-
 def test_the_patches_are_undone():
     """After a pipeline stage's patches and a recorder's, the classes hold torch's own methods again."""
     from torch.distributed.pipelining.stage import PipelineStage
     from torch.distributed.tensor._sharding_prop import ShardingPropagator
 
+    from test_upstream import PATCHED
+
     from canon_titan.plan.fake_world import pipeline_without_peers
     from canon_titan.plan.recorder import StepRecorder
 
-    names = [p[1].split(".")[1] for p in PATCHED if p[1].startswith("PipelineStage.")]
+    names = [p[1].split(".")[1] for p in PATCHED if p[1].startswith("PipelineStage.") and p[3] == "plan/fake_world.py"]
     before = {n: PipelineStage.__dict__[n] for n in names}
     resize, propagate = torch.UntypedStorage.resize_, ShardingPropagator._propagate_tensor_meta_non_cached
     recorder = StepRecorder()

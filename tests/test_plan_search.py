@@ -21,13 +21,13 @@ BASE = ["--training.seq_len", "128"]
 
 
 def test_structures_are_every_factorization_the_checks_allow_by_hand():
-    """8 GPUs, 8 per node, 4 layers, a global batch of 8: TP within the node, CP only alone (with
-    FSDP), PP dividing the layers; each leaves a data-parallel size dividing the batch."""
+    """8 GPUs, 8 per node, 4 layers, a global batch of 8: TP within the node, CP without PP (with
+    FSDP, and with TP), PP dividing the layers; each leaves a data-parallel size dividing the batch."""
     from canon_titan.plan.search import structures
 
     got = set(structures(8, 8, 4, 8, cp_allowed=True))
     expected = {(1, 1, 1), (1, 1, 2), (1, 1, 4), (1, 1, 8), (1, 2, 1), (1, 4, 1), (2, 1, 1), (2, 2, 1),
-                (2, 4, 1), (4, 1, 1), (4, 2, 1), (8, 1, 1)}
+                (2, 4, 1), (4, 1, 1), (4, 2, 1), (8, 1, 1), (2, 1, 2), (2, 1, 4), (4, 1, 2)}
     assert got == expected
     assert (1, 8, 1) not in set(structures(8, 8, 4, 8, cp_allowed=True))  # 8 stages of 4 layers
     assert all(cp == 1 for _, _, cp in structures(8, 8, 4, 8, cp_allowed=False))

@@ -102,7 +102,7 @@ def test_corrupt_inputs_name_file_and_line_and_can_be_skipped(tmp_path):
     assert "on_error" not in str(e.value)
     stats = ReadStats()
     assert list(iter_documents(str(bad), on_error="skip", stats=stats)) == ["a", "c"]
-    assert stats.skipped == 2 and "bad.jsonl:3: missing the 'text' text field" in stats.problems[1]
+    assert stats.skipped == 2 and "bad.jsonl:3: the 'text' text field is missing; the record's fields: 'body'" in stats.problems[1]
     frames = [zstandard.ZstdCompressor().compress("".join(json.dumps({"text": t}) + "\n" for t in TEXTS[i : i + 50]).encode())
               for i in range(0, 200, 50)]
     truncated = tmp_path / "cut.jsonl.zst"
@@ -263,6 +263,26 @@ def test_streaming_units_read_every_document_exactly_once(tmp_path, ranks):
     per_unit = [one_epoch(u, units) for u in range(units)]
     assert all(per_unit)  # every unit has documents
     assert sorted(d for docs in per_unit for d in docs) == sorted(expected)  # each exactly once
+
+
+def test_a_streamed_source_says_when_its_first_reader_starts_it_again(tmp_path, caplog):
+    """Data reader 0 (rank 0's first) logs the end of each pass over its share of a source, once; the
+    other readers stay silent. At 432670c sources were re-read without a word."""
+    import logging
+
+    from canon_titan.data.streaming import SourceReader
+
+    src = tmp_path / "src"
+    src.mkdir()
+    files = [str(p) for p in write_formats(src, TEXTS[:101])]  # 3 files x 101 documents
+    readers = [SourceReader(files, unit, 2, "text", "fail") for unit in range(2)]
+    with caplog.at_level(logging.INFO):
+        for reader in readers:
+            while reader.epoch < 2:
+                reader.next()
+    ends = [r.getMessage() for r in caplog.records if "ended" in r.getMessage()]
+    assert ends == [f"streamed data: epoch {e} of data reader 0 over 3 files ended; it reads its share of them again"
+                    for e in (1, 2)], ends
 
 
 def test_streaming_resume_with_workers_gives_the_same_batches(tmp_path):

@@ -107,3 +107,23 @@ def test_linear_recipe_resolves_to_spec(name):
     assert not run["dataloader"]["document_masking"] and run["dataloader"]["dataset"] == "tokens"
     assert run["tokenizer"]["kind"] == ("tiktoken" if size == "8B" else "sentencepiece")
     # Checkpoint and eval cadence, seeds: test_release_recipes.py, per release YAML.
+
+
+def test_every_config_header_launches_it_through_the_project_s_launcher():
+    """Each train_configs file's header names how to run it, and that launch path is one that reports a
+    stop with the project's exit codes (`canon-titan train`, scripts/run_train.sh, scripts/playground.sh):
+    never the plain torchrun line (which turns a preemption into torchrun's failure report and exit 1),
+    as the debug configs' headers showed at 432670c."""
+    import re
+
+    files = sorted((REPO / "train_configs").rglob("*.toml"))
+    assert len(files) > 70
+    for path in files:
+        header = "".join(line for line in path.read_text().splitlines(keepends=True) if line.startswith("#"))
+        assert "torchrun" not in header and "-m canon_titan.train" not in header, path
+        run = re.search(r"Run: (.*)", header)
+        assert run, f"{path}: no 'Run:' line in its header"
+        own = str(path.relative_to(REPO))
+        assert (f"canon-titan train --config {own} " in run.group(1)
+                or run.group(1).startswith(f"CONFIG={own} NGPU=8 scripts/run_train.sh")
+                or run.group(1).startswith("scripts/playground.sh")), (path, run.group(1))

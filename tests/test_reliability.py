@@ -5,10 +5,12 @@ import contextlib
 import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,7 +20,7 @@ from canon_titan.data.builtin import ASSET_DIR
 from canon_titan.data.documents import DataError, ReadStats, iter_documents
 from canon_titan.data.pretokenize import open_shards, tokenize_files
 from canon_titan.data.tokenizers import build_tokenizer
-from conftest import COMMON, CONFIGS, DEBUG_CONFIG, REPO, descendants, make_checkpoint, train_env
+from conftest import COMMON, CONFIGS, DEBUG_CONFIG, REPO, descendants, kill_tree, make_checkpoint, train_env
 
 LONG = COMMON + ["--training.steps", "500", "--training.local_batch_size", "2", "--checkpoint.enable", "false"]
 
@@ -175,6 +177,67 @@ def test_token_ids_outside_the_vocabulary_are_named_by_shard_and_offset(tmp_path
         open_shards(out, tok)
 
 
+def _big_shard(tmp_path) -> Path:
+    """A token folder of one shard of many pages (a truncation inside the first page reads as zeros
+    from a memory map; past it, SIGBUS)."""
+    src = tmp_path / "big.jsonl"
+    src.write_text("".join(json.dumps({"text": f"document {j}: " + "text " * 60}) + "\n" for j in range(400)))
+    out = tmp_path / "tokens"
+    tokenize_files(str(src), out, kind="hf", tokenizer_path=str(ASSET_DIR), log=lambda m: None)
+    assert (out / "00000.bin").stat().st_size > 16 * 4096
+    return out
+
+
+def test_a_shard_truncated_after_it_was_opened_is_named_not_a_sigbus(tmp_path):
+    """Reads of a shard cut short after training opened it: one DataError naming the shard and both
+    sizes. At 432670c the shard was memory-mapped, and the read past its new end killed the process
+    with SIGBUS (run in a child process here, so that the old behaviour fails the test, not pytest)."""
+    out = _big_shard(tmp_path)
+    shard = out / "00000.bin"
+    size = shard.stat().st_size
+    script = (f"import os, sys\nfrom canon_titan.data.builtin import ASSET_DIR\n"
+              f"from canon_titan.data.documents import DataError\n"
+              f"from canon_titan.data.pretokenize import open_shards\n"
+              f"from canon_titan.data.tokenizers import build_tokenizer\n"
+              f"store = open_shards({str(out)!r}, build_tokenizer('hf', str(ASSET_DIR)))\n"
+              f"store.slice(0, len(store))\n"
+              f"os.truncate({str(shard)!r}, 100)\n"
+              f"try:\n    store.slice(len(store) - 10, len(store))\n"
+              f"except DataError as e:\n    print(e)\n    sys.exit(2)\n")
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+    assert proc.stdout.startswith(f"{shard} is 100 bytes now, {size:,} when the run opened it: the shard was "
+                                  "truncated or replaced while training read it"), proc.stdout
+
+
+@pytest.mark.slow
+def test_a_shard_truncated_mid_run_stops_the_run_in_one_line(tmp_path):
+    """`canon-titan train` on a token folder; once step 1 is logged the shard is cut to a tenth: the run
+    stops with exit 2 and one line naming the shard, no traceback. At 432670c both ranks died of SIGBUS
+    (120 lines, exit 1) without naming it."""
+    out = _big_shard(tmp_path)
+    shard = out / "00000.bin"
+    proc = cli_train(tmp_path / "run", "--dataloader.dataset", "tokens", "--dataloader.dataset_path", str(out),
+                     start_new_session=True)
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if " step:  1 " in line:
+                os.truncate(shard, shard.stat().st_size // 10)
+                break
+        lines.append(proc.stdout.read())
+        proc.wait(timeout=300)
+    finally:
+        kill_tree(proc.pid)
+    out_text = "".join(lines)
+    assert proc.returncode == 2, out_text[-4000:]
+    assert "Traceback" not in out_text and "SIGBUS" not in out_text, out_text[-4000:]
+    named = {re.sub(r"^\[rank\d+\]:", "", line) for line in out_text.splitlines()
+             if "the shard was truncated or replaced" in line}
+    assert len(named) == 1 and next(iter(named)).startswith(f"canon-titan: data error: {shard} is "), named
+
+
 def test_tokenize_resume_redoes_shards_that_no_longer_match(tmp_path):
     src, out = _shards(tmp_path)
     expected = {p.name: p.read_bytes() for p in out.glob("*.bin")}
@@ -232,6 +295,56 @@ def test_conversion_faults_are_one_line_naming_the_file(tmp_path):
         (broken / name).write_text("{not json")
         proc = convert_cli("from-hf", broken, tmp_path / f"dcp-{name}", "--config", config)
         assert proc.returncode == 2 and f"{broken / name}: not readable JSON" in proc.stderr, proc.stderr
+
+
+@pytest.fixture
+def tiny_disk(tmp_path, monkeypatch):
+    """(folder, fill): a 1 MiB tmpfs (a debug model's weights do not fit), or where this process cannot
+    mount one, a folder whose safetensors and DCP writes fail as a full disk makes them fail once
+    ``fill()`` is called (after the test wrote its inputs)."""
+    mount = tmp_path / "tiny"
+    mount.mkdir()
+    if not os.environ.get("CANON_TITAN_TEST_NO_MOUNT") and subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True).returncode == 0:
+        yield mount, lambda: None
+        subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+        return
+
+    def fill():
+        import safetensors.torch
+        from torch.distributed.checkpoint import filesystem
+
+        def full(*args, **kwargs):
+            raise safetensors.SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, '
+                                              'message: "No space left on device" })')
+
+        def enospc(*args, **kwargs):
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(safetensors.torch, "save_file", full)
+        monkeypatch.setattr(filesystem, "_write_item", enospc)
+
+    yield mount, fill
+
+
+def test_a_conversion_onto_a_full_disk_is_one_line_and_leaves_nothing(tmp_path, tiny_disk):
+    """to-hf and from-hf into a disk that fills: one line naming the output and the free space, exit 2,
+    no output folder and no partial one. At 432670c to-hf gave an 18-line traceback (safetensors'
+    error is not an OSError)."""
+    disk, fill = tiny_disk
+    run, step, _ = make_checkpoint(tmp_path, [])
+    config = tmp_path / "run_config.toml"
+    exported = tmp_path / "hf"
+    assert convert_cli("to-hf", step, exported, "--config", config).returncode == 0
+    fill()
+    for direction, source, out in (("to-hf", step, disk / "hf"), ("from-hf", exported, disk / "dcp")):
+        proc = convert_cli(direction, source, out, "--config", config)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
+        assert lines[0].startswith(f"canon-titan: conversion error: writing {out} failed: the disk is full ("), lines
+        assert lines[0].endswith("MiB free on its filesystem); nothing of it is left behind: free space and run the "
+                                 "same command"), lines
+        assert list(disk.iterdir()) == []
 
 
 def test_flipped_bytes_in_an_export_are_caught_by_its_checksums(tmp_path):

@@ -201,24 +201,85 @@ class HostSyncs(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def checkpointer_over(params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer | None = None):
+    """A CanonCheckpointer's checks over ``params`` (and ``optimizer``'s state), without a run."""
+    from canon_titan.components.checkpointer import CanonCheckpointer
+
+    checkpointer = CanonCheckpointer.__new__(CanonCheckpointer)
+    checkpointer.enable, checkpointer.folder, checkpointer.checked, checkpointer.damaged = True, "nowhere", set(), set()
+    checkpointer.states = {"model": types.SimpleNamespace(model=[torch.nn.ParameterList(params)]),
+                           "optimizer": [optimizer] if optimizer is not None else []}
+    return checkpointer
+
+
+@pytest.mark.parametrize("where", ["parameters", "optimizer state"])
 @pytest.mark.parametrize("broken", [None, math.nan, math.inf])
-def test_the_parameters_finiteness_check_syncs_with_the_host_once(broken):
-    """Before a save, whether every parameter is finite costs one host sync, whatever the number of
-    parameters (at 4a7b0a2: one per parameter, 30 here), and still finds a NaN or inf in the last
-    one, while a large finite value passes."""
-    from canon_titan.components.checkpointer import CanonCheckpointer, NonFiniteParameters
+def test_the_finiteness_check_covers_the_optimizer_state_and_syncs_with_the_host_once(broken, where):
+    """Before a save, whether every parameter and every optimizer state tensor is finite costs one host
+    sync, whatever their number (at 4a7b0a2: one per parameter, 30 here, and the optimizer state
+    was not checked at all), and still finds a NaN or inf in the last one (naming which of the two
+    holds it, with one more sync), while a large finite value passes."""
+    from canon_titan.components.checkpointer import NonFiniteParameters
 
     params = [torch.nn.Parameter(torch.randn(3, 5)) for _ in range(30)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    optimizer = torch.optim.AdamW(params)
+    optimizer.step()
     with torch.no_grad():
         params[0][0, 0] = 3e38  # finite: its square is not
         if broken is not None:
-            params[-1][2, 4] = broken
-    model = torch.nn.ParameterList(params)
-    checkpointer = types.SimpleNamespace(states={"model": types.SimpleNamespace(model=[model])}, folder="nowhere")
+            target = params[-1] if where == "parameters" else optimizer.state[params[-1]]["exp_avg_sq"]
+            target[2, 4] = broken
+    checkpointer = checkpointer_over(params, optimizer)
     with HostSyncs() as syncs:
         if broken is None:
-            CanonCheckpointer._check_finite(checkpointer, 7)
+            checkpointer._check_finite(7)
         else:
-            with pytest.raises(NonFiniteParameters, match="the parameters at step 7 are not finite"):
-                CanonCheckpointer._check_finite(checkpointer, 7)
-    assert syncs.count == 1
+            verb = "are" if where == "parameters" else "is"
+            with pytest.raises(NonFiniteParameters, match=f"the {where} at step 7 {verb} not finite"):
+                checkpointer._check_finite(7)
+    assert syncs.count == (1 if broken is None else 2)
+
+
+def _decide_on_two_ranks(rank: int, port: int, results) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    from canon_titan.trainer import rank_zero_decides
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=60))
+
+    def decide():
+        raise PermissionError(errno.EACCES, "Permission denied", "/runs/x/checkpoint")
+
+    try:
+        rank_zero_decides(decide)
+        results.put((rank, "returned"))
+    except Exception as e:  # what each rank stops with
+        results.put((rank, f"{type(e).__name__}: {e}"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_failure_of_rank_zeros_resume_decision_stops_every_rank():
+    """Rank 0 alone reads the checkpoint folder; when that fails with anything but a refusal (here a
+    folder it may not read), every rank stops with it at once instead of waiting for rank 0's answer
+    until the collective's timeout."""
+    from conftest import free_port
+
+    ctx = multiprocessing.get_context("spawn")
+    results, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=_decide_on_two_ranks, args=(rank, port, results)) for rank in range(2)]
+    started = time.monotonic()
+    for p in procs:
+        p.start()
+    outcome = dict(results.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=30)
+    assert outcome[0].startswith("PermissionError: [Errno 13] Permission denied"), outcome
+    assert outcome[1] == ("RuntimeError: rank 0 could not decide where to resume: PermissionError: [Errno 13] "
+                          "Permission denied: '/runs/x/checkpoint'"), outcome
+    assert time.monotonic() - started < 60

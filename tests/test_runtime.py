@@ -88,8 +88,11 @@ def test_the_strided_shard_scan_runs_once_per_op_not_once_per_tensor(monkeypatch
     arguments hold no ``_StridedShard`` never reaches torch's function (which would return at
     once); one that does reaches it for every tensor as before, with one argument to scan instead
     of all 48; and the outputs' placements and strided-shard flags are the same as without it."""
-    runtime.apply()
     from torch.distributed.tensor import _sharding_prop as sharding_prop
+
+    from canon_titan.plan.strided_scan import strided_shard_scan_once_per_op
+
+    strided_shard_scan_once_per_op()
 
     shim = sharding_prop._propagate_use_strided_shard_flag
     assert getattr(shim, "_canon_titan_shim", False)
@@ -138,21 +141,26 @@ def test_imports_run_without_the_garbage_collector_which_is_then_as_before():
     gc.enable()
 
 
-def test_a_process_that_imported_canon_titan_freezes_the_collectors_objects_at_exit(tmp_path):
-    """The last exit handler to run (registered first) sees the objects frozen: the interpreter's last
-    collections skip them."""
+def test_importing_canon_titan_changes_nothing_process_wide_and_its_programs_do(tmp_path):
+    """A process that imports the package (the trainer, the planner, the CLI's module) as a library
+    keeps its collector and its loggers as they were; a canon-titan program (``canon-titan``, here
+    its ``main``) freezes the collector's objects at exit (the last exit handler to run, registered
+    first, sees them frozen) and drops the known library notes."""
     import os
     import subprocess
     import sys
 
     from conftest import REPO
 
-    code = ("import atexit, gc\n"
-            "atexit.register(lambda: print('frozen at exit:', gc.get_freeze_count()))\n"
-            "import canon_titan\n"
-            "print('frozen before:', gc.get_freeze_count())\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path,
-                         env={**os.environ, "PYTHONPATH": str(REPO)}).stdout
-    before = int(out.split("frozen before:")[1].split()[0])
-    at_exit = int(out.split("frozen at exit:")[1].split()[0])
-    assert before == 0 and at_exit > 1000, out
+    probe = ("import atexit, gc, logging\n"
+             "atexit.register(lambda: print('frozen at exit:', gc.get_freeze_count()))\n"
+             "import canon_titan.cli, canon_titan.trainer, canon_titan.plan.planner\n"
+             "{program}"
+             "print('filters:', len(logging.getLogger('torchao').filters))\n")
+    counts = {}
+    for name, program in (("library", ""), ("program", "canon_titan.cli.main(['--help'])\n")):
+        out = subprocess.run([sys.executable, "-c", probe.format(program=program)], capture_output=True, text=True,
+                             timeout=300, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)}).stdout
+        counts[name] = (int(out.split("filters:")[1].split()[0]), int(out.split("frozen at exit:")[1].split()[0]))
+    assert counts["library"] == (0, 0), counts
+    assert counts["program"][0] == 1 and counts["program"][1] > 1000, counts

@@ -28,6 +28,9 @@ COMMANDS = {"train": "train", "config": "config", "plan": "plan", "convert": "co
 
 
 def main(argv: list[str] | None = None) -> int:
+    from canon_titan.tools.startup import process_setup
+
+    process_setup()
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         print(__doc__.strip())

@@ -40,6 +40,11 @@ def main(argv: list[str]) -> int:
     lm_parser.add_argument("--dtype", type=dtype_arg, default="bf16", help="bf16, fp32 or fp16 (or bfloat16, float32, float16)")
     lm_parser.add_argument("--limit", type=float, help="items per task (a fraction if < 1), for quick checks")
     lm_parser.add_argument("--batch-size", type=int, default=1)
+    lm_parser.add_argument("--max-length", type=int, metavar="TOKENS",
+                           help="tokens the model reads of each input, prompt and answer together (default: "
+                           f"{lm.LENGTH_FACTOR}x the model's training length, as the release evaluates its "
+                           "4096-token models at 8192); lm-eval keeps the last ones of a longer input, and the "
+                           "evaluation says so per task")
     lm_parser.add_argument("--data-dir", help="folder of the local test files of eval/ tasks (default "
                            "$CANON_EVAL_DATA or ./eval_data)")
     lm_parser.add_argument("--include-path", action="append", default=[], help="another folder of lm-eval task YAMLs")
@@ -49,6 +54,8 @@ def main(argv: list[str]) -> int:
     if args.kind == "lm":
         if overrides:
             parser.error(f"unrecognized arguments: {' '.join(overrides)}")
+        if args.max_length is not None and args.max_length < 2:
+            parser.error(f"--max-length must be >= 2 tokens, got {args.max_length}")
         return _eval_lm(args)
     if args.count < 1:
         parser.error("--count must be >= 1")
@@ -80,8 +87,8 @@ def run_config_near(checkpoint: Path) -> Path:
 
 
 def _model_for_eval(model: Path, dtype: str, config: str | None):
-    """(transformers model, tokenizer, max length) from an HF export, or a DCP checkpoint converted
-    in memory."""
+    """(transformers model, tokenizer, training length) from an HF export, or a DCP checkpoint
+    converted in memory."""
     if (model / "config.json").is_file():
         return lm.load_hf_folder(model, dtype)
     if not model.is_dir():
@@ -101,15 +108,21 @@ def _eval_lm(args) -> int:
         return fail("eval", f"--device {device}: {e}")
     try:
         lm.require_lm_eval()
-        model, tokenizer, max_length = _model_for_eval(Path(args.model), args.dtype, args.config)
+        model, tokenizer, trained_at = _model_for_eval(Path(args.model), args.dtype, args.config)
+        max_length = args.max_length or lm.default_max_length(trained_at)
         result = lm.evaluate(model.to(device), tokenizer, args.suite, max_length=max_length, limit=args.limit,
                              batch_size=args.batch_size, data_dir=args.data_dir, include_paths=args.include_path)
     except ConfigError as e:
         return fail("config", e)
     except (ConversionError, lm.LMEvalError, FileNotFoundError) as e:
         return fail("eval", e)
-    record = lm.evaluation_record(result, model=args.model, dtype=args.dtype, limit=args.limit, tasks=args.suite)
+    record = lm.evaluation_record(result, model=args.model, dtype=args.dtype, limit=args.limit, tasks=args.suite,
+                                  training_length=trained_at)
     print(lm.lm_eval_tables(result))
+    if result["truncated"]:
+        print(f"[eval] {len(result['truncated'])} task(s) had inputs longer than max_length {max_length:,} "
+              f"(the model trained at {trained_at:,}): their scores are of the inputs' last tokens; "
+              "--max-length reads more")
     reference = lm.table(result)[1]
     if reference:
         print(f"reference columns (%):\n{reference}")

@@ -42,10 +42,11 @@ def main(argv: list[str]) -> int:
                         help="with --search: planning processes (default: one per core, at most 4)")
     search.add_argument("--write", metavar="FILE.toml", help="with --search: write the winner's resolved config here")
     args, overrides = parse_with_overrides(parser, argv)  # the rest, in order: --section.key value overrides
-    if args.gpus < 1:
-        return fail("plan", f"--gpus must be >= 1, got {args.gpus}")
-    if args.gpus_per_node < 1:
-        return fail("plan", f"--gpus-per-node must be >= 1, got {args.gpus_per_node}")
+    from canon_titan.plan.gpus import gpu_count_problem
+
+    problem = gpu_count_problem(args.gpus, args.gpus_per_node)
+    if problem:
+        return fail("plan", problem)
 
     if not args.search:
         for flag in ("--top", "--budget-s", "--workers", "--write"):

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 from canon_titan.cli.common import OVERRIDES, fail, load_or_report, parse_with_overrides
-from canon_titan.components.exit_codes import REFUSED, STOP_SIGNALS
+from canon_titan.components.exit_codes import OUTCOME_DIR_ENV, REFUSED, STOP_SIGNALS, STOPPED, STOPPED_EXIT_CODES
 from canon_titan.config.build import build_trainer_config
 from canon_titan.launch.ownership import torchrun_preexec
 from canon_titan.launch.prelaunch import CHECKED_ENV, check_launch
@@ -41,17 +44,40 @@ def main(argv: list[str]) -> int:
     if log_ranks is None:
         pp = run["parallelism"]["pipeline_parallel_degree"]
         log_ranks = str((pp - 1) * args.nproc // pp)
-    # The wrapper puts torchrun's per-rank output copies on the local temporary disk (never the dump folder,
-    # whose disk may be the full one) and gives the workers the run's stop grace before it kills them.
+    # The wrapper gives the workers the run's stop grace before it kills them. torchrun's per-rank output
+    # copies and the workers' exit reports go to a folder of this launcher's on the local temporary disk
+    # (never the dump folder, whose disk may be the full one), which it removes even when torchrun is killed.
+    scratch = Path(tempfile.mkdtemp(prefix="canon-titan-"))
     cmd = [sys.executable, "-m", "canon_titan.launch.torchrun", "--standalone", f"--nproc_per_node={args.nproc}",
-           "--local-ranks-filter", log_ranks, "--role", "rank", "--tee", "3",
+           "--local-ranks-filter", log_ranks, "--role", "rank", "--tee", "3", "--log-dir", str(scratch / "logs"),
            "-m", "canon_titan.train", "--config", args.config, *overrides]
     print("+ " + " ".join(cmd), flush=True)
 
     env = dict(os.environ, CANON_TITAN_COLOR="1" if sys.stdout.isatty() else "0", **{CHECKED_ENV: "1"})
+    env[OUTCOME_DIR_ENV] = str(scratch / "exits")
+    os.mkdir(env[OUTCOME_DIR_ENV])
     # Share the cores between the processes (torchrun would default to 1 and print a banner saying so).
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc)))
-    return _run_torchrun(cmd, env)
+    code = None
+    try:
+        code = _run_torchrun(cmd, env)
+        if code < 0:
+            print(f"canon-titan: torchrun was killed by {signal.Signals(-code).name}, and its training processes with "
+                  f"it (nothing of the step they reached was saved); {_on_disk(run)}", file=sys.stderr)
+            code = STOPPED
+        return code
+    finally:
+        # After a failure of its own, torchrun's report names its log files: those stay.
+        shutil.rmtree(scratch if code in (0, *STOPPED_EXIT_CODES) else scratch / "exits", ignore_errors=True)
+
+
+def _on_disk(run) -> str:
+    """What there is to resume from, in words."""
+    from canon_titan.components.checkpointer import newest_checkpoint_line
+
+    if not run["checkpoint"]["enable"]:
+        return "checkpointing is off ([checkpoint] enable = false), so there is nothing to resume from"
+    return newest_checkpoint_line(Path(run["job"]["dump_folder"]) / run["checkpoint"]["folder"])
 
 
 def _run_torchrun(cmd: list[str], env: dict) -> int:

@@ -1,15 +1,19 @@
 """What a run does when its loss goes bad: ``[divergence]`` and the per-step decision.
 
-The trainer reduces every step's loss across ranks before the optimizer step (whatever
-``[metrics] log_freq`` is), so a bad step can be skipped (its update never applied) or stop the
-run before any checkpoint of it is written."""
+The decision is made on the device, with no host sync: ``LossGuard.judge`` takes the step's loss
+reduced across ranks and whether its gradients are all finite, and returns a flag that the fused
+optimizer takes as its ``found_inf`` (as ``GradScaler`` gives it), so a bad step's update is never
+applied, and a record of why. The host reads the record later (``LossGuard.verdict``: the next
+step, or at once on a step that is logged or saved) to say what happened and to stop the run; a
+decision to stop also holds back every later update, so what is saved or stopped on is the
+weights before the bad step."""
 
 from __future__ import annotations
 
-import math
-from collections import deque
 from dataclasses import dataclass
 from typing import Literal
+
+import torch
 
 
 @dataclass(kw_only=True)
@@ -33,51 +37,78 @@ class Diverged(RuntimeError):
     pass
 
 
+# What a step's record says (its ``kind``), and why a run stops (its ``stop``).
+APPLIED, NONFINITE_LOSS, SPIKE, NONFINITE_GRADIENTS = range(4)
+GO_ON, NONFINITE_LIMIT, SPIKE_STOP, SKIPS_IN_A_ROW = range(4)
+RECORD_SIZE = 5
+"""A record: the loss, the running mean it was held to, kind, steps skipped in a row, stop."""
+
+
+@dataclass
+class StepVerdict:
+    step: int
+    skipped: bool
+    stop: bool
+    problem: str
+    """Why the step was skipped or the run stops ("" for an applied step)."""
+
+
 class LossGuard:
-    """Decides, from a step's loss and then its gradient norm, whether to apply its update ("ok"),
-    skip it ("skip") or stop; the caller raises Diverged with ``problem`` on "stop"."""
+    """The ``[divergence]`` state (the last ``spike_window`` kept losses, the non-finite count, the
+    skips in a row, whether the run has been told to stop), kept on the device."""
 
-    def __init__(self, section: DivergenceSection):
+    def __init__(self, section: DivergenceSection, device: torch.device):
         self.section = section
-        self.recent: deque[float] = deque(maxlen=section.spike_window)
-        self.nonfinite = 0
-        self.skipped_in_a_row = self._skipped_before = 0
-        self.problem = ""
+        self.recent = torch.zeros(section.spike_window, device=device)
+        self.kept = torch.zeros((), dtype=torch.int64, device=device)
+        self.nonfinite = torch.zeros((), device=device)
+        self.in_a_row = torch.zeros((), device=device)
+        self.stopped = torch.zeros((), dtype=torch.bool, device=device)
 
-    def judge(self, step: int, loss: float) -> str:
-        if not math.isfinite(loss):
-            return self._nonfinite(step, f"the loss at step {step} is not finite ({loss})")
-        factor = self.section.spike_factor
-        if factor and len(self.recent) == self.recent.maxlen:
-            mean = sum(self.recent) / len(self.recent)
-            if loss > factor * mean:
-                self.problem = (f"the loss at step {step} ({loss:.4g}) is a spike, above {factor} x its running "
-                                f"mean {mean:.4g} ([divergence] spike_factor)")
-                return "stop" if self.section.on_spike == "stop" else self._skip(step)
-        self.recent.append(loss)
-        self._skipped_before, self.skipped_in_a_row = self.skipped_in_a_row, 0
-        return "ok"
+    def judge(self, loss: torch.Tensor, nonfinite_gradients: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the step's skip flag, 1.0 or 0.0; its record) from its loss and whether any gradient
+        was not finite (both 0-dim, the same on every rank), by device ops alone."""
+        section = self.section
+        loss = loss.float()
+        finite = loss.isfinite()
+        window = section.spike_window
+        mean = self.recent.sum() / window
+        if section.spike_factor:
+            spike = finite & (self.kept >= window) & (loss > section.spike_factor * mean)
+        else:
+            spike = torch.zeros_like(finite)
+        # The gradients are judged only after a finite loss that is no spike.
+        bad_gradients = finite & ~spike & (nonfinite_gradients > 0)
+        nonfinite = ~finite | bad_gradients
+        applied = ~(nonfinite | spike)
+        self.nonfinite += nonfinite
+        self.in_a_row = torch.where(applied, 0.0, self.in_a_row + 1)
+        stop = torch.where(nonfinite & (self.nonfinite >= section.max_nonfinite_steps), NONFINITE_LIMIT,
+                           torch.where(spike & (section.on_spike == "stop"), SPIKE_STOP,
+                                       torch.where(self.in_a_row >= section.max_consecutive_skips, SKIPS_IN_A_ROW,
+                                                   GO_ON)))
+        self.stopped |= stop != GO_ON
+        slot = (self.kept % window).view(1)
+        self.recent.index_copy_(0, slot, torch.where(applied, loss, self.recent.index_select(0, slot)))
+        self.kept += applied
+        kind = torch.where(~finite, NONFINITE_LOSS,
+                           torch.where(spike, SPIKE, torch.where(bad_gradients, NONFINITE_GRADIENTS, APPLIED)))
+        record = torch.stack([loss, mean, kind.float(), self.in_a_row, stop.float()])
+        return (~applied | self.stopped).float(), record
 
-    def judge_gradients(self, step: int, finite: bool) -> str:
-        """After a finite loss: a step whose gradients are not all finite is not applied either."""
-        if finite:
-            return "ok"
-        self.recent.pop()  # its loss was counted as accepted
-        self.skipped_in_a_row = self._skipped_before
-        return self._nonfinite(step, f"the gradients at step {step} are not finite (its loss was finite)")
-
-    def _nonfinite(self, step: int, problem: str) -> str:
-        self.nonfinite += 1
-        self.problem = problem
-        if self.nonfinite >= self.section.max_nonfinite_steps:
-            return "stop"
-        return self._skip(step)
-
-    def _skip(self, step: int) -> str:
-        self.skipped_in_a_row += 1
-        if self.skipped_in_a_row >= self.section.max_consecutive_skips:
-            self.problem += (f"; {self.skipped_in_a_row} steps in a row were skipped (steps "
-                             f"{step - self.skipped_in_a_row + 1}-{step}, [divergence] max_consecutive_skips), "
-                             "so the run trains nothing")
-            return "stop"
-        return "skip"
+    def verdict(self, step: int, record: list[float]) -> StepVerdict:
+        """What the host says of step ``step`` from its record (read back from the device)."""
+        loss, mean, kind, in_a_row, stop = record
+        kind, in_a_row, stop = int(kind), int(in_a_row), int(stop)
+        problem = ""
+        if kind == NONFINITE_LOSS:
+            problem = f"the loss at step {step} is not finite ({loss})"
+        elif kind == SPIKE:
+            problem = (f"the loss at step {step} ({loss:.4g}) is a spike, above {self.section.spike_factor} x its "
+                       f"running mean {mean:.4g} ([divergence] spike_factor)")
+        elif kind == NONFINITE_GRADIENTS:
+            problem = f"the gradients at step {step} are not finite (its loss was finite)"
+        if stop == SKIPS_IN_A_ROW:
+            problem += (f"; {in_a_row} steps in a row were skipped (steps {step - in_a_row + 1}-{step}, [divergence] "
+                        "max_consecutive_skips), so the run trains nothing")
+        return StepVerdict(step=step, skipped=kind != APPLIED, stop=stop != GO_ON, problem=problem)

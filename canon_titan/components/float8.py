@@ -5,10 +5,15 @@ precision (and ``[float8] filter_fqns``, default ``["lm_head"]``, keeps chosen l
 
 ``[float8] enable_fsdp_float8_all_gather`` (tensorwise only) has FSDP gather those linears'
 weights in float8: torchao's ``WeightWithDynamicFloat8CastTensor`` wraps each weight before
-tensor parallelism and FSDP see it (``models/common/parallelize.py``), so FSDP's pre-all-gather
-hook casts each rank's shard with the amax of what the FSDP group holds (the whole weight, or its
-TP shard under TP), and the gathered weight is the float8 tensor the linear would have cast. TorchTitan 0.3.0 dropped the option; its earlier releases had
-it, and its published float8 runs of June 2025 used it.
+tensor parallelism and FSDP see it (``models/common/parallelize.py``), so each rank casts its FSDP
+shard before the all-gather, and the gathered weight is the float8 tensor the linear would have
+cast, with the scale of the whole weight. Where that scale comes from: with
+``precompute_float8_dynamic_scale_for_fsdp``, one all-reduce of every weight's amax over all of
+its shards after the checkpoint load that starts training and after each optimizer step
+(``precompute_float8_scales``); without it, torchao's pre-all-gather hook all-reduces each
+weight's amax over the FSDP mesh, which is the whole weight only without TP (under TP it is the
+rank's TP shard: the config checks require the precomputed scales there). TorchTitan 0.3.0 dropped
+the option; its earlier releases had it, and its published float8 runs of June 2025 used it.
 """
 
 from __future__ import annotations
@@ -50,8 +55,10 @@ def float8_converter(section: dict, model_compiled: bool) -> Float8Converter:
 
 
 def precompute_float8_scales(model_parts: list[nn.Module]) -> None:
-    """Every FSDP-sharded float8 weight's scale for its next all-gather, in one all-reduce per part
-    (torchao's ``precompute_float8_dynamic_scale_for_fsdp``); run after each optimizer step."""
+    """Every FSDP-sharded float8 weight's scale for its next all-gather, from the amax of the whole
+    weight (all of its FSDP and TP shards), in one all-reduce per part (torchao's
+    ``precompute_float8_dynamic_scale_for_fsdp``); run after the weights change: a checkpoint load,
+    each optimizer step."""
     from torchao.float8.fsdp_utils import precompute_float8_dynamic_scale_for_fsdp
 
     for part in model_parts:

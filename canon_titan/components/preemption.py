@@ -1,22 +1,24 @@
-"""SIGTERM, SIGINT and SIGUSR1 in a training process: finish the step, save it, exit with PREEMPTED;
-when the grace period runs out or a second signal comes first, exit at once with STOPPED (the step
-reached is not on disk, so the exit must not read "saved, requeue").
+"""SIGTERM, SIGINT and SIGUSR1 in a training process that has trained: finish the step, save it, exit
+with PREEMPTED; when the grace period runs out or a second signal comes first, exit at once with
+STOPPED (the step reached is not on disk, so the exit must not read "saved, requeue"). Before its
+first step starts a training process stops at once instead (``exit_codes.stop_before_training``):
+there is nothing to save, and a rank that waited for a step's end would wait for peers that have gone.
+The trainer takes the signals before its first step's first collective, and tells the torchrun wrapper
+that it trained only once that step is done: a rank that took a signal at once while a peer had begun
+step 1 leaves that peer blocked in the step's collectives, torchrun ends it, and the job is a stop before
+training (75), which it is, since no rank finished a step.
 
 A scheduler's preemption or time limit (SLURM sends SIGTERM, and with ``--signal=USR1@T`` SIGUSR1 a
 chosen time early) and Ctrl-C all become a request to stop at the end of the current step; the ranks agree on
 it through the per-step reduction the trainer already does. A checkpoint is complete only once its
 ``.metadata`` is written, so an exit in the middle of a save leaves the previous one the newest that loads.
 
-The signals are taken by a thread, not by a Python signal handler: Python runs its handlers only
-when the main thread comes back to the interpreter, and a rank blocked in a collective whose peer
-never joins (or in any other C call) comes back only when that call times out. The C-level handler
-writes each signal's number to a pipe (``signal.set_wakeup_fd``) whatever the main thread is doing; the
-watcher thread reads it, starts the grace timer on the first signal and exits at once on a second.
+The signals are taken by ``exit_codes``' watcher thread, so that the grace timer and a second signal act
+even while the main thread is blocked in a collective whose peer never joins.
 """
 
 from __future__ import annotations
 
-import os
 import signal
 import threading
 import time
@@ -24,17 +26,12 @@ from collections.abc import Callable
 
 from torchtitan.tools.logging import logger
 
-from canon_titan.components.exit_codes import DUPLICATE_WINDOW_S, STOP_SIGNALS, STOPPED, exit_now
-
+from canon_titan.components.exit_codes import (DUPLICATE_WINDOW_S, STOPPED, exit_now, report_training,
+                                               take_stop_signals)
 
 
 class Preempted(RuntimeError):
     pass
-
-
-def _python_side(signum, frame) -> None:
-    """The watcher thread acts on the signal; this handler only has to exist (a Python handler is what
-    makes the C handler write to the wakeup pipe, and it keeps the default action away)."""
 
 
 class StopSignals:
@@ -43,25 +40,23 @@ class StopSignals:
         self.grace_seconds = grace_seconds
         self.received_at: float | None = None
         self.on_disk = on_disk or (lambda: "nothing of this step was saved")
+        self.installed = False
+        self.trained = False
 
     def install(self) -> None:
-        """Take the stop signals in a watcher thread (call from the main thread, as for any handler)."""
-        read, write = os.pipe()
-        os.set_blocking(write, False)  # the C handler must never block on a full pipe
-        for sig in STOP_SIGNALS:
-            signal.signal(sig, _python_side)
-        signal.set_wakeup_fd(write, warn_on_full_buffer=False)
-        threading.Thread(target=self._watch, args=(read,), name="stop-signals", daemon=True).start()
+        """Take the stop signals from now on (call from the main thread, as for any handler)."""
+        take_stop_signals(self._handle)
+        self.installed = True
+
+    def step_done(self) -> None:
+        """A step has trained (the first call tells the torchrun wrapper)."""
+        if not self.trained:
+            self.trained = True
+            report_training()
 
     @property
     def requested(self) -> bool:
         return self.received_at is not None
-
-    def _watch(self, read: int) -> None:
-        while True:
-            for signum in os.read(read, 64):
-                if signum in STOP_SIGNALS:
-                    self._handle(signum)
 
     def _handle(self, signum: int) -> None:
         now = time.monotonic()

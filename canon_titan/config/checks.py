@@ -24,6 +24,7 @@ from canon_titan.evaluation import lm
 from canon_titan.models.common.canon_args import CanonArgs
 from canon_titan.models.common.context_parallel import BALANCERS
 from canon_titan.models.common.deferred import deferred
+from canon_titan.tools.fileio import read_from
 from synthetic_data.tasks import SECTION, VOCAB
 
 # torch.distributed.pipelining imports dynamo (about 1.4 s); only PP configs need it.
@@ -113,6 +114,11 @@ def check_training(run: RunConfig) -> None:
     sched = run["lr_scheduler"]
     if sched["warmup_steps"] < 0:
         _fail(run, "lr_scheduler", "warmup_steps", "must be >= 0")
+    if sched["total_steps"] is not None and sched["total_steps"] < training["steps"]:
+        _fail(run, "lr_scheduler", "total_steps", f"is {sched['total_steps']}, below [training] steps = "
+              f"{training['steps']}: past its end the schedule has no value (a linear decay turns the learning rate "
+              "negative, a cosine one back up, and one without decay steps stops the run); set it >= steps, or "
+              "remove it to follow steps")
     if not 0 <= sched["min_lr_factor"] <= 1:
         _fail(run, "lr_scheduler", "min_lr_factor", f"must be in [0, 1], got {sched['min_lr_factor']}")
     if sched["decay_ratio"] is not None and not 0 <= sched["decay_ratio"] <= 1:
@@ -130,6 +136,9 @@ def check_checkpoint(run: RunConfig) -> None:
     if ckpt["keep_latest_k"] < 0 or ckpt["keep_latest_k"] == 1:
         _fail(run, "checkpoint", "keep_latest_k", f"is {ckpt['keep_latest_k']}; 0 keeps every checkpoint, otherwise at "
               "least 2 (the newest may still be being written)")
+    if ckpt["purge_before_save"] and not ckpt["keep_latest_k"]:
+        _fail(run, "checkpoint", "purge_before_save", "deletes the checkpoints beyond keep_latest_k - 1 before each "
+              "save: it needs keep_latest_k >= 2 (0 keeps every checkpoint)")
     if not ckpt["folder"].strip():
         _fail(run, "checkpoint", "folder", "must not be empty (a folder inside [job] dump_folder)")
     if ckpt["load_step"] < -1:
@@ -212,8 +221,9 @@ def check_parallelism(run: RunConfig, environment: bool) -> None:
     problem = args.tensor_parallel_problem(tp)
     if problem:
         _fail(run, "parallelism", "tensor_parallel_degree", problem)
-    if tp > 1 and par["enable_sequence_parallel"] and training["seq_len"] % tp:
-        _fail(run, "training", "seq_len", f"must be divisible by tensor_parallel_degree ({tp}) with sequence parallel")
+    if tp > 1 and par["enable_sequence_parallel"] and training["seq_len"] % (tp * par["context_parallel_degree"]):
+        _fail(run, "training", "seq_len", f"must be divisible by tensor_parallel_degree x context_parallel_degree "
+              f"({tp * par['context_parallel_degree']}) with sequence parallel")
     if pp > 1:
         if training["local_batch_size"] % par["pipeline_parallel_microbatch_size"]:
             _fail(run, "parallelism", "pipeline_parallel_microbatch_size",
@@ -230,9 +240,10 @@ def check_parallelism(run: RunConfig, environment: bool) -> None:
         problem = args.context_parallel_problem(cp)
         if problem:
             _fail(run, "parallelism", "context_parallel_degree", problem)
-        if tp > 1 or pp > 1:
+        if pp > 1:
             _fail(run, "parallelism", "context_parallel_degree",
-                  "context parallelism combines with FSDP/HSDP only here, not with tensor or pipeline parallelism")
+                  "context parallelism combines with FSDP/HSDP and tensor parallelism here, not with pipeline "
+                  "parallelism (see docs/parallelism.md)")
         if par["context_parallel_load_balancer"] not in BALANCERS:
             _fail(run, "parallelism", "context_parallel_load_balancer",
                   f"must be 'headtail', got {par['context_parallel_load_balancer']!r} ('ptrr' needs "
@@ -255,6 +266,12 @@ def check_features(run: RunConfig, environment: bool) -> None:
     if f8["enable"] and f8["precompute_float8_dynamic_scale_for_fsdp"] and not f8["enable_fsdp_float8_all_gather"]:
         _fail(run, "float8", "precompute_float8_dynamic_scale_for_fsdp", "precomputes the scales of FSDP's float8 "
               "all-gather: it needs enable_fsdp_float8_all_gather = true")
+    if (f8["enable"] and f8["enable_fsdp_float8_all_gather"] and not f8["precompute_float8_dynamic_scale_for_fsdp"]
+            and run["parallelism"]["tensor_parallel_degree"] > 1):
+        _fail(run, "float8", "enable_fsdp_float8_all_gather", "under tensor parallelism needs "
+              "precompute_float8_dynamic_scale_for_fsdp = true: without it torchao scales each rank's float8 gather "
+              "by the amax of its TP shard (it reduces over the FSDP mesh alone), not of the whole weight as float8 "
+              "without the all-gather does")
     if f8["enable"]:
         if environment and f8["emulate"] and compile_["enable"] and not has_cuda_capability(8, 9):
             _fail(run, "float8", "emulate", "emulated float8 runs in eager mode only on hardware without "
@@ -275,9 +292,29 @@ def check_features(run: RunConfig, environment: bool) -> None:
             _fail(run, "profiling", "profile_freq", f"is {profiling['profile_freq']}; it must be at least "
                   f"profiler_warmup + profiler_active ({profiling['profiler_warmup'] + profiling['profiler_active']}): "
                   "each cycle waits, warms up, then records")
+    if profiling["enable_profiling"]:
+        # torch.profiler.schedule's own bounds, which it asserts only when the first profiled step starts.
+        _positive(run, "profiling", "profiler_active")
+        for key in ("profiler_warmup", "profiler_repeat", "profiler_skip_first", "profiler_skip_first_wait"):
+            if profiling[key] is not None and profiling[key] < 0:
+                _fail(run, "profiling", key, f"must be >= 0, got {profiling[key]}")
+    if profiling["enable_memory_snapshot"]:
+        _positive(run, "profiling", "memory_snapshot_max_entries")
+        if profiling["memory_snapshot_freq"] is not None:
+            _positive(run, "profiling", "memory_snapshot_freq")
     if environment and profiling["enable_memory_snapshot"] and not torch.cuda.is_available():
         _fail(run, "profiling", "enable_memory_snapshot",
               "records CUDA allocator snapshots (torch.cuda.memory); this machine has no CUDA GPU")
+    ac = run["activation_checkpoint"]
+    if ac["mode"] != "none" and ac["determinism_check"] not in ("default", "none"):
+        _fail(run, "activation_checkpoint", "determinism_check", f"must be 'default' or 'none' (torch.utils."
+              f"checkpoint's), got {ac['determinism_check']!r}")
+    if compile_["enable"]:
+        from torch import _dynamo  # only a compiled run pays for its import
+
+        if compile_["backend"] not in _dynamo.list_backends(exclude_tags=()):
+            _fail(run, "compile", "backend", f"is {compile_['backend']!r}, not a torch.compile backend here; "
+                  f"the usual ones: {', '.join(_dynamo.list_backends())}")
     for component in compile_["components"]:
         if component not in ("model", "loss"):
             _fail(run, "compile", "components", f"entries must be 'model' or 'loss', got {component!r}")
@@ -291,8 +328,19 @@ def check_ignored_data_keys(run: RunConfig) -> None:
     defaults = {key: default for key, (_, default) in section_schema("dataloader").items()}
     for (section, key), _ in run.origins.items():
         if section == "dataloader" and key not in reads and run["dataloader"][key] != defaults[key]:
+            readers = sorted(kind for kind, keys in DATASET_KINDS.items() if key in keys)
+            if dataset == "builtin" and readers:  # the default dataset: a path or sources means one's own data
+                wanted = _dataset_for(run["dataloader"][key]) if key == "dataset_path" else readers[0]
+                _fail(run, "dataloader", key, f"is set, but dataset = 'builtin' (the built-in corpus) reads no "
+                      f"{key}: for your own data set dataset = \"{wanted}\" ({key} is read by dataset = "
+                      f"{' or '.join(map(repr, readers))}), or remove it")
             _fail(run, "dataloader", key, f"is set, but dataset = {dataset!r} does not read it; remove it "
                   f"(it reads {', '.join(sorted(reads - {'dataset'}))})")
+
+
+def _dataset_for(path: str) -> str:
+    """The dataset kind a path is for: a folder of `canon-titan data tokenize` is 'tokens', else 'files'."""
+    return "tokens" if (Path(path) / "index.json").is_file() else "files"
 
 
 def check_paths_exist(run: RunConfig) -> None:
@@ -305,7 +353,7 @@ def check_paths_exist(run: RunConfig) -> None:
     missing = [(key, path) for key, path in paths.items() if path and "://" not in path and not os.path.exists(path)]
     if missing:
         raise ConfigError(run.origins.get(missing[0][0], run.source), "",
-                          "; ".join(f"[{s}] {k} = {p!r} does not exist" for (s, k), p in missing)
+                          "; ".join(f"[{s}] {k} = {p!r} does not exist{read_from(p)}" for (s, k), p in missing)
                           + (" (edit each, or pass --section.key value)" if len(missing) > 1 else ""))
 
 
@@ -424,8 +472,30 @@ def check_divergence(run: RunConfig) -> None:
         _fail(run, "job", "stop_grace_seconds", "must be >= 1")
 
 
+def check_job(run: RunConfig) -> None:
+    """The dump folder is named; the data seed is one numpy's generators take (the packed loaders
+    seed each epoch's order from it); text is read from a named field; pipeline stages split the layers."""
+    if not run["job"]["dump_folder"].strip():
+        _fail(run, "job", "dump_folder", "must name a folder (it holds the checkpoints, TensorBoard events and "
+              "the run's lock; an empty one would scatter them over the current directory)")
+    if run["dataloader"]["seed"] < 0:
+        _fail(run, "dataloader", "seed", f"must be >= 0, got {run['dataloader']['seed']}")
+    data = run["dataloader"]
+    if "text_key" in DATASET_KINDS[data["dataset"]] and not data["text_key"].strip():
+        _fail(run, "dataloader", "text_key", "must name the documents' text field (e.g. \"text\")")
+    par = run["parallelism"]
+    if par["pipeline_parallel_degree"] > 1:
+        for key in ("pipeline_parallel_first_stage_less_layers", "pipeline_parallel_last_stage_less_layers"):
+            if par[key] < 0:
+                _fail(run, "parallelism", key, f"must be >= 0, got {par[key]}")
+        if par["pipeline_parallel_layers_per_stage"] is not None and par["pipeline_parallel_layers_per_stage"] < 1:
+            _fail(run, "parallelism", "pipeline_parallel_layers_per_stage",
+                  f"must be >= 1 (or unset), got {par['pipeline_parallel_layers_per_stage']}")
+
+
 def check_run(run: RunConfig, environment: bool = True) -> None:
     check_finite(run)
+    check_job(run)
     check_model(run, environment)
     check_training(run)
     check_initial_load(run, environment)

@@ -24,6 +24,7 @@ from canon_titan.config.checks import check_run
 from canon_titan.config.derive import derive
 from canon_titan.config.run import ConfigError, RunConfig
 from canon_titan.config.sections import SECTIONS, fields_of, section_schema
+from canon_titan.tools.fileio import read_from
 
 CLI = "command line"
 
@@ -99,7 +100,7 @@ def coerce(value, tp):
 def load_toml(path: str | os.PathLike) -> dict:
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(str(path), "", "config file not found")
+        raise ConfigError(str(path), "", f"config file not found{read_from(path)}")
     try:
         with open(path, "rb") as f:
             return tomllib.load(f)

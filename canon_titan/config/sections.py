@@ -13,11 +13,11 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from torchtitan.components.checkpointer import CheckpointManager
 from torchtitan.components.optimizer import LRSchedulersContainer
 from torchtitan.config.configs import CommConfig, CompileConfig, ParallelismConfig, TrainingConfig
 from torchtitan.tools.profiler import Profiler
 
+from canon_titan.components.checkpointer import CanonCheckpointer
 from canon_titan.components.divergence import DivergenceSection
 from canon_titan.data.kinds import DATASET_KINDS
 from synthetic_data.tasks import PARAMS
@@ -119,8 +119,9 @@ class Float8Section:
     its shard, with one all-reduce of the weight's amax) instead of in the param dtype: half the
     gathered bytes and buffers of those weights. Tensorwise scaling only (one scale a weight)."""
     precompute_float8_dynamic_scale_for_fsdp: bool = False
-    """With ``enable_fsdp_float8_all_gather``: after each optimizer step, compute every float8
-    weight's scale in one all-reduce, instead of one all-reduce a weight at its all-gather."""
+    """With ``enable_fsdp_float8_all_gather``: after the checkpoint load and each optimizer step,
+    compute every float8 weight's scale in one all-reduce, instead of one all-reduce a weight at its
+    all-gather. Required under tensor parallelism (the all-gather's own amax is a TP shard's)."""
 
 
 @dataclass(kw_only=True)
@@ -205,7 +206,7 @@ SECTIONS: dict[str, Section] = {
         defaults={"spmd_backend": "partial_dtensor"},
         hidden=("context_parallel_ptrr_mask_key", "pipeline_parallel_schedule_csv"),
     ),
-    "checkpoint": Section(CheckpointManager.Config, hidden=("initial_load_in_hf_quantized",)),
+    "checkpoint": Section(CanonCheckpointer.Config, hidden=("initial_load_in_hf_quantized",)),
     "activation_checkpoint": Section(ActivationCheckpointSection),
     "compile": Section(CompileConfig, hidden=("enable_async_tensor_parallel",)),
     "float8": Section(Float8Section),

@@ -17,7 +17,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
 # Non-model entries TorchTitan saves next to the flattened model FQNs.
 TRAINING_STATE_PREFIXES = ("optimizer", "lr_scheduler", "dataloader", "train_state")
@@ -25,6 +25,51 @@ TRAINING_STATE_PREFIXES = ("optimizer", "lr_scheduler", "dataloader", "train_sta
 
 class ConversionError(ValueError):
     pass
+
+
+class CheckpointDamaged(RuntimeError):
+    """A checkpoint whose bytes do not load, or whose values are not finite (one line)."""
+
+
+def inner_failure(exc: BaseException, wanted: type[BaseException] | tuple[type[BaseException], ...]
+                  ) -> BaseException | None:
+    """The first ``wanted`` under an error (DCP wraps each rank's in its CheckpointException's
+    ``failures``, {rank: (exception, stack)}, and chains others)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, wanted):
+            return exc
+        failures = getattr(exc, "failures", None)
+        if isinstance(failures, dict):
+            for _, inner in sorted(failures.items()):
+                inner = inner[0] if isinstance(inner, tuple) else inner
+                found = inner_failure(inner, wanted) if isinstance(inner, BaseException) else None
+                if found:
+                    return found
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+class FileNamingReader(FileSystemReader):
+    """torch's DCP reader, naming the data file whose bytes do not load (torch's own error, from
+    unpickling a slice of it, names none)."""
+
+    _reading: Path | None = None
+
+    def _slice_file(self, file, sinfo):
+        self._reading = Path(self.path) / sinfo.relative_path
+        return super()._slice_file(file, sinfo)
+
+    def read_data(self, plan, planner):
+        try:
+            return super().read_data(plan, planner)
+        except Exception as e:
+            if inner_failure(e, (OSError, MemoryError, torch.OutOfMemoryError)) is not None:
+                raise  # the file system's or the machine's trouble (EIO, ESTALE, ...), not the checkpoint's bytes
+            lines = str(e).strip().splitlines()
+            raise CheckpointDamaged(f"{self._reading or self.path}: its bytes do not load ({type(e).__name__}: "
+                                    f"{lines[0] if lines else ''})") from None
 
 
 def read_metadata(step_dir: Path):
@@ -52,6 +97,25 @@ def checkpoint_problem(step_dir: str | Path) -> str | None:
             return f"{path} is missing"
         if path.stat().st_size < size:
             return f"{path} is truncated ({path.stat().st_size} of at least {size} bytes)"
+    return None
+
+
+def values_problem(step_dir: str | Path) -> str | None:
+    """Why the non-tensor entries of a checkpoint (train state, data loader and scheduler state: small)
+    do not load, naming the file, or None. The tensors' bytes are checked as a run loads them."""
+    keys = [k for k, m in read_metadata(Path(step_dir)).state_dict_metadata.items()
+            if isinstance(m, BytesStorageMetadata)]
+    if not keys:
+        return None
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "no process group: loading in a single process"
+            dcp.load(dict.fromkeys(keys), storage_reader=FileNamingReader(str(step_dir)), no_dist=True)
+    except BaseException as e:  # DCP's CheckpointException (a BaseException) holds the reader's
+        damaged = inner_failure(e, CheckpointDamaged)
+        if damaged is None:
+            raise
+        return str(damaged)
     return None
 
 
@@ -97,6 +161,7 @@ def resume_step(folder: str | Path, load_step: int = -1) -> tuple[int, list[str]
     folder = Path(folder)
     exports = set(hf_export_steps(folder))
     candidates = sorted([*step_dirs(folder), *((step, folder / f"step-{step}") for step in exports)], reverse=True)
+    every = candidates
     if load_step != -1:
         available = sorted(step for step, _ in candidates)
         candidates = [(step, path) for step, path in candidates if step == load_step]
@@ -123,8 +188,16 @@ def resume_step(folder: str | Path, load_step: int = -1) -> tuple[int, list[str]
                            "the optimizer and data loader state training continues from; resuming from the newest "
                            "full checkpoint before it (set last_save_model_only = false in a run you may extend)")
             continue
+        problem = problem or values_problem(path)
         if problem is None:
             return step, unfinished + skipped
+        if load_step != -1:
+            earlier = next((s for s, p in every if s < load_step and s not in exports
+                            and checkpoint_problem(p) is None and values_problem(p) is None), None)
+            works = (f"; the newest checkpoint before it that loads is step {earlier}: --checkpoint.load_step {earlier}"
+                     if earlier is not None else "; there is no earlier one that loads")
+            raise NoLoadableCheckpoint(f"[checkpoint] load_step = {load_step}: checkpoint step {step} cannot be "
+                                       f"loaded: {problem}{works}")
         skipped.append(f"checkpoint step {step} cannot be loaded and is skipped: {problem}")
     if skipped:
         raise NoLoadableCheckpoint(f"no checkpoint in {folder} can be loaded: " + "; ".join(unfinished + skipped)

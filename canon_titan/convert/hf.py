@@ -15,6 +15,7 @@ end: a failure leaves no OUT_DIR behind.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -34,6 +35,7 @@ from canon_titan.convert.dcp_io import (
     ConversionError,
     check_against_model,
     find_step_dir,
+    inner_failure,
     load_tensor,
     model_tensor_metadata,
     save_lazily,
@@ -104,6 +106,36 @@ def atomic_output_dir(out_dir: Path):
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+FULL_BELOW = 64 * 2**20
+"""Free bytes under which a failed write's filesystem is called full."""
+
+
+@contextmanager
+def writing(out_dir: Path):
+    """Any failure of the writes inside as one ConversionError naming ``out_dir`` and the free space of
+    its filesystem: safetensors raises its own error (not an OSError) on a full disk, DCP's writer a
+    CheckpointException (a BaseException) around the real one. A ConversionError raised by the
+    tensors being written (a damaged input) stays what it is."""
+    try:
+        yield
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:
+        reading = inner_failure(e, ConversionError)
+        if reading is not None:
+            raise reading from None
+        free = shutil.disk_usage(out_dir.parent).free if out_dir.parent.is_dir() else None
+        error = inner_failure(e, OSError)
+        text = str(error or e).strip().splitlines()
+        full = ((error is not None and error.errno == errno.ENOSPC) or "No space left" in str(e)
+                or (free is not None and free < FULL_BELOW))
+        what = "the disk is full" if full else f"{type(error or e).__name__}: {text[0] if text else ''}"
+        room = f"{free / 2**20:,.1f} MiB free on its filesystem" if free is not None else "its filesystem unreadable"
+        again = ": free space and run the same command" if full else ""
+        raise ConversionError(f"writing {out_dir} failed: {what} ({room}); nothing of it is left "
+                              f"behind{again}") from None
+
+
 def file_checksum(path: Path) -> str:
     digest = hashlib.blake2b(digest_size=16)
     with open(path, "rb") as f:
@@ -155,6 +187,13 @@ def write_hf_files(folder: Path, adapter: CanonStateDictAdapter, *, dtype: str, 
         shutil.copy(HF_MODELING_DIR / name, folder / name)
     for path in files:
         shutil.copy(path, folder / path.name)
+    tokenizer_config = folder / "tokenizer_config.json"
+    if tokenizer_config.is_file():
+        # The tokenizer's own file speaks for the corpus it was made with, not for this model: a
+        # transformers pipeline truncates its inputs to this length.
+        settings = json.loads(tokenizer_config.read_text())
+        settings["model_max_length"] = max_seq_len
+        tokenizer_config.write_text(json.dumps(settings, indent=2) + "\n")
     checksums = {p.name: file_checksum(p) for p in sorted(folder.glob("*.safetensors"))}
     (folder / CHECKSUMS).write_text(json.dumps(checksums, indent=2) + "\n")
     return config
@@ -225,7 +264,7 @@ def to_hf(ckpt_dir, out_dir, run, *, dtype: str = "fp32", rope_layout: str = "li
     sizes = {name: element * torch.Size(shape).numel() for name, shape in shapes.items()}
     shards = _plan_shards(sizes, max_shard_size)
 
-    with atomic_output_dir(Path(out_dir)) as tmp:
+    with writing(Path(out_dir)), atomic_output_dir(Path(out_dir)) as tmp:
         weight_map = {}
         for index, names in enumerate(shards, 1):
             filename = f"model-{index:05d}-of-{len(shards):05d}.safetensors"
@@ -323,7 +362,7 @@ def from_hf(hf_dir, out_dir, run) -> Path:
         parts = dict(zip(spec.sources, spec.split(tensor, adapter.rows(spec))))
         return parts[name].to(torch.float32)
 
-    with atomic_output_dir(Path(out_dir)) as tmp:
+    with writing(Path(out_dir)), atomic_output_dir(Path(out_dir)) as tmp:
         save_lazily(tmp, {name: (shape, torch.float32) for name, shape in adapter.shapes.items()}, produce)
     logger.info(f"Imported {hf_dir} into DCP {out_dir} ({len(adapter.shapes)} tensors, "
                 f"{time.perf_counter() - start:.1f}s)")

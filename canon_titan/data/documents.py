@@ -16,8 +16,14 @@ from pathlib import Path
 
 from torchtitan.tools.logging import logger
 
+from canon_titan.tools.fileio import read_from
+
 
 class DataError(ValueError):
+    pass
+
+
+class MissingTextColumn(DataError):
     pass
 
 
@@ -36,7 +42,7 @@ def expand_inputs(patterns: list[str] | str) -> list[str]:
     for pattern in patterns:
         matched = sorted(glob.glob(pattern, recursive=True))
         if not matched:
-            raise DataError(f"{pattern!r} matches no file")
+            raise DataError(f"{pattern!r} matches no file{read_from(pattern)}")
         paths.extend(matched)
     return paths
 
@@ -107,7 +113,8 @@ def _json_records(path: str) -> Iterator[tuple[int, object]]:
             yield line_no, DataError(f"{path}:{line_no}: not a JSON object ({e.msg})")
 
 
-def _parquet_records(path: str, text_key: str) -> Iterator[tuple[int, object]]:
+def _parquet_records(path: str, text_key: str, key_hint: str | None) -> Iterator[tuple[int, object]]:
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
     try:
@@ -115,8 +122,11 @@ def _parquet_records(path: str, text_key: str) -> Iterator[tuple[int, object]]:
     except Exception as e:
         yield 1, DataError(f"{path}: not a readable Parquet file ({e})")
         return
-    if text_key not in table_file.schema_arrow.names:
-        yield 1, DataError(f"{path}: no column {text_key!r} (columns: {', '.join(table_file.schema_arrow.names)})")
+    schema = table_file.schema_arrow
+    if text_key not in schema.names:
+        texts = [f.name for f in schema if pa.types.is_string(f.type) or pa.types.is_large_string(f.type)]
+        hint = f"; set {key_hint.format(texts[0])} if its text is there" if texts and key_hint else ""
+        yield 1, MissingTextColumn(f"{path}: no column {text_key!r} (columns: {', '.join(schema.names)}){hint}")
         return
     row = 0
     for batch in table_file.iter_batches(columns=[text_key]):
@@ -127,26 +137,49 @@ def _parquet_records(path: str, text_key: str) -> Iterator[tuple[int, object]]:
 
 DATALOADER_SKIP = '[dataloader] on_error = "skip"'
 """How a training run skips bad records."""
+DATALOADER_KEY = '[dataloader] text_key = "{}"'
+"""How a training run names the field its documents' text is in."""
+
+
+def missing_text(where: str, record: dict, text_key: str, key_hint: str | None) -> str:
+    """A record without a string ``text_key``: its fields, and the one its text is likely in (the
+    longest string) in the caller's spelling ``key_hint`` (a format of the field's name)."""
+    fields = list(record)
+    shown = ", ".join(map(repr, fields[:12])) + (f" (and {len(fields) - 12} more)" if len(fields) > 12 else "")
+    strings = {k: len(v) for k, v in record.items() if isinstance(v, str) and k != text_key}
+    what = "not a string" if text_key in record else "missing"
+    problem = f"{where}: the {text_key!r} text field is {what}; the record's fields: {shown or 'none'}"
+    if strings and key_hint:
+        problem += f"; set {key_hint.format(max(strings, key=strings.get))} if its text is there"
+    return problem
 
 
 def iter_documents(path: str, text_key: str = "text", on_error: str = "fail", stats: ReadStats | None = None,
-                   skip_hint: str | None = None) -> Iterator[str]:
+                   skip_hint: str | None = None, key_hint: str | None = None) -> Iterator[str]:
     """The texts of one file, in order; bad records raise DataError (saying how to skip them,
-    ``skip_hint``, where the caller has a way) or are skipped (counted)."""
+    ``skip_hint``, where the caller has a way) or are skipped (counted). A record without the text
+    field names the fields it has, and the one to use in the caller's spelling (``key_hint``, a format
+    of the field's name); skipping is offered only once some record had the field (otherwise the
+    field is the wrong one, and skipping would skip every record)."""
     stats = stats if stats is not None else ReadStats()
-    records = _parquet_records(path, text_key) if path.endswith(".parquet") else _json_records(path)
+    records = _parquet_records(path, text_key, key_hint) if path.endswith(".parquet") else _json_records(path)
     for line_no, record in records:
-        problem = None
+        problem, wrong_key = None, False
         if isinstance(record, DataError):
             problem = str(record)
-        elif not isinstance(record, dict) or not isinstance(record.get(text_key), str):
-            problem = f"{path}:{line_no}: missing the {text_key!r} text field"
+            wrong_key = isinstance(record, MissingTextColumn)
+        elif not isinstance(record, dict):
+            problem = f"{path}:{line_no}: not a JSON object (a JSON {type(record).__name__})"
+        elif not isinstance(record.get(text_key), str):
+            problem = missing_text(f"{path}:{line_no}", record, text_key, key_hint)
+            wrong_key = stats.documents == 0
         if problem is None:
             stats.documents += 1
             yield record[text_key]
             continue
         if on_error == "fail":
-            raise DataError(f"{problem} (use {skip_hint} to skip bad records)" if skip_hint else problem)
+            offer = skip_hint and not wrong_key
+            raise DataError(f"{problem} (use {skip_hint} to skip bad records)" if offer else problem)
         stats.skipped += 1
         if len(stats.problems) < 10:
             stats.problems.append(problem)

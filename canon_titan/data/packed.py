@@ -20,7 +20,7 @@ import torch
 from torchtitan.components.dataloader import BaseDataLoader
 from torchtitan.tools.logging import logger
 
-from canon_titan.data.documents import DATALOADER_SKIP, DataError, ReadStats, iter_documents
+from canon_titan.data.documents import DATALOADER_KEY, DATALOADER_SKIP, DataError, ReadStats, iter_documents
 from canon_titan.data.fingerprint import FINGERPRINT_KEY, data_fingerprint
 from canon_titan.data.inputs import DataConfigError, resolve_paths
 from canon_titan.data.pretokenize import open_shards
@@ -47,8 +47,12 @@ def load_token_store(config, tokenizer) -> TokenStore:
         return open_shards(config.dataset_path, tokenizer)
     stats = ReadStats()
     texts = (text for path in resolve_paths(config.dataset, config.dataset_path)
-             for text in iter_documents(path, config.text_key, config.on_error, stats, DATALOADER_SKIP))
+             for text in iter_documents(path, config.text_key, config.on_error, stats, DATALOADER_SKIP,
+                                        DATALOADER_KEY))
     store = TokenStore([tokenize_stream(texts, tokenizer, config.add_bos, config.add_eos)])
+    if stats.skipped and not stats.documents:
+        raise DataError(f"every record was skipped ({stats.skipped}, [dataloader] on_error = \"skip\"), so there is "
+                        f"no text to train on; the first: {stats.problems[0]}")
     if stats.skipped:
         logger.warning(f"skipped {stats.skipped} bad records ({stats.documents} documents read)")
     return store
@@ -141,7 +145,21 @@ class PackedTextDataLoader(BaseDataLoader):
                 return
             first = self.next_sample
             self.next_sample += global_batch
+            self._say_epoch_end(first, self.next_sample)
             yield self.batch(first)
+
+    def _say_epoch_end(self, first: int, after: int) -> None:
+        """On rank 0, once per epoch: that the batch of global samples [first, after) starts another
+        pass over the data, with the tokens trained on so far (a corpus smaller than the run repeats)."""
+        ended = (after - 1) // self.num_windows  # the epochs done before the batch's last sample
+        if ended == max(first - 1, 0) // self.num_windows or (torch.distributed.is_initialized()
+                                                   and torch.distributed.get_rank() != 0):
+            return
+        seen = ended * self.num_windows * self.seq_len
+        reshuffled = "reshuffled" if self.config.shuffle else "in the same order"
+        logger.info(f"dataset {self.config.dataset!r}: epoch {ended} ended ({self.num_windows:,} windows of "
+                    f"{self.seq_len} tokens each, {seen:,} tokens seen in all); epoch {ended + 1} reads the same "
+                    f"data again, {reshuffled}")
 
     def expect_checkpoint(self, keys: list[str]) -> None:
         """Before a load: a checkpoint from before fingerprints holds none to fill in."""

@@ -1,4 +1,4 @@
-"""Pre-tokenization: document files -> token shards that training memory-maps.
+"""Pre-tokenization: document files -> token shards that training reads by offset.
 
 ``canon-titan data tokenize --input GLOB --tokenizer PATH --out DIR`` writes, per input file, a
 shard ``NNNNN.bin`` (raw token ids, uint16 when the vocabulary fits, else uint32; each document
@@ -7,7 +7,8 @@ sidecar is written last (atomically), so a shard counts as done only once comple
 skips finished shards whose file still matches its sidecar (size and checksum) and tokenizes the
 others again (resumable). Files are tokenized in parallel worker processes. ``index.json`` lists
 the shards and the tokenizer. Opening the shards for training checks their sizes and that every
-id is inside the training vocabulary (from the recorded largest id).
+id is inside the training vocabulary (from the recorded largest id); every read checks that the shard
+still holds what it read (``TokenShard``).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from canon_titan.data.documents import DataError, ReadStats, expand_inputs, file_kind, iter_documents
-from canon_titan.data.token_store import TokenStore
+from canon_titan.data.token_store import TokenShard, TokenStore
 from canon_titan.data.tokenizers import build_tokenizer
 from canon_titan.tools.fileio import write_atomic
 
@@ -52,7 +53,8 @@ def _tokenize_file(job: tuple) -> dict:
     fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=f".{index:05d}.bin.")
     tokens, max_id, digest = 0, -1, hashlib.blake2b(digest_size=16)
     with os.fdopen(fd, "wb") as f:
-        for text in iter_documents(source, text_key, on_error, stats, skip_hint="--on-error skip"):
+        for text in iter_documents(source, text_key, on_error, stats, skip_hint="--on-error skip",
+                                   key_hint="--text-key {}"):
             ids = np.asarray(tok.encode(text, add_bos=True, add_eos=True), dtype=dtype)
             data = ids.tobytes()
             f.write(data)
@@ -157,7 +159,7 @@ def read_index(folder: str | Path) -> dict:
 
 
 def open_shards(folder: str | Path, tokenizer=None):
-    """The shards as one memory-mapped TokenStore, checked against the training tokenizer."""
+    """The shards as one TokenStore read from disk, checked against the training tokenizer."""
     index = read_index(folder)
     if tokenizer is not None and tokenizer.get_vocab_size() != index["tokenizer"]["vocab_size"]:
         raise DataError(f"{folder} was tokenized with a {index['tokenizer']['vocab_size']}-id tokenizer "
@@ -171,6 +173,6 @@ def open_shards(folder: str | Path, tokenizer=None):
         if problem:
             raise DataError(problem)
         if shard["tokens"]:
-            arrays.append(np.memmap(path, dtype=dtype, mode="r"))
+            arrays.append(TokenShard(path, dtype, shard["tokens"]))
             names.append(str(path))
     return TokenStore(arrays, names=names, vocab_size=vocab)

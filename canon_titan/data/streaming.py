@@ -27,7 +27,8 @@ from torch.utils.data import IterableDataset, get_worker_info
 from torchtitan.components.dataloader import ParallelAwareDataloader
 from torchtitan.tools.logging import logger
 
-from canon_titan.data.documents import DATALOADER_SKIP, DataError, ReadStats, expand_inputs, file_kind, iter_documents
+from canon_titan.data.documents import (DATALOADER_KEY, DATALOADER_SKIP, DataError, ReadStats, expand_inputs, file_kind,
+                                        iter_documents, missing_text)
 from canon_titan.data.fingerprint import FINGERPRINT_KEY, data_fingerprint
 from canon_titan.data.packed import document_positions
 
@@ -43,8 +44,9 @@ class SourceReader:
     """Documents of one source for one unit, endlessly (epochs), with a resumable position."""
 
     def __init__(self, files, unit, units, text_key, on_error):
+        self.source = files[0] if len(files) == 1 else f"{len(files)} files"
         self.pieces = unit_slices(files, unit, units)
-        self.text_key, self.on_error = text_key, on_error
+        self.unit, self.text_key, self.on_error = unit, text_key, on_error
         self.epoch, self.piece, self.line = 0, 0, 0
         self.stats = ReadStats()
         self._iter = None
@@ -61,7 +63,8 @@ class SourceReader:
         found_in_epoch = self.line > 0
         while self.pieces:
             path, index, slices = self.pieces[self.piece]
-            for n, text in enumerate(iter_documents(path, self.text_key, self.on_error, self.stats, DATALOADER_SKIP)):
+            documents = iter_documents(path, self.text_key, self.on_error, self.stats, DATALOADER_SKIP, DATALOADER_KEY)
+            for n, text in enumerate(documents):
                 if n % slices != index or n // slices < self.line:
                     continue
                 self.line += 1
@@ -72,6 +75,14 @@ class SourceReader:
                 if not found_in_epoch:
                     return  # every slice of this unit is empty
                 self.piece, self.epoch, found_in_epoch = 0, self.epoch + 1, False
+                self._say_epoch_end()
+
+    def _say_epoch_end(self) -> None:
+        """Once per pass, by the first reader (rank 0's first): that its share of a source starts again
+        (a source smaller than the run repeats)."""
+        if self.unit == 0:
+            logger.info(f"streamed data: epoch {self.epoch} of data reader 0 over {self.source} ended; it reads its "
+                        "share of them again")
 
     def next(self) -> str | None:
         if self._iter is None:
@@ -88,7 +99,7 @@ class HubSourceReader(SourceReader):
         parts = spec[len("hf:"):].split(":")
         self.name, self.subset = parts[0], parts[1] if len(parts) > 1 and parts[1] else None
         self.split = parts[2] if len(parts) > 2 else "train"
-        self.unit, self.units = unit, units
+        self.unit, self.units, self.source = unit, units, spec
         self.pieces = [spec]
         self.text_key, self.on_error = text_key, on_error
         self.epoch, self.piece, self.line = 0, 0, 0
@@ -113,7 +124,9 @@ class HubSourceReader(SourceReader):
             for record in records:
                 text = record.get(self.text_key) if isinstance(record, dict) else None
                 if not isinstance(text, str):
-                    problem = f"{self.name}[{self.split}] document {self.line}: missing the {self.text_key!r} text field"
+                    problem = (missing_text(f"{self.name}[{self.split}] document {self.line}", record, self.text_key,
+                                            DATALOADER_KEY) if isinstance(record, dict)
+                               else f"{self.name}[{self.split}] document {self.line}: not a record of fields")
                     if self.on_error == "fail":
                         raise DataError(problem)
                     self.stats.skipped += 1
@@ -125,6 +138,7 @@ class HubSourceReader(SourceReader):
             if not found and self.line == 0:
                 return
             self.epoch, self.line = self.epoch + 1, 0
+            self._say_epoch_end()
 
 
 def make_reader(source, files, unit, units, text_key, on_error):

@@ -2,17 +2,51 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import numpy as np
 
 from canon_titan.data.documents import DataError
 
 
+class TokenShard:
+    """A token shard file read with ``os.pread``, as an array of ``tokens`` ids of ``dtype`` that
+    supports ``len`` and slicing. A shard cut short while the run reads it (a truncated copy, a
+    re-tokenization into the same folder) gives a short read, reported by name; a memory map of it
+    would kill the process with SIGBUS at the first page past the new end."""
+
+    def __init__(self, path: str | Path, dtype: np.dtype, tokens: int):
+        self.path, self.dtype, self.tokens = str(path), np.dtype(dtype), tokens
+        self._fd = os.open(self.path, os.O_RDONLY)
+
+    def __len__(self) -> int:
+        return self.tokens
+
+    def __getitem__(self, index: slice) -> np.ndarray:
+        start, stop, _ = index.indices(self.tokens)
+        count = max(0, stop - start) * self.dtype.itemsize
+        data = os.pread(self._fd, count, start * self.dtype.itemsize)
+        if len(data) < count:
+            raise DataError(f"{self.path} is {os.fstat(self._fd).st_size:,} bytes now, "
+                            f"{self.tokens * self.dtype.itemsize:,} when the run opened it: the shard was truncated or "
+                            "replaced while training read it. Restore it (or tokenize into a new folder) and run the "
+                            "same command to resume from the last checkpoint")
+        return np.frombuffer(data, dtype=self.dtype)
+
+    def __del__(self):
+        fd = getattr(self, "_fd", None)
+        if fd is not None:
+            os.close(fd)
+
+
 class TokenStore:
-    """One logical token stream over several arrays (in memory or memory-mapped shards). With
+    """One logical token stream over several arrays (in memory, or token shards read from disk). With
     ``vocab_size``, every slice read is checked to lie inside the vocabulary, and a bad id is
     reported by shard name and offset (a damaged shard file)."""
 
-    def __init__(self, arrays: list[np.ndarray], names: list[str] | None = None, vocab_size: int | None = None):
+    def __init__(self, arrays: list[np.ndarray | TokenShard], names: list[str] | None = None,
+                 vocab_size: int | None = None):
         keep = [i for i, a in enumerate(arrays) if len(a)]
         self.arrays = [arrays[i] for i in keep]
         self.names = [names[i] for i in keep] if names is not None else None

@@ -174,8 +174,8 @@ class InTrainingEval:
             if time.monotonic() > deadline:
                 logger.warning(f"[eval] time limit reached: lm-eval task {task} skipped")
                 continue
-            result = lm.evaluate(model, tokenizer, [task], max_length=s.seq_len, limit=s.limit,
-                                 batch_size=s.batch_size, manager=self._task_manager)
+            result = lm.evaluate(model, tokenizer, [task], max_length=lm.default_max_length(s.seq_len),
+                                 limit=s.limit, batch_size=s.batch_size, manager=self._task_manager)
             metrics.update({f"eval/{k}": v for k, v in lm.metric_values(result).items()})
         return metrics
 

@@ -16,6 +16,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from torchtitan.tools.logging import logger
+
 from canon_titan.data.tokenizers import LLAMA3_PATTERN, _find_file, build_tokenizer, tiktoken_special_tokens
 from canon_titan.hf import DTYPES
 from canon_titan.tools.fileio import write_atomic
@@ -206,7 +208,7 @@ def hf_tokenizer(kind: str, path: str):
 
 
 def load_hf_folder(folder: Path, dtype: str):
-    """(transformers model, tokenizer, max length) of an HF export."""
+    """(transformers model, tokenizer, training length) of an HF export."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     register_with_transformers()
@@ -215,37 +217,91 @@ def load_hf_folder(folder: Path, dtype: str):
     return hf, tok, hf.config.max_position_embeddings
 
 
+LENGTH_FACTOR = 2
+"""The evaluation's ``max_length`` is this many times the training length unless set: the release
+evaluates its models trained at 4096 tokens with a generator of ``max_tokens`` 8192 (every
+recipe's ``eval.generator.max_tokens``), and its multi-hop 5k and 6k tasks measure how far a model
+generalises past its training length (RoPE positions are computed, not looked up)."""
+
+
+def default_max_length(training_length: int) -> int:
+    return LENGTH_FACTOR * training_length
+
+
+class _Drop(logging.Filter):
+    """Drops the records whose message holds one of ``fragments``."""
+
+    def __init__(self, *fragments: str):
+        super().__init__()
+        self.fragments = fragments
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not any(f in message for f in self.fragments)
+
+
+_NOISE = {
+    # a model object is how canon-titan always hands lm-eval its model
+    "lm_eval.models.huggingface": _Drop("`pretrained` model kwarg is not of type `str`",
+                                        "Passed an already-initialized model",
+                                        # per batch and without the task: CountingHFLM counts them per task
+                                        "Left truncation applied", "Combined length of context"),
+    # every eval/ task reads its files through a custom dataset, whose kwargs canon-titan passes
+    "lm_eval.api.task": _Drop("Custom kwargs can be passed to `--metadata`"),
+}
+
+
 def quiet_lm_eval() -> None:
-    """lm-eval logs every request batch at INFO, and warns on every call that it was handed a
-    model object (which is how canon-titan always calls it)."""
+    """lm-eval logs every request batch at INFO, and repeats warnings that say nothing about this
+    evaluation (``_NOISE``). huggingface_hub and datasets print their warnings (a Hub retry) with a
+    handler of their own and again through the root logger's: once is enough."""
     logging.getLogger("lm_eval").setLevel(logging.WARNING)
-    logging.getLogger("lm_eval.models.huggingface").setLevel(logging.ERROR)
+    for name, noise in _NOISE.items():
+        if noise not in logging.getLogger(name).filters:
+            logging.getLogger(name).addFilter(noise)
+    for name in ("huggingface_hub", "datasets"):
+        logging.getLogger(name).propagate = False
 
 
 def evaluate(hf_model, tokenizer, tasks: list[str], *, max_length: int, limit: float | None = None,
              batch_size: int = 1, data_dir: str | None = None, include_paths: list[str] = (),
              manager=None) -> dict:
-    """lm-eval results for ``tasks`` (names, suites expanded) on a transformers model."""
+    """lm-eval results for ``tasks`` (names, suites expanded) on a transformers model, reading at
+    most ``max_length`` tokens of each input. What lm-eval cut from the left of longer inputs is
+    said once per task and returned under ``truncated``."""
     import lm_eval
-    from lm_eval.models.huggingface import HFLM
+
+    from canon_titan.evaluation.long_inputs import CountingHFLM
 
     quiet_lm_eval()
     tasks = expand_suites(tasks)
     if manager is None:  # a caller passing its manager has checked the datasets already
         manager = task_manager(tasks, data_dir, include_paths)
         check_datasets(manager, tasks)
-    lm = HFLM(pretrained=hf_model, tokenizer=tokenizer, backend="causal", add_bos_token=False,
-              max_length=max_length, batch_size=batch_size, device=str(next(hf_model.parameters()).device))
+    # transformers warns of any input past the tokenizer's model_max_length (an export's training
+    # length, or a fixed 4096) as if the model could not read it; the limit here is max_length
+    tokenizer.model_max_length = max_length
+    lm = CountingHFLM(pretrained=hf_model, tokenizer=tokenizer, backend="causal", add_bos_token=False,
+                      max_length=max_length, batch_size=batch_size, device=str(next(hf_model.parameters()).device))
     try:
         out = lm_eval.simple_evaluate(model=lm, tasks=tasks, limit=limit, task_manager=manager,
                                       log_samples=False, bootstrap_iters=BOOTSTRAP_ITERS, verbosity="WARNING")
     except ConnectionError as e:
         raise LMEvalError(f"a dataset could not be downloaded: {e}") from e
+    truncated = {task: {"inputs": cut.inputs, "of": lm.inputs[task], "longest_tokens": cut.longest,
+                        "limit_tokens": cut.limit} for task, cut in sorted(lm.cut.items())}
+    for task, cut in truncated.items():
+        logger.warning(f"[eval] {task}: {cut['inputs']:,} of {cut['of']:,} inputs are longer than the "
+                       f"{cut['limit_tokens']:,} tokens the model reads (max_length {max_length:,}"
+                       f"{', less the tokens to generate' if cut['limit_tokens'] < max_length else ''}); the "
+                       f"longest has {cut['longest_tokens']:,}; lm-eval kept the last {cut['limit_tokens']:,} "
+                       "tokens of each")
     # What lm-eval's own table (lm_eval.utils.make_table) reads, without the run's full configs.
     return {"results": out["results"], "groups": out.get("groups", {}), "n-samples": out.get("n-samples", {}),
             "versions": out.get("versions", {}), "n-shot": out.get("n-shot", {}),
             "higher_is_better": out.get("higher_is_better", {}), "group_subtasks": out.get("group_subtasks", {}),
-            "configs": {k: {"num_fewshot": v.get("num_fewshot")} for k, v in out.get("configs", {}).items()}}
+            "configs": {k: {"num_fewshot": v.get("num_fewshot")} for k, v in out.get("configs", {}).items()},
+            "max_length": max_length, "truncated": truncated}
 
 
 BOOTSTRAP_ITERS = 1000
@@ -291,9 +347,9 @@ def table(result: dict) -> tuple[dict[str, float | None], str]:
                               "  ".join(f"{values[label]:6.1f}" for label in shown)])
 
 
-def evaluation_record(result: dict, *, model: str, dtype: str, limit, tasks: list[str]) -> dict:
+def evaluation_record(result: dict, *, model: str, dtype: str, limit, tasks: list[str], training_length: int) -> dict:
     values, _ = table(result)
-    return {"model": str(model), "dtype": dtype, "limit": limit, "tasks": tasks,
+    return {"model": str(model), "dtype": dtype, "limit": limit, "tasks": tasks, "training_length": training_length,
             "columns": values, "metrics": {c.label: c.metric for c in COLUMNS}, **result}
 
 

@@ -58,6 +58,8 @@ class Compiled:
     loop_barriers: int
     """``bar.sync`` instructions inside the PTX's loops: a reduction across warps (shared memory and a
     barrier) that runs on every iteration instead of once."""
+    loop_loads: int
+    """``ld.global`` instructions inside the PTX's loops (a backward program's per-tile loads)."""
     seconds: float
 
     @property
@@ -92,7 +94,10 @@ def model_cases(seq_len: int = SEQ_LEN) -> dict:
     def conv(x, weight, bias=None, row_scale=None, col_scale=None, *, residual, activation):
         def run():
             y = canon.conv_forward(x, weight, bias, row_scale, col_scale, residual, activation)
-            canon.conv_backward(y, x, weight, bias, row_scale, col_scale, residual, activation)
+            if row_scale is not None and not activation:  # the models' backward of a fused norm
+                canon.conv_weight_grads(y, x, weight, bias, row_scale, col_scale, residual)
+            else:
+                canon.conv_backward(y, x, weight, bias, row_scale, col_scale, residual, activation)
         return run
 
     def swiglu(gate, up, weight):
@@ -104,6 +109,8 @@ def model_cases(seq_len: int = SEQ_LEN) -> dict:
     return {
         # Canon-A/C (and Canon-B on q, k) with the RMSNorm before them fused: LlamaCanon-1B's width.
         "A/C 1B, fused norm": conv(_meta(1, t, 2048), _meta(2048, 4), None, *scale, residual=True, activation=False),
+        # Canon-B on v: no norm before it, the input's gradient in the kernel.
+        "B v 1B": conv(_meta(1, t, 2048), _meta(2048, 4), residual=True, activation=False),
         # Canon-D and the SwiGLU after it: LlamaCanon-8B's hidden width.
         "D 8B, swiglu": swiglu(_meta(1, t, 14336), _meta(1, t, 14336), _meta(2 * 14336, 4)),
         # The linear models' short convolution b; Mamba2-3B's reads a slice of in_proj's output, row
@@ -121,13 +128,16 @@ def record_launches(run) -> list[tuple]:
     launches: list[tuple] = []
     names = [name for name, value in vars(canon).items() if isinstance(value, triton.runtime.KernelInterface)]
     originals = {name: getattr(canon, name) for name in names}
+    wrap = canon.wrap_triton
     try:
         for name in names:
             setattr(canon, name, _Recorder(originals[name], launches))
+        canon.wrap_triton = lambda kernel: kernel  # the op bodies launch through it
         run()
     finally:
         for name, kernel in originals.items():
             setattr(canon, name, kernel)
+        canon.wrap_triton = wrap
     return launches
 
 
@@ -187,7 +197,7 @@ def compile_case(case: str, run, target: GPUTarget = SM90) -> list[Compiled]:
                 spill_store_bytes=int(spill.group(2)), spill_load_bytes=int(spill.group(3)),
                 vector_loads=len(re.findall(r"ld\.global(?:\.\w+)*\.v\d", ptx)),
                 scalar_2byte_loads=len(re.findall(r"ld\.global(?:\.[a-z]+)*\.[bu]16\b", ptx)),
-                loop_barriers=loop_barriers(ptx), seconds=seconds))
+                loop_barriers=loop_barriers(ptx), loop_loads=loop_loads(ptx), seconds=seconds))
     return results
 
 
@@ -195,14 +205,24 @@ _LABEL = re.compile(r"^(\$L__BB\d+_\d+):")
 _BRANCH = re.compile(r"\bbra(?:\.uni)?\s+(\$L__BB\d+_\d+);")
 
 
-def loop_barriers(ptx: str) -> int:
-    """Barriers inside loops: a loop is a block label and a later branch back to it; each ``bar.sync``
-    between them counts once (however deep the nesting)."""
+def _in_loops(ptx: str, pattern: str) -> int:
+    """Lines matching ``pattern`` inside loops: a loop is a block label and a later branch back to it; each
+    line between them counts once (however deep the nesting)."""
     lines = ptx.splitlines()
     labels = {m.group(1): i for i, line in enumerate(lines) if (m := _LABEL.match(line.strip()))}
     loops = [(labels[m.group(1)], i) for i, line in enumerate(lines)
              if (m := _BRANCH.search(line)) and labels.get(m.group(1), len(lines)) < i]
-    return sum(1 for i, line in enumerate(lines) if "bar.sync" in line and any(a <= i <= b for a, b in loops))
+    return sum(1 for i, line in enumerate(lines) if re.search(pattern, line) and any(a <= i <= b for a, b in loops))
+
+
+def loop_barriers(ptx: str) -> int:
+    """``bar.sync`` instructions inside loops."""
+    return _in_loops(ptx, r"bar\.sync")
+
+
+def loop_loads(ptx: str) -> int:
+    """Global load instructions inside loops: what a program issues per tile, against those it issues once."""
+    return _in_loops(ptx, r"ld\.global")
 
 
 def compile_all(target: GPUTarget = SM90, cases: dict | None = None, progress=None) -> list[Compiled]:
@@ -225,14 +245,16 @@ def compile_all(target: GPUTarget = SM90, cases: dict | None = None, progress=No
 
 def table(results: list[Compiled], target: GPUTarget = SM90) -> str:
     lines = [f"Triton {triton.__version__}, sm_{target.arch}: registers per thread, spills (bytes stored/loaded), "
-             "global loads in the PTX (16-byte vectors / 2-byte scalars), barriers inside loops, compile seconds on "
-             "this machine", "",
-             "| case | kernel | config | registers | spills | vector / scalar loads | loop barriers | compile s |",
-             "|---|---|---|---:|---:|---:|---:|---:|"]
+             "global loads in the PTX (vectors / 2-byte scalars; those inside loops), barriers inside loops, compile "
+             "seconds on this machine", "",
+             "| case | kernel | config | registers | spills | vector / scalar loads | loads in loops | loop barriers "
+             "| compile s |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         spills = f"{r.spill_store_bytes}/{r.spill_load_bytes}" if r.spills else "0"
         lines.append(f"| {r.case} | {r.kernel} | {r.config} | {r.registers} | {spills} | "
-                     f"{r.vector_loads} / {r.scalar_2byte_loads} | {r.loop_barriers} | {r.seconds:.1f} |")
+                     f"{r.vector_loads} / {r.scalar_2byte_loads} | {r.loop_loads} | {r.loop_barriers} | "
+                     f"{r.seconds:.1f} |")
     return "\n".join(lines)
 
 

@@ -104,13 +104,17 @@ def version_problem(backend: str) -> str | None:
 
 @functools.cache
 def prepare_kernels(backend: str) -> None:
-    """Import the backend's package (see ``import_problem``) ready to run its kernels here: under the
-    interpreter, with the adaptations of ``interpreter``."""
+    """Import the backend's package (see ``import_problem``) ready to run its kernels here: its autotuning
+    narrowed and reported (``tuning.watch``); under the interpreter, with the adaptations of ``interpreter``."""
     _import(backend)
     if INTERPRETED and backend in TESTED_VERSIONS:
         from canon_titan.kernels import interpreter
 
         interpreter.prepare(backend)
+    if backend in TESTED_VERSIONS:
+        from canon_titan.kernels import tuning
+
+        tuning.watch(backend)
 
 
 @dataclass(frozen=True)

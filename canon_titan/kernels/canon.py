@@ -11,11 +11,13 @@ Two entry points: ``canon_conv`` (Canon-A/B/C, the linear models' short convolut
 
 Backends:
 - ``torch``: K shifted multiply-adds. Runs everywhere; under torch.compile Inductor fuses them.
-- ``triton``: Triton kernels registered as torch custom ops (``canon_titan::canon_conv``,
-  ``canon_titan::canon_swiglu``) with fake kernels and autograd, so a compiled block has no graph
-  break. They read the [B, T, C] layout with any strides (no transposes, no copies). The backward
-  saves only the op's inputs and recomputes the convolution; the fused SwiGLU op saves gate and up
-  (what SwiGLU alone saves), not the Canon outputs. The forward kernels' blocks are autotuned, the
+- ``triton``: Triton kernels behind ``torch.library.triton_op``s (``canon_titan::canon_conv``,
+  ``canon_titan::canon_swiglu``) with autograd, so a compiled block has no graph break and Inductor
+  launches the kernels from its own code. They read the [B, T, C] layout with any strides (no
+  transposes, no copies). The backward saves only the op's inputs and recomputes the convolution; the
+  fused SwiGLU op saves gate and up (what SwiGLU alone saves), not the Canon outputs. With a fused
+  norm and no SiLU, the input's gradient is torch ops that Inductor fuses with the norm's backward
+  (``_canon_conv_grad``). The forward kernels' blocks are autotuned, the
   backward kernels' fixed (their weight gradients are then bitwise reproducible). Runs on CUDA, or
   on CPU tensors when ``TRITON_INTERPRET=1`` is set before the import (Triton's interpreter: slow,
   for tests). ``python -m canon_titan.kernels.aot`` compiles the kernels for sm_90 without a GPU.
@@ -61,7 +63,7 @@ or hold 200+ registers (a quarter of the warps per SM at most) and are left out.
 BACKWARD_BLOCKS = {"BLOCK_T": 16, "BLOCK_C": 32, "num_warps": 4}
 """The backward kernels' configuration where dz is dy (no recomputation), and the same where they
 recompute the convolution on shifted rows (SiLU; the SwiGLU product needs both convolutions): on
-sm_90, 63 registers here, 96 and 168 there (the per-tap accumulators), no spills. Measured on an H200
+sm_90, 64-72 registers here, 96 and 163 there (the per-tap accumulators), no spills. Measured on an H200
 (2026-11-27, ``bench_canon.py --mode bwd_blocks``, batch 2 x 4096), 16x32/4w was the fastest of five
 candidates for every call: Canon-A at 2048 channels 0.071 ms (16x64/4w, the blocks before, 0.094),
 Canon-D 0.584 ms, Mamba2's b 0.293 ms. Fixed, not autotuned: the weight gradient sums over a chunk's
@@ -71,7 +73,21 @@ RECOMPUTING_BACKWARD_BLOCKS = {"BLOCK_T": 16, "BLOCK_C": 32, "num_warps": 4}
 
 CHUNK_T = 128
 """Rows of the sequence one backward program reduces the weight gradient over (a multiple of every
-BLOCK_T): the partial sums hold batch * ceil(seq / CHUNK_T) rows."""
+BLOCK_T), or ``LONG_CHUNK_T`` (``_chunk_rows``). The partial sums hold batch * ceil(seq / rows) rows:
+fp32 [parts, C, K], written by the kernel and read by the sum after it, 2 * 4 * K * C / rows bytes per
+token (Canon-D of LlamaCanon-1B at 128 rows: 2.8 KB of the 58 KB its backward moves per token)."""
+LONG_CHUNK_T = 512
+MIN_PROGRAMS = 4096
+"""Programs a backward launch keeps with ``LONG_CHUNK_T`` (two waves of an H100/H200's 132 SMs with 16
+programs of 4 warps each)."""
+
+
+def _chunk_rows(batch: int, seq_len: int, channels: int) -> int:
+    """``LONG_CHUNK_T`` where it leaves ``MIN_PROGRAMS`` programs (LlamaCanon-1B at 8 x 4096), else
+    ``CHUNK_T``. A function of the shape alone: the weight gradient has the same bits in every process
+    and run."""
+    programs = batch * triton.cdiv(seq_len, LONG_CHUNK_T) * triton.cdiv(channels, BACKWARD_BLOCKS["BLOCK_C"])
+    return LONG_CHUNK_T if programs >= MIN_PROGRAMS else CHUNK_T
 
 
 def _interpreter_blocks(seq_len: int, channels: int) -> dict:
@@ -126,13 +142,22 @@ def _row_stride(stride, ALIGNED: tl.constexpr):
 
 
 @triton.jit
-def _load_input(x_ptr, rs_ptr, cs, rows, x_cols, col_mask, T, sx_t, srs_t, SCALED: tl.constexpr):
-    """An input tile in float32: x, or ``x * row_scale[t] * col_scale[c]`` (a fused RMSNorm)."""
+def _load_row_scaled(x_ptr, rs_ptr, rows, x_cols, col_mask, T, sx_t, srs_t, SCALED: tl.constexpr):
+    """An input tile in float32: x, or ``x * row_scale[t]``."""
     in_seq = (rows >= 0) & (rows < T)
     x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * sx_t + x_cols[None, :], mask=in_seq[:, None] & col_mask[None, :],
                 other=0.0).to(tl.float32)
     if SCALED:
-        x = x * tl.load(rs_ptr + rows.to(tl.int64) * srs_t, mask=in_seq, other=0.0)[:, None] * cs[None, :]
+        x = x * tl.load(rs_ptr + rows.to(tl.int64) * srs_t, mask=in_seq, other=0.0)[:, None]
+    return x
+
+
+@triton.jit
+def _load_input(x_ptr, rs_ptr, cs, rows, x_cols, col_mask, T, sx_t, srs_t, SCALED: tl.constexpr):
+    """An input tile in float32: x, or ``x * row_scale[t] * col_scale[c]`` (a fused RMSNorm)."""
+    x = _load_row_scaled(x_ptr, rs_ptr, rows, x_cols, col_mask, T, sx_t, srs_t, SCALED)
+    if SCALED:
+        x = x * cs[None, :]
     return x
 
 
@@ -258,13 +283,85 @@ def _store_partials(dw_ptr, db_ptr, dw_acc, db_acc, part, C, cols, col_mask, K: 
 
 
 @triton.jit
-def _canon_bwd_kernel(x_ptr, w_ptr, b_ptr, rs_ptr, cs_ptr, dy_ptr, dx_ptr, dw_ptr, db_ptr, T, C,
+def _window(ptr, rs_ptr, cs, rows, col_offsets, col_mask, T, stride_t, srs_t, K: tl.constexpr,
+            SCALED: tl.constexpr):
+    """The input tiles (``_load_input``) at rows - 3 ... rows + 3: a tile and the K-1 rows each side that
+    the convolutions at rows t .. t+K-1 read, each loaded once; zeros for shifts of K or more."""
+    x0 = _load_input(ptr, rs_ptr, cs, rows, col_offsets, col_mask, T, stride_t, srs_t, SCALED)
+    xm1, xm2, xm3 = tl.zeros_like(x0), tl.zeros_like(x0), tl.zeros_like(x0)
+    xp1, xp2, xp3 = tl.zeros_like(x0), tl.zeros_like(x0), tl.zeros_like(x0)
+    if K > 1:
+        xm1 = _load_input(ptr, rs_ptr, cs, rows - 1, col_offsets, col_mask, T, stride_t, srs_t, SCALED)
+        xp1 = _load_input(ptr, rs_ptr, cs, rows + 1, col_offsets, col_mask, T, stride_t, srs_t, SCALED)
+    if K > 2:
+        xm2 = _load_input(ptr, rs_ptr, cs, rows - 2, col_offsets, col_mask, T, stride_t, srs_t, SCALED)
+        xp2 = _load_input(ptr, rs_ptr, cs, rows + 2, col_offsets, col_mask, T, stride_t, srs_t, SCALED)
+    if K > 3:
+        xm3 = _load_input(ptr, rs_ptr, cs, rows - 3, col_offsets, col_mask, T, stride_t, srs_t, SCALED)
+        xp3 = _load_input(ptr, rs_ptr, cs, rows + 3, col_offsets, col_mask, T, stride_t, srs_t, SCALED)
+    return xm3, xm2, xm1, x0, xp1, xp2, xp3
+
+
+@triton.jit
+def _shifted(xm3, xm2, xm1, x0, xp1, xp2, xp3, SHIFT: tl.constexpr):
+    """The window's tile at rows + SHIFT (a constant: no code for the others)."""
+    out = x0
+    if SHIFT == -3:
+        out = xm3
+    elif SHIFT == -2:
+        out = xm2
+    elif SHIFT == -1:
+        out = xm1
+    elif SHIFT == 1:
+        out = xp1
+    elif SHIFT == 2:
+        out = xp2
+    elif SHIFT == 3:
+        out = xp3
+    return out
+
+
+@triton.jit
+def _taps(w_ptr, w_cols, sw_k, col_mask, K: tl.constexpr):
+    """The K weight taps of a program's columns, each [1, BLOCK_C] in float32 (zeros past K)."""
+    w0 = _tap(w_ptr, w_cols, 0, sw_k, col_mask)
+    w1, w2, w3 = tl.zeros_like(w0), tl.zeros_like(w0), tl.zeros_like(w0)
+    if K > 1:
+        w1 = _tap(w_ptr, w_cols, 1, sw_k, col_mask)
+    if K > 2:
+        w2 = _tap(w_ptr, w_cols, 2, sw_k, col_mask)
+    if K > 3:
+        w3 = _tap(w_ptr, w_cols, 3, sw_k, col_mask)
+    return w0, w1, w2, w3
+
+
+@triton.jit
+def _tap_of(w0, w1, w2, w3, J: tl.constexpr):
+    """Tap J of ``_taps``' (a constant)."""
+    return _shifted(w0, w0, w0, w0, w1, w2, w3, J)
+
+
+@triton.jit
+def _window_conv(xm3, xm2, xm1, x0, xp1, xp2, xp3, w0, w1, w2, w3, bias, D: tl.constexpr, K: tl.constexpr,
+                 HAS_BIAS: tl.constexpr):
+    """``_conv`` at rows + D from a window and the taps (the same products in the same order)."""
+    pre = _shifted(xm3, xm2, xm1, x0, xp1, xp2, xp3, D - (K - 1)) * w0
+    for j in tl.static_range(1, K):
+        pre += _shifted(xm3, xm2, xm1, x0, xp1, xp2, xp3, D - (K - 1) + j) * _tap_of(w0, w1, w2, w3, j)
+    if HAS_BIAS:
+        pre += bias
+    return pre
+
+
+@triton.jit
+def _canon_bwd_kernel(x_ptr, w_ptr, b_ptr, rs_ptr, cs_ptr, dy_ptr, dx_ptr, dw_ptr, db_ptr, dcs_ptr, T, C,
                       sx_b, sx_t, sx_c, srs_b, srs_t, sdy_b, sdy_t, sdy_c, sdx_b, sdx_t, sdx_c, sw_c, sw_k,
                       K: tl.constexpr, K_PAD: tl.constexpr, HAS_BIAS: tl.constexpr, RESIDUAL: tl.constexpr,
-                      SILU: tl.constexpr, SCALED: tl.constexpr, X_ALIGNED: tl.constexpr, CHUNK_T: tl.constexpr,
-                      BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
-    """dx (of the scaled input the convolution saw) and the weight/bias gradient partials over CHUNK_T
-    rows. dz = dy, times SiLU's derivative at ``pre`` with SiLU."""
+                      SILU: tl.constexpr, SCALED: tl.constexpr, X_ALIGNED: tl.constexpr, STORE_DX: tl.constexpr,
+                      COL_GRAD: tl.constexpr, CHUNK_T: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    """dx (of the scaled input the convolution saw) unless STORE_DX is off, and the weight/bias gradient
+    partials over CHUNK_T rows; with COL_GRAD (SCALED), the column scale's too: sum over rows of
+    ``dx * x * row_scale``. dz = dy, times SiLU's derivative at ``pre`` with SiLU."""
     batch = tl.program_id(2).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     col_mask = cols < C
@@ -275,31 +372,49 @@ def _canon_bwd_kernel(x_ptr, w_ptr, b_ptr, rs_ptr, cs_ptr, dy_ptr, dx_ptr, dw_pt
     x_ptr += batch * sx_b
     rs_ptr += batch * srs_b
     dy_ptr += batch * sdy_b
+    w0, w1, w2, w3 = _taps(w_ptr, w_cols, sw_k, col_mask, K)
+    bias = tl.zeros_like(w0)
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     a0 = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
     a1 = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
     a2 = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
     a3 = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
     db_rows = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+    dcs_rows = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
     for t0 in range(0, CHUNK_T, BLOCK_T):
         rows = tl.program_id(0) * CHUNK_T + t0 + tl.arange(0, BLOCK_T)
-        x = _load_input(x_ptr, rs_ptr, cs, rows, x_cols, col_mask, T, sx_t, srs_t, SCALED)
+        if SILU:  # the convolution at rows t .. t+K-1 again, from a window of 2K-1 input tiles
+            xm3, xm2, xm1, x, xp1, xp2, xp3 = _window(x_ptr, rs_ptr, cs, rows, x_cols, col_mask, T, sx_t, srs_t, K,
+                                                      SCALED)
+        else:
+            x_rows = _load_row_scaled(x_ptr, rs_ptr, rows, x_cols, col_mask, T, sx_t, srs_t, SCALED)
+            x = x_rows
+            if SCALED:
+                x = x_rows * cs[None, :]
         dx = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
         for d in tl.static_range(K):
             dz = _load(dy_ptr, rows + d, dy_cols, T, sdy_t, col_mask)
             if RESIDUAL and d == 0:
                 dx += dz
             if SILU:
-                pre, _ = _conv(x_ptr, w_ptr, b_ptr, rs_ptr, cs, rows + d, x_cols, w_cols, cols, col_mask, T, sx_t,
-                               srs_t, sw_k, K, HAS_BIAS, SCALED)
-                dz *= _silu_grad(pre)
-            dx += _tap(w_ptr, w_cols, K - 1 - d, sw_k, col_mask) * dz
+                dz *= _silu_grad(_window_conv(xm3, xm2, xm1, x, xp1, xp2, xp3, w0, w1, w2, w3, bias, d, K, HAS_BIAS))
+            if SILU:
+                dx += _tap_of(w0, w1, w2, w3, K - 1 - d) * dz
+            else:
+                dx += _tap(w_ptr, w_cols, K - 1 - d, sw_k, col_mask) * dz
             a0, a1, a2, a3 = _add_to_tap(a0, a1, a2, a3, dz * x, K - 1 - d)
             if HAS_BIAS and d == 0:
                 db_rows += dz
-        _store(dx_ptr + batch * sdx_b, rows, dx_cols, T, sdx_t, col_mask, dx)
+        if STORE_DX:
+            _store(dx_ptr + batch * sdx_b, rows, dx_cols, T, sdx_t, col_mask, dx)
+        if COL_GRAD:
+            dcs_rows += dx * x_rows
     part = batch * tl.num_programs(0) + tl.program_id(0)
     _store_partials(dw_ptr, db_ptr, _taps_tile(a0, a1, a2, a3, K, K_PAD), tl.sum(db_rows, axis=0), part, C, cols,
                     col_mask, K, K_PAD, HAS_BIAS)
+    if COL_GRAD:
+        tl.store(dcs_ptr + part * C + cols, tl.sum(dcs_rows, axis=0), mask=col_mask)
 
 
 @triton.jit
@@ -310,14 +425,21 @@ def _canon_swiglu_bwd_kernel(g_ptr, u_ptr, w_ptr, b_ptr, dy_ptr, dg_ptr, du_ptr,
                              BLOCK_C: tl.constexpr):
     """Gradients of gate and up (dg, du: same strides) and the weight/bias partials over CHUNK_T rows
     ([parts, 2H, K]). The Canon outputs' gradients (of ``silu(g) * u``) are d_gate and d_up; dz is
-    theirs times SiLU's derivative at ``pre`` with SiLU."""
+    theirs times SiLU's derivative at ``pre`` with SiLU. The convolutions at rows t .. t+K-1 read gate and
+    up from a window of 2K-1 tiles loaded once per tile, with taps loaded once per program."""
     batch = tl.program_id(2).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     col_mask = cols < H
     cols64 = cols.to(tl.int64)
     g_cols, u_cols, dy_cols, dx_cols, w_cols = cols64 * sg_c, cols64 * su_c, cols64 * sdy_c, cols64 * sdx_c, \
         cols64 * sw_c
-    wu_ptr, bu_ptr = w_ptr + H * sw_c, b_ptr + H
+    wg0, wg1, wg2, wg3 = _taps(w_ptr, w_cols, sw_k, col_mask, K)
+    wu0, wu1, wu2, wu3 = _taps(w_ptr + H * sw_c, w_cols, sw_k, col_mask, K)
+    bg = tl.zeros_like(wg0)
+    bu = tl.zeros_like(wg0)
+    if HAS_BIAS:
+        bg = tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        bu = tl.load(b_ptr + H + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     g_ptr += batch * sg_b
     u_ptr += batch * su_b
     dy_ptr += batch * sdy_b
@@ -333,17 +455,15 @@ def _canon_swiglu_bwd_kernel(g_ptr, u_ptr, w_ptr, b_ptr, dy_ptr, dg_ptr, du_ptr,
     db_u = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
     for t0 in range(0, CHUNK_T, BLOCK_T):
         rows = tl.program_id(0) * CHUNK_T + t0 + tl.arange(0, BLOCK_T)
-        g = _load(g_ptr, rows, g_cols, T, sg_t, col_mask)
-        u = _load(u_ptr, rows, u_cols, T, su_t, col_mask)
+        gm3, gm2, gm1, g, gp1, gp2, gp3 = _window(g_ptr, g_ptr, bg, rows, g_cols, col_mask, T, sg_t, 0, K, False)
+        um3, um2, um1, u, up1, up2, up3 = _window(u_ptr, u_ptr, bu, rows, u_cols, col_mask, T, su_t, 0, K, False)
         dx_g = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
         dx_u = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
         for d in tl.static_range(K):
-            pre_g, x = _conv(g_ptr, w_ptr, b_ptr, w_ptr, w_cols, rows + d, g_cols, w_cols, cols, col_mask, T, sg_t, 0,
-                             sw_k, K, HAS_BIAS, False)
-            gate = _finish(pre_g, x, RESIDUAL, SILU)
-            pre_u, x = _conv(u_ptr, wu_ptr, bu_ptr, w_ptr, w_cols, rows + d, u_cols, w_cols, cols, col_mask, T, su_t,
-                             0, sw_k, K, HAS_BIAS, False)
-            up = _finish(pre_u, x, RESIDUAL, SILU)
+            pre_g = _window_conv(gm3, gm2, gm1, g, gp1, gp2, gp3, wg0, wg1, wg2, wg3, bg, d, K, HAS_BIAS)
+            gate = _finish(pre_g, _shifted(gm3, gm2, gm1, g, gp1, gp2, gp3, d), RESIDUAL, SILU)
+            pre_u = _window_conv(um3, um2, um1, u, up1, up2, up3, wu0, wu1, wu2, wu3, bu, d, K, HAS_BIAS)
+            up = _finish(pre_u, _shifted(um3, um2, um1, u, up1, up2, up3, d), RESIDUAL, SILU)
             dy = _load(dy_ptr, rows + d, dy_cols, T, sdy_t, col_mask)
             sig = tl.sigmoid(gate)
             dz_g = dy * up * sig * (1.0 + gate * (1.0 - sig))
@@ -354,8 +474,8 @@ def _canon_swiglu_bwd_kernel(g_ptr, u_ptr, w_ptr, b_ptr, dy_ptr, dg_ptr, du_ptr,
             if SILU:
                 dz_g *= _silu_grad(pre_g)
                 dz_u *= _silu_grad(pre_u)
-            dx_g += _tap(w_ptr, w_cols, K - 1 - d, sw_k, col_mask) * dz_g
-            dx_u += _tap(wu_ptr, w_cols, K - 1 - d, sw_k, col_mask) * dz_u
+            dx_g += _tap_of(wg0, wg1, wg2, wg3, K - 1 - d) * dz_g
+            dx_u += _tap_of(wu0, wu1, wu2, wu3, K - 1 - d) * dz_u
             g0, g1, g2, g3 = _add_to_tap(g0, g1, g2, g3, dz_g * g, K - 1 - d)
             u0, u1, u2, u3 = _add_to_tap(u0, u1, u2, u3, dz_u * u, K - 1 - d)
             if HAS_BIAS and d == 0:
@@ -375,10 +495,9 @@ def _grid(batch: int, seq_len: int, channels: int, rows_per_program: int | None 
                          triton.cdiv(channels, meta["BLOCK_C"]), batch)
 
 
-def _partials(batch: int, seq_len: int, kernel: int, channels: int, like: torch.Tensor, bias: bool):
+def _partials(parts: int, kernel: int, channels: int, like: torch.Tensor, bias: bool):
     """fp32 partial sums of dw [parts, channels, K] and, with a bias, db [parts, channels]; without one
     db's pointer is dw's, never written."""
-    parts = batch * triton.cdiv(seq_len, CHUNK_T)
     dw = torch.empty(parts, channels, kernel, dtype=torch.float32, device=like.device)
     return dw, torch.empty(parts, channels, dtype=torch.float32, device=like.device) if bias else dw
 
@@ -406,85 +525,129 @@ def _scale_args(row_scale, col_scale, weight) -> tuple:
     return row_scale, col_scale.contiguous(), *row_scale.stride()
 
 
-# ----------------------------------------------------------------------------- launches
+# ----------------------------------------------------------------------------- ops
+#
+# Each op's body allocates its outputs and launches its kernel through ``wrap_triton``, so that it is
+# a ``torch.library.triton_op``: under torch.compile Inductor traces the body into the block's graph
+# and launches the kernel from its own generated code (no Python frame of the op per call; the
+# weight-gradient sums become Inductor kernels), and in eager mode the op runs the body as a custom
+# op does. Torch cannot trace a kernel that Triton's interpreter runs, so under ``TRITON_INTERPRET=1``
+# the ops are opaque custom ops with fake kernels, and their bodies launch the kernels as they are.
 
 
-def conv_forward(x, weight, bias, row_scale, col_scale, residual: bool, activation: bool) -> torch.Tensor:
+wrap_triton = (lambda kernel: kernel) if INTERPRETED else torch.library.wrap_triton
+
+
+def _op(name: str, fake):
+    def define(fn):
+        if INTERPRETED:
+            op = torch.library.custom_op(name, fn, mutates_args=())
+            op.register_fake(fake)
+            return op
+        return torch.library.triton_op(name, fn, mutates_args=())
+    return define
+
+
+def _fake_conv_backward(dy, x, weight, bias, row_scale, col_scale, residual, activation):
+    db = bias.new_empty(bias.shape) if bias is not None else weight.new_empty(0)
+    return x.new_empty(x.shape), weight.new_empty(weight.shape), db
+
+
+def _fake_conv_weight_grads(dy, x, weight, bias, row_scale, col_scale, residual):
+    db = bias.new_empty(bias.shape) if bias is not None else weight.new_empty(0)
+    return col_scale.new_empty(col_scale.shape), weight.new_empty(weight.shape), db
+
+
+def _fake_swiglu_backward(dy, gate, up, weight, bias, residual, activation):
+    db = bias.new_empty(bias.shape) if bias is not None else weight.new_empty(0)
+    return gate.new_empty(gate.shape), gate.new_empty(gate.shape), weight.new_empty(weight.shape), db
+
+
+def conv_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, row_scale: torch.Tensor | None,
+                 col_scale: torch.Tensor | None, residual: bool, activation: bool) -> torch.Tensor:
     batch, seq_len, channels = x.shape
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     rs, cs, srs_b, srs_t = _scale_args(row_scale, col_scale, weight)
-    _canon_fwd_kernel[_grid(batch, seq_len, channels)](
+    wrap_triton(_canon_fwd_kernel)[_grid(batch, seq_len, channels)](
         x, weight, _bias_ptr(bias, weight), rs, cs, y, seq_len, channels, *x.stride(), srs_b, srs_t, *y.stride(),
         *weight.stride(), K=weight.shape[1], HAS_BIAS=bias is not None, RESIDUAL=residual, SILU=activation,
         SCALED=row_scale is not None, X_ALIGNED=_rows_aligned(x))
     return y
 
 
-def conv_backward(dy, x, weight, bias, row_scale, col_scale, residual: bool, activation: bool):
-    """Gradients of the convolution's input (after scaling), weight and bias (empty without one)."""
+def _conv_backward(dy, x, weight, bias, row_scale, col_scale, residual: bool, activation: bool, input_grad: bool):
+    """The backward kernel's launch: dx unless ``input_grad`` is off (then, with the scales, the column
+    scale's gradient instead), and the weight/bias gradients."""
     batch, seq_len, channels = x.shape
-    kernel = weight.shape[1]
-    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    partial_dw, partial_db = _partials(batch, seq_len, kernel, channels, x, bias is not None)
+    kernel, rows = weight.shape[1], _chunk_rows(batch, seq_len, channels)
+    parts = batch * triton.cdiv(seq_len, rows)
+    # Without the input's gradient, an empty tensor stands for dx (never written; Inductor would copy a
+    # larger stand-in, as the kernel's stores to dx count as a mutation of whatever tensor is passed).
+    dx = x.new_empty(x.shape if input_grad else (0, 0, 0))
+    partial_dw, partial_db = _partials(parts, kernel, channels, x, bias is not None)
+    col_grad = row_scale is not None and not input_grad
+    partial_dcs = torch.empty(parts, channels, dtype=torch.float32, device=x.device) if col_grad else partial_dw
     rs, cs, srs_b, srs_t = _scale_args(row_scale, col_scale, weight)
-    _canon_bwd_kernel[_grid(batch, seq_len, channels, CHUNK_T)](
-        x, weight, _bias_ptr(bias, weight), rs, cs, dy, dx, partial_dw, partial_db, seq_len, channels,
+    wrap_triton(_canon_bwd_kernel)[_grid(batch, seq_len, channels, rows)](
+        x, weight, _bias_ptr(bias, weight), rs, cs, dy, dx, partial_dw, partial_db, partial_dcs, seq_len, channels,
         *x.stride(), srs_b, srs_t, *dy.stride(), *dx.stride(), *weight.stride(),
         K=kernel, K_PAD=triton.next_power_of_2(kernel), HAS_BIAS=bias is not None, RESIDUAL=residual,
-        SILU=activation, SCALED=row_scale is not None, X_ALIGNED=_rows_aligned(x), CHUNK_T=CHUNK_T,
-        **_backward_blocks(seq_len, channels, recomputes=activation))
-    return (dx, *_weight_grads(partial_dw, partial_db, weight, bias))
+        SILU=activation, SCALED=row_scale is not None, X_ALIGNED=_rows_aligned(x), STORE_DX=input_grad,
+        COL_GRAD=col_grad, CHUNK_T=rows, **_backward_blocks(seq_len, channels, recomputes=activation))
+    dw, db = _weight_grads(partial_dw, partial_db, weight, bias)
+    if col_grad:
+        return partial_dcs.sum(0).to(col_scale.dtype), dw, db
+    return dx, dw, db
 
 
-def swiglu_forward(gate, up, weight, bias, residual: bool, activation: bool) -> torch.Tensor:
+def conv_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  row_scale: torch.Tensor | None, col_scale: torch.Tensor | None, residual: bool,
+                  activation: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of the convolution's input (after scaling), weight and bias (empty without one)."""
+    return _conv_backward(dy, x, weight, bias, row_scale, col_scale, residual, activation, input_grad=True)
+
+
+def conv_weight_grads(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                      row_scale: torch.Tensor, col_scale: torch.Tensor, residual: bool
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Without SiLU, on a scaled input: the gradients of the column scale, the weight and the bias, and
+    not dx, which ``_canon_conv_grad`` leaves to torch ops."""
+    return _conv_backward(dy, x, weight, bias, row_scale, col_scale, residual, False, input_grad=False)
+
+
+def swiglu_forward(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                   residual: bool, activation: bool) -> torch.Tensor:
     batch, seq_len, hidden = gate.shape
     y = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
-    _canon_swiglu_fwd_kernel[_grid(batch, seq_len, hidden)](
+    wrap_triton(_canon_swiglu_fwd_kernel)[_grid(batch, seq_len, hidden)](
         gate, up, weight, _bias_ptr(bias, weight), y, seq_len, hidden, *gate.stride(), *up.stride(), *y.stride(),
         *weight.stride(), K=weight.shape[1], HAS_BIAS=bias is not None, RESIDUAL=residual, SILU=activation)
     return y
 
 
-def swiglu_backward(dy, gate, up, weight, bias, residual: bool, activation: bool):
+def swiglu_backward(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor,
+                    bias: torch.Tensor | None, residual: bool, activation: bool
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of gate, up, the weight and the bias (empty without one)."""
     batch, seq_len, hidden = gate.shape
     kernel = weight.shape[1]
     d_gate = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     d_up = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
-    partial_dw, partial_db = _partials(batch, seq_len, kernel, 2 * hidden, gate, bias is not None)
-    _canon_swiglu_bwd_kernel[_grid(batch, seq_len, hidden, CHUNK_T)](
+    rows = _chunk_rows(batch, seq_len, hidden)
+    partial_dw, partial_db = _partials(batch * triton.cdiv(seq_len, rows), kernel, 2 * hidden, gate, bias is not None)
+    wrap_triton(_canon_swiglu_bwd_kernel)[_grid(batch, seq_len, hidden, rows)](
         gate, up, weight, _bias_ptr(bias, weight), dy, d_gate, d_up, partial_dw, partial_db, seq_len, hidden,
         *gate.stride(), *up.stride(), *dy.stride(), *d_gate.stride(), *weight.stride(),
         K=kernel, K_PAD=triton.next_power_of_2(kernel), HAS_BIAS=bias is not None, RESIDUAL=residual,
-        SILU=activation, CHUNK_T=CHUNK_T, **_backward_blocks(seq_len, hidden, recomputes=True))
+        SILU=activation, CHUNK_T=rows, **_backward_blocks(seq_len, hidden, recomputes=True))
     return (d_gate, d_up, *_weight_grads(partial_dw, partial_db, weight, bias))
 
 
-# ----------------------------------------------------------------------------- custom ops
-
-
-@torch.library.custom_op("canon_titan::canon_conv", mutates_args=())
-def _canon_conv_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, row_scale: torch.Tensor | None,
-                   col_scale: torch.Tensor | None, residual: bool, activation: bool) -> torch.Tensor:
-    return conv_forward(x, weight, bias, row_scale, col_scale, residual, activation)
-
-
-@_canon_conv_op.register_fake
-def _(x, weight, bias, row_scale, col_scale, residual, activation):
-    return x.new_empty(x.shape)
-
-
-@torch.library.custom_op("canon_titan::canon_conv_backward", mutates_args=())
-def _canon_conv_backward_op(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                            row_scale: torch.Tensor | None, col_scale: torch.Tensor | None, residual: bool,
-                            activation: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return conv_backward(dy, x, weight, bias, row_scale, col_scale, residual, activation)
-
-
-@_canon_conv_backward_op.register_fake
-def _(dy, x, weight, bias, row_scale, col_scale, residual, activation):
-    db = bias.new_empty(bias.shape) if bias is not None else weight.new_empty(0)
-    return x.new_empty(x.shape), weight.new_empty(weight.shape), db
+_canon_conv_op = _op("canon_titan::canon_conv", lambda x, *args: x.new_empty(x.shape))(conv_forward)
+_op("canon_titan::canon_conv_backward", _fake_conv_backward)(conv_backward)
+_op("canon_titan::canon_conv_weight_grads", _fake_conv_weight_grads)(conv_weight_grads)
+_canon_swiglu_op = _op("canon_titan::canon_swiglu", lambda gate, *args: gate.new_empty(gate.shape))(swiglu_forward)
+_op("canon_titan::canon_swiglu_backward", _fake_swiglu_backward)(swiglu_backward)
 
 
 def _canon_conv_setup(ctx, inputs, output):
@@ -492,10 +655,33 @@ def _canon_conv_setup(ctx, inputs, output):
     ctx.save_for_backward(x, weight, bias, row_scale, col_scale)
 
 
+def _transposed_conv(dy: torch.Tensor, weight: torch.Tensor, residual: bool) -> torch.Tensor:
+    """The gradient of the convolution's input without SiLU, in float32: ``dy[t] (residual) + sum_d
+    w[K-1-d] dy[t+d]`` (zeros past the last token)."""
+    kernel, seq_len = weight.shape[-1], dy.shape[1]
+    dy, weight = dy.float(), weight.float()
+    padded = F.pad(dy, (0, 0, 0, kernel - 1))
+    d_input = dy * (weight[:, kernel - 1] + 1) if residual else dy * weight[:, kernel - 1]
+    for d in range(1, kernel):
+        d_input = d_input + padded[:, d : d + seq_len] * weight[:, kernel - 1 - d]
+    return d_input
+
+
 def _canon_conv_grad(ctx, dy):
     x, weight, bias, row_scale, col_scale = ctx.saved_tensors
-    d_input, dw, db = torch.ops.canon_titan.canon_conv_backward(dy, x, weight, bias, row_scale, col_scale,
-                                                                ctx.residual, ctx.activation)
+    if row_scale is None or ctx.activation:
+        d_input, dw, db = torch.ops.canon_titan.canon_conv_backward(dy, x, weight, bias, row_scale, col_scale,
+                                                                    ctx.residual, ctx.activation)
+        d_col = None
+    else:
+        # A fused norm (Canon-A/C, Canon-B on q and k): the kernel reads x and dy once for the weight's and the
+        # column scale's gradients, and the input's is left to torch ops, which Inductor fuses with the norm's
+        # chain rule below and its backward into one pass that reads dy and x and writes dx, as Llama's RMSNorm
+        # backward reads its input's gradient and x (the kernel writing d_input, and a pass for d_col reading it
+        # and x again, cost 12 KB a token per call at 1B).
+        d_col, dw, db = torch.ops.canon_titan.canon_conv_weight_grads(dy, x, weight, bias, row_scale, col_scale,
+                                                                      ctx.residual)
+        d_input = _transposed_conv(dy, weight, ctx.residual)
     db = db if bias is not None else None
     if row_scale is None:
         return d_input, dw, db, None, None, None, None
@@ -503,35 +689,12 @@ def _canon_conv_grad(ctx, dy):
     d_input, xf, cs = d_input.float(), x.float(), col_scale.float()
     dx = (d_input * row_scale.unsqueeze(-1) * cs).to(x.dtype)
     d_row = (d_input * xf * cs).sum(-1).to(row_scale.dtype)
-    d_col = (d_input * xf * row_scale.unsqueeze(-1)).sum((0, 1)).to(col_scale.dtype)
+    if d_col is None:
+        d_col = (d_input * xf * row_scale.unsqueeze(-1)).sum((0, 1)).to(col_scale.dtype)
     return dx, dw, db, d_row, d_col, None, None
 
 
 _canon_conv_op.register_autograd(_canon_conv_grad, setup_context=_canon_conv_setup)
-
-
-@torch.library.custom_op("canon_titan::canon_swiglu", mutates_args=())
-def _canon_swiglu_op(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                     residual: bool, activation: bool) -> torch.Tensor:
-    return swiglu_forward(gate, up, weight, bias, residual, activation)
-
-
-@_canon_swiglu_op.register_fake
-def _(gate, up, weight, bias, residual, activation):
-    return gate.new_empty(gate.shape)
-
-
-@torch.library.custom_op("canon_titan::canon_swiglu_backward", mutates_args=())
-def _canon_swiglu_backward_op(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor,
-                              bias: torch.Tensor | None, residual: bool, activation: bool
-                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return swiglu_backward(dy, gate, up, weight, bias, residual, activation)
-
-
-@_canon_swiglu_backward_op.register_fake
-def _(dy, gate, up, weight, bias, residual, activation):
-    db = bias.new_empty(bias.shape) if bias is not None else weight.new_empty(0)
-    return gate.new_empty(gate.shape), gate.new_empty(gate.shape), weight.new_empty(weight.shape), db
 
 
 def _canon_swiglu_setup(ctx, inputs, output):

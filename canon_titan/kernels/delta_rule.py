@@ -21,6 +21,8 @@ behind the custom ops ``canon_titan::fla_chunk_gated_delta_rule`` and its backwa
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from canon_titan.kernels.backends import (compute_dtype, decay_matrix, from_chunks, prepare_kernels, runs_cuda_kernel,
@@ -57,6 +59,18 @@ FLA_CHUNK_SIZE = 64
 """fla's default block length for the gated delta rule."""
 
 
+@functools.cache
+def _fla_halves():
+    """fla's forward and backward halves of ``ChunkGatedDeltaRuleFunction``, each under fla's ``input_guard``
+    (its kernels assume contiguous [B, T, H, K] and launch on the current device), guarded once (see
+    ``gla._fla_halves``)."""
+    prepare_kernels("fla")
+    from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_bwd, chunk_gated_delta_rule_fwd
+    from fla.utils import input_guard
+
+    return input_guard(chunk_gated_delta_rule_fwd), input_guard(chunk_gated_delta_rule_bwd)
+
+
 @torch.library.custom_op("canon_titan::fla_chunk_gated_delta_rule", mutates_args=())
 def _fla_chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                                 beta: torch.Tensor, initial_state: torch.Tensor | None, scale: float,
@@ -64,12 +78,7 @@ def _fla_chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
                                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """o, the final state (empty unless asked for), and for the backward fla's chunk-local
     cumulative log decays and WY matrix A."""
-    prepare_kernels("fla")
-    from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_fwd
-    from fla.utils import input_guard
-
-    # input_guard: fla's kernels assume contiguous [B, T, H, K] and launch on the current device.
-    g_cumsum, o, A, final_state, _, _ = input_guard(chunk_gated_delta_rule_fwd)(
+    g_cumsum, o, A, final_state, _, _ = _fla_halves()[0](
         q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=initial_state,
         output_final_state=output_final_state, chunk_size=FLA_CHUNK_SIZE)
     final_state = final_state if output_final_state else q.new_empty(0, dtype=torch.float32)
@@ -90,11 +99,7 @@ def _fla_chunk_gated_delta_rule_backward(
         do: torch.Tensor, d_final: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         g_cumsum: torch.Tensor, beta: torch.Tensor, A: torch.Tensor, initial_state: torch.Tensor | None,
         scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    prepare_kernels("fla")
-    from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_bwd
-    from fla.utils import input_guard
-
-    dq, dk, dv, db, dg, dh0, _, _ = input_guard(chunk_gated_delta_rule_bwd)(
+    dq, dk, dv, db, dg, dh0, _, _ = _fla_halves()[1](
         q=q, k=k, v=v, g=g_cumsum, beta=beta, A=A, scale=scale, initial_state=initial_state, do=do, dht=d_final,
         chunk_size=FLA_CHUNK_SIZE)
     dh0 = dh0 if initial_state is not None else q.new_empty(0, dtype=torch.float32)

@@ -21,6 +21,7 @@ exp(b_i - r) * exp(r - b_j) with both factors <= 1, and only pairs inside one su
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -64,24 +65,37 @@ def _fla_chunk_size(seq_len: int) -> int:
     return min(64, max(16, triton.next_power_of_2(seq_len)))
 
 
+@functools.cache
+def _fla_halves():
+    """fla's forward and backward halves of ``ChunkGLAFunction``, each under fla's ``input_guard`` (its kernels
+    assume contiguous [B, T, H, K] and launch on the current device). Guarded once: ``input_guard`` reads the
+    function's signature each time it wraps one, a few hundred Python calls on every op call."""
+    prepare_kernels("fla")
+    from fla.ops.gla.chunk import chunk_gla_bwd, chunk_gla_fwd
+    from fla.utils import input_guard
+
+    return input_guard(chunk_gla_fwd), input_guard(chunk_gla_bwd)
+
+
+@functools.lru_cache(maxsize=8)
+def _unwritten(seq_len: int, chunk_size: int, device: torch.device) -> torch.Tensor:
+    """[T, 1, chunk]: where fla leaves A unwritten (key j after query t within the chunk), made once per shape."""
+    position = torch.arange(seq_len, device=device) % chunk_size
+    return torch.arange(chunk_size, device=device) > position[:, None, None]
+
+
 @torch.library.custom_op("canon_titan::fla_chunk_gla", mutates_args=())
 def _fla_chunk_gla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                    initial_state: torch.Tensor | None, scale: float, output_final_state: bool
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """o, the final state (empty unless asked for) and fla's intra-chunk scores A (for the backward)."""
-    prepare_kernels("fla")
-    from fla.ops.gla.chunk import chunk_gla_fwd
-    from fla.utils import input_guard
-
     chunk_size = _fla_chunk_size(q.shape[1])
-    # input_guard: fla's kernels assume contiguous [B, T, H, K] and launch on the current device.
-    _, A, _, final_state, o = input_guard(chunk_gla_fwd)(
+    _, A, _, final_state, o = _fla_halves()[0](
         q=q, k=k, v=v, g=g, g_cumsum=None, scale=scale, initial_state=initial_state,
         output_final_state=output_final_state, chunk_size=chunk_size)
     # fla writes A [B, T, H, chunk] only where key j <= query t within the chunk; an op's outputs
     # must not carry uninitialised memory (compiled and eager runs would differ there).
-    position = torch.arange(q.shape[1], device=A.device) % chunk_size
-    A.masked_fill_(torch.arange(chunk_size, device=A.device) > position[:, None, None], 0.0)
+    A.masked_fill_(_unwritten(q.shape[1], chunk_size, A.device), 0.0)
     return o.to(q.dtype), final_state if output_final_state else q.new_empty(0, dtype=torch.float32), A
 
 
@@ -98,11 +112,7 @@ def _(q, k, v, g, initial_state, scale, output_final_state):
 def _fla_chunk_gla_backward(do: torch.Tensor, d_final: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor,
                             v: torch.Tensor, g: torch.Tensor, initial_state: torch.Tensor | None, A: torch.Tensor,
                             scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    prepare_kernels("fla")
-    from fla.ops.gla.chunk import chunk_gla_bwd
-    from fla.utils import input_guard
-
-    dq, dk, dv, dg, dh0 = input_guard(chunk_gla_bwd)(
+    dq, dk, dv, dg, dh0 = _fla_halves()[1](
         q=q, k=k, v=v, g=g, g_cumsum=None, scale=scale, initial_state=initial_state, h=None, A=A, do=do, dht=d_final,
         chunk_size=_fla_chunk_size(q.shape[1]))
     dh0 = dh0 if initial_state is not None else q.new_empty(0, dtype=torch.float32)

@@ -16,6 +16,8 @@ behind the custom ops ``canon_titan::mamba_chunk_scan`` and its backward.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from canon_titan.kernels.backends import (compute_dtype, decay_matrix, from_chunks, prepare_kernels, runs_cuda_kernel,
@@ -47,16 +49,21 @@ def ssd(
     return y, final_state if output_final_state else None
 
 
+@functools.cache
+def _mamba_halves():
+    """mamba-ssm's forward and backward halves of ``MambaChunkScanCombinedFn``, imported once."""
+    prepare_kernels("mamba_ssm")
+    from mamba_ssm.ops.triton.ssd_combined import _mamba_chunk_scan_combined_bwd, _mamba_chunk_scan_combined_fwd
+
+    return _mamba_chunk_scan_combined_fwd, _mamba_chunk_scan_combined_bwd
+
+
 @torch.library.custom_op("canon_titan::mamba_chunk_scan", mutates_args=())
 def _mamba_chunk_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
                       D: torch.Tensor | None, initial_state: torch.Tensor | None, chunk_size: int,
                       output_final_state: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """y and the final state (empty unless asked for)."""
-    prepare_kernels("mamba_ssm")
-    from mamba_ssm.ops.triton.ssd_combined import _mamba_chunk_scan_combined_fwd
-
-    y, _, _, _, _, final_state, *_ = _mamba_chunk_scan_combined_fwd(x, dt, A, B, C, chunk_size, D=D,
-                                                                     initial_states=initial_state)
+    y, _, _, _, _, final_state, *_ = _mamba_halves()[0](x, dt, A, B, C, chunk_size, D=D, initial_states=initial_state)
     return y.to(x.dtype), final_state if output_final_state else x.new_empty(0, dtype=torch.float32)
 
 
@@ -74,10 +81,7 @@ def _mamba_chunk_scan_backward(
         B: torch.Tensor, C: torch.Tensor, D: torch.Tensor | None, initial_state: torch.Tensor | None, y: torch.Tensor,
         chunk_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                   torch.Tensor]:
-    prepare_kernels("mamba_ssm")
-    from mamba_ssm.ops.triton.ssd_combined import _mamba_chunk_scan_combined_bwd
-
-    dx, ddt, dA, dB, dC, dD, _, _, dh0 = _mamba_chunk_scan_combined_bwd(
+    dx, ddt, dA, dB, dC, dD, _, _, dh0 = _mamba_halves()[1](
         dy.contiguous(), x, dt, A, B, C, y, chunk_size, D=D, initial_states=initial_state,
         dfinal_states=d_final.contiguous() if d_final is not None else None)
     empty = x.new_empty(0, dtype=torch.float32)

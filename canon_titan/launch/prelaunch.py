@@ -17,14 +17,17 @@ from canon_titan.config import dumps
 from canon_titan.config.build import absolute_paths
 from canon_titan.convert.dcp_io import NoLoadableCheckpoint
 from canon_titan.data.fingerprint import data_fingerprint
-from canon_titan.launch.ownership import DumpFolderInUse, DumpFolderUnusable, lock_dump_folder
-from canon_titan.launch.resume_checks import ResumeRefused, check_resume
+from canon_titan.launch.ownership import (DumpFolderInUse, DumpFolderUnusable, check_shared, held_lease_token,
+                                         lock_dump_folder)
+from canon_titan.components.resume_checks import ResumeRefused, check_resume
 from canon_titan.trainer import RUN_CONFIG_FILE, FinishedRun, config_changes, resume_point
 
 CHECKED_ENV = "CANON_TITAN_LAUNCH_CHECKED"
 """Set by ``canon-titan train`` for its workers: the launcher has run these checks and shown their warnings."""
 VERDICT_WAIT = timedelta(minutes=30)
 """How long a rank waits for rank 0's verdict (rank 0 reads checkpoint metadata and the data's fingerprint)."""
+TOLD_WAIT = timedelta(seconds=60)
+"""How long a refusing rank waits for the other ranks to have the refusal."""
 
 
 class Verdict:
@@ -79,7 +82,8 @@ def _resume_warnings(run, step_dir: Path, world_size: int) -> list[str]:
 def agreed_verdict(run) -> Verdict:
     """In a training process: rank 0's verdict, for every rank. Rank 0 takes the dump folder's lock
     and, unless ``canon-titan train`` already did, runs the checks; the other ranks wait for what it
-    decided. Only rank 0's verdict carries warnings (the others would repeat them)."""
+    decided; on several nodes, every node then checks that it sees the lease rank 0 took. Only rank
+    0's verdict carries warnings (the others would repeat them)."""
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     store = _launcher_store() if world_size > 1 else None
@@ -87,11 +91,34 @@ def agreed_verdict(run) -> Verdict:
         verdict = _decide(run, world_size, lock="hold" if rank == 0 else "skip")
         return verdict if rank == 0 else Verdict(verdict.problem)
     key = f"canon-titan/launch-verdict/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    dump = run["job"]["dump_folder"]
     if rank == 0:
         verdict = _decide(run, world_size)
-        store.set(key, json.dumps(verdict.problem))
-        return verdict
-    return Verdict(json.loads(store.get(key)))
+        token = None if verdict.problem else held_lease_token(dump)
+        store.set(key, json.dumps({"problem": verdict.problem, "lease": token}))
+    else:
+        published = json.loads(store.get(key))
+        verdict, token = Verdict(published["problem"]), published["lease"]
+    if verdict.problem is None:
+        verdict.problem = check_shared(store, dump, token, f"{key}/shared")
+    if verdict.problem:
+        _until_every_rank_has_it(store, f"{key}/told", world_size)
+    return verdict
+
+
+def _until_every_rank_has_it(store, key: str, world_size: int) -> None:
+    """Hold a refusing rank until every rank has the refusal (or ``TOLD_WAIT`` passed): the store lives in
+    a node's torchrun agent, which ends once its ranks do, and a rank that asked after that would end on
+    a connection error instead of the refusal's line."""
+    from torch.distributed import DistStoreError
+
+    if store.add(key, 1) == world_size:
+        store.set(f"{key}/all", "")
+        return
+    try:
+        store.wait([f"{key}/all"], TOLD_WAIT)
+    except DistStoreError:  # a rank that never came (it died): the others have said why
+        pass
 
 
 def _decide(run, world_size: int, lock: str = "hold") -> Verdict:

@@ -2,8 +2,9 @@
 their process groups cross, FSDP's overlap, the pipeline bubble.
 
 Compute. Each op takes the longer of its FLOPs at the GPU's peak for its kind and its bytes at
-the HBM bandwidth, each at the fraction of peak that such kernels reach (``EFFICIENCY``), and no
-less than ``MIN_KERNEL_S``. Causal attention does its causal share of the counted FLOPs (flash
+the HBM bandwidth, each at the fraction of peak that such kernels reach (``EFFICIENCY``; the Canon
+op's kernels at the share of the bandwidth they were measured at), and no less than
+``MIN_KERNEL_S``. Causal attention does its causal share of the counted FLOPs (flash
 kernels skip the masked blocks; ``recorder.causal_share``), at the efficiency of the SDPA
 backend that runs it (FlashAttention-2 or cuDNN) for its head dim (``ATTENTION_EFFICIENCY``).
 
@@ -53,6 +54,13 @@ EFFICIENCY = {
     "canon": 0.35,
     # Streaming elementwise kernels reach ~80% of HBM bandwidth.
     "memory": 0.80,
+    # The Triton Canon op's kernels, as measured: LlamaCanon-1B on an H200 (2026-11-28, torch 2.11, Triton 3.6,
+    # batch 2 x 4096), 28.5 ms of Canon kernels a step for the 38.0 GB their calls read and write (the plan's
+    # bytes of those calls): 1.33 TB/s, 0.28 of the 4.8 TB/s (2026-11-27: 29.7 ms, 0.27). Their backward kernels
+    # recompute the convolution on halo rows and run at a fifth to a third of the bandwidth (``bench_canon.py
+    # --mode bwd_blocks``); priced at the streaming figure above, the plan had LlamaCanon-1B at 8 x 4096 x1.19
+    # of its measured tokens/s.
+    "canon_memory": 0.28,
 }
 ATTENTION_BACKENDS = ("cudnn", "flash")
 ATTENTION_EFFICIENCY = {
@@ -180,7 +188,7 @@ def attention_efficiency(gpu: GPU, op, backend: str) -> float:
 
 def _op_seconds(gpu: GPU, kind: str, op, nbytes: int, attention: str = "flash") -> float:
     flops = op.flops * op.attended
-    t_mem = nbytes / (gpu.hbm_tb_s * 1e12 * EFFICIENCY["memory"])
+    t_mem = nbytes / (gpu.hbm_tb_s * 1e12 * EFFICIENCY["canon_memory" if kind == "canon" else "memory"])
     if kind == "matmul":
         efficiency = matmul_efficiency(gpu, op)
     elif kind == "attention":

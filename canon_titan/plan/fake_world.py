@@ -405,11 +405,13 @@ def fake_rank_step(config, *, rank: int, world_size: int, positions: bool, fp8_l
     schedule gathers a stage's parameters as ``pipeline_unshard`` says (``PIPELINE_UNSHARD``)."""
     if pipeline_unshard not in PIPELINE_UNSHARD:
         raise ValueError(f"pipeline_unshard {pipeline_unshard!r}: expected one of {', '.join(PIPELINE_UNSHARD)}")
+    from canon_titan.plan.strided_scan import strided_shard_scan_once_per_op
     from canon_titan.tools import runtime
     from canon_titan.trainer import CanonTrainer
     from torchtitan.distributed import ParallelDims
 
     runtime.apply(cpu=True)
+    strided_shard_scan_once_per_op()
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
 
     class FakeRankTrainer(CanonTrainer):

@@ -26,7 +26,8 @@ ATTENTION = {aten._scaled_dot_product_flash_attention, aten._scaled_dot_product_
              aten._scaled_dot_product_flash_attention_for_cpu,
              aten._scaled_dot_product_flash_attention_for_cpu_backward,
              aten._flash_attention_forward, aten._flash_attention_backward}
-CANON = {ops.canon_conv, ops.canon_conv_backward, ops.canon_swiglu, ops.canon_swiglu_backward}
+CANON = {ops.canon_conv, ops.canon_conv_backward, ops.canon_conv_weight_grads, ops.canon_swiglu,
+         ops.canon_swiglu_backward}
 RECURRENCES = {ops.fla_chunk_gla, ops.fla_chunk_gla_backward, ops.fla_chunk_gated_delta_rule,
                ops.fla_chunk_gated_delta_rule_backward, ops.mamba_chunk_scan, ops.mamba_chunk_scan_backward}
 
@@ -62,6 +63,12 @@ def _canon(x_shape, weight_shape, *args, out_shape=None, **kwargs) -> int:
 
 @register_flop_formula(ops.canon_conv_backward)
 def _canon_backward(dy_shape, x_shape, weight_shape, *args, out_shape=None, **kwargs) -> int:
+    return 4 * math.prod(x_shape) * weight_shape[-1]
+
+
+@register_flop_formula(ops.canon_conv_weight_grads)
+def _canon_weight_grads(dy_shape, x_shape, weight_shape, *args, out_shape=None, **kwargs) -> int:
+    # the weight gradient, and the input gradient that the column scale's needs (the input's own is torch's)
     return 4 * math.prod(x_shape) * weight_shape[-1]
 
 

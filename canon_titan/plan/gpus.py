@@ -106,6 +106,35 @@ GPUS: dict[str, GPU] = {
 
 _FIELDS = {f.name: f.type for f in dataclasses.fields(GPU)}
 _OPTIONAL = {"capability", "matmul_efficiency", "fp8_matmul_efficiency", "nccl_nvlink_gb_s"}
+BOUNDS: dict[str, tuple[float, float, str]] = {
+    "memory_gib": (1, 4096, "GiB"),
+    "bf16_tflops": (1, 100_000, "TFLOP/s"),
+    "fp8_tflops": (1, 200_000, "TFLOP/s"),
+    "fp32_tflops": (0.1, 100_000, "TFLOP/s"),
+    "hbm_tb_s": (0.1, 1000, "TB/s"),
+    "nvlink_gb_s": (1, 100_000, "GB/s"),
+    "nccl_nvlink_gb_s": (1, 100_000, "GB/s"),
+    "network_gb_s": (0.1, 100_000, "GB/s"),
+    "matmul_efficiency": (0.05, 1, "of the peak"),
+    "fp8_matmul_efficiency": (0.05, 1, "of the peak"),
+}
+"""What a GPU file's figure may be: tens to hundreds of times beyond the parts of the table either way. A
+figure outside is a typo or another unit (TB/s for GB/s), and the plan's arithmetic would overflow or
+give an MFU far above 100%."""
+MAX_GPUS = 16_384
+"""The most GPUs a plan is made for (Llama 3 405B trained on this many). The plan sets up torch's FSDP
+and process groups for a world of that size on this CPU, in time that grows with it (docs/planning.md)."""
+
+
+def gpu_count_problem(gpus: int, gpus_per_node: int) -> str | None:
+    """Why ``--gpus`` / ``--gpus-per-node`` cannot be planned, or None."""
+    for flag, value in (("--gpus", gpus), ("--gpus-per-node", gpus_per_node)):
+        if value < 1:
+            return f"{flag} must be >= 1, got {value}"
+        if value > MAX_GPUS:
+            return (f"{flag} is {value:,}; a plan is made for at most {MAX_GPUS:,} GPUs (it builds the run's FSDP and "
+                    "process groups for every rank on this CPU, in time that grows with the count: minutes past this)")
+    return None
 
 
 class UnknownGPU(ValueError):
@@ -142,8 +171,11 @@ def gpu_from_file(path: Path) -> GPU:
                 or value < 0 or (value == 0 and key != "fp8_tflops"):
             raise UnknownGPU(f"--gpu {path}: {key} must be a finite positive number"
                              f"{' (0 for none)' if key == 'fp8_tflops' else ''}, got {value!r}")
-        elif key.endswith("efficiency") and value > 1:
-            raise UnknownGPU(f"--gpu {path}: {key} is a share of the peak, at most 1, got {value!r}")
+        elif not (key == "fp8_tflops" and value == 0) and not BOUNDS[key][0] <= value <= BOUNDS[key][1]:
+            low, high, unit = BOUNDS[key]
+            raise UnknownGPU(f"--gpu {path}: {key} = {value!r} is outside {low:g} to {high:,g} {unit}"
+                             f"{' (0 for none)' if key == 'fp8_tflops' else ''}, far beyond any GPU (the "
+                             f"{GPUS['h100'].name} has {getattr(GPUS['h100'], key)}): a typo, or another unit?")
         else:
             values[key] = float(value)
     return GPU(**values)

@@ -21,9 +21,11 @@ from canon_titan.kernels.backends import KernelEnvironment, planned_machine
 from canon_titan.plan.estimate import (ATTENTION_BACKENDS, DATA_PARALLEL_GROUPS, RankTime, bubble_slots,
                                       compiled_memory_events, default_attention_backend, rank_time, repeats)
 from canon_titan.plan.allocator import replay
+from canon_titan.plan.calibration import ModelKind, kind_of
 from canon_titan.plan.fake_world import PIPELINE_UNSHARD, RankStep, fake_rank_step
 from canon_titan.plan.gpus import GIB, GPU
 from canon_titan.plan.recorder import MemoryPeak, memory_peak
+from canon_titan.tools.cuda_allocator import expandable_segments
 
 OUTSIDE_PYTORCH_GIB = 1.5
 """GPU memory PyTorch's allocator does not see: the CUDA context, NCCL's buffers, library
@@ -90,6 +92,8 @@ class Plan:
     bubble_s: float
     flops_per_token: int
     param_count: int
+    model_kind: ModelKind
+    """Whose GPU runs say how far the plan's time is off (``calibration``)."""
     attention: str = "flash"
     """The SDPA backend the attention ops are costed on (``estimate.ATTENTION_EFFICIENCY``)."""
     pipeline_unshard: str = "stage"
@@ -151,7 +155,8 @@ STATE_CATEGORIES = ("buffers", "parameters", "optimizer state")
 
 def reserved_peak(step: RankStep, events=None, capacity: int | None = None):
     """The step's ``max_memory_reserved``: its allocations and frees (``events``, or the trace's)
-    replayed twice through the caching allocator (on ``capacity`` bytes), data-parallel collective
+    replayed twice through the caching allocator (on ``capacity`` bytes; with expandable segments unless
+    this environment's ``PYTORCH_ALLOC_CONF`` turns them off, as the run's would), data-parallel collective
     buffers on FSDP2's streams, the parameters, buffers and optimizer state allocated once. Returns
     the allocator after the replay."""
     trace = step.trace
@@ -160,7 +165,7 @@ def reserved_peak(step: RankStep, events=None, capacity: int | None = None):
                if step.group_names.get(tuple(sorted(ranks))) in DATA_PARALLEL_GROUPS}
     persistent = {sid for sid, category in step.categories.items() if category in STATE_CATEGORIES}
     return replay(trace.memory_events if events is None else events, streams=streams,
-                  persistent=persistent, capacity=capacity)
+                  persistent=persistent, capacity=capacity, expandable=expandable_segments())
 
 
 def _model_flops(step: RankStep) -> int:
@@ -172,16 +177,20 @@ def _model_flops(step: RankStep) -> int:
 @contextlib.contextmanager
 def _quiet():
     """The trainer's own log lines and warnings during the fake builds say nothing to a planner's
-    user (they describe a run that is not happening)."""
-    root = logging.getLogger()
-    level = root.level
-    root.setLevel(logging.ERROR)
+    user (they describe a run that is not happening). torch's loggers have a level of their own
+    (``torch._logging``), which the root's does not override: DTensor warns there of the fake world's
+    redistributions (HSDP x TP's gradient norm as two all-reduces) as of a real run's."""
+    loggers = [logging.getLogger(), logging.getLogger("torch")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             yield
     finally:
-        root.setLevel(level)
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
 
 
 def resolve(config: str, overrides: list[str], gpus: int, gpu: GPU):
@@ -281,7 +290,8 @@ def plan(config: str, overrides: list[str], *, gpus: int, gpu: GPU, gpus_per_nod
         global_batch=local_batch * dp * accumulation, steps=run["training"]["steps"], compiled=compiled,
         activation_checkpoint=run["activation_checkpoint"]["mode"], kinds=kinds,
         step_s=slowest.time.step_s + bubble, bubble_s=bubble, flops_per_token=first.flops_per_token,
-        param_count=_param_count(steps, pp), attention=attention, pipeline_unshard=pipeline_unshard,
+        param_count=_param_count(steps, pp), model_kind=kind_of(run), attention=attention,
+        pipeline_unshard=pipeline_unshard,
     )
     result.notes = _notes(run, result)
     if advise and not result.fits:

@@ -27,7 +27,7 @@ from canon_titan.plan.flops import op_kind  # importing it registers the FLOP fo
 ALLOCATION_ROUNDING = 512
 """The CUDA caching allocator hands out multiples of 512 bytes."""
 
-ROWWISE_CAST_BYTES = {"INPUT": 12.2, "GRAD_OUTPUT": 4.0}
+ROWWISE_CAST_BYTES = {"INPUT": 12.1, "GRAD_OUTPUT": 3.9}
 """Bytes per element that a compiled step moves, beyond the plan's fused passes, to cast an
 activation operand of a float8 GEMM with row-wise (or column-wise) scales (torchao's ``rowwise``
 recipes), per GEMM it enters: the linear's input (``INPUT``: its forward GEMM, and its
@@ -37,9 +37,10 @@ Linear -> Sigmoid forward and backward, row-wise float8 against bf16, on an H100
 1024-32768 (``pytorch/ao/docs/static/fp8-rowwise-perf.png``, pytorch/ao#2312, PyTorch 2.8.0a0, June 2025).
 Planned with no such cost, the plan's speed-up misses the table by a median 26% (worst 57%)
 over its rows of M >= 8192 (thin layers plan far faster than the 0.5-0.6x measured). A
-least-squares fit of the missing time as ``a * M * K + b * M * N`` leaves a median 4.1% (worst
-21%): ``a`` = 9.1 ps and ``b`` = 3.0 ps per element, 24.4 and 7.9 bytes at 80% of the H100 SXM's
-3.35 TB/s, split evenly here between the two GEMMs each tensor enters
+least-squares fit of the missing time as ``a * M * K + b * M * N`` to half of those rows (every
+other one along M, K and N) leaves a median 4.0% (worst 14%) there and 4.3% (worst 27%) on the
+other half, which it never saw: ``a`` = 9.0 ps and ``b`` = 2.9 ps per element, 24.2 and 7.8 bytes
+at 80% of the H100 SXM's 3.35 TB/s, split evenly here between the two GEMMs each tensor enters
 (``scripts/benchmarks/fit_rowwise_casts.py`` refits them; the figures are those of the compile
 model as it stands, ``estimate.fused_region_bytes``). In eager mode every recorded cast op
 is its own kernel and is counted in full instead."""

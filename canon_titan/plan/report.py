@@ -5,10 +5,13 @@ from __future__ import annotations
 import dataclasses
 import datetime
 
+from canon_titan.plan import calibration
+from canon_titan.plan.calibration import Band, ModelKind
 from canon_titan.plan.gpus import GIB
 from canon_titan.plan.planner import OUTSIDE_PYTORCH_GIB, Plan
 
 KINDS = ("matmul", "attention", "canon", "recurrence", "other")
+MEASURED = "GPU-measured range"
 
 
 def _gib(n: float) -> str:
@@ -26,6 +29,77 @@ def _duration(seconds: float) -> str:
     if seconds >= 2 * 86400:
         return f"{seconds / 86400:.1f} days"
     return str(datetime.timedelta(seconds=round(seconds)))
+
+
+def carried_band(kind: ModelKind) -> Band | None:
+    """The band a plan of ``kind`` prints beside its figures: None without a GPU run of that kind, or
+    with every run of it planned within ``calibration.GOAL``."""
+    band = calibration.band(kind)
+    return None if band is None or band.within_goal else band
+
+
+def _ratios(band: Band) -> str:
+    return f"x{band.low:.2f}" if f"{band.low:.2f}" == f"{band.high:.2f}" else f"x{band.low:.2f}-x{band.high:.2f}"
+
+
+def _error(band: Band) -> str:
+    """How far off the plan is: '19-35% fast', '4-9% slow', '2% slow to 14% fast'."""
+    low, high = (100 * (band.low - 1), 100 * (band.high - 1))
+    if low >= 0:
+        return f"{low:.0f}% fast" if f"{low:.0f}" == f"{high:.0f}" else f"{low:.0f}-{high:.0f}% fast"
+    if high < 0:
+        return f"{-high:.0f}% slow" if f"{low:.0f}" == f"{high:.0f}" else f"{-high:.0f}-{-low:.0f}% slow"
+    return f"{-low:.0f}% slow to {high:.0f}% fast"
+
+
+def banded(value: float, band: Band | None, show, per_time: bool = False) -> str:
+    """`` (GPU-measured range: A to B)``: ``value`` (a time, or with ``per_time`` a rate) as the
+    measured runs of its kind had it; "" without a band."""
+    if band is None:
+        return ""
+    low, high = band_range(value, band, per_time)
+    return f" ({MEASURED}: {show(low)} to {show(high)})"
+
+
+def band_lines(kind: ModelKind) -> list[str]:
+    """What canon-titan's own GPU runs of ``kind`` say of the plan's time."""
+    band = calibration.band(kind)
+    head = f"Plan error ({kind.describe()}): "
+    if band is None:
+        known = [p.time_ratio for p in calibration.in_use() if p.planned_tokens_per_s is not None]
+        return [head + "no canon-titan GPU run of this kind yet, so it is unknown"
+                + (f" (runs of other kinds took x{min(known):.2f}-x{max(known):.2f} the planned time; "
+                   "docs/benchmarks/planner.md)" if known else "")]
+    if band.within_goal:
+        head += (f"within {100 * calibration.GOAL:.0f}% of its {len(band.points)} GPU run(s) ({_ratios(band)} the "
+                 "planned time)")
+    else:
+        head += (f"its GPU runs took {_ratios(band)} the planned time (the plan {_error(band)}); each {MEASURED} "
+                 f"above is the planned figure with that error, until every run is planned within "
+                 f"{100 * calibration.GOAL:.0f}%")
+    return [head + ":"] + [
+        f"  {p.label} ({p.gpu.upper()}, {p.date}): {p.measured_tokens_per_s:,.0f} tokens/s measured, "
+        f"{p.planned_tokens_per_s:,.0f} planned (x{p.time_ratio:.2f})" for p in band.points]
+
+
+def band_dict(kind: ModelKind) -> dict:
+    band = calibration.band(kind)
+    return {"kind": dataclasses.asdict(kind), "goal": calibration.GOAL,
+            "time_ratio": None if band is None else [band.low, band.high],
+            "within_goal": None if band is None else band.within_goal,
+            "runs": [] if band is None else [
+                {"label": p.label, "gpu": p.gpu, "measured_on": p.measured_on,
+                 "measured_tokens_per_second": p.measured_tokens_per_s,
+                 "planned_tokens_per_second": p.planned_tokens_per_s, "time_ratio": p.time_ratio}
+                for p in band.points]}
+
+
+def band_range(value: float, band: Band | None, per_time: bool = False) -> list[float] | None:
+    """``value`` (a time, or with ``per_time`` a rate) as the measured runs of its kind had it
+    (None without a band)."""
+    if band is None:
+        return None
+    return [value / band.high, value / band.low] if per_time else [value * band.low, value * band.high]
 
 
 def _table(labels: list[str], columns: list[list[str]]) -> list[str]:
@@ -93,12 +167,15 @@ def text(plan: Plan) -> str:
     out += _table(labels, columns)
     if plan.bubble_s:
         out.append(f"  pipeline bubble: {plan.bubble_s * 1e3:.1f} ms")
-    out += [f"  step: {plan.step_s:.3f} s", "",
-            f"Throughput: {plan.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, MFU {100 * plan.mfu:.1f}% "
-            f"({plan.flops_per_token / 1e9:.2f} GFLOP per token, the trainer's count, against "
-            f"{plan.gpu.bf16_tflops:.0f} TFLOP/s bf16)",
-            f"Run: {plan.steps:,} steps in {_duration(plan.wall_s)} on {plan.gpus} GPUs = {plan.gpu_hours:,.0f} "
-            f"GPU-hours ({plan.steps * plan.tokens_per_step / 1e12:.2f}T tokens)", ""]
+    band = carried_band(plan.model_kind)
+    out += [f"  step: {plan.step_s:.3f} s{banded(plan.step_s, band, lambda v: f'{v:.3f} s')}", "",
+            f"Throughput: {plan.tokens_per_s_per_gpu:,.0f} tokens/s per GPU"
+            f"{banded(plan.tokens_per_s_per_gpu, band, lambda v: f'{v:,.0f}', per_time=True)}, "
+            f"MFU {100 * plan.mfu:.1f}% ({plan.flops_per_token / 1e9:.2f} GFLOP per token, the trainer's count, "
+            f"against {plan.gpu.bf16_tflops:.0f} TFLOP/s bf16)",
+            f"Run: {plan.steps:,} steps in {_duration(plan.wall_s)}{banded(plan.wall_s, band, _duration)} on "
+            f"{plan.gpus} GPUs = {plan.gpu_hours:,.0f} GPU-hours{banded(plan.gpu_hours, band, lambda v: f'{v:,.0f}')} "
+            f"({plan.steps * plan.tokens_per_step / 1e12:.2f}T tokens)", *band_lines(plan.model_kind), ""]
     verdict = "fits" if plan.fits else "DOES NOT FIT"
     out.append(f"Verdict: {verdict} on {plan.gpu.name} ({_gib(plan.worst.device_bytes)} of "
                f"{plan.gpu.memory_gib:.1f} GiB on the fullest GPU)")
@@ -133,6 +210,7 @@ def as_dict(plan: Plan) -> dict:
                      "step": kind.time.step_s, "kernels": kind.time.kernels},
         }
 
+    band = carried_band(plan.model_kind)
     return {
         "config": plan.config, "model": plan.model, "overrides": plan.overrides,
         "gpu": dataclasses.asdict(plan.gpu),
@@ -142,10 +220,14 @@ def as_dict(plan: Plan) -> dict:
         "activation_checkpoint": plan.activation_checkpoint, "attention_backend": plan.attention,
         "parameters": plan.param_count,
         "ranks": [rank(k) for k in plan.kinds],
-        "step_seconds": plan.step_s, "bubble_seconds": plan.bubble_s,
-        "tokens_per_second_per_gpu": plan.tokens_per_s_per_gpu, "mfu": plan.mfu,
-        "flops_per_token": plan.flops_per_token, "steps": plan.steps, "wall_seconds": plan.wall_s,
-        "gpu_hours": plan.gpu_hours, "fits": plan.fits, "margin_bytes": plan.margin_bytes,
+        "step_seconds": plan.step_s, "step_seconds_measured_band": band_range(plan.step_s, band),
+        "bubble_seconds": plan.bubble_s,
+        "tokens_per_second_per_gpu": plan.tokens_per_s_per_gpu,
+        "tokens_per_second_per_gpu_measured_band": band_range(plan.tokens_per_s_per_gpu, band, per_time=True),
+        "mfu": plan.mfu, "flops_per_token": plan.flops_per_token, "steps": plan.steps, "wall_seconds": plan.wall_s,
+        "wall_seconds_measured_band": band_range(plan.wall_s, band),
+        "gpu_hours": plan.gpu_hours, "gpu_hours_measured_band": band_range(plan.gpu_hours, band),
+        "plan_error": band_dict(plan.model_kind), "fits": plan.fits, "margin_bytes": plan.margin_bytes,
         "reserved_peak_gib": plan.worst.reserved_bytes / GIB,
         "notes": plan.notes, "planner_seconds": plan.planner_s,
         "advice": [{"change": label, "device_total": c.worst.device_bytes,

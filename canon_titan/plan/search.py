@@ -45,6 +45,8 @@ import os
 import time
 from dataclasses import dataclass, field, replace
 
+from canon_titan.plan.calibration import ModelKind, kind_of
+
 MARGIN = 0.03
 """The share of the GPU's memory a layout must leave free to be offered (and a probe's extrapolated
 peak to be planned in full)."""
@@ -169,6 +171,9 @@ class SearchResult:
     """Full plans that fit with float8, fastest first."""
     tried: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
+    model_kind: ModelKind | None = None
+    """The run's kind of model without float8 (a row's is this with its float8): its plan error."""
+    budget_s: float = 0.0
 
 
 def _divisors(n: int) -> list[int]:
@@ -177,13 +182,13 @@ def _divisors(n: int) -> list[int]:
 
 def structures(gpus: int, gpus_per_node: int, layers: int, global_batch: int, cp_allowed: bool):
     """(tp, pp, cp) whose product divides ``gpus``, the rest data-parallel (FSDP over all of it) with
-    a data-parallel size that divides the global batch: TP within a node, CP without TP or PP
+    a data-parallel size that divides the global batch: TP within a node, CP without PP
     (canon-titan's limit), PP dividing the layers. HSDP and the looped pipeline schedule are
     variants of the best of these (``hsdp_shard``, ``PP_SCHEDULES``)."""
     for tp in DEGREES:
         for pp in DEGREES:
             for cp in DEGREES if cp_allowed else (1,):
-                if tp > gpus_per_node or (cp > 1 and (tp > 1 or pp > 1)) or gpus % (tp * pp * cp):
+                if tp > gpus_per_node or (cp > 1 and pp > 1) or gpus % (tp * pp * cp):
                     continue
                 dp = gpus // (tp * pp * cp)
                 if global_batch % dp or (pp > 1 and layers % pp):
@@ -285,310 +290,423 @@ class _Pool:
 # ------------------------------------------------------------------------------------- search
 
 
+@dataclass
+class SearchSpace:
+    """What every stage of a search knows of the run: the config with its overrides on the cluster,
+    and what the config checks and the model say of it."""
+
+    config: str
+    base_overrides: list[str]
+    gpus: int
+    gpu: object
+    gpus_per_node: int
+    attention: str | None
+    run: object
+    """The resolved run of the config with ``base_overrides`` on these GPUs."""
+    global_batch: int
+    parameters: int
+
+    @classmethod
+    def resolve(cls, config: str, base_overrides: list[str], *, gpus: int, gpu, gpus_per_node: int,
+                attention: str | None) -> SearchSpace:
+        """ConfigError (the caller's to report) where the config is not a run on these GPUs."""
+        from unittest.mock import patch
+
+        import torch
+
+        from canon_titan.config import load
+
+        with patch.dict(os.environ, WORLD_SIZE=str(gpus)):
+            run = load(config, base_overrides, environment=False)
+        training = run["training"]
+        dp_recipe = run.data_parallel_size(gpus) if training["global_batch_size"] == -1 else 1
+        global_batch = training["global_batch_size"] if training["global_batch_size"] != -1 \
+            else training["local_batch_size"] * dp_recipe
+        with torch.device("meta"):
+            parameters = sum(p.numel() for p in run.model_spec().model.build().parameters())
+        return cls(config, list(base_overrides), gpus, gpu, gpus_per_node, attention, run, global_batch, parameters)
+
+    @property
+    def layers(self) -> int:
+        return self.run.model_args.n_layers
+
+    @property
+    def state_per_param(self) -> int:
+        return STATE_BYTES_PER_PARAMETER.get(str(self.run["training"].get("dtype", "float32")), 16)
+
+    @property
+    def cp_allowed(self) -> bool:
+        return not getattr(self.run.model_args, "context_parallel_problem", lambda cp: None)(2)
+
+    @property
+    def capacity(self) -> float:
+        """The memory a layout may use: the GPU's, less ``MARGIN``."""
+        return self.gpu.memory_bytes * (1 - MARGIN)
+
+    def valid(self, layout: Layout) -> bool:
+        """Whether the config checks accept ``layout`` on these GPUs."""
+        from unittest.mock import patch
+
+        from canon_titan.config import ConfigError, load
+
+        with patch.dict(os.environ, WORLD_SIZE=str(self.gpus)):
+            try:
+                load(self.config, [*self.base_overrides, *layout.overrides(self.global_batch)], environment=False)
+            except ConfigError:
+                return False
+        return True
+
+    def call(self, layout: Layout, extra=()) -> tuple:
+        """``_plan_figures``'s arguments for ``layout`` (``extra``: more overrides)."""
+        return (self.config, [*self.base_overrides, *layout.overrides(self.global_batch), *extra], self.gpus, self.gpu,
+                self.gpus_per_node, self.attention)
+
+    def outcome(self, layout: Layout, figures: dict) -> Outcome:
+        if "error" in figures:
+            return Outcome(layout, False, 0, 0.0, 0.0, 0.0, 0.0, figures["error"])
+        # what the search offers leaves MARGIN of the GPU free: the plan's memory is within 8% of the
+        # published runs' (README), not exact
+        return Outcome(layout, figures["fits"] and figures["device_bytes"] <= self.capacity,
+                       figures["device_bytes"], figures["tokens_per_s_per_gpu"], figures["mfu"], figures["step_s"],
+                       figures["gpu_hours"])
+
+    def own_layout(self) -> Layout:
+        """The config's own layout on these GPUs."""
+        par, training, run = self.run["parallelism"], self.run["training"], self.run
+        return Layout(par["data_parallel_replicate_degree"],
+                      run.data_parallel_size(self.gpus) // par["data_parallel_replicate_degree"],
+                      par["tensor_parallel_degree"], par["pipeline_parallel_degree"], par["context_parallel_degree"],
+                      training["local_batch_size"], run["activation_checkpoint"]["mode"],
+                      str(par["fsdp_reshard_after_forward"]), par["pipeline_parallel_schedule"],
+                      run["float8"]["recipe_name"] if run["float8"]["enable"] else "")
+
+
+Shape = tuple[Layout, list[int], list[str]]
+"""A parallel layout to probe (at its largest local batch and fastest checkpointing mode), its local
+batches (largest first) and the checkpointing modes the config checks accept for it."""
+
+
+def bounded_shapes(space: SearchSpace, tried: dict[str, int]) -> list[Shape]:
+    """Stage 1, bounds: every structure of the cluster (``structures``) as FSDP over all the data
+    parallelism and, where it has one, as HSDP with one node's shard, less those whose state alone
+    exceeds the GPU or whose every checkpointing mode the config checks refuse; ``tried`` counts
+    each."""
+    shapes: list[Shape] = []
+    for tp, pp, cp in structures(space.gpus, space.gpus_per_node, space.layers, space.global_batch,
+                                 space.cp_allowed):
+        tried["structures"] += 1
+        dp = space.gpus // (tp * pp * cp)
+        batches = local_batches(space.global_batch // dp, pp)
+        if not batches:
+            tried["refused by the config checks"] += 1
+            continue
+        if space.parameters * space.state_per_param / (dp * tp * pp) > space.gpu.memory_bytes:
+            tried["over memory by their state alone"] += 1
+            continue
+        # FSDP over all the data parallelism, and HSDP with one node's shard: at scale the two
+        # differ most in what crosses the network, so each is probed (a variant of the best
+        # alone would miss a structure whose FSDP form ranks low only for its network traffic)
+        fsdp = Layout(1, dp, tp, pp, cp, batches[0], "none")
+        forms = [fsdp]
+        shard = hsdp_shard(fsdp, space.gpus_per_node)
+        if shard and space.parameters * space.state_per_param / (shard * tp * pp) <= space.gpu.memory_bytes:
+            forms.append(replace(fsdp, dp_replicate=dp // shard, dp_shard=shard))
+        for form in forms:
+            modes = []
+            for ac in AC_MODES:
+                if space.valid(replace(form, ac=ac)):
+                    modes.append(ac)
+                else:
+                    tried["refused by the config checks"] += 1
+            if modes:
+                shapes.append((replace(form, ac=modes[0]), batches, modes))
+                tried["HSDP forms"] += form.dp_replicate > 1
+    return shapes
+
+
+Probe = tuple[float, float, int] | None
+"""A layout's probed memory, seconds per accumulation group and accumulation (``extrapolate``);
+None where a probe failed."""
+
+
+def probes_needed(shape: Shape, probed: dict[Layout, Probe], capacity: float) -> list[Layout]:
+    """What ``shape`` needs probed next: the fastest checkpointing mode at the largest local batch
+    first; where that does not fit, the same mode at the smallest batch (to interpolate) and the
+    next mode at the largest, and so on; nothing once a mode fits at the largest batch (slower
+    modes cannot be faster)."""
+    layout, batches, modes = shape
+    out = []
+    for ac in modes:
+        big = replace(layout, ac=ac, local_batch=batches[0])
+        if big not in probed:
+            return out + [big]
+        if probed[big] and probed[big][0] <= capacity:
+            return out
+        small = replace(big, local_batch=batches[-1])
+        if small != big and small not in probed:
+            out.append(small)
+    return out
+
+
+def probe_estimates(shapes: list[Shape], probed: dict[Layout, Probe], capacity: float,
+                    global_batch: int) -> list[tuple[float, Layout]]:
+    """(seconds per step, layout) of each checkpointing mode of each shape that fits by its probes,
+    fastest first: at the largest local batch where that fits, else at the largest batch that fits
+    with memory and the time per accumulation group linear in the local batch between the smallest
+    and the largest probed."""
+    estimates: list[tuple[float, Layout]] = []
+    for shape, batches, modes in shapes:
+        for ac in modes:
+            big = probed.get(replace(shape, ac=ac, local_batch=batches[0]))
+            small = probed.get(replace(shape, ac=ac, local_batch=batches[-1]))
+            if big and big[0] <= capacity:
+                estimates.append((big[1] * big[2], replace(shape, ac=ac, local_batch=batches[0])))
+                continue
+            if not big or not small or small[0] > capacity or len(batches) == 1:
+                continue
+            b0, b1 = batches[-1], batches[0]
+            for b in batches:
+                share = (b - b0) / (b1 - b0)
+                if small[0] + share * (big[0] - small[0]) <= capacity:
+                    group_s = small[1] + share * (big[1] - small[1])
+                    estimates.append((group_s * (global_batch // (b * shape.dp)), replace(shape, ac=ac, local_batch=b)))
+                    break
+    estimates.sort(key=lambda e: e[0])
+    return estimates
+
+
+class Prober:
+    """Stage 2, probes: layouts planned with one and two layers a stage, in rounds of the workers'
+    chunks, each extrapolated to the model's layers (``extrapolate``), until each shape has what it
+    needs (``probes_needed``) or the probes' share of the budget is spent (checked between chunks)."""
+
+    def __init__(self, space: SearchSpace, pool: _Pool, workers: int, started: float, say):
+        self.space, self.pool, self.workers, self.started, self.say = space, pool, workers, started, say
+        self.probed: dict[Layout, Probe] = {}
+        self.plan_seconds: dict[Layout, float] = {}
+        """A full plan's wall time, from the probes' own in the layers."""
+
+    def _calls(self, layout: Layout) -> list[tuple]:
+        return [self.space.call(layout, ["--model.n_layers", str(k * layout.pp)]) for k in (1, 2)]
+
+    def probe(self, group: list[Shape], deadline: float) -> None:
+        layers, capacity = self.space.layers, self.space.capacity
+        while True:
+            todo = [lay for shape in group for lay in probes_needed(shape, self.probed, capacity)]
+            if not todo:
+                return
+            if time.perf_counter() - self.started > deadline:
+                self.say("probe budget spent: ranking what was probed")
+                return
+            self.say(f"probing {len(todo)} layouts ({2 * len(todo)} few-layer plans on {self.workers} worker(s))")
+            for i in range(0, len(todo), 2 * self.workers):
+                if i and time.perf_counter() - self.started > deadline:
+                    # checked between chunks too: a round of probes of an 8B model on a loaded
+                    # machine takes minutes, and what is left of the budget is for full plans
+                    self.say(f"probe budget spent after {len(self.probed)} layouts: ranking what was probed")
+                    return
+                chunk = todo[i:i + 2 * self.workers]
+                figures = self.pool.map([c for lay in chunk for c in self._calls(lay)])
+                for n, lay in enumerate(chunk):
+                    self.probed[lay] = extrapolate(figures[2 * n:2 * n + 2], layers // lay.pp)
+                    one, two = (f.get("seconds", 0.0) for f in figures[2 * n:2 * n + 2])
+                    self.plan_seconds[lay] = one + (layers // lay.pp - 1) * max(two - one, 0.0)
+                self.say(f"probed {len(self.probed)} layouts, {time.perf_counter() - self.started:.0f} s")
+
+    def fits(self) -> bool:
+        """Whether any layout probed so far fits."""
+        return any(p and p[0] <= self.space.capacity for p in self.probed.values())
+
+
+class FullPlans:
+    """Stage 3, full plans: layouts planned in full in rounds of one per worker, a round started only
+    when it is expected to end within the budget (``round_s``); ``planned`` holds their outcomes,
+    ``budget_cut`` what the budget left out."""
+
+    def __init__(self, space: SearchSpace, pool: _Pool, workers: int, started: float, budget_s: float,
+                 plan_seconds: dict[Layout, float], float8: bool, tried: dict[str, int], say):
+        self.space, self.pool, self.workers, self.started, self.budget_s = space, pool, workers, started, budget_s
+        self.plan_seconds, self.float8, self.tried, self.say = plan_seconds, float8, tried, say
+        self.planned: dict[Layout, Outcome] = {}
+        self.budget_cut: list[Layout] = []
+        self.slowdown, self.slowest_round = 1.0, 0.0
+
+    def expect_from_own_plan(self, own: Layout | None, own_s: float) -> None:
+        """The config's own plan (``own_s`` of wall time), against what the probes of its structure
+        say, sets the first rounds' expectation."""
+        self.slowdown, self.slowest_round = 1.0, own_s
+        expected = self.round_s([own]) if own is not None else 0.0
+        if expected > 0:
+            self.slowdown = max(1.0, own_s / expected)
+
+    def round_s(self, chunk: list[Layout]) -> float:
+        """A round's expected wall time: its slowest layout's, by the probes of its parallel
+        structure (their slowest), times the worst that a round so far took against its
+        expectation (a float8 plan records more; workers share cores); without probes, the
+        slowest round so far."""
+        guesses = []
+        for lay in chunk:
+            same = [t for p, t in self.plan_seconds.items() if (p.tp, p.pp, p.cp) == (lay.tp, lay.pp, lay.cp)]
+            guesses.append(max(same or self.plan_seconds.values() or [0.0]))
+        return max(guesses) * self.slowdown if max(guesses) > 0 else self.slowest_round
+
+    def plan_all(self, layouts: list[Layout]) -> None:
+        todo = [lay for lay in dict.fromkeys(layouts) if lay not in self.planned and lay not in self.budget_cut]
+        if not todo:
+            return
+        chunks = [todo[i:i + self.workers] for i in range(0, len(todo), self.workers)]
+        if not self.budget_cut:
+            self.say(f"planning {len(todo)} layouts in full ({time.perf_counter() - self.started:.0f} s so far)")
+        for n, chunk in enumerate(chunks):
+            expected = self.round_s(chunk)
+            if self.budget_cut or time.perf_counter() - self.started + expected > self.budget_s:
+                if not self.budget_cut:
+                    self.say(f"budget: the rest not planned in full (the next {len(chunk)} would take about "
+                             f"{expected:.0f} s; {self.budget_s - (time.perf_counter() - self.started):.0f} s of "
+                             "--budget-s left)")
+                self.budget_cut.extend(lay for rest in chunks[n:] for lay in rest)
+                return
+            began = time.perf_counter()
+            for layout, figures in zip(chunk, self.pool.map([self.space.call(lay) for lay in chunk])):
+                self.planned[layout] = self.space.outcome(layout, figures)
+            took = time.perf_counter() - began
+            self.slowest_round = max(self.slowest_round, took)
+            if expected > 0 and self.plan_seconds:
+                self.slowdown = max(self.slowdown, took * self.slowdown / expected)
+            self.tried["planned in full"] = len(self.planned)
+            left = sum(self.round_s(rest) for rest in chunks[n + 1:])
+            self.say(f"planned {len(self.planned)} layouts in full, {time.perf_counter() - self.started:.0f} s"
+                     + (f"; these {len(todo)} done in about {left:.0f} s" if left else ""))
+
+    def retry(self, chosen: list[Layout]) -> None:
+        """A best-guess batch that did not fit, one step smaller."""
+        smaller = []
+        for layout in chosen:
+            outcome = self.planned.get(layout)
+            if outcome is not None and not outcome.fits and not outcome.error:
+                batches = [b for b in local_batches(self.space.global_batch // layout.dp, layout.pp)
+                           if b < layout.local_batch]
+                smaller += [replace(layout, local_batch=batches[0])] if batches else []
+        self.plan_all(smaller)
+
+    def ranked(self, with_float8: bool) -> list[Outcome]:
+        return sorted((o for o in self.planned.values() if o.fits and bool(o.layout.float8) == with_float8),
+                      key=lambda o: -o.tokens_per_s_per_gpu)
+
+    def variants(self, layouts: list[Layout]) -> list[Layout]:
+        """Keeping the gathered weights, HSDP with one node's shard, the other pipeline schedule:
+        those the config checks accept."""
+        out = []
+        for lay in layouts:
+            if lay.dp_shard > 1:
+                out.append(replace(lay, reshard="never"))
+            shard = hsdp_shard(lay, self.space.gpus_per_node)
+            if shard:
+                out.append(replace(lay, dp_replicate=lay.dp // shard, dp_shard=shard))
+            if lay.pp > 1:
+                other = [s for s in PP_SCHEDULES if s != lay.schedule]
+                out += [replace(lay, schedule=s) for s in other
+                        if self.space.layers % (lay.pp * (2 if s in LOOPED else 1)) == 0]
+        return [v for v in out if self.space.valid(v)]
+
+    def with_float8(self, layouts: list[Layout]) -> list[Layout]:
+        if not (self.float8 and self.space.gpu.fp8_tflops):
+            return []
+        return [t for t in (replace(lay, float8=name) for lay in layouts for name in ("tensorwise", "rowwise"))
+                if self.space.valid(t)]
+
+    def best(self, count: int) -> list[Layout]:
+        return [o.layout for o in self.ranked(False)[:count]]
+
+    def best_of_each_form(self) -> list[Layout]:
+        """The fastest layout planned of each data-parallel form, FSDP over all the data
+        parallelism and HSDP: keeping the gathered weights spares an FSDP form its all-gathers
+        in the backward, across the network where its shard group spans nodes (an HSDP form's is
+        one node), so the variant can make an FSDP form that ranks below the best few the fastest."""
+        out = []
+        for hsdp in (False, True):
+            out += [o.layout for o in self.ranked(False) if (o.layout.dp_replicate > 1) == hsdp][:1]
+        return out
+
+    def in_order_of_value(self, estimates: list[tuple[float, Layout]], top: int) -> None:
+        """The module docstring's order: three layouts to print and, on the probes' word, the best
+        one's variants and float8 (filling the rounds); then the same for the best as planned, if
+        another; then the rest of ``top`` and the other candidates, the next two's variants, float8
+        of the second, and the variants of the best FSDP and the best HSDP layout planned."""
+        first = [layout for _, layout in estimates[:min(top, 3)]]
+        self.plan_all(first + self.variants(first[:1]) + self.with_float8(first[:1]))
+        self.retry(first)
+        self.plan_all(self.variants(self.best(1)))
+        self.plan_all(self.with_float8(self.best(1)))
+        more = [layout for _, layout in estimates[min(top, 3):max(2 * top, 6)]]
+        self.plan_all(more)
+        self.retry(more)
+        self.plan_all(self.variants(self.best(3)))
+        self.plan_all(self.with_float8(self.best(2)))
+        self.plan_all(self.variants(self.best_of_each_form()))
+
+
 def search(config: str, base_overrides: list[str], *, gpus: int, gpu, gpus_per_node: int = 8, top: int = 5,
            budget_s: float = 580.0, workers: int | None = None, attention: str | None = None,
            float8: bool = True, pipelines: bool | None = None, progress=None) -> SearchResult:
     """Search the layouts of ``config`` (with ``base_overrides``) on ``gpus`` GPUs of kind ``gpu``.
     ``pipelines``: probe pipeline layouts always (True), only when no layout without PP fits (False),
     or as the budget decides (None: always from ``PP_PROBE_BUDGET_S``)."""
-    from unittest.mock import patch
-
-    import torch
-
-    from canon_titan.config import ConfigError, load
-
     started = time.perf_counter()
     say = progress or (lambda message: None)
-    with patch.dict(os.environ, WORLD_SIZE=str(gpus)):
-        run = load(config, base_overrides, environment=False)  # ConfigError: the caller's to report
-    training = run["training"]
-    dp_recipe = run.data_parallel_size(gpus) if training["global_batch_size"] == -1 else 1
-    global_batch = training["global_batch_size"] if training["global_batch_size"] != -1 \
-        else training["local_batch_size"] * dp_recipe
-    layers = run.model_args.n_layers
-    with torch.device("meta"):
-        parameters = sum(p.numel() for p in run.model_spec().model.build().parameters())
-    state_per_param = STATE_BYTES_PER_PARAMETER.get(str(training.get("dtype", "float32")), 16)
-    cp_allowed = not getattr(run.model_args, "context_parallel_problem", lambda cp: None)(2)
+    space = SearchSpace.resolve(config, base_overrides, gpus=gpus, gpu=gpu, gpus_per_node=gpus_per_node,
+                                attention=attention)
+    run, training = space.run, space.run["training"]
     tried = {"structures": 0, "HSDP forms": 0, "refused by the config checks": 0,
              "over memory by their state alone": 0, "probed": 0, "planned in full": 0}
     workers = max(1, min(workers or os.cpu_count() or 1, MAX_WORKERS))
     pool = _Pool(workers)
-
-    def valid(layout: Layout) -> bool:
-        with patch.dict(os.environ, WORLD_SIZE=str(gpus)):
-            try:
-                load(config, [*base_overrides, *layout.overrides(global_batch)], environment=False)
-            except ConfigError:
-                return False
-        return True
-
-    def call(layout: Layout, extra=()):
-        return (config, [*base_overrides, *layout.overrides(global_batch), *extra], gpus, gpu, gpus_per_node,
-                attention)
-
-    def outcome(layout: Layout, figures: dict) -> Outcome:
-        if "error" in figures:
-            return Outcome(layout, False, 0, 0.0, 0.0, 0.0, 0.0, figures["error"])
-        # what the search offers leaves MARGIN of the GPU free: the plan's memory is within 8% of the
-        # published runs' (README), not exact
-        return Outcome(layout, figures["fits"] and figures["device_bytes"] <= gpu.memory_bytes * (1 - MARGIN),
-                       figures["device_bytes"], figures["tokens_per_s_per_gpu"], figures["mfu"], figures["step_s"],
-                       figures["gpu_hours"])
-
     try:
         # The config's own layout on these GPUs, for comparison.
         say("planning the config's own layout")
         began = time.perf_counter()
         recipe_figures = _plan_figures(config, list(base_overrides), gpus, gpu, gpus_per_node, attention)
         recipe_s = 0.0 if "error" in recipe_figures else time.perf_counter() - began
-        par = run["parallelism"]
         recipe = None if "error" in recipe_figures else Outcome(
-            Layout(par["data_parallel_replicate_degree"], run.data_parallel_size(gpus) // par["data_parallel_replicate_degree"],
-                   par["tensor_parallel_degree"], par["pipeline_parallel_degree"], par["context_parallel_degree"],
-                   training["local_batch_size"], run["activation_checkpoint"]["mode"],
-                   str(par["fsdp_reshard_after_forward"]), par["pipeline_parallel_schedule"],
-                   run["float8"]["recipe_name"] if run["float8"]["enable"] else ""),
-            recipe_figures["fits"], recipe_figures["device_bytes"], recipe_figures["tokens_per_s_per_gpu"],
-            recipe_figures["mfu"], recipe_figures["step_s"], recipe_figures["gpu_hours"])
+            space.own_layout(), recipe_figures["fits"], recipe_figures["device_bytes"],
+            recipe_figures["tokens_per_s_per_gpu"], recipe_figures["mfu"], recipe_figures["step_s"],
+            recipe_figures["gpu_hours"])
 
-        # 1. Bounds.
-        shapes: list[tuple[Layout, list[int]]] = []
-        for tp, pp, cp in structures(gpus, gpus_per_node, layers, global_batch, cp_allowed):
-            tried["structures"] += 1
-            dp = gpus // (tp * pp * cp)
-            batches = local_batches(global_batch // dp, pp)
-            if not batches:
-                tried["refused by the config checks"] += 1
-                continue
-            if parameters * state_per_param / (dp * tp * pp) > gpu.memory_bytes:
-                tried["over memory by their state alone"] += 1
-                continue
-            # FSDP over all the data parallelism, and HSDP with one node's shard: at scale the two
-            # differ most in what crosses the network, so each is probed (a variant of the best
-            # alone would miss a structure whose FSDP form ranks low only for its network traffic)
-            fsdp = Layout(1, dp, tp, pp, cp, batches[0], "none")
-            forms = [fsdp]
-            shard = hsdp_shard(fsdp, gpus_per_node)
-            if shard and parameters * state_per_param / (shard * tp * pp) <= gpu.memory_bytes:
-                forms.append(replace(fsdp, dp_replicate=dp // shard, dp_shard=shard))
-            for form in forms:
-                modes = []
-                for ac in AC_MODES:
-                    if valid(replace(form, ac=ac)):
-                        modes.append(ac)
-                    else:
-                        tried["refused by the config checks"] += 1
-                if modes:
-                    shapes.append((replace(form, ac=modes[0]), batches, modes))
-                    tried["HSDP forms"] += form.dp_replicate > 1
+        shapes = bounded_shapes(space, tried)
         say(f"{len(shapes)} parallel layouts to probe ({tried['structures']} factorizations, "
             f"{tried['HSDP forms']} of them also as HSDP; "
             f"{tried['over memory by their state alone']} over memory by their state alone, "
             f"{tried['refused by the config checks']} refused by the config checks)")
 
-        # 2. Probes, in rounds: for each layout the fastest checkpointing mode at the largest local
-        # batch first; where that does not fit, the same mode at the smallest batch (to interpolate)
-        # and the next mode at the largest, and so on.
-        capacity = gpu.memory_bytes * (1 - MARGIN)
-
-        def probe_calls(layout: Layout):
-            return [call(layout, ["--model.n_layers", str(k * layout.pp)]) for k in (1, 2)]
-
-        probed: dict[Layout, tuple | None] = {}
-        plan_seconds: dict[Layout, float] = {}  # a full plan's wall time, from the probes' own in the layers
-
-        def needs(shape: Layout, batches: list[int], modes: list[str]) -> list[Layout]:
-            out = []
-            for ac in modes:
-                big = replace(shape, ac=ac, local_batch=batches[0])
-                if big not in probed:
-                    return out + [big]
-                if probed[big] and probed[big][0] <= capacity:
-                    return out  # fits at the largest batch: slower modes cannot be faster
-                small = replace(big, local_batch=batches[-1])
-                if small != big and small not in probed:
-                    out.append(small)
-            return out
-
-        def probe(group: list, deadline: float) -> None:
-            while True:
-                todo = [lay for shape, batches, modes in group for lay in needs(shape, batches, modes)]
-                if not todo:
-                    return
-                if time.perf_counter() - started > deadline:
-                    say("probe budget spent: ranking what was probed")
-                    return
-                say(f"probing {len(todo)} layouts ({2 * len(todo)} few-layer plans on {workers} worker(s))")
-                for i in range(0, len(todo), 2 * workers):
-                    if i and time.perf_counter() - started > deadline:
-                        # checked between chunks too: a round of probes of an 8B model on a loaded
-                        # machine takes minutes, and what is left of the budget is for full plans
-                        say(f"probe budget spent after {len(probed)} layouts: ranking what was probed")
-                        return
-                    chunk = todo[i:i + 2 * workers]
-                    figures = pool.map([c for lay in chunk for c in probe_calls(lay)])
-                    for n, lay in enumerate(chunk):
-                        probed[lay] = extrapolate(figures[2 * n:2 * n + 2], layers // lay.pp)
-                        one, two = (f.get("seconds", 0.0) for f in figures[2 * n:2 * n + 2])
-                        plan_seconds[lay] = one + (layers // lay.pp - 1) * max(two - one, 0.0)
-                    say(f"probed {len(probed)} layouts, {time.perf_counter() - started:.0f} s")
-
-        def fitting_probes() -> bool:
-            return any(p and p[0] <= capacity for p in probed.values())
-
         # Pipeline layouts cost far more to plan (every microbatch of every stage is recorded: a
         # minute for an 8B model on 8 stages) and pay a bubble: they are probed when nothing else
         # fits, or when the budget is large (PP_PROBE_BUDGET_S).
-        probe([shape for shape in shapes if shape[0].pp == 1], budget_s * 0.6)
+        prober = Prober(space, pool, workers, started, say)
+        prober.probe([shape for shape in shapes if shape[0].pp == 1], budget_s * 0.6)
         pipelined = [shape for shape in shapes if shape[0].pp > 1]
         if pipelines is None:
             pipelines = budget_s >= PP_PROBE_BUDGET_S
-        if pipelined and (not fitting_probes() or pipelines):
-            probe(pipelined, budget_s * 0.6)
+        if pipelined and (not prober.fits() or pipelines):
+            prober.probe(pipelined, budget_s * 0.6)
         elif pipelined:
             tried["pipeline layouts not probed (a layout without PP fits)"] = len(pipelined)
-        tried["probed"] = len(probed)
-
-        estimates: list[tuple[float, Layout]] = []
-        for shape, batches, modes in shapes:
-            for ac in modes:
-                big = probed.get(replace(shape, ac=ac, local_batch=batches[0]))
-                small = probed.get(replace(shape, ac=ac, local_batch=batches[-1]))
-                if big and big[0] <= capacity:
-                    estimates.append((big[1] * big[2], replace(shape, ac=ac, local_batch=batches[0])))
-                    continue
-                if not big or not small or small[0] > capacity or len(batches) == 1:
-                    continue
-                # memory and the time per accumulation group, linear in the local batch between the probes
-                b0, b1 = batches[-1], batches[0]
-                for b in batches:
-                    share = (b - b0) / (b1 - b0)
-                    if small[0] + share * (big[0] - small[0]) <= capacity:
-                        group_s = small[1] + share * (big[1] - small[1])
-                        estimates.append((group_s * (global_batch // (b * shape.dp)),
-                                          replace(shape, ac=ac, local_batch=b)))
-                        break
-        estimates.sort(key=lambda e: e[0])
+        tried["probed"] = len(prober.probed)
+        estimates = probe_estimates(shapes, prober.probed, space.capacity, space.global_batch)
         say(f"{len(estimates)} layouts fit by the probes; planning the best in full")
 
-        # 3. Full plans, in order of value (module docstring), each round of ``workers`` plans
-        # started only when it is expected to end within the budget (round_s).
-        planned: dict[Layout, Outcome] = {}
-        budget_cut: list[Layout] = []
-
-        def round_s(chunk: list[Layout]) -> float:
-            """A round's expected wall time: its slowest layout's, by the probes of its parallel
-            structure (their slowest), times the worst that a round so far took against its
-            expectation (a float8 plan records more; workers share cores); without probes, the
-            slowest round so far."""
-            guesses = []
-            for lay in chunk:
-                same = [t for p, t in plan_seconds.items() if (p.tp, p.pp, p.cp) == (lay.tp, lay.pp, lay.cp)]
-                guesses.append(max(same or plan_seconds.values() or [0.0]))
-            return max(guesses) * slowdown if max(guesses) > 0 else slowest_round
-
-        def plan_all(layouts: list[Layout]) -> None:
-            nonlocal slowdown, slowest_round
-            todo = [lay for lay in dict.fromkeys(layouts) if lay not in planned and lay not in budget_cut]
-            if not todo:
-                return
-            chunks = [todo[i:i + workers] for i in range(0, len(todo), workers)]
-            if not budget_cut:
-                say(f"planning {len(todo)} layouts in full ({time.perf_counter() - started:.0f} s so far)")
-            for n, chunk in enumerate(chunks):
-                expected = round_s(chunk)
-                if budget_cut or time.perf_counter() - started + expected > budget_s:
-                    if not budget_cut:
-                        say(f"budget: the rest not planned in full (the next {len(chunk)} would take about "
-                            f"{expected:.0f} s; {budget_s - (time.perf_counter() - started):.0f} s of --budget-s left)")
-                    budget_cut.extend(lay for rest in chunks[n:] for lay in rest)
-                    return
-                began = time.perf_counter()
-                for layout, figures in zip(chunk, pool.map([call(lay) for lay in chunk])):
-                    planned[layout] = outcome(layout, figures)
-                took = time.perf_counter() - began
-                slowest_round = max(slowest_round, took)
-                if expected > 0 and plan_seconds:
-                    slowdown = max(slowdown, took * slowdown / expected)
-                tried["planned in full"] = len(planned)
-                left = sum(round_s(rest) for rest in chunks[n + 1:])
-                say(f"planned {len(planned)} layouts in full, {time.perf_counter() - started:.0f} s"
-                    + (f"; these {len(todo)} done in about {left:.0f} s" if left else ""))
-
-        def retry(chosen: list[Layout]) -> None:
-            """A best-guess batch that did not fit, one step smaller."""
-            smaller = []
-            for layout in chosen:
-                if layout in planned and not planned[layout].fits and not planned[layout].error:
-                    batches = [b for b in local_batches(global_batch // layout.dp, layout.pp) if b < layout.local_batch]
-                    smaller += [replace(layout, local_batch=batches[0])] if batches else []
-            plan_all(smaller)
-
-        def ranked(with_float8: bool) -> list[Outcome]:
-            return sorted((o for o in planned.values() if o.fits and bool(o.layout.float8) == with_float8),
-                          key=lambda o: -o.tokens_per_s_per_gpu)
-
-        def variants(layouts: list[Layout]) -> list[Layout]:
-            out = []
-            for lay in layouts:
-                if lay.dp_shard > 1:
-                    out.append(replace(lay, reshard="never"))
-                shard = hsdp_shard(lay, gpus_per_node)
-                if shard:
-                    out.append(replace(lay, dp_replicate=lay.dp // shard, dp_shard=shard))
-                if lay.pp > 1:
-                    other = [s for s in PP_SCHEDULES if s != lay.schedule]
-                    out += [replace(lay, schedule=s) for s in other if layers % (lay.pp * (2 if s in LOOPED else 1)) == 0]
-            return [v for v in out if valid(v)]
-
-        def with_float8(layouts: list[Layout]) -> list[Layout]:
-            if not (float8 and gpu.fp8_tflops):
-                return []
-            return [t for t in (replace(lay, float8=name) for lay in layouts for name in ("tensorwise", "rowwise"))
-                    if valid(t)]
-
-        def best(count: int) -> list[Layout]:
-            return [o.layout for o in ranked(False)[:count]]
-
-        def best_of_each_form() -> list[Layout]:
-            """The fastest layout planned of each data-parallel form, FSDP over all the data
-            parallelism and HSDP: keeping the gathered weights spares an FSDP form its all-gathers
-            in the backward, across the network where its shard group spans nodes (an HSDP form's is
-            one node), so the variant can make an FSDP form that ranks below the best few the fastest."""
-            out = []
-            for hsdp in (False, True):
-                out += [o.layout for o in ranked(False) if (o.layout.dp_replicate > 1) == hsdp][:1]
-            return out
-
-        # the config's own plan, against what the probes of its structure say, sets the first
-        # rounds' expectation
-        slowdown, slowest_round = 1.0, recipe_s
-        own = round_s([recipe.layout]) if recipe is not None else 0.0
-        if own > 0:
-            slowdown = max(1.0, recipe_s / own)
-        # the first rounds: three layouts to print and, on the probes' word, the best one's variants
-        # and float8 (filling the rounds); then the same for the best as planned, if another
-        first = [layout for _, layout in estimates[:min(top, 3)]]
-        plan_all(first + variants(first[:1]) + with_float8(first[:1]))
-        retry(first)
-        plan_all(variants(best(1)))
-        plan_all(with_float8(best(1)))
-        more = [layout for _, layout in estimates[min(top, 3):max(2 * top, 6)]]
-        plan_all(more)
-        retry(more)
-        plan_all(variants(best(3)))
-        plan_all(with_float8(best(2)))
-        plan_all(variants(best_of_each_form()))
-        if budget_cut:
-            tried["not planned in full (budget)"] = len(budget_cut)
-        fitting, float8_outcomes = ranked(False), ranked(True)
+        full = FullPlans(space, pool, workers, started, budget_s, prober.plan_seconds, float8, tried, say)
+        full.expect_from_own_plan(recipe.layout if recipe is not None else None, recipe_s)
+        full.in_order_of_value(estimates, top)
+        if full.budget_cut:
+            tried["not planned in full (budget)"] = len(full.budget_cut)
+        fitting, float8_outcomes = full.ranked(False), full.ranked(True)
     except BaseException:
         pool.terminate()
         raise
     pool.close()
-    return SearchResult(config, gpus, gpu.name, global_batch, training["seq_len"], training["steps"], recipe,
-                        fitting, float8_outcomes, tried, time.perf_counter() - started)
+    return SearchResult(config, gpus, gpu.name, space.global_batch, training["seq_len"], training["steps"], recipe,
+                        fitting, float8_outcomes, tried, time.perf_counter() - started,
+                        model_kind=kind_of(run, float8=""), budget_s=budget_s)
 
 
 # ------------------------------------------------------------------------------------- output
@@ -598,16 +716,25 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:.1f} GiB"
 
 
+def _row_kind(result: SearchResult, o: Outcome) -> ModelKind:
+    return replace(result.model_kind, float8=o.layout.float8)
+
+
 def text(result: SearchResult, top: int) -> str:
+    from canon_titan.plan.report import band_lines, banded, carried_band
+
     b = result.global_batch
     out = [f"Search: {result.config} on {result.gpus} x {result.gpu_name}, global batch {b} x {result.seq_len} "
            f"tokens, {result.steps:,} steps",
            "Tried: " + ", ".join(f"{n} {what}" for what, n in result.tried.items()) + f", in {result.seconds:.0f} s", ""]
 
     def row(rank: str, o: Outcome) -> list[str]:
+        band = carried_band(_row_kind(result, o))
         return [f"{rank} {o.layout.describe(b)}",
-                f"    {_gib(o.device_bytes)}, {o.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, MFU {100 * o.mfu:.1f}%, "
-                f"{o.gpu_hours:,.0f} GPU-hours for the run",
+                f"    {_gib(o.device_bytes)}, {o.tokens_per_s_per_gpu:,.0f} tokens/s per GPU"
+                f"{banded(o.tokens_per_s_per_gpu, band, lambda v: f'{v:,.0f}', per_time=True)}, MFU "
+                f"{100 * o.mfu:.1f}%, {o.gpu_hours:,.0f} GPU-hours for the run"
+                f"{banded(o.gpu_hours, band, lambda v: f'{v:,.0f}')}",
                 "    overrides: " + " ".join(o.layout.overrides(b))]
 
     if result.recipe is not None:
@@ -624,6 +751,12 @@ def text(result: SearchResult, top: int) -> str:
                    f"numerics; top {min(top, len(result.ranked))}):")
         for i, o in enumerate(result.ranked[:top], 1):
             out += row(f"{i:>3}.", o)
+        unplanned = result.tried.get("not planned in full (budget)", 0)
+        if len(result.ranked) < top:
+            out.append(f"  Only {len(result.ranked)} of --top {top}: "
+                       + (f"{unplanned} more layout(s) were not planned in full within --budget-s "
+                          f"{result.budget_s:.0f}; a larger --budget-s plans them" if unplanned else
+                          "no other layout tried fits"))
         if result.recipe is not None and result.recipe.fits:
             best = result.ranked[0]
             out.append(f"Best against the config's own layout: x{best.tokens_per_s_per_gpu / result.recipe.tokens_per_s_per_gpu:.2f} "
@@ -632,19 +765,29 @@ def text(result: SearchResult, top: int) -> str:
         out += ["", "With float8 (changes the numerics: not a drop-in for the recipe):"]
         for i, o in enumerate(result.float8[:top], 1):
             out += row(f"{i:>3}.", o)
+    shown = [o for o in (result.recipe, *result.ranked[:top], *result.float8[:top]) if o is not None]
+    out.append("")
+    for kind in dict.fromkeys(_row_kind(result, o) for o in shown):
+        out += band_lines(kind)
     return "\n".join(out)
 
 
 def as_dict(result: SearchResult) -> dict:
+    from canon_titan.plan.report import band_dict, band_range, carried_band
+
     def one(o: Outcome) -> dict:
+        band = carried_band(_row_kind(result, o))
         return {"layout": o.layout.describe(result.global_batch), "overrides": o.layout.overrides(result.global_batch),
                 "fits": o.fits, "device_bytes": o.device_bytes, "tokens_per_second_per_gpu": o.tokens_per_s_per_gpu,
-                "mfu": o.mfu, "step_seconds": o.step_s, "gpu_hours": o.gpu_hours}
+                "tokens_per_second_per_gpu_measured_band": band_range(o.tokens_per_s_per_gpu, band, per_time=True),
+                "mfu": o.mfu, "step_seconds": o.step_s, "step_seconds_measured_band": band_range(o.step_s, band),
+                "gpu_hours": o.gpu_hours, "gpu_hours_measured_band": band_range(o.gpu_hours, band),
+                "plan_error": band_dict(_row_kind(result, o))}
 
     return {"config": result.config, "gpus": result.gpus, "gpu": result.gpu_name, "global_batch": result.global_batch,
             "seq_len": result.seq_len, "steps": result.steps, "recipe": one(result.recipe) if result.recipe else None,
             "ranked": [one(o) for o in result.ranked], "float8": [one(o) for o in result.float8],
-            "tried": result.tried, "seconds": result.seconds}
+            "tried": result.tried, "seconds": result.seconds, "budget_seconds": result.budget_s}
 
 
 def write_toml(result: SearchResult, config: str, base_overrides: list[str], path: str) -> None:

@@ -21,3 +21,12 @@ def write_atomic(path: str | os.PathLike, data: str | bytes) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def read_from(path: str | os.PathLike) -> str:
+    """Where a relative ``path`` is read from, for a message that it does not exist (empty for an
+    absolute one, which names its folder itself): every command reads relative paths from the current
+    directory, whatever launched it."""
+    if os.path.isabs(os.path.expanduser(path)):
+        return ""
+    return f" in {os.getcwd()} (a relative path is read from the current directory)"

@@ -1,11 +1,10 @@
 """Compatibility shims that let TorchTitan 0.3.0's real Trainer run on CPU (gloo) and torch 2.13.
 
 Every shim is guarded by a feature check, never by a version string: on a CUDA machine with
-torch >= 2.14 none of them applies but two, a faster equivalent of a quadratic scan in DTensor's
-sharding propagation, which applies wherever torch has that scan, and a barrier in place of the
-2-second sleep that ends TorchTitan's training loop, which applies wherever TorchTitan has it.
-``apply()`` must run before ``torchtitan.trainer`` is used; it also rebinds names in
-already-imported torchtitan modules, so import order does not matter.
+torch >= 2.14 none of them applies. ``apply()`` must run before ``torchtitan.trainer`` is used; it
+also rebinds names in already-imported torchtitan modules, so import order does not matter. Each
+name patched here is pinned in ``tests/test_upstream.py`` with the upstream limitation it works
+around (``docs/development.md`` lists them); the planner's own patches live in ``canon_titan/plan``.
 
 Not shimmed on purpose: FlexAttention has no CPU backward, but canon-titan's attention calls
 causal SDPA directly (as the reference does), so the trainer never builds flex masks for it.
@@ -13,11 +12,10 @@ causal SDPA directly (as the reference does), so the trainer never builds flex m
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
-import re
 import sys
-import threading
 import time
 import types
 
@@ -110,6 +108,7 @@ def _quiet_cpu_log() -> None:
         return
     original = tt_utils.get_peak_flops
 
+    @functools.wraps(original)
     def get_peak_flops(device_name: str) -> float:
         return float("nan") if device_name == "cpu" else original(device_name)
 
@@ -150,6 +149,7 @@ def _gloo_safe_fsdp_reduction() -> None:
     if getattr(original, "_canon_titan_shim", False):
         return
 
+    @functools.wraps(original)
     def disable_division_with_sum_reduction(model):
         original(model)
         for module in model.modules():
@@ -169,6 +169,7 @@ def _gloo_safe_barrier() -> None:
     if getattr(original, "_canon_titan_shim", False):
         return
 
+    @functools.wraps(original)
     def barrier(*args, device_ids=None, **kwargs):
         if device_ids is not None and dist.get_backend(kwargs.get("group")) == "gloo":
             device_ids = None
@@ -207,6 +208,7 @@ def _pipeline_step_with_microbatches() -> None:
         if getattr(original, "_canon_titan_shim", False):
             continue
 
+        @functools.wraps(original)
         def step(self, *args, arg_mbs=None, kwarg_mbs=None, target_mbs=None,
                  losses=None, return_outputs=True, loss_kwargs=None,
                  _original=original, **kwargs):
@@ -224,68 +226,6 @@ def _pipeline_step_with_microbatches() -> None:
         step._canon_titan_shim = True
         cls.step = step
         _applied.append(f"pp-step-microbatches:{cls.__name__}")
-
-
-class _ArgsSpecs:
-    """What torch's ``_propagate_use_strided_shard_flag`` reads of an op's schema: its arguments'
-    specs."""
-
-    __slots__ = ("args_spec",)
-
-    def __init__(self, specs: list):
-        self.args_spec = specs
-
-
-def _strided_shard_scan_once_per_op() -> None:
-    """DTensor's sharding propagation calls ``_propagate_use_strided_shard_flag`` for every child
-    strategy of a foreach op (one per tensor in its lists), and each call scans all of the op's
-    arguments for ``_StridedShard`` placements: quadratic in the number of tensors. A fused AdamW
-    step over an 8B model's parameters made 2.5 million such checks, 8 of the 55 s
-    ``canon-titan plan`` took for LlamaCanon-8B on 512 GPUs under a profiler (the first training
-    step pays it too). The scan's answer is the same for every child: with no strided argument
-    torch's function returns at once, and otherwise its flag is True if any strided argument's
-    flag is (the fixes it applies to a child write that answer, so they cannot change it). This
-    scans once per op (the same schema object and argument tuple) and then calls torch's function
-    only where some argument is strided, with a stand-in schema holding one argument that gives
-    the same answer, so torch's own code fixes up each child; arguments whose flag is unset
-    (None) get torch's full scan. It applies only where torch's function reads nothing of the
-    schema but its argument specs (its source says so), which is all the stand-in carries."""
-    try:
-        from torch.distributed.tensor import _sharding_prop as sharding_prop
-        from torch.distributed.tensor.placement_types import _StridedShard
-    except ImportError:
-        return
-    original = getattr(sharding_prop, "_propagate_use_strided_shard_flag", None)
-    if original is None or getattr(original, "_canon_titan_shim", False):
-        return
-    try:  # the stand-in below carries the argument specs alone: only where that is all torch reads
-        if set(re.findall(r"op_schema\.(\w+)", inspect.getsource(original))) != {"args_spec"}:
-            return
-    except (OSError, TypeError):
-        return
-    last = threading.local()  # (schema, its argument tuple, its stand-in) of this thread's last op
-
-    def stand_in(op_schema):
-        strided = [spec for spec in op_schema.args_spec if any(isinstance(p, _StridedShard) for p in spec.placements)]
-        flags = [spec.use_strided_shard_as_shard_order for spec in strided]
-        if not strided:
-            return None
-        if None in flags:
-            return op_schema
-        return _ArgsSpecs([strided[flags.index(True)] if True in flags else strided[0]])
-
-    def propagate(op_strategy, op_schema) -> None:
-        schema, args, schema_stand_in = getattr(last, "op", (None, None, None))
-        if schema is not op_schema or args is not op_schema.args_schema:
-            schema_stand_in = stand_in(op_schema)
-            last.op = (op_schema, op_schema.args_schema, schema_stand_in)
-        if schema_stand_in is not None:
-            propagate.original(op_strategy, schema_stand_in)
-
-    propagate.original = original
-    propagate._canon_titan_shim = True
-    sharding_prop._propagate_use_strided_shard_flag = propagate
-    _applied.append("dtensor-strided-scan-once")
 
 
 END_OF_TRAINING_SLEEP = "Sleeping 2 seconds for other ranks to complete"
@@ -306,16 +246,17 @@ class _TimeWithoutSleep:
 def _end_barrier_not_sleep() -> None:
     """TorchTitan's training loop ends with rank 0 sleeping 2 seconds "for other ranks to
     complete", on every run, one process too (every training run of the test suite pays it). Under
-    this shim that sleep returns at once (and its log line is dropped), and every rank instead
-    waits at a barrier until all have left the loop (``CanonTrainer.train``, ``end_barrier``):
-    what the sleep stands for, no longer than the slowest rank takes. It applies only where
-    ``time.sleep`` is called once in ``torchtitan.trainer``, in ``Trainer.train`` after that log
-    line."""
+    this shim, on a CPU only (on a GPU cluster 2 s a run is nothing, and its runs patch no more of
+    TorchTitan than they must), that sleep returns at once (and its log line is dropped), and every
+    rank instead waits at a barrier until all have left the loop (``CanonTrainer.train``,
+    ``end_barrier``): what the sleep stands for, no longer than the slowest rank takes. It applies
+    only where ``time.sleep`` is called once in ``torchtitan.trainer``, in ``Trainer.train`` after
+    that log line."""
     import logging
 
     import torchtitan.trainer as tt_trainer
 
-    if "end-barrier" in _applied or isinstance(getattr(tt_trainer, "time", None), _TimeWithoutSleep):
+    if _accelerator() or "end-barrier" in _applied or isinstance(getattr(tt_trainer, "time", None), _TimeWithoutSleep):
         return
     try:
         module_source = inspect.getsource(tt_trainer)
@@ -358,7 +299,6 @@ def apply(*, cpu: bool = False) -> list[str]:
     _gloo_safe_barrier()
     _set_timeout()
     _pipeline_step_with_microbatches()
-    _strided_shard_scan_once_per_op()
     _end_barrier_not_sleep()
     if not _applied:
         _applied.append("none")

@@ -1,6 +1,8 @@
 """What a canon-titan process spends on starting and ending, spared where nothing is lost: the
 cyclic garbage collector kept out of the imports of torch, TorchTitan and their dependencies
-(``importing``), and out of the interpreter's last collections (``freeze_at_exit``).
+(``importing``), and out of the interpreter's last collections (``freeze_at_exit``); and the
+process-wide settings of a canon-titan program (``process_setup``), which its entry points make
+and importing the package never does.
 
 Measured on the 2-core machine, 2026-11-28, as whole processes, each pair of commands interleaved:
 ``import canon_titan.train`` took 8.9 s of CPU, 7.8 s without the collector during the imports (medians
@@ -14,6 +16,8 @@ from __future__ import annotations
 import atexit
 import contextlib
 import gc
+import logging
+import re
 
 
 @contextlib.contextmanager
@@ -34,7 +38,38 @@ def importing():
 def freeze_at_exit() -> None:
     """At exit, move every object the collector tracks to its permanent generation, so that the
     interpreter's last collections skip them. Objects freed by reference counting are still destructed,
-    and exit handlers still run (this one, registered as the package is first imported, runs after those
-    registered later); only reference cycles left at exit stay uncollected, which CPython does not
+    and exit handlers still run (this one, registered as the program starts, runs after those registered
+    later); only reference cycles left at exit stay uncollected, which CPython does not
     promise to collect at exit anyway."""
     atexit.register(gc.freeze)
+
+
+_set_up: list[bool] = []
+
+
+def process_setup() -> None:
+    """What a canon-titan program (``canon-titan``, ``-m canon_titan.train``, ``-m
+    canon_titan.launch.torchrun``) sets for its whole process, first thing, before torch is
+    imported: the collector frozen at exit, and three messages dropped that every import of
+    TorchTitan prints and that tell a user nothing: torchao trying to load its CUDA-only kernel
+    libraries (``Failed to load ..._C_mxfp8...so``) on a machine without them, torch's notice that
+    torchao still registers enums with pytree (torchao's code, not ours), and DTensor's note that a
+    gradient norm over FSDP x TP (``_NormPartial`` on two mesh dimensions) is reduced by two
+    all-reduces of one scalar each, which costs nothing worth a line in the middle of a plan's
+    table or a training log. Everything else from these loggers still shows. The messages are
+    pinned in ``tests/test_upstream.py``. A program that imports canon-titan as a library keeps its
+    own settings."""
+    if _set_up:
+        return
+    _set_up.append(True)
+    freeze_at_exit()
+    for name, pattern in NOISE.items():
+        logging.getLogger(name).addFilter(lambda record, pattern=pattern: not re.search(pattern, record.getMessage()))
+
+
+NOISE = {
+    "torchao": r"^Failed to load ",
+    "torch.utils._pytree": r"is an Enum subclass and is now natively supported",
+    "torch.distributed.tensor._redistribute": r"^While redistributing from \(_NormPartial",
+}
+"""Logger -> the message (a regular expression) it prints that ``process_setup`` drops."""

@@ -3,12 +3,17 @@
 
   --mode trainer  the real trainer (torchrun, TorchTitan's metrics) for both models in turn:
                   tokens/s, MFU and peak memory after the warm-up steps, and the ratios. This is
-                  the figure of record on a GPU; the default shape is the 1B recipe's at seq 4096.
+                  the figure of record on a GPU; the default shape is the 1B recipes', 8 x 4096.
   --mode raw      a bare forward/backward/AdamW loop per model (eager and/or compiled blocks).
   --mode saved    bytes of activations one compiled block saves for the backward, per token
                   (parameters excluded), for llama and llama_canon with each Canon backend. Runs on
                   a CPU (the Triton kernels in the interpreter): the activation-memory part of the
                   memory ratio, device-independent.
+  --mode bytes    bytes one compiled block moves per token, as a GPU runs it (Inductor's Triton
+                  kernels generated for sm_90 on this CPU, not run): Inductor's own kernels (its
+                  scheduler's count) and the Canon op's kernels, for llama, llama_canon and
+                  llama_canon with each Canon position alone (what each adds); the kernel launches
+                  and the Canon ops' Python calls of one step.
   --mode traffic  bytes the Triton Canon op moves through memory per LlamaCanon layer (forward and
                   backward, per token), counted from its kernel launches at the flavor's shapes
                   (meta tensors: runs anywhere, instantly), and the buffers it allocates.
@@ -19,7 +24,9 @@
 
 Every case runs in its own process, so peak memory is that case's alone.
 
-  .venv/bin/python scripts/benchmarks/bench_canon.py --mode trainer                      # GPU: 1B, seq 4096, bs 2, compile
+  .venv/bin/python scripts/benchmarks/bench_canon.py --mode trainer                      # GPU: 1B, 8 x 4096, compile
+  .venv/bin/python scripts/benchmarks/bench_canon.py --mode trainer --batch 2            # the second row
+  .venv/bin/python scripts/benchmarks/bench_canon.py --mode bytes --seq-len 4096         # CPU, 1B block, about 2 min
   .venv/bin/python scripts/benchmarks/bench_canon.py --mode trainer --canon-backend triton,torch   # both backends, one run
   .venv/bin/python scripts/benchmarks/bench_canon.py --mode trainer --flavor debug --seq-len 256 --steps 6 --no-compile  # CPU
   .venv/bin/python scripts/benchmarks/bench_canon.py --mode saved --seq-len 256          # CPU, 1B block
@@ -51,13 +58,15 @@ MODELS = ("llama", "llama_canon")
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--mode", choices=("trainer", "raw", "saved", "traffic", "ops", "bwd_blocks"), default="trainer")
+    p.add_argument("--mode", choices=("trainer", "raw", "saved", "bytes", "traffic", "ops", "bwd_blocks"),
+                   default="trainer")
     p.add_argument("--flavor", default="1B", help="flavor of both families (debug, 1B, 3B, 8B)")
     p.add_argument("--dim", type=int, help="override the flavor's width")
     p.add_argument("--n-layers", type=int, help="override the flavor's depth")
     p.add_argument("--n-heads", type=int)
     p.add_argument("--seq-len", type=int, default=4096)
-    p.add_argument("--batch", type=int, default=2, help="per-process batch")
+    p.add_argument("--batch", type=int,
+                   help="per-process batch (default: trainer 8, the 1B recipes'; bytes 1; else 2)")
     p.add_argument("--canon-backend", default="auto",
                    help="llama_canon's canon_backend; trainer: a comma list runs llama_canon once per backend")
     p.add_argument("--models", default="llama,llama_canon", help="trainer: llama and/or llama_canon")
@@ -69,9 +78,14 @@ def parse_args(argv=None):
     p.add_argument("--nproc", type=int, default=1, help="trainer: processes (FSDP over them)")
     p.add_argument("--modes", default="eager,compiled", help="raw: eager and/or compiled")
     p.add_argument("--reps", type=int, default=50, help="ops: milliseconds of timed repetitions per case (GPU)")
+    p.add_argument("--canon-sets", default="ABCD,A,B,C,D",
+                   help="bytes: the llama_canon blocks compared with llama's (comma list of canon_set values)")
     p.add_argument("--json", help="also write the results here")
     p.add_argument("--case", help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.batch is None:
+        args.batch = {"trainer": 8, "bytes": 1}.get(args.mode, 2)
+    return args
 
 
 def shape_overrides(args) -> dict:
@@ -117,7 +131,7 @@ def run_trainer(args) -> list[dict]:
             try:
                 result = run_case(keys, os.path.join(tmp, label.replace(" ", "_")), seq_len=args.seq_len,
                                   batch=args.batch, steps=args.steps, warmup=args.warmup, compile=args.compile,
-                                  nproc=args.nproc, extra=tuple(args.trainer_args.split()))
+                                  nproc=args.nproc, extra=tuple(args.trainer_args.split()), profile=True)
             except RuntimeError as e:
                 raise SystemExit(f"[bench] {e}") from None
             results.append({**result, "canon_backend": backend, "label": label})
@@ -129,10 +143,17 @@ def run_trainer(args) -> list[dict]:
     for r in results:
         print(f"{r['label']:<22} {r['tokens_per_s']:>10,.0f} {r['mfu_pct']:>7.2f} {r['peak_reserved_gib']:>18.2f} "
               f"{r['peak_active_gib']:>16.2f} {r['first_step_s']:>9.1f}")
+    from gpu_check_report import _canon_step
+
     base = next((r for r in results if r["model"] == "llama"), None)
     for r in results:
         print(f"kernels of {r['label']}: {r['kernels']}")
+        profile = r.get("profile_summary")
+        if isinstance(profile, dict):
+            print(f"profiled step of {r['label']}: {profile['total_ms']:,.1f} ms of kernels: "
+                  + ", ".join(f"{kind} {ms:,.1f}" for kind, ms in profile["kinds_ms"].items()))
         if base is not None and r is not base:
+            print("\n".join(line for line in _canon_step(r, base) if line))
             print(f"{r['label']} / llama: throughput x{r['tokens_per_s'] / base['tokens_per_s']:.3f} (target >= 0.97), "
                   f"peak reserved x{r['peak_reserved_gib'] / base['peak_reserved_gib']:.3f}, "
                   f"peak active x{r['peak_active_gib'] / base['peak_active_gib']:.3f} (target <= 1.05)")
@@ -235,6 +256,115 @@ def run_saved(args) -> list[dict]:
     return results
 
 
+# ----------------------------------------------------------------------------- a compiled block's bytes
+
+
+CANON_KERNELS = ("_canon_fwd_kernel", "_canon_swiglu_fwd_kernel", "_canon_bwd_kernel", "_canon_swiglu_bwd_kernel")
+
+
+def bytes_case(args, model_name: str, canon_set: str | None) -> dict:
+    """One compiled block (bf16, the Triton Canon op) as a GPU runs it, generated on this CPU without
+    running a kernel (``inductor_bytes.HopperCodegen``): Inductor's own kernels' bytes per graph, and each
+    kernel launch of one forward+backward step after the compiling one (Inductor's and the Canon op's),
+    and how many times the Canon ops' Python bodies ran in that step."""
+    from collections import Counter
+
+    from inductor_bytes import HopperCodegen
+
+    from canon_titan.kernels import canon
+
+    codegen = HopperCodegen()
+    # CPU tensors take the Triton kernels here: none runs.
+    canon._use_triton = lambda backend, x, kernel_size: backend == "triton" and kernel_size in canon.TRITON_KERNEL_SIZES
+    overrides = {**shape_overrides(args), "n_layers": 1, "max_seq_len": args.seq_len}
+    if canon_set is not None:
+        overrides.update(canon_set=canon_set, canon_backend="triton")
+    spec = model_registry.model_spec(model_name, args.flavor, overrides)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # FSDP's bf16 parameters, as the trainer computes
+    try:
+        block = spec.model.build().layers["0"]
+    finally:
+        torch.set_default_dtype(default)
+    compiled = torch.compile(block, fullgraph=True)
+    x = torch.randn(args.batch, args.seq_len, spec.model.dim, dtype=torch.bfloat16)
+
+    params = {p.untyped_storage().data_ptr() for p in block.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in params:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    def step():
+        with saved_tensors_hooks(pack, lambda t: t):
+            y = compiled(x.clone().requires_grad_())
+        y.backward(torch.ones_like(y))
+
+    step()
+    bodies = {fn.__code__ for fn in (canon.conv_forward, canon.conv_backward, canon.swiglu_forward,
+                                     canon.swiglu_backward)}
+    body_calls: Counter = Counter()
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code in bodies:
+            body_calls[frame.f_code.co_name] += 1
+
+    codegen.launches.clear()
+    saved.clear()
+    sys.setprofile(profile)
+    try:
+        step()
+    finally:
+        sys.setprofile(None)
+    if len(codegen.graphs) != 2:
+        raise SystemExit(f"expected a forward and a backward graph, Inductor compiled {len(codegen.graphs)}")
+    canon_launches = [(name, nbytes) for name, nbytes in codegen.launches if name in CANON_KERNELS]
+    return {"model": model_name, "canon_set": canon_set, "tokens": args.batch * args.seq_len,
+            "inductor": {"forward": codegen.graphs[0], "backward": codegen.graphs[1]},
+            "launches": len(codegen.launches), "canon_launches": canon_launches,
+            "canon_bytes": sum(nbytes for _, nbytes in canon_launches), "op_body_calls": dict(body_calls),
+            "saved_bytes": sum(saved.values())}
+
+
+def block_bytes(rows: list[dict]) -> dict:
+    """Bytes per token of each variant: Inductor's kernels per phase, the Canon kernels, the total."""
+    out = {}
+    for r in rows:
+        inductor = {phase: g["bytes"] / r["tokens"] for phase, g in r["inductor"].items()}
+        canon_kernels = r["canon_bytes"] / r["tokens"]
+        out[r["canon_set"] or "llama"] = {**inductor, "canon_kernels": canon_kernels,
+                                           "total": sum(inductor.values()) + canon_kernels,
+                                           "inductor_kernels": sum(g["kernels"] for g in r["inductor"].values()),
+                                           "launches": r["launches"], "saved": r["saved_bytes"] / r["tokens"]}
+    return out
+
+
+def run_bytes(args) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the GPU's code path, not run
+    rows = []
+    # Llama's block, then LlamaCanon's with each canon_set: by default all four positions, then each alone
+    # (what each position adds).
+    for model, canon_set in [("llama", None)] + [("llama_canon", c) for c in args.canon_sets.split(",")]:
+        print(f"[bench] compiled block bytes: {model} {canon_set or ''} ...", flush=True)
+        rows.append(_subprocess_case(args, f"bytes:{model}:{canon_set or ''}", env))
+    table = block_bytes(rows)
+    base = table["llama"]["total"]
+    print(f"\nbytes one compiled {args.flavor} block moves per token (batch {args.batch} x seq {args.seq_len}, bf16, "
+          "forward + backward, matmuls and attention excluded): Inductor's own kernels (its scheduler's count) "
+          "and the Triton Canon op's kernels (each tensor argument of a launch once)")
+    print(f"{'block':<22} {'Inductor fwd':>12} {'Inductor bwd':>12} {'Canon kernels':>13} {'total':>9} "
+          f"{'x llama':>8} {'+ vs llama':>10} {'launches':>9} {'saved':>8}")
+    for name, r in table.items():
+        label = "llama" if name == "llama" else f"llama_canon {name}"
+        print(f"{label:<22} {r['forward']:>12,.0f} {r['backward']:>12,.0f} {r['canon_kernels']:>13,.0f} "
+              f"{r['total']:>9,.0f} {r['total'] / base:>8.3f} {r['total'] - base:>+10,.0f} {r['launches']:>9} "
+              f"{r['saved']:>8,.0f}")
+    print("(saved: activation bytes the compiled forward keeps for the backward, per token, parameters excluded)")
+    return {"rows": rows, "per_token": table}
+
+
 # ----------------------------------------------------------------------------- the op alone
 
 
@@ -296,7 +426,11 @@ def run_bwd_blocks(args) -> dict:
 
 
 def _subprocess_case(args, case: str, env=None) -> dict:
-    argv = [a for a in sys.argv[1:] if not a.startswith("--json")]
+    argv = sys.argv[1:]
+    if "--json" in argv:  # the driver writes it
+        at = argv.index("--json")
+        argv = argv[:at] + argv[at + 2:]
+    argv = [a for a in argv if not a.startswith("--json=")]
     proc = subprocess.run([sys.executable, __file__, *argv, "--case", case], capture_output=True, text=True,
                           env=env or dict(os.environ))
     if proc.returncode:
@@ -328,10 +462,11 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.case:
         kind, model, extra = args.case.split(":")
-        case = raw_case(args, model, extra) if kind == "raw" else saved_case(args, model, extra or None)
+        case = {"raw": raw_case, "saved": saved_case, "bytes": bytes_case}[kind](
+            args, model, extra if kind == "raw" else extra or None)
         print(json.dumps(case))
         return 0
-    results = {"trainer": run_trainer, "raw": run_raw, "saved": run_saved, "traffic": run_traffic,
+    results = {"trainer": run_trainer, "raw": run_raw, "saved": run_saved, "bytes": run_bytes, "traffic": run_traffic,
                "ops": run_ops, "bwd_blocks": run_bwd_blocks}[args.mode](args)
     if args.json:
         write_atomic(args.json, json.dumps(results, indent=2))

@@ -126,7 +126,7 @@ def traffic(call: Call, batch: int, seq: int) -> dict:
                 args = (t["x"], t["weight"], t["bias"], t.get("row_scale"), t.get("col_scale"), call.residual,
                         call.activation)
                 y = canon.conv_forward(*args)
-                canon.conv_backward(y, *args)
+                _backward(call, t, y, bodies=True)()
 
     launches = aot.record_launches(run)
     return {"call": call.name, "kernels": len(launches), "kernel_bytes": _launch_bytes(launches),
@@ -222,7 +222,10 @@ def ops(calls: list[Call], batch: int, seq: int, reps: int) -> dict:
             gen = torch.Generator().manual_seed(0)
             t = inputs(call, batch, seq, device, dtype, gen)
             dy = torch.randn(batch, seq, call.channels, generator=gen).to(device, dtype)
-            triton_step = _fwd_bwd(_canon_op(call, "triton"), t, dy)
+            # Compiled on a GPU, as the models run it: the fused norms' input gradient is torch ops there, fused
+            # by Inductor with the norm's backward (in eager, several kernels).
+            op = _canon_op(call, "triton")
+            triton_step = _fwd_bwd(torch.compile(op) if cuda else op, t, dy)
             started = time.perf_counter()
             triton_step()
             if cuda:
@@ -248,12 +251,20 @@ go to two (16x16/4w, 16x32/8w: Canon-D's backward at 101-108 registers instead o
 None spills on sm_90 (``python -m canon_titan.kernels.aot`` with the blocks set; 16x32/2w and 32x32/4w spill)."""
 
 
-def _backward(call: Call, t: dict, dy: torch.Tensor):
+def _backward(call: Call, t: dict, dy: torch.Tensor, bodies: bool = False):
+    """The call's backward kernels as the models launch them: through the ops (eager, on a device), or
+    their bodies (``bodies``: on meta tensors, whose launches ``aot.record_launches`` records). With a fused
+    norm and no SiLU they compute the weight's and the column scale's gradients; the input's is Inductor's,
+    fused with the norm's backward (``canon._canon_conv_grad``)."""
+    ops = torch.ops.canon_titan
+    swiglu, weights, conv = ((canon.swiglu_backward, canon.conv_weight_grads, canon.conv_backward) if bodies else
+                             (ops.canon_swiglu_backward, ops.canon_conv_weight_grads, ops.canon_conv_backward))
     if call.swiglu:
-        return lambda: canon.swiglu_backward(dy, t["x"], t["up"], t["weight"], t["bias"], call.residual,
-                                             call.activation)
-    return lambda: canon.conv_backward(dy, t["x"], t["weight"], t["bias"], t.get("row_scale"), t.get("col_scale"),
-                                       call.residual, call.activation)
+        return lambda: swiglu(dy, t["x"], t["up"], t["weight"], t["bias"], call.residual, call.activation)
+    if call.scaled and not call.activation:
+        return lambda: weights(dy, t["x"], t["weight"], t["bias"], t["row_scale"], t["col_scale"], call.residual)
+    return lambda: conv(dy, t["x"], t["weight"], t["bias"], t.get("row_scale"), t.get("col_scale"), call.residual,
+                        call.activation)
 
 
 def backward_blocks(calls: list[Call], batch: int, seq: int, reps: int,
@@ -275,7 +286,8 @@ def backward_blocks(calls: list[Call], batch: int, seq: int, reps: int,
             meta = inputs(call, batch, seq, "meta")
             bound = None
             if cuda:
-                moved = _launch_bytes(aot.record_launches(_backward(call, meta, meta["x"].new_empty(dy.shape))))
+                moved = _launch_bytes(aot.record_launches(_backward(call, meta, meta["x"].new_empty(dy.shape),
+                                                                    bodies=True)))
                 bound = 1000 * moved / bandwidth
             for block_t, block_c, warps in candidates:
                 blocks = {"BLOCK_T": block_t, "BLOCK_C": block_c, "num_warps": warps}

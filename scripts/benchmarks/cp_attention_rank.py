@@ -19,12 +19,19 @@ them what the planner gives the same FLOPs (``canon_titan.plan.estimate``: the f
 efficiency on the GPU's peak).
 
     .venv/bin/python scripts/benchmarks/cp_attention_rank.py [--cp 1,2,4,8] [--seq-local 32768]
-        [--heads 32] [--head-dim 128] [--rotate allgather|alltoall] [--reps 3] [--json OUT] [--tiny]
+        [--heads 32] [--kv-heads 8] [--head-dim 128] [--rotate allgather|alltoall] [--reps 3] [--json OUT]
+        [--tiny]
 
 Defaults are TorchTitan's table 2 (Llama 3.1 8B: 32 heads of 128, keys and values repeated to 32 heads
-before SDPA as its Llama did, 32,768 tokens per rank at every CP degree). On a CPU (``--tiny``: toy
-shapes, the CPU's flash kernel) it checks that the script runs and records each implementation's
-SDPA calls; the times mean nothing there.
+before SDPA as its Llama did, 32,768 tokens per rank at every CP degree). ``--kv-heads`` (fewer than
+``--heads``) gives canon-titan's gather grouped-query K and V, as its models attend (SDPA's
+``enable_gqa``, on the lower-right causal path); the ring, whose flash calls take K and V with every
+head, gets them repeated. Before timing, each degree's first and last rank check canon-titan's gather
+against plain causal SDPA over the whole sequence (the rank's outputs and the gradients its queries
+send back; the gather's collective answered in this process with every rank's rows): the script
+stops with the difference if they disagree. On a CPU (``--tiny``: toy shapes, the CPU's flash kernel)
+it checks that the script runs and records each implementation's SDPA calls; the times mean nothing
+there.
 """
 
 from __future__ import annotations
@@ -115,12 +122,52 @@ def ring_step(flash: Flash, group, q, k, v, backward: bool, rotate: str):
 
 
 def canon_step(shards, q, k, v, backward: bool):
-    """Canon-titan's CP attention of one layer: [batch, L, heads, dim] in, as its blocks call it."""
+    """Canon-titan's CP attention of one layer: [batch, L, heads, dim] in (K and V with their own
+    heads), as its blocks call it."""
     q, k, v = (t.detach().requires_grad_(backward) for t in (q, k, v))
-    out = shards.attention(q, k, v, enable_gqa=False)
+    out = shards.attention(q, k, v, enable_gqa=k.shape[2] != q.shape[2])
     if backward:
         out.backward(torch.ones_like(out))
     return out
+
+
+def check_against_causal(cp: int, rank: int, args, device: str, dtype) -> float:
+    """Canon-titan's CP attention on ``rank`` of ``cp`` against plain causal SDPA over the whole
+    sequence: the rank's outputs and the gradients of the query, key and value rows that its
+    queries' loss sends back. The gather's collective is answered here with every rank's rows of the
+    whole sequence (a fake process group moves no data), so the rank runs its own code from the
+    gather's output on. Raises AssertionError past bf16's rounding; returns the largest difference."""
+    from canon_titan.models.common import context_parallel
+    from canon_titan.models.common.context_parallel import ContextShards, rank_positions
+
+    group = fake_group(rank, cp)
+    batch, seq = 1, args.seq_local * cp
+    gen = torch.Generator(device).manual_seed(cp * 100 + rank)
+    q, k, v = (torch.randn(batch, seq, heads, args.head_dim, device=device, dtype=dtype, generator=gen)
+               .requires_grad_() for heads in (args.heads, args.kv_heads, args.kv_heads))
+    probe = torch.randn(batch, args.seq_local, args.heads, args.head_dim, device=device, dtype=dtype, generator=gen)
+    positions = rank_positions(seq, cp, "headtail")
+    mine = torch.tensor(positions[rank], device=device)
+    gqa = args.kv_heads != args.heads
+    whole = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), is_causal=True,
+                                           enable_gqa=gqa).transpose(1, 2)
+    expected = [whole[:, mine]] + list(torch.autograd.grad((whole[:, mine] * probe).sum(), (q, k, v)))
+
+    every_rank = iter([torch.cat([t[:, p].transpose(0, 1) for p in positions]) for t in (k, v)])
+    gather = context_parallel.all_gather_autograd
+    context_parallel.all_gather_autograd = lambda x, group: next(every_rank)
+    try:
+        shards = ContextShards.build(group, positions, device)
+        out = shards.attention(q[:, mine], k[:, mine], v[:, mine], enable_gqa=gqa)
+        got = [out] + list(torch.autograd.grad((out * probe).sum(), (q, k, v)))
+    finally:
+        context_parallel.all_gather_autograd = gather
+    worst = max((a.float() - b.float()).abs().max().item() for a, b in zip(got, expected))
+    scale = max(b.float().abs().max().item() for b in expected)
+    tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    assert worst <= tolerance * scale, (f"CP {cp} rank {rank}: the gather's attention differs from causal SDPA by "
+                                        f"{worst:.3g} (largest value {scale:.3g})")
+    return worst
 
 
 class SDPACalls(TorchFunctionMode):
@@ -208,7 +255,8 @@ def measure(cp: int, rank: int, impl: str, args, device: str, dtype) -> dict:
             return ring_step(flash, group, q, k, v, backward, args.rotate)
     else:
         shards = ContextShards.build(group, rank_positions(length * cp, cp, "headtail"), device)
-        q, k, v = (torch.randn(batch, length, args.heads, args.head_dim, device=device, dtype=dtype) for _ in range(3))
+        q, k, v = (torch.randn(batch, length, heads, args.head_dim, device=device, dtype=dtype)
+                   for heads in (args.heads, args.kv_heads, args.kv_heads))
 
         def run(backward):
             return canon_step(shards, q, k, v, backward)
@@ -247,9 +295,11 @@ HEADER = ["| CP | implementation | rank | SDPA calls (fwd) | forward ms | fwd+bw
 
 def table(report: dict) -> list[str]:
     """A title line, then the table of ``report``'s rows (gpu_check's report shows it)."""
+    kv_heads = report.get("kv_heads", report["heads"])
+    gqa = f" (canon-titan's K/V: {kv_heads} heads)" if kv_heads != report["heads"] else ""
     title = (f"One CP rank's attention of one layer, {report['device']}, torch {report['torch']}: {report['seq_local']:,} "
-             f"tokens per rank, {report['heads']} heads of {report['head_dim']}; collectives on a fake process group "
-             f"(compute only); planned on the {report['gpu']} entry's flash efficiency")
+             f"tokens per rank, {report['heads']} heads of {report['head_dim']}{gqa}; collectives on a fake process "
+             f"group (compute only); planned on the {report['gpu']} entry's flash efficiency")
     rows = sorted(report["rows"], key=lambda r: (r["cp"], r["implementation"] != "ring", r["rank"]))
     return [title, "", *HEADER, *(_row(r) for r in rows)]
 
@@ -259,6 +309,8 @@ def main(argv=None) -> int:
     p.add_argument("--cp", default="1,2,4,8", help="CP degrees, comma-separated")
     p.add_argument("--seq-local", type=int, default=32768, help="tokens per rank (default: TorchTitan's table 2)")
     p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=None,
+                   help="K/V heads of canon-titan's gather (grouped-query attention; default: --heads)")
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--rotate", choices=("allgather", "alltoall"), default="allgather",
                    help="how the ring passes keys and values (torch's _RotateMethod; no data moves here)")
@@ -279,6 +331,10 @@ def main(argv=None) -> int:
         p.error(f"--cp: degrees must be >= 1, got {bad}")
     if args.tiny:
         args.seq_local, args.heads, args.head_dim, args.reps = 64, 2, 16, 1
+        args.kv_heads = 1 if args.kv_heads else None
+    args.kv_heads = args.kv_heads or args.heads
+    if args.kv_heads < 1 or args.heads % args.kv_heads:
+        p.error(f"--kv-heads: must divide --heads ({args.heads}), got {args.kv_heads}")
     if args.seq_local % 2:
         p.error(f"--seq-local: the head-tail split needs an even number of tokens per rank, got {args.seq_local}")
     cuda = torch.cuda.is_available() and not args.tiny
@@ -286,8 +342,15 @@ def main(argv=None) -> int:
     if args.gpu is None:
         args.gpu = "h200" if cuda and "H200" in torch.cuda.get_device_name() else "h100"
     report = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
-              "gpu": args.gpu, "seq_local": args.seq_local, "heads": args.heads, "head_dim": args.head_dim,
-              "rotate": args.rotate, "rows": []}
+              "gpu": args.gpu, "seq_local": args.seq_local, "heads": args.heads, "kv_heads": args.kv_heads,
+              "head_dim": args.head_dim, "rotate": args.rotate, "rows": [], "checked": []}
+    if "canon" in impls:  # a wrong result is not worth timing: checked first
+        for cp in degrees:
+            for rank in sorted({0, cp - 1}):
+                worst = check_against_causal(cp, rank, args, device, dtype)
+                report["checked"].append({"cp": cp, "rank": rank, "max_abs_diff": worst})
+                print(f"CP {cp} rank {rank}: the gather's attention equals causal SDPA (largest difference "
+                      f"{worst:.3g})", flush=True)
     # Torch's ring at every degree first (what the calibration points ran), then canon-titan's; the report is
     # rewritten after each row, so a run stopped by its time limit keeps what it measured.
     for impl in impls:

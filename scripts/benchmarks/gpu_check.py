@@ -11,17 +11,19 @@ which installs the offline kit first where needed.
   losses              bf16 loss curves, 100 steps: llama_canon triton vs torch, gla5 fla vs  } side
                       torch, mamba2 mamba_ssm vs torch (debug models, the trainer), each pair  }
                       as it ends                                                            }
-  warm_tuning         two untimed steps of Mamba2-1B and GLA5-1B, so that their kernels are   }
-                      tuned and compiled (on disk) before their timed runs
-  canon_llama         the trainer, one run each (TorchTitan's metrics; 1B, seq 4096, batch 2, compile):
-  canon_triton          Llama-1B, then LlamaCanon-1B on the Triton Canon op: the Canon ratio
-  linear_*_4k         Mamba2, GDN2 (Canon AbbCD) at seq 4096 (against canon_llama)
-  linear_*_16k        Llama, Mamba2, GDN2 at seq 16384, batch 1; a case whose recurrence ``auto`` runs on torch
-                      here is skipped, saying why
+  warm_tuning         two untimed steps of Mamba2-1B and GLA5-1B at 16,384 x 1, so that their }
+                      kernels are tuned and compiled (on disk) before their timed runs
+  canon_llama_b8      the trainer, one run each (TorchTitan's metrics; 1B, seq 4096, the recipes' batch 8,
+  canon_triton_b8       compile, a profiled step): Llama-1B, then LlamaCanon-1B on the Triton Canon op: the
+                        Canon ratio of record
+  canon_llama         the same at batch 2 (the base of the linear and float8 runs)
+  canon_triton
+  linear_*_16k        the linear models' figure of record: Llama, Mamba2, GLA5, GDN2 (Canon AbbCD) at the
+                      recipes' 16,384 x 1, then Mamba2 with CUDA graphs; a case whose recurrence ``auto`` runs
+                      on torch here is skipped, saying why
+  linear_*_4k         Mamba2, GLA5, GDN2 at 4096 x 2, for information (against canon_llama)
   float8_tensorwise   LlamaCanon-1B (triton) with float8 training, each recipe (against canon_triton)
   float8_rowwise
-  linear_gla5_*       GLA5 at 4096 and 16384, after float8: fla's first tuning took over 150 s and no lease saw
-                      its end
   canon_bwd_blocks    the Canon backward kernels at each candidate block configuration (bench_canon
                       --mode bwd_blocks: the fixed blocks are chosen from it)
   float8_gemms        a Llama block's float8 GEMMs as torchao's recipes run them, against bf16, at the
@@ -94,10 +96,10 @@ class Case:
 TRAINER_STEPS, TRAINER_WARMUP = 12, 4
 """Medians over steps 5-12: the first steps compile and autotune."""
 TINY = {"flavor": "debug", "seq": 32, "batch": 1, "steps": 2, "warmup": 1}
-LINEAR = ("mamba2", "gdn2", "gla5")
-"""In the order they run at each length, GLA5's two runs after all others and after float8: its fla kernels took
-over 150 s to tune on an H200 (2026-11-26 and 27; no lease saw the end of it), and its 16k run reuses the 4k run's
-tuning."""
+LINEAR = ("mamba2", "gla5", "gdn2")
+"""In the order they run at each length. GLA5's first step had no known bound on the H200s (2026-11-26 to 28: fla's
+autotuning over 124 to 290 s) and ran last; fla's searches are now narrowed and tuned before the first collective
+(``canon_titan/kernels/tuning.py``), and GLA5 runs with the others."""
 LINEAR_OPS = {"mamba2": "ssd", "gdn2": "gated_delta_rule", "gla5": "gla"}
 
 
@@ -105,25 +107,35 @@ def cases() -> list[Case]:
     """Every trainer run, in the order they run (by value)."""
     llama = {"name": "llama", "flavor": "1B"}
     canon = {"name": "llama_canon", "flavor": "1B", "canon_set": "ABCD"}
-    out = [Case("canon_llama", "canon", "llama", llama, 4096, 2),
+    # The figure of record at the 1B recipes' own batch, 8 x 4096 (Llama 67.6 GiB, LlamaCanon 71.0 on an H200,
+    # 2026-11-28), then batch 2, the base of the linear and float8 runs.
+    out = [Case("canon_llama_b8", "canon", "llama, batch 8", llama, 4096, 8, limit=120),
+           Case("canon_triton_b8", "canon", "llama_canon (triton), batch 8", {**canon, "canon_backend": "triton"},
+                4096, 8, base="canon_llama_b8", limit=120),
+           Case("canon_llama", "canon", "llama", llama, 4096, 2),
            Case("canon_triton", "canon", "llama_canon (triton)", {**canon, "canon_backend": "triton"}, 4096, 2,
                 base="canon_llama", tiny=True)]
-    linear = []
-    for seq, batch, base in ((4096, 2, "canon_llama"), (16384, 1, "linear_llama_16k")):
+    # The linear models' figure of record first: the recipes' 16,384 x 1 against Llama at 16,384 x 1; then 4096 x 2,
+    # for information.
+    for seq, batch, base in ((16384, 1, "linear_llama_16k"), (4096, 2, "canon_llama")):
         tag = f"{seq // 1024}k"
         if seq != 4096:
-            linear.append(Case(f"linear_llama_{tag}", "linear", "llama", llama, seq, batch))
-        linear += [Case(f"linear_{family}_{tag}", "linear", f"{family}:AbbCD",
-                        {"name": family, "flavor": "1B", "canon_set": "AbbCD"}, seq, batch, base=base,
-                        tiny=(family == "gla5" and seq == 4096), limit=180, kernel_op=LINEAR_OPS[family])
-                   for family in LINEAR]
-    out += [c for c in linear if c.model["name"] != "gla5"]
+            out.append(Case(f"linear_llama_{tag}", "linear", "llama", llama, seq, batch))
+        out += [Case(f"linear_{family}_{tag}", "linear", f"{family}:AbbCD",
+                     {"name": family, "flavor": "1B", "canon_set": "AbbCD"}, seq, batch, base=base,
+                     tiny=(family == "gla5" and seq == 4096), limit=180, kernel_op=LINEAR_OPS[family])
+                for family in LINEAR]
+        if seq != 4096:
+            # Mamba2 is host-bound (2026-11-28 at 16k: 76 ms of a 383 ms step idle, short of x1.5 by about that):
+            # the same run with TorchTitan's CUDA graph of the whole forward and backward, launched at once.
+            out.append(Case(f"linear_mamba2_{tag}_graphs", "linear", "mamba2:AbbCD, CUDA graphs",
+                            {"name": "mamba2", "flavor": "1B", "canon_set": "AbbCD"}, seq, batch, base=base,
+                            extra=("--training.disable_cuda_graphs=false",), limit=180, kernel_op="ssd"))
     for recipe in ("tensorwise", "rowwise"):
         out.append(Case(f"float8_{recipe}", "float8", f"llama_canon (triton) {recipe}",
                         {**canon, "canon_backend": "triton"}, 4096, 2, base="canon_triton",
                         extra=("--float8.enable=true", f"--float8.recipe_name={recipe}"),
                         tiny=(recipe == "tensorwise"), limit=120))
-    out += [c for c in linear if c.model["name"] == "gla5"]  # after float8: fla's tuning has no known bound
     out.append(Case("canon_torch", "canon", "llama_canon (torch)", {**canon, "canon_backend": "torch"}, 4096, 2,
                     base="canon_llama"))
     return out
@@ -145,7 +157,9 @@ def steps(tiny: bool, work: Path) -> list[Step]:
                                  "--json", str(work / "ops.json")])
     float8_gemms = Step("float8_gemms", 60, [py, "scripts/benchmarks/bench_float8_gemm.py", *tiny_flag,
                                              "--json", str(work / "float8_gemms.json")])
-    cp_step = Step("cp_attention", 90, [py, "scripts/benchmarks/cp_attention_rank.py",
+    # Llama 3.1 8B's 8 K/V heads for canon-titan's gather: its grouped-query lower-right flash path,
+    # checked against plain causal SDPA before it is timed
+    cp_step = Step("cp_attention", 90, [py, "scripts/benchmarks/cp_attention_rank.py", "--kv-heads", "8",
                                         "--json", str(work / "cp_attention.json")])
     blocks_step = Step("canon_bwd_blocks", 90, [py, "scripts/benchmarks/bench_canon.py", "--mode", "bwd_blocks",
                                                 *(ops or ["--reps", "20"]), "--json",
@@ -167,10 +181,10 @@ KERNEL_TESTS = (("tests/test_canon_triton.py", "-k", "equals_torch or rmsnorm"),
 TINY_KERNEL_TESTS = (("tests/test_canon_triton.py", "-k", "fallback"),)
 
 
-WARM = ("linear_mamba2_4k", "linear_gla5_4k")
+WARM = ("linear_mamba2_16k", "linear_gla5_16k")
 """Cases whose kernels' autotuning and compilation the ``warm_tuning`` step does beside the correctness checks:
-Mamba2's first step took 115 s and GLA5's over 150 s on an H200, mostly mamba-ssm's and fla's Triton autotuners
-timing every candidate, most of it compiling them. Triton's compiled kernels stay on disk for the timed runs
+Mamba2's first step took 72 to 115 s and GLA5's over 124 s on an H200, mostly mamba-ssm's and fla's Triton
+autotuners timing every candidate, most of it compiling them. Triton's compiled kernels stay on disk for the timed runs
 later, and with ``TRITON_CACHE_AUTOTUNING`` the choices too (not for mamba-ssm's kernels whose candidates carry a
 pre-hook, which Triton will not cache: those are timed again, from compiled binaries). No tuning key holds the
 sequence length. Tuned beside other work, a choice may differ from a quiet GPU's: every candidate is valid."""
@@ -184,16 +198,16 @@ def warm_tuning(path: str) -> None:
     import torch
     from trainer_bench import run_case
 
-    # The timed runs' batch where the GPU holds both beside the other checks (Triton specialises an int argument
-    # equal to 1, so batch 1 can compile other binaries); batch 1, half the memory, on an 80 GB GPU.
+    # The timed runs' shape where the GPU holds both beside the other checks; on an 80 GB GPU a quarter of the
+    # sequence (no tuning key holds it; Inductor compiles the timed shape again).
     roomy = torch.cuda.is_available() and torch.cuda.get_device_properties(0).total_memory >= 120 * 2**30
 
     def warm(name: str) -> str | None:
         case = next(c for c in cases() if c.name == name)
         with tempfile.TemporaryDirectory() as tmp:
             try:
-                run_case(dict(case.model), os.path.join(tmp, name), seq_len=case.seq,
-                         batch=case.batch if roomy else 1, steps=2, warmup=0, compile=True, extra=case.extra)
+                run_case(dict(case.model), os.path.join(tmp, name), seq_len=case.seq if roomy else case.seq // 4,
+                         batch=case.batch, steps=2, warmup=0, compile=True, extra=case.extra)
             except RuntimeError as e:
                 return str(e).strip().splitlines()[-1]
         return None

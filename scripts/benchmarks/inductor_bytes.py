@@ -12,7 +12,8 @@ them) and ``torch.compile(fullgraph=True)``, as TorchTitan compiles each block.
 Inductor side: this machine has no GPU, so Inductor is made to generate its Triton kernels (the
 GPU code path: Triton scheduling, fusion and buffer realization) for a Hopper target on CPU
 tensors (``cpu_backend = "triton"``), and the kernels and the matmuls are not run (their outputs
-are garbage; only the graphs matter). For each kernel Inductor generates (extern kernels and
+are garbage; only the graphs matter): ``HopperCodegen``, which ``bench_canon.py --mode bytes`` uses
+too, for LlamaCanon's block against Llama's. For each kernel Inductor generates (extern kernels and
 templates, i.e. matmuls and attention, left out), its ``get_read_write_buffers_sizes()``: the bytes
 Inductor itself counts for that kernel (what its ``inductor_metrics`` log reports as
 ``num_bytes_accessed``). Graph 0 is the forward, graph 1 the backward (recomputation included).
@@ -87,42 +88,75 @@ def plan_bytes(shape: str, tokens: int, ac: str) -> dict[str, dict[str, int]]:
     return phases
 
 
+class HopperCodegen:
+    """Inductor made to generate its Triton kernels for a Hopper target on CPU tensors, none of them
+    run (process-wide patches: use it in a process of its own). ``graphs`` collects each compiled
+    graph's own kernels and bytes as Inductor's scheduler counts them (extern kernels, templates and
+    user-defined Triton kernels left out); ``launches`` every kernel launch the compiled code makes
+    (name, and the bytes of its distinct tensor arguments, each moved once), Inductor's and the
+    user-defined kernels of ``torch.library.triton_op``s alike."""
+
+    def __init__(self):
+        import torch._inductor.config as inductor_config
+        import torch.utils._triton as torch_triton
+        import triton
+        from torch._inductor.graph import GraphLowering
+        from torch._inductor.runtime import triton_heuristics
+        from torch._inductor.select_algorithm import extern_kernels
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler.compiler import make_backend
+
+        self.graphs: list[dict[str, int]] = []
+        self.launches: list[tuple[str, int]] = []
+        target = GPUTarget("cuda", 90, 32)
+        torch_triton.triton_backend = lambda: make_backend(target)
+
+        class Hopper:  # what torch asks Triton's (absent) GPU driver: the target of a user kernel's TTIR
+            @staticmethod
+            def get_current_target():
+                return target
+
+        triton.runtime.driver.set_active(Hopper())
+        inductor_config.cpu_backend = "triton"
+        inductor_config.force_disable_caches = True  # a cached graph skips the scheduler
+        inductor_config.compile_threads = 1
+        triton_heuristics.CachingAutotuner.precompile = lambda self, *a, **k: None
+        triton_heuristics.CachingAutotuner.run = lambda autotuner, *args, **kwargs: self.launches.append(
+            (autotuner.fn.__name__, _argument_bytes(args)))
+        for name in ("mm", "bmm", "addmm"):
+            setattr(extern_kernels, name, lambda *a, out=None, **k: out)
+        codegen = GraphLowering.codegen
+
+        def counting_codegen(lowering, *args, **kwargs):
+            result = codegen(lowering, *args, **kwargs)
+            kernels = [n for n in lowering.scheduler.nodes if not (n.is_extern() or n.is_template())]
+            self.graphs.append({"kernels": len(kernels),
+                                "bytes": sum(n.get_read_write_buffers_sizes() for n in kernels)})
+            return result
+
+        GraphLowering.codegen = counting_codegen
+
+
+def _argument_bytes(args) -> int:
+    import torch
+
+    views = {(a.untyped_storage().data_ptr(), a.storage_offset(), a.shape, a.stride()): a
+             for a in args if isinstance(a, torch.Tensor)}
+    return sum(t.numel() * t.element_size() for t in views.values())
+
+
 def inductor_bytes(shape: str, tokens: int, ac: str) -> dict[str, dict[str, int]]:
     """Inductor's kernels and bytes per graph (process-wide patches: run it in its own process)."""
     import torch
-    import torch._inductor.config as inductor_config
-    import torch.utils._triton as torch_triton
-    from torch._inductor.graph import GraphLowering
-    from torch._inductor.runtime import triton_heuristics
-    from torch._inductor.select_algorithm import extern_kernels
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler.compiler import make_backend
 
-    torch_triton.triton_backend = lambda: make_backend(GPUTarget("cuda", 90, 32))
-    inductor_config.cpu_backend = "triton"
-    inductor_config.force_disable_caches = True  # a cached graph skips the scheduler
-    inductor_config.compile_threads = 1
-    triton_heuristics.CachingAutotuner.precompile = lambda self, *a, **k: None
-    triton_heuristics.CachingAutotuner.run = lambda self, *a, **k: None
-    for name in ("mm", "bmm", "addmm"):
-        setattr(extern_kernels, name, lambda *a, out=None, **k: out)
-    graphs: list[dict[str, int]] = []
-    codegen = GraphLowering.codegen
-
-    def counting_codegen(self, *args, **kwargs):
-        result = codegen(self, *args, **kwargs)
-        kernels = [n for n in self.scheduler.nodes if not (n.is_extern() or n.is_template())]
-        graphs.append({"kernels": len(kernels), "bytes": sum(n.get_read_write_buffers_sizes() for n in kernels)})
-        return result
-
-    GraphLowering.codegen = counting_codegen
+    codegen = HopperCodegen()
     block = torch.compile(build_block(shape, tokens, ac), fullgraph=True)
     x = torch.randn(1, tokens, SHAPES[shape][0], dtype=torch.bfloat16, requires_grad=True)
     y = block(x)
     y.backward(torch.ones_like(y))
-    if len(graphs) != 2:
-        raise SystemExit(f"expected a forward and a backward graph, Inductor compiled {len(graphs)}")
-    return {"forward": graphs[0], "backward": graphs[1]}
+    if len(codegen.graphs) != 2:
+        raise SystemExit(f"expected a forward and a backward graph, Inductor compiled {len(codegen.graphs)}")
+    return {"forward": codegen.graphs[0], "backward": codegen.graphs[1]}
 
 
 def main() -> int:

@@ -1,6 +1,8 @@
 """Plan every shipped release recipe at its reference GPU count (its header's "Reference run: N
 GPUs") on the release's GPU (H200), and the GPU-measured configurations against their
-measurements; print both tables as Markdown, or write them into docs/benchmarks/planner.md between their markers.
+measurements; print both tables as Markdown, or write them into docs/benchmarks/planner.md between their markers
+(and, with the calibration table, the planned figures of the GPU runs in use, from which `canon-titan plan` prints
+its error band, into canon_titan/assets/plan_calibration.json).
 
     .venv/bin/python scripts/benchmarks/plan_recipes.py [--docs] [--only PATTERN] [--gpu h200]
         [--no-calibration | --no-recipes]
@@ -23,6 +25,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
+from canon_titan.plan.calibration import PLANNED_FILE, POINTS, in_use, write_planned  # noqa: E402
 from canon_titan.plan.gpus import GIB, GPUS, find_gpu  # noqa: E402
 from canon_titan.plan.planner import plan  # noqa: E402
 from canon_titan.tools.fileio import write_atomic  # noqa: E402
@@ -31,56 +34,6 @@ REFERENCE = re.compile(r"^# Reference run: (\d+) GPUs x (\d+) sequences? x (\d+)
 RELEASE_GPU_HOURS_1B_1T = 5200
 """The release's figure: "1B x 1T tokens ~ 5,200 H200 GPU-hours" (PhysicsLM4 README)."""
 
-# GPU measurements the planner is held to: the offline GPU kit's table (../shared/gpu/README.md,
-# H100, torch 2.11, Triton 3.6, 2026-11-22): one GPU, the recipe's shape on the built-in data
-# (vocabulary 784), batch 2 x 4096, compile, no activation checkpointing.
-BF16 = ["--training.dtype", "bfloat16", "--training.mixed_precision_param", "bfloat16"]
-SEQ_16K = ["--training.seq_len", "16384", "--training.local_batch_size", "1", "--training.global_batch_size", "1"]
-CALIBRATION = [
-    ("Llama-1B", "Llama-1B-Nemo-1T-lr0.003", [], "h100", 45_200, 33.4, "2026-11-22, H100, torch 2.11"),
-    ("LlamaCanon-1B, torch Canon backend", "LlamaCanon-1B-Nemo-1T-lr0.003", ["--model.canon_backend", "torch"],
-     "h100", 33_400, 46.3, "2026-11-22, H100, torch 2.11"),
-    # scripts/gpu_check.sh, 2026-11-26: one H200, torch 2.11, Triton 3.6, the same shape with bf16 weights
-    # and optimizer state (the benchmarks' setting on one GPU, where no FSDP casts fp32 weights).
-    ("Llama-1B, bf16 weights", "Llama-1B-Nemo-1T-lr0.003", BF16, "h200", 48_527, 25.5, "2026-11-26, H200, torch 2.11"),
-    ("LlamaCanon-1B, Triton Canon op, bf16 weights", "LlamaCanon-1B-Nemo-1T-lr0.003",
-     ["--model.canon_backend", "triton", *BF16], "h200", 33_402, 26.3, "2026-11-26, H200, torch 2.11"),
-    ("LlamaCanon-1B, Triton Canon op, bf16 weights, float8 tensorwise", "LlamaCanon-1B-Nemo-1T-lr0.003",
-     ["--model.canon_backend", "triton", *BF16, "--float8.enable", "true", "--float8.recipe_name", "tensorwise"],
-     "h200", 32_111, 25.1, "2026-11-26, H200, torch 2.11"),
-    ("LlamaCanon-1B, Triton Canon op, bf16 weights, float8 rowwise", "LlamaCanon-1B-Nemo-1T-lr0.003",
-     ["--model.canon_backend", "triton", *BF16, "--float8.enable", "true", "--float8.recipe_name", "rowwise"],
-     "h200", 25_056, 25.1, "2026-11-26, H200, torch 2.11"),
-    # scripts/gpu_check.sh, 2026-11-27: the same H200 kit, the Canon backward kernels with their loops
-    # rewritten; the loss step's leftover processes shared the host then (docs/benchmarks/gpu.md). The
-    # linear recipes train at 16384: measured, and planned, at 4096.
-    ("Llama-1B, bf16 weights", "Llama-1B-Nemo-1T-lr0.003", BF16, "h200", 42_158, 25.5, "2026-11-27, H200, torch 2.11"),
-    ("LlamaCanon-1B, Triton Canon op, bf16 weights", "LlamaCanon-1B-Nemo-1T-lr0.003",
-     ["--model.canon_backend", "triton", *BF16], "h200", 35_580, 26.3, "2026-11-27, H200, torch 2.11"),
-    ("Mamba2Canon-1B, mamba-ssm SSD kernel, bf16 weights", "Mamba2Canon-1B-Nemo-1T-lr0.003",
-     ["--model.kernel_backend", "mamba_ssm", "--training.seq_len", "4096", *BF16], "h200", 32_683, 27.4, "2026-11-27, H200, torch 2.11"),
-    ("GDN2Canon-1B, torch recurrence kernel, bf16 weights", "GDN2Canon-1B-Nemo-1T-lr0.003",
-     ["--model.kernel_backend", "torch", "--training.seq_len", "4096", *BF16], "h200", 9_091, 63.0, "2026-11-27, H200, torch 2.11"),
-    # scripts/gpu_lease.sh (one gpu_check.sh run across the lease's two calls), 2026-11-28: the same H200 kit and
-    # kernels, a host of its own (no leftover processes); the 16k runs at batch 1.
-    ("Llama-1B, bf16 weights", "Llama-1B-Nemo-1T-lr0.003", BF16, "h200", 45_904, 25.5, "2026-11-28, H200, torch 2.11"),
-    ("LlamaCanon-1B, Triton Canon op, bf16 weights", "LlamaCanon-1B-Nemo-1T-lr0.003",
-     ["--model.canon_backend", "triton", *BF16], "h200", 38_004, 26.2, "2026-11-28, H200, torch 2.11"),
-    ("LlamaCanon-1B, Triton Canon op, bf16 weights, float8 tensorwise", "LlamaCanon-1B-Nemo-1T-lr0.003",
-     ["--model.canon_backend", "triton", *BF16, "--float8.enable", "true", "--float8.recipe_name", "tensorwise"],
-     "h200", 31_422, 25.1, "2026-11-28, H200, torch 2.11"),
-    ("LlamaCanon-1B, Triton Canon op, bf16 weights, float8 rowwise", "LlamaCanon-1B-Nemo-1T-lr0.003",
-     ["--model.canon_backend", "triton", *BF16, "--float8.enable", "true", "--float8.recipe_name", "rowwise"],
-     "h200", 32_922, 25.1, "2026-11-28, H200, torch 2.11"),
-    ("Mamba2Canon-1B, mamba-ssm SSD kernel, bf16 weights", "Mamba2Canon-1B-Nemo-1T-lr0.003",
-     ["--model.kernel_backend", "mamba_ssm", "--training.seq_len", "4096", *BF16], "h200", 19_189, 27.4, "2026-11-28, H200, torch 2.11"),
-    ("Llama-1B at 16384, batch 1, bf16 weights", "Llama-1B-Nemo-1T-lr0.003",
-     [*SEQ_16K, *BF16], "h200", 35_294, 39.6, "2026-11-28, H200, torch 2.11"),
-    ("Mamba2Canon-1B at 16384, batch 1, mamba-ssm SSD kernel, bf16 weights", "Mamba2Canon-1B-Nemo-1T-lr0.003",
-     ["--model.kernel_backend", "mamba_ssm", *SEQ_16K, *BF16], "h200", 42_759, 43.7, "2026-11-28, H200, torch 2.11"),
-]
-CALIBRATION_SHAPE = ["--training.local_batch_size", "2", "--training.global_batch_size", "2",
-                     "--model.vocab_size", "784"]
 MARKERS = {"recipes": ("<!-- plan:recipes -->", "<!-- /plan:recipes -->"),
            "calibration": ("<!-- plan:calibration -->", "<!-- /plan:calibration -->")}
 
@@ -126,18 +79,23 @@ def recipe_table(gpu_name: str, pattern: str | None, log) -> list[str]:
     return rows
 
 
-def calibration_table(log) -> list[str]:
+def calibration_table(log, planned: dict[str, float]) -> list[str]:
+    """The table of every GPU run against its plan; ``planned`` gets the figures of the runs in use."""
     rows = ["| configuration | GPU | measured tokens/s | planned | planned / measured | measured memory | planned "
             "| planned / measured | measured on |", "|---|---|---:|---:|---:|---:|---:|---:|---|"]
-    for label, recipe, extra, gpu_name, tokens, memory, when in CALIBRATION:
-        gpu = GPUS[gpu_name]
-        result = plan(str(REPO / "train_configs" / f"{recipe}.toml"), CALIBRATION_SHAPE + extra, gpus=1, gpu=gpu,
+    used = {point.key for point in in_use()}
+    for point in POINTS:  # canon_titan/plan/calibration.py: the GPU runs, what was measured
+        gpu, tokens, memory = GPUS[point.gpu], point.measured_tokens_per_s, point.measured_gib
+        result = plan(str(REPO / "train_configs" / f"{point.recipe}.toml"), list(point.overrides), gpus=1, gpu=gpu,
                       advise=False)
-        log(f"calibration {label}: planned in {result.planner_s:.0f} s")
+        log(f"calibration {point.label}: planned in {result.planner_s:.0f} s")
+        if point.key in used:
+            planned[point.key] = round(result.tokens_per_s_per_gpu)
         planned_memory = result.worst.reserved_bytes / GIB
-        rows.append(f"| {label} | {gpu.name} | {tokens:,} | {result.tokens_per_s_per_gpu:,.0f} | "
-                    f"x{result.tokens_per_s_per_gpu / tokens:.2f} | {memory} GiB | {planned_memory:.1f} GiB | "
-                    f"x{planned_memory / memory:.2f} | {when} |")
+        rows.append(f"| {point.label} | {gpu.name} | {tokens:,} | {result.tokens_per_s_per_gpu:,.0f} | "
+                    f"x{result.tokens_per_s_per_gpu / tokens:.2f} | {'-' if memory is None else f'{memory} GiB'} | "
+                    f"{planned_memory:.1f} GiB | {'-' if memory is None else f'x{planned_memory / memory:.2f}'} | "
+                    f"{point.measured_on} |")
     return rows
 
 
@@ -171,8 +129,9 @@ def main() -> int:
         print(f"[plan_recipes] {message}", file=sys.stderr, flush=True)
 
     tables = {} if args.no_recipes else {"recipes": recipe_table(args.gpu, args.only, log)}
+    planned: dict[str, float] = {}
     if not args.no_calibration:
-        tables["calibration"] = calibration_table(log)
+        tables["calibration"] = calibration_table(log, planned)
     if args.docs:
         page = REPO / "docs" / "benchmarks" / "planner.md"
         text = page.read_text()
@@ -180,6 +139,9 @@ def main() -> int:
             text = replace_block(text, name, rows)
         write_atomic(page, text)
         log(f"wrote {', '.join(tables)} into {page}")
+        if planned:  # the figures a plan's error band is computed from (canon_titan/plan/calibration.py)
+            write_planned(planned)
+            log(f"wrote the planned figures of {len(planned)} GPU runs into {PLANNED_FILE}")
     else:
         for rows in tables.values():
             print("\n".join(rows) + "\n")

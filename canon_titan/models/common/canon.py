@@ -29,7 +29,7 @@ from canon_titan.kernels.canon import canon_conv, canon_swiglu
 from canon_titan.models.common.context_parallel import ContextShards
 from canon_titan.models.common.init import canon_bias_init, canon_weight_init
 from canon_titan.models.common.norms import RMSNorm
-from canon_titan.models.common.tensor_parallel import ChannelShard, local
+from canon_titan.models.common.tensor_parallel import ChannelShard, local, tp_sum_together
 
 
 class CanonConv(Module):
@@ -51,9 +51,6 @@ class CanonConv(Module):
         self.bias = nn.Parameter(torch.empty(config.channels)) if config.bias else None
         # Set by tensor parallelism where the inputs are column-sharded (Canon-B/D, short convolutions).
         self.channel_shard: ChannelShard | None = None
-        # Set by tensor parallelism where the layer starts a block's TP region (Canon-A/C under
-        # sequence parallelism): its weights' local gradients are partial sums over the TP group.
-        self.partial_gradients = False
 
     def reset_parameters(self) -> None:
         """PyTorch's conv initialisation, for a config built without ``param_init``."""
@@ -64,15 +61,13 @@ class CanonConv(Module):
     def _weights(self, like: torch.Tensor, sizes: list[int], partials: list[torch.Tensor] = ()
                  ) -> tuple[list[tuple[torch.Tensor, torch.Tensor | None]], list[torch.Tensor]]:
         """(weight [c, K], bias) for consecutive inputs of ``sizes`` channels (this rank's share of
-        each under tensor parallelism), and ``partials`` summed over the TP group: the weights'
-        gradient sum and these sums share one all-reduce each way."""
-        weight = local(self.weight, like, self.partial_gradients).squeeze(1)
-        bias = local(self.bias, like, self.partial_gradients)
+        each under tensor parallelism), and ``partials`` summed over the TP group in one all-reduce."""
+        weight = local(self.weight, like).squeeze(1)
+        bias = local(self.bias, like)
         if self.channel_shard is not None:
-            params, partials = self.channel_shard.sum_together([weight] + ([bias] if bias is not None else []),
-                                                               partials)
-            weights = self.channel_shard.rows(params[0], sizes)
-            biases = self.channel_shard.rows(params[1], sizes) if bias is not None else [None] * len(sizes)
+            partials = tp_sum_together(partials, self.channel_shard.group)
+            weights = self.channel_shard.rows(weight, sizes)
+            biases = self.channel_shard.rows(bias, sizes) if bias is not None else [None] * len(sizes)
         else:
             weights = weight.split(sizes)
             biases = bias.split(sizes) if bias is not None else [None] * len(sizes)
@@ -83,7 +78,7 @@ class CanonConv(Module):
         row_scale = col_scale = None
         if norm is not None:
             row_scale = norm.inverse_rms(x, square_sum).squeeze(-1)
-            col_scale = local(norm.weight, x, self.partial_gradients)
+            col_scale = local(norm.weight, x)
         return canon_conv(x, weight, bias, row_scale=row_scale, col_scale=col_scale, residual=self.residual,
                           activation=self.activation, backend=self.backend)
 
@@ -104,7 +99,7 @@ class CanonConv(Module):
                  shards: ContextShards | None = None) -> tuple[torch.Tensor, ...]:
         """The layer on the concatenation of ``xs`` along channels (each through its norm, if any),
         without concatenating. Under tensor parallelism the statistics of flat norms (QK-norm) are
-        summed over the group together, in the all-reduce that also sums the weight's gradient."""
+        summed over the group together, in one all-reduce."""
         norms = norms or (None,) * len(xs)
         xs = self._halos(shards, *xs)
         flat = [i for i, norm in enumerate(norms)

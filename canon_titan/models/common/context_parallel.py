@@ -13,8 +13,13 @@ The layers see it through ``ContextShards``, which the trainer hands every block
   lower right (``torch.nn.attention.bias.causal_lower_right``), which the fused GPU kernels
   take as a flag and skip the masked blocks of. Each rank computes only its causal share of the
   scores (with the head-tail split, every rank the same share), and no mask is built. With
-  document masking the rank's queries attend to all gathered keys (in rank order) under an
-  explicit mask: causal and within a document.
+  document masking each run attends to the same keys under an explicit mask (causal and within a
+  document) of its queries x those keys, every score of which is computed: the causal share
+  again, not a mask of all the rank's queries x the whole sequence.
+  Memory: SDPA keeps the gathered K and V for its backward, so each layer holds the whole
+  sequence's K and V whatever the CP degree (2 x batch x seq x kv_heads x head_dim elements; the
+  planner records them, as it records the real step); while a layer gathers, one more copy (the
+  head-tail reorder) is alive.
 * a Canon layer needs, for the first token of each contiguous run of its rows, the K - 1 tokens
   before it, which another rank holds (or none: the sequence start, where the convolution pads
   with zeros). Every rank all-gathers the last K - 1 rows of each of its runs (a halo exchange)
@@ -33,8 +38,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-# Called through the module: torch < 2.13 (the offline GPU image's 2.11) lacks the name, and this
-# module is imported by the config checks of every run.
 import torch.distributed._functional_collectives as funcol
 
 from canon_titan.models.common.deferred import deferred
@@ -44,6 +47,14 @@ titan_cp = deferred("torchtitan.distributed.context_parallel")
 
 BALANCERS = ("headtail", None)
 """Load balancers CP supports here (TorchTitan's ``ptrr`` needs a FlexAttention block mask)."""
+
+
+def all_gather_autograd(x: torch.Tensor, group) -> torch.Tensor:
+    """Every rank's ``x`` concatenated along dim 0, its gradient reduce-scattered back. torch 2.13
+    calls it ``all_gather_single_autograd`` (keeping ``all_gather_tensor_autograd`` as a deprecated
+    alias); torch 2.11, the offline GPU kit's, has only the older name."""
+    gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
+    return gather(x, 0, group)
 
 
 def contiguous_runs(index: list[int]) -> list[tuple[int, int, int]]:
@@ -81,8 +92,6 @@ class ContextShards:
     size: int
     index: torch.Tensor
     """[L] global positions of this rank's rows, in local order."""
-    key_index: torch.Tensor
-    """[size x L] global positions of the rows of a gather, in gathered (rank) order."""
     runs: list[tuple[int, int, int]]
     """This rank's contiguous runs: (local start, global start, length)."""
     halo_sources: list[tuple[int, int] | None]
@@ -102,6 +111,8 @@ class ContextShards:
         # dispatch modes that plans and counters run the step in, so these are made outside them.
         from torch.utils._python_dispatch import _disable_current_modes
 
+        if self.causal_biases:  # a copy of built shards with other documents (``dataclasses.replace``)
+            return
         with _disable_current_modes():
             self.causal_biases = [None if first == 0 else lower_right_causal_bias(length, first + length)
                                   for _, first, length in self.runs]
@@ -117,38 +128,46 @@ class ContextShards:
         gathered = [p for rank_positions in positions for p in rank_positions]
         order = sorted(range(len(gathered)), key=gathered.__getitem__)
         return cls(group=group, rank=rank, size=size, index=torch.tensor(positions[rank], device=device),
-                   key_index=torch.tensor(gathered, device=device), runs=runs[rank], halo_sources=sources,
+                   runs=runs[rank], halo_sources=sources,
                    max_runs=max(len(r) for r in runs), documents=documents,
                    global_order=None if order == sorted(order) else torch.tensor(order, device=device))
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
-        """[batch, L, ...] -> [batch, size x L, ...]: every rank's rows, in rank order (``key_index``)."""
-        gathered = funcol.all_gather_single_autograd(x.contiguous(), 0, self.group)
-        return gathered.view(self.size, *x.shape).movedim(0, 1).flatten(1, 2)
+        """[batch, L, heads, dim] -> [batch, heads, S, dim] (S = size x L): the whole sequence in
+        global order, a view of one [S, batch, heads, dim] tensor. The gather runs along the
+        sequence (the local rows are moved to the front first, a copy of 1/size), so its output is
+        the sequence in rank order; the head-tail split's reorder is one more copy. Two tensors of
+        the whole sequence at most while it runs, one kept (for SDPA's backward)."""
+        gathered = all_gather_autograd(x.transpose(0, 1).contiguous(), self.group)
+        if self.global_order is not None:
+            gathered = gathered.index_select(0, self.global_order)
+        return gathered.permute(1, 2, 0, 3)
 
     @functools.cached_property
-    def document_mask(self) -> torch.Tensor:
-        """[batch, 1, L, size x L]: query row i may see gathered key j (causal, same document)."""
-        causal = self.key_index[None, :] <= self.index[:, None]
-        same = self.documents[:, self.index, None] == self.documents[:, None, self.key_index]
-        return (causal & same)[:, None]
-
+    def document_masks(self) -> list[torch.Tensor]:
+        """For each run, [batch, 1, n, first + n]: its queries may see key j (global position j) if
+        causal and in the same document."""
+        masks = []
+        for start, first, length in self.runs:
+            queries, keys = self.index[start:start + length], torch.arange(first + length, device=self.index.device)
+            causal = keys[None, :] <= queries[:, None]
+            same = self.documents[:, queries, None] == self.documents[:, None, :first + length]
+            masks.append((causal & same)[:, None])
+        return masks
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, enable_gqa: bool) -> torch.Tensor:
         """Attention of this rank's queries to the whole sequence's keys: [batch, L, heads, dim]
-        (the local q, k, v) -> [batch, L, heads, dim_v]."""
+        (the local q, k, v) -> [batch, L, heads, dim_v]. Each run of queries (n from global position
+        first) attends to the keys before its end, in global order: lower-right causal, or with
+        documents masked, an explicit [n, first + n] mask (every score of it computed)."""
         k, v = self.gather(k), self.gather(v)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        if self.documents is not None:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=self.document_mask, enable_gqa=enable_gqa)
-            return out.transpose(1, 2)
-        if self.global_order is not None:
-            k, v = k.index_select(2, self.global_order), v.index_select(2, self.global_order)
+        q = q.transpose(1, 2)
+        masks = self.document_masks if self.documents is not None else self.causal_biases
         outs = []
-        for (start, first, length), bias in zip(self.runs, self.causal_biases):
-            end = first + length  # the keys this run sees: global positions [0, end)
+        for (start, first, length), mask in zip(self.runs, masks):
+            end = first + length
             outs.append(F.scaled_dot_product_attention(q[:, :, start:start + length], k[:, :, :end], v[:, :, :end],
-                                                       attn_mask=bias, is_causal=bias is None, enable_gqa=enable_gqa))
+                                                       attn_mask=mask, is_causal=mask is None, enable_gqa=enable_gqa))
         return torch.cat(outs, dim=2).transpose(1, 2)
 
     def with_halos(self, x: torch.Tensor, kernel_size: int) -> torch.Tensor:
@@ -159,7 +178,7 @@ class ContextShards:
         tails = [x[:, start + length - k:start + length] for start, _, length in self.runs]
         tails += [x.new_zeros(x.shape[0], k, x.shape[2])] * (self.max_runs - len(self.runs))  # same size on every rank
         tails = torch.cat(tails, dim=1)
-        gathered = funcol.all_gather_single_autograd(tails.contiguous(), 0, self.group)
+        gathered = all_gather_autograd(tails.contiguous(), self.group)
         # Every rank's tails, then k zero rows (the halo of the sequence start), as one tensor that
         # every rank's halos come from: the gather is in each rank's backward graph, so its
         # reduce-scatter runs on all of them (a rank that used none of it would skip it and hang).
@@ -207,6 +226,15 @@ def context_parallel_inputs(input_dict: dict, labels: torch.Tensor, cp_mesh, loa
     if positions is None:
         positions = torch.arange(seq_len, device=inputs.device).expand(batch, seq_len).contiguous()
     (inputs, labels, rope_positions), _ = titan_cp.cp_shard(cp_mesh, (inputs, labels, positions), None, load_balancer)
-    shards = ContextShards.build(cp_mesh.get_group(), rank_positions(seq_len, cp_mesh.size(), load_balancer),
-                                 inputs.device, documents)
+    shards = shard_layout(cp_mesh.get_group(), seq_len, load_balancer, inputs.device)
+    if documents is not None:
+        shards = dataclasses.replace(shards, documents=documents)
     return inputs, labels, {"positions": rope_positions, "attention_masks": shards}
+
+
+@functools.lru_cache(maxsize=16)
+def shard_layout(group, seq_len: int, load_balancer: str | None, device) -> ContextShards:
+    """The ``ContextShards`` of a sequence length, built once: the split depends only on the length,
+    the CP group and the balancer (building it walks every position in Python, 0.06 s of the host at
+    262,144 tokens on 8 ranks, more on a busy one), and only the documents change from batch to batch."""
+    return ContextShards.build(group, rank_positions(seq_len, dist.get_world_size(group), load_balancer), device)

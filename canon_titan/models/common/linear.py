@@ -35,7 +35,7 @@ from torchtitan.protocols.module import Module
 from canon_titan.models.common.canon import CanonConv
 from canon_titan.models.common.decoder import CanonDecoder, FeedForward, normed
 from canon_titan.models.common.norms import RMSNorm
-from canon_titan.models.common.tensor_parallel import local, sum_gradients
+from canon_titan.models.common.tensor_parallel import local
 
 def upcast(t: torch.Tensor) -> torch.Tensor:
     """float32 for half precision; float64 stays float64 (tests compare in double)."""
@@ -72,7 +72,7 @@ class GatedRMSNorm(Module):
     ``norm_before_gate``: ``norm(x) * w * silu(g)`` (fla's FusedRMSNormSwishGate, per head, GLA5/GDN2);
     otherwise ``norm(x * silu(g)) * w`` (Mamba2's gated norm over the whole inner width).
     Under tensor parallelism each rank applies the shared weight to its own heads, so its gradient
-    is summed over ``tp_group``.
+    is a partial sum (the plan marks it with ``partial_gradients``).
     """
 
     @dataclass(kw_only=True, slots=True)
@@ -85,12 +85,9 @@ class GatedRMSNorm(Module):
         super().__init__()
         self.eps, self.norm_before_gate = config.eps, config.norm_before_gate
         self.weight = nn.Parameter(torch.empty(config.dim))
-        self.tp_group = None
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         weight = local(self.weight, x)
-        if self.tp_group is not None:
-            weight = sum_gradients(weight, self.tp_group)
         xf, gate = upcast(x), F.silu(upcast(gate))
         if not self.norm_before_gate:
             xf = xf * gate

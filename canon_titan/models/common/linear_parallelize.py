@@ -5,8 +5,8 @@ meet); each family names its mixer's layout (``MixerLayout``):
   down-projections stay replicated: every rank computes the whole bottleneck inside the block's TP
   region (``ReplicatedLinear``), its gradients partial sums like the region's.
 - The short convolutions (b) on q/k/v are depthwise: each rank applies the rows of its channels
-  (``ChannelShard``), the full weight replicated with its gradient summed.
-- The per-head gated RMSNorm's weight is shared by all heads: replicated, gradient summed.
+  (``ChannelShard``), the full weight replicated, its gradient a partial sum (``partial_gradients``).
+- The per-head gated RMSNorm's weight is shared by all heads: replicated, its gradient a partial sum.
 - The MLP, Canon-A/C/D, sequence parallelism, embedding and output as for Llama.
 """
 
@@ -20,6 +20,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from canon_titan.models.common.parallelize import (ReplicatedLinear, channel_shard, feed_forward_plan,
                                                    parallelize_block_plan, region_plan)
+from canon_titan.models.common.tensor_parallel import partial_gradients
 
 
 @dataclass(frozen=True)
@@ -33,7 +34,7 @@ class MixerLayout:
     per_head: tuple[str, ...]
     """Parameters with one entry per head, sharded with the heads."""
     gated_norm: str
-    """The per-head gated RMSNorm whose shared weight's gradient is summed."""
+    """The per-head gated RMSNorm, whose shared weight's gradient is a partial sum."""
 
 
 def parallelize_block(block, tp_mesh, enable_sp: bool, *, layout: MixerLayout) -> None:
@@ -41,10 +42,10 @@ def parallelize_block(block, tp_mesh, enable_sp: bool, *, layout: MixerLayout) -
     for name in layout.per_head:
         param = getattr(mixer, name)
         mixer.register_parameter(name, nn.Parameter(distribute_tensor(param, tp_mesh, [Shard(0)])))
-    getattr(mixer, layout.gated_norm).tp_group = tp_mesh.get_group()
+    partial_gradients(getattr(mixer, layout.gated_norm), "weight")
     for conv in (mixer.q_conv1d, mixer.k_conv1d, mixer.v_conv1d):
         if conv is not None:
-            conv.channel_shard = channel_shard(tp_mesh)
+            channel_shard(conv, tp_mesh)
     residual = Shard(1) if enable_sp else Replicate()
     plan = {f"mixer.{name}": ColwiseParallel() for name in layout.colwise}
     plan.update({f"mixer.{name}": ReplicatedLinear() for name in layout.replicated})

@@ -10,14 +10,18 @@ activations are plain tensors and their gradients are *partial sums*: each rank 
 shards contribute (the column-parallel linears' input gradients are left unreduced). The region's
 entry reduces them once: one reduce-scatter under sequence parallelism, one all-reduce without it,
 however many linears read the input (TorchTitan's scheme; reducing at every linear costs one
-all-reduce each). Parameters that every rank applies whole inside a region (the Canon-A/C weights
-and their fused norm, the linear models' low-rank bottlenecks) get partial gradients too, summed
-over the TP group (a ``Partial`` DTensor gradient, which FSDP2 reduces).
+all-reduce each). Parameters that every rank applies whole to its share of the work (the Canon-A/C
+weights and their fused norm inside a region, a norm on a sequence shard, the rows of a Canon-B/D
+weight, the linear models' low-rank bottlenecks) get partial gradients too: they are used as plain
+local tensors and marked (``tensor_parallel.partial_gradients``), and the trainer sums all of them
+over the TP group in one all-reduce after the step's last backward (``sum_partial_gradients``), not
+one collective per parameter in every block's backward.
 
-Sequence parallelism with Canon layers: Canon-A and Canon-C mix along the sequence, so the
-activations are all-gathered *before* them and they always see the whole sequence. They run the
-RMSNorm before them themselves (fused), so there the region starts before the norm, which every TP
-rank then computes on the whole sequence. Every parameter a block plan leaves alone is replicated
+Sequence parallelism: a norm before a region runs on each rank's sequence shard, as a plain
+module (its weight's gradient a partial sum). With Canon layers: Canon-A and Canon-C mix along the
+sequence, so the activations are all-gathered *before* them and they always see the whole sequence.
+They run the RMSNorm before them themselves (fused), so there the region starts before the norm,
+which every TP rank then computes on the whole sequence. Every parameter a block plan leaves alone is replicated
 over the TP mesh, so all parameters share one mesh layout under FSDP x TP (which gradient-norm
 clipping needs).
 """
@@ -33,7 +37,6 @@ from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
     RowwiseParallel,
-    SequenceParallel,
     parallelize_module,
 )
 
@@ -47,25 +50,37 @@ from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
 from torchtitan.tools.logging import logger
 
 from canon_titan.kernels.backends import KernelEnvironment
-from canon_titan.models.common.tensor_parallel import ChannelShard
+from canon_titan.models.common.tensor_parallel import ChannelShard, partial_gradients
 
 
-class EmbeddingParallel(RowwiseParallel):
-    """The vocab-parallel embedding: ``RowwiseParallel`` whose output collective (all-reduce, or
-    reduce-scatter under sequence parallelism) completes before the first block.
+class EmbeddingParallel(ParallelStyle):
+    """The vocab-parallel embedding: the table sharded by rows (vocabulary), the token ids
+    replicated, the output reduced (all-reduce, or reduce-scatter under sequence parallelism to
+    ``layout``) before the first block, as a plain tensor.
 
-    The stock style redistributes asynchronously and hands the first block an
-    ``AsyncCollectiveTensor``. A block compiled with torch.compile (torch 2.13) resolves such an
+    Not torch's ``RowwiseParallel``, which redistributes asynchronously and hands the first block
+    an ``AsyncCollectiveTensor``: a block compiled with torch.compile (torch 2.13) resolves such an
     input with ``trigger_wait()`` outside autograd and traces it as not requiring grad, so the
-    compiled block returns no gradient for it: the embedding's gradient is silently dropped.
-    The first block uses the activations at once (a compiled block waits on entry anyway), so
-    waiting here gives up no overlap."""
+    compiled block returns no gradient for it and the embedding's gradient is silently dropped.
+    Waiting here gives up no overlap (the first block uses the activations at once; a compiled block
+    waits on entry anyway). Built on DTensor's public ``distribute_module``."""
 
-    @staticmethod
-    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
-        if outputs.placements != output_layouts:
-            outputs = outputs.redistribute(placements=output_layouts, async_op=False)
-        return outputs.to_local() if use_local_output else outputs
+    def __init__(self, layout: Placement):
+        super().__init__()
+        self.layout = layout
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        def shard_rows(_, mod, mesh):
+            for name, param in list(mod.named_parameters(recurse=False)):
+                mod.register_parameter(name, nn.Parameter(distribute_tensor(param, mesh, [Shard(0)]),
+                                                          requires_grad=param.requires_grad))
+
+        return distribute_module(
+            module, device_mesh, shard_rows,
+            input_fn=lambda _, args, mesh: (DTensor.from_local(args[0], mesh, (Replicate(),), run_check=False),
+                                            *args[1:]),
+            output_fn=lambda _, out, mesh: out.redistribute(placements=(self.layout,)).to_local(),
+        )
 
 
 def region_input(x: torch.Tensor, tp_mesh, layout: Placement) -> torch.Tensor:
@@ -102,33 +117,39 @@ class RegionInput(ParallelStyle):
 
 class ReplicatedLinear(ParallelStyle):
     """A linear every TP rank applies whole inside a region (the linear models' low-rank
-    bottlenecks): replicated weight, plain input and output; its input and weight gradients stay
-    partial sums like the region's (FSDP2 reduces the weight's ``Partial`` gradient)."""
+    bottlenecks): replicated weight, plain input and output. DTensor sees only replicated tensors,
+    so it computes locally and moves nothing: the input's gradient stays a partial sum like the
+    region's, and so does the weight's (marked with ``partial_gradients``)."""
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
-        return distribute_module(
+        module = distribute_module(
             module, device_mesh,
-            input_fn=lambda _, args, mesh: (_inside_region(args[0], mesh), *args[1:]),
-            output_fn=lambda _, out, mesh: out.to_local(grad_placements=(Partial(),)),
+            input_fn=lambda _, args, mesh: (DTensor.from_local(args[0], mesh, (Replicate(),), run_check=False),
+                                            *args[1:]),
+            output_fn=lambda _, out, mesh: out.to_local(),
         )
+        partial_gradients(module, "weight", "bias")
+        return module
 
 
 def region_plan(block, halves: tuple[tuple[str, str, str], ...], enable_sp: bool) -> dict:
     """Where each half of a block starts its TP region, each half given as (Canon layer, norm,
     sublayer). Under sequence parallelism the norm runs on the sequence shard and the activations
     are gathered before the sublayer; where the Canon layer exists it takes the norm inside, so the
-    block's stream is gathered before it instead, and its weights join the region. Without
-    sequence parallelism the region starts at the sublayer."""
+    block's stream is gathered before it instead, and its weights join the region. Either way the
+    norm's weight (and the Canon layer's) gets partial gradients. Without sequence parallelism the
+    region starts at the sublayer."""
     plan = {}
     for canon, norm, sublayer in halves:
         if not enable_sp:
             plan[sublayer] = RegionInput(Replicate())
-        elif getattr(block, canon) is not None:
+            continue
+        if getattr(block, canon) is not None:
             plan[canon] = RegionInput(Shard(1))
-            getattr(block, canon).partial_gradients = True
+            partial_gradients(getattr(block, canon), "weight", "bias")
         else:
-            plan[norm] = SequenceParallel()
             plan[sublayer] = RegionInput(Shard(1))
+        partial_gradients(getattr(block, norm), "weight")
     return plan
 
 
@@ -140,15 +161,17 @@ def _replicate_remaining(model: nn.Module, tp_mesh) -> None:
                     distribute_tensor(param, tp_mesh, [Replicate()]), requires_grad=param.requires_grad))
 
 
-def channel_shard(tp_mesh) -> ChannelShard:
-    """This rank's share of per-channel weights whose inputs are column-sharded."""
-    return ChannelShard(tp_mesh.get_local_rank(), tp_mesh.size(), tp_mesh.get_group())
+def channel_shard(conv: nn.Module, tp_mesh) -> None:
+    """A depthwise Canon layer whose inputs are column-sharded applies this rank's rows of its weight
+    (``ChannelShard``), whose gradient is then a partial sum."""
+    conv.channel_shard = ChannelShard(tp_mesh.get_local_rank(), tp_mesh.size(), tp_mesh.get_group())
+    partial_gradients(conv, "weight", "bias")
 
 
 def feed_forward_plan(block, tp_mesh, residual) -> dict:
     """The SwiGLU: gate and up column-sharded, w2 row-sharded; Canon-D applies its channels' rows."""
     if block.feed_forward.canonD is not None:
-        block.feed_forward.canonD.channel_shard = channel_shard(tp_mesh)
+        channel_shard(block.feed_forward.canonD, tp_mesh)
     return {"feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
             "feed_forward.w2": RowwiseParallel(output_layouts=residual)}
 
@@ -207,7 +230,7 @@ def wrap_weights_for_float8_all_gather(model: nn.Module) -> int:
             WeightWithDynamicFloat8CastTensor(module.weight, module.linear_mm_config,
                                               module.config.cast_config_weight.target_dtype),
             requires_grad=module.weight.requires_grad)
-        module._register_state_dict_hook(_unwrapped_float8_weight)
+        module.register_state_dict_post_hook(_unwrapped_float8_weight)
         wrapped += 1
     return wrapped
 
@@ -245,11 +268,11 @@ def apply_tp(model: nn.Module, tp_mesh, *, enable_sp: bool, parallelize_block: C
     block, and every other parameter replicated."""
     residual = Shard(1) if enable_sp else Replicate()
     root_plan = {
-        "tok_embeddings": EmbeddingParallel(input_layouts=Replicate(), output_layouts=residual),
+        "tok_embeddings": EmbeddingParallel(residual),
         "lm_head": ColwiseParallel(input_layouts=residual, output_layouts=Shard(-1), use_local_output=False),
     }
-    if enable_sp:
-        root_plan["norm"] = SequenceParallel()
+    if enable_sp and getattr(model, "norm", None) is not None:
+        partial_gradients(model.norm, "weight")  # on each rank's sequence shard, before the output gathers it
     parallelize_plan(model, tp_mesh, {k: v for k, v in root_plan.items() if getattr(model, k, None) is not None})
     for block in model.layers.values():
         parallelize_block(block, tp_mesh, enable_sp)
@@ -280,10 +303,11 @@ def apply_ac_compile_fsdp(model, *, parallel_dims, training, parallelism, compil
     )
 
 
-def parallelize_decoder(model, *, parallelize_block: Callable, parallel_dims, training, parallelism, compile_config,
-                        ac_config, dump_folder):
+def parallelize_decoder(model, *, parallelize_block: Callable | None, parallel_dims, training, parallelism,
+                        compile_config, ac_config, dump_folder):
     """TorchTitan's ``parallelize_fn`` for a family whose blocks ``parallelize_block(block, tp_mesh,
-    enable_sp)`` shards."""
+    enable_sp)`` shards (None: a family without tensor parallelism, whose own function refuses it
+    first). Every family goes through here, so each honours ``[float8] enable_fsdp_float8_all_gather``."""
     gathered = wrap_weights_for_float8_all_gather(model)
     if gathered:
         logger.info(f"float8: FSDP all-gathers the weights of {gathered} float8 linears in float8")

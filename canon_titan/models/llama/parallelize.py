@@ -1,7 +1,7 @@
 """Tensor parallelism of a Llama block, exact with Canon layers (the rest is common):
 - q/k/v and gate/up projections are column-sharded, wo and w2 row-sharded;
 - Canon-B and Canon-D are depthwise, so each rank applies the rows of its own q/k/v (gate/up)
-  channels (``ChannelShard``); the full weight stays replicated and its gradient is summed;
+  channels (``ChannelShard``); the full weight stays replicated, its gradient a partial sum;
 - the flat QK-norm spans all heads: its weight is sharded with the columns and the mean square
   is summed over the TP group;
 - Canon-A/C, the TP regions and sequence parallelism as every family (``common.parallelize``).
@@ -24,7 +24,7 @@ def parallelize_block(block, tp_mesh, enable_sp: bool) -> None:
             norm.weight = nn.Parameter(distribute_tensor(norm.weight, tp_mesh, [Shard(0)]))
             norm.tp_group = tp_mesh.get_group()
     if attn.canonB is not None:
-        attn.canonB.channel_shard = channel_shard(tp_mesh)
+        channel_shard(attn.canonB, tp_mesh)
     residual = Shard(1) if enable_sp else Replicate()
     plan = {
         "attention.wq": ColwiseParallel(),

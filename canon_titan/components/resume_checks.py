@@ -1,6 +1,7 @@
 """Whether a checkpoint can continue this run, checked from its ``.metadata`` and small saved
-values before any rank loads it (the launcher before torchrun starts, each rank before the load):
-the model's tensors, the data it was trained on, the data loader's layout and the global batch."""
+values before any rank loads it (the launcher before torchrun starts, then the trainer's rank 0,
+whose verdict every rank takes): the model's tensors, the data it was trained on, the data
+loader's layout and the global batch."""
 
 from __future__ import annotations
 

@@ -1,0 +1,121 @@
+"""A linear model's kernels tuned before the run's first collective (``canon_titan/kernels/tuning.py`` says why).
+
+``tuned_first(parallelize)`` wraps a family's ``parallelize_fn``: after parallelizing, each rank builds one mixer
+at its own shapes (local batch, or the pipeline's micro-batch; the sequence length; its share of the heads under
+tensor parallelism; the activations' dtype, ``[training] mixed_precision_param``) and runs a forward and backward
+of it on random inputs, so that the recurrence's Triton kernels tune and compile for exactly the calls of the
+first step (the Canon ops and short convolutions are Inductor's to tune under compile, as each block compiles). Then it waits, through the process group's store, until every rank has done
+the same: a rank that tunes longer keeps the others waiting there, before any collective of the run, not inside
+the first step's collectives, whose timeout (``[comm] init_timeout_seconds``) would end the job.
+
+Nothing runs when the recurrence runs on torch, where no Triton kernel can run (a CPU without Triton's
+interpreter), or when ``canon-titan plan`` builds the run for another machine. The random numbers come from a
+forked generator: the model's initialisation draws what it would have drawn without this.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+
+import torch
+
+from torchtitan.config import TORCH_DTYPE_MAP
+
+from canon_titan.kernels.backends import KernelEnvironment, runs_cuda_kernel
+from canon_titan.kernels.tuning import device_for_kernels, progress, wait_for_every_rank
+
+_tuned: set[str] = set()
+"""The shapes this process has tuned (a pipeline rank parallelizes each of its stages)."""
+
+
+def tuned_first(parallelize):
+    """``parallelize`` (a family's ``parallelize_fn``), then ``tune_mixer`` at the run's shapes."""
+
+    @functools.wraps(parallelize)
+    def parallelize_and_tune(model, *, parallel_dims, training, parallelism, **kwargs):
+        model = parallelize(model, parallel_dims=parallel_dims, training=training, parallelism=parallelism,
+                            **kwargs)
+        batch = parallelism.pipeline_parallel_microbatch_size if parallel_dims.pp_enabled else training.local_batch_size
+        # From the config, which every rank has whole (a pipeline stage's model holds some of the layers).
+        tune_mixer(model.config.args, model.config.layers[0].mixer.backend, batch=batch, seq_len=training.seq_len,
+                   tp=parallel_dims.tp, dtype=TORCH_DTYPE_MAP[training.mixed_precision_param])
+        return model
+
+    return parallelize_and_tune
+
+
+def tune_mixer(args, backend: str, *, batch: int, seq_len: int, tp: int, dtype: torch.dtype) -> None:
+    """One forward and backward of a mixer of ``args`` (a family's ``[model]`` args) with ``backend`` (resolved)
+    at one rank's shapes, then ``wait_for_every_rank``. Once per process and shape."""
+    device = device_for_kernels()
+    if (backend == "torch" or KernelEnvironment.current().planned
+            or not runs_cuda_kernel(backend, torch.empty(0, device=device))):
+        return
+    local = dataclasses.replace(args, dim=args.dim // tp, n_heads=args.n_heads // tp)
+    shape = f"{args.label} mixer on {backend}, batch {batch} x {seq_len}, {local.n_heads} heads, {dtype}"
+    if shape in _tuned:
+        return
+    _tuned.add(shape)
+    started = time.perf_counter()
+    progress(f"{shape}: a forward and backward before the first collective")
+    run_mixer(local, backend, batch=batch, seq_len=seq_len, dtype=dtype, device=device)
+    progress(f"{shape}: tuned in {time.perf_counter() - started:.1f} s")
+    wait_for_every_rank(shape)
+
+
+def run_mixer(args, backend: str, *, batch: int, seq_len: int, dtype: torch.dtype, device: torch.device) -> None:
+    """A forward and backward of a mixer of ``args`` on random inputs, from a forked random generator."""
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        with torch.device(device):
+            mixer = args.mixer_config(backend).build()
+            mixer.init_states()
+        mixer.to(dtype)
+        x = torch.randn(batch, seq_len, args.dim, device=device, dtype=dtype, requires_grad=True)
+        mixer(x).float().sum().backward()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m canon_titan.models.common.linear_tuning CONFIG.toml [--section.key value ...]``: tune one rank's
+    kernels for a linear model's run on this machine's GPU, into Triton's cache (``TRITON_CACHE_DIR``, default
+    ``~/.triton/cache``), which the run's processes then read instead of tuning."""
+    import argparse
+    import sys
+
+    from torchtitan.tools.logging import init_logger
+
+    from canon_titan.config import ConfigError, load
+    from canon_titan.models.common.linear_args import LinearArgs
+
+    parser = argparse.ArgumentParser(prog="python -m canon_titan.models.common.linear_tuning",
+                                     description=main.__doc__, epilog="Other arguments: --section.key value overrides.")
+    parser.add_argument("config", help="a linear model's TOML run config (gla5, gdn2, mamba2)")
+    args, overrides = parser.parse_known_args(argv)
+    init_logger()
+    try:
+        run = load(args.config, overrides, environment=False)
+    except ConfigError as e:
+        print(f"canon-titan: config error: {e}", file=sys.stderr)
+        return 2
+    if not isinstance(run.model_args, LinearArgs):
+        print(f"canon-titan: {run.label()}: [model] name: the kernel tuning is for gla5, gdn2 and mamba2",
+              file=sys.stderr)
+        return 2
+    par, training = run["parallelism"], run["training"]
+    backend = run.model_spec().model.layers[0].mixer.backend
+    if backend == "torch" or not runs_cuda_kernel(backend, torch.empty(0, device=device_for_kernels())):
+        print(f"canon-titan: {run.label()}: its recurrence runs on torch here ({backend!r}): nothing to tune",
+              file=sys.stderr)
+        return 2
+    pipelined = par["pipeline_parallel_degree"] > 1
+    batch = par["pipeline_parallel_microbatch_size"] if pipelined else training["local_batch_size"]
+    tune_mixer(run.model_args, backend, batch=batch, seq_len=training["seq_len"], tp=par["tensor_parallel_degree"],
+               dtype=TORCH_DTYPE_MAP[training["mixed_precision_param"]])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,223 @@
+"""What canon-titan takes from torch, TorchTitan and torchao beyond their public API, pinned: every
+name it patches or whose private form it calls (with the parameters its code assumes), every
+message its control flow or its log filters key on, held to the installed packages. A release
+that renames, re-signs or rewords one fails here by name, instead of a shim that silently stops
+applying or a filter that silently lets a line through. ``docs/development.md`` lists the same
+names with the upstream limitation each works around; a scan of the package finds every
+assignment to an attribute of those packages' objects, which must be one of these.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+import re
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+
+PATCHED = [
+    # (module, name in it, the parameters the patch or call assumes (None: not a function, or any), where, scope)
+    # -- CPU (gloo) training: tools/runtime.py, off on an accelerator
+    ("torchtitan.tools.utils", "device_type", None, "tools/runtime.py", "cpu"),
+    ("torchtitan.tools.utils", "device_module", None, "tools/runtime.py", "cpu"),
+    ("torchtitan.tools.utils", "get_peak_flops", ["device_name"], "tools/runtime.py", "cpu"),
+    ("torchtitan.distributed.fsdp", "disable_fsdp_gradient_division", ["model"], "tools/runtime.py", "cpu"),
+    ("torch.distributed", "barrier", ["group", "async_op", "device_ids", "timeout"], "tools/runtime.py", "cpu"),
+    ("torchtitan.trainer", "time", None, "tools/runtime.py", "cpu"),
+    # -- a torch without the names TorchTitan 0.3.0 calls (feature checks): tools/runtime.py
+    ("torch.distributed.distributed_c10d", "_set_pg_timeout", ["timeout", "group"], "tools/runtime.py", "torch"),
+    ("torch.distributed.pipelining.schedules", "PipelineScheduleSingle.step",
+     ["self", "args", "target", "losses", "return_outputs", "loss_kwargs", "kwargs"], "tools/runtime.py", "torch"),
+    ("torch.distributed.pipelining.schedules", "PipelineScheduleMulti.step",
+     ["self", "args", "target", "losses", "return_outputs", "loss_kwargs", "kwargs"], "tools/runtime.py", "torch"),
+    ("torch.distributed.pipelining.schedules", "PipelineScheduleMulti._step_microbatches",
+     ["self", "arg_mbs", "kwarg_mbs", "target_mbs", "losses", "return_outputs", "loss_kwargs"], "tools/runtime.py",
+     "torch"),
+    ("torch.distributed.pipelining.stage", "PipelineStage.clear_runtime_states", ["self"], "tools/runtime.py", "torch"),
+    # -- every run
+    ("torch.distributed.elastic.multiprocessing.api", "_terminate_process_handler", ["signum", "frame"],
+     "launch/torchrun.py", "launcher"),
+    ("torch", "Tensor._make_subclass", None, "models/common/context_parallel.py", "cp"),
+    ("torch.nn.attention.bias", "CausalBias.__init__", ["self", "variant", "seq_len_q", "seq_len_kv"],
+     "models/common/context_parallel.py", "cp"),
+    ("torch.distributed.checkpoint", "FileSystemReader._slice_file", ["self", "file", "sinfo"], "convert/dcp_io.py",
+     "every run"),
+    ("torchtitan.components.checkpointer", "CheckpointManager._should_save", ["self", "curr_step", "last_step"],
+     "components/checkpointer.py, trainer.py", "every run"),
+    # -- the planner: plan/
+    ("torch.distributed.tensor._sharding_prop", "_propagate_use_strided_shard_flag", ["op_strategy", "op_schema"],
+     "plan/strided_scan.py", "planner"),
+    ("torch.distributed.pipelining.stage", "PipelineStage._warmup_forward_vote", ["self", "has_backward", "received_acc"],
+     "plan/fake_world.py", "planner"),
+    ("torch.distributed.pipelining.stage", "PipelineStage._warmup_backward_result", ["self", "received_result"],
+     "plan/fake_world.py", "planner"),
+    ("torch.distributed.pipelining.stage", "PipelineStage._recv_meta", ["self", "src_stage"], "plan/fake_world.py",
+     "planner"),
+    ("torch.distributed.pipelining.stage", "PipelineStage._send_meta", ["self", "meta", "dst_stage"],
+     "plan/fake_world.py", "planner"),
+    ("torch.distributed.pipelining.stage", "PipelineStage._forward_metadata_inference", None, "plan/fake_world.py",
+     "planner"),
+    ("torch.distributed.pipelining.stage", "PipelineStage._backward_metadata_inference", None, "plan/fake_world.py",
+     "planner"),
+    ("torch.distributed.pipelining._utils", "InferenceMode.needs_dynamic", ["meta", "stage_has_backward"],
+     "plan/fake_world.py", "planner"),
+    ("torch.distributed.pipelining._utils", "_derive_grad_metas", ["tensor_metas"], "plan/fake_world.py", "planner"),
+    ("torch.distributed.pipelining._utils", "_StageBackwardMeta", ["backward_metas"], "plan/fake_world.py", "planner"),
+    ("torch.distributed.pipelining.schedules", "_add_unshard_reshard", ["compute_actions", "max_active_stages"],
+     "plan/fake_world.py", "planner"),
+    ("torch.distributed.pipelining.schedules", "_PipelineScheduleRuntime._assert_unsharded", ["self", "stage"],
+     "plan/fake_world.py", "planner"),
+    ("torch", "UntypedStorage.resize_", None, "plan/recorder.py", "planner"),
+    ("torch.distributed.tensor._sharding_prop", "ShardingPropagator._propagate_tensor_meta_non_cached",
+     ["self", "op_schema"], "plan/recorder.py", "planner"),
+    ("torch.distributed._tools.fake_collectives", "CollectiveOp.get_process_group", None, "plan/recorder.py",
+     "planner"),
+    ("torch.distributed._tools.fake_collectives", "CollectiveOp.get_comm_tensor_size", None, "plan/recorder.py",
+     "planner"),
+    ("torch.nn", "Module.to_empty", ["self", "device", "recurse"], "plan/fake_world.py", "planner"),
+    ("torchtitan.protocols.model", "BaseModel.init_weights", ["self", "kwargs"], "plan/fake_world.py", "planner"),
+    ("torchtitan.tools.utils", "get_local_device", [], "plan/fake_world.py", "planner"),
+    # -- Triton's interpreter (the CUDA kernels on a CPU, tests only): kernels/interpreter.py
+    ("triton.runtime.autotuner", "Autotuner.do_bench", None, "kernels/interpreter.py", "interpreter"),
+    ("torch.cuda", "device", None, "kernels/interpreter.py", "interpreter"),
+    ("torch.cuda", "get_device_properties", None, "kernels/interpreter.py", "interpreter"),
+]
+
+MESSAGES = [
+    # (module whose source says it, the text canon-titan keys on, where)
+    # GradScaler's contract with the fused optimizers: an optimizer's ``found_inf`` attribute skips its
+    # update on the device when it holds 1 (the divergence guard's skip, without a host sync).
+    ("torch.optim.adam", 'found_inf=getattr(self, "found_inf", None)', "trainer.py: a skipped step's update"),
+    ("torch.optim.adamw", "found_inf", "trainer.py: a skipped step's update"),
+    ("triton.runtime.autotuner", "self.early_config_prune", "kernels/tuning.py: the narrowing of fla's autotuning"),
+    ("torchtitan.trainer", "Loss is not finite", "trainer.py: a skipped step's non-finite loss"),
+    ("torchtitan.trainer", '"Training completed"', "trainer.py: dropped when a preempted run stops early"),
+    ("torchtitan.trainer", '"Sleeping 2 seconds for other ranks to complete"', "tools/runtime.py: end-barrier"),
+    ("torchtitan.trainer", "Peak FLOPS used for computing MFU", "tools/runtime.py: quiet-cpu-log"),
+    ("torchtitan.distributed.utils", "ENV[", "tools/runtime.py: quiet-cpu-log (TORCH_NCCL_ASYNC_ERROR_HANDLING)"),
+    ("torch.distributed.tensor._random", "may not have complete support", "tools/runtime.py: quiet-cpu-log"),
+    ("torch.distributed.elastic.multiprocessing.api", '"Sending process %s closing signal %s"',
+     "launch/torchrun.py: _PurposefulStops"),
+    ("torch.distributed.elastic.multiprocessing.api", '"failed (exitcode: %s)', "launch/torchrun.py: _PurposefulStops"),
+    ("torch.distributed.elastic.multiprocessing.errors.error_handler", '"no error file defined',
+     "launch/torchrun.py: _PurposefulStops"),
+    ("torchao", 'f"Failed to load {', "tools/startup.py: NOISE"),
+    ("torch.utils._pytree", '"%s is an Enum subclass and is now natively supported by "', "tools/startup.py: NOISE"),
+    ("torch.distributed.tensor._redistribute", '"While redistributing from %s to %s', "tools/startup.py: NOISE"),
+]
+
+SETTINGS = {"triton.knobs.cache.dir", "triton.knobs.nvidia.dump_ptxas_log"}
+"""Attributes of upstream objects that the package assigns as their documented way of being
+configured (Triton's knobs), which are no patch."""
+ADDED = {"torch.distributed.set_timeout"}
+"""Names a shim adds where torch lacks them (TorchTitan 0.3.0 calls ``dist.set_timeout``, which
+torch 2.13 has only as ``_set_pg_timeout``, pinned above)."""
+
+UPSTREAM = ("torch", "torchtitan", "torchao", "triton")
+
+
+def _resolve(module: str, name: str):
+    target = importlib.import_module(module)
+    for part in name.split("."):
+        assert hasattr(target, part), f"canon-titan relies on {module}.{name}, and the installed package has no such name"
+        target = getattr(target, part)
+    return target
+
+
+@pytest.mark.parametrize("module,name,parameters,where,scope", PATCHED, ids=[f"{p[0]}.{p[1]}" for p in PATCHED])
+def test_every_patched_or_private_name_is_still_there(module, name, parameters, where, scope):
+    target = _resolve(module, name)
+    if parameters is not None:
+        assert list(inspect.signature(target).parameters) == parameters, \
+            f"{module}.{name} now takes {inspect.signature(target)}; {where} assumes {parameters}"
+
+
+@pytest.mark.parametrize("module,text,where", MESSAGES, ids=[m[1] for m in MESSAGES])
+def test_every_message_canon_titan_keys_on_is_still_said(module, text, where):
+    source = inspect.getsource(importlib.import_module(module))
+    assert text in source, f"{module} no longer says {text!r}, which {where} keys on"
+
+
+def test_the_shims_guards_hold_on_the_installed_packages():
+    """What the guarded shims check of upstream source before they apply, true here: a guard that
+    stopped holding would silently leave the shim off."""
+    import torchtitan.trainer as tt_trainer
+    from torch.distributed.tensor import _sharding_prop
+
+    from canon_titan.tools.runtime import END_OF_TRAINING_SLEEP
+
+    strided = inspect.getsource(_sharding_prop._propagate_use_strided_shard_flag)
+    assert set(re.findall(r"op_schema\.(\w+)", strided)) == {"args_spec"}
+    train = inspect.getsource(tt_trainer.Trainer.train)
+    assert inspect.getsource(tt_trainer).count("time.sleep(") == 1
+    assert "time.sleep(" in train.split(END_OF_TRAINING_SLEEP, 1)[1]
+
+
+def _assigned_upstream_attributes(path: Path) -> set[str]:
+    """The dotted upstream names a source file assigns to (``a.b = ...``, ``setattr``, ``patch.object``),
+    through the names it imports from those packages and the local names it binds to their objects
+    (``cls = stage.PipelineStage``, ``for cls in (schedules.A, schedules.B)``)."""
+    tree = ast.parse(path.read_text())
+    names: dict[str, list[str]] = {}
+
+    def dotted(node) -> list[str]:
+        parts = []
+        while isinstance(node, ast.Attribute):
+            parts.append(node.attr)
+            node = node.value
+        if not isinstance(node, ast.Name) or node.id not in names:
+            return []
+        return [".".join([base, *reversed(parts)]) for base in names[node.id]]
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] in UPSTREAM:
+                    names[alias.asname or alias.name.split(".")[0]] = [alias.name if alias.asname else
+                                                                       alias.name.split(".")[0]]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in UPSTREAM:
+            for alias in node.names:
+                names[alias.asname or alias.name] = [f"{node.module}.{alias.name}"]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name) \
+                and isinstance(node.value, ast.Attribute) and dotted(node.value):
+            names[node.targets[0].id] = dotted(node.value)
+        elif isinstance(node, ast.For) and isinstance(node.target, ast.Name) and isinstance(node.iter, ast.Tuple):
+            bases = [d for elt in node.iter.elts for d in dotted(elt)]
+            if bases:
+                names[node.target.id] = bases
+    found = set()
+    for node in ast.walk(tree):
+        targets = []
+        if isinstance(node, ast.Assign):
+            targets = [t for target in node.targets for t in (target.elts if isinstance(target, ast.Tuple) else [target])]
+            found.update(d for t in targets if isinstance(t, ast.Attribute) for d in dotted(t))
+        elif isinstance(node, ast.Call) and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) and (
+                (isinstance(node.func, ast.Name) and node.func.id == "setattr")
+                or (isinstance(node.func, ast.Attribute) and node.func.attr == "object")):
+            found.update(f"{d}.{node.args[1].value}" for d in dotted(node.args[0]))
+    return found
+
+
+def test_every_upstream_attribute_the_package_assigns_is_pinned():
+    """A scan of the package's source: each attribute of a torch, TorchTitan, torchao or Triton object
+    that it assigns is a name pinned above (or a documented setting)."""
+    pinned = {f"{module}.{name}" for module, name, *_ in PATCHED} | SETTINGS | ADDED
+    package = REPO / "canon_titan"
+    found = {(str(path.relative_to(package)), name) for path in package.rglob("*.py")
+             for name in _assigned_upstream_attributes(path)}
+    assert found, "the scan finds nothing: it no longer reads the package"
+    unpinned = sorted((where, name) for where, name in found if name not in pinned)
+    assert not unpinned, f"assigned and not pinned in tests/test_upstream.py: {unpinned}"
+
+
+def test_the_development_page_lists_every_patch():
+    """docs/development.md names each patched or privately used name with why (its section on
+    upstream patches)."""
+    page = (REPO / "docs" / "development.md").read_text()
+    missing = [f"{module}.{name}" for module, name, *_ in PATCHED if f"`{name}`" not in page]
+    assert not missing, f"docs/development.md does not name {missing}"
