@@ -4,6 +4,7 @@ unless the environment configures the allocator) and the planner's model of it. 
 20 MiB in the large one; best fit by the size a block could grow to; growth at the lowest unmapped range
 that holds the request; free pages unmapped before an out-of-memory), worked by hand."""
 
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -114,3 +115,18 @@ def test_a_replayed_step_with_expandable_segments_reserves_less_of_its_fragmente
     assert replay(events, persistent={0}, steps=1, expandable=True).peak_reserved == 160 * MIB
     assert replay(events, persistent={0}, steps=2, expandable=True).peak_reserved == 160 * MIB
     assert replay(events, persistent={0}, steps=1).peak_reserved == 190 * MIB
+
+
+def test_a_gpu_run_of_record_is_planned_in_the_allocator_mode_it_had(monkeypatch):
+    """The runs of 2026-11-22 to 28 ran without expandable segments (no launcher set them): planned so,
+    whatever this process's environment says, which is put back afterwards."""
+    from canon_titan.plan.calibration import POINTS
+    from canon_titan.tools.cuda_allocator import configured, expandable_segments
+
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True,max_split_size_mb:512")
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    assert POINTS and all(not p.expandable_segments for p in POINTS if p.date <= "2026-11-28")
+    with configured(POINTS[0].allocator):
+        assert not expandable_segments()
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True,max_split_size_mb:512"
+    assert "PYTORCH_ALLOC_CONF" not in os.environ and expandable_segments()

@@ -340,7 +340,16 @@ def test_a_killed_torchrun_is_one_line_3_and_leaves_no_temporary_folders(tmp_pat
     assert f"the newest complete checkpoint is step 2 ({dump / 'checkpoint' / 'step-2'})" in last, last
     assert not scratch.exists()
     time.sleep(1)
-    assert not [pid for pid in workers if Path(f"/proc/{pid}").exists()]
+    assert not [pid for pid in workers if alive(pid)]
+
+
+def alive(pid: int) -> bool:
+    """Whether a process runs: not gone, and not a zombie (dead, waiting for the process that adopted it,
+    init or a subreaper, to collect it)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def hostname_not_resolving(command: list[str]) -> list[str]:

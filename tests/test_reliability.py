@@ -87,7 +87,7 @@ def test_killing_the_launcher_stops_every_worker(tmp_path, how):
 
 
 @pytest.mark.slow
-def test_a_live_run_locks_its_dump_folder(tmp_path, monkeypatch, capsys):
+def test_a_live_run_locks_its_dump_folder(tmp_path, monkeypatch, capfd):
     """A training run (one process: its rank 0 holds the lock) refuses a second ``canon-titan
     train`` before launch and a training process started without the launcher (what torchrun
     starts) before it trains; once the run is killed, the kernel has dropped its lock. The second
@@ -106,14 +106,14 @@ def test_a_live_run_locks_its_dump_folder(tmp_path, monkeypatch, capsys):
         launched = []
         monkeypatch.setattr(cli_train_module, "_run_torchrun", lambda cmd, env: launched.append(cmd) or 0)
         code = cli.main(["train", "--config", str(DEBUG_CONFIG), *LONG, "--job.dump_folder", str(dump)])
-        err = capsys.readouterr().err
+        err = capfd.readouterr().err
         assert code == 2 and not launched, err[-3000:]
         assert f"dump folder {dump} is in use by a live run (pid " in err
         # A training process started directly (torchrun's worker, global rank 0) refuses before training.
         monkeypatch.setenv("RANK", "0")
         monkeypatch.setenv("WORLD_SIZE", "1")
         code = train_module.main(["--config", str(DEBUG_CONFIG), *LONG, "--job.dump_folder", str(dump)])
-        err = capsys.readouterr().err
+        err = capfd.readouterr().err
         assert code == 2 and "is in use by a live run" in err, err[-3000:]
     finally:
         os.killpg(first.pid, signal.SIGKILL)

@@ -61,6 +61,14 @@ class Point:
     """Peak reserved memory (None: the session kept only the speed)."""
     measured_on: str
     """The session's date (ISO), then its GPU and software."""
+    expandable_segments: bool = False
+    """The CUDA allocator's mode the run had (its reserved memory depends on it): the runs of 2026-11-22 to
+    28 ran without expandable segments, which no launcher set before 2026-11-29."""
+
+    @property
+    def allocator(self) -> str:
+        """The run's ``PYTORCH_ALLOC_CONF``, to plan it with (``tools.cuda_allocator.configured``)."""
+        return f"expandable_segments:{self.expandable_segments}"
 
     @property
     def date(self) -> str:
