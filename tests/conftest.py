@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from proc_tree import descendants
 
 # Triton decides when a kernel module is imported whether its kernels run in the interpreter; on a
 # machine without a GPU the tests run them there, on CPU tensors (the training subprocesses
@@ -140,24 +141,6 @@ def run_training(nproc: int, overrides: list[str], config: Path = DEBUG_CONFIG, 
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"training failed (exit {proc.returncode}):\n{out[-6000:]}"
     return out
-
-
-def descendants(pid: int) -> list[int]:
-    """All live descendant pids (from /proc): torchrun starts its workers in new sessions."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    found, stack = [], [pid]
-    while stack:
-        for child in children.get(stack.pop(), []):
-            found.append(child)
-            stack.append(child)
-    return found
 
 
 def kill_tree(pid: int) -> None:

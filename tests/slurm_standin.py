@@ -21,6 +21,8 @@ import sys
 import time
 from pathlib import Path
 
+from proc_tree import descendants
+
 KILL_WAIT_S = 5.0
 
 
@@ -35,20 +37,7 @@ def install(bin_dir: Path) -> Path:
 
 def processes_under(pid: int) -> list[int]:
     """``pid`` and its live descendants (torchrun starts its workers in sessions of their own)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    found, stack = [pid], [pid]
-    while stack:
-        for child in children.get(stack.pop(), []):
-            found.append(child)
-            stack.append(child)
-    return found
+    return [pid, *descendants(pid)]
 
 
 def _signal_task(task: subprocess.Popen, sig: int) -> None:
