@@ -1,7 +1,11 @@
 """Tokenizers (built at test time, no downloads), document formats, pre-tokenization."""
 
 import base64
+import importlib.util
 import json
+import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -14,7 +18,7 @@ from canon_titan.data.documents import DATALOADER_SKIP, DataError, ReadStats, it
 from canon_titan.data.packed import PackedTextDataLoader, tokenize_stream
 from canon_titan.data.pretokenize import open_shards, tokenize_files
 from canon_titan.data.tokenizers import LLAMA3_PATTERN, build_tokenizer
-from conftest import CONFIGS, run_training
+from conftest import CONFIGS, REPO, run_training
 
 TEXTS = generate_corpus(400, seed=11)
 
@@ -452,3 +456,25 @@ def test_hf_tokenizer_for_lm_eval_matches_ours(kind, sp_path, tiktoken_path):
     for text in TEXTS[:20]:  # (decoding an unknown piece differs: "<unk>" vs sentencepiece's " ⁇ ")
         assert theirs.decode(ours.encode(text)) == ours.decode(ours.encode(text))
     assert (theirs.bos_token_id, theirs.eos_token_id) == (ours.bos_id, ours.eos_id)
+
+
+def test_the_data_benchmark_runs_and_the_documented_gpu_need_holds():
+    """scripts/benchmarks/bench_data.py prints its three paths with a rate each (a small corpus here), and
+    the GPU's need that docs/benchmarks/cpu.md quotes is what its FLOP count gives: 40% of an H100's
+    989.5 TFLOP/s over LlamaCanon-1B's FLOPs per token at 4096."""
+    out = subprocess.run([sys.executable, str(REPO / "scripts" / "benchmarks" / "bench_data.py"), "--documents", "300",
+                          "--seq-len", "256", "--batch", "2"], capture_output=True, text=True, timeout=300,
+                         cwd=REPO)
+    assert out.returncode == 0, out.stderr[-3000:]
+    for path in ("online: read .zst + tokenize", "pre-tokenize command (1 worker)", "shard batches (2x256)"):
+        row = re.search(rf"^{re.escape(path)}\s+([\d,]+)\s+([\d.]+)$", out.stdout, re.M)
+        assert row and float(row[1].replace(",", "")) > 0, out.stdout
+    spec = importlib.util.spec_from_file_location("bench_data", REPO / "scripts" / "benchmarks" / "bench_data.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    need, flops = bench.required_tokens_per_second("llama_canon", "1B", 4096, 0.4)
+    assert need == pytest.approx(0.4 * 989.5e12 / flops)
+    documented = (REPO / "docs" / "benchmarks" / "cpu.md").read_text()
+    quoted = re.search(r"consumes ([\d.]+)k tokens/s \(([\d.]+) GFLOP per token at\s+sequence 4096\)", documented)
+    assert quoted, "docs/benchmarks/cpu.md no longer quotes the GPU's need"
+    assert float(quoted[1]) == round(need / 1e3, 1) and float(quoted[2]) == round(flops / 1e9, 1)

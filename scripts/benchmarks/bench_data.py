@@ -2,7 +2,7 @@
 """Data throughput per loader process vs what one GPU consumes.
 
 Measures, in this one process: online tokenization (read documents + tokenize + BOS/EOS), the
-pre-tokenization command, and batches from pre-tokenized memory-mapped shards. The required rate
+pre-tokenization command, and batches read from pre-tokenized shards (``pread``, ``TokenStore.slice``). The required rate
 is computed from the model's training FLOPs per token at 40% MFU of an H100 (dense bf16 peak).
 
   .venv/bin/python scripts/benchmarks/bench_data.py                                  # built-in tokenizer
@@ -77,7 +77,7 @@ def main() -> int:
         start, read = time.perf_counter(), 0
         while time.perf_counter() - start < 3.0:
             read += next(batches)[1].numel()
-        memmap = read / (time.perf_counter() - start)
+        shard_batches = read / (time.perf_counter() - start)
 
     need, flops = required_tokens_per_second(args.model, args.flavor, args.seq_len, args.mfu)
     print(f"\ncorpus: {args.documents:,} synthetic documents, {mb:.1f} MB of JSON, {tokens:,} tokens "
@@ -86,7 +86,7 @@ def main() -> int:
           f"seq {args.seq_len}, {args.mfu:.0%} MFU of an H100's {H100_BF16_DENSE_PEAK / 1e12:.0f} TFLOP/s)")
     print(f"{'path':<40} {'tokens/s':>12} {'x GPU need':>11}")
     for name, rate in (("online: read .zst + tokenize", online), ("pre-tokenize command (1 worker)", pretokenize),
-                       (f"memmap batches ({args.batch}x{args.seq_len})", memmap)):
+                       (f"shard batches ({args.batch}x{args.seq_len})", shard_batches)):
         print(f"{name:<40} {rate:>12,.0f} {rate / need:>11.1f}")
     return 0
 
