@@ -440,6 +440,34 @@ def test_a_nan_gradient_with_a_finite_loss_is_skipped_at_its_step(tmp_path):
     assert "canon-titan: the gradients at step 3 are not finite (its loss was finite): the run stops before saving it" in out
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("implementation", ["fused", "foreach"])
+def test_a_skipped_step_leaves_the_weights_as_they_were_with_each_optimizer(tmp_path, implementation):
+    """The skipped update is not applied at all, whichever optimizer: the fused one skips it in its kernel
+    (the device's skip flag as its ``found_inf``), the foreach one is not called (the host reads the
+    verdict). The checkpoint after the skipped step 3 holds step 2's weights, to the bit; step 4 trains."""
+    from canon_titan.convert.dcp_io import load_tensor, model_tensor_metadata
+
+    run = tmp_path / "run"
+    proc = subprocess.run(cli_train_cmd(run, "--training.steps", "4", "--divergence.max_nonfinite_steps", "2",
+                                        "--checkpoint.interval", "1", "--checkpoint.keep_latest_k", "10",
+                                        "--optimizer.implementation", implementation),
+                          cwd=REPO, env=with_fault(tmp_path, NAN_GRADIENT), capture_output=True, text=True,
+                          timeout=600)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert "the gradients at step 3 are not finite (its loss was finite): its update is skipped" in out, out[-4000:]
+
+    def weights(step):
+        folder = run / "checkpoint" / f"step-{step}"
+        return {name: load_tensor(folder, name, meta) for name, meta in model_tensor_metadata(folder).items()}
+
+    second, third, fourth = weights(2), weights(3), weights(4)
+    assert all(torch.equal(second[name], third[name]) for name in second)
+    assert not all(torch.equal(third[name], fourth[name]) for name in third)
+    assert all(t.isfinite().all() for t in fourth.values())
+
+
 # Where no small filesystem can be mounted: the error torch's writer raises when the disk fills
 # (the bytes of a tensor do not all reach the file; no OSError anywhere in the chain).
 WRITER_FAILS_AT_STEP_4 = """
