@@ -232,9 +232,9 @@ def test_context_parallel_times_fsdp_on_four_processes(seed, reference, tmp_path
     assert_matches(reference, dump)
 
 
-@pytest.mark.parametrize("sp", ["true"])
+@pytest.mark.parametrize("sp", ["true", "false"])
 def test_context_parallel_times_tensor_parallel_on_four_processes(seed, short_reference, tmp_path, sp):
-    """CP 2 x TP 2 with sequence parallelism, Canon-ABCD and QK-norm: each TP rank's heads gather
+    """CP 2 x TP 2 with and without sequence parallelism, Canon-ABCD and QK-norm: each TP rank's heads gather
     their K and V, and its Canon-B/D channels their halos, over the CP ranks that hold the same
     shard; the TP regions gather the rank's CP share of the sequence. Two steps (the first checks
     the forward and backward on the starting weights, the second the update) against one process."""
@@ -242,7 +242,7 @@ def test_context_parallel_times_tensor_parallel_on_four_processes(seed, short_re
                                           "--parallelism.tensor_parallel_degree", "2",
                                           "--parallelism.enable_sequence_parallel", sp], steps=SHORT)
     assert "cp=2" in out and "tp=2" in out
-    assert "Applied tensor parallelism (degree 2, sequence parallel True)" in out
+    assert f"Applied tensor parallelism (degree 2, sequence parallel {sp.title()})" in out
     assert_matches(short_reference, dump, steps=2)
 
 
