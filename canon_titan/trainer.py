@@ -39,6 +39,7 @@ from canon_titan.evaluation.in_training import EvalSettings, InTrainingEval
 from canon_titan.models.common.context_parallel import context_parallel_inputs
 from canon_titan.models.common.tensor_parallel import sum_partial_gradients
 from canon_titan.tools import runtime
+from canon_titan.tools.collectives import from_rank0
 from canon_titan.tools.fileio import write_atomic
 
 RUN_CONFIG_FILE = "run_config.toml"
@@ -88,21 +89,21 @@ def rank_zero_decides(decide):
     none left waiting in the load's collectives."""
     if not torch.distributed.is_initialized():
         return decide()
-    answer, failure = [None], None
+    answer, failure = None, None
     if torch.distributed.get_rank() == 0:
         try:
-            answer[0] = decide()
+            answer = decide()
         except (FinishedRun, NoLoadableCheckpoint, ResumeRefused) as refusal:
-            answer[0] = refusal
+            answer = refusal
         except Exception as e:  # anything else (an unreadable folder): every rank stops, none left waiting here
             failure = e
-            answer[0] = RuntimeError(f"rank 0 could not decide where to resume: {type(e).__name__}: {e}")
-    torch.distributed.broadcast_object_list(answer, src=0)
+            answer = RuntimeError(f"rank 0 could not decide where to resume: {type(e).__name__}: {e}")
+    answer = from_rank0(answer)
     if failure is not None:
         raise failure
-    if isinstance(answer[0], Exception):
-        raise answer[0]
-    return answer[0]
+    if isinstance(answer, Exception):
+        raise answer
+    return answer
 
 
 def config_changes(previous_file: str, new_toml: str, shown: int = 8) -> str:

@@ -34,6 +34,7 @@ from torchtitan.tools.logging import logger
 
 from canon_titan.convert.dcp_io import (CheckpointDamaged, FileNamingReader, NoLoadableCheckpoint, checkpoint_problem,
                                         inner_failure, model_only, step_dirs)
+from canon_titan.tools.collectives import from_rank0
 
 
 class NonFiniteParameters(RuntimeError):
@@ -145,15 +146,6 @@ def _first_failure(exc: BaseException) -> BaseException:
     return exc
 
 
-def _from_rank0(value):
-    """Rank 0's ``value`` on every rank."""
-    if not torch.distributed.is_initialized():
-        return value
-    box = [value]
-    torch.distributed.broadcast_object_list(box, src=0)
-    return box[0]
-
-
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
@@ -211,7 +203,7 @@ class CanonCheckpointer(CheckpointManager):
                 message = save_failure(curr_step, step_dir, e, keep_latest_k=self.keep_latest_k,
                                        purge_before_save=self.purge_before_save)
                 shutil.rmtree(step_dir, ignore_errors=True)
-            raise SaveFailed(_from_rank0(message)) from None
+            raise SaveFailed(from_rank0(message)) from None
         finally:
             self.force_next_save = False
         self.checked.add(curr_step)

@@ -29,6 +29,7 @@ from canon_titan.data.tokenizers import build_tokenizer
 from canon_titan.evaluation import lm
 from canon_titan.evaluation.synthetic import greedy_continuation
 from canon_titan.hf import DTYPES
+from canon_titan.tools.collectives import from_rank0
 from synthetic_data.tasks import make_task, summarize
 
 
@@ -111,9 +112,7 @@ class InTrainingEval:
             dist.gather_object(mine, gathered, dst=0, group=self.group)
             state = {k: v for part in (gathered or []) for k, v in part.items()}
         if self.settings.ranks == "all" and self.distributed:
-            box = [state if self.rank == 0 else None]
-            dist.broadcast_object_list(box, src=0, group=self.group)
-            state = box[0]
+            state = from_rank0(state if self.rank == 0 else None, self.group)
         return state
 
     def _titan_model(self, state: dict[str, torch.Tensor]) -> torch.nn.Module:
@@ -196,9 +195,7 @@ class InTrainingEval:
         if self.rank == 0:
             metrics["eval/seconds"] = time.monotonic() - start
         if self.distributed:
-            box = [metrics]
-            dist.broadcast_object_list(box, src=0, group=self.group)
-            metrics = box[0]
+            metrics = from_rank0(metrics, self.group)
         if self.rank == 0:
             shown = ", ".join(f"{k.removeprefix('eval/')} {v:.4g}" for k, v in metrics.items())
             logger.info(f"[eval] step {step}: {shown}")
