@@ -15,6 +15,14 @@ else
   "${PIP[@]}" torch
 fi
 EXTRAS=${1:-}
+if [[ ",$EXTRAS," == *",gpu,"* ]]; then
+  # canon-titan calls mamba-ssm's Triton SSD kernels only: install the package without compiling its CUDA
+  # extensions (its switch; a plain install would build them with nvcc against this torch, or fail), from its
+  # source with this venv's torch, before the extra asks for it (pip then keeps this install).
+  echo "[setup] installing mamba-ssm (Triton kernels only) ..."
+  "${PIP[@]}" setuptools wheel packaging
+  MAMBA_SKIP_CUDA_BUILD=TRUE MAMBA_FORCE_BUILD=TRUE "${PIP[@]}" --no-build-isolation --no-deps mamba-ssm
+fi
 echo "[setup] installing canon-titan${EXTRAS:+[$EXTRAS]} ..."
 "${PIP[@]}" -e ".${EXTRAS:+[$EXTRAS]}"
 .venv/bin/python -c 'import torch, torchtitan, canon_titan; print(f"[setup] torch {torch.__version__}, torchtitan {torchtitan.__version__}, cuda available: {torch.cuda.is_available()}")'

@@ -4,6 +4,7 @@ options that subcommand's ``--help`` lists (``--section.key`` overrides are the 
 ``config validate``), every link between pages resolves to a file and, with an anchor, to one of its
 headings; README.md stays a front page."""
 
+import collections
 import re
 import shutil
 
@@ -157,6 +158,31 @@ def missing_tests(text: str, root) -> list[str]:
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(REPO)))
 def test_every_test_a_page_names_exists(page):
     assert missing_tests(page.read_text(), REPO) == []
+
+
+MAX_PAGE_BYTES = 100_000
+
+
+def unreadable(text: str) -> list[str]:
+    """What makes a page no guide: more than ``MAX_PAGE_BYTES``, or a line of prose (over 60 characters,
+    not a table row or a generated table's footnote) standing twice, as a paragraph pasted over and
+    over does (f92c40a wrote one paragraph between every two characters of docs/planning.md: 8.4 MB)."""
+    out = [f"{len(text.encode()):,} bytes (at most {MAX_PAGE_BYTES:,})"] if len(text.encode()) > MAX_PAGE_BYTES else []
+    prose = [line for line in text.splitlines() if len(line) > 60 and not line.lstrip().startswith(("|", "_"))]
+    out += [f"twice: {line[:80]}" for line, n in collections.Counter(prose).items() if n > 1]
+    return out
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(REPO)))
+def test_every_page_is_a_readable_size_without_repeated_paragraphs(page):
+    assert unreadable(page.read_text()) == []
+
+
+def test_a_pasted_over_page_is_caught():
+    paragraph = "- **canon-titan's own GPU runs** (one H200): Llama-1B within 4% at the recipe's 8 x 4096.\n"
+    assert unreadable("# Planning\n\n" + paragraph + "\n" + paragraph)[0].startswith("twice: - **canon-titan's own")
+    pasted = paragraph.join("# Planning: how accurate it is")
+    assert unreadable(pasted)[0].startswith("twice:") and unreadable("x" * 100_001)[0].startswith("100,001 bytes")
 
 
 def test_a_renamed_test_is_caught(tmp_path):

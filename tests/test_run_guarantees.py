@@ -207,6 +207,7 @@ def checkpointer_over(params: list[torch.nn.Parameter], optimizer: torch.optim.O
 
     checkpointer = CanonCheckpointer.__new__(CanonCheckpointer)
     checkpointer.enable, checkpointer.folder, checkpointer.checked, checkpointer.damaged = True, "nowhere", set(), set()
+    checkpointer.stager = None  # what TorchTitan's close (from __del__) reads of a built one
     checkpointer.states = {"model": types.SimpleNamespace(model=[torch.nn.ParameterList(params)]),
                            "optimizer": [optimizer] if optimizer is not None else []}
     return checkpointer
