@@ -29,6 +29,7 @@ from canon_titan.components.checkpointer import newest_checkpoint_line
 from canon_titan.components.divergence import RECORD_SIZE, Diverged, DivergenceSection, LossGuard
 from canon_titan.components.float8 import precompute_float8_scales
 from canon_titan.components.preemption import Preempted, StopSignals
+from canon_titan.components.queued_step import QueuedCopies
 from canon_titan.components.resume_checks import (GLOBAL_BATCH_KEY, ResumeRefused, check_resume, loads_model_only,
                                                    saved_loader_keys)
 from canon_titan.components.step_records import StepRecords
@@ -159,7 +160,7 @@ class CanonMetrics(MetricsProcessor):
         return super().should_log(step) or step == self.config.last_step
 
 
-class CanonTrainer(Trainer):
+class CanonTrainer(QueuedCopies, Trainer):
     @dataclass(kw_only=True, slots=True)
     class Config(Trainer.Config):
         run_toml: Annotated[str, tyro.conf.Suppress] = ""
@@ -480,9 +481,9 @@ class CanonTrainer(Trainer):
         if self.takes_stop_signals and not self.stop_signals.installed:
             self.stop_signals.install()  # before the step's first collective: a stop signal now finishes and saves
         try:
-            super().train_step(data_iterator)
+            self.queued_train_step(data_iterator)  # TorchTitan's step, its host-to-device copies queued
         except RuntimeError as e:
-            # TorchTitan's own stop on a non-finite loss, on logging steps: judged here.
+            # The stop on a non-finite loss (TorchTitan's, kept by the queued step), on logging steps: judged here.
             if not str(e).startswith("Loss is not finite"):
                 raise
             self._read_verdicts(self.step)

@@ -1,0 +1,124 @@
+"""The optimizer step with its host-to-device copies queued on the stream.
+
+TorchTitan 0.3.0's ``Trainer.train_step`` moves each microbatch, and the step's count of tokens that
+carry a loss, to the device with ``.to(device)``; a pipeline stage without the loss makes its
+placeholder loss with ``torch.tensor(..., device=)``. On a GPU each of these copies waits for the
+stream before it returns (torch synchronises after a copy without ``non_blocking``), so every step
+began with the host waiting for the previous step's last kernel, and the GPU idled while the host
+queued the next step's first ones. ``QueuedCopies`` makes the same step (the same microbatches, loss
+normalisation, clipping, optimizer and scheduler steps, and logged metrics) with those copies
+``non_blocking``: a copy from pageable host memory is staged by the driver before the call returns, so
+the batch on the host may be dropped at once, and nothing waits for the device on a step that is not
+logged. ``tests/test_upstream.py`` pins the TorchTitan methods this mirrors, so that an upgrade that
+changes them is looked at here."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torchtitan.components.loss import IGNORE_INDEX
+from torchtitan.distributed import utils as dist_utils
+from torchtitan.observability import structured_logger as sl
+
+MIRRORED = ("Trainer.train_step", "Trainer.pp_forward_backward_step")
+"""TorchTitan's methods whose work ``QueuedCopies`` does (pinned by source in tests/test_upstream.py)."""
+
+
+def to_device(value, device: torch.device):
+    """``value`` on ``device``, its copy queued (a tensor; anything else as it is)."""
+    return value.to(device, non_blocking=True) if isinstance(value, torch.Tensor) else value
+
+
+class QueuedCopies:
+    """A ``torchtitan.trainer.Trainer`` mixin: ``queued_train_step`` is its ``train_step`` with queued
+    copies, and its pipeline step makes no blocking copy."""
+
+    def queued_train_step(self, data_iterator) -> None:
+        dims = self.parallel_dims
+        self.optimizers.zero_grad(set_to_none=self.config.training.disable_cuda_graphs)
+        lr_metrics = self.lr_schedulers.get_metrics()
+        should_log = self.metrics_processor.should_log(self.step)
+
+        # The step's batches, one group of pipeline microbatches per gradient-accumulation step,
+        # taken first: the loss of each is normalised by the tokens of them all.
+        groups = []
+        local_tokens = torch.zeros((), dtype=torch.int64)  # counted on the host, where the batches are
+        for _ in range(self.gradient_accumulation_steps):
+            group = []
+            for _ in range(self.num_pipeline_parallel_microbatches):
+                with sl.log_trace_span("fetching_batch"):
+                    input_dict, labels = next(data_iterator)
+                local_tokens += (labels != IGNORE_INDEX).sum()
+                group.append((input_dict, labels))
+            groups.append(group)
+        sl.log_trace_scalar({"local_valid_tokens": int(local_tokens)})
+        local_on_device = local_tokens.to(self.device, non_blocking=True)
+        global_tokens = (dist_utils.dist_sum_tensor(local_on_device, dims.get_mesh("batch")) if dims.dp_enabled
+                         else local_on_device)
+
+        accumulated = None
+        for group in groups:
+            inputs = [{key: to_device(value, self.device) for key, value in input_dict.items()}
+                      for input_dict, _ in group]
+            labels = [to_device(labels, self.device) for _, labels in group]
+            del group[:]  # the host's copies go as soon as they are queued
+            if not dims.pp_enabled:
+                inputs, labels = inputs[0], labels[0]
+            loss = self.forward_backward_step(input_dict=inputs, labels=labels, global_valid_tokens=global_tokens)
+            if should_log:
+                loss = loss.detach()
+                accumulated = loss.clone() if accumulated is None else accumulated.add_(loss)
+
+        with sl.log_trace_span("optim"):
+            grad_norm = dist_utils.clip_grad_norm_(
+                [p for part in self.model_parts for p in part.parameters()], self.config.training.max_norm,
+                foreach=True, pp_mesh=dims.get_optional_mesh("pp"), ep_enabled=dims.ep_enabled)
+            self.checkpointer.maybe_wait_for_staging()
+            self.optimizers.step()
+            self.lr_schedulers.step()
+        if should_log:
+            self._log_step(accumulated, global_tokens, local_on_device, grad_norm, lr_metrics)
+
+    def _log_step(self, accumulated, global_tokens, local_tokens, grad_norm, lr_metrics) -> None:
+        """The logged step's metrics, as TorchTitan logs them: the loss averaged over every token of the
+        batch, the largest rank's own average, the tokens seen; a non-finite loss stops the run."""
+        dims = self.parallel_dims
+        with sl.log_trace_span("collect_dist_metrics"):
+            sl.log_trace_scalar({"global_valid_tokens": int(global_tokens)})
+            if dims.dp_cp_enabled:
+                mesh = dims.get_optional_mesh("loss")
+                # ``accumulated`` is this rank's loss sum over the global token count: their sum over
+                # ranks is the average, and times global / local tokens each rank's own average.
+                seen = torch.tensor(self.ntokens_seen, dtype=torch.int64).to(self.device, non_blocking=True)
+                average, largest, tokens_seen = (dist_utils.dist_sum(accumulated, mesh),
+                                                 dist_utils.dist_max(accumulated * global_tokens / local_tokens, mesh),
+                                                 dist_utils.dist_sum(seen, mesh))
+            else:
+                average = largest = float(accumulated.item())
+                tokens_seen = self.ntokens_seen
+        if not math.isfinite(average):
+            raise RuntimeError(f"Loss is not finite (global_avg_loss={average}) at step {self.step}. "
+                               "Stopping training.")
+        self.metrics_processor.log(self.step, average, largest, float(grad_norm.item()),
+                                   extra_metrics={"n_tokens_seen": tokens_seen, **lr_metrics})
+
+    def pp_forward_backward_step(self, *, input_dict_mbs, label_mbs, global_valid_tokens) -> torch.Tensor:
+        """One pipeline schedule over the group's microbatches; the last stage returns the sum of their
+        losses, the others a placeholder made on the device (no copy)."""
+        args, kwargs, targets = [], [], [] if self.pp_has_last_stage else None
+        for input_dict, labels in zip(input_dict_mbs, label_mbs, strict=True):
+            inputs, labels, extra = self.post_dataloading_process(input_dict, labels)
+            if self.pp_has_first_stage:
+                args.append((inputs,))
+            kwargs.append(extra)
+            if targets is not None:
+                targets.append(labels)
+        losses = [] if self.pp_has_last_stage else None
+        with self.train_context():
+            self.pp_schedule.step(arg_mbs=args if self.pp_has_first_stage else None, kwarg_mbs=kwargs,
+                                  target_mbs=targets, losses=losses,
+                                  loss_kwargs={"global_valid_tokens": global_valid_tokens}, return_outputs=False)
+        if self.pp_has_last_stage:
+            return to_device(torch.stack(losses).sum(), self.device)
+        return torch.full((1,), -1.0, device=self.device)
