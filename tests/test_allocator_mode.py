@@ -12,6 +12,7 @@ import pytest
 from canon_titan.plan import planner
 from canon_titan.plan.allocator import CachingAllocator, ExpandingAllocator, replay
 from canon_titan.tools import cuda_allocator
+from conftest import REPO
 
 MIB = 1 << 20
 
@@ -54,7 +55,8 @@ def test_the_planner_replays_the_step_in_the_runs_allocator_mode(monkeypatch):
     planner.reserved_peak(step)
     monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:False")
     planner.reserved_peak(step)
-    assert seen == [True, False]
+    planner.reserved_peak(step, expandable=True)  # a run of another mode than this environment's
+    assert seen == [True, False, True]
 
 
 def test_an_expandable_segment_grows_by_pages_and_reuses_its_free_end():
@@ -118,15 +120,17 @@ def test_a_replayed_step_with_expandable_segments_reserves_less_of_its_fragmente
 
 
 def test_a_gpu_run_of_record_is_planned_in_the_allocator_mode_it_had(monkeypatch):
-    """The runs of 2026-11-22 to 28 ran without expandable segments (no launcher set them): planned so,
-    whatever this process's environment says, which is put back afterwards."""
+    """The runs of 2026-11-22 to 28 ran without expandable segments (no launcher set them): the planner's
+    tables plan each run with its own mode, whatever this process's environment says."""
     from canon_titan.plan.calibration import POINTS
-    from canon_titan.tools.cuda_allocator import configured, expandable_segments
 
-    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True,max_split_size_mb:512")
-    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
     assert POINTS and all(not p.expandable_segments for p in POINTS if p.date <= "2026-11-28")
-    with configured(POINTS[0].allocator):
-        assert not expandable_segments()
-    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True,max_split_size_mb:512"
-    assert "PYTORCH_ALLOC_CONF" not in os.environ and expandable_segments()
+    monkeypatch.syspath_prepend(str(REPO / "scripts" / "benchmarks"))
+    import plan_recipes
+
+    seen = []
+    monkeypatch.setattr(plan_recipes, "plan", lambda *args, **kwargs: seen.append(kwargs.get("expandable")) or
+                        SimpleNamespace(tokens_per_s_per_gpu=1.0, planner_s=0.0,
+                                        worst=SimpleNamespace(reserved_bytes=2**30)))
+    plan_recipes.calibration_table(lambda message: None, {})
+    assert seen == [p.expandable_segments for p in POINTS]

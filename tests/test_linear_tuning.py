@@ -160,14 +160,6 @@ def test_the_tuning_pass_reports_each_kernel_and_keeps_the_random_state(caplog, 
     assert len(tuner.early_config_prune(tuner.configs, {})) == 36
 
 
-def test_the_store_the_ranks_wait_through_is_there():
-    """``wait_for_every_rank`` reads the default process group's store through a private torch function; a
-    torch without it fails here, not in a training run."""
-    import torch.distributed.distributed_c10d as c10d
-
-    assert callable(c10d._get_default_store)
-
-
 def test_the_pretuning_command_refuses_what_it_cannot_tune(capsys):
     """``python -m canon_titan.models.common.linear_tuning CONFIG``: one line and exit 2 for a model that is not a
     linear one, and for a run whose recurrence runs on torch."""

@@ -132,18 +132,6 @@ def test_a_lease_of_a_run_that_is_over_is_taken_over_and_a_live_one_refused(tmp_
                 ownership.lock_dump_folder(lease.parent, hold=False)  # the launcher's check agrees
 
 
-def test_the_holder_refreshes_its_lease(tmp_path, ownership, monkeypatch):
-    monkeypatch.setattr(ownership, "LEASE_REFRESH_S", 0.2)
-    dump = tmp_path / "run"
-    ownership.lock_dump_folder(dump)
-    lease = dump / ownership.LEASE_FILE
-    then = time.time() - 1000
-    os.utime(lease, (then, then))
-    time.sleep(1.0)
-    assert time.time() - lease.stat().st_mtime < 5
-    lease.unlink()  # ends the refreshing thread
-
-
 def test_async_checkpointing_is_refused_naming_the_key_and_the_allowed_value(tmp_path):
     """``[checkpoint] async_mode`` would return from a save once staged: its write errors never
     reach the one-line path, "saved" (and exit 75) would come before the files are complete, and

@@ -48,6 +48,7 @@ PATCHED = [
      "every run"),
     ("torchtitan.components.checkpointer", "CheckpointManager._should_save", ["self", "curr_step", "last_step"],
      "components/checkpointer.py, trainer.py", "every run"),
+    ("torch.distributed.distributed_c10d", "_get_default_store", [], "kernels/tuning.py", "every run"),
     # -- the planner: plan/
     ("torch.distributed.tensor._sharding_prop", "_propagate_use_strided_shard_flag", ["op_strategy", "op_schema"],
      "plan/strided_scan.py", "planner"),
@@ -215,23 +216,18 @@ def test_every_upstream_attribute_the_package_assigns_is_pinned():
     assert not unpinned, f"assigned and not pinned in tests/test_upstream.py: {unpinned}"
 
 
-MIRRORED = {"Trainer.train_step": "911f8077fc175e7f", "Trainer.pp_forward_backward_step": "cabc5cbf434ef4f0"}
-"""TorchTitan 0.3.0's methods whose work ``components/queued_step.py`` does with its copies queued, by the
-first 16 hex digits of the SHA-256 of their source: a release that changes one fails here, to be looked at
-there (what the new version does that the queued step does not)."""
-
-
 def test_the_methods_the_queued_step_mirrors_are_the_ones_it_was_written_from():
+    """``components/queued_step.py`` does the work of TorchTitan methods pinned there by a hash of their
+    source: a release that changes one fails here, to be compared with what the queued step does."""
     import hashlib
 
-    from canon_titan.components import queued_step
+    from canon_titan.components.queued_step import MIRRORED
 
-    assert set(MIRRORED) == set(queued_step.MIRRORED)
-    changed = {name: digest for name, digest in MIRRORED.items()
-               if hashlib.sha256(inspect.getsource(_resolve("torchtitan.trainer", name)).encode()).hexdigest()[:16]
-               != digest}
-    assert not changed, (f"TorchTitan's {sorted(changed)} changed since canon_titan/components/queued_step.py mirrored "
-                         "them: compare, then pin the new source here")
+    changed = sorted(name for name, digest in MIRRORED.items()
+                     if hashlib.sha256(inspect.getsource(_resolve("torchtitan.trainer", name)).encode()).hexdigest()[:16]
+                     != digest)
+    assert not changed, (f"TorchTitan's {changed} changed since canon_titan/components/queued_step.py mirrored "
+                         "them: compare, then pin the new source there")
 
 
 def test_the_development_page_lists_every_patch():

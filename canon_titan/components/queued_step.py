@@ -7,10 +7,11 @@ stream before it returns (torch synchronises after a copy without ``non_blocking
 began with the host waiting for the previous step's last kernel, and the GPU idled while the host
 queued the next step's first ones. ``QueuedCopies`` makes the same step (the same microbatches, loss
 normalisation, clipping, optimizer and scheduler steps, and logged metrics) with those copies
-``non_blocking``: a copy from pageable host memory is staged by the driver before the call returns, so
-the batch on the host may be dropped at once, and nothing waits for the device on a step that is not
-logged. ``tests/test_upstream.py`` pins the TorchTitan methods this mirrors, so that an upgrade that
-changes them is looked at here."""
+``non_blocking``: torch no longer synchronises after them, and a copy from pageable host memory is
+staged by the driver before the call returns, so the batch on the host may be dropped at once (from
+pageable memory the driver may still stage a large batch synchronously; ``[dataloader] pin_memory``
+makes it a plain DMA). Not measured on a GPU yet. ``tests/test_upstream.py`` pins the sources of the
+TorchTitan methods this mirrors (``MIRRORED``), so that an upgrade that changes them is looked at here."""
 
 from __future__ import annotations
 
@@ -21,12 +22,13 @@ from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.observability import structured_logger as sl
 
-MIRRORED = ("Trainer.train_step", "Trainer.pp_forward_backward_step")
-"""TorchTitan's methods whose work ``QueuedCopies`` does (pinned by source in tests/test_upstream.py)."""
+MIRRORED = {"Trainer.train_step": "911f8077fc175e7f", "Trainer.pp_forward_backward_step": "cabc5cbf434ef4f0"}
+"""TorchTitan 0.3.0's methods whose work ``QueuedCopies`` does, by the first 16 hex digits of the SHA-256
+of their source (held by tests/test_upstream.py)."""
 
 
 def to_device(value, device: torch.device):
-    """``value`` on ``device``, its copy queued (a tensor; anything else as it is)."""
+    """``value`` on ``device``, its copy queued (a tensor; anything else in an input dict as it is)."""
     return value.to(device, non_blocking=True) if isinstance(value, torch.Tensor) else value
 
 
@@ -61,7 +63,7 @@ class QueuedCopies:
         for group in groups:
             inputs = [{key: to_device(value, self.device) for key, value in input_dict.items()}
                       for input_dict, _ in group]
-            labels = [to_device(labels, self.device) for _, labels in group]
+            labels = [labels.to(self.device, non_blocking=True) for _, labels in group]
             del group[:]  # the host's copies go as soon as they are queued
             if not dims.pp_enabled:
                 inputs, labels = inputs[0], labels[0]
@@ -120,5 +122,5 @@ class QueuedCopies:
                                   target_mbs=targets, losses=losses,
                                   loss_kwargs={"global_valid_tokens": global_valid_tokens}, return_outputs=False)
         if self.pp_has_last_stage:
-            return to_device(torch.stack(losses).sum(), self.device)
+            return torch.stack(losses).sum().to(self.device, non_blocking=True)
         return torch.full((1,), -1.0, device=self.device)

@@ -133,7 +133,7 @@ def writing(out_dir: Path):
         room = f"{free / 2**20:,.1f} MiB free on its filesystem" if free is not None else "its filesystem unreadable"
         again = ": free space and run the same command" if full else ""
         raise ConversionError(f"writing {out_dir} failed: {what} ({room}); nothing of it is left "
-                              f"behind{again}") from None
+                              f"behind{again}") from e  # the cause kept for a traceback; the CLI prints one line
 
 
 def file_checksum(path: Path) -> str:

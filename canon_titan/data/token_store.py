@@ -24,7 +24,9 @@ class TokenShard:
         return self.tokens
 
     def __getitem__(self, index: slice) -> np.ndarray:
-        start, stop, _ = index.indices(self.tokens)
+        start, stop, step = index.indices(self.tokens)
+        if step != 1:
+            raise ValueError(f"{self.path}: a shard is read in contiguous ranges, not with step {step}")
         count = max(0, stop - start) * self.dtype.itemsize
         data = os.pread(self._fd, count, start * self.dtype.itemsize)
         if len(data) < count:

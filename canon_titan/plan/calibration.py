@@ -62,13 +62,8 @@ class Point:
     measured_on: str
     """The session's date (ISO), then its GPU and software."""
     expandable_segments: bool = False
-    """The CUDA allocator's mode the run had (its reserved memory depends on it): the runs of 2026-11-22 to
-    28 ran without expandable segments, which no launcher set before 2026-11-29."""
-
-    @property
-    def allocator(self) -> str:
-        """The run's ``PYTORCH_ALLOC_CONF``, to plan it with (``tools.cuda_allocator.configured``)."""
-        return f"expandable_segments:{self.expandable_segments}"
+    """The CUDA allocator's mode the run had (its reserved memory depends on it; ``plan(expandable=)``):
+    the runs of 2026-11-22 to 28 ran without expandable segments, which no launcher set before 2026-11-29."""
 
     @property
     def date(self) -> str:

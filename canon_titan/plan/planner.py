@@ -153,10 +153,11 @@ reduce-scatter stream, where HSDP's all-reduce runs too); 0 is the compute strea
 STATE_CATEGORIES = ("buffers", "parameters", "optimizer state")
 
 
-def reserved_peak(step: RankStep, events=None, capacity: int | None = None):
+def reserved_peak(step: RankStep, events=None, capacity: int | None = None, expandable: bool | None = None):
     """The step's ``max_memory_reserved``: its allocations and frees (``events``, or the trace's)
-    replayed twice through the caching allocator (on ``capacity`` bytes; with expandable segments unless
-    this environment's ``PYTORCH_ALLOC_CONF`` turns them off, as the run's would), data-parallel collective
+    replayed twice through the caching allocator (on ``capacity`` bytes; with expandable segments if
+    ``expandable``, by default unless this environment's ``PYTORCH_ALLOC_CONF`` turns them off, as the
+    run's would), data-parallel collective
     buffers on FSDP2's streams, the parameters, buffers and optimizer state allocated once. Returns
     the allocator after the replay."""
     trace = step.trace
@@ -165,7 +166,8 @@ def reserved_peak(step: RankStep, events=None, capacity: int | None = None):
                if step.group_names.get(tuple(sorted(ranks))) in DATA_PARALLEL_GROUPS}
     persistent = {sid for sid, category in step.categories.items() if category in STATE_CATEGORIES}
     return replay(trace.memory_events if events is None else events, streams=streams,
-                  persistent=persistent, capacity=capacity, expandable=expandable_segments())
+                  persistent=persistent, capacity=capacity,
+                  expandable=expandable_segments() if expandable is None else expandable)
 
 
 def _model_flops(step: RankStep) -> int:
@@ -222,11 +224,12 @@ def _stage_roles(pp: int, looped: bool) -> list[str]:
 
 def plan(config: str, overrides: list[str], *, gpus: int, gpu: GPU, gpus_per_node: int = 8,
          progress=None, advise: bool = True, attention: str | None = None,
-         pipeline_unshard: str = "stage") -> Plan:
+         pipeline_unshard: str = "stage", expandable: bool | None = None) -> Plan:
     """Plan ``config`` (with ``--section.key value`` ``overrides``) on ``gpus`` GPUs of kind ``gpu``,
     attention on the SDPA backend ``attention`` (default: the one torch picks on that GPU), a looped
     pipeline schedule gathering each stage's parameters as ``pipeline_unshard`` says (``stage``: as
-    the pinned torch does; ``layer``: as torch before 2.10 did; ``fake_world.PIPELINE_UNSHARD``).
+    the pinned torch does; ``layer``: as torch before 2.10 did; ``fake_world.PIPELINE_UNSHARD``), the CUDA
+    allocator with expandable segments if ``expandable`` (default: as a training process started here would).
     ConfigError for what ``train`` would refuse; PlanError for a run that fails to build."""
     started = time.perf_counter()
     attention = attention or default_attention_backend(gpu)
@@ -263,7 +266,8 @@ def plan(config: str, overrides: list[str], *, gpus: int, gpu: GPU, gpus_per_nod
     kinds = []
     for role, step in steps:
         events = compiled_memory_events(step) if compiled else None
-        allocator = reserved_peak(step, events, capacity=gpu.memory_bytes - int(OUTSIDE_PYTORCH_GIB * GIB))
+        allocator = reserved_peak(step, events, capacity=gpu.memory_bytes - int(OUTSIDE_PYTORCH_GIB * GIB),
+                                  expandable=expandable)
         kinds.append(RankKind(role, step.rank, memory_peak(step.trace, _categories(step), events=events),
                               rank_time(step, gpu, compiled=compiled, gpus_per_node=gpus_per_node,
                                         attention=attention),

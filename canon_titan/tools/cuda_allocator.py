@@ -7,9 +7,8 @@ the run will use."""
 
 from __future__ import annotations
 
-import contextlib
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 
 SETTINGS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
 """The allocator's configuration, by its current name and its older one (torch reads either)."""
@@ -33,20 +32,3 @@ def expandable_segments(env: Mapping[str, str] = os.environ) -> bool:
         if key.strip() == "expandable_segments":
             enabled = value.strip() == "True"
     return enabled
-
-
-@contextlib.contextmanager
-def configured(conf: str) -> Iterator[None]:
-    """This process's environment configures the allocator with ``conf`` for the duration (the planner reads
-    it to know the mode of the run it plans: a GPU run of the past that ran without expandable segments)."""
-    saved = {name: os.environ.pop(name, None) for name in SETTINGS}
-    os.environ[SETTINGS[0]] = conf
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-

@@ -28,7 +28,6 @@ sys.path.insert(0, str(REPO))
 from canon_titan.plan.calibration import PLANNED_FILE, POINTS, in_use, write_planned  # noqa: E402
 from canon_titan.plan.gpus import GIB, GPUS, find_gpu  # noqa: E402
 from canon_titan.plan.planner import plan  # noqa: E402
-from canon_titan.tools.cuda_allocator import configured  # noqa: E402
 from canon_titan.tools.fileio import write_atomic  # noqa: E402
 
 REFERENCE = re.compile(r"^# Reference run: (\d+) GPUs x (\d+) sequences? x (\d+) tokens", re.M)
@@ -87,9 +86,8 @@ def calibration_table(log, planned: dict[str, float]) -> list[str]:
     used = {point.key for point in in_use()}
     for point in POINTS:  # canon_titan/plan/calibration.py: the GPU runs, what was measured
         gpu, tokens, memory = GPUS[point.gpu], point.measured_tokens_per_s, point.measured_gib
-        with configured(point.allocator):  # the reserved memory of the allocator mode the run had
-            result = plan(str(REPO / "train_configs" / f"{point.recipe}.toml"), list(point.overrides), gpus=1,
-                          gpu=gpu, advise=False)
+        result = plan(str(REPO / "train_configs" / f"{point.recipe}.toml"), list(point.overrides), gpus=1, gpu=gpu,
+                      advise=False, expandable=point.expandable_segments)  # the allocator mode the run had
         log(f"calibration {point.label}: planned in {result.planner_s:.0f} s")
         if point.key in used:
             planned[point.key] = round(result.tokens_per_s_per_gpu)
