@@ -17,7 +17,9 @@ from canon_titan.config.loader import DTYPE_SPELLINGS
 from canon_titan.config.titan_sections import titan_sections
 
 OVERRIDES = ("Any further --section.key value argument overrides that key of the TOML, e.g. --training.steps 10 "
-             "or --model.flavor 1B (values are TOML literals; a bare --section.flag means true).")
+             "or --model.flavor 1B (values are TOML literals; a bare --section.flag means true); "
+             "--section.key unset drops a key the TOML sets, which then takes its default "
+             "(the flavor's, in [model]).")
 BUILTIN_TOKENIZER = Path(__file__).resolve().parent.parent / "assets" / "builtin"
 
 

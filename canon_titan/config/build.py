@@ -16,7 +16,7 @@ from canon_titan.components.float8 import float8_converter
 from canon_titan.components.loss import ZLossCrossEntropy
 from canon_titan.config.run import ConfigError, RunConfig
 from canon_titan.config.titan_sections import titan_sections
-from canon_titan.config.toml_writer import dumps
+from canon_titan.config.toml_writer import run_toml
 from canon_titan.data.builtin import ASSET_DIR
 from canon_titan.data.kinds import STREAM, SYNTHETIC
 from canon_titan.data.packed import PackedTextDataLoader
@@ -130,7 +130,7 @@ def build_trainer_config(run: RunConfig):
                               print_config=job["print_config"]),
             model_seed=run.model_args.seed,
             loss=loss,
-            run_toml=dumps(absolute_paths(run.sections)),
+            run_toml=run_toml(run, absolute_paths(run.sections), record=True),
             divergence=DivergenceSection(**run["divergence"]),
             float8_precompute_scales=(run["float8"]["enable"]
                                       and run["float8"]["precompute_float8_dynamic_scale_for_fsdp"]),
