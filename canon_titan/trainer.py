@@ -26,7 +26,6 @@ from torchtitan.trainer import Trainer
 from canon_titan.components.checkpointer import newest_checkpoint_line
 from canon_titan.components.divergence import RECORD_SIZE, Diverged, DivergenceSection, LossGuard
 from canon_titan.components.float8 import precompute_float8_scales
-from canon_titan.components.lr_schedule import quiet_resume
 from canon_titan.components.preemption import Preempted, StopSignals
 from canon_titan.components.progress import Progress
 from canon_titan.components.queued_step import QueuedCopies
@@ -240,7 +239,6 @@ class CanonTrainer(QueuedCopies, Trainer):
                 return loaded
 
             self.checkpointer.load = load_then_precompute
-        quiet_resume(self.lr_schedulers)
         self.progress = Progress(config.training.steps)
         self._mixture_said = False
         self.evaluator = None

@@ -39,6 +39,6 @@ class Progress:
         elif step > first:
             eta = duration((now - first_ended) / (step - first) * (self.total - step))
         else:
-            eta = f"? (from step {first + 1} on: step {first} compiles and tunes)"
+            eta = f"? (estimated from step {first + 1} on, past the first step's compile, tuning)"
         return (f"progress: step {step}/{self.total} ({100 * step / self.total:.0f}%), "
                 f"elapsed {duration(now - self.started)}, ETA {eta}")

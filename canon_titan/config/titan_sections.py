@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import torch
 
-from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer
+from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.components.optimizer.optimizer import ParamGroupConfig
 from torchtitan.config.configs import CommConfig, CompileConfig, ParallelismConfig, TrainingConfig
 from torchtitan.tools.logging import logger
 from torchtitan.tools.profiler import Profiler
 
 from canon_titan.components.checkpointer import CanonCheckpointer
+from canon_titan.components.lr_schedule import ResumableSchedulers
 from canon_titan.config.run import ConfigError, RunConfig
 
 
@@ -55,7 +56,7 @@ def titan_sections(run: RunConfig) -> dict:
     return built
 
 
-def _lr_schedule(run: RunConfig) -> LRSchedulersContainer.Config:
+def _lr_schedule(run: RunConfig) -> ResumableSchedulers.Config:
     """TorchTitan's schedule config with a warmup no longer than the schedule: TorchTitan shortens
     a longer one as it builds the schedule, then logs the config's as the run's ("total steps 2
     (warmup 10)")."""
@@ -65,4 +66,4 @@ def _lr_schedule(run: RunConfig) -> LRSchedulersContainer.Config:
         logger.warning(f"[lr_scheduler] warmup_steps ({schedule['warmup_steps']}) is longer than "
                        f"the schedule's {total} steps: the learning rate warms up over all {total}")
         schedule["warmup_steps"] = total
-    return LRSchedulersContainer.Config(**schedule)
+    return ResumableSchedulers.Config(**schedule)
