@@ -122,9 +122,13 @@ def _real_worker(rank, world, port, config, overrides, dump_folder, queue):
 
         from canon_titan.config import load
         from canon_titan.config.build import build_trainer_config
-        from canon_titan.plan.fake_world import record_step
+        from canon_titan.plan.fake_world import RecordedGroups, record_step
         from canon_titan.plan.recorder import StepRecorder
         from canon_titan.tools import runtime
+        from canon_titan.trainer import CanonTrainer
+
+        class RecordedTrainer(RecordedGroups, CanonTrainer):
+            pass
 
         runtime.apply()
         config_ = build_trainer_config(load(config, overrides))
@@ -133,7 +137,7 @@ def _real_worker(rank, world, port, config, overrides, dump_folder, queue):
         config_.metrics.enable_tensorboard = False
         config_.metrics.log_freq, config_.metrics.last_step, config_.run_toml = 10**9, 0, ""
         config_.comm = dataclasses.replace(config_.comm, trace_buf_size=100_000)  # gloo's flight recorder
-        trainer = config_.build()
+        trainer = RecordedTrainer(config_)
         recorded = summary(record_step(trainer, StepRecorder()))
         # torch's own instruments on the next real step: MemTracker, FlopCounterMode, CommDebugMode
         # and gloo's flight recorder.

@@ -17,6 +17,7 @@ from torchtitan.tools.profiler import Profiler
 
 from canon_titan.components.checkpointer import CanonCheckpointer
 from canon_titan.components.optimizer import GuardedOptimizers
+from canon_titan.config.loader import load
 from canon_titan.config.run import ConfigError, RunConfig
 
 
@@ -57,3 +58,15 @@ def titan_sections(run: RunConfig) -> dict:
         except ValueError as e:
             raise ConfigError(run.source, f"[{section}]", str(e)) from e
     return built
+
+
+def load_or_report(path: str, overrides: list[str], environment: bool = True, build=titan_sections):
+    """The resolved run, after our checks and TorchTitan's own, or the error. ``build(run)`` makes
+    TorchTitan's configs: of the sections (what ``config validate`` checks), or ``train``'s whole
+    ``Trainer.Config`` with the model (``config.build.build_trainer_config``)."""
+    try:
+        run = load(path, overrides, environment)
+        build(run)
+        return run, None
+    except ConfigError as e:
+        return None, str(e)

@@ -18,6 +18,7 @@ import contextlib
 import gc
 import logging
 import re
+import sys
 
 
 @contextlib.contextmanager
@@ -73,3 +74,24 @@ NOISE = {
     "torch.distributed.tensor._redistribute": r"^While redistributing from \(_NormPartial",
 }
 """Logger -> the message (a regular expression) it prints that ``process_setup`` drops."""
+
+
+class _CurrentStdout:
+    """``sys.stdout`` as it is when a record is written, not when logging was set up."""
+
+    def write(self, text: str) -> int:
+        return sys.stdout.write(text)
+
+    def flush(self) -> None:
+        sys.stdout.flush()
+
+
+def init_logging() -> None:
+    """TorchTitan's log format on stdout. A command may run more than once in one process (a
+    notebook, the tests) with stdout replaced in between; the handler writes to the current one."""
+    from torchtitan.tools.logging import init_logger
+
+    init_logger()
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.StreamHandler):
+            handler.setStream(_CurrentStdout())
