@@ -27,13 +27,29 @@ from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
 from canon_titan.components.checkpointer import newest_checkpoint_line
-from canon_titan.components.divergence import (RECORD_SIZE, Diverged, DivergenceSection, LossGuard, NonFiniteLoss,
-                                               StepVerdict)
+from canon_titan.components.divergence import (
+    RECORD_SIZE,
+    Diverged,
+    DivergenceSection,
+    LossGuard,
+    NonFiniteLoss,
+    StepVerdict,
+)
 from canon_titan.components.preemption import Preempted, StopSignals
 from canon_titan.components.queued_step import QueuedCopies
-from canon_titan.components.resume_checks import ResumeRefused, check_resume, loads_model_only, saved_loader_keys
+from canon_titan.components.resume_checks import (
+    ResumeRefused,
+    check_resume,
+    loads_model_only,
+    saved_loader_keys,
+)
 from canon_titan.components.step_records import StepRecords
-from canon_titan.convert.dcp_io import NoLoadableCheckpoint, hf_export_steps, model_only_steps, resume_step
+from canon_titan.convert.dcp_io import (
+    NoLoadableCheckpoint,
+    hf_export_steps,
+    model_only_steps,
+    resume_step,
+)
 from canon_titan.convert.hf import tokenizer_info, write_hf_files
 from canon_titan.evaluation.in_training import EvalSettings, InTrainingEval
 from canon_titan.models.common.context_parallel import context_parallel_inputs
@@ -260,8 +276,9 @@ class CanonTrainer(QueuedCopies, Trainer):
             logger.info(f"the stop signal came during or after the last step ({self.step}): the run is complete")
         last = self._last_verdict
         if last is not None and not last.applied:  # every step skipped, the last in_a_row of them
-            raise Diverged(f"every step this run trained ({last.in_a_row}) was skipped ([divergence]), so it "
-                           f"trained nothing; {self.checkpointer.resume_hint(self.step + 1)}")
+            raise Diverged(f"every step this run trained ({last.in_a_row}) was skipped "
+                           "([divergence]), so it trained nothing; "
+                           f"{self.checkpointer.resume_hint(self.step + 1)}")
         if self._preempting and self.step < self.config.training.steps:
             if not ckpt.enable:
                 raise Preempted(f"preempted at step {self.step}; nothing saved ([checkpoint] enable = false)")
@@ -319,8 +336,8 @@ class CanonTrainer(QueuedCopies, Trainer):
         # Called again for the checkpoint a damaged one falls back to: what was excluded for the first
         # (its data changed) is not excluded for the second unless its data changed too.
         configured = self.config.checkpoint.exclude_from_loading
-        fresh_loader = ["dataloader"] if plan.new_data_pass and "dataloader" not in configured else []
-        self.checkpointer.exclude_from_loading = configured + fresh_loader
+        fresh = plan.new_data_pass and "dataloader" not in configured
+        self.checkpointer.exclude_from_loading = configured + (["dataloader"] if fresh else [])
         if not plan.new_data_pass and hasattr(self.dataloader, "expect_checkpoint"):
             self.dataloader.expect_checkpoint(plan.loader_keys)
 
@@ -351,7 +368,8 @@ class CanonTrainer(QueuedCopies, Trainer):
         device, before clipping and the optimizer step."""
         loss = super().forward_backward_step(**kwargs)
         holds_loss = getattr(self, "pp_has_last_stage", True)
-        self._group_losses.append(loss.detach().float().sum() if holds_loss else torch.zeros((), device=self.device))
+        part = loss.detach().float().sum() if holds_loss else torch.zeros((), device=self.device)
+        self._group_losses.append(part)
         if len(self._group_losses) == self.gradient_accumulation_steps:
             if self.parallel_dims.tp_enabled:
                 sum_partial_gradients(self.model_parts, self.parallel_dims.get_mesh("tp").get_group())

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# ruff's lint and format checks (configured in pyproject.toml), as CI runs them before the tests:
-#   scripts/lint.sh [PATH ...]         check: exits non-zero on a lint finding or an unformatted file
-#   scripts/lint.sh --fix [PATH ...]   format and apply ruff's safe fixes, then say what is left
+# ruff's lint and format checks (configured in pyproject.toml), which CI runs before the tests:
+#   scripts/lint.sh [PATH ...]        check: non-zero exit on a lint finding or an unformatted file
+#   scripts/lint.sh --fix [PATH ...]  format and apply ruff's safe fixes, then say what is left
 # Without paths, the whole repository. ruff comes with the dev extra (scripts/setup.sh dev).
 set -uo pipefail
 cd "$(dirname "$0")/.."

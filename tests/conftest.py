@@ -176,10 +176,10 @@ def run_training_until(nproc: int, overrides: list[str], stop_marker: str, confi
 
 @pytest.fixture(autouse=True)
 def logging_as_it_was():
-    """Every test leaves the root logger (TorchTitan's ``logger``) with the handlers, level and filters
-    it found. A command's ``main`` run in-process sets up logging; a handler bound to the test's
-    captured stream, which pytest closes after the test, would make every later test's log line in
-    the same worker a logging error."""
+    """Every test leaves the root logger (TorchTitan's ``logger``) with the handlers, level and
+    filters it found. A command's ``main`` run in-process sets up logging; a handler bound to the
+    test's captured stream, which pytest closes after the test, would make every later test's log
+    line in the same worker a logging error."""
     root = logging.getLogger()
     handlers, level, filters = root.handlers[:], root.level, root.filters[:]
     yield

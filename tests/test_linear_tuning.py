@@ -161,13 +161,14 @@ def test_the_tuning_pass_reports_each_kernel_and_keeps_the_random_state(caplog, 
 
 
 def test_the_pretuning_command_refuses_what_it_cannot_tune(capsys):
-    """``python -m canon_titan.launch.pretune CONFIG``: one line and exit 2 for a model that is not a
-    linear one, and for a run whose recurrence runs on torch."""
+    """``python -m canon_titan.launch.pretune CONFIG``: one line and exit 2 for a model that is not
+    a linear one, and for a run whose recurrence runs on torch."""
     from canon_titan.launch import pretune
 
     assert pretune.main([str(REPO / "train_configs" / "llama_debug.toml")]) == 2
     assert "[model] name: the kernel tuning is for gla5, gdn2 and mamba2" in capsys.readouterr().err
-    assert pretune.main([str(REPO / "train_configs" / "gla5_debug.toml"), "--model.kernel_backend", "torch"]) == 2
+    gla5 = str(REPO / "train_configs" / "gla5_debug.toml")
+    assert pretune.main([gla5, "--model.kernel_backend", "torch"]) == 2
     assert "its recurrence runs on torch here ('torch'): nothing to tune" in capsys.readouterr().err.strip()
 
 

@@ -181,19 +181,21 @@ class CanonCheckpointer(CheckpointManager):
         instead of down to keep_latest_k after it, so the disk never holds more than keep_latest_k (a save
         that fails leaves keep_latest_k - 1)."""
         precompute_float8_scales: Annotated[bool, tyro.conf.Suppress] = False
-        """``[float8] precompute_float8_dynamic_scale_for_fsdp``: after the load that starts training
-        (TorchTitan's ``train`` always calls ``load``, which restores a checkpoint or returns at once),
-        the float8 weights' scales for the first forward's all-gather; without them torchao takes
-        each rank's amax over the FSDP mesh alone, a TP shard's under TP."""
+        """``[float8] precompute_float8_dynamic_scale_for_fsdp``: after the load that starts
+        training (TorchTitan's ``train`` always calls ``load``, which restores a checkpoint or
+        returns at once), the float8 weights' scales for the first forward's all-gather; without
+        them torchao takes each rank's amax over the FSDP mesh alone, a TP shard's under TP."""
 
     def __init__(self, config: Config, *args, model_parts: list[nn.Module], **kwargs):
         self.checked: set[int] = set()
         """Steps whose checkpoint this process saved or loaded with finite weights and optimizer state."""
         self.damaged: set[int] = set()
         self.before_fallback: Callable[[Path], None] | None = None
-        """Called with the step folder a load falls back to, before it loads (the trainer's resume checks)."""
+        """Called with the step folder a load falls back to, before it loads (the trainer's resume
+        checks)."""
         self.pinned_step: int | None = None
-        """The step ``[checkpoint] load_step`` asks for: a damaged one is refused, not fallen back from."""
+        """The step ``[checkpoint] load_step`` asks for: a damaged one is refused, not fallen back
+        from."""
         self.model_parts = model_parts
         self.precompute_float8_scales = config.precompute_float8_scales
         super().__init__(config, *args, model_parts=model_parts, **kwargs)
@@ -301,8 +303,8 @@ class CanonCheckpointer(CheckpointManager):
             if from_hf:
                 super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
             else:
-                dcp.load(state_dict, checkpoint_id=checkpoint_id, storage_reader=FileNamingReader(checkpoint_id),
-                         planner=_EarlierTrainState())
+                dcp.load(state_dict, checkpoint_id=checkpoint_id, planner=_EarlierTrainState(),
+                         storage_reader=FileNamingReader(checkpoint_id))
                 self.states["model"].load_state_dict(state_dict)
         except (KeyboardInterrupt, SystemExit):
             raise

@@ -39,7 +39,8 @@ class Diverged(RuntimeError):
 
 class NonFiniteLoss(Diverged):
     """A logged step's loss is not finite (TorchTitan's stop, kept by the queued step). The trainer
-    reads that step's verdict first: a step the guard skipped goes on; one it did not stops the run."""
+    reads that step's verdict first: a step the guard skipped goes on; one it did not stops the
+    run."""
 
 
 # What a step's record says (its ``kind``), and why a run stops (its ``stop``).
@@ -103,7 +104,8 @@ class LossGuard:
         self.kept += applied
         kind = torch.where(~finite, NONFINITE_LOSS,
                            torch.where(spike, SPIKE, torch.where(bad_gradients, NONFINITE_GRADIENTS, APPLIED)))
-        record = torch.stack([loss, mean, kind.float(), self.in_a_row, self.kept.float(), stop.float()])
+        kept = self.kept.float()
+        record = torch.stack([loss, mean, kind.float(), self.in_a_row, kept, stop.float()])
         return (~applied | self.stopped).float(), record
 
     def verdict(self, step: int, record: list[float]) -> StepVerdict:

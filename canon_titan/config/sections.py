@@ -207,7 +207,8 @@ SECTIONS: dict[str, Section] = {
         hidden=("context_parallel_ptrr_mask_key", "pipeline_parallel_schedule_csv"),
     ),
     "checkpoint": Section(
-        CanonCheckpointer.Config, hidden=("initial_load_in_hf_quantized", "precompute_float8_scales")
+        CanonCheckpointer.Config,
+        hidden=("initial_load_in_hf_quantized", "precompute_float8_scales"),
     ),
     "activation_checkpoint": Section(ActivationCheckpointSection),
     "compile": Section(CompileConfig, hidden=("enable_async_tensor_parallel",)),

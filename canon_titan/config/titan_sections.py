@@ -29,7 +29,8 @@ def titan_sections(run: RunConfig) -> dict:
     # TorchTitan warns on every run that model-only has no effect without an initial load path.
     ckpt["initial_load_model_only"] = ckpt["initial_load_model_only"] and bool(ckpt["initial_load_path"])
     float8 = run["float8"]
-    # The scales are set after every change of the weights: the load that starts training, each update.
+    # The scales are set after every change of the weights: the load that starts training, each
+    # update.
     precompute = float8["enable"] and float8["precompute_float8_dynamic_scale_for_fsdp"]
     builders = {
         "parallelism": lambda: ParallelismConfig(**run["parallelism"]),
