@@ -321,7 +321,7 @@ def pipeline_without_peers(sent: dict, recorder: StepRecorder):
     from torch.distributed.pipelining import stage as pipeline_stage
     try:
         from torch.distributed.pipelining._utils import InferenceMode, _derive_grad_metas, _StageBackwardMeta
-    except ImportError as e:  # torch 2.11 (the H200 kit of 2026-11-28) has another stage start-up
+    except ImportError as e:  # torch 2.11 (the offline GPU kit's) has another stage start-up
         raise RuntimeError(f"planning pipeline parallelism needs torch >= 2.13, whose pipeline stages this planner "
                            f"answers (this torch: {torch.__version__}: {e})") from None
 

@@ -2,13 +2,7 @@
 cyclic garbage collector kept out of the imports of torch, TorchTitan and their dependencies
 (``importing``), and out of the interpreter's last collections (``freeze_at_exit``); and the
 process-wide settings of a canon-titan program (``process_setup``), which its entry points make
-and importing the package never does.
-
-Measured on the 2-core machine, 2026-11-28, as whole processes, each pair of commands interleaved:
-``import canon_titan.train`` took 8.9 s of CPU, 7.8 s without the collector during the imports (medians
-of 5), and the collections at exit 1.9-2.2 s, 0.35-0.4 s frozen; import and exit together 8.5 s, 7.0 s
-with both. A 2-rank, 2-step debug training run under torchrun: 26.6 s of CPU and 15.6 s of wall time
-without either, 23.0 and 13.9 s with both (medians of 4).
+and importing the package never does. What each saves: docs/benchmarks/cpu.md, "Start-up and exit".
 """
 
 from __future__ import annotations
