@@ -196,28 +196,36 @@ def test_no_component_method_is_assigned_over():
     assert not found, "methods assigned over:\n" + "\n".join(found)
 
 
-def test_the_method_scan_finds_an_instance_patch(tmp_path, monkeypatch):
-    """The scan above, on a file written as the trainer was at 381a133."""
+def _found_in(source: str, scan, tmp_path, monkeypatch) -> str:
+    """What ``scan`` (a test above) reports on a package of one ``trainer.py`` holding ``source``."""
     package = tmp_path / "canon_titan"
     package.mkdir()
-    (package / "trainer.py").write_text(
+    (package / "trainer.py").write_text(source)
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGE", package)
+    monkeypatch.setattr(sys.modules[__name__], "REPO", tmp_path)
+    try:
+        scan()
+    except AssertionError as e:
+        return str(e)
+    return ""
+
+
+def test_the_method_scan_finds_an_instance_patch(tmp_path, monkeypatch):
+    """The scan above, on a file written as the trainer was at 381a133."""
+    found = _found_in(
         "class CanonTrainer:\n"
         "    def __init__(self, config):\n"
         "        step = self.optimizers.step\n"
         "        def guarded_step(*args, **kwargs):\n"
         "            return step(*args, **kwargs)\n"
         "        self.optimizers.step = guarded_step\n"
-        "        self.checkpointer.before_fallback = self._resume_from\n"
+        "        self.checkpointer.before_fallback = self._resume_from\n",
+        test_no_component_method_is_assigned_over,
+        tmp_path,
+        monkeypatch,
     )
-    monkeypatch.setattr(sys.modules[__name__], "PACKAGE", package)
-    monkeypatch.setattr(sys.modules[__name__], "REPO", tmp_path)
-    try:
-        test_no_component_method_is_assigned_over()
-    except AssertionError as e:
-        assert "canon_titan/trainer.py:6: self.optimizers.step = guarded_step" in str(e)
-        assert "before_fallback" not in str(e)  # a hook the checkpointer declares, not a method
-    else:
-        raise AssertionError("the scan missed self.optimizers.step = guarded_step")
+    assert "canon_titan/trainer.py:6: self.optimizers.step = guarded_step" in found, found
+    assert "before_fallback" not in found  # a hook the checkpointer declares, not a method
 
 
 MESSAGE_READS = {"str", "repr", "format"}
@@ -288,9 +296,7 @@ def test_no_exception_is_told_apart_by_its_message():
 
 def test_the_message_scan_finds_a_message_match(tmp_path, monkeypatch):
     """The scan above, on the non-finite-loss catch as it was at 381a133."""
-    package = tmp_path / "canon_titan"
-    package.mkdir()
-    (package / "trainer.py").write_text(
+    found = _found_in(
         "def train_step(self):\n"
         "    try:\n"
         "        self.queued_train_step()\n"
@@ -299,16 +305,12 @@ def test_the_message_scan_finds_a_message_match(tmp_path, monkeypatch):
         "            raise\n"
         "    except OSError as e:\n"
         "        if e.errno == 28:\n"
-        "            raise\n"
+        "            raise\n",
+        test_no_exception_is_told_apart_by_its_message,
+        tmp_path,
+        monkeypatch,
     )
-    monkeypatch.setattr(sys.modules[__name__], "PACKAGE", package)
-    monkeypatch.setattr(sys.modules[__name__], "REPO", tmp_path)
-    try:
-        test_no_exception_is_told_apart_by_its_message()
-    except AssertionError as e:
-        assert "trainer.py:5:" in str(e) and "trainer.py:8:" not in str(e), str(e)
-    else:
-        raise AssertionError("the scan missed str(e).startswith(...)")
+    assert "trainer.py:5:" in found and "trainer.py:8:" not in found, found
 
 
 def test_a_command_run_in_process_logs_to_the_stdout_of_the_moment(capsys):
