@@ -197,7 +197,7 @@ def test_no_component_method_is_assigned_over():
 
 
 def _found_in(source: str, scan, tmp_path, monkeypatch) -> str:
-    """What ``scan`` (a test above) reports on a package of one ``trainer.py`` holding ``source``."""
+    """What ``scan`` (a test above) reports on a package of one file, ``source``."""
     package = tmp_path / "canon_titan"
     package.mkdir()
     (package / "trainer.py").write_text(source)
