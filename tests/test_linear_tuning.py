@@ -47,7 +47,7 @@ def test_the_narrowed_searches_keep_the_h200_winners():
 
 
 HOPPER_LISTS = """
-import importlib, importlib.util, json, os, sys, types
+import importlib, importlib.metadata, importlib.util, json, os, sys, types
 # fla's and fla.ops' __init__ import every op of fla (minutes on a busy 2-core machine): as empty
 # packages here, only the modules read below and what they import are, once, and after the checks
 # their candidate lists are built from say what fla finds on an H100/H200 (227 KB of shared memory,
@@ -56,6 +56,7 @@ root = importlib.util.find_spec("fla").submodule_search_locations[0]
 for name, folder in (("fla", root), ("fla.ops", os.path.join(root, "ops"))):
     sys.modules[name] = package = types.ModuleType(name)
     package.__path__ = [folder]
+sys.modules["fla"].__version__ = importlib.metadata.version("fla-core")
 import fla.utils, fla.utils.hardware as hardware
 fla.utils.check_shared_mem = hardware.check_shared_mem = lambda arch="none", tensor_idx=0: True
 fla.utils.IS_NVIDIA_HOPPER = hardware.IS_NVIDIA_HOPPER = True
