@@ -4,11 +4,13 @@
   tensor, pipeline and context parallelism where the family has them. Counted by ``scripts/benchmarks/host_syncs.py``
   (a dispatch mode that follows where each tensor would live on a GPU and counts the reads, value-sized
   ops and blocking copies that would wait for it) on the steps between the first and the last, which
-  are logged; with validation on (``[validation]``), a validation after step 2 waits once, where it reads
-  its loss, and step 3 none. At d1a0ebf every step waited once: the divergence guard read the step's reduced loss with
+  are logged. At d1a0ebf every step waited once: the divergence guard read the step's reduced loss with
   ``tolist()`` before the optimizer step; until 2026-11-29 TorchTitan's train step still copied each
   batch and the token count to the device with ``.to(device)`` (and a pipeline stage without the loss
-  made its placeholder with ``torch.tensor(..., device=)``), each a wait on a GPU;
+  made its placeholder with ``torch.tensor(..., device=)``), each a wait on a GPU. With
+  ``[validation]`` on, a validation after step 2 waits once, where it reads its loss, and step 3
+  not at all (through torch's pipeline ``eval``, which sets the schedule up again, it waited 4 times
+  and step 3 8 times);
 - context parallelism builds its ``ContextShards`` (every position's place, in Python) on the first
   step only, with and without document masking (whose documents change with every batch). At d1a0ebf
   every step built them;
@@ -50,7 +52,8 @@ CASES = [("llama", "fsdp"), ("llama", "tp"), ("llama", "pp"), ("llama", "cp"),
          ("llama_canon", "fsdp"), ("llama_canon", "tp"), ("llama_canon", "pp"), ("llama_canon", "cp documents"),
          ("gla5", "fsdp"), ("gla5", "tp"), ("gla5", "pp"),
          ("gdn2", "fsdp"), ("gdn2", "tp"), ("gdn2", "pp"),
-         ("mamba2", "fsdp"), ("mamba2", "pp"), ("llama", "fsdp validation"), ("llama_canon", "pp validation")]
+         ("mamba2", "fsdp"), ("mamba2", "pp"),
+         ("llama", "fsdp validation"), ("llama_canon", "pp validation")]
 STEPS = 4
 COUNTED = (2, 3)  # step 1 and the last step are logged
 LAYERS = 4  # every family's debug flavor
@@ -92,8 +95,9 @@ def host_batches(counter: HostSyncs, batches):
 def counted(trainer, steps: tuple[int, ...], builds: list[int]) -> dict[int, tuple[list[str], list]]:
     """Run ``trainer``'s steps ``steps`` under ``HostSyncs`` and ``AllReduces``, the batches from its
     data loader on the host (as TorchTitan's loader yields them); returns each counted step's waits and
-    all-reduces, and a validation's waits under ``("validation", step)``, its held-out batches on the host
-    too. ``builds`` gets the step of every ``ContextShards`` built, whichever step it is."""
+    all-reduces, and a validation's waits under ``("validation", step)``, its held-out batches on
+    the host too. ``builds`` gets the step of every ``ContextShards`` built, whichever step it
+    is."""
     from canon_titan.models.common.context_parallel import ContextShards
 
     logs = {}
@@ -229,10 +233,11 @@ def test_steps_do_not_wait_for_the_device_or_rebuild_cp_shards_and_one_rank_read
     for rank, cases, _ in results:
         assert list(cases) == [f"{f} {p}" for f, p in CASES]
         for case, (steps, builds) in cases.items():
-            if case.endswith(" validation"):  # validated after step 2 (and 4): once, with one read of its loss
+            if case.endswith(" validation"):  # validated after step 2 (and 4): one read, its loss
                 validation = steps.pop(("validation", 2))[0]
                 assert len(validation) == 1 and validation[0].startswith("Tensor.tolist at ") \
-                    and "canon_titan/components/validation.py" in validation[0], (rank, case, validation)
+                    and "canon_titan/components/validation.py" in validation[0], \
+                    (rank, case, validation)
             assert sorted(steps) == list(COUNTED), (rank, case, steps)
             waits = {step: step_waits for step, (step_waits, _) in steps.items()}
             assert all(not w for w in waits.values()), (rank, case, waits)

@@ -99,8 +99,8 @@ def test_loss_smoothing_is_a_debiased_ema():
 
 
 def test_validation_curves_of_two_runs_against_tokens_seen(tmp_path):
-    """A panel of ``[validation]``'s loss, after the training loss: each run's points at the tokens it had
-    seen at their steps (1,000 and 2,000 tokens a step), read back from the figure."""
+    """A panel of ``[validation]``'s loss, after the training loss: each run's points at the tokens
+    it had seen at their steps (1,000 and 2,000 tokens a step), read back from the figure."""
     from canon_titan.evaluation.report import figure, last_values
 
     a, b = tmp_path / "a", tmp_path / "b"
@@ -111,7 +111,9 @@ def test_validation_curves_of_two_runs_against_tokens_seen(tmp_path):
     runs = [read_run(a), read_run(b)]
     fig = figure(runs)
     assert [ax.get_title() for ax in fig.axes[:2]] == ["training loss", "validation loss"]
-    curves = {line.get_label(): (list(line.get_xdata()), list(line.get_ydata())) for line in fig.axes[1].get_lines()}
-    assert curves == {"Llama": ([5000.0, 10000.0], [4.5, 4.25]), "LlamaCanon": ([8000.0, 16000.0], [4.0, 3.5])}
+    curves = {line.get_label(): (list(line.get_xdata()), list(line.get_ydata()))
+              for line in fig.axes[1].get_lines()}
+    assert curves == {"Llama": ([5000.0, 10000.0], [4.5, 4.25]),
+                      "LlamaCanon": ([8000.0, 16000.0], [4.0, 3.5])}
     header, rows = last_values(runs)
     assert header[3:5] == ["loss", "validation loss"] and rows[1][4] == "3.5 (step 8)"

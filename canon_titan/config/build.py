@@ -89,7 +89,8 @@ def _validator(run: RunConfig):
 # resolved copy works from any directory (eval, convert and report read it later from elsewhere).
 PATH_KEYS = {("job", "dump_folder"), ("tokenizer", "path"), ("dataloader", "dataset_path"), ("dataloader", "sources"),
              ("checkpoint", "initial_load_path"), ("eval", "data_dir"), ("eval", "include_path"),
-             ("lano", "grammar"), ("capo", "bior_path"), ("validation", "dataset_path"), ("validation", "sources")}
+             ("lano", "grammar"), ("capo", "bior_path"), ("validation", "dataset_path"),
+             ("validation", "sources")}
 
 
 def absolute_paths(sections: dict) -> dict:

@@ -165,8 +165,8 @@ class EvalSection:
 @dataclass(kw_only=True)
 class ValidationSection:
     enable: bool = False
-    """The mean token loss (and its perplexity) on held-out data during training; the release recipes
-    keep it off, as the release's ``validation: null``."""
+    """The mean token loss (and its perplexity) on held-out data during training; the release
+    recipes keep it off, as the release's ``validation: null``."""
     every: int = 500
     """Validate every this many steps and at the last step."""
     steps: int = 0
@@ -181,7 +181,8 @@ class ValidationSection:
     """tokens: validate on this fraction of the run's own shards (spread over the folder), which
     training then skips."""
     sources: list[str] = field(default_factory=list)
-    """stream: the held-out sources, mixed equally (globs of document files or "hf:NAME[:CONFIG[:SPLIT]]")."""
+    """stream: the held-out sources, mixed equally (globs of document files or
+    "hf:NAME[:CONFIG[:SPLIT]]")."""
     seed: int = 20261205
     """Synthetic tasks: the seed of the held-out sample stream (the same for every run validated on
     it; not [dataloader] seed); stream: of its mixture."""

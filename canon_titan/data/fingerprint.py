@@ -18,9 +18,9 @@ FINGERPRINT_KEY = "fingerprint"
 
 def data_fingerprint(dataset: str, dataset_path: str | None, sources: list[str],
                      held_out_fraction: float = 0.0) -> str:
-    """A JSON object: input name -> its description (a token shard that ``held_out_fraction`` holds out
-    for validation says so). Synthetic tasks (generated from the config, whose changes are reported
-    with the config's) have none: ""."""
+    """A JSON object: input name -> its description (a token shard that ``held_out_fraction``
+    holds out for validation says so). Synthetic tasks (generated from the config, whose changes
+    are reported with the config's) have none: ""."""
     from canon_titan.data.held_out import held_out_shards
     from canon_titan.data.inputs import resolve_paths
     from canon_titan.data.kinds import STREAM, SYNTHETIC

@@ -85,7 +85,8 @@ class PackedTextDataLoader(BaseDataLoader):
         """Emit positions that restart at every BOS: attention stays within documents and RoPE
         counts from each document's start. Canon layers still mix across document boundaries."""
         held_out_fraction: float = 0.0
-        """tokens: this fraction of the folder's shards is held out for validation (``held_out_shards``)."""
+        """tokens: this fraction of the folder's shards is held out for validation
+        (``data.held_out.held_out_shards``)."""
         read_held_out: bool = False
         """Read the held-out shards (the validation loader) instead of the others."""
 

@@ -76,7 +76,8 @@ def read_run(run_dir: str | Path, label: str | None = None) -> RunCurves:
 
 
 def panels(runs: list[RunCurves]) -> list[str]:
-    """The training and validation losses, then every eval metric any run logged (first MAX_PANELS)."""
+    """The training and validation losses, then every eval metric any run logged (first
+    MAX_PANELS)."""
     tags = sorted({t for r in runs for t in r.series if t.startswith("eval/") and not any(x in t for x in _NOT_PLOTTED)})
     losses = [tag for tag in LOSSES if any(tag in r.series for r in runs)]
     return losses + tags[: MAX_PANELS - len(losses)]
@@ -119,7 +120,8 @@ def figure(runs: list[RunCurves], smooth: float = 0.0):
         name = tag.removeprefix("eval/")
         ax.set_title(LOSSES.get(tag, name), fontsize=10)
         ax.set_xlabel("tokens")
-        ax.set_ylabel("loss" if tag in LOSSES else f"{name.rsplit('/', 1)[-1]}{' (%)' if is_percent(tag) else ''}")
+        unit = f"{name.rsplit('/', 1)[-1]}{' (%)' if is_percent(tag) else ''}"
+        ax.set_ylabel("loss" if tag in LOSSES else unit)
         ax.grid(alpha=0.3)
     for ax in list(axes.flat)[len(tags):]:
         ax.axis("off")
@@ -145,8 +147,8 @@ def last_values(runs: list[RunCurves]) -> tuple[list[str], list[list[str]]]:
             row.append(f"{shown_value(tag, points[step]):.4g}" + (f" (step {step:,})" if step != last_step else ""))
         rows.append(row)
     names = [t.removeprefix("eval/") + (" (%)" if is_percent(t) else "") for t in tags]
-    return ["run", "last step", "tokens", *({LOSS_TAG: "loss", VALIDATION_TAG: "validation loss"}.get(n, n)
-                                            for n in names)], rows
+    columns = {LOSS_TAG: "loss", VALIDATION_TAG: "validation loss"}
+    return ["run", "last step", "tokens", *(columns.get(n, n) for n in names)], rows
 
 
 def write_report(run_dirs: list[str], out_png: str | Path, html_path: str | Path | None = None,
