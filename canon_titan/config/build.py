@@ -14,10 +14,12 @@ from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
 from canon_titan.components.divergence import DivergenceSection
 from canon_titan.components.float8 import float8_converter
 from canon_titan.components.loss import ZLossCrossEntropy
+from canon_titan.components.validation import HeldOutValidator
 from canon_titan.config.run import ConfigError, RunConfig
 from canon_titan.config.titan_sections import titan_sections
 from canon_titan.config.toml_writer import run_toml
 from canon_titan.data.builtin import ASSET_DIR
+from canon_titan.data.held_out import validation_loader
 from canon_titan.data.kinds import STREAM, SYNTHETIC
 from canon_titan.data.packed import PackedTextDataLoader
 from canon_titan.data.streaming import StreamingTextDataLoader
@@ -58,7 +60,8 @@ def _dataloader(run: RunConfig):
         keys = common + ("sources", "weights", "shuffle_buffer", "num_workers")
         return StreamingTextDataLoader.Config(**{k: section[k] for k in keys})
     keys = common + ("dataset_path", "shuffle", "infinite")
-    return PackedTextDataLoader.Config(**{k: section[k] for k in keys})
+    return PackedTextDataLoader.Config(**{k: section[k] for k in keys},
+                                       held_out_fraction=run["validation"]["held_out_fraction"])
 
 
 def _eval_settings(run: RunConfig, tokenizer_path: str):
@@ -73,11 +76,21 @@ def _eval_settings(run: RunConfig, tokenizer_path: str):
                         test_seed=DEFAULT_TEST_SEED)
 
 
+def _validator(run: RunConfig):
+    section = run["validation"]
+    if not section["enable"]:
+        return HeldOutValidator.Config()  # off: TorchTitan's trainer builds no validator
+    return HeldOutValidator.Config(enable=True, freq=section["every"], steps=section["steps"] or -1,
+                                   tokens=section["tokens"], dataloader=validation_loader(run),
+                                   last_step=run["training"]["steps"])
+
+
 # Keys holding paths (or globs of them), made absolute in the run_config.toml a run writes, so the
 # resolved copy works from any directory (eval, convert and report read it later from elsewhere).
 PATH_KEYS = {("job", "dump_folder"), ("tokenizer", "path"), ("dataloader", "dataset_path"), ("dataloader", "sources"),
              ("checkpoint", "initial_load_path"), ("eval", "data_dir"), ("eval", "include_path"),
-             ("lano", "grammar"), ("capo", "bior_path")}
+             ("lano", "grammar"), ("capo", "bior_path"), ("validation", "dataset_path"),
+             ("validation", "sources")}
 
 
 def absolute_paths(sections: dict) -> dict:
@@ -132,12 +145,11 @@ def build_trainer_config(run: RunConfig):
             loss=loss,
             run_toml=run_toml(run, absolute_paths(run.sections), record=True),
             divergence=DivergenceSection(**run["divergence"]),
-            float8_precompute_scales=(run["float8"]["enable"]
-                                      and run["float8"]["precompute_float8_dynamic_scale_for_fsdp"]),
             stop_grace_seconds=job["stop_grace_seconds"],
             allow_changed_data=run["dataloader"]["allow_changed_data"],
             model_label=run.label(),
             evaluation=_eval_settings(run, run["tokenizer"]["path"] or str(ASSET_DIR)),
+            validator=_validator(run),
             **sections,
         )
     except ValueError as e:

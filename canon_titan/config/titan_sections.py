@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import torch
 
-from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.components.optimizer.optimizer import ParamGroupConfig
 from torchtitan.config.configs import CommConfig, CompileConfig, ParallelismConfig, TrainingConfig
 from torchtitan.tools.logging import logger
@@ -18,6 +17,8 @@ from torchtitan.tools.profiler import Profiler
 
 from canon_titan.components.checkpointer import CanonCheckpointer
 from canon_titan.components.lr_schedule import ResumableSchedulers
+from canon_titan.components.optimizer import GuardedOptimizers
+from canon_titan.config.loader import load
 from canon_titan.config.run import ConfigError, RunConfig
 
 
@@ -28,11 +29,15 @@ def titan_sections(run: RunConfig) -> dict:
     ckpt = dict(run["checkpoint"])
     # TorchTitan warns on every run that model-only has no effect without an initial load path.
     ckpt["initial_load_model_only"] = ckpt["initial_load_model_only"] and bool(ckpt["initial_load_path"])
+    float8 = run["float8"]
+    # The scales are set after every change of the weights: the load that starts training, each
+    # update.
+    precompute = float8["enable"] and float8["precompute_float8_dynamic_scale_for_fsdp"]
     builders = {
         "parallelism": lambda: ParallelismConfig(**run["parallelism"]),
         "compile": lambda: CompileConfig(**run["compile"]),
-        "checkpoint": lambda: CanonCheckpointer.Config(**ckpt),
-        "optimizer": lambda: OptimizersContainer.Config(
+        "checkpoint": lambda: CanonCheckpointer.Config(**ckpt, precompute_float8_scales=precompute),
+        "optimizer": lambda: GuardedOptimizers.Config(
             param_groups=[ParamGroupConfig(
                 pattern=r".*",
                 optimizer_name=opt["name"],
@@ -40,6 +45,7 @@ def titan_sections(run: RunConfig) -> dict:
                                   "weight_decay": opt["weight_decay"]},
             )],
             implementation=opt["implementation"],
+            precompute_float8_scales=precompute,
         ),
         "lr_scheduler": lambda: _lr_schedule(run),
         "training": lambda: TrainingConfig(**run["training"]),
@@ -67,3 +73,15 @@ def _lr_schedule(run: RunConfig) -> ResumableSchedulers.Config:
                        f"the schedule's {total} steps: the learning rate warms up over all {total}")
         schedule["warmup_steps"] = total
     return ResumableSchedulers.Config(**schedule)
+
+
+def load_or_report(path: str, overrides: list[str], environment: bool = True, build=titan_sections):
+    """The resolved run, after our checks and TorchTitan's own, or the error. ``build(run)`` makes
+    TorchTitan's configs: of the sections (what ``config validate`` checks), or ``train``'s whole
+    ``Trainer.Config`` with the model (``config.build.build_trainer_config``)."""
+    try:
+        run = load(path, overrides, environment)
+        build(run)
+        return run, None
+    except ConfigError as e:
+        return None, str(e)
