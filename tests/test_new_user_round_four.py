@@ -396,3 +396,36 @@ def test_search_workers_drop_the_library_notes_the_programs_drop(capfd):
         pool.close()
     err = capfd.readouterr().err
     assert "kept note" in err and "Failed to load" not in err
+
+
+def test_a_search_whose_probes_find_nothing_that_fits_probes_on_into_the_budget(monkeypatch):
+    """Item 4, the page's command as it ran on 2026-12-01 (load 6): every layout probed in the
+    probes' share of the budget needed more memory than the GPU's, and the search ended with 212 s
+    of its 580 unused and nothing planned but the config's own. Simulated (the own plan 60 s, a
+    probe 10 s, a full plan 60 s; without activation checkpointing no layout fits), budget 290: by
+    hand, six of the seven layouts without checkpointing are probed, two a chunk of 40 s, by 180 s,
+    past the probes' share (174 s), where the search stopped; it probes on to the next chunk (ends
+    220 s, the chunk began before 290 - 60 - 40), finds a layout that fits with selective
+    checkpointing and plans it in full (ends 280 s)."""
+    from canon_titan.plan import search as search_module
+    from test_plan_search import _Clock
+
+    clock = _Clock()
+
+    def figures(config, overrides, *args):
+        value = {flag: overrides[i + 1] for i, flag in enumerate(overrides)
+                 if flag.startswith("--")}
+        probe = "--model.n_layers" in value
+        clock.now += 10.0 if probe else 60.0
+        checkpointed = value.get("--activation_checkpoint.mode", "none") != "none"
+        memory = (10 if checkpointed else 100) * 2**30
+        return {"fits": memory < 80 * 2**30, "device_bytes": memory, "live_bytes": memory,
+                "step_s": 1.0, "tokens_per_s_per_gpu": 1e4, "mfu": 0.5, "gpu_hours": 1.0,
+                "accumulation": 1, "seconds": 10.0 if probe else 60.0}
+
+    monkeypatch.setattr(search_module, "time", clock)
+    monkeypatch.setattr(search_module, "_plan_figures", figures)
+    found = search_module.search(str(CONFIGS["llama"]), SEQ, gpus=8, gpu=GPUS["h100"], top=3,
+                                 budget_s=290.0, workers=1, pipelines=False)
+    assert found.tried["probed"] == 8 and found.seconds <= 290.0
+    assert [o.layout.ac for o in found.ranked] == ["selective"]

@@ -525,40 +525,43 @@ def probe_estimates(shapes: list[Shape], probed: dict[Layout, Probe], capacity: 
 class Prober:
     """Stage 2, probes: layouts planned with one and two layers a stage, in rounds of the workers'
     chunks, each extrapolated to the model's layers (``extrapolate``), until each shape has what it
-    needs (``probes_needed``) or the probes' share of the budget is spent (checked between chunks)."""
+    needs (``probes_needed``) or the probes' share of the budget is spent (checked between chunks);
+    while no layout probed fits, nothing would be planned in full, and the probes go on into the
+    rest of the budget."""
 
     def __init__(self, space: SearchSpace, pool: _Pool, workers: int, started: float, say):
         self.space, self.pool, self.workers, self.started, self.say = space, pool, workers, started, say
         self.probed: dict[Layout, Probe] = {}
         self.plan_seconds: dict[Layout, float] = {}
         """A full plan's wall time, from the probes' own in the layers."""
-        self.left_out = 0
-        """Layouts the probes' share of the budget left unprobed."""
+        self.chunk_s = 0.0
+        """The longest a chunk of probes took."""
 
     def _calls(self, layout: Layout) -> list[tuple]:
         return [self.space.call(layout, ["--model.n_layers", str(k * layout.pp)]) for k in (1, 2)]
 
-    def probe(self, group: list[Shape], deadline: float) -> None:
+    def probe(self, group: list[Shape], deadline: float) -> int:
+        """Probe ``group`` until ``deadline`` (seconds from the search's start); how many layouts it
+        left unprobed."""
         layers, capacity = self.space.layers, self.space.capacity
         while True:
             todo = [lay for shape in group for lay in probes_needed(shape, self.probed, capacity)]
             if not todo:
-                return
+                return 0
             if time.perf_counter() - self.started > deadline:
                 self.say("probe budget spent: ranking what was probed")
-                self.left_out += len(todo)
-                return
+                return len(todo)
             self.say(f"probing {len(todo)} layouts ({2 * len(todo)} few-layer plans on {self.workers} worker(s))")
             for i in range(0, len(todo), 2 * self.workers):
                 if i and time.perf_counter() - self.started > deadline:
                     # checked between chunks too: a round of probes of an 8B model on a loaded
                     # machine takes minutes, and what is left of the budget is for full plans
                     self.say(f"probe budget spent after {len(self.probed)} layouts: ranking what was probed")
-                    self.left_out += len(todo) - i
-                    return
-                chunk = todo[i:i + 2 * self.workers]
+                    return len(todo) - i
+                chunk, began = todo[i:i + 2 * self.workers], time.perf_counter()
                 figures = self.pool.map([c for lay in chunk for c in self._calls(lay)],
                                         f"probing {len(chunk)} layouts")
+                self.chunk_s = max(self.chunk_s, time.perf_counter() - began)
                 for n, lay in enumerate(chunk):
                     self.probed[lay] = extrapolate(figures[2 * n:2 * n + 2], layers // lay.pp)
                     one, two = (f.get("seconds", 0.0) for f in figures[2 * n:2 * n + 2])
@@ -739,17 +742,23 @@ def search(config: str, base_overrides: list[str], *, gpus: int, gpu, gpus_per_n
         # minute for an 8B model on 8 stages) and pay a bubble: they are probed when nothing else
         # fits, or when the budget is large (PP_PROBE_BUDGET_S).
         prober = Prober(space, pool, workers, started, say)
-        prober.probe([shape for shape in shapes if shape[0].pp == 1], budget_s * 0.6)
+        flat = [shape for shape in shapes if shape[0].pp == 1]
+        left = prober.probe(flat, budget_s * 0.6)
+        if left and not prober.fits():
+            # nothing would be planned in full: the probes go on, leaving the time of a chunk of
+            # probes (the last one started may end that late) and of a full plan (the own one's)
+            say("no layout probed fits yet: probing on into the full plans' share of the budget")
+            left = prober.probe(flat, budget_s - own_plan_s - prober.chunk_s)
         pipelined = [shape for shape in shapes if shape[0].pp > 1]
         if pipelines is None:
             pipelines = budget_s >= PP_PROBE_BUDGET_S
         if pipelined and (not prober.fits() or pipelines):
-            prober.probe(pipelined, budget_s * 0.6)
+            left += prober.probe(pipelined, budget_s * 0.6)
         elif pipelined:
             tried["pipeline layouts not probed (a layout without PP fits)"] = len(pipelined)
         tried["probed"] = len(prober.probed)
-        if prober.left_out:
-            tried["not probed (budget)"] = prober.left_out
+        if left:
+            tried["not probed (budget)"] = left
         estimates = probe_estimates(shapes, prober.probed, space.capacity, space.global_batch)
         say(f"{len(estimates)} layouts fit by the probes; planning the best in full")
 
