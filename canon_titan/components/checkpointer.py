@@ -34,7 +34,7 @@ from torchtitan.tools.logging import logger
 
 from canon_titan.convert.dcp_io import (CheckpointDamaged, FileNamingReader, NoLoadableCheckpoint, checkpoint_problem,
                                         inner_failure, model_only, step_dirs)
-from canon_titan.tools.collectives import from_rank0
+from canon_titan.tools.collectives import rank_zero_decides
 
 
 class NonFiniteParameters(RuntimeError):
@@ -198,12 +198,13 @@ class CanonCheckpointer(CheckpointManager):
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as e:  # DCP's CheckpointException is a BaseException, raised on every rank
-            message = None
-            if _rank0():  # the free space before the partial folder goes; every rank says rank 0's line
+            def failure() -> str:  # the free space before the partial folder goes; every rank says it
                 message = save_failure(curr_step, step_dir, e, keep_latest_k=self.keep_latest_k,
                                        purge_before_save=self.purge_before_save)
                 shutil.rmtree(step_dir, ignore_errors=True)
-            raise SaveFailed(from_rank0(message)) from None
+                return message
+
+            raise SaveFailed(rank_zero_decides(failure, "the save failure")) from None
         finally:
             self.force_next_save = False
         self.checked.add(curr_step)

@@ -39,6 +39,7 @@ from pathlib import Path
 from torchtitan.tools.logging import logger
 
 from canon_titan.components.exit_codes import before_exit
+from canon_titan.tools.collectives import job_key, store_barrier
 from canon_titan.tools.fileio import write_atomic
 
 LOCK_FILE = ".canon-titan.lock"
@@ -329,32 +330,33 @@ def held_lease_token(dump_folder: str | os.PathLike) -> str | None:
 SHARED_LOOKS = 3
 """How often a node looks for rank 0's lease, a second apart, before it says it does not see it: an NFS
 client may answer a lookup from its cache of names for a moment (listing the folder first revalidates it)."""
+SHARED_WAIT = datetime.timedelta(minutes=10)
+"""How long a rank waits for every node to have looked for the lease."""
 
 
-def check_shared(store, dump_folder: str | os.PathLike, token: str, key: str) -> str | None:
+def check_shared(store, dump_folder: str | os.PathLike, token: str) -> str | None:
     """On several nodes: whether every node sees the dump folder whose lease rank 0 holds (``token``:
     that lease's), or one line saying that some do not and how to fix it. Local rank 0 of each node
-    reads the lease; every rank gets the same answer through ``store`` (torchrun's, under ``key``), so
-    none trains while another refuses. A folder each node has of its own (a node-local disk, a path
-    mounted on some nodes only) would take half of every checkpoint, and the run would end as if saved."""
+    reads the lease and says through ``store`` (torchrun's) whether it saw it; every rank waits until
+    every node has looked and reads the same count, so none trains while another refuses. A folder
+    each node has of its own (a node-local disk, a path mounted on some nodes only) would take half
+    of every checkpoint, and the run would end as if saved."""
     nodes = int(os.environ.get("GROUP_WORLD_SIZE", "1"))
     if nodes == 1:
         return None
-    answer = f"{key}/answer"
-    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
-        if not _sees(Path(dump_folder) / LEASE_FILE, token):
-            store.compare_set(f"{key}/first-blind", "", socket.gethostname())
-            store.add(f"{key}/blind", 1)
-        if store.add(f"{key}/read", 1) == nodes:  # the last node to look says what all found
-            blind = store.add(f"{key}/blind", 0)
-            problem = "" if not blind else (
-                f"dump folder {dump_folder} is not shared by every node: {blind} of {nodes} nodes (the first: "
-                f"{store.get(f'{key}/first-blind').decode()}) do not see the lease file {LEASE_FILE} that rank 0 "
-                "wrote in it; put [job] dump_folder on a filesystem every node mounts at the same path (NFS, "
-                "Lustre, GPFS, ...)")
-            store.set(answer, problem)
-            return problem or None
-    return store.get(answer).decode() or None
+    blind, first_blind = job_key("dump-folder-blind"), job_key("dump-folder-first-blind")
+    looks = int(os.environ.get("LOCAL_RANK", "0")) == 0
+    if looks and not _sees(Path(dump_folder) / LEASE_FILE, token):
+        store.compare_set(first_blind, "", socket.gethostname())
+        store.add(blind, 1)
+    store_barrier("dump-folder-seen", SHARED_WAIT, parties=nodes, arrives=looks, store=store)
+    unseen = store.add(blind, 0)
+    if not unseen:
+        return None
+    return (f"dump folder {dump_folder} is not shared by every node: {unseen} of {nodes} nodes (the "
+            f"first: {store.get(first_blind).decode()}) do not see the lease file {LEASE_FILE} that rank "
+            "0 wrote in it; put [job] dump_folder on a filesystem every node mounts at the same path "
+            "(NFS, Lustre, GPFS, ...)")
 
 
 def _sees(lease: Path, token: str) -> bool:

@@ -24,7 +24,7 @@ import torch
 from torchtitan.config import TORCH_DTYPE_MAP
 
 from canon_titan.kernels.backends import KernelEnvironment, runs_cuda_kernel
-from canon_titan.kernels.tuning import device_for_kernels, progress, wait_for_every_rank
+from canon_titan.kernels.tuning import device_for_kernels, progress, tuned_on_rank_zero
 
 _tuned: set[str] = set()
 """The shapes this process has tuned (a pipeline rank parallelizes each of its stages)."""
@@ -47,8 +47,9 @@ def tuned_first(parallelize):
 
 
 def tune_mixer(args, backend: str, *, batch: int, seq_len: int, tp: int, dtype: torch.dtype) -> None:
-    """One forward and backward of a mixer of ``args`` (a family's ``[model]`` args) with ``backend`` (resolved)
-    at one rank's shapes, then ``wait_for_every_rank``. Once per process and shape."""
+    """One forward and backward of a mixer of ``args`` (a family's ``[model]`` args) with
+    ``backend`` (resolved) at one rank's shapes, tuned by rank 0 for every rank
+    (``tuned_on_rank_zero``). Once per process and shape."""
     device = device_for_kernels()
     if (backend == "torch" or KernelEnvironment.current().planned
             or not runs_cuda_kernel(backend, torch.empty(0, device=device))):
@@ -60,9 +61,9 @@ def tune_mixer(args, backend: str, *, batch: int, seq_len: int, tp: int, dtype: 
     _tuned.add(shape)
     started = time.perf_counter()
     progress(f"{shape}: a forward and backward before the first collective")
-    run_mixer(local, backend, batch=batch, seq_len=seq_len, dtype=dtype, device=device)
+    tuned_on_rank_zero(lambda: run_mixer(local, backend, batch=batch, seq_len=seq_len, dtype=dtype,
+                                         device=device), shape)
     progress(f"{shape}: tuned in {time.perf_counter() - started:.1f} s")
-    wait_for_every_rank(shape)
 
 
 def run_mixer(args, backend: str, *, batch: int, seq_len: int, dtype: torch.dtype, device: torch.device) -> None:
