@@ -238,7 +238,7 @@ def test_the_counter_sees_what_would_wait_on_a_gpu():
     params = torch.ones(4, device=device)  # made before counting: on the device
     pageable = torch.arange(4)
     with HostSyncs() as counter:
-        labels = host_buffer(10, torch.int64).view(2, 5)[:, 1:]  # a view of a batch's (pinned) buffer
+        labels = host_buffer(10, torch.int64).view(2, 5)[:, 1:]  # a view of a (pinned) batch buffer
         labels.copy_(torch.arange(8).view(2, 4))
         counter.mark_host([labels, pageable])
         tokens = (labels != 1).sum()  # host work on the data loader's tensors
@@ -262,9 +262,11 @@ def test_the_counter_sees_what_would_wait_on_a_gpu():
         pageable.to(device, non_blocking=True)
         labels.contiguous().to(device, non_blocking=True)  # a copy of the strided view: pageable
     kinds = [w.split(" at ")[0] for w in counter.waits]
-    assert kinds == ["aten._local_scalar_dense.default", "Tensor.tolist", "Tensor.cpu", "aten.nonzero.default",
-                     "a blocking copy to the device", "a copy from the device", "a blocking copy to the device",
-                     "aten._local_scalar_dense.default", "torch.tensor on the device (a blocking copy to the device)",
-                     "a copy to the device from pageable memory", "a copy to the device from pageable memory"
-                     ], counter.waits
+    made_on_device = "torch.tensor on the device (a blocking copy to the device)"
+    pageable = "a copy to the device from pageable memory"
+    assert kinds == ["aten._local_scalar_dense.default", "Tensor.tolist", "Tensor.cpu",
+                     "aten.nonzero.default", "a blocking copy to the device",
+                     "a copy from the device", "a blocking copy to the device",
+                     "aten._local_scalar_dense.default",
+                     made_on_device, pageable, pageable], counter.waits
     assert all("test_host_work.py" in w for w in counter.waits), counter.waits

@@ -270,6 +270,7 @@ def test_a_failure_of_rank_zeros_resume_decision_stops_every_rank():
     for p in procs:
         p.join(timeout=30)
     assert outcome[0].startswith("PermissionError: [Errno 13] Permission denied"), outcome
-    assert outcome[1] == ("RankZeroFailed: rank 0 could not decide where to resume: PermissionError: [Errno 13] "
-                          "Permission denied: '/runs/x/checkpoint'"), outcome
+    assert outcome[1] == ("RankZeroFailed: rank 0 could not decide where to resume: "
+                          "PermissionError: [Errno 13] Permission denied: "
+                          "'/runs/x/checkpoint'"), outcome
     assert time.monotonic() - started < 60

@@ -198,7 +198,7 @@ class CanonCheckpointer(CheckpointManager):
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as e:  # DCP's CheckpointException is a BaseException, raised on every rank
-            def failure() -> str:  # the free space before the partial folder goes; every rank says it
+            def failure() -> str:  # free space before the partial folder goes; every rank says it
                 message = save_failure(curr_step, step_dir, e, keep_latest_k=self.keep_latest_k,
                                        purge_before_save=self.purge_before_save)
                 shutil.rmtree(step_dir, ignore_errors=True)

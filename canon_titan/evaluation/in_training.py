@@ -108,7 +108,7 @@ def stage_leaders(world: int, pp: int) -> list[int]:
 
 
 def _whole(value) -> torch.Tensor:
-    """A state-dict entry whole, detached: a DTensor gathered over its mesh (on each of its ranks)."""
+    """A state-dict entry whole, detached: a DTensor gathered over its mesh (on each rank of it)."""
     if isinstance(value, DTensor):
         if value.device.type != value.device_mesh.device_type:  # offloaded to the CPU
             value = value.to(value.device_mesh.device_type)
@@ -345,8 +345,8 @@ class InTrainingEval:
                 return None
             record.unlink(missing_ok=True)
             if cut != step:
-                logger.warning(f"[eval] the evaluation of step {cut} was cut short by a stop signal "
-                               f"and this run resumes from step {step}: it stays cut short")
+                logger.warning(f"[eval] the evaluation of step {cut} was cut short by a stop "
+                               f"signal and this run resumes from step {step}: it stays cut short")
             return cut
 
         return rank_zero_decides(read, "eval-cut-short-before") == step

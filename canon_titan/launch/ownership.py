@@ -337,8 +337,9 @@ SHARED_WAIT = datetime.timedelta(minutes=10)
 def check_shared(store, dump_folder: str | os.PathLike, token: str) -> str | None:
     """On several nodes: whether every node sees the dump folder whose lease rank 0 holds (``token``:
     that lease's), or one line saying that some do not and how to fix it. Local rank 0 of each node
-    reads the lease and says through ``store`` (torchrun's) whether it saw it; every rank waits until
-    every node has looked and reads the same count, so none trains while another refuses. A folder
+    reads the lease and says through ``store`` (torchrun's) whether it saw it; every rank waits
+    until every node has looked and reads the same count, so none trains while another refuses. A
+    folder
     each node has of its own (a node-local disk, a path mounted on some nodes only) would take half
     of every checkpoint, and the run would end as if saved."""
     nodes = int(os.environ.get("GROUP_WORLD_SIZE", "1"))
@@ -353,10 +354,11 @@ def check_shared(store, dump_folder: str | os.PathLike, token: str) -> str | Non
     unseen = store.add(blind, 0)
     if not unseen:
         return None
-    return (f"dump folder {dump_folder} is not shared by every node: {unseen} of {nodes} nodes (the "
-            f"first: {store.get(first_blind).decode()}) do not see the lease file {LEASE_FILE} that rank "
-            "0 wrote in it; put [job] dump_folder on a filesystem every node mounts at the same path "
-            "(NFS, Lustre, GPFS, ...)")
+    first = store.get(first_blind).decode()
+    return (f"dump folder {dump_folder} is not shared by every node: {unseen} of {nodes} nodes "
+            f"(the first: {first}) do not see the lease file {LEASE_FILE} that rank 0 wrote in "
+            "it; put [job] dump_folder on a filesystem every node mounts at the same path (NFS, "
+            "Lustre, GPFS, ...)")
 
 
 def _sees(lease: Path, token: str) -> bool:

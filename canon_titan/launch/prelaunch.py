@@ -96,7 +96,8 @@ def agreed_verdict(run) -> Verdict:
 
     def decide() -> tuple[str | None, list[str], str | None]:
         verdict = _decide(run, world_size)
-        return verdict.problem, verdict.warnings, None if verdict.problem else held_lease_token(dump)
+        token = None if verdict.problem else held_lease_token(dump)
+        return verdict.problem, verdict.warnings, token
 
     problem, warnings, token = rank_zero_decides(decide, "launch-verdict", timeout=VERDICT_WAIT,
                                                  store=store)
