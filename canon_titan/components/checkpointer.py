@@ -45,6 +45,16 @@ class SaveFailed(RuntimeError):
     pass
 
 
+_refusals: list[str] = []
+
+
+def refuse_saves(reason: str) -> None:
+    """From now on this process's next save stops the run (``SaveFailed(reason)``) instead of
+    writing: another run has taken the dump folder (``launch/ownership.py``). Any thread may call
+    it."""
+    _refusals.append(reason)
+
+
 def _rank0() -> bool:
     return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
 
@@ -190,6 +200,8 @@ class CanonCheckpointer(CheckpointManager):
     def _save(self, curr_step: int, last_step: bool = False) -> bool:
         if not self._should_save(curr_step, last_step):
             return False
+        if _refusals:
+            raise SaveFailed(_refusals[0])
         self._check_finite(curr_step)
         step_dir = Path(self._create_checkpoint_id(curr_step))
         self._clear_for_save(curr_step, step_dir)

@@ -20,6 +20,7 @@ from canon_titan.convert.dcp_io import NoLoadableCheckpoint
 from canon_titan.data.fingerprint import data_fingerprint
 from canon_titan.launch.ownership import (DumpFolderInUse, DumpFolderUnusable, check_shared, held_lease_token,
                                          lock_dump_folder)
+from canon_titan.components.checkpointer import refuse_saves
 from canon_titan.components.resume_checks import ResumeRefused, check_resume
 from canon_titan.tools.collectives import rank_zero_decides, store_barrier
 from canon_titan.trainer import RUN_CONFIG_FILE, FinishedRun, config_changes, resume_point
@@ -49,7 +50,7 @@ def check_launch(run, world_size: int, *, lock: str = "check", compare_config: b
     warnings: list[str] = []
     try:
         if lock != "skip":
-            lock_dump_folder(dump, hold=lock == "hold")
+            lock_dump_folder(dump, hold=lock == "hold", on_lost=refuse_saves)
         ckpt = run["checkpoint"]
         if ckpt["enable"]:
             folder = Path(dump) / ckpt["folder"]
@@ -123,7 +124,7 @@ def _decide(run, world_size: int, lock: str = "hold") -> Verdict:
     if os.environ.get(CHECKED_ENV) == "1":  # the launcher checked and warned; only the lock is left to take
         try:
             if lock == "hold":
-                lock_dump_folder(run["job"]["dump_folder"])
+                lock_dump_folder(run["job"]["dump_folder"], on_lost=refuse_saves)
             return Verdict(None)
         except (DumpFolderInUse, DumpFolderUnusable) as e:
             return Verdict(str(e))
