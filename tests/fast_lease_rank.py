@@ -1,5 +1,5 @@
-"""A torchrun entry for tests/test_dump_folder_lock.py: ``canon_titan.train`` with the lease refreshed
-(and a takeover noticed) every 0.2 s instead of every 30 s."""
+"""A torchrun entry for tests/test_dump_folder_lock.py: ``canon_titan.train`` with the lease
+refreshed (and a takeover noticed) every 0.2 s instead of every 30 s."""
 
 import sys
 

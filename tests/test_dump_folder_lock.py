@@ -240,19 +240,52 @@ def test_a_run_whose_lease_was_taken_over_stops_before_its_next_save(tmp_path):
     exit 3 and one line naming the new holder, and writes no checkpoint after it. At 381a133 it
     logged an error and kept training and saving into the folder the other run now owned."""
     dump = tmp_path / "run"
-    cmd = [sys.executable, "-m", "canon_titan.launch.torchrun", "--standalone", "--nproc_per_node", "1",
-           str(REPO / "tests" / "fast_lease_rank.py"), "--config", str(DEBUG_CONFIG), *COMMON,
-           "--training.steps", "40", "--training.local_batch_size", "2", "--checkpoint.enable",
-           "--checkpoint.interval", "6", "--job.dump_folder", str(dump)]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=train_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "canon_titan.launch.torchrun",
+        "--standalone",
+        "--nproc_per_node",
+        "1",
+        str(REPO / "tests" / "fast_lease_rank.py"),
+        "--config",
+        str(DEBUG_CONFIG),
+        *COMMON,
+        "--training.steps",
+        "40",
+        "--training.local_batch_size",
+        "2",
+        "--checkpoint.enable",
+        "--checkpoint.interval",
+        "6",
+        "--job.dump_folder",
+        str(dump),
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env=train_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     lines = []
     try:
         for line in proc.stdout:
             lines.append(line)
             if "step:  2" in line:
-                (dump / ".canon-titan.lease").write_text(json.dumps(
-                    {"pid": 7, "host": "other-node", "started": "now", "token": "theirs", "refresh_s": 30}))
+                (dump / ".canon-titan.lease").write_text(
+                    json.dumps(
+                        {
+                            "pid": 7,
+                            "host": "other-node",
+                            "started": "now",
+                            "token": "theirs",
+                            "refresh_s": 30,
+                        }
+                    )
+                )
                 break
         lines.append(proc.stdout.read())
         proc.wait(timeout=300)
@@ -263,4 +296,6 @@ def test_a_run_whose_lease_was_taken_over_stops_before_its_next_save(tmp_path):
     assert proc.returncode == 3, out[-4000:]
     assert said and "is no longer this run's (pid 7 on other-node" in said[-1], out[-4000:]
     assert "this run stops before its next save" in said[-1]
-    assert not (dump / "checkpoint").exists() or not list((dump / "checkpoint").iterdir()), out[-4000:]
+    assert not (dump / "checkpoint").exists() or not list((dump / "checkpoint").iterdir()), out[
+        -4000:
+    ]
