@@ -128,7 +128,7 @@ class QueuedCopies:
                                   loss_kwargs={"global_valid_tokens": global_valid_tokens}, return_outputs=False)
         if self.pp_has_last_stage:
             loss = torch.stack(losses).sum()
-            if loss.device != self.device:
+            if loss.device.type != self.device.type:
                 # TorchTitan's comment at its copy says PP + FSDP put the loss on the CPU; torch
                 # 2.13's schedule keeps its loss function's output where the last stage ran. Should
                 # it not, the copy back is a wait: said once, and the GPU check counts it.
