@@ -155,7 +155,7 @@ def test_each_node_caches_triton_kernels_on_its_own_disk(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_preemption_that_srun_reports_as_a_kill_is_requeued(tmp_path):
+def test_a_preemption_whose_nodes_end_apart_is_requeued(tmp_path):
     """Two nodes, SIGTERM to every process of the job step (SLURM's --signal=TERM@120): both save the
     step reached and exit 75, the second node's task ending later; srun waits for it and reports 75,
     and the job is requeued and exits 75. At 432670c it exited 143 and was not requeued."""
