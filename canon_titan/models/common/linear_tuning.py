@@ -4,8 +4,9 @@
 at its own shapes (local batch, or the pipeline's micro-batch; the sequence length; its share of the heads under
 tensor parallelism; the activations' dtype, ``[training] mixed_precision_param``) and runs a forward and backward
 of it on random inputs, so that the recurrence's Triton kernels tune and compile for exactly the calls of the
-first step (the Canon ops and short convolutions are Inductor's to tune under compile, as each block compiles).
-Rank 0 times the candidates; the other ranks run its choices (``tuning.tuned_on_rank_zero``). Then
+first step (the Canon ops and short convolutions are Inductor's to tune under compile, as each
+block compiles). Rank 0 times the candidates; the other ranks run its choices
+(``tuning.tuned_on_rank_zero``). Then
 every rank waits, through the process group's store, until every rank has done the same: a rank
 that takes longer keeps the others waiting there, before any collective of the run, not inside
 the first step's collectives, whose timeout (``[comm] init_timeout_seconds``) would end the job.
@@ -82,10 +83,11 @@ def run_mixer(args, backend: str, *, batch: int, seq_len: int, dtype: torch.dtyp
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m canon_titan.models.common.linear_tuning CONFIG.toml [--section.key value ...]``: tune
-    one rank's kernels for a linear model's run on this machine's GPU, into Triton's cache
-    (``TRITON_CACHE_DIR``; with ``TRITON_CACHE_AUTOTUNING=1`` the choices too): a folder the run's
-    nodes then copy into their own caches (``CANON_TITAN_TRITON_SEED``, ``launch/triton_cache.py``)."""
+    """``python -m canon_titan.models.common.linear_tuning CONFIG.toml [--section.key value ...]``:
+    tune one rank's kernels for a linear model's run on this machine's GPU, into Triton's cache
+    (``TRITON_CACHE_DIR``; with ``TRITON_CACHE_AUTOTUNING=1`` the choices too): a folder the
+    run's nodes then copy into their own caches (``CANON_TITAN_TRITON_SEED``,
+    ``launch/triton_cache.py``)."""
     import argparse
     import sys
 
