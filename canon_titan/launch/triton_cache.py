@@ -7,7 +7,7 @@ small files at once (a storm of metadata operations on the shared server, and th
 So the launch scripts (``scripts/run_train.sh``, ``scripts/train.slurm``) give each node a cache on
 its local disk, and the torchrun wrapper seeds it, once per node before any worker starts, from a
 shared pre-tuned cache when ``CANON_TITAN_TRITON_SEED`` names one (``python -m
-canon_titan.models.common.linear_tuning`` writes one; ``docs/launching.md``).
+canon_titan.launch.pretune`` writes one; ``docs/launching.md``).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def seeded_from_environment() -> tuple[str | None, str | None]:
         return None, None
     if not Path(seed).is_dir():
         return None, (f"{SEED_ENV}={seed} is not a folder: give it the TRITON_CACHE_DIR a "
-                      "pre-tuning run wrote (python -m canon_titan.models.common.linear_tuning), "
+                      "pre-tuning run wrote (python -m canon_titan.launch.pretune), "
                       "or unset it")
     cache = cache_dir()
     try:
