@@ -28,9 +28,8 @@ from torchtitan.distributed import utils as dist_utils
 from torchtitan.observability import structured_logger as sl
 from torchtitan.tools.logging import logger
 
-from canon_titan.tools.host_memory import host_value, to_device
-
 from canon_titan.components.divergence import NonFiniteLoss
+from canon_titan.tools.host_memory import host_value, to_device
 
 MIRRORED = {"Trainer.train_step": "911f8077fc175e7f", "Trainer.pp_forward_backward_step": "cabc5cbf434ef4f0"}
 """TorchTitan 0.3.0's methods whose work ``QueuedCopies`` does, by the first 16 hex digits of the SHA-256
