@@ -97,3 +97,29 @@ def test_a_batch_is_one_pinned_buffer_copied_once(tmp_path, config, overrides):
 def test_pin_memory_false_leaves_batches_pageable(tmp_path, config, overrides):
     inputs, labels = first_batch(config, [*overrides, "--dataloader.pin_memory", "false"], tmp_path)
     assert not any(is_pinned(t) for t in [*inputs.values(), labels])
+
+
+def test_loader_workers_prefetch_the_same_batches_in_order_and_resume_where_the_step_is():
+    """Two loader workers of the packed loader give the batches of the training process's own
+    reading, in order; the position saved is that of the batches the step took, not of those the
+    workers made ahead, so a resume continues with the next one."""
+    workers = ["--dataloader.num_workers", "2"]
+
+    def batches(overrides, count, state=None):
+        run = load(CONFIGS["llama"], ["--training.seq_len", "64", *overrides], environment=False)
+        config = build_trainer_config(run)
+        tokenizer = build_tokenizer(run["tokenizer"]["kind"], config.hf_assets_path)
+        loader = config.dataloader.build(
+            dp_world_size=1, dp_rank=0, tokenizer=tokenizer, seq_len=64, local_batch_size=2
+        )
+        if state is not None:
+            loader.load_state_dict(state)
+        it = iter(loader)
+        return [next(it)[1].clone() for _ in range(count)], loader.state_dict()
+
+    alone, _ = batches([], 6)
+    prefetched, state = batches(workers, 3)
+    assert all(torch.equal(a, b) for a, b in zip(alone[:3], prefetched))
+    assert state["next_sample"] == 3 * 2
+    resumed, _ = batches(workers, 3, state)
+    assert all(torch.equal(a, b) for a, b in zip(alone[3:], resumed))
