@@ -48,24 +48,21 @@ def port_taken(port: int) -> bool:
     return False
 
 
-def _store_port_problem(host: str, port: int, flag: str) -> str | None:
+def _store_port_problem(host: str, port: int) -> str | None:
     if _this_host(host) and port_taken(port):
-        return (f"port {port} on {host} ({flag}) is taken by another process, so the rendezvous "
-                "store cannot start there: pick a free port (scripts/run_train.sh: "
-                "MASTER_PORT=...; scripts/train.slurm: RDZV_PORT=...) on every node")
+        return (f"port {port} on {host} (--master_port, MASTER_PORT) is taken by another process, "
+                "so the rendezvous store cannot start there: pick a free port "
+                "(scripts/run_train.sh: MASTER_PORT=...) for every node")
     return None
 
 
 def problem(launch, nodes: int) -> str | None:
-    """One line naming what would keep a multi-node job of ``nodes`` from meeting (torchrun's
-    parsed arguments ``launch``), or None. Under the static rendezvous: the node rank's range; on
-    node 0, its port; on another node, that no other node has its rank (a claim in node 0's store,
-    which is waited for as torchrun would). Under c10d: the endpoint's port on the node that hosts
-    it."""
+    """One line naming what would keep a multi-node job of ``nodes`` under the static rendezvous
+    from meeting (torchrun's parsed arguments ``launch``), or None: the node rank's range; on node
+    0, its port; on another node, that no other node has its rank (a claim in node 0's store, which
+    is waited for as torchrun would). c10d's rendezvous (``scripts/train.slurm``) gives the node
+    ranks itself, and any agent may host its store."""
     if launch.rdzv_backend != "static":
-        host, _, port = (launch.rdzv_endpoint or "").rpartition(":")
-        if host and port.isdigit():
-            return _store_port_problem(host.strip("[]"), int(port), "--rdzv_endpoint")
         return None
     rank, port = launch.node_rank, launch.master_port or 29500  # torchrun's default port
     if not 0 <= rank < nodes:
@@ -73,7 +70,7 @@ def problem(launch, nodes: int) -> str | None:
                 f"{nodes} nodes (--nnodes, NNODES): give each node its own rank, node 0 the one "
                 "at MASTER_ADDR")
     if rank == 0:
-        return _store_port_problem(launch.master_addr, port, "--master_port, MASTER_PORT")
+        return _store_port_problem(launch.master_addr, port)
     return _claim(launch.master_addr, port, rank)
 
 
