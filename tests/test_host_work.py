@@ -7,7 +7,10 @@
   are logged. At d1a0ebf every step waited once: the divergence guard read the step's reduced loss with
   ``tolist()`` before the optimizer step; until 2026-11-29 TorchTitan's train step still copied each
   batch and the token count to the device with ``.to(device)`` (and a pipeline stage without the loss
-  made its placeholder with ``torch.tensor(..., device=)``), each a wait on a GPU;
+  made its placeholder with ``torch.tensor(..., device=)``), each a wait on a GPU. With
+  ``[validation]`` on, a validation after step 2 waits once, where it reads its loss, and step 3
+  not at all (through torch's pipeline ``eval``, which sets the schedule up again, it waited 4 times
+  and step 3 8 times);
 - context parallelism builds its ``ContextShards`` (every position's place, in Python) on the first
   step only, with and without document masking (whose documents change with every batch). At d1a0ebf
   every step built them;
@@ -43,11 +46,14 @@ PARALLEL = {
     "cp": ["--parallelism.context_parallel_degree", "2"],
     "cp documents": ["--parallelism.context_parallel_degree", "2", "--dataloader.document_masking", "true"],
 }
+VALIDATION = ["--validation.enable", "--validation.every", "2", "--validation.steps", "2"]
+PARALLEL.update({f"{name} validation": [*PARALLEL[name], *VALIDATION] for name in ("fsdp", "pp")})
 CASES = [("llama", "fsdp"), ("llama", "tp"), ("llama", "pp"), ("llama", "cp"),
          ("llama_canon", "fsdp"), ("llama_canon", "tp"), ("llama_canon", "pp"), ("llama_canon", "cp documents"),
          ("gla5", "fsdp"), ("gla5", "tp"), ("gla5", "pp"),
          ("gdn2", "fsdp"), ("gdn2", "tp"), ("gdn2", "pp"),
-         ("mamba2", "fsdp"), ("mamba2", "pp")]
+         ("mamba2", "fsdp"), ("mamba2", "pp"),
+         ("llama", "fsdp validation"), ("llama_canon", "pp validation")]
 STEPS = 4
 COUNTED = (2, 3)  # step 1 and the last step are logged
 LAYERS = 4  # every family's debug flavor
@@ -74,10 +80,24 @@ class AllReduces(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def host_batches(counter: HostSyncs, batches):
+    """``batches`` as a loader yields them: read outside the counter, on the host."""
+    iterator = iter(batches)
+    while True:
+        with counter.paused():
+            batch = next(iterator, None)
+        if batch is None:
+            return
+        counter.mark_host(batch)
+        yield batch
+
+
 def counted(trainer, steps: tuple[int, ...], builds: list[int]) -> dict[int, tuple[list[str], list]]:
     """Run ``trainer``'s steps ``steps`` under ``HostSyncs`` and ``AllReduces``, the batches from its
     data loader on the host (as TorchTitan's loader yields them); returns each counted step's waits and
-    all-reduces. ``builds`` gets the step of every ``ContextShards`` built, whichever step it is."""
+    all-reduces, and a validation's waits under ``("validation", step)``, its held-out batches on
+    the host too. ``builds`` gets the step of every ``ContextShards`` built, whichever step it
+    is."""
     from canon_titan.models.common.context_parallel import ContextShards
 
     logs = {}
@@ -99,6 +119,23 @@ def counted(trainer, steps: tuple[int, ...], builds: list[int]) -> dict[int, tup
         logs[trainer.step] = waits, collectives.log
 
     trainer.train_step = train_step_counted
+    if trainer.config.validator.enable:
+        validator = trainer.validator
+        validate, held_out = validator.validate, validator.batches
+
+        def validate_counted(model_parts, step):
+            if step not in steps:
+                return validate(model_parts, step)
+            validator.batches = host_batches(counter, held_out)
+            seen = len(counter.waits)
+            try:
+                with counter:
+                    validate(model_parts, step)
+            finally:
+                validator.batches = held_out
+            logs[("validation", step)] = counter.waits[seen:], []
+
+        validator.validate = validate_counted
     return logs
 
 
@@ -196,6 +233,11 @@ def test_steps_do_not_wait_for_the_device_or_rebuild_cp_shards_and_one_rank_read
     for rank, cases, _ in results:
         assert list(cases) == [f"{f} {p}" for f, p in CASES]
         for case, (steps, builds) in cases.items():
+            if case.endswith(" validation"):  # validated after step 2 (and 4): one read, its loss
+                validation = steps.pop(("validation", 2))[0]
+                assert len(validation) == 1 and validation[0].startswith("Tensor.tolist at ") \
+                    and "canon_titan/components/validation.py" in validation[0], \
+                    (rank, case, validation)
             assert sorted(steps) == list(COUNTED), (rank, case, steps)
             waits = {step: step_waits for step, (step_waits, _) in steps.items()}
             assert all(not w for w in waits.values()), (rank, case, waits)
@@ -232,7 +274,7 @@ def test_the_counter_sees_what_would_wait_on_a_gpu():
     pinned memory (a loader's batch buffer), work on device tensors."""
     import torch
 
-    from canon_titan.tools.host_memory import host_buffer
+    from canon_titan.tools.host_memory import host_buffer, to_device
 
     device = torch.device("cpu", 0)  # a CPU trainer's device, as TorchTitan names it
     params = torch.ones(4, device=device)  # made before counting: on the device
@@ -243,7 +285,7 @@ def test_the_counter_sees_what_would_wait_on_a_gpu():
         counter.mark_host([labels, pageable])
         tokens = (labels != 1).sum()  # host work on the data loader's tensors
         int(tokens)
-        moved = labels.to(device, non_blocking=True)
+        (moved,) = to_device([labels], device)  # the whole buffer, viewed on the device
         loss = (params * moved).sum()
         flag = loss.isfinite().float()
         host = torch.empty(1, device="cpu")
@@ -261,6 +303,7 @@ def test_the_counter_sees_what_would_wait_on_a_gpu():
         torch.tensor(1.0, device=device)
         pageable.to(device, non_blocking=True)
         labels.contiguous().to(device, non_blocking=True)  # a copy of the strided view: pageable
+        labels.to(device, non_blocking=True)  # strided: ATen makes a pageable contiguous copy first
     kinds = [w.split(" at ")[0] for w in counter.waits]
     made_on_device = "torch.tensor on the device (a blocking copy to the device)"
     pageable = "a copy to the device from pageable memory"
@@ -268,5 +311,5 @@ def test_the_counter_sees_what_would_wait_on_a_gpu():
                      "aten.nonzero.default", "a blocking copy to the device",
                      "a copy from the device", "a blocking copy to the device",
                      "aten._local_scalar_dense.default",
-                     made_on_device, pageable, pageable], counter.waits
+                     made_on_device, pageable, pageable, pageable], counter.waits
     assert all("test_host_work.py" in w for w in counter.waits), counter.waits

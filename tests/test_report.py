@@ -96,3 +96,24 @@ def test_loss_smoothing_is_a_debiased_ema():
 
     assert _ema([1.0, 2.0, 3.0], 0.5) == pytest.approx([1.0, 5 / 3, 17 / 7])  # by hand
     assert _ema([4.0] * 5, 0.9) == pytest.approx([4.0] * 5)  # no pull towards 0 or the first value
+
+
+def test_validation_curves_of_two_runs_against_tokens_seen(tmp_path):
+    """A panel of ``[validation]``'s loss, after the training loss: each run's points at the tokens
+    it had seen at their steps (1,000 and 2,000 tokens a step), read back from the figure."""
+    from canon_titan.evaluation.report import figure, last_values
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    write_run(a, "Llama", {s: 6 - 0.4 * s for s in range(1, 11)},
+              {("validation/loss", 5): 4.5, ("validation/loss", 10): 4.25}, 1000)
+    write_run(b, "LlamaCanon", {s: 6 - 0.5 * s for s in range(1, 11)},
+              {("validation/loss", 4): 4.0, ("validation/loss", 8): 3.5}, 2000)
+    runs = [read_run(a), read_run(b)]
+    fig = figure(runs)
+    assert [ax.get_title() for ax in fig.axes[:2]] == ["training loss", "validation loss"]
+    curves = {line.get_label(): (list(line.get_xdata()), list(line.get_ydata()))
+              for line in fig.axes[1].get_lines()}
+    assert curves == {"Llama": ([5000.0, 10000.0], [4.5, 4.25]),
+                      "LlamaCanon": ([8000.0, 16000.0], [4.0, 3.5])}
+    header, rows = last_values(runs)
+    assert header[3:5] == ["loss", "validation loss"] and rows[1][4] == "3.5 (step 8)"

@@ -50,3 +50,11 @@ class ZLossCrossEntropy(BaseLoss):
 
         self.fn = fn
         self._maybe_compile(compile_config)
+
+    def __call__(self, pred, labels, global_valid_tokens=None, *, z_loss: bool = True, **kwargs):
+        """TorchTitan's loss call; ``z_loss=False`` (validation, which normalises by its own token
+        count) gives the summed plain cross-entropy, as TorchTitan's CrossEntropyLoss does without
+        ``global_valid_tokens``."""
+        if z_loss:
+            return super().__call__(pred, labels, global_valid_tokens, **kwargs)
+        return token_nll(pred, labels).sum(), {}

@@ -8,6 +8,8 @@ import os
 import sys
 
 LOSS_TAG = "loss_metrics/global_avg_loss"
+VALIDATION_TAG, PERPLEXITY_TAG = "validation/loss", "validation/perplexity"
+"""What a validation logs (``components/validation.py``)."""
 
 
 def read_all_scalars(dump_folder: str, tb_folder: str = "tb") -> dict[str, dict[int, float]]:

@@ -14,10 +14,12 @@ from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
 from canon_titan.components.divergence import DivergenceSection
 from canon_titan.components.float8 import float8_converter
 from canon_titan.components.loss import ZLossCrossEntropy
+from canon_titan.components.validation import HeldOutValidator
 from canon_titan.config.run import ConfigError, RunConfig
 from canon_titan.config.titan_sections import titan_sections
 from canon_titan.config.toml_writer import dumps
 from canon_titan.data.builtin import ASSET_DIR
+from canon_titan.data.held_out import validation_loader
 from canon_titan.data.kinds import STREAM, SYNTHETIC
 from canon_titan.data.packed import PackedTextDataLoader
 from canon_titan.data.streaming import StreamingTextDataLoader
@@ -59,7 +61,8 @@ def _dataloader(run: RunConfig):
         keys = common + ("sources", "weights", "shuffle_buffer")
         return StreamingTextDataLoader.Config(**{k: section[k] for k in keys})
     keys = common + ("dataset_path", "shuffle", "infinite")
-    return PackedTextDataLoader.Config(**{k: section[k] for k in keys})
+    return PackedTextDataLoader.Config(**{k: section[k] for k in keys},
+                                       held_out_fraction=run["validation"]["held_out_fraction"])
 
 
 def _eval_settings(run: RunConfig, tokenizer_path: str):
@@ -74,11 +77,21 @@ def _eval_settings(run: RunConfig, tokenizer_path: str):
                         test_seed=DEFAULT_TEST_SEED, dump_folder=run["job"]["dump_folder"])
 
 
+def _validator(run: RunConfig):
+    section = run["validation"]
+    if not section["enable"]:
+        return HeldOutValidator.Config()  # off: TorchTitan's trainer builds no validator
+    return HeldOutValidator.Config(enable=True, freq=section["every"], steps=section["steps"] or -1,
+                                   tokens=section["tokens"], dataloader=validation_loader(run),
+                                   last_step=run["training"]["steps"])
+
+
 # Keys holding paths (or globs of them), made absolute in the run_config.toml a run writes, so the
 # resolved copy works from any directory (eval, convert and report read it later from elsewhere).
 PATH_KEYS = {("job", "dump_folder"), ("tokenizer", "path"), ("dataloader", "dataset_path"), ("dataloader", "sources"),
              ("checkpoint", "initial_load_path"), ("eval", "data_dir"), ("eval", "include_path"),
-             ("lano", "grammar"), ("capo", "bior_path")}
+             ("lano", "grammar"), ("capo", "bior_path"), ("validation", "dataset_path"),
+             ("validation", "sources")}
 
 
 def absolute_paths(sections: dict) -> dict:
@@ -137,6 +150,7 @@ def build_trainer_config(run: RunConfig):
             allow_changed_data=run["dataloader"]["allow_changed_data"],
             model_label=run.label(),
             evaluation=_eval_settings(run, run["tokenizer"]["path"] or str(ASSET_DIR)),
+            validator=_validator(run),
             **sections,
         )
     except ValueError as e:

@@ -17,8 +17,10 @@ from canon_titan.config.sections import section_schema
 from canon_titan.convert.dcp_io import ConversionError, checkpoint_problem, model_mismatch
 from canon_titan.data.builtin import ASSET_DIR
 from canon_titan.data.documents import DataError, expand_inputs, file_kind
+from canon_titan.data.held_out import SOURCE_KEYS, held_out_shards
 from canon_titan.data.inputs import DataConfigError, resolve_paths
 from canon_titan.data.kinds import DATASET_KINDS, SYNTHETIC
+from canon_titan.data.pretokenize import read_index
 from canon_titan.data.tokenizers import build_tokenizer
 from canon_titan.evaluation import lm
 from canon_titan.models.common.canon_args import CanonArgs
@@ -462,6 +464,95 @@ def check_eval(run: RunConfig, environment: bool) -> None:
             _fail(run, "eval", "tasks", str(e))
 
 
+def check_validation(run: RunConfig, environment: bool) -> None:
+    """``[validation]``: its amount, the held-out data of the run's dataset kind, and on this
+    machine that the data is there (a path that matches nothing, a held-out fraction that leaves no
+    training shard, a held-out token folder of another tokenizer fail here)."""
+    section, data = run["validation"], run["dataloader"]
+    dataset = data["dataset"]
+    if section["every"] < 1:
+        _fail(run, "validation", "every", f"must be >= 1, got {section['every']}")
+    for key in ("steps", "tokens"):
+        if section[key] < 0:
+            _fail(run, "validation", key, f"must be >= 0, got {section[key]}")
+    if section["steps"] and section["tokens"]:
+        _fail(run, "validation", "tokens",
+              "is set with steps: set one of them (how much a validation reads)")
+    defaults = {key: default for key, (_, default) in section_schema("validation").items()}
+    reads = SOURCE_KEYS[dataset]
+    for key in ("dataset_path", "held_out_fraction", "sources", "seed"):
+        if key not in reads and section[key] != defaults[key]:
+            source = " or ".join(reads) if reads else "its held-out split"
+            _fail(run, "validation", key,
+                  f"is set, but dataset = {dataset!r} validates on {source}; remove it")
+    fraction, path = section["held_out_fraction"], section["dataset_path"]
+    if not 0 <= fraction < 1:
+        _fail(run, "validation", "held_out_fraction", f"must be in [0, 1), got {fraction}")
+    if fraction and path:
+        _fail(run, "validation", "held_out_fraction", "is set with dataset_path: validate on a "
+              "held-out folder or on a fraction of the run's own shards, not both")
+    if dataset in SYNTHETIC and section["seed"] == data["seed"]:
+        _fail(run, "validation", "seed", f"is {section['seed']}, the training stream's "
+              "[dataloader] seed: the held-out samples must come from another seed")
+    if section["enable"]:
+        needs = {"tokens": not (path or fraction), "files": not path,
+                 "stream": not section["sources"]}
+        if needs.get(dataset):
+            _fail(run, "validation", reads[0], f"dataset = {dataset!r} validates on held-out "
+                  f"data of its own: set {' or '.join(reads)}")
+        endless = dataset == "stream" or dataset in SYNTHETIC
+        if endless and not (section["steps"] or section["tokens"]):
+            _fail(run, "validation", "steps",
+                  f"dataset = {dataset!r} is endless: set steps or tokens")
+    if environment:
+        check_held_out_data(run)
+
+
+def check_held_out_data(run: RunConfig) -> None:
+    section, data = run["validation"], run["dataloader"]
+    dataset, fraction = data["dataset"], section["held_out_fraction"]
+    if fraction and dataset == "tokens" and data["dataset_path"]:
+        shards = [s for s in read_index(data["dataset_path"])["shards"] if s["tokens"]]
+        held_out = held_out_shards(data["dataset_path"], fraction)
+        if len(held_out) >= len(shards):
+            _fail(run, "validation", "held_out_fraction", f"{fraction} of the {len(shards)} "
+                  f"shard(s) of {data['dataset_path']} holds out {len(held_out)}, which leaves no "
+                  "training data; use a smaller fraction, more shards, or a held-out folder "
+                  "(dataset_path)")
+    path = section["dataset_path"]
+    try:
+        if path and dataset == "tokens":
+            if not os.path.exists(path):
+                raise DataError(f"{path!r} does not exist{read_from(path)}")
+            check_tokenized_alike(run, read_index(path))
+        elif path and dataset == "files":
+            for file in expand_inputs(path):
+                file_kind(file)
+        for source in section["sources"] if dataset == "stream" else []:
+            for file in [] if source.startswith("hf:") else expand_inputs(source):
+                file_kind(file)
+    except DataError as e:
+        _fail(run, "validation", "sources" if dataset == "stream" else "dataset_path", str(e))
+
+
+def check_tokenized_alike(run: RunConfig, index: dict) -> None:
+    """A held-out token folder was tokenized as the run tokenizes: the kind and vocabulary of its
+    [tokenizer], the BOS and EOS ids of its training folder."""
+    held_out = index["tokenizer"]
+    training = read_index(run["dataloader"]["dataset_path"])["tokenizer"]
+    expected = {"kind": run["tokenizer"]["kind"],
+                "vocab_size": run.tokenizer_vocab or training["vocab_size"],
+                "bos_id": training.get("bos_id"), "eos_id": training.get("eos_id")}
+    if any(held_out.get(key) != value for key, value in expected.items()):
+        def described(t):
+            return (f"{t['kind']} tokenizer of {t['vocab_size']} ids (BOS {t.get('bos_id')}, "
+                    f"EOS {t.get('eos_id')})")
+
+        _fail(run, "validation", "dataset_path", f"{run['validation']['dataset_path']} was "
+              f"tokenized with a {described(held_out)} from {held_out.get('path')}, the run with a "
+              f"{described(expected)}: tokenize the held-out documents with the run's [tokenizer]")
+
+
 def check_divergence(run: RunConfig) -> None:
     section = run["divergence"]
     for key in ("max_nonfinite_steps", "spike_window", "max_consecutive_skips"):
@@ -504,5 +595,6 @@ def check_run(run: RunConfig, environment: bool = True) -> None:
     check_features(run, environment)
     check_data(run, environment)
     check_eval(run, environment)
+    check_validation(run, environment)
     check_divergence(run)
 

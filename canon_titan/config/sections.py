@@ -166,6 +166,32 @@ class EvalSection:
     """More folders of lm-eval task YAMLs."""
 
 
+@dataclass(kw_only=True)
+class ValidationSection:
+    enable: bool = False
+    """The mean token loss (and its perplexity) on held-out data during training; the release
+    recipes keep it off, as the release's ``validation: null``."""
+    every: int = 500
+    """Validate every this many steps and at the last step."""
+    steps: int = 0
+    """Batches per validation (each [training] local_batch_size sequences a data-parallel rank);
+    0: as many as ``tokens`` needs, or with neither every window of the held-out data once."""
+    tokens: int = 0
+    """Tokens per validation instead of ``steps`` (rounded up to whole batches)."""
+    dataset_path: str | None = None
+    """tokens: a held-out token folder from `canon-titan data tokenize`; files: a glob of held-out
+    documents."""
+    held_out_fraction: float = 0.0
+    """tokens: validate on this fraction of the run's own shards (spread over the folder), which
+    training then skips."""
+    sources: list[str] = field(default_factory=list)
+    """stream: the held-out sources, mixed equally (globs of document files or
+    "hf:NAME[:CONFIG[:SPLIT]]")."""
+    seed: int = 20261205
+    """Synthetic tasks: the seed of the held-out sample stream (the same for every run validated on
+    it; not [dataloader] seed); stream: of its mixture."""
+
+
 def _task_section(params_cls: type) -> type:
     """A TOML section with the keys of a synthetic task's parameters, all defaulting to None
     (= the preset of the chosen dataset, e.g. depo1's or depo2's N)."""
@@ -220,6 +246,7 @@ SECTIONS: dict[str, Section] = {
     "metrics": Section(MetricsSection),
     "divergence": Section(DivergenceSection),
     "eval": Section(EvalSection),
+    "validation": Section(ValidationSection),
     "comm": Section(CommConfig, hidden=("mode", "trace_buf_size", "save_traces_folder", "save_traces_file_prefix")),
     # TorchTitan's profiler: torch.profiler traces (and CUDA memory snapshots) under the dump folder.
     "profiling": Section(Profiler.Config, hidden=("trace_post_processor",)),

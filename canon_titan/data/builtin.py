@@ -4,6 +4,7 @@
 are committed so that training needs no build step). The corpus is short English stories from
 a seeded template grammar: each story introduces a character, a home town, a pet and an object,
 and refers back to them later, so a model has both local syntax and longer-range facts to learn.
+The held-out split (``[validation]`` of a run on the corpus) is the generator's next stories.
 """
 
 from __future__ import annotations
@@ -16,11 +17,14 @@ from canon_titan.tools.fileio import write_atomic
 
 ASSET_DIR = Path(__file__).resolve().parent.parent / "assets" / "builtin"
 CORPUS_FILE = "corpus.jsonl"
+HELD_OUT_FILE = "held_out.jsonl"
+"""The held-out split: the stories the generator writes after the corpus's (none of them in it)."""
 BOS_TOKEN, EOS_TOKEN, PAD_TOKEN = "<|begin_of_text|>", "<|end_of_text|>", "<|pad|>"
 VOCAB_SIZE = 2048
 """Upper bound for BPE training; the template grammar yields fewer distinct merges, and the
 debug models keep 2048 embedding rows (a padded vocabulary, as usual)."""
 NUM_STORIES = 3000
+NUM_HELD_OUT = 300
 SEED = 20261121
 
 NAMES = ["Ada", "Ben", "Cleo", "Dov", "Esme", "Finn", "Gia", "Hugo", "Iris", "Jon", "Kaia",
@@ -95,8 +99,10 @@ def corpus_jsonl(texts: list[str]) -> str:
 
 def write_assets(out_dir: Path = ASSET_DIR) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
-    texts = generate_corpus()
+    texts = generate_corpus(NUM_STORIES + NUM_HELD_OUT)
+    texts, held_out = texts[:NUM_STORIES], texts[NUM_STORIES:]
     write_atomic(out_dir / CORPUS_FILE, corpus_jsonl(texts))
+    write_atomic(out_dir / HELD_OUT_FILE, corpus_jsonl(held_out))
     tokenizer = train_tokenizer(texts)
     write_atomic(out_dir / "tokenizer.json", tokenizer.to_str())
     config = {

@@ -16,9 +16,12 @@ from pathlib import Path
 FINGERPRINT_KEY = "fingerprint"
 
 
-def data_fingerprint(dataset: str, dataset_path: str | None, sources: list[str]) -> str:
-    """A JSON object: input name -> its description. Synthetic tasks (generated from the config,
-    whose changes are reported with the config's) have none: ""."""
+def data_fingerprint(dataset: str, dataset_path: str | None, sources: list[str],
+                     held_out_fraction: float = 0.0) -> str:
+    """A JSON object: input name -> its description (a token shard that ``held_out_fraction``
+    holds out for validation says so). Synthetic tasks (generated from the config, whose changes
+    are reported with the config's) have none: ""."""
+    from canon_titan.data.held_out import held_out_shards
     from canon_titan.data.inputs import resolve_paths
     from canon_titan.data.kinds import STREAM, SYNTHETIC
     from canon_titan.data.pretokenize import read_index
@@ -27,8 +30,11 @@ def data_fingerprint(dataset: str, dataset_path: str | None, sources: list[str])
         return ""
     inputs: dict[str, str] = {}
     if dataset == "tokens":
+        held_out = held_out_shards(dataset_path, held_out_fraction)
         for shard in read_index(dataset_path)["shards"]:
-            inputs[str(Path(dataset_path) / shard["shard"])] = f"{shard['tokens']} tokens, blake2b {shard['blake2b']}"
+            name = str(Path(dataset_path) / shard["shard"])
+            inputs[name] = (f"{shard['tokens']} tokens, blake2b {shard['blake2b']}"
+                            + (", held out for validation" if name in held_out else ""))
     elif dataset in STREAM:
         for source in sources:
             if source.startswith("hf:"):

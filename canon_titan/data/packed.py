@@ -24,6 +24,7 @@ from torchtitan.tools.logging import logger
 
 from canon_titan.data.documents import DATALOADER_KEY, DATALOADER_SKIP, DataError, ReadStats, iter_documents
 from canon_titan.data.fingerprint import FINGERPRINT_KEY, data_fingerprint
+from canon_titan.data.held_out import held_out_shards, shard_part
 from canon_titan.data.inputs import DataConfigError, resolve_paths
 from canon_titan.data.pretokenize import open_shards
 from canon_titan.data.token_store import TokenStore
@@ -47,7 +48,11 @@ def tokenize_stream(texts, tokenizer, add_bos: bool, add_eos: bool) -> np.ndarra
 
 def load_token_store(config, tokenizer) -> TokenStore:
     if config.dataset == "tokens":
-        return open_shards(config.dataset_path, tokenizer)
+        store = open_shards(config.dataset_path, tokenizer)
+        if not config.held_out_fraction:
+            return store
+        return shard_part(store, held_out_shards(config.dataset_path, config.held_out_fraction),
+                          config.read_held_out)
     stats = ReadStats()
     texts = (text for path in resolve_paths(config.dataset, config.dataset_path)
              for text in iter_documents(path, config.text_key, config.on_error, stats, DATALOADER_SKIP,
@@ -151,6 +156,11 @@ class PackedTextDataLoader(ParallelAwareDataloader):
         document_masking: bool = False
         """Emit positions that restart at every BOS: attention stays within documents and RoPE
         counts from each document's start. Canon layers still mix across document boundaries."""
+        held_out_fraction: float = 0.0
+        """tokens: this fraction of the folder's shards is held out for validation
+        (``data.held_out.held_out_shards``)."""
+        read_held_out: bool = False
+        """Read the held-out shards (the validation loader) instead of the others."""
         pin_memory: bool = True
         """Build each batch in pinned host memory where CUDA is available."""
 
@@ -190,7 +200,8 @@ class PackedTextDataLoader(ParallelAwareDataloader):
         self.tokens, self.num_windows = tokens, num_windows
         self.next_sample = 0
         """The first global sample of the next batch the step gets (the checkpointed position)."""
-        self.fingerprint = data_fingerprint(config.dataset, config.dataset_path, [])
+        self.fingerprint = data_fingerprint(config.dataset, config.dataset_path, [],
+                                            held_out_fraction=config.held_out_fraction)
         self._fingerprint_saved = True
         logger.info(
             f"Packed dataset {config.dataset!r}: {len(tokens):,} tokens, "

@@ -1,9 +1,9 @@
 """Training curves of several runs side by side: ``canon-titan report RUN_DIR ... --out F.png``.
 
 Each run is a dump folder with TensorBoard events (``[metrics] enable_tensorboard``). One panel
-shows the training loss, one panel each the evaluation metrics logged during training
-(``[eval]``), all against tokens seen, one colour per run. ``--html`` also writes a
-self-contained page: the figure inline plus a table of each run's last values.
+shows the training loss, one the validation loss (``[validation]``), one panel each the evaluation
+metrics logged during training (``[eval]``), all against tokens seen, one colour per run. ``--html``
+also writes a self-contained page: the figure inline plus a table of each run's last values.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-from canon_titan.components.metrics import LOSS_TAG, read_all_scalars
+from canon_titan.components.metrics import LOSS_TAG, VALIDATION_TAG, read_all_scalars
 from canon_titan.tools.fileio import write_atomic
 
 TOKENS_TAG = "n_tokens_seen"
@@ -24,6 +24,10 @@ MAX_PANELS = 16
 _NOT_PLOTTED = ("eval/seconds", "/items")
 # Fractions in the logs, shown in percent as `eval synthetic` and `eval lm` print them.
 _PERCENT = ("/accuracy", "/acc", "/acc_norm", "/exact_match")
+
+
+LOSSES = {LOSS_TAG: "training loss", VALIDATION_TAG: "validation loss"}
+"""The loss panels, first, by title."""
 
 
 def is_percent(tag: str) -> bool:
@@ -72,9 +76,11 @@ def read_run(run_dir: str | Path, label: str | None = None) -> RunCurves:
 
 
 def panels(runs: list[RunCurves]) -> list[str]:
-    """The loss, then every eval metric any run logged (first MAX_PANELS)."""
+    """The training and validation losses, then every eval metric any run logged (first
+    MAX_PANELS)."""
     tags = sorted({t for r in runs for t in r.series if t.startswith("eval/") and not any(x in t for x in _NOT_PLOTTED)})
-    return ([LOSS_TAG] if any(LOSS_TAG in r.series for r in runs) else []) + tags[: MAX_PANELS - 1]
+    losses = [tag for tag in LOSSES if any(tag in r.series for r in runs)]
+    return losses + tags[: MAX_PANELS - len(losses)]
 
 
 def _ema(values: list[float], alpha: float) -> list[float]:
@@ -112,9 +118,10 @@ def figure(runs: list[RunCurves], smooth: float = 0.0):
             ax.plot(run.tokens_at(list(steps)), [shown_value(tag, v) for v in values], color=colours[i % len(colours)],
                     marker=marker, markersize=3, label=run.label)
         name = tag.removeprefix("eval/")
-        ax.set_title("training loss" if tag == LOSS_TAG else name, fontsize=10)
+        ax.set_title(LOSSES.get(tag, name), fontsize=10)
         ax.set_xlabel("tokens")
-        ax.set_ylabel("loss" if tag == LOSS_TAG else f"{name.rsplit('/', 1)[-1]}{' (%)' if is_percent(tag) else ''}")
+        unit = f"{name.rsplit('/', 1)[-1]}{' (%)' if is_percent(tag) else ''}"
+        ax.set_ylabel("loss" if tag in LOSSES else unit)
         ax.grid(alpha=0.3)
     for ax in list(axes.flat)[len(tags):]:
         ax.axis("off")
@@ -140,7 +147,8 @@ def last_values(runs: list[RunCurves]) -> tuple[list[str], list[list[str]]]:
             row.append(f"{shown_value(tag, points[step]):.4g}" + (f" (step {step:,})" if step != last_step else ""))
         rows.append(row)
     names = [t.removeprefix("eval/") + (" (%)" if is_percent(t) else "") for t in tags]
-    return ["run", "last step", "tokens", *("loss" if n == LOSS_TAG else n for n in names)], rows
+    columns = {LOSS_TAG: "loss", VALIDATION_TAG: "validation loss"}
+    return ["run", "last step", "tokens", *(columns.get(n, n) for n in names)], rows
 
 
 def write_report(run_dirs: list[str], out_png: str | Path, html_path: str | Path | None = None,

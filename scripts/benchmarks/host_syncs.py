@@ -16,7 +16,8 @@ device to host memory with ``non_blocking`` is counted as a wait only when its h
 arrives later on a GPU, behind an event the reader waits on: what it waits for is the device's work up to
 the copy, which a read one step later finds done). A copy to the device with ``non_blocking`` from
 pageable host memory is counted as a wait: the driver stages it through a pinned buffer of its own
-and may wait for the stream to do so (CUDA's "API synchronization behavior"). Pinned is what
+and may wait for the stream to do so (CUDA's "API synchronization behavior"); so is one from a
+strided source, which ATen first copies into a pageable contiguous temporary. Pinned is what
 ``canon_titan.tools.host_memory.is_pinned`` says: a GPU run's page-locked memory, or on a CPU run
 the buffers the data loaders build their batches in, marked as standing in for it.
 """
@@ -160,9 +161,10 @@ class HostSyncs(TorchDispatchMode):
         return out
 
     def _copy_to_device(self, src: torch.Tensor, non_blocking: bool) -> None:
+        # From a strided source ATen first makes a contiguous copy, in pageable memory.
         if not non_blocking:
             self._wait("a blocking copy to the device")
-        elif not is_pinned(src):
+        elif not is_pinned(src) or not src.is_contiguous():
             self._wait("a copy to the device from pageable memory")
 
     # What dispatches no op on a CPU run, or loses its device on the way: reads of a CPU tensor's own
