@@ -15,7 +15,8 @@ import time
 
 import pytest
 
-from conftest import COMMON, DEBUG_CONFIG, REPO, free_port, kill_tree, train_env
+from conftest import COMMON, DEBUG_CONFIG, REPO, free_port, train_env
+from test_failures import interrupt
 
 HOLD = """
 import errno, fcntl, os, socket, sys, time
@@ -261,39 +262,14 @@ def test_a_run_whose_lease_was_taken_over_stops_before_its_next_save(tmp_path):
         "--job.dump_folder",
         str(dump),
     ]
-    proc = subprocess.Popen(
-        cmd,
-        cwd=REPO,
-        env=train_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    lines = []
-    try:
-        for line in proc.stdout:
-            lines.append(line)
-            if "step:  2" in line:
-                (dump / ".canon-titan.lease").write_text(
-                    json.dumps(
-                        {
-                            "pid": 7,
-                            "host": "other-node",
-                            "started": "now",
-                            "token": "theirs",
-                            "refresh_s": 30,
-                        }
-                    )
-                )
-                break
-        lines.append(proc.stdout.read())
-        proc.wait(timeout=300)
-    finally:
-        kill_tree(proc.pid)
-    out = "".join(lines)
+    other = {"pid": 7, "host": "other-node", "started": "now", "token": "theirs", "refresh_s": 30}
+
+    def take_over(proc):
+        (dump / ".canon-titan.lease").write_text(json.dumps(other))
+
+    code, out = interrupt(cmd, "step:  2", take_over)
     said = [line for line in out.splitlines() if line.startswith("canon-titan: ")]
-    assert proc.returncode == 3, out[-4000:]
+    assert code == 3, out[-4000:]
     assert said and "is no longer this run's (pid 7 on other-node" in said[-1], out[-4000:]
     assert "this run stops before its next save" in said[-1]
     assert not (dump / "checkpoint").exists() or not list((dump / "checkpoint").iterdir()), out[

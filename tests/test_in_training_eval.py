@@ -21,8 +21,8 @@ from canon_titan.config import ConfigError, load
 from canon_titan.config.build import _eval_settings
 from canon_titan.evaluation.in_training import InTrainingEval
 from canon_titan.evaluation.synthetic import evaluate as evaluate_synthetic
-from conftest import (COMMON, CONFIGS, REPO, free_port, kill_tree, run_training, train_env,
-                      write_tiny_tasks)
+from conftest import COMMON, CONFIGS, REPO, free_port, run_training, train_env, write_tiny_tasks
+from test_failures import interrupt
 
 DEPO = REPO / "train_configs" / "playground" / "depo.toml"
 
@@ -315,29 +315,12 @@ def test_a_stop_signal_during_a_long_evaluation_saves_the_step_and_the_resumed_r
             str(dump),
         ]
 
-    proc = subprocess.Popen(
-        command(5000),
-        cwd=REPO,
-        env=train_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    lines = []
-    try:
-        for line in proc.stdout:
-            lines.append(line)
-            if "[eval] step 2: evaluating" in line:
-                time.sleep(3)  # into the items
-                os.kill(proc.pid, signal.SIGTERM)
-                break
-        lines.append(proc.stdout.read())
-        proc.wait(timeout=300)
-    finally:
-        kill_tree(proc.pid)
-    out = "".join(lines)
-    assert proc.returncode == 75, out[-4000:]
+    def sigterm_into_the_items(proc):
+        time.sleep(3)
+        os.kill(proc.pid, signal.SIGTERM)
+
+    code, out = interrupt(command(5000), "[eval] step 2: evaluating", sigterm_into_the_items)
+    assert code == 75, out[-4000:]
     assert "[eval] step 2: cut short by a stop signal" in out, out[-4000:]
     assert "preempted at step 2, checkpoint saved" in out, out[-4000:]
     assert (dump / "checkpoint" / "step-2" / ".metadata").is_file()

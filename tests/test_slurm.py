@@ -72,24 +72,18 @@ def test_without_a_gpu_count_the_template_says_what_to_set(tmp_path):
         "keep '#SBATCH --gpus-per-node', or set GPUS_PER_NODE"]
 
 
-def test_a_failure_is_not_requeued(tmp_path):
+def run_fake_job(tmp_path, job: str, timeout: int = 60, **extra):
+    """The template on two fake nodes of one GPU each (``fake_submit_dir``), as job ``job``."""
     submit = fake_submit_dir(tmp_path)
-    env = slurm_env(
-        tmp_path,
-        submit,
-        SLURM_JOB_ID="12",
-        SLURM_GPUS_ON_NODE="1",
-        FAKE_LOG=str(tmp_path / "calls"),
-        FAKE_TORCHRUN_EXIT="1",
-    )
-    proc = subprocess.run(
-        ["bash", str(TEMPLATE), "run.toml"],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    env = slurm_env(tmp_path, submit, SLURM_JOB_ID=job, SLURM_GPUS_ON_NODE="1",
+                    FAKE_LOG=str(tmp_path / "calls"), **extra)
+    env.pop("TRITON_CACHE_DIR", None)
+    return subprocess.run(["bash", str(TEMPLATE), "run.toml"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=timeout), submit
+
+
+def test_a_failure_is_not_requeued(tmp_path):
+    proc, _ = run_fake_job(tmp_path, "12", FAKE_TORCHRUN_EXIT="1")
     assert proc.returncode == 1, proc.stderr
     assert not (tmp_path / "bin" / "requeued").exists()
 
@@ -98,29 +92,12 @@ def test_a_failure_is_not_requeued(tmp_path):
 def test_a_stop_is_requeued_on_sruns_code_decided_on_the_first_node(tmp_path, node1):
     """Both nodes' wrappers stopped on a signal, the second ending 3 s after the first (a slower
     node's teardown): srun lets it end and reports the highest code, 75, and the job is requeued,
-    with no file read that another node wrote. The same when the second node's wrapper did not see the
-    checkpoint the first saved (NFS) and exited 3. At 381a133 srun (--kill-on-bad-exit) killed the
-    slower node and reported 143, and the job requeued only on a marker file, which a node may not
-    see seconds after another node made it."""
-    submit = fake_submit_dir(tmp_path)
-    env = slurm_env(
-        tmp_path,
-        submit,
-        SLURM_JOB_ID="13",
-        SLURM_GPUS_ON_NODE="1",
-        FAKE_LOG=str(tmp_path / "calls"),
-        FAKE_TORCHRUN_EXIT_NODE0="75",
-        FAKE_TORCHRUN_EXIT_NODE1=node1,
-        SRUN_SLOW_NODE_S="3",
-    )
-    proc = subprocess.run(
-        ["bash", str(TEMPLATE), "run.toml"],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    with no file read that another node wrote. The same when the second node's wrapper did not see
+    the checkpoint the first saved (NFS) and exited 3. At 381a133 srun (--kill-on-bad-exit) killed
+    the slower node and reported 143, and the job requeued only on a marker file, which a node may
+    not see seconds after another node made it."""
+    proc, submit = run_fake_job(tmp_path, "13", timeout=120, FAKE_TORCHRUN_EXIT_NODE0="75",
+                                FAKE_TORCHRUN_EXIT_NODE1=node1, SRUN_SLOW_NODE_S="3")
     assert proc.returncode == 75, proc.stderr
     assert "requeueing job 13 to resume from it" in proc.stderr
     assert (tmp_path / "bin" / "requeued").read_text() == "13\n"
@@ -130,25 +107,7 @@ def test_a_stop_is_requeued_on_sruns_code_decided_on_the_first_node(tmp_path, no
 def test_each_node_caches_triton_kernels_on_its_own_disk(tmp_path):
     """Triton's cache in the node's temporary folder (TMPDIR), not the shared home, and the
     autotuners' choices kept in it."""
-    submit = fake_submit_dir(tmp_path)
-    env = slurm_env(
-        tmp_path,
-        submit,
-        SLURM_JOB_ID="14",
-        SLURM_GPUS_ON_NODE="1",
-        FAKE_LOG=str(tmp_path / "calls"),
-        TMPDIR=str(tmp_path / "local"),
-        USER="someone",
-    )
-    env.pop("TRITON_CACHE_DIR", None)
-    proc = subprocess.run(
-        ["bash", str(TEMPLATE), "run.toml"],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    proc, _ = run_fake_job(tmp_path, "14", TMPDIR=str(tmp_path / "local"), USER="someone")
     assert proc.returncode == 0, proc.stderr
     seen = set((tmp_path / "calls.triton").read_text().splitlines())
     assert seen == {f"{tmp_path / 'local'}/canon-titan-triton-someone 1"}
