@@ -362,6 +362,8 @@ def check_paths_exist(run: RunConfig) -> None:
 def check_data(run: RunConfig, environment: bool) -> None:
     data = run["dataloader"]
     check_ignored_data_keys(run)
+    if data["num_workers"] < 0:
+        _fail(run, "dataloader", "num_workers", "must be >= 0 (0: read in the training process)")
     if environment:
         check_paths_exist(run)
     if data["dataset"] in SYNTHETIC:
@@ -376,9 +378,8 @@ def check_data(run: RunConfig, environment: bool) -> None:
             _fail(run, "dataloader", "sources", "dataset = 'stream' needs at least one glob in sources")
         if data["weights"] and (len(data["weights"]) != len(data["sources"]) or min(data["weights"]) <= 0):
             _fail(run, "dataloader", "weights", f"needs one positive weight per source ({len(data['sources'])})")
-        if data["shuffle_buffer"] < 1 or data["num_workers"] < 0:
-            _fail(run, "dataloader", "shuffle_buffer" if data["shuffle_buffer"] < 1 else "num_workers",
-                  "shuffle_buffer must be >= 1 and num_workers >= 0")
+        if data["shuffle_buffer"] < 1:
+            _fail(run, "dataloader", "shuffle_buffer", "must be >= 1 (1: no shuffle)")
         if environment:
             try:
                 for path in expand_inputs([x for x in data["sources"] if not x.startswith("hf:")] or []):

@@ -69,7 +69,11 @@ class DataloaderSection:
     shuffle_buffer: int = 64
     """stream: windows held in the shuffle buffer (1 = no shuffle)."""
     num_workers: int = 0
-    """stream: loader worker processes per rank (0 = read in the training process)."""
+    """builtin/files/tokens/stream: loader worker processes per rank, which read and pack the next
+    batches while the step runs (0 = in the training process)."""
+    pin_memory: bool = True
+    """Build each batch in pinned (page-locked) host memory where CUDA is available, so that its
+    copy to the GPU is a DMA the host does not wait for; false: pageable memory."""
     add_bos: bool = True
     add_eos: bool = True
     infinite: bool = True

@@ -14,6 +14,7 @@ same windows; resuming needs the same number of ranks and workers.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import random
@@ -30,7 +31,8 @@ from torchtitan.tools.logging import logger
 from canon_titan.data.documents import (DATALOADER_KEY, DATALOADER_SKIP, DataError, ReadStats, expand_inputs, file_kind,
                                         iter_documents, missing_text)
 from canon_titan.data.fingerprint import FINGERPRINT_KEY, data_fingerprint
-from canon_titan.data.packed import document_positions
+from canon_titan.data.packed import batch_buffer, batch_views
+from canon_titan.tools.host_memory import pinned
 
 
 def unit_slices(files: list[str], unit: int, units: int) -> list[tuple[str, int, int]]:
@@ -198,11 +200,7 @@ class StreamingTextDataset(IterableDataset):
                     continue
                 i = self.shuffle_rng.randrange(size)
                 window, self.shuffle[i] = self.shuffle[i], window
-            data = torch.from_numpy(window)
-            inputs = {"input": data[:-1]}
-            if self.config.document_masking:
-                inputs["positions"] = document_positions(inputs["input"], self.tokenizer.bos_id)
-            yield inputs, data[1:]
+            yield window
 
     def state_dict(self) -> dict:
         if self._unit is None:
@@ -231,6 +229,12 @@ class StreamingTextDataset(IterableDataset):
         self.shuffle = [np.asarray(w, dtype=np.int64) for w in state["shuffle"]]
 
 
+def _collated(windows: list[np.ndarray], *, bos_id: int | None, pin: bool) -> torch.Tensor:
+    """A batch of windows in one host buffer (``batch_buffer``): pinned in the training process; a
+    loader worker's, as it reaches the training process (the DataLoader's ``pin_memory``)."""
+    return batch_buffer(windows, bos_id, pin=pin and get_worker_info() is None)
+
+
 def _as_rng_state(state):
     version, internal, gauss = state
     return version, tuple(internal), gauss
@@ -252,20 +256,33 @@ class StreamingTextDataLoader(ParallelAwareDataloader):
         add_bos: bool = True
         add_eos: bool = True
         document_masking: bool = False
+        pin_memory: bool = True
+        """Pin each batch in host memory where CUDA is available."""
 
     def __init__(self, config: Config, *, dp_world_size, dp_rank, tokenizer, seq_len, local_batch_size, **kwargs):
         dataset = StreamingTextDataset(config, tokenizer=tokenizer, seq_len=seq_len, dp_rank=dp_rank,
                                        dp_world_size=dp_world_size)
-        loader_kwargs = {"batch_size": local_batch_size, "num_workers": config.num_workers,
-                         "persistent_workers": config.persistent_workers, "pin_memory": config.pin_memory,
-                         "prefetch_factor": config.prefetch_factor}
+        bos_id = tokenizer.bos_id if config.document_masking else None
+        workers = config.num_workers
+        collate = functools.partial(_collated, bos_id=bos_id, pin=config.pin_memory)
+        pinned_by_loader = config.pin_memory and workers > 0 and torch.cuda.is_available()
+        loader_kwargs = {"batch_size": local_batch_size, "num_workers": workers,
+                         "persistent_workers": config.persistent_workers, "collate_fn": collate,
+                         "pin_memory": pinned_by_loader, "prefetch_factor": config.prefetch_factor}
         if kwargs.get("snapshot_every_n_steps") is not None:
             loader_kwargs["snapshot_every_n_steps"] = kwargs["snapshot_every_n_steps"]
         super().__init__(dataset, dp_rank=dp_rank, dp_world_size=dp_world_size, **loader_kwargs)
+        self.seq_len, self.local_batch_size = seq_len, local_batch_size
+        self.pin_batches = config.pin_memory
         self.fingerprint = data_fingerprint("stream", None, config.sources)
         self._fingerprint_saved = True
         logger.info(f"Streaming {len(config.sources)} source(s) with {config.num_workers} worker(s) "
                     f"on dp rank {dp_rank}/{dp_world_size}")
+
+    def __iter__(self):
+        for buffer in super().__iter__():
+            buffer = pinned(buffer) if self.pin_batches else buffer  # a worker's, on a CPU run
+            yield batch_views(buffer, self.local_batch_size, self.seq_len)
 
     def expect_checkpoint(self, keys: list[str]) -> None:
         """Before a load: a checkpoint from before fingerprints holds none to fill in."""

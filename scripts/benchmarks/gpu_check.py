@@ -12,7 +12,10 @@ which installs the offline kit first where needed.
                       torch, mamba2 mamba_ssm vs torch (debug models, the trainer), each pair  }
                       as it ends                                                            }
   warm_tuning         two untimed steps of Mamba2-1B and GLA5-1B at 16,384 x 1, so that their }
-                      kernels are tuned and compiled (on disk) before their timed runs
+                      kernels are tuned and compiled (on disk) before their timed runs      }
+  syncs               what a training step waits on (step_syncs.py): sync debug mode and the }
+                      profiler's CUDA runtime calls, pinned vs pageable batches, and PP 2     }
+                      (PP 2 x FSDP 2 on four GPUs) where two GPUs are lent
   canon_llama_b8      the trainer, one run each (TorchTitan's metrics; 1B, seq 4096, the recipes' batch 8,
   canon_triton_b8       compile, a profiled step): Llama-1B, then LlamaCanon-1B on the Triton Canon op: the
                         Canon ratio of record
@@ -148,9 +151,11 @@ def steps(tiny: bool, work: Path) -> list[Step]:
     correctness = [
         Step("kernel_tests", 120, [py, SCRIPT, "--kernel-tests", str(work), *tiny_flag], group="correctness"),
         Step("losses", 120, [py, SCRIPT, "--losses", str(work / "losses.json"), *tiny_flag], group="correctness")]
-    if not tiny:  # nothing to tune in the interpreter
+    if not tiny:  # nothing to tune in the interpreter, no CUDA to synchronise with
         correctness.append(Step("warm_tuning", 120, [py, SCRIPT, "--warm", str(work / "warm_tuning.json")],
                                 group="correctness"))
+        correctness.append(Step("syncs", 150, [py, "scripts/benchmarks/step_syncs.py",
+                                               str(work / "syncs.json")], group="correctness"))
     trainer = {c.name: Step(c.name, c.limit, [py, SCRIPT, "--case", c.name, str(work / f"{c.name}.json"),
                                               *tiny_flag]) for c in cases() if c.tiny or not tiny}
     ops_step = Step("ops", 120, [py, "scripts/benchmarks/bench_canon.py", "--mode", "ops", *ops,
