@@ -25,6 +25,7 @@ from canon_titan.data.fingerprint import FINGERPRINT_KEY, data_fingerprint
 from canon_titan.data.inputs import DataConfigError, resolve_paths
 from canon_titan.data.pretokenize import open_shards
 from canon_titan.data.token_store import TokenStore
+from canon_titan.kernels.documents import document_boundaries
 
 
 def document_positions(tokens: torch.Tensor, bos_id: int) -> torch.Tensor:
@@ -77,8 +78,8 @@ class PackedTextDataLoader(BaseDataLoader):
         infinite: bool = True
         """Start a new (re-shuffled) epoch when the windows run out, instead of stopping."""
         document_masking: bool = False
-        """Emit positions that restart at every BOS: attention stays within documents and RoPE
-        counts from each document's start. Canon layers still mix across document boundaries."""
+        """Emit positions that restart at every BOS, and the documents' boundaries in fla's layout
+        (``kernels/documents.py``): each packed document is computed as if alone (docs/data.md)."""
 
     def __init__(
         self,
@@ -136,6 +137,7 @@ class PackedTextDataLoader(BaseDataLoader):
         inputs = {"input": data[:, :-1]}
         if self.bos_id is not None:
             inputs["positions"] = document_positions(inputs["input"], self.bos_id)
+            inputs.update(document_boundaries(inputs["positions"]))
         return inputs, data[:, 1:]
 
     def __iter__(self):

@@ -22,7 +22,7 @@ from typing import Literal
 
 import numpy as np
 import torch
-from torch.utils.data import IterableDataset, get_worker_info
+from torch.utils.data import IterableDataset, default_collate, get_worker_info
 
 from torchtitan.components.dataloader import ParallelAwareDataloader
 from torchtitan.tools.logging import logger
@@ -31,6 +31,7 @@ from canon_titan.data.documents import (DATALOADER_KEY, DATALOADER_SKIP, DataErr
                                         iter_documents, missing_text)
 from canon_titan.data.fingerprint import FINGERPRINT_KEY, data_fingerprint
 from canon_titan.data.packed import document_positions
+from canon_titan.kernels.documents import document_boundaries
 
 
 def unit_slices(files: list[str], unit: int, units: int) -> list[tuple[str, int, int]]:
@@ -236,6 +237,13 @@ def _as_rng_state(state):
     return version, tuple(internal), gauss
 
 
+def collate_with_boundaries(samples):
+    """The batch, with its documents' boundaries in fla's layout (``kernels/documents.py``)."""
+    inputs, labels = default_collate(samples)
+    inputs.update(document_boundaries(inputs["positions"]))
+    return inputs, labels
+
+
 class StreamingTextDataLoader(ParallelAwareDataloader):
     @dataclass(kw_only=True, slots=True)
     class Config(ParallelAwareDataloader.Config):
@@ -259,6 +267,8 @@ class StreamingTextDataLoader(ParallelAwareDataloader):
         loader_kwargs = {"batch_size": local_batch_size, "num_workers": config.num_workers,
                          "persistent_workers": config.persistent_workers, "pin_memory": config.pin_memory,
                          "prefetch_factor": config.prefetch_factor}
+        if config.document_masking:
+            loader_kwargs["collate_fn"] = collate_with_boundaries
         if kwargs.get("snapshot_every_n_steps") is not None:
             loader_kwargs["snapshot_every_n_steps"] = kwargs["snapshot_every_n_steps"]
         super().__init__(dataset, dp_rank=dp_rank, dp_world_size=dp_world_size, **loader_kwargs)

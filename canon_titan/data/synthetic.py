@@ -39,6 +39,7 @@ from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.tools.logging import logger
 
 from canon_titan.data.inputs import DataConfigError
+from canon_titan.kernels.documents import document_boundaries
 from synthetic_data.common import Sample
 from synthetic_data.tasks import PAD, SECTION, make_task
 
@@ -183,6 +184,7 @@ class SyntheticDataLoader(BaseDataLoader):
             rows.append(self.arrays(packed))
         inputs = {"input": torch.from_numpy(np.stack([r[0] for r in rows])),
                   "positions": torch.from_numpy(np.stack([r[1] for r in rows]))}
+        inputs.update(document_boundaries(inputs["positions"]))
         return inputs, torch.from_numpy(np.stack([r[2] for r in rows]))
 
     def __iter__(self):
