@@ -37,8 +37,8 @@ def document_starts(positions: torch.Tensor) -> torch.Tensor:
 
 
 def document_boundaries(positions: torch.Tensor) -> dict[str, torch.Tensor]:
-    """``cu_seqlens`` and ``chunk_indices`` (int32, on the host) of a [B, T] batch of ``positions``.
-    """
+    """``cu_seqlens`` and ``chunk_indices`` (int32, on the host) of a [B, T] batch of
+    ``positions``."""
     starts = document_starts(positions).reshape(-1).numpy()
     cu_seqlens = np.append(np.flatnonzero(starts), starts.size).astype(np.int32)
     chunks = -(-np.diff(cu_seqlens) // FLA_CHUNK)

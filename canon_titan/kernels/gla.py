@@ -230,8 +230,8 @@ def _chunk_count_known(cu_seqlens: torch.Tensor, chunk_indices: torch.Tensor):
 
 
 def _gate_cumsum(g, cu_seqlens, chunk_indices):
-    """fla's cumulative log2 gates per chunk of each document, as ``chunk_gla_fwd`` computes them.
-    """
+    """fla's cumulative log2 gates per chunk of each document, as ``chunk_gla_fwd`` computes
+    them."""
     from fla.ops.utils.constant import RCP_LN2
     from fla.ops.utils.cumsum import chunk_local_cumsum
 

@@ -219,8 +219,8 @@ class FlaMixer(Module):
 
     def qkv(self, x: torch.Tensor, documents: Documents | None
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q, k, v = SiLU(b(W x)) with the short convolutions b (inside each document), else SiLU(W
-        x)."""
+        """q, k, v = SiLU(b(W x)) with the short convolutions b (inside each document), else
+        SiLU(W x)."""
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.q_conv1d is not None:
             positions = None if documents is None else documents.positions
