@@ -45,12 +45,15 @@ PARALLEL = {
     "pp": ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "1F1B"],
     "cp": ["--parallelism.context_parallel_degree", "2"],
     "cp documents": ["--parallelism.context_parallel_degree", "2", "--dataloader.document_masking", "true"],
+    "pp documents": ["--parallelism.pipeline_parallel_degree", "2",
+                     "--parallelism.pipeline_parallel_schedule", "1F1B",
+                     "--dataloader.document_masking", "true"],
 }
 VALIDATION = ["--validation.enable", "--validation.every", "2", "--validation.steps", "2"]
 PARALLEL.update({f"{name} validation": [*PARALLEL[name], *VALIDATION] for name in ("fsdp", "pp")})
 CASES = [("llama", "fsdp"), ("llama", "tp"), ("llama", "pp"), ("llama", "cp"),
          ("llama_canon", "fsdp"), ("llama_canon", "tp"), ("llama_canon", "pp"), ("llama_canon", "cp documents"),
-         ("gla5", "fsdp"), ("gla5", "tp"), ("gla5", "pp"),
+         ("gla5", "fsdp"), ("gla5", "tp"), ("gla5", "pp"), ("gla5", "pp documents"),
          ("gdn2", "fsdp"), ("gdn2", "tp"), ("gdn2", "pp"),
          ("mamba2", "fsdp"), ("mamba2", "pp"),
          ("llama", "fsdp validation"), ("llama_canon", "pp validation")]

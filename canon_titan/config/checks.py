@@ -89,8 +89,19 @@ def check_model(run: RunConfig, environment: bool) -> None:
                 and any(m in message for m in _HARDWARE_MESSAGES)):
             continue
         _fail(run, "model", key, message)
-    if run.model_args.document_masking and run["dataloader"]["document_masking"]:
-        _fail(run, "dataloader", "document_masking", run.model_args.document_masking)
+    dataloader = run["dataloader"]
+    if (
+        getattr(run.model_args, "canon_document_reset", False)
+        and not dataloader["document_masking"]
+        and dataloader["dataset"] not in SYNTHETIC
+    ):
+        _fail(
+            run,
+            "model",
+            "canon_document_reset",
+            "does nothing without document positions: set [dataloader] "
+            "document_masking = true (text datasets; the synthetic tasks always have them)",
+        )
 
 
 def check_training(run: RunConfig) -> None:

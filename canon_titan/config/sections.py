@@ -79,9 +79,10 @@ class DataloaderSection:
     infinite: bool = True
     """builtin/files/tokens: start a new epoch when the data runs out, instead of stopping."""
     document_masking: bool = False
-    """Attention only within each packed document (positions restart at every BOS, RoPE too).
-    The reference attends across documents; Canon layers always do. Synthetic tasks always
-    restart positions at every sample."""
+    """Keep each packed document apart (positions restart at every BOS): attention and RoPE inside
+    it; the linear models' state, short convolutions and Canon layers start at it; LlamaCanon's
+    Canon layers with [model] canon_document_reset. The reference runs across documents. Synthetic
+    tasks always restart positions at every sample."""
     allow_changed_data: bool = False
     """Resume although the data differs from the checkpoint's (its loader state then starts a new
     pass over the new data); without it such a resume is refused."""

@@ -28,6 +28,7 @@ from canon_titan.data.held_out import held_out_shards, shard_part
 from canon_titan.data.inputs import DataConfigError, resolve_paths
 from canon_titan.data.pretokenize import open_shards
 from canon_titan.data.token_store import TokenStore
+from canon_titan.kernels.documents import document_boundaries
 from canon_titan.tools.host_memory import host_buffer, pinned
 
 
@@ -84,13 +85,24 @@ def batch_buffer(rows: list[np.ndarray], bos_id: int | None, *, pin: bool) -> to
 def batch_views(flat: torch.Tensor, batch: int,
                 seq_len: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """The inputs (and positions, when the buffer holds them) and labels in ``batch_buffer``'s
-    buffer: views of it, so the step copies the buffer once (``tools/host_memory.to_device``)."""
+    buffer: views of it, so the step copies the buffer once (``tools/host_memory.to_device``).
+    With positions, the documents' boundaries too (``with_boundaries``)."""
     tokens = batch * (seq_len + 1)
     data = flat[:tokens].view(batch, seq_len + 1)
     inputs = {"input": data[:, :-1]}
     if flat.numel() > tokens:
         inputs["positions"] = flat[tokens:].view(batch, seq_len)
+        with_boundaries(inputs)
     return inputs, data[:, 1:]
+
+
+def with_boundaries(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``inputs`` with the boundaries of the documents in its ``positions`` in fla's layout
+    (``kernels/documents.document_boundaries``), in pinned memory: their sizes vary by batch, so
+    they are small copies of their own beside the batch's buffer."""
+    boundaries = document_boundaries(inputs["positions"])
+    inputs.update({name: pinned(tensor) for name, tensor in boundaries.items()})
+    return inputs
 
 
 class PackedWindows(IterableDataset):
@@ -154,8 +166,8 @@ class PackedTextDataLoader(ParallelAwareDataloader):
         infinite: bool = True
         """Start a new (re-shuffled) epoch when the windows run out, instead of stopping."""
         document_masking: bool = False
-        """Emit positions that restart at every BOS: attention stays within documents and RoPE
-        counts from each document's start. Canon layers still mix across document boundaries."""
+        """Emit positions that restart at every BOS, and the documents' boundaries in fla's layout
+        (``kernels/documents.py``): each packed document is computed as if alone (docs/data.md)."""
         held_out_fraction: float = 0.0
         """tokens: this fraction of the folder's shards is held out for validation
         (``data.held_out.held_out_shards``)."""

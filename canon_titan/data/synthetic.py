@@ -40,6 +40,7 @@ from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.tools.logging import logger
 
 from canon_titan.data.inputs import DataConfigError
+from canon_titan.data.packed import with_boundaries
 from canon_titan.tools.host_memory import host_buffer
 from synthetic_data.common import Sample
 from synthetic_data.tasks import PAD, SECTION, make_task
@@ -209,7 +210,7 @@ class SyntheticDataLoader(ParallelAwareDataloader):
     def views(self, flat: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """The inputs, positions and targets in ``buffer``'s buffer: views of it, copied as one."""
         tokens, positions, targets = flat.view(3, self.local_batch_size, self.seq_len).unbind()
-        return {"input": tokens, "positions": positions}, targets
+        return with_boundaries({"input": tokens, "positions": positions}), targets
 
     def batch(self, first_sample: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """This rank's batch of the global batch from ``first_sample`` (``buffer``'s, viewed)."""

@@ -22,8 +22,9 @@ which installs the offline kit first where needed.
   canon_llama         the same at batch 2 (the base of the linear and float8 runs)
   canon_triton
   linear_*_16k        the linear models' figure of record: Llama, Mamba2, GLA5, GDN2 (Canon AbbCD) at the
-                      recipes' 16,384 x 1, then Mamba2 with CUDA graphs; a case whose recurrence ``auto`` runs
-                      on torch here is skipped, saying why
+                      recipes' 16,384 x 1, then Mamba2 with CUDA graphs, then the three with
+                      document masking (against the same runs without); a case whose recurrence
+                      ``auto`` runs on torch here is skipped, saying why
   linear_*_4k         Mamba2, GLA5, GDN2 at 4096 x 2, for information (against canon_llama)
   float8_tensorwise   LlamaCanon-1B (triton) with float8 training, each recipe (against canon_triton)
   float8_rowwise
@@ -134,6 +135,15 @@ def cases() -> list[Case]:
             out.append(Case(f"linear_mamba2_{tag}_graphs", "linear", "mamba2:AbbCD, CUDA graphs",
                             {"name": "mamba2", "flavor": "1B", "canon_set": "AbbCD"}, seq, batch, base=base,
                             extra=("--training.disable_cuda_graphs=false",), limit=180, kernel_op="ssd"))
+            # Packed documents kept apart (fla's varlen kernels, mamba-ssm's seq_idx, the Canon
+            # layers' taps inside each document) against the same run without: the built-in corpus
+            # packs ~190 documents a row.
+            out += [Case(f"linear_{family}_{tag}_documents", "linear",
+                         f"{family}:AbbCD, document masking",
+                         {"name": family, "flavor": "1B", "canon_set": "AbbCD"}, seq, batch,
+                         base=f"linear_{family}_{tag}",
+                         extra=("--dataloader.document_masking=true",), limit=180,
+                         kernel_op=LINEAR_OPS[family]) for family in LINEAR]
     for recipe in ("tensorwise", "rowwise"):
         out.append(Case(f"float8_{recipe}", "float8", f"llama_canon (triton) {recipe}",
                         {**canon, "canon_backend": "triton"}, 4096, 2, base="canon_triton",

@@ -59,9 +59,6 @@ class LinearArgs(CanonArgs, ABC):
     canon_set_note: ClassVar[str] = " ('bb' counts as b)"
     no_tensor_parallel: ClassVar[str | None] = None
     """Why this family has no tensor parallelism, or None when it has."""
-    document_masking: ClassVar[str | None] = (
-        "the linear models carry their recurrent state across packed documents, as the release does; they "
-        "cannot restart it at a BOS (set false)")
 
     @property
     def kv_heads(self) -> int:

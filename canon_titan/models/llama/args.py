@@ -44,8 +44,6 @@ class LlamaArgs:
     release's ``model.seed``; its run seed is 777)."""
 
     label: ClassVar[str] = "Llama"
-    document_masking: ClassVar[str | None] = None
-    """Why ``[dataloader] document_masking`` cannot be used with this family, or None."""
 
     @property
     def head_dim(self) -> int:
