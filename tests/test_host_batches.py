@@ -78,14 +78,17 @@ def first_batch(config, overrides, tmp_path):
 def test_a_batch_is_one_pinned_buffer_copied_once(tmp_path, config, overrides):
     inputs, labels = first_batch(config, overrides, tmp_path)
     tensors = [*inputs.values(), labels]
-    assert len({id(t._base) for t in tensors}) == 1 and tensors[0]._base is not None
+    # The documents' boundaries (fla's layout) vary in size by batch: a second, small buffer.
+    buffers = 2 if "cu_seqlens" in inputs else 1
+    assert len({id(t._base) for t in tensors}) == buffers and all(t._base is not None for t in tensors)
     assert all(is_pinned(t) for t in tensors)
     device = torch.device("cpu", 0)
     with Copies() as copies:
         moved = to_device(tensors, device)
-    assert copies.count == 1
+    assert copies.count == buffers
     assert all(torch.equal(m, t) and m.shape == t.shape for m, t in zip(moved, tensors))
-    assert len({m.untyped_storage().data_ptr() for m in moved}) == 1  # views of the one device copy
+    # views of the device copies, one a buffer
+    assert len({m.untyped_storage().data_ptr() for m in moved}) == buffers
     assert moved[0].untyped_storage().data_ptr() != tensors[0].untyped_storage().data_ptr()
 
 

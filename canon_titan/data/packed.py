@@ -29,7 +29,7 @@ from canon_titan.data.inputs import DataConfigError, resolve_paths
 from canon_titan.data.pretokenize import open_shards
 from canon_titan.data.token_store import TokenStore
 from canon_titan.kernels.documents import document_boundaries
-from canon_titan.tools.host_memory import host_buffer, pinned
+from canon_titan.tools.host_memory import host_buffer, is_pinned, pinned
 
 
 def document_positions(tokens: torch.Tensor, bos_id: int) -> torch.Tensor:
@@ -98,10 +98,15 @@ def batch_views(flat: torch.Tensor, batch: int,
 
 def with_boundaries(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``inputs`` with the boundaries of the documents in its ``positions`` in fla's layout
-    (``kernels/documents.document_boundaries``), in pinned memory: their sizes vary by batch, so
-    they are small copies of their own beside the batch's buffer."""
+    (``kernels/documents.document_boundaries``): their sizes vary by batch, so they share a small
+    host buffer of their own beside the batch's (pinned as the batch's is), one more copy a step."""
     boundaries = document_boundaries(inputs["positions"])
-    inputs.update({name: pinned(tensor) for name, tensor in boundaries.items()})
+    size = sum(t.numel() for t in boundaries.values())
+    flat = host_buffer(size, torch.int32, pin=is_pinned(inputs["positions"]))
+    start = 0
+    for name, tensor in boundaries.items():
+        inputs[name] = flat[start : start + tensor.numel()].view(tensor.shape).copy_(tensor)
+        start += tensor.numel()
     return inputs
 
 
