@@ -54,7 +54,7 @@ from canon_titan.evaluation.in_training import EvalSettings, InTrainingEval
 from canon_titan.models.common.context_parallel import context_parallel_inputs
 from canon_titan.models.common.tensor_parallel import sum_partial_gradients
 from canon_titan.tools import runtime
-from canon_titan.tools.collectives import from_rank0
+from canon_titan.tools.collectives import rank_zero_decides
 from canon_titan.tools.fileio import write_atomic
 
 RUN_CONFIG_FILE = "run_config.toml"
@@ -97,27 +97,8 @@ class ResumePlan:
     loader_keys: list[str] = field(default_factory=list)
 
 
-def rank_zero_decides(decide):
-    """``decide()`` run by rank 0 alone, and its result, or the refusal it raised, for every rank: one
-    rank reads the checkpoint folder's metadata (not a thousand), and every rank stops on a refusal,
-    none left waiting in the load's collectives."""
-    if not torch.distributed.is_initialized():
-        return decide()
-    answer, failure = None, None
-    if torch.distributed.get_rank() == 0:
-        try:
-            answer = decide()
-        except (FinishedRun, NoLoadableCheckpoint, ResumeRefused) as refusal:
-            answer = refusal
-        except Exception as e:  # anything else (an unreadable folder): every rank stops, none left waiting here
-            failure = e
-            answer = RuntimeError(f"rank 0 could not decide where to resume: {type(e).__name__}: {e}")
-    answer = from_rank0(answer)
-    if failure is not None:
-        raise failure
-    if isinstance(answer, Exception):
-        raise answer
-    return answer
+RESUME_REFUSALS = (FinishedRun, NoLoadableCheckpoint, ResumeRefused)
+"""What rank 0's resume decision may refuse with, on every rank."""
 
 
 def config_changes(previous_file: str, new_toml: str, shown: int = 8) -> str:
@@ -243,7 +224,7 @@ class CanonTrainer(QueuedCopies, Trainer):
         first (its tensor layout). A last save in HF format gets the rest of an export beside it."""
         ckpt = self.config.checkpoint
         if ckpt.enable:
-            plan = rank_zero_decides(self._resume_plan)
+            plan = rank_zero_decides(self._resume_plan, "where to resume", refusals=RESUME_REFUSALS)
             for message in plan.skipped + plan.warnings:
                 logger.warning(message)
             if ckpt.load_step >= 0:
@@ -316,7 +297,9 @@ class CanonTrainer(QueuedCopies, Trainer):
     def _resume_from(self, step_dir: Path) -> None:
         """The checkpoint a load falls back to (every rank is there), checked as the first one was."""
         step = int(step_dir.name.removeprefix("step-"))
-        plan = rank_zero_decides(lambda: self._checked(ResumePlan(step=step, skipped=[], resumes=True), step_dir))
+        fallback = ResumePlan(step=step, skipped=[], resumes=True)
+        plan = rank_zero_decides(lambda: self._checked(fallback, step_dir), "where to resume",
+                                 refusals=RESUME_REFUSALS)
         for message in plan.warnings:
             logger.warning(message)
         self._prepare_resume(plan)
@@ -426,6 +409,8 @@ class CanonTrainer(QueuedCopies, Trainer):
         self.progress.step_starts()
         if self.takes_stop_signals and not self.stop_signals.installed:
             self.stop_signals.install()  # before the step's first collective: a stop signal now finishes and saves
+        if self.evaluator is not None and self.evaluator.cut_short_before(self.step - 1):
+            self._evaluate(self.step - 1)  # its weights: this step has not run yet
         try:
             self.queued_train_step(data_iterator)  # TorchTitan's step, its host-to-device copies queued
         except NonFiniteLoss:  # on a logged step: a step the guard skipped goes on
@@ -447,8 +432,17 @@ class CanonTrainer(QueuedCopies, Trainer):
             if hasattr(self.dataloader, "mixture"):
                 self._log_mixture()
         if self.evaluator is not None and self.evaluator.due(self.step):
-            metrics = self.evaluator.run(self.model_parts, self.step)
-            self.metrics_processor.logger.log(metrics, self.step)
+            self._evaluate(self.step)
+
+    def _evaluate(self, step: int) -> None:
+        """The in-training evaluation of the weights of ``step``; one a stop signal cut short saves
+        the step reached and stops, as the signal asks."""
+        metrics = self.evaluator.run(self.model_parts, step,
+                                     stop=lambda: self.stop_signals.requested)
+        self.metrics_processor.logger.log(metrics, step)
+        if self.evaluator.cut_short and not self._preempting:
+            self._preempting = True
+            self.checkpointer.force_next_save = True
 
     def close(self) -> None:
         if self.evaluator is not None:

@@ -5,6 +5,8 @@
 #   NNODES   number of nodes (default 1); with more, on every node: NODE_RANK (0 to NNODES-1; node 0 holds
 #            global rank 0), MASTER_ADDR (node 0's address) and MASTER_PORT (a free port there, default 29500)
 #   LOG_RANK ranks whose output is shown (default 0)
+#   TRITON_CACHE_DIR  Triton's kernel cache (default: on this node's disk, under $TMPDIR or /tmp)
+#   CANON_TITAN_TRITON_SEED  a shared pre-tuned Triton cache copied into it before the workers start
 # Extra arguments are overrides: scripts/run_train.sh --training.steps 100
 # Relative paths (CONFIG, the paths in the TOML and in overrides) are read from the current directory, as
 # canon-titan train reads them. The wrapper checks the config for NNODES x NGPU processes before anything
@@ -17,6 +19,9 @@ NNODES=${NNODES:-1}
 MASTER_PORT=${MASTER_PORT:-29500}
 PYTHON=${PYTHON:-$( [ -x "$REPO/.venv/bin/python" ] && echo "$REPO/.venv/bin/python" || echo python3 )}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+# Node-local: on a shared home (Triton's default ~/.triton/cache) every rank writes the same files.
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-${TMPDIR:-/tmp}/canon-titan-triton-${USER:-$(id -u)}}
+export TRITON_CACHE_AUTOTUNING=${TRITON_CACHE_AUTOTUNING:-1}
 if [ "$NNODES" -eq 1 ]; then
   RDZV=(--standalone)
 else

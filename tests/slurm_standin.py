@@ -5,10 +5,12 @@ with its real command lines (``install`` puts them on a PATH folder).
 ``_task_finish``): one task per node (``SLURM_NNODES``), each with its node's ``SLURM_NODEID`` and
 ``SLURM_STEP_ID``; with ``--kill-on-bad-exit=1`` the first task to end with a non-zero code or a signal
 has every process of the other tasks sent SIGTERM, then SIGKILL after ``KILL_WAIT_S`` (slurmstepd's
-SIG_TERM_KILL over the step's processes); and its exit code is 128 + the highest signal when a task
-was killed by one, otherwise the highest exit code. ``SRUN_SLOW_NODE_S`` makes every node but the
-first end that many seconds after its command does (a slower node's teardown), so that a kill can
-land on a task that is still running, as it does at scale.
+SIG_TERM_KILL over the step's processes); with ``--wait=N`` (and no kill on a bad exit, which takes
+precedence) the tasks still running N seconds after the first ended are ended alike; and its exit
+code is 128 + the highest signal when a task was killed by one, otherwise the highest exit code.
+``SRUN_SLOW_NODE_S`` makes every node but the first end that many seconds after its command does (a
+slower node's teardown), so that a kill can land on a task that is still running, as it does at
+scale.
 
 ``scontrol show hostnames`` prints two addresses of this machine, the second late (a reader that stops
 at the first line is gone by then, which failed the template under pipefail); ``scontrol requeue JOB``
@@ -53,24 +55,31 @@ def srun(argv: list[str]) -> int:
     while argv and argv[0].startswith("--"):
         options.append(argv.pop(0))
     kill_on_bad_exit = "--kill-on-bad-exit=1" in options
+    wait = next((float(o.split("=", 1)[1]) for o in options if o.startswith("--wait=")), 0.0)
     slow = os.environ.get("SRUN_SLOW_NODE_S", "0")
     tasks = []
     for node in range(int(os.environ["SLURM_NNODES"])):
         env = dict(os.environ, SLURM_NODEID=str(node), SLURM_PROCID=str(node), SLURM_LOCALID="0", SLURM_STEP_ID="0")
         tasks.append(subprocess.Popen([sys.executable, __file__, "task", slow if node else "0", *argv], env=env))
     codes: dict[int, int] = {}
-    killing_since = None
+    killing_since = first_end = None
     while len(codes) < len(tasks):
         for node, task in enumerate(tasks):
             if node in codes or task.poll() is None:
                 continue
             codes[node] = task.returncode
+            first_end = first_end or time.monotonic()
             print(f"srun stand-in: node {node} ended with {task.returncode}", file=sys.stderr, flush=True)
             if task.returncode != 0 and kill_on_bad_exit and killing_since is None:
                 killing_since = time.monotonic()
                 for other in tasks:
                     if other.poll() is None:
                         _signal_task(other, signal.SIGTERM)
+        if wait and first_end and killing_since is None and time.monotonic() - first_end > wait:
+            killing_since = time.monotonic()
+            for other in tasks:
+                if other.poll() is None:
+                    _signal_task(other, signal.SIGTERM)
         if killing_since is not None and time.monotonic() - killing_since > KILL_WAIT_S:
             for task in tasks:
                 if task.poll() is None:

@@ -183,7 +183,6 @@ def test_a_data_path_on_the_builtin_dataset_suggests_the_dataset_that_reads_it(t
 @pytest.mark.parametrize("config, override, key, message", [
     ("mamba2", ["--parallelism.tensor_parallel_degree", "2"], "[parallelism] tensor_parallel_degree",
      "Mamba2 has no tensor-parallel plan"),
-    ("gdn2", ["--dataloader.document_masking", "true"], "[dataloader] document_masking", "cannot restart it"),
     ("gla5", ["--model.canon_set", "ABCD"], "[model] canon_set", "Canon-B is not available"),
     ("gla5", ["--model.kernel_backend", "mamba_ssm"], "[model] kernel_backend", "must be one of 'auto', 'torch', 'fla'"),
 ])
@@ -191,6 +190,36 @@ def test_linear_model_config_errors(config, override, key, message):
     with pytest.raises(ConfigError) as e:
         load(REPO / "train_configs" / f"{config}_debug.toml", override)
     assert e.value.key == key and message in e.value.message
+
+
+def test_document_masking_for_every_family_and_the_canon_reset_with_it():
+    """``[dataloader] document_masking`` is one switch for every family; LlamaCanon's Canon layers
+    follow it only with ``[model] canon_document_reset``, which alone (text data without positions)
+    does nothing and is refused; the linear models have no such key (their Canon layers always
+    follow)."""
+    for family in ("llama", "llama_canon", "gla5", "gdn2", "mamba2"):
+        run = load(
+            REPO / "train_configs" / f"{family}_debug.toml",
+            ["--dataloader.document_masking", "true"],
+            environment=False,
+        )
+        assert run["dataloader"]["document_masking"]
+    canon = REPO / "train_configs" / "llama_canon_debug.toml"
+    assert load(canon, environment=False).model_args.canon_document_reset is False
+    assert load(
+        canon,
+        ["--dataloader.document_masking", "true", "--model.canon_document_reset", "true"],
+        environment=False,
+    ).model_args.canon_document_reset
+    with pytest.raises(ConfigError) as e:
+        load(canon, ["--model.canon_document_reset", "true"], environment=False)
+    assert (
+        e.value.key == "[model] canon_document_reset"
+        and "set [dataloader] document_masking = true" in e.value.message
+    )
+    with pytest.raises(ConfigError, match="canon_document_reset"):
+        load(REPO / "train_configs" / "gla5_debug.toml", ["--model.canon_document_reset", "true"],
+             environment=False)
 
 
 def test_world_size_checks(monkeypatch):

@@ -16,6 +16,7 @@ import time
 import pytest
 
 from conftest import COMMON, DEBUG_CONFIG, REPO, free_port, train_env
+from test_failures import interrupt
 
 HOLD = """
 import errno, fcntl, os, socket, sys, time
@@ -202,3 +203,75 @@ def test_a_folder_where_the_lease_cannot_be_made_is_one_line_and_leaves_nothing(
                              r"use a \[job\] dump_folder"):
         ownership.lock_dump_folder(dump)
     assert sorted(p.name for p in dump.iterdir()) == [ownership.LOCK_FILE]
+
+
+def test_a_link_whose_reply_was_lost_still_takes_and_refreshes_the_lease(tmp_path, monkeypatch):
+    """NFS's non-idempotent LINK: the link is made, and the retransmitted call answers EEXIST. The
+    lease is this process's, refreshed and released at exit. At 381a133 the retry found its own
+    lease and returned without starting the refresh or registering the release, so another host
+    took the live run's lease over 150 s later."""
+    from canon_titan.components import exit_codes
+    from canon_titan.launch import ownership
+
+    monkeypatch.setattr(fcntl, "flock", _no_flock)
+    monkeypatch.setattr(ownership, "LEASE_REFRESH_S", 0.2)
+    link = os.link
+
+    def link_and_lose_the_reply(src, dst):
+        link(src, dst)
+        raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(dst))
+
+    monkeypatch.setattr(os, "link", link_and_lose_the_reply)
+    dump = tmp_path / "run"
+    ownership.lock_dump_folder(dump)
+    lease = dump / ownership.LEASE_FILE
+    assert json.loads(lease.read_text())["pid"] == os.getpid()
+    assert len(exit_codes._cleanups) == 1  # the release
+    then = time.time() - 1000
+    os.utime(lease, (then, then))
+    time.sleep(1.0)
+    assert time.time() - lease.stat().st_mtime < 5  # refreshed
+    exit_codes._cleanups[0]()
+    assert not lease.exists()
+
+
+@pytest.mark.slow
+def test_a_run_whose_lease_was_taken_over_stops_before_its_next_save(tmp_path):
+    """While a run trains, another run takes its lease over: the first stops before its next save,
+    exit 3 and one line naming the new holder, and writes no checkpoint after it. At 381a133 it
+    logged an error and kept training and saving into the folder the other run now owned."""
+    dump = tmp_path / "run"
+    cmd = [
+        sys.executable,
+        "-m",
+        "canon_titan.launch.torchrun",
+        "--standalone",
+        "--nproc_per_node",
+        "1",
+        str(REPO / "tests" / "fast_lease_rank.py"),
+        "--config",
+        str(DEBUG_CONFIG),
+        *COMMON,
+        "--training.steps",
+        "40",
+        "--training.local_batch_size",
+        "2",
+        "--checkpoint.enable",
+        "--checkpoint.interval",
+        "6",
+        "--job.dump_folder",
+        str(dump),
+    ]
+    other = {"pid": 7, "host": "other-node", "started": "now", "token": "theirs", "refresh_s": 30}
+
+    def take_over(proc):
+        (dump / ".canon-titan.lease").write_text(json.dumps(other))
+
+    code, out = interrupt(cmd, "step:  2", take_over)
+    said = [line for line in out.splitlines() if line.startswith("canon-titan: ")]
+    assert code == 3, out[-4000:]
+    assert said and "is no longer this run's (pid 7 on other-node" in said[-1], out[-4000:]
+    assert "this run stops before its next save" in said[-1]
+    assert not (dump / "checkpoint").exists() or not list((dump / "checkpoint").iterdir()), out[
+        -4000:
+    ]

@@ -45,12 +45,15 @@ PARALLEL = {
     "pp": ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "1F1B"],
     "cp": ["--parallelism.context_parallel_degree", "2"],
     "cp documents": ["--parallelism.context_parallel_degree", "2", "--dataloader.document_masking", "true"],
+    "pp documents": ["--parallelism.pipeline_parallel_degree", "2",
+                     "--parallelism.pipeline_parallel_schedule", "1F1B",
+                     "--dataloader.document_masking", "true"],
 }
 VALIDATION = ["--validation.enable", "--validation.every", "2", "--validation.steps", "2"]
 PARALLEL.update({f"{name} validation": [*PARALLEL[name], *VALIDATION] for name in ("fsdp", "pp")})
 CASES = [("llama", "fsdp"), ("llama", "tp"), ("llama", "pp"), ("llama", "cp"),
          ("llama_canon", "fsdp"), ("llama_canon", "tp"), ("llama_canon", "pp"), ("llama_canon", "cp documents"),
-         ("gla5", "fsdp"), ("gla5", "tp"), ("gla5", "pp"),
+         ("gla5", "fsdp"), ("gla5", "tp"), ("gla5", "pp"), ("gla5", "pp documents"),
          ("gdn2", "fsdp"), ("gdn2", "tp"), ("gdn2", "pp"),
          ("mamba2", "fsdp"), ("mamba2", "pp"),
          ("llama", "fsdp validation"), ("llama_canon", "pp validation")]
@@ -270,18 +273,22 @@ def replicated_llama_canon() -> int:
 
 
 def test_the_counter_sees_what_would_wait_on_a_gpu():
-    """Each kind of wait, and what does not wait: reads of host tensors, non-blocking copies, work
-    on device tensors."""
+    """Each kind of wait, and what does not wait: reads of host tensors, non-blocking copies from
+    pinned memory (a loader's batch buffer), work on device tensors."""
     import torch
+
+    from canon_titan.tools.host_memory import host_buffer, to_device
 
     device = torch.device("cpu", 0)  # a CPU trainer's device, as TorchTitan names it
     params = torch.ones(4, device=device)  # made before counting: on the device
+    pageable = torch.arange(4)
     with HostSyncs() as counter:
-        labels = torch.arange(4)
-        counter.mark_host(labels)
+        labels = host_buffer(10, torch.int64).view(2, 5)[:, 1:]  # a view of a (pinned) batch buffer
+        labels.copy_(torch.arange(8).view(2, 4))
+        counter.mark_host([labels, pageable])
         tokens = (labels != 1).sum()  # host work on the data loader's tensors
         int(tokens)
-        moved = labels.to(device, non_blocking=True)
+        (moved,) = to_device([labels], device)  # the whole buffer, viewed on the device
         loss = (params * moved).sum()
         flag = loss.isfinite().float()
         host = torch.empty(1, device="cpu")
@@ -297,9 +304,15 @@ def test_the_counter_sees_what_would_wait_on_a_gpu():
         host.copy_(flag.view(1))
         torch.tensor(1.0).to(device).item()
         torch.tensor(1.0, device=device)
+        pageable.to(device, non_blocking=True)
+        labels.contiguous().to(device, non_blocking=True)  # a copy of the strided view: pageable
+        labels.to(device, non_blocking=True)  # strided: ATen makes a pageable contiguous copy first
     kinds = [w.split(" at ")[0] for w in counter.waits]
-    assert kinds == ["aten._local_scalar_dense.default", "Tensor.tolist", "Tensor.cpu", "aten.nonzero.default",
-                     "a blocking copy to the device", "a copy from the device", "a blocking copy to the device",
-                     "aten._local_scalar_dense.default", "torch.tensor on the device (a blocking copy to the device)"
-                     ], counter.waits
+    made_on_device = "torch.tensor on the device (a blocking copy to the device)"
+    pageable = "a copy to the device from pageable memory"
+    assert kinds == ["aten._local_scalar_dense.default", "Tensor.tolist", "Tensor.cpu",
+                     "aten.nonzero.default", "a blocking copy to the device",
+                     "a copy from the device", "a blocking copy to the device",
+                     "aten._local_scalar_dense.default",
+                     made_on_device, pageable, pageable, pageable], counter.waits
     assert all("test_host_work.py" in w for w in counter.waits), counter.waits

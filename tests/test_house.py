@@ -21,7 +21,8 @@ PACKAGE = REPO / "canon_titan"
 
 LAYERS = [
     {"tools"},
-    {"hf", "kernels", "data"},
+    {"kernels"},
+    {"hf", "data"},  # the loaders build the documents' boundaries in the kernels' layout
     {"models"},
     {"convert"},
     {"components"},

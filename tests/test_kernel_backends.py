@@ -11,6 +11,7 @@ order 1-100). On a GPU, fla's and mamba-ssm's ``tl.dot`` take float32 inputs as 
 mantissa): 3e-3, an estimate until a GPU run measures it. Real shapes run on a GPU in bfloat16.
 """
 
+import contextlib
 import importlib
 import importlib.util
 import os
@@ -24,9 +25,10 @@ import torch.nn.functional as F
 import model_registry
 from canon_titan.kernels import backends, gated_delta_rule, gla, ssd
 from canon_titan.kernels.backends import KernelEnvironment, resolve_backend, triton_runs_here
+from canon_titan.kernels.documents import Documents, document_boundaries
 from conftest import REPO
 from kernel_paths import DEVICE, ON_GPU, kernel_path
-from test_linear_kernels import assert_match, outputs_and_grads
+from test_linear_kernels import assert_match, document_positions, outputs_and_grads
 
 needs_triton = pytest.mark.skipif(not triton_runs_here(), reason="needs a GPU or TRITON_INTERPRET=1")
 # scripts/test.sh installs both; a bare pytest without them skips their tests.
@@ -163,14 +165,156 @@ def test_real_shapes_in_bfloat16(op, backend, shape, kw):
                  lambda: (*gdn_inputs(1, 20, 2, 16, 16, False).values(), None, 0.25, False), marks=needs_fla),
     pytest.param("mamba_chunk_scan", lambda: (*ssd_inputs(1, 20, 2, 16, 8, 1, True).values(), 16, True),
                  marks=needs_mamba),
+    pytest.param("fla_chunk_gla_documents",
+                 lambda: (*gla_inputs(1, 20, 2, 16, 16, False).values(), 0.25, True,
+                          *_flat_documents()),
+                 marks=needs_fla),
+    pytest.param("fla_chunk_gated_delta_rule_documents",
+                 lambda: (*gdn_inputs(1, 20, 2, 16, 16, False).values(), 0.25, True,
+                          *_flat_documents()[:2]), marks=needs_fla),
+    pytest.param("mamba_chunk_scan_documents",
+                 lambda: (*ssd_inputs(1, 20, 2, 16, 8, 1, False).values(), 16, True,
+                          Documents(document_positions(((5, 15),))).seq_idx()), marks=needs_mamba),
 ])
 def test_custom_op_registration(op, make):
     """torch.library's checks: schema, fake (meta) kernel against the real one, autograd
     registration, AOT dispatch with dynamic shapes."""
-    skip_where_known_bad(next(name for name, ops in OPS.items() if op in ops))
+    plain = op.removesuffix("_documents")
+    skip_where_known_bad(next(name for name, ops in OPS.items() if plain in ops))
     args = tuple(t.requires_grad_() if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in make())
     with kernel_path(op, f"{op}_backward"):
         torch.library.opcheck(getattr(torch.ops.canon_titan, op).default, args)
+
+
+def _flat_documents(lengths=((5, 15),)):
+    """cu_seqlens, chunk_indices and positions of one row of documents, on the device."""
+    positions = document_positions(lengths)
+    boundaries = (t.to(DEVICE) for t in document_boundaries(positions).values())
+    return (*boundaries, positions.reshape(-1).to(DEVICE))
+
+
+# --- packed documents ---------------------------------------------------------------------------
+
+DOCUMENTS = ((5, 1, 40, 24), (70,))
+"""A partial first chunk, one token, a document across fla's 64-token chunks; one document a row."""
+
+
+def _documents_inputs(op):
+    if op == "ssd":
+        return ssd_inputs(2, 70, 3, 16, 8, 1, False), {"chunk_size": 16}
+    return KERNELS[op][1](2, 70, 2, 16, 32, False), {}
+
+
+@needs_triton
+@pytest.mark.parametrize(
+    "op",
+    [
+        pytest.param("gla", marks=needs_fla),
+        pytest.param("gated_delta_rule", marks=needs_fla),
+        pytest.param("ssd", marks=needs_mamba),
+    ],
+)
+def test_packed_documents_on_the_triton_kernels_equal_torch(op):
+    """fla's varlen kernels (the batch flattened, the loaders' boundaries) and mamba-ssm's
+    ``seq_idx`` against the torch kernels with the same documents, which test_linear_kernels.py
+    checks against each document run alone: outputs, final states, every gradient."""
+    skip_where_known_bad(op)
+    inputs, kw = _documents_inputs(op)
+    positions = document_positions(DOCUMENTS)
+    documents = Documents(
+        positions.to(DEVICE), **{k: t.to(DEVICE) for k, t in document_boundaries(positions).items()}
+    )
+    kernel = KERNELS[op][0]
+    with kernel_path(
+        *(
+            f"{name}_documents"
+            if not name.endswith("_backward")
+            else name.replace("_backward", "_documents_backward")
+            for name in OPS[op]
+        )
+    ):
+        got = outputs_and_grads(
+            lambda i: kernel(
+                **i, **kw, documents=documents, output_final_state=True, backend=BACKEND[op]
+            ),
+            inputs,
+        )
+    want = outputs_and_grads(
+        lambda i: kernel(**i, **kw, documents=documents, output_final_state=True, backend="torch"),
+        inputs,
+    )
+    assert_match(got, want, **TOL)
+
+
+@needs_triton
+@needs_fla
+@needs_mamba
+def test_the_document_kernels_never_wait_for_the_device(monkeypatch):
+    """The bodies of the document ops (a dispatch mode cannot see inside a custom op) forward and
+    backward, counted by ``HostSyncs``: the boundaries from the host through queued copies, every
+    other input on the device (made before counting). None waits. Without the chunk count the host
+    knows, fla's GLA state kernels would read it back from the device three times per layer and step
+    (the forward, the backward's recomputation, the backward), which the count sees."""
+    sys.path.insert(0, str(REPO / "scripts" / "benchmarks"))
+    from host_syncs import HostSyncs
+
+    modules = {
+        name: importlib.import_module(f"canon_titan.kernels.{name}")
+        for name in ("gla", "delta_rule", "ssd")
+    }
+    device = torch.device(DEVICE.type, 0)
+
+    def flat(inputs):
+        return [t.reshape(1, -1, *t.shape[2:]).to(device) for t in inputs.values()]
+
+    lengths = ((5, 1, 14), (20,))
+    gla_args, gdn_args = (
+        flat(gla_inputs(2, 20, 1, 16, 16, False)),
+        flat(gdn_inputs(2, 20, 1, 16, 16, False)),
+    )
+    ssd_args = [t.to(device) for t in ssd_inputs(2, 20, 1, 16, 8, 1, False).values()]
+    positions = document_positions(lengths)
+    batch = {"positions": positions, **document_boundaries(positions)}
+
+    def gla_step(cu_seqlens, chunk_indices, positions):
+        o, _, A = modules["gla"].gla_documents_forward(
+            *gla_args, 0.25, False, cu_seqlens, chunk_indices, positions.reshape(-1)
+        )
+        modules["gla"].gla_documents_backward(
+            torch.ones_like(o), None, *gla_args, A, 0.25, cu_seqlens, chunk_indices
+        )
+
+    def every_step(cu_seqlens, chunk_indices, positions):
+        gla_step(cu_seqlens, chunk_indices, positions)
+        o, _, g_cumsum, A = modules["delta_rule"].gated_delta_rule_documents_forward(
+            *gdn_args, 0.25, False, cu_seqlens, chunk_indices
+        )
+        q, k, v, _, beta = gdn_args
+        modules["delta_rule"].gated_delta_rule_documents_backward(
+            torch.ones_like(o), None, q, k, v, g_cumsum, beta, A, 0.25, cu_seqlens, chunk_indices
+        )
+        seq_idx = Documents(positions).seq_idx()
+        y, _ = modules["ssd"].ssd_documents_forward(*ssd_args, 16, False, seq_idx)
+        modules["ssd"].ssd_documents_backward(torch.ones_like(y), None, *ssd_args, y, 16, seq_idx)
+
+    def waits(step):
+        with HostSyncs() as counter:
+            counter.mark_host(batch)
+            step(
+                *(
+                    batch[name].to(device, non_blocking=True)
+                    for name in ("cu_seqlens", "chunk_indices", "positions")
+                )
+            )
+        return [w.split(" (")[0] for w in counter.waits]
+
+    assert waits(every_step) == []
+    monkeypatch.setattr(
+        modules["gla"], "_chunk_count_known", lambda *args: contextlib.nullcontext()
+    )
+    assert waits(gla_step) == [
+        "aten._local_scalar_dense.default at fla/ops/common/chunk_h.py:335"
+    ] * 2 + ["aten._local_scalar_dense.default at fla/ops/common/chunk_h.py:399"]
 
 
 CUDA_BACKEND = {"gla5": "fla", "gdn2": "fla", "mamba2": "mamba_ssm"}
@@ -225,6 +369,44 @@ def test_training_steps_match_the_torch_kernels(family):
                 history[backend].append((loss.item(), norm.item()))
     for (loss, norm), (want_loss, want_norm) in zip(history[CUDA_BACKEND[family]], history["torch"]):
         assert loss == pytest.approx(want_loss, rel=TOL["rtol"]) and norm == pytest.approx(want_norm, rel=TOL["rtol"])
+
+
+MODEL_DOCUMENTS = ((5, 1, 14), (20,))
+
+
+@needs_triton
+@pytest.mark.parametrize("canon_backend", ["torch", "triton"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_packed_documents_equal_each_document_alone_on_the_triton_kernels(family, canon_backend):
+    """test_linear_models.py's check with the packed batch on the Triton kernels (the loaders'
+    boundaries, the document ops; one layer, float32, to 1e-4 of each tensor's largest entry), each
+    document alone on the torch kernels (the same weights): the interpreter runs one forward and
+    backward."""
+    from test_linear_models import assert_packed_equals_alone, document_positions as positions_of
+
+    skip_where_known_bad(FAMILY_OP[family])
+    model = _model(family, CUDA_BACKEND[family], n_layers=1, canon_backend=canon_backend)
+    reference = _model(family, "torch", n_layers=1, canon_backend="torch")
+    tokens = torch.randint(0, 2048, (2, 20), generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    boundaries = {
+        k: t.to(DEVICE) for k, t in document_boundaries(positions_of(MODEL_DOCUMENTS)).items()
+    }
+    with kernel_path(
+        *(
+            f"{name}_documents"
+            if not name.endswith("_backward")
+            else name.replace("_backward", "_documents_backward")
+            for name in OPS[FAMILY_OP[family]]
+        )
+    ):
+        try:
+            assert_packed_equals_alone(
+                model, tokens, MODEL_DOCUMENTS, 1e-4, reference, **boundaries
+            )
+        except (
+            NotImplementedError
+        ) as e:  # the Triton Canon op with positions: branch i83-canon-kernels
+            pytest.skip(str(e))
 
 
 # --- which backend runs where --------------------------------------------------------------------

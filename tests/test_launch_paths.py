@@ -456,3 +456,116 @@ def test_a_second_node_left_at_node_rank_0_is_refused_in_one_line(tmp_path):
     assert code == 2, err[-3000:]
     line, = err.strip().splitlines()
     assert line.startswith(f"canon-titan: this node has node rank 0, so it hosts the rendezvous at '{elsewhere}'"), line
+
+
+def _node(tmp_path, rank, nodes=2, **extra):
+    cmd, env = run_train_sh(tmp_path / "run")
+    return start(
+        (
+            cmd,
+            dict(
+                env,
+                NGPU="1",
+                NNODES=str(nodes),
+                NODE_RANK=str(rank),
+                MASTER_ADDR="127.0.0.1",
+                **extra,
+            ),
+        )
+    )
+
+
+def test_a_node_rank_out_of_range_is_refused_in_one_line(tmp_path):
+    """NODE_RANK=2 of NNODES=2: one line naming the range, at once. At 381a133 every node waited
+    until torchrun's 600 s rendezvous timeout."""
+    code, out, err = finish(_node(tmp_path, 2, MASTER_PORT=str(free_port())), timeout=120)
+    assert code == 2, err[-3000:]
+    (line,) = err.strip().splitlines()
+    assert line == (
+        "canon-titan: node rank 2 (--node_rank, NODE_RANK) is outside 0 to 1 for 2 nodes "
+        "(--nnodes, NNODES): give each node its own rank, node 0 the one at MASTER_ADDR"
+    ), line
+
+
+def test_a_master_port_taken_on_node_0_is_refused_in_one_line(tmp_path):
+    """Another process listens on MASTER_PORT on node 0: one line naming the port. At 381a133 a
+    45-line DistNetworkError traceback."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code, out, err = finish(_node(tmp_path, 0, MASTER_PORT=str(port)), timeout=120)
+    assert code == 2, err[-3000:]
+    (line,) = err.strip().splitlines()
+    assert line.startswith(
+        f"canon-titan: port {port} on 127.0.0.1 (--master_port, MASTER_PORT) is taken by another "
+        "process"
+    ), line
+
+
+CLAIMED_ELSEWHERE = """
+import socket, sys
+socket.gethostname = lambda: "other-node"
+from canon_titan.launch import rendezvous
+print(rendezvous._claim("127.0.0.1", int(sys.argv[1]), 1))
+"""
+
+
+def test_a_node_rank_another_node_holds_is_refused_in_one_line(tmp_path):
+    """Node rank 1 given to two nodes of three: the second to join is refused in one line naming
+    the first (node 0's store, which torchrun's agent on node 0 serves, stood in for by a TCPStore
+    here). At 381a133 both counted as nodes of the job and every node waited in silence."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    port = free_port()
+    node0 = TCPStore(
+        "127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
+    )
+    first = subprocess.run(
+        [sys.executable, "-c", CLAIMED_ELSEWHERE, str(port)],
+        cwd=REPO,
+        env=train_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert first.stdout.strip() == "None", first.stderr  # the first node of rank 1 holds it
+    code, out, err = finish(_node(tmp_path, 1, nodes=3, MASTER_PORT=str(port)), timeout=180)
+    del node0
+    assert code == 2, err[-3000:]
+    (line,) = err.strip().splitlines()
+    assert line == (
+        "canon-titan: node rank 1 (--node_rank, NODE_RANK) is taken by other-node, which joined "
+        "first: give each node its own rank from 0 to NNODES - 1"
+    ), line
+
+
+def test_a_pretuned_triton_cache_seeds_a_nodes_cache_without_overwriting_it(tmp_path, monkeypatch):
+    """``CANON_TITAN_TRITON_SEED``: the files the node's cache lacks are copied (whole, nothing half
+    written left), those it has are kept; a seed that is not a folder is one line."""
+    from canon_titan.launch import triton_cache
+
+    seed, cache = tmp_path / "seed", tmp_path / "cache"
+    (seed / "k1").mkdir(parents=True)
+    (seed / "k1" / "kernel.cubin").write_bytes(b"seeded")
+    (seed / "k2.autotune.json").write_text("{}")
+    (cache / "k1").mkdir(parents=True)
+    (cache / "k1" / "kernel.cubin").write_bytes(b"compiled here")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(cache))
+    monkeypatch.setenv(triton_cache.SEED_ENV, str(seed))
+    said, problem = triton_cache.seeded_from_environment()
+    assert (
+        problem is None
+        and said == f"Triton cache {cache}: 1 files copied from {seed} (CANON_TITAN_TRITON_SEED)"
+    )
+    assert (cache / "k1" / "kernel.cubin").read_bytes() == b"compiled here"
+    assert (cache / "k2.autotune.json").read_text() == "{}"
+    assert sorted(p.name for p in cache.rglob("*")) == ["k1", "k2.autotune.json", "kernel.cubin"]
+    monkeypatch.setenv(triton_cache.SEED_ENV, str(tmp_path / "missing"))
+    assert triton_cache.seeded_from_environment()[1].startswith(
+        f"CANON_TITAN_TRITON_SEED={tmp_path / 'missing'} is not a folder"
+    )

@@ -5,6 +5,8 @@ import torch
 import torch.nn.functional as F
 
 from canon_titan.kernels import gated_delta_rule, gla, resolve_backend, ssd
+from canon_titan.kernels.documents import (FLA_CHUNK, Documents, document_boundaries,
+                                           one_document_a_row)
 
 B, H, K, V = 2, 3, 8, 6
 STATE = 5  # SSD state size N
@@ -162,6 +164,102 @@ def test_bfloat16_in_bfloat16_out(op):
     assert out.dtype == torch.bfloat16 and state.dtype == torch.float32
     want, _ = recurrence(**{name: t.double() for name, t in inputs.items()})
     torch.testing.assert_close(out.double(), want, atol=0.05, rtol=0.05)
+
+
+# --- packed documents -----------------------------------------------------------------------------
+
+DOCUMENTS = ((5, 1, 40, 30, 24), (100,))
+"""Documents of each row (100 tokens): shorter than a chunk, one token, across chunk boundaries; one
+document a row."""
+PER_TOKEN = {
+    "gla": ("q", "k", "v", "log_gate"),
+    "gated_delta_rule": ("q", "k", "v", "log_decay", "beta"),
+    "ssd": ("x", "dt", "B", "C"),
+}
+
+
+def document_positions(lengths=DOCUMENTS) -> torch.Tensor:
+    return torch.stack([torch.cat([torch.arange(n) for n in row]) for row in lengths])
+
+
+def each_alone(op, recurrence, lengths=DOCUMENTS):
+    """The step-by-step recurrence on each document alone (a zero state at its start), put back in
+    place: the output, each row's last document's final state."""
+
+    def run(i):
+        outs, states = [], []
+        for b, row in enumerate(lengths):
+            start, pieces = 0, []
+            for n in row:
+                doc = {
+                    name: t[b : b + 1, start : start + n] if name in PER_TOKEN[op] else t
+                    for name, t in i.items()
+                }
+                out, state = recurrence(**doc, initial_state=_zero_state(op, i))
+                pieces.append(out)
+                start += n
+            outs.append(torch.cat(pieces, 1))
+            states.append(state)
+        return torch.cat(outs), torch.cat(states)
+
+    return run
+
+
+def _zero_state(op, i):
+    if op == "ssd":
+        return i["x"].new_zeros(1, i["x"].shape[2], i["x"].shape[3], i["B"].shape[3])
+    return i["q"].new_zeros(1, i["q"].shape[2], i["q"].shape[3], i["v"].shape[3])
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_packed_documents_equal_each_document_alone(op):
+    """With ``documents`` every packed document starts from a zero state: outputs, each row's final
+    state and every input's gradient equal the recurrence run on each document alone, for chunks
+    that documents start inside of, end inside of and span."""
+    kernel, recurrence, make = OPS[op]
+    inputs = make(100)
+    inputs.pop("initial_state")
+    want = outputs_and_grads(each_alone(op, recurrence), inputs)
+    documents = Documents(document_positions())
+    for chunk_size in CHUNKS:
+        got = outputs_and_grads(
+            lambda i: kernel(
+                **i, chunk_size=chunk_size, documents=documents, output_final_state=True
+            ),
+            inputs,
+        )
+        assert_match(got, want, **F64)
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_documents_take_no_initial_state(op):
+    kernel, _, make = OPS[op]
+    with pytest.raises(ValueError, match="each start from a zero state; no initial_state"):
+        kernel(**make(20), documents=Documents(document_positions(((20,), (20,)))))
+
+
+def test_document_boundaries_are_fla_s():
+    """The loaders' boundaries (``document_boundaries``) against fla's own: its ``cu_seqlens`` of
+    the flattened batch (from the documents' lengths) and its ``prepare_chunk_indices``; a document
+    running over a row's end is cut there (every row starts one)."""
+    pytest.importorskip("fla")
+    from fla.ops.utils.index import prepare_chunk_indices, prepare_cu_seqlens_from_lens
+
+    lengths = ((5, 1, 130, 64), (200,), (63, 1, 65, 71))
+    got = document_boundaries(document_positions(lengths))
+    cu_seqlens = prepare_cu_seqlens_from_lens(torch.tensor([n for row in lengths for n in row]))
+    assert got["cu_seqlens"].dtype == got["chunk_indices"].dtype == torch.int32
+    assert torch.equal(got["cu_seqlens"], cu_seqlens)
+    assert torch.equal(got["chunk_indices"], prepare_chunk_indices(cu_seqlens, FLA_CHUNK))
+    running_on = torch.stack(
+        [torch.arange(100), torch.arange(37, 137)]
+    )  # row 1 starts inside a document
+    assert document_boundaries(running_on)["cu_seqlens"].tolist() == [0, 100, 200]
+    documents = Documents(document_positions(lengths))
+    assert all(torch.equal(a, b) for a, b in zip(documents.fla_layout(), got.values()))
+    one_each = document_boundaries(torch.arange(130).expand(3, -1))
+    made = one_document_a_row(3, 130)
+    assert all(torch.equal(a, b) for a, b in zip(made.values(), one_each.values()))
 
 
 # --- fla's pure-torch references --------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 import math
 from dataclasses import replace
+from unittest import mock
 
 import pytest
 import torch
@@ -9,6 +10,7 @@ import torch.nn.functional as F
 
 import model_registry
 from canon_titan.config import ConfigError, load
+from canon_titan.kernels.documents import Documents, document_boundaries
 from conftest import REPO
 
 FAMILIES = ("gla5", "gdn2", "mamba2")
@@ -174,15 +176,111 @@ def test_causal_and_trainable_with_every_canon_position(name, canon_set):
         assert p.grad is not None and torch.isfinite(p.grad).all(), fqn
 
 
+DOCUMENTS = ((5, 1, 40, 24), (70,))
+"""Documents of each row: shorter than the convolutions' taps, one token, across Mamba2's 64-token
+chunk."""
+
+
+def document_positions(lengths) -> torch.Tensor:
+    return torch.stack([torch.cat([torch.arange(n) for n in row]) for row in lengths])
+
+
+def packed_and_alone(model, tokens, lengths, alone_model=None, **boundaries):
+    """Logits and every parameter's gradient of a random linear function of them: the packed batch
+    with its document positions (and ``boundaries``, as the loaders send them), and each document
+    alone (no positions; on ``alone_model``, the same weights, if given), whose logits are put back
+    in place and whose gradients add up."""
+    weights = torch.randn(
+        *tokens.shape,
+        model.config.vocab_size,
+        generator=torch.Generator().manual_seed(4),
+        dtype=torch.float64,
+    ).to(next(model.parameters()))
+
+    def run(model, tokens, w, **kwargs):
+        logits = model(tokens, **kwargs)
+        grads = torch.autograd.grad((logits * w).sum(), list(model.parameters()), allow_unused=True)
+        return logits.detach(), [
+            torch.zeros_like(p) if g is None else g for g, p in zip(grads, model.parameters())
+        ]
+
+    packed = run(
+        model,
+        tokens,
+        weights,
+        positions=document_positions(lengths).to(tokens.device),
+        **boundaries,
+    )
+    alone_model = alone_model or model
+    logits, grads = (
+        torch.zeros_like(packed[0]),
+        [torch.zeros_like(p) for p in alone_model.parameters()],
+    )
+    for b, row in enumerate(lengths):
+        start = 0
+        for n in row:
+            doc_logits, doc_grads = run(
+                alone_model,
+                tokens[b : b + 1, start : start + n],
+                weights[b : b + 1, start : start + n],
+            )
+            logits[b : b + 1, start : start + n] = doc_logits
+            grads = [g + d for g, d in zip(grads, doc_grads)]
+            start += n
+    return packed, (logits, grads)
+
+
+def assert_packed_equals_alone(model, tokens, lengths, tol: float, alone_model=None, **boundaries):
+    """Each tensor to ``tol`` of its largest entry."""
+    (logits, grads), (want_logits, want_grads) = packed_and_alone(
+        model, tokens, lengths, alone_model, **boundaries
+    )
+    for name, got, want in [
+        ("logits", logits, want_logits),
+        *zip(dict(model.named_parameters()), grads, want_grads),
+    ]:
+        error = (got - want).abs().max().item()
+        assert error <= tol * want.abs().max().item(), (name, error, want.abs().max().item())
+
+
+@pytest.mark.parametrize("canon_set", ["AbbCD", "AC"])
 @pytest.mark.parametrize("name", FAMILIES)
-def test_document_positions_are_accepted_and_ignored(name):
-    """The trainer passes per-document positions (dataloader.document_masking); like the
-    release's training, the linear models run across document boundaries."""
-    model = build(name)
-    tokens = torch.randint(0, 2048, (2, 40))
-    positions = torch.cat([torch.arange(25), torch.arange(15)]).repeat(2, 1)
+def test_packed_documents_equal_each_document_alone(name, canon_set):
+    """With document positions (``[dataloader] document_masking``) each packed document starts from
+    a zero recurrent state and its short convolutions' and Canon layers' taps stop at its first
+    token: logits and every gradient equal each document's alone (the torch kernels, in float64 but
+    for the RMSNorm fused into Canon-A/C, which the Canon op computes in float32: hence 1e-5 of each
+    tensor's largest entry; a tap or a state reaching into the previous document is off by order 1.
+    The Triton kernels: test_kernel_backends.py). Without positions the documents see each other."""
+    model = build(name, canon_set=canon_set, kernel_backend="torch", canon_backend="torch").double()
+    tokens = torch.randint(0, 2048, (2, 70), generator=torch.Generator().manual_seed(1))
+    assert_packed_equals_alone(model, tokens, DOCUMENTS, 1e-5)
     with torch.no_grad():
-        assert torch.equal(model(tokens), model(tokens, positions))
+        packed = model(tokens, document_positions(DOCUMENTS))
+        assert not torch.allclose(model(tokens)[:, 5:], packed[:, 5:])
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_without_documents_the_code_path_is_unchanged(name):
+    """One document a row: positions give the same bits as none (logits and gradients), so keeping
+    documents apart adds only exact masks; and without positions no document code runs at all."""
+    from canon_titan.kernels import documents
+
+    model = build(name)
+    tokens = torch.randint(0, 2048, (2, 40), generator=torch.Generator().manual_seed(2))
+
+    def logits_and_grads(**kwargs):
+        model.zero_grad()
+        logits = model(tokens, **kwargs)
+        logits.float().logsumexp(-1).mean().backward()
+        return [logits.detach()] + [p.grad.clone() for p in model.parameters()]
+
+    one_each = logits_and_grads(positions=torch.arange(40).expand(2, -1))
+    with mock.patch.object(
+        documents, "separate", side_effect=AssertionError("document masks without documents")
+    ):
+        plain = logits_and_grads()
+    assert all(torch.equal(a, b) for a, b in zip(plain, one_each))
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -305,11 +403,17 @@ def test_mixer_equals_token_by_token_recurrence(name, canon_set):
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_blocks_compile_without_graph_breaks(name):
+    """Also with documents (one graph, ``fullgraph``), equal to the eager block."""
     import torch._dynamo
 
     block = build(name, n_layers=1).layers["0"]
-    explanation = torch._dynamo.explain(block)(torch.randn(1, 40, 128))
+    x = torch.randn(2, 40, 128, generator=torch.Generator().manual_seed(7))
+    explanation = torch._dynamo.explain(block)(x)
     assert explanation.graph_break_count == 0
+    positions = document_positions(((9, 31), (40,)))
+    documents = Documents(positions, **document_boundaries(positions))
+    compiled = torch.compile(block, backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(compiled(x, documents, positions), block(x, documents, positions))
 
 
 # --- configuration ----------------------------------------------------------------------------

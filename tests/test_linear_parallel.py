@@ -1,5 +1,7 @@
 """GLA5, GDN2 and Mamba2 under FSDP (with activation checkpointing), PP and TP, against a
-single-process run of the same model, weights (seed checkpoint) and global batch.
+single-process run of the same model, weights (seed checkpoint) and global batch. GLA5 trains with
+document masking (``DOCUMENTS``: its recurrence, short convolutions and Canon layers start at each
+packed document), the others without.
 
 Tolerances as in test_parallelism.py: the runs differ only in the order of fp32 reductions
 (losses <= 1e-5 relative, grad norms <= 1e-4); a wrong shard, a missing all-reduce or a
@@ -22,6 +24,8 @@ GLOBAL_BATCH = 4
 # One activation-checkpointing mode per family rides along with its FSDP run (recomputation
 # does not change the numbers).
 AC_MODE = {"gla5": ("none", None), "gdn2": ("selective", "SelectiveAC"), "mamba2": ("full", "FullAC")}
+DOCUMENTS = {"gla5": ["--dataloader.document_masking", "true"], "gdn2": [], "mamba2": []}
+"""One family's runs keep packed documents apart: its reference and every parallel run alike."""
 
 
 def build(name):
@@ -47,8 +51,9 @@ def family(request, tmp_path_factory):
 
     def make(folder):
         _, seed, _ = make_checkpoint(folder / "seed", [], config=CONFIGS[name])
-        run_training(1, COMMON + STEPS + ["--job.dump_folder", str(start_from(seed, folder / "reference")),
-                                          "--training.local_batch_size", str(GLOBAL_BATCH)], config=CONFIGS[name])
+        run_training(1, COMMON + STEPS + DOCUMENTS[name] + [
+            "--job.dump_folder", str(start_from(seed, folder / "reference")),
+            "--training.local_batch_size", str(GLOBAL_BATCH)], config=CONFIGS[name])
 
     folder = made_once(tmp_path_factory, f"linear_parallel_{name}", make)
     seed, dump = folder / "seed" / "ckpt" / "step-0", folder / "reference"
@@ -58,9 +63,20 @@ def family(request, tmp_path_factory):
 def train(family, tmp_path, nproc, args, dp=1):
     name, seed, _ = family
     dump = start_from(seed, tmp_path / "run")
-    out = run_training(nproc, COMMON + STEPS + ["--job.dump_folder", str(dump),
-                                                "--training.local_batch_size", str(GLOBAL_BATCH // dp), *args],
-                       config=CONFIGS[name])
+    out = run_training(
+        nproc,
+        COMMON
+        + STEPS
+        + DOCUMENTS[name]
+        + [
+            "--job.dump_folder",
+            str(dump),
+            "--training.local_batch_size",
+            str(GLOBAL_BATCH // dp),
+            *args,
+        ],
+        config=CONFIGS[name],
+    )
     assert "Loading the checkpoint from" in out
     return dump, out
 

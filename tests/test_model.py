@@ -175,3 +175,41 @@ def test_float8_linears_get_torchaos_float8_tp_styles_with_tensorwise_scaling(re
     assert isinstance(styled["attention.wo"], Float8RowwiseParallel) == expected
     assert styled["attention.wo"].output_layouts == (Shard(1),) and styled["attention.wq"].input_layouts == (Replicate(),)
     assert type(styled["canonA"]) is ColwiseParallel
+
+
+@pytest.mark.parametrize("canon_backend", ["torch", "triton"])
+def test_canon_document_reset_starts_the_canon_layers_at_each_document(canon_backend, caplog):
+    """``[model] canon_document_reset``: with it, LlamaCanon-ABCD on packed documents (positions)
+    equals each document alone, logits and every gradient (to 1e-5 of each tensor's largest entry:
+    float32); without it (the default, as the release) attention stays inside the documents but the
+    Canon layers reach across them, and the log says so."""
+    from canon_titan.kernels.backends import triton_runs_here
+    from test_linear_models import assert_packed_equals_alone, document_positions
+
+    if canon_backend == "triton" and not triton_runs_here():
+        pytest.skip("needs a GPU or TRITON_INTERPRET=1")
+    lengths = ((5, 1, 14), (20,))
+    tokens = torch.randint(0, 2048, (2, 20), generator=torch.Generator().manual_seed(3))
+    for reset in (True, False):
+        with caplog.at_level("INFO"):
+            spec = model_registry.model_spec(
+                "llama_canon",
+                "debug",
+                {"canon_backend": canon_backend, "n_layers": 2, "canon_document_reset": reset},
+            )
+        torch.manual_seed(0)
+        model = spec.model.build()
+        model.init_states()
+        try:
+            if reset:
+                assert_packed_equals_alone(model, tokens, lengths, 1e-5)
+            else:
+                with pytest.raises(AssertionError):
+                    assert_packed_equals_alone(model, tokens, lengths, 1e-3)
+        except (
+            NotImplementedError
+        ) as e:  # the Triton Canon op with positions: branch i83-canon-kernels
+            pytest.skip(str(e))
+    said = ("their taps reach across document boundaries, as the release's "
+            "(canon_document_reset false)")
+    assert said in caplog.text

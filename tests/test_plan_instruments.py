@@ -164,6 +164,51 @@ def test_ssd_formula_against_its_torch_backend(heads, groups, head_dim, state, c
     _within(planned, reference, 0.02, 0.20)
 
 
+def test_the_document_ops_are_priced_as_the_kernels_they_run():
+    """With document boundaries the recurrences run the same kernels over the same chunks (the batch
+    flattened to one row for fla): each document op's formula counts what its plain op's does for one
+    document a row, which the tests above hold to FlopCounterMode on the torch backends; and the
+    planner prices them as recurrences."""
+    from canon_titan.kernels.documents import Documents, one_document_a_row
+    from canon_titan.plan.flops import op_kind
+
+    batch, seq_len, heads, dk, dv = 2, 256, 2, 64, 128
+
+    def fla(*shapes):
+        return lambda: [torch.randn(*shape) for shape in shapes]
+
+    qkv = [(batch, seq_len, heads, dk), (batch, seq_len, heads, dk), (batch, seq_len, heads, dv)]
+    flat = [(1, batch * seq_len, *shape[2:]) for shape in qkv]
+
+    def boundaries():  # made inside the fake mode, as the planner's batches are
+        return (*one_document_a_row(batch, seq_len).values(), torch.arange(seq_len).repeat(batch))
+
+    def seq_idx():
+        return Documents(torch.arange(seq_len).expand(batch, -1)).seq_idx()
+
+    ssd_make = fla((batch, seq_len, heads, dv), (batch, seq_len, heads), (heads,), (batch, seq_len, 1, 32),
+                   (batch, seq_len, 1, 32))
+    pairs = [
+        (lambda q, k, v, g: ops.fla_chunk_gla(q, k, v, g, None, 0.1, False)[0], fla(*qkv, qkv[0]),
+         lambda q, k, v, g: ops.fla_chunk_gla_documents(q, k, v, g, 0.1, False, *boundaries())[0],
+         fla(*flat, flat[0])),
+        (lambda q, k, v, g, b: ops.fla_chunk_gated_delta_rule(q, k, v, g, b, None, 0.1, False)[0],
+         fla(*qkv, qkv[0][:3], qkv[0][:3]),
+         lambda q, k, v, g, b: ops.fla_chunk_gated_delta_rule_documents(q, k, v, g, b, 0.1, False,
+                                                                        *boundaries()[:2])[0],
+         fla(*flat, flat[0][:3], flat[0][:3])),
+        (lambda x, dt, A, B, C: ops.mamba_chunk_scan(x, dt, A, B, C, None, None, 64, False)[0], ssd_make,
+         lambda x, dt, A, B, C: ops.mamba_chunk_scan_documents(x, dt, A, B, C, None, 64, False,
+                                                               seq_idx())[0],
+         ssd_make),
+    ]
+    for plain, plain_inputs, documents, document_inputs in pairs:
+        assert _planned(documents, document_inputs) == _planned(plain, plain_inputs)
+    for name in ("fla_chunk_gla", "fla_chunk_gated_delta_rule", "mamba_chunk_scan"):
+        for op in (f"{name}_documents", f"{name}_documents_backward"):
+            assert op_kind(getattr(ops, op)) == "recurrence", op
+
+
 # ----------------------------------------------------------------------------- what the plan patches
 
 def test_the_patches_are_undone():

@@ -394,13 +394,27 @@ def test_document_masking_isolates_packed_documents():
 
 
 def test_loaders_emit_document_positions(tmp_path):
+    """Positions that restart at every BOS, and with them the documents' boundaries in fla's layout
+    (the batch flattened: every BOS and row start, then B * T; each document's 64-token chunks),
+    from the packed and the streaming loader (whose batches are collated from windows)."""
     tok = build_tokenizer("hf", str(ASSET_DIR))
     cfg = PackedTextDataLoader.Config(document_masking=True)
     dl = PackedTextDataLoader(cfg, dp_world_size=1, dp_rank=0, tokenizer=tok, seq_len=256, local_batch_size=2)
-    inputs, _ = next(iter(dl))
-    positions, tokens = inputs["positions"], inputs["input"]
-    assert (positions[tokens == tok.bos_id] == 0).all() and (positions[:, 0] == 0).all()
-    assert (positions[:, 1:] - positions[:, :-1])[tokens[:, 1:] != tok.bos_id].eq(1).all()
+    src = tmp_path / "src"
+    src.mkdir()
+    stream = stream_loader(write_formats(src, TEXTS[:60])[:1], workers=1, seq_len=256,
+                           document_masking=True)
+    for inputs, _ in (next(iter(dl)), next(iter(stream))):
+        positions, tokens = inputs["positions"], inputs["input"]
+        assert (positions[tokens == tok.bos_id] == 0).all() and (positions[:, 0] == 0).all()
+        assert (positions[:, 1:] - positions[:, :-1])[tokens[:, 1:] != tok.bos_id].eq(1).all()
+        starts = [i for i, p in enumerate(positions.flatten().tolist()) if p == 0]
+        assert inputs["cu_seqlens"].tolist() == starts + [positions.numel()] and len(starts) > 2
+        lengths = [
+            b - a for a, b in zip(inputs["cu_seqlens"].tolist(), inputs["cu_seqlens"].tolist()[1:])
+        ]
+        chunks = [[d, c] for d, n in enumerate(lengths) for c in range(-(-n // 64))]
+        assert inputs["chunk_indices"].tolist() == chunks
 
 
 def test_hub_sources_stream_exactly_once(tmp_path, monkeypatch):

@@ -236,7 +236,8 @@ def _decide_on_two_ranks(rank: int, port: int, results) -> None:
 
     import torch.distributed as dist
 
-    from canon_titan.trainer import rank_zero_decides
+    from canon_titan.tools.collectives import rank_zero_decides
+    from canon_titan.trainer import RESUME_REFUSALS
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=60))
@@ -245,7 +246,7 @@ def _decide_on_two_ranks(rank: int, port: int, results) -> None:
         raise PermissionError(errno.EACCES, "Permission denied", "/runs/x/checkpoint")
 
     try:
-        rank_zero_decides(decide)
+        rank_zero_decides(decide, "where to resume", refusals=RESUME_REFUSALS)
         results.put((rank, "returned"))
     except Exception as e:  # what each rank stops with
         results.put((rank, f"{type(e).__name__}: {e}"))
@@ -269,6 +270,7 @@ def test_a_failure_of_rank_zeros_resume_decision_stops_every_rank():
     for p in procs:
         p.join(timeout=30)
     assert outcome[0].startswith("PermissionError: [Errno 13] Permission denied"), outcome
-    assert outcome[1] == ("RuntimeError: rank 0 could not decide where to resume: PermissionError: [Errno 13] "
-                          "Permission denied: '/runs/x/checkpoint'"), outcome
+    assert outcome[1] == ("RankZeroFailed: rank 0 could not decide where to resume: "
+                          "PermissionError: [Errno 13] Permission denied: "
+                          "'/runs/x/checkpoint'"), outcome
     assert time.monotonic() - started < 60

@@ -15,7 +15,9 @@ from conftest import COMMON, DEBUG_CONFIG, REPO, free_port, train_env
 TEMPLATE = REPO / "scripts" / "train.slurm"
 FAKE_PYTHON = """#!/bin/bash
 echo "OMP_NUM_THREADS=$OMP_NUM_THREADS $*" >> "$FAKE_LOG"
-case "$*" in *canon_titan.launch.torchrun*) exit "${FAKE_TORCHRUN_EXIT:-0}";; esac
+echo "$TRITON_CACHE_DIR $TRITON_CACHE_AUTOTUNING" >> "$FAKE_LOG.triton"
+node_exit=FAKE_TORCHRUN_EXIT_NODE$SLURM_NODEID
+case "$*" in *canon_titan.launch.torchrun*) exit "${!node_exit:-${FAKE_TORCHRUN_EXIT:-0}}";; esac
 """
 
 
@@ -70,24 +72,52 @@ def test_without_a_gpu_count_the_template_says_what_to_set(tmp_path):
         "keep '#SBATCH --gpus-per-node', or set GPUS_PER_NODE"]
 
 
-def test_a_failure_is_not_requeued_whatever_an_earlier_run_of_the_job_left(tmp_path):
-    """A requeue marker an earlier run of the same job left behind does not requeue a run that failed."""
+def run_fake_job(tmp_path, job: str, timeout: int = 60, **extra):
+    """The template on two fake nodes of one GPU each (``fake_submit_dir``), as job ``job``."""
     submit = fake_submit_dir(tmp_path)
-    (submit / ".canon-titan-requeue-12").write_text("")
-    env = slurm_env(tmp_path, submit, SLURM_JOB_ID="12", SLURM_GPUS_ON_NODE="1", FAKE_LOG=str(tmp_path / "calls"),
-                    FAKE_TORCHRUN_EXIT="1")
-    proc = subprocess.run(["bash", str(TEMPLATE), "run.toml"], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=60)
-    assert proc.returncode not in (0, 75), proc.stderr  # 1, or 143 where srun killed the other node's task
+    env = slurm_env(tmp_path, submit, SLURM_JOB_ID=job, SLURM_GPUS_ON_NODE="1",
+                    FAKE_LOG=str(tmp_path / "calls"), **extra)
+    env.pop("TRITON_CACHE_DIR", None)
+    return subprocess.run(["bash", str(TEMPLATE), "run.toml"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=timeout), submit
+
+
+def test_a_failure_is_not_requeued(tmp_path):
+    proc, _ = run_fake_job(tmp_path, "12", FAKE_TORCHRUN_EXIT="1")
+    assert proc.returncode == 1, proc.stderr
     assert not (tmp_path / "bin" / "requeued").exists()
 
 
+@pytest.mark.parametrize("node1", ["75", "3"], ids=["both-saved", "one-did-not-see-the-checkpoint"])
+def test_a_stop_is_requeued_on_sruns_code_decided_on_the_first_node(tmp_path, node1):
+    """Both nodes' wrappers stopped on a signal, the second ending 3 s after the first (a slower
+    node's teardown): srun lets it end and reports the highest code, 75, and the job is requeued,
+    with no file read that another node wrote. The same when the second node's wrapper did not see
+    the checkpoint the first saved (NFS) and exited 3. At 381a133 srun (--kill-on-bad-exit) killed
+    the slower node and reported 143, and the job requeued only on a marker file, which a node may
+    not see seconds after another node made it."""
+    proc, submit = run_fake_job(tmp_path, "13", timeout=120, FAKE_TORCHRUN_EXIT_NODE0="75",
+                                FAKE_TORCHRUN_EXIT_NODE1=node1, SRUN_SLOW_NODE_S="3")
+    assert proc.returncode == 75, proc.stderr
+    assert "requeueing job 13 to resume from it" in proc.stderr
+    assert (tmp_path / "bin" / "requeued").read_text() == "13\n"
+    assert sorted(p.name for p in submit.iterdir()) == [".venv"]
+
+
+def test_each_node_caches_triton_kernels_on_its_own_disk(tmp_path):
+    """Triton's cache in the node's temporary folder (TMPDIR), not the shared home, and the
+    autotuners' choices kept in it."""
+    proc, _ = run_fake_job(tmp_path, "14", TMPDIR=str(tmp_path / "local"), USER="someone")
+    assert proc.returncode == 0, proc.stderr
+    seen = set((tmp_path / "calls.triton").read_text().splitlines())
+    assert seen == {f"{tmp_path / 'local'}/canon-titan-triton-someone 1"}
+
+
 @pytest.mark.slow
-def test_a_preemption_that_srun_reports_as_a_kill_is_requeued(tmp_path):
+def test_a_preemption_whose_nodes_end_apart_is_requeued(tmp_path):
     """Two nodes, SIGTERM to every process of the job step (SLURM's --signal=TERM@120): both save the
-    step reached and exit 75, but the second node's task ends later, so srun (--kill-on-bad-exit) kills
-    it when the first exits and reports 143. The job is requeued on the marker the torchrun wrapper
-    wrote after checking the checkpoint, and exits 75. At 432670c it exited 143 and was not requeued."""
+    step reached and exit 75, the second node's task ending later; srun waits for it and reports 75,
+    and the job is requeued and exits 75. At 432670c it exited 143 and was not requeued."""
     submit = tmp_path / "submit"
     submit.mkdir()
     (submit / ".venv").symlink_to(REPO / ".venv")
@@ -122,8 +152,7 @@ def test_a_preemption_that_srun_reports_as_a_kill_is_requeued(tmp_path):
                 pass
     out = "".join(lines)
     assert proc.returncode == 75, out[-5000:]
-    assert "srun exited 143): requeueing job" in out, out[-5000:]
+    assert f"requeueing job {port} to resume from it" in out, out[-5000:]
     assert (tmp_path / "bin" / "requeued").read_text() == f"{port}\n"
-    assert not (submit / f".canon-titan-requeue-{port}").exists()
     step = re.search(r"preempted at step (\d+),", out).group(1)
     assert (dump / "checkpoint" / f"step-{step}" / ".metadata").is_file()

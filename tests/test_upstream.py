@@ -93,6 +93,9 @@ PATCHED = [
     ("torch.nn", "Module.to_empty", ["self", "device", "recurse"], "plan/fake_world.py", "planner"),
     ("torchtitan.protocols.model", "BaseModel.init_weights", ["self", "kwargs"], "plan/fake_world.py", "planner"),
     ("torchtitan.tools.utils", "get_local_device", [], "plan/fake_world.py", "planner"),
+    # -- fla's GLA with document boundaries: kernels/gla.py
+    ("fla.ops.common.chunk_h", "prepare_chunk_offsets", ["cu_seqlens", "chunk_size"],
+     "kernels/gla.py", "fla"),
     # -- Triton's interpreter (the CUDA kernels on a CPU, tests only): kernels/interpreter.py
     ("triton.runtime.autotuner", "Autotuner.do_bench", None, "kernels/interpreter.py", "interpreter"),
     ("torch.cuda", "device", None, "kernels/interpreter.py", "interpreter"),
@@ -110,6 +113,10 @@ MESSAGES = [
     ("torch.distributed.checkpoint.default_planner", "self.state_dict = state_dict",
      "components/checkpointer.py: an earlier checkpoint's train state"),
     ("triton.runtime.autotuner", "self.early_config_prune", "kernels/tuning.py: the narrowing of fla's autotuning"),
+    # fla's state kernels read the chunk count of documents back from the device; the host knows it.
+    ("fla.ops.common.chunk_h", "split_offsets = prepare_chunk_offsets(cu_seqlens, BS)\n"
+     "        N, NS = len(cu_seqlens) - 1, split_offsets[-1].item()",
+     "kernels/gla.py: the chunk count of documents"),
     ("torchtitan.trainer", '"Training completed"', "trainer.py: dropped when a preempted run stops early"),
     ("torchtitan.trainer", '"Sleeping 2 seconds for other ranks to complete"', "tools/runtime.py: end-barrier"),
     ("torchtitan.trainer", "Peak FLOPS used for computing MFU", "tools/runtime.py: quiet-cpu-log"),

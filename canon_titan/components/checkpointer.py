@@ -39,7 +39,7 @@ from torchtitan.tools.logging import logger
 from canon_titan.components.resume_checks import GLOBAL_BATCH_KEY
 from canon_titan.convert.dcp_io import (CheckpointDamaged, FileNamingReader, NoLoadableCheckpoint, checkpoint_problem,
                                         inner_failure, model_only, step_dirs)
-from canon_titan.tools.collectives import from_rank0
+from canon_titan.tools.collectives import rank_zero_decides
 
 
 class NonFiniteParameters(RuntimeError):
@@ -48,6 +48,16 @@ class NonFiniteParameters(RuntimeError):
 
 class SaveFailed(RuntimeError):
     pass
+
+
+_refusals: list[str] = []
+
+
+def refuse_saves(reason: str) -> None:
+    """From now on this process's next save stops the run (``SaveFailed(reason)``) instead of
+    writing: another run has taken the dump folder (``launch/ownership.py``). Any thread may call
+    it."""
+    _refusals.append(reason)
 
 
 def _rank0() -> bool:
@@ -224,6 +234,8 @@ class CanonCheckpointer(CheckpointManager):
     def _save(self, curr_step: int, last_step: bool = False) -> bool:
         if not self._should_save(curr_step, last_step):
             return False
+        if _refusals:
+            raise SaveFailed(_refusals[0])
         self._check_finite(curr_step)
         step_dir = Path(self._create_checkpoint_id(curr_step))
         self._clear_for_save(curr_step, step_dir)
@@ -232,12 +244,13 @@ class CanonCheckpointer(CheckpointManager):
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as e:  # DCP's CheckpointException is a BaseException, raised on every rank
-            message = None
-            if _rank0():  # the free space before the partial folder goes; every rank says rank 0's line
+            def failure() -> str:  # free space before the partial folder goes; every rank says it
                 message = save_failure(curr_step, step_dir, e, keep_latest_k=self.keep_latest_k,
                                        purge_before_save=self.purge_before_save)
                 shutil.rmtree(step_dir, ignore_errors=True)
-            raise SaveFailed(from_rank0(message)) from None
+                return message
+
+            raise SaveFailed(rank_zero_decides(failure, "the save failure")) from None
         finally:
             self.force_next_save = False
         self.checked.add(curr_step)

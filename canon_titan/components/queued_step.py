@@ -7,31 +7,33 @@ stream before it returns (torch synchronises after a copy without ``non_blocking
 began with the host waiting for the previous step's last kernel, and the GPU idled while the host
 queued the next step's first ones. ``QueuedCopies`` makes the same step (the same microbatches, loss
 normalisation, clipping, optimizer and scheduler steps, and logged metrics) with those copies
-``non_blocking``: torch no longer synchronises after them, and a copy from pageable host memory is
-staged by the driver before the call returns, so the batch on the host may be dropped at once (from
-pageable memory the driver may still stage a large batch synchronously; ``[dataloader] pin_memory``
-makes it a plain DMA). Not measured on a GPU yet. ``tests/test_upstream.py`` pins the sources of the
-TorchTitan methods this mirrors (``MIRRORED``), so that an upgrade that changes them is looked at here."""
+``non_blocking``, from pinned host memory: the data loaders build each batch in one pinned buffer
+(``[dataloader] pin_memory``, on by default) whose views the batch's tensors are, and the step
+copies that buffer once and takes the same views on the device (``tools/host_memory.to_device``);
+the token count is kept in pinned memory too. A pinned block from torch's caching host allocator is
+not reused before its copy has run, so the host's batch may be dropped at once. (From pageable
+memory the driver stages the copy and may wait for the stream: ``scripts/benchmarks/host_syncs.py``
+counts such a copy as a wait.) Not measured on a GPU yet (``scripts/benchmarks/gpu_check.py``'s
+``syncs`` step does). ``tests/test_upstream.py`` pins the sources of the TorchTitan methods this
+mirrors (``MIRRORED``), so that an upgrade that changes them is looked at here."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.observability import structured_logger as sl
+from torchtitan.tools.logging import logger
 
 from canon_titan.components.divergence import NonFiniteLoss
+from canon_titan.tools.host_memory import host_value, to_device
 
 MIRRORED = {"Trainer.train_step": "911f8077fc175e7f", "Trainer.pp_forward_backward_step": "cabc5cbf434ef4f0"}
 """TorchTitan 0.3.0's methods whose work ``QueuedCopies`` does, by the first 16 hex digits of the SHA-256
 of their source (held by tests/test_upstream.py)."""
-
-
-def to_device(value, device: torch.device):
-    """``value`` on ``device``, its copy queued (a tensor; anything else in an input dict as it is)."""
-    return value.to(device, non_blocking=True) if isinstance(value, torch.Tensor) else value
 
 
 class QueuedCopies:
@@ -47,7 +49,7 @@ class QueuedCopies:
         # The step's batches, one group of pipeline microbatches per gradient-accumulation step,
         # taken first: the loss of each is normalised by the tokens of them all.
         groups = []
-        local_tokens = torch.zeros((), dtype=torch.int64)  # counted on the host, where the batches are
+        local_tokens = host_value(0, torch.int64)  # counted on the host, where the batches are
         for _ in range(self.gradient_accumulation_steps):
             group = []
             for _ in range(self.num_pipeline_parallel_microbatches):
@@ -63,9 +65,11 @@ class QueuedCopies:
 
         accumulated = None
         for group in groups:
-            inputs = [{key: to_device(value, self.device) for key, value in input_dict.items()}
-                      for input_dict, _ in group]
-            labels = [labels.to(self.device, non_blocking=True) for _, labels in group]
+            inputs, labels = [], []
+            for input_dict, host_labels in group:
+                *values, on_device = to_device([*input_dict.values(), host_labels], self.device)
+                inputs.append(dict(zip(input_dict, values)))
+                labels.append(on_device)
             del group[:]  # the host's copies go as soon as they are queued
             if not dims.pp_enabled:
                 inputs, labels = inputs[0], labels[0]
@@ -94,7 +98,7 @@ class QueuedCopies:
                 mesh = dims.get_optional_mesh("loss")
                 # ``accumulated`` is this rank's loss sum over the global token count: their sum over
                 # ranks is the average, and times global / local tokens each rank's own average.
-                seen = torch.tensor(self.ntokens_seen, dtype=torch.int64).to(self.device, non_blocking=True)
+                seen = host_value(self.ntokens_seen, torch.int64).to(self.device, non_blocking=True)
                 average, largest, tokens_seen = (dist_utils.dist_sum(accumulated, mesh),
                                                  dist_utils.dist_max(accumulated * global_tokens / local_tokens, mesh),
                                                  dist_utils.dist_sum(seen, mesh))
@@ -123,5 +127,17 @@ class QueuedCopies:
                                   target_mbs=targets, losses=losses,
                                   loss_kwargs={"global_valid_tokens": global_valid_tokens}, return_outputs=False)
         if self.pp_has_last_stage:
-            return torch.stack(losses).sum().to(self.device, non_blocking=True)
+            loss = torch.stack(losses).sum()
+            if loss.device.type != self.device.type:
+                # TorchTitan's comment at its copy says PP + FSDP put the loss on the CPU; torch
+                # 2.13's schedule keeps its loss function's output where the last stage ran. Should
+                # it not, the copy back is a wait: said once, and the GPU check counts it.
+                _say_loss_on(str(loss.device), str(self.device))
+            return loss.to(self.device, non_blocking=True)
         return torch.full((1,), -1.0, device=self.device)
+
+
+@functools.cache
+def _say_loss_on(where: str, device: str) -> None:
+    logger.warning(f"the pipeline schedule returned the loss on {where}, not {device}: a copy from "
+                   "the device inside the schedule and one back, every step")

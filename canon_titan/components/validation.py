@@ -29,10 +29,10 @@ from torchtitan.tools import utils
 from torchtitan.tools.logging import logger
 
 from canon_titan.components.metrics import PERPLEXITY_TAG, VALIDATION_TAG
-from canon_titan.components.queued_step import to_device
 from canon_titan.data.packed import PackedTextDataLoader
 from canon_titan.data.synthetic import SyntheticDataLoader
 from canon_titan.models.common.context_parallel import context_parallel_inputs
+from canon_titan.tools.host_memory import to_device
 
 _FORWARD_ACTIONS = {
     schedules._ComputationType.FORWARD,
@@ -209,8 +209,8 @@ class HeldOutValidator(Validator):
             model.eval()
         sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # this rank's loss, tokens
         for input_dict, labels in self.batches:
-            input_dict = {key: to_device(value, self.device) for key, value in input_dict.items()}
-            labels = labels.to(self.device, non_blocking=True)
+            *values, labels = to_device([*input_dict.values(), labels], self.device)
+            input_dict = dict(zip(input_dict, values))
             if self.parallel_dims.pp_enabled:
                 loss, tokens = self._pipeline_loss(input_dict, labels, model_parts)
             else:

@@ -55,9 +55,10 @@ def _dataloader(run: RunConfig):
     section = run["dataloader"]
     if section["dataset"] in SYNTHETIC:
         return loader_config(run)
-    common = ("dataset", "text_key", "on_error", "seed", "add_bos", "add_eos", "document_masking")
+    common = ("dataset", "text_key", "on_error", "seed", "add_bos", "add_eos", "document_masking",
+              "num_workers", "pin_memory")
     if section["dataset"] in STREAM:
-        keys = common + ("sources", "weights", "shuffle_buffer", "num_workers")
+        keys = common + ("sources", "weights", "shuffle_buffer")
         return StreamingTextDataLoader.Config(**{k: section[k] for k in keys})
     keys = common + ("dataset_path", "shuffle", "infinite")
     return PackedTextDataLoader.Config(**{k: section[k] for k in keys},
@@ -73,7 +74,7 @@ def _eval_settings(run: RunConfig, tokenizer_path: str):
     return EvalSettings(**{**section, "limit": section["limit"] or None}, adapter=run.state_dict_adapter(),
                         tokenizer_kind=run["tokenizer"]["kind"], tokenizer_path=tokenizer_path,
                         seq_len=run["training"]["seq_len"], dataset=dataset, task_params=task,
-                        test_seed=DEFAULT_TEST_SEED)
+                        test_seed=DEFAULT_TEST_SEED, dump_folder=run["job"]["dump_folder"])
 
 
 def _validator(run: RunConfig):

@@ -89,8 +89,19 @@ def check_model(run: RunConfig, environment: bool) -> None:
                 and any(m in message for m in _HARDWARE_MESSAGES)):
             continue
         _fail(run, "model", key, message)
-    if run.model_args.document_masking and run["dataloader"]["document_masking"]:
-        _fail(run, "dataloader", "document_masking", run.model_args.document_masking)
+    dataloader = run["dataloader"]
+    if (
+        getattr(run.model_args, "canon_document_reset", False)
+        and not dataloader["document_masking"]
+        and dataloader["dataset"] not in SYNTHETIC
+    ):
+        _fail(
+            run,
+            "model",
+            "canon_document_reset",
+            "does nothing without document positions: set [dataloader] "
+            "document_masking = true (text datasets; the synthetic tasks always have them)",
+        )
 
 
 def check_training(run: RunConfig) -> None:
@@ -365,6 +376,8 @@ def check_paths_exist(run: RunConfig) -> None:
 def check_data(run: RunConfig, environment: bool) -> None:
     data = run["dataloader"]
     check_ignored_data_keys(run)
+    if data["num_workers"] < 0:
+        _fail(run, "dataloader", "num_workers", "must be >= 0 (0: read in the training process)")
     if environment:
         check_paths_exist(run)
     if data["dataset"] in SYNTHETIC:
@@ -379,9 +392,8 @@ def check_data(run: RunConfig, environment: bool) -> None:
             _fail(run, "dataloader", "sources", "dataset = 'stream' needs at least one glob in sources")
         if data["weights"] and (len(data["weights"]) != len(data["sources"]) or min(data["weights"]) <= 0):
             _fail(run, "dataloader", "weights", f"needs one positive weight per source ({len(data['sources'])})")
-        if data["shuffle_buffer"] < 1 or data["num_workers"] < 0:
-            _fail(run, "dataloader", "shuffle_buffer" if data["shuffle_buffer"] < 1 else "num_workers",
-                  "shuffle_buffer must be >= 1 and num_workers >= 0")
+        if data["shuffle_buffer"] < 1:
+            _fail(run, "dataloader", "shuffle_buffer", "must be >= 1 (1: no shuffle)")
         if environment:
             try:
                 for path in expand_inputs([x for x in data["sources"] if not x.startswith("hf:")] or []):

@@ -69,15 +69,20 @@ class DataloaderSection:
     shuffle_buffer: int = 64
     """stream: windows held in the shuffle buffer (1 = no shuffle)."""
     num_workers: int = 0
-    """stream: loader worker processes per rank (0 = read in the training process)."""
+    """builtin/files/tokens/stream: loader worker processes per rank, which read and pack the next
+    batches while the step runs (0 = in the training process)."""
+    pin_memory: bool = True
+    """Build each batch in pinned (page-locked) host memory where CUDA is available, so that its
+    copy to the GPU is a DMA the host does not wait for; false: pageable memory."""
     add_bos: bool = True
     add_eos: bool = True
     infinite: bool = True
     """builtin/files/tokens: start a new epoch when the data runs out, instead of stopping."""
     document_masking: bool = False
-    """Attention only within each packed document (positions restart at every BOS, RoPE too).
-    The reference attends across documents; Canon layers always do. Synthetic tasks always
-    restart positions at every sample."""
+    """Keep each packed document apart (positions restart at every BOS): attention and RoPE inside
+    it; the linear models' state, short convolutions and Canon layers start at it; LlamaCanon's
+    Canon layers with [model] canon_document_reset. The reference runs across documents. Synthetic
+    tasks always restart positions at every sample."""
     allow_changed_data: bool = False
     """Resume although the data differs from the checkpoint's (its loader state then starts a new
     pass over the new data); without it such a resume is refused."""

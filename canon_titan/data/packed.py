@@ -17,7 +17,9 @@ from typing import Literal
 import numpy as np
 import torch
 
-from torchtitan.components.dataloader import BaseDataLoader
+from torch.utils.data import IterableDataset, get_worker_info
+
+from torchtitan.components.dataloader import ParallelAwareDataloader
 from torchtitan.tools.logging import logger
 
 from canon_titan.data.documents import DATALOADER_KEY, DATALOADER_SKIP, DataError, ReadStats, iter_documents
@@ -26,6 +28,8 @@ from canon_titan.data.held_out import held_out_shards, shard_part
 from canon_titan.data.inputs import DataConfigError, resolve_paths
 from canon_titan.data.pretokenize import open_shards
 from canon_titan.data.token_store import TokenStore
+from canon_titan.kernels.documents import document_boundaries
+from canon_titan.tools.host_memory import host_buffer, is_pinned, pinned
 
 
 def document_positions(tokens: torch.Tensor, bos_id: int) -> torch.Tensor:
@@ -63,9 +67,94 @@ def load_token_store(config, tokenizer) -> TokenStore:
     return store
 
 
-class PackedTextDataLoader(BaseDataLoader):
+def batch_buffer(rows: list[np.ndarray], bos_id: int | None, *, pin: bool) -> torch.Tensor:
+    """A local batch of ``rows`` (``seq_len + 1`` tokens each) in one flat int64 host buffer, pinned
+    when ``pin`` (``tools/host_memory``): the rows, then (``bos_id`` given) each input's document
+    positions. ``batch_views`` takes the batch's tensors from it."""
+    batch, width = len(rows), len(rows[0])
+    tokens = batch * width
+    positions = batch * (width - 1) if bos_id is not None else 0
+    flat = host_buffer(tokens + positions, torch.int64, pin=pin)
+    data = flat[:tokens].view(batch, width)
+    np.stack(rows, out=data.numpy())
+    if bos_id is not None:
+        flat[tokens:].view(batch, width - 1).copy_(document_positions(data[:, :-1], bos_id))
+    return flat
+
+
+def batch_views(flat: torch.Tensor, batch: int,
+                seq_len: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """The inputs (and positions, when the buffer holds them) and labels in ``batch_buffer``'s
+    buffer: views of it, so the step copies the buffer once (``tools/host_memory.to_device``).
+    With positions, the documents' boundaries too (``with_boundaries``)."""
+    tokens = batch * (seq_len + 1)
+    data = flat[:tokens].view(batch, seq_len + 1)
+    inputs = {"input": data[:, :-1]}
+    if flat.numel() > tokens:
+        inputs["positions"] = flat[tokens:].view(batch, seq_len)
+        with_boundaries(inputs)
+    return inputs, data[:, 1:]
+
+
+def with_boundaries(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``inputs`` with the boundaries of the documents in its ``positions`` in fla's layout
+    (``kernels/documents.document_boundaries``): their sizes vary by batch, so they share a small
+    host buffer of their own beside the batch's (pinned as the batch's is), one more copy a step."""
+    boundaries = document_boundaries(inputs["positions"])
+    size = sum(t.numel() for t in boundaries.values())
+    flat = host_buffer(size, torch.int32, pin=is_pinned(inputs["positions"]))
+    start = 0
+    for name, tensor in boundaries.items():
+        inputs[name] = flat[start : start + tensor.numel()].view(tensor.shape).copy_(tensor)
+        start += tensor.numel()
+    return inputs
+
+
+class PackedWindows(IterableDataset):
+    """The local batches of a packed loader from global sample ``start`` on, each in one flat host
+    buffer (``batch_buffer``); in loader worker ``w`` of ``W``, the batches ``w``, ``w + W``, ...,
+    which the DataLoader hands over in order."""
+
+    def __init__(self, config, tokens: TokenStore, *, dp_rank: int, dp_world_size: int,
+                 seq_len: int, local_batch_size: int, bos_id: int | None):
+        self.config, self.tokens = config, tokens
+        self.dp_rank, self.seq_len, self.local_batch_size = dp_rank, seq_len, local_batch_size
+        self.global_batch = local_batch_size * dp_world_size
+        self.num_windows = (len(tokens) - 1) // seq_len
+        self.bos_id = bos_id
+        self.start = 0
+        self._perm_epoch, self._perm = -1, None
+
+    def _window_start(self, sample: int) -> int:
+        epoch, offset = divmod(sample, self.num_windows)
+        if not self.config.shuffle:
+            return offset * self.seq_len
+        if epoch != self._perm_epoch:
+            rng = np.random.default_rng([self.config.seed, epoch])
+            self._perm, self._perm_epoch = rng.permutation(self.num_windows), epoch
+        return int(self._perm[offset]) * self.seq_len
+
+    def buffer(self, first_sample: int, *, pin: bool) -> torch.Tensor:
+        """The local batch whose global batch starts at ``first_sample``, in one buffer."""
+        start = first_sample + self.dp_rank * self.local_batch_size
+        rows = [self.tokens.slice(s, s + self.seq_len + 1)
+                for s in (self._window_start(start + j) for j in range(self.local_batch_size))]
+        return batch_buffer(rows, self.bos_id, pin=pin)
+
+    def __iter__(self):
+        info = get_worker_info()
+        workers, worker = (info.num_workers, info.id) if info else (1, 0)
+        first = self.start + worker * self.global_batch
+        # A worker's batch is pinned as it reaches the training process (DataLoader's pin_memory).
+        pin = self.config.pin_memory and info is None
+        while self.config.infinite or first + self.global_batch <= self.num_windows:
+            yield self.buffer(first, pin=pin)
+            first += workers * self.global_batch
+
+
+class PackedTextDataLoader(ParallelAwareDataloader):
     @dataclass(kw_only=True, slots=True)
-    class Config(BaseDataLoader.Config):
+    class Config(ParallelAwareDataloader.Config):
         dataset: str = "builtin"
         """'builtin' (the project's story corpus), 'files' (JSON lines / .zst / Parquet documents,
         tokenized at start-up) or 'tokens' (a folder written by ``canon-titan data tokenize``)."""
@@ -82,13 +171,15 @@ class PackedTextDataLoader(BaseDataLoader):
         infinite: bool = True
         """Start a new (re-shuffled) epoch when the windows run out, instead of stopping."""
         document_masking: bool = False
-        """Emit positions that restart at every BOS: attention stays within documents and RoPE
-        counts from each document's start. Canon layers still mix across document boundaries."""
+        """Emit positions that restart at every BOS, and the documents' boundaries in fla's layout
+        (``kernels/documents.py``): each packed document is computed as if alone (docs/data.md)."""
         held_out_fraction: float = 0.0
         """tokens: this fraction of the folder's shards is held out for validation
         (``data.held_out.held_out_shards``)."""
         read_held_out: bool = False
         """Read the held-out shards (the validation loader) instead of the others."""
+        pin_memory: bool = True
+        """Build each batch in pinned host memory where CUDA is available."""
 
     def __init__(
         self,
@@ -102,62 +193,53 @@ class PackedTextDataLoader(BaseDataLoader):
         **kwargs,
     ):
         self.config = config
-        self.dp_world_size, self.dp_rank = dp_world_size, dp_rank
         self.seq_len, self.local_batch_size = seq_len, local_batch_size
         try:
-            self.tokens = load_token_store(config, tokenizer)
+            tokens = load_token_store(config, tokenizer)
         except DataError as e:
             raise DataConfigError(str(e)) from None
-        self.num_windows = (len(self.tokens) - 1) // seq_len
-        if self.num_windows < local_batch_size * dp_world_size:
+        num_windows = (len(tokens) - 1) // seq_len
+        if num_windows < local_batch_size * dp_world_size:
             raise DataConfigError(
-                f"dataset {config.dataset!r} has {len(self.tokens)} tokens: fewer than one global "
+                f"dataset {config.dataset!r} has {len(tokens)} tokens: fewer than one global "
                 f"batch of {local_batch_size * dp_world_size} x {seq_len + 1} tokens"
             )
-        self.bos_id = tokenizer.bos_id if config.document_masking else None
-        if config.document_masking and self.bos_id is None:
+        bos_id = tokenizer.bos_id if config.document_masking else None
+        if config.document_masking and bos_id is None:
             raise DataConfigError("dataloader.document_masking needs a tokenizer with a BOS token")
+        windows = PackedWindows(config, tokens, dp_rank=dp_rank, dp_world_size=dp_world_size,
+                                seq_len=seq_len, local_batch_size=local_batch_size, bos_id=bos_id)
+        workers = config.num_workers
+        pinned_by_loader = config.pin_memory and workers > 0 and torch.cuda.is_available()
+        super().__init__(windows, dp_rank=dp_rank, dp_world_size=dp_world_size, batch_size=None,
+                         num_workers=workers, prefetch_factor=config.prefetch_factor,
+                         pin_memory=pinned_by_loader)
+        self.tokens, self.num_windows = tokens, num_windows
         self.next_sample = 0
-        self._perm_epoch, self._perm = -1, None
+        """The first global sample of the next batch the step gets (the checkpointed position)."""
         self.fingerprint = data_fingerprint(config.dataset, config.dataset_path, [],
                                             held_out_fraction=config.held_out_fraction)
         self._fingerprint_saved = True
         logger.info(
-            f"Packed dataset {config.dataset!r}: {len(self.tokens):,} tokens, "
-            f"{self.num_windows:,} windows of {seq_len} (dp rank {dp_rank}/{dp_world_size})"
+            f"Packed dataset {config.dataset!r}: {len(tokens):,} tokens, "
+            f"{num_windows:,} windows of {seq_len} (dp rank {dp_rank}/{dp_world_size})"
         )
-
-    def _window_start(self, sample: int) -> int:
-        epoch, offset = divmod(sample, self.num_windows)
-        if not self.config.shuffle:
-            return offset * self.seq_len
-        if epoch != self._perm_epoch:
-            rng = np.random.default_rng([self.config.seed, epoch])
-            self._perm, self._perm_epoch = rng.permutation(self.num_windows), epoch
-        return int(self._perm[offset]) * self.seq_len
 
     def batch(self, first_sample: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """The local batch whose global batch starts at ``first_sample``."""
-        start = first_sample + self.dp_rank * self.local_batch_size
-        rows = [
-            self.tokens.slice(s, s + self.seq_len + 1)
-            for s in (self._window_start(start + j) for j in range(self.local_batch_size))
-        ]
-        data = torch.from_numpy(np.stack(rows).astype(np.int64))
-        inputs = {"input": data[:, :-1]}
-        if self.bos_id is not None:
-            inputs["positions"] = document_positions(inputs["input"], self.bos_id)
-        return inputs, data[:, 1:]
+        buffer = self.dataset.buffer(first_sample, pin=self.config.pin_memory)
+        return batch_views(buffer, self.local_batch_size, self.seq_len)
 
     def __iter__(self):
-        global_batch = self.local_batch_size * self.dp_world_size
-        while True:
-            if not self.config.infinite and self.next_sample + global_batch > self.num_windows:
-                return
+        # The batches from the position reached: workers (if any) start there as the iterator does.
+        self.dataset.start = self.next_sample
+        for buffer in super().__iter__():
             first = self.next_sample
-            self.next_sample += global_batch
+            self.next_sample += self.dataset.global_batch
             self._say_epoch_end(first, self.next_sample)
-            yield self.batch(first)
+            if self.config.pin_memory:
+                buffer = pinned(buffer)  # a worker's, on a CPU run (the DataLoader pins it on CUDA)
+            yield batch_views(buffer, self.local_batch_size, self.seq_len)
 
     def _say_epoch_end(self, first: int, after: int) -> None:
         """On rank 0, once per epoch: that the batch of global samples [first, after) starts another

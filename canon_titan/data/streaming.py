@@ -12,12 +12,13 @@ tokens, shuffle buffer, random generators, the tokens drawn from each source) is
 resumed run continues with the same windows; resuming needs the same number of ranks and workers.
 
 The weights pick documents, so a source of longer documents supplies more of the tokens than its
-weight: each window carries its unit's count of the tokens drawn from each source so far, which the
-loader takes off the batch (``mixture``) for the log and TensorBoard.
+weight: each window comes with its unit's count of the tokens drawn from each source so far, which
+the loader keeps from each batch (``mixture``) for the log and TensorBoard.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import random
@@ -34,11 +35,8 @@ from torchtitan.tools.logging import logger
 from canon_titan.data.documents import (DATALOADER_KEY, DATALOADER_SKIP, DataError, ReadStats, expand_inputs, file_kind,
                                         iter_documents, missing_text)
 from canon_titan.data.fingerprint import FINGERPRINT_KEY, data_fingerprint
-from canon_titan.data.packed import document_positions
-
-DRAWN_KEY, UNIT_KEY = "source_tokens_drawn", "reader_unit"
-"""The batch keys of a window's unit's tokens drawn per source so far, and of that unit."""
-
+from canon_titan.data.packed import batch_buffer, batch_views
+from canon_titan.tools.host_memory import pinned
 
 def unit_slices(files: list[str], unit: int, units: int) -> list[tuple[str, int, int]]:
     """The (file, slice, slices) pieces of a source that ``unit`` of ``units`` reads."""
@@ -207,12 +205,7 @@ class StreamingTextDataset(IterableDataset):
                     continue
                 i = self.shuffle_rng.randrange(size)
                 window, self.shuffle[i] = self.shuffle[i], window
-            data = torch.from_numpy(window)
-            inputs = {"input": data[:-1], DRAWN_KEY: torch.from_numpy(self.drawn.copy()),
-                      UNIT_KEY: self._unit}
-            if self.config.document_masking:
-                inputs["positions"] = document_positions(inputs["input"], self.tokenizer.bos_id)
-            yield inputs, data[1:]
+            yield window, self.drawn.copy(), self._unit
 
     def state_dict(self) -> dict:
         if self._unit is None:
@@ -244,6 +237,16 @@ class StreamingTextDataset(IterableDataset):
             self.drawn = np.asarray(state["drawn"], dtype=np.int64)
 
 
+def _collated(items: list[tuple], *, bos_id: int | None, pin: bool) -> tuple:
+    """A batch of windows in one host buffer (``batch_buffer``): pinned in the training process; a
+    loader worker's, as it reaches the training process (the DataLoader's ``pin_memory``). With it,
+    the tokens its unit had drawn per source by its last window, and the unit."""
+    windows = [window for window, _, _ in items]
+    _, drawn, unit = items[-1]
+    return batch_buffer(windows, bos_id, pin=pin and get_worker_info() is None), \
+        torch.from_numpy(drawn), unit
+
+
 def _as_rng_state(state):
     version, internal, gauss = state
     return version, tuple(internal), gauss
@@ -265,16 +268,24 @@ class StreamingTextDataLoader(ParallelAwareDataloader):
         add_bos: bool = True
         add_eos: bool = True
         document_masking: bool = False
+        pin_memory: bool = True
+        """Pin each batch in host memory where CUDA is available."""
 
     def __init__(self, config: Config, *, dp_world_size, dp_rank, tokenizer, seq_len, local_batch_size, **kwargs):
         dataset = StreamingTextDataset(config, tokenizer=tokenizer, seq_len=seq_len, dp_rank=dp_rank,
                                        dp_world_size=dp_world_size)
-        loader_kwargs = {"batch_size": local_batch_size, "num_workers": config.num_workers,
-                         "persistent_workers": config.persistent_workers, "pin_memory": config.pin_memory,
-                         "prefetch_factor": config.prefetch_factor}
+        bos_id = tokenizer.bos_id if config.document_masking else None
+        workers = config.num_workers
+        collate = functools.partial(_collated, bos_id=bos_id, pin=config.pin_memory)
+        pinned_by_loader = config.pin_memory and workers > 0 and torch.cuda.is_available()
+        loader_kwargs = {"batch_size": local_batch_size, "num_workers": workers,
+                         "persistent_workers": config.persistent_workers, "collate_fn": collate,
+                         "pin_memory": pinned_by_loader, "prefetch_factor": config.prefetch_factor}
         if kwargs.get("snapshot_every_n_steps") is not None:
             loader_kwargs["snapshot_every_n_steps"] = kwargs["snapshot_every_n_steps"]
         super().__init__(dataset, dp_rank=dp_rank, dp_world_size=dp_world_size, **loader_kwargs)
+        self.seq_len, self.local_batch_size = seq_len, local_batch_size
+        self.pin_batches = config.pin_memory
         self.fingerprint = data_fingerprint("stream", None, config.sources)
         self._fingerprint_saved = True
         self.sources = list(config.sources)
@@ -287,12 +298,6 @@ class StreamingTextDataLoader(ParallelAwareDataloader):
                     f"on dp rank {dp_rank}/{dp_world_size}; the documents drawn by weight: "
                     f"{mixture}")
 
-    def __iter__(self):
-        for inputs, labels in super().__iter__():
-            for unit, drawn in zip(inputs.pop(UNIT_KEY).tolist(), inputs.pop(DRAWN_KEY).numpy()):
-                self._drawn[unit] = drawn  # the unit's count as of its latest window
-            yield inputs, labels
-
     def mixture(self) -> tuple[dict[str, float], str]:
         """The tokens this rank's readers drew from each source so far (its batches reach training
         within the shuffle buffer's windows): TensorBoard metrics and a log line."""
@@ -303,6 +308,12 @@ class StreamingTextDataLoader(ParallelAwareDataloader):
                          for source, n, w in zip(self.sources, drawn.tolist(), self.weights))
         return metrics, (f"streamed mixture, tokens drawn on dp rank {self.dp_rank} ({total:,}): "
                          f"{line}")
+
+    def __iter__(self):
+        for buffer, drawn, unit in super().__iter__():
+            self._drawn[unit] = drawn.numpy()  # the unit's count as of its latest window
+            buffer = pinned(buffer) if self.pin_batches else buffer  # a worker's, on a CPU run
+            yield batch_views(buffer, self.local_batch_size, self.seq_len)
 
     def expect_checkpoint(self, keys: list[str]) -> None:
         """Before a load: a checkpoint from before fingerprints holds none to fill in."""

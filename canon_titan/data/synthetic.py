@@ -33,12 +33,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from torch.utils.data import IterableDataset
 
-from torchtitan.components.dataloader import BaseDataLoader
+from torchtitan.components.dataloader import ParallelAwareDataloader
 from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.tools.logging import logger
 
 from canon_titan.data.inputs import DataConfigError
+from canon_titan.data.packed import with_boundaries
+from canon_titan.tools.host_memory import host_buffer
 from synthetic_data.common import Sample
 from synthetic_data.tasks import PAD, SECTION, make_task
 
@@ -55,9 +58,24 @@ def sample_stream(seed: int, window: int, draw: int) -> random.Random:
     return random.Random(f"{seed}/window/{window}/{draw}")
 
 
-class SyntheticDataLoader(BaseDataLoader):
+class _Batches(IterableDataset):
+    """A synthetic loader's local batches from its position on, each in one host buffer; packed in
+    the training process (each window starts with the sample carried from the window this rank
+    read one step before, which another worker process would not have)."""
+
+    def __init__(self, loader: SyntheticDataLoader):
+        self.loader = loader
+
+    def __iter__(self):
+        first = self.loader.next_sample
+        while True:
+            yield self.loader.buffer(first)
+            first += self.loader.local_batch_size * self.loader.dp_world_size
+
+
+class SyntheticDataLoader(ParallelAwareDataloader):
     @dataclass(kw_only=True, slots=True)
-    class Config(BaseDataLoader.Config):
+    class Config(ParallelAwareDataloader.Config):
         dataset: str = "depo1"
         task: dict = field(default_factory=dict)
         """The task's parameters (keys of its params dataclass) over the dataset's preset."""
@@ -66,11 +84,14 @@ class SyntheticDataLoader(BaseDataLoader):
         windows_per_step: int = 0
         """The global batch in windows (a carried sample moves this many windows on); 0 means
         local_batch_size x dp_world_size."""
+        pin_memory: bool = True
+        """Build each batch in pinned host memory where CUDA is available."""
 
     def __init__(self, config: Config, *, dp_world_size: int, dp_rank: int, tokenizer=None,
                  seq_len: int, local_batch_size: int, **kwargs):
+        super().__init__(_Batches(self), dp_rank=dp_rank, dp_world_size=dp_world_size,
+                         batch_size=None)
         self.config = config
-        self.dp_world_size, self.dp_rank = dp_world_size, dp_rank
         self.seq_len, self.local_batch_size = seq_len, local_batch_size
         self.stride = config.windows_per_step or local_batch_size * dp_world_size
         try:
@@ -173,23 +194,32 @@ class SyntheticDataLoader(BaseDataLoader):
         """(input ids, positions, targets) of global window ``index`` starting with ``carried``."""
         return self.arrays(self.pack(index, carried)[0])
 
-    def batch(self, first_sample: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-        """This rank's rows of the ``local_batch_size * dp_world_size`` windows from ``first_sample``;
-        each row's misfit is kept for the window ``stride`` later."""
+    def buffer(self, first_sample: int) -> torch.Tensor:
+        """This rank's rows of the ``local_batch_size * dp_world_size`` windows from
+        ``first_sample`` in one flat host buffer (inputs, positions, targets); each row's misfit is
+        kept for the window ``stride`` later."""
         start = first_sample + self.dp_rank * self.local_batch_size
-        rows = []
-        for index in range(start, start + self.local_batch_size):
+        batch = self.local_batch_size
+        flat = host_buffer(3 * batch * self.seq_len, torch.int64, pin=self.config.pin_memory)
+        rows = flat.view(3, batch, self.seq_len).numpy()
+        for row, index in enumerate(range(start, start + batch)):
             packed, self._carries[index + self.stride] = self.pack(index, self.carried_into(index))
-            rows.append(self.arrays(packed))
-        inputs = {"input": torch.from_numpy(np.stack([r[0] for r in rows])),
-                  "positions": torch.from_numpy(np.stack([r[1] for r in rows]))}
-        return inputs, torch.from_numpy(np.stack([r[2] for r in rows]))
+            rows[:, row] = self.arrays(packed)
+        return flat
+
+    def views(self, flat: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """The inputs, positions and targets in ``buffer``'s buffer: views of it, copied as one."""
+        tokens, positions, targets = flat.view(3, self.local_batch_size, self.seq_len).unbind()
+        return with_boundaries({"input": tokens, "positions": positions}), targets
+
+    def batch(self, first_sample: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """This rank's batch of the global batch from ``first_sample`` (``buffer``'s, viewed)."""
+        return self.views(self.buffer(first_sample))
 
     def __iter__(self):
-        while True:
-            first = self.next_sample
+        for flat in super().__iter__():
             self.next_sample += self.local_batch_size * self.dp_world_size
-            yield self.batch(first)
+            yield self.views(flat)
 
     def reads(self, index: int) -> bool:
         """Whether this rank reads global window ``index``."""
@@ -236,4 +266,5 @@ def loader_config(run) -> SyntheticDataLoader.Config:
     task = {k: v for k, v in run[SECTION[section["dataset"]]].items() if v is not None}
     return SyntheticDataLoader.Config(dataset=section["dataset"], task=task, seed=section["seed"],
                                       answer_only_loss=section["answer_only_loss"],
-                                      windows_per_step=max(run["training"]["global_batch_size"], 0))
+                                      windows_per_step=max(run["training"]["global_batch_size"], 0),
+                                      pin_memory=section["pin_memory"])

@@ -39,12 +39,15 @@ TRITON_KERNEL_SIZES = (2, 3, 4)
 # ----------------------------------------------------------------------------- torch backend
 
 
-def _canon_torch(x, weight, bias, residual: bool, activation: bool):
+def _canon_torch(x, weight, bias, residual: bool, activation: bool, positions=None):
     kernel, seq_len = weight.shape[-1], x.shape[1]
     padded = F.pad(x, (0, 0, kernel - 1, 0))
     y = x * weight[:, kernel - 1]
     for j in range(kernel - 1):
-        y = y + padded[:, j : j + seq_len] * weight[:, j]
+        shifted = padded[:, j : j + seq_len]
+        if positions is not None:  # the tap reaching back K-1-j rows stays inside the document
+            shifted = shifted.masked_fill((positions < kernel - 1 - j).unsqueeze(-1), 0)
+        y = y + shifted * weight[:, j]
     if bias is not None:
         y = y + bias
     if activation:
@@ -719,31 +722,64 @@ def _use_triton(backend: str, x: torch.Tensor, kernel_size: int) -> bool:
     return kernel_size in TRITON_KERNEL_SIZES and runs_cuda_kernel(backend, x)
 
 
-def canon_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-               row_scale: torch.Tensor | None = None, col_scale: torch.Tensor | None = None, residual: bool = True,
-               activation: bool = False, backend: str = "torch") -> torch.Tensor:
+def canon_conv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    row_scale: torch.Tensor | None = None,
+    col_scale: torch.Tensor | None = None,
+    residual: bool = True,
+    activation: bool = False,
+    positions: torch.Tensor | None = None,
+    backend: str = "torch",
+) -> torch.Tensor:
     """x [B, T, C], weight [C, K] (index K-1 on the current token), bias [C] or None.
 
     With ``row_scale`` [B, T] and ``col_scale`` [C] the layer's input is ``x * row_scale * col_scale``
     computed in float32 (an RMSNorm fused in: its inverse RMS and weight): the torch backend rounds
     it to x's dtype as RMSNorm does, the Triton kernels keep it in float32 and never store it.
+
+    With ``positions`` [B, T] (each token's position in its document, 0 at a document's first token)
+    the tap reaching back s rows adds to ``out[b, t]`` only where ``positions[b, t] >= s``: packed
+    documents are convolved as if each were alone.
     """
     if (row_scale is None) != (col_scale is None):
         raise ValueError("canon_conv: row_scale and col_scale go together")
     if _use_triton(backend, x, weight.shape[-1]):
+        _refuse_positions(positions)
         return torch.ops.canon_titan.canon_conv(x, weight, bias, row_scale, col_scale, residual, activation)
     if row_scale is not None:
         x = (x.float() * row_scale.unsqueeze(-1) * col_scale.float()).type_as(x)
-    return _canon_torch(x, weight, bias, residual, activation)
+    return _canon_torch(x, weight, bias, residual, activation, positions)
 
 
-def canon_swiglu(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                 residual: bool = True, activation: bool = False, backend: str = "torch") -> torch.Tensor:
-    """``silu(canon(gate)) * canon(up)`` with weight [2H, K] over [gate | up] (gate, up: [B, T, H])."""
+def canon_swiglu(
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    residual: bool = True,
+    activation: bool = False,
+    positions: torch.Tensor | None = None,
+    backend: str = "torch",
+) -> torch.Tensor:
+    """``silu(canon(gate)) * canon(up)`` with weight [2H, K] over [gate | up] (gate, up: [B, T, H]);
+    ``positions`` as in ``canon_conv``."""
     if _use_triton(backend, gate, weight.shape[-1]):
+        _refuse_positions(positions)
         return torch.ops.canon_titan.canon_swiglu(gate, up, weight, bias, residual, activation)
     hidden = gate.shape[-1]
     w_gate, w_up = weight.split(hidden)
     b_gate, b_up = bias.split(hidden) if bias is not None else (None, None)
-    gate = _canon_torch(gate, w_gate, b_gate, residual, activation)
-    return F.silu(gate) * _canon_torch(up, w_up, b_up, residual, activation)
+    gate = _canon_torch(gate, w_gate, b_gate, residual, activation, positions)
+    return F.silu(gate) * _canon_torch(up, w_up, b_up, residual, activation, positions)
+
+
+def _refuse_positions(positions):
+    if positions is not None:
+        raise NotImplementedError(
+            "canon op: document positions are not in the Triton kernels yet; use "
+            'canon_backend = "torch" with document boundaries'
+        )

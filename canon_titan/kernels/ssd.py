@@ -22,6 +22,7 @@ import torch
 
 from canon_titan.kernels.backends import (compute_dtype, decay_matrix, from_chunks, prepare_kernels, runs_cuda_kernel,
                                           scan_states, to_chunks)
+from canon_titan.kernels.documents import Documents, kept, separate
 
 
 def ssd(
@@ -35,17 +36,27 @@ def ssd(
     chunk_size: int = 64,
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
+    documents: Documents | None = None,
     backend: str = "torch",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Returns y [B, T, H, P] in x's dtype and, if asked, the final state [B, H, P, N] (float32, or
-    float64 for double inputs). ``chunk_size`` is also passed to mamba_ssm."""
+    float64 for double inputs). ``chunk_size`` is also passed to mamba_ssm. With ``documents`` each
+    packed document starts from a zero state (mamba-ssm's ``seq_idx``; every row starts one, so
+    there is no initial state) and the final state is each row's last document's."""
     if x.shape[2] % B.shape[2]:
         raise ValueError(f"ssd: {x.shape[2]} heads do not split into {B.shape[2]} groups")
+    if documents is not None and initial_state is not None:
+        raise ValueError("ssd: packed documents each start from a zero state; no initial_state")
+    if runs_cuda_kernel(backend, x) and documents is not None:
+        y, final_state = torch.ops.canon_titan.mamba_chunk_scan_documents(
+            x, dt, A, B, C, D, chunk_size, output_final_state, documents.seq_idx()
+        )
+        return y, final_state if output_final_state else None
     if runs_cuda_kernel(backend, x):
         y, final_state = torch.ops.canon_titan.mamba_chunk_scan(x, dt, A, B, C, D, initial_state, chunk_size,
                                                                  output_final_state)
         return y, final_state if output_final_state else None
-    y, final_state = _ssd_torch(x, dt, A, B, C, D, chunk_size, initial_state)
+    y, final_state = _ssd_torch(x, dt, A, B, C, D, chunk_size, initial_state, documents)
     return y, final_state if output_final_state else None
 
 
@@ -114,7 +125,99 @@ def _mamba_grad(ctx, dy, d_final):
 _mamba_chunk_scan.register_autograd(_mamba_grad, setup_context=_mamba_setup)
 
 
-def _ssd_torch(x, dt, A, B, C, D, chunk_size, initial_state):
+def ssd_documents_forward(x, dt, A, B, C, D, chunk_size, output_final_state, seq_idx):
+    """The body of ``canon_titan::mamba_chunk_scan_documents`` (the tests count its host reads,
+    which a dispatch mode cannot see inside the op)."""
+    y, _, _, _, _, final_state, *_ = _mamba_halves()[0](
+        x, dt, A, B, C, chunk_size, D=D, seq_idx=seq_idx
+    )
+    return y.to(x.dtype), final_state if output_final_state else x.new_empty(0, dtype=torch.float32)
+
+
+def ssd_documents_backward(dy, d_final, x, dt, A, B, C, D, y, chunk_size, seq_idx):
+    """The body of ``canon_titan::mamba_chunk_scan_documents_backward``."""
+    dx, ddt, dA, dB, dC, dD, _, _, _ = _mamba_halves()[1](
+        dy.contiguous(), x, dt, A, B, C, y, chunk_size, D=D, seq_idx=seq_idx,
+        dfinal_states=d_final.contiguous() if d_final is not None else None)
+    return (dx.to(x.dtype), ddt.to(dt.dtype), dA.to(A.dtype), dB.to(B.dtype), dC.to(C.dtype),
+            dD.to(D.dtype) if D is not None else x.new_empty(0, dtype=torch.float32))
+
+
+@torch.library.custom_op("canon_titan::mamba_chunk_scan_documents", mutates_args=())
+def _mamba_chunk_scan_documents(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None,
+    chunk_size: int,
+    output_final_state: bool,
+    seq_idx: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``mamba_chunk_scan`` with the documents of each row apart (``seq_idx``: each token's document
+    number in its row); the final state is each row's last document's."""
+    return ssd_documents_forward(x, dt, A, B, C, D, chunk_size, output_final_state, seq_idx)
+
+
+@_mamba_chunk_scan_documents.register_fake
+def _(x, dt, A, B, C, D, chunk_size, output_final_state, seq_idx):
+    batch, _, heads, head_dim = x.shape
+    final = (
+        x.new_empty(batch, heads, head_dim, B.shape[-1], dtype=torch.float32)
+        if output_final_state
+        else x.new_empty(0, dtype=torch.float32)
+    )
+    return x.new_empty(x.shape), final
+
+
+@torch.library.custom_op("canon_titan::mamba_chunk_scan_documents_backward", mutates_args=())
+def _mamba_chunk_scan_documents_backward(
+    dy: torch.Tensor,
+    d_final: torch.Tensor | None,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None,
+    y: torch.Tensor,
+    chunk_size: int,
+    seq_idx: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return ssd_documents_backward(dy, d_final, x, dt, A, B, C, D, y, chunk_size, seq_idx)
+
+
+@_mamba_chunk_scan_documents_backward.register_fake
+def _(dy, d_final, x, dt, A, B, C, D, y, chunk_size, seq_idx):
+    return (
+        x.new_empty(x.shape),
+        dt.new_empty(dt.shape),
+        A.new_empty(A.shape),
+        B.new_empty(B.shape),
+        C.new_empty(C.shape),
+        D.new_empty(D.shape) if D is not None else x.new_empty(0, dtype=torch.float32),
+    )
+
+
+def _mamba_documents_setup(ctx, inputs, output):
+    x, dt, A, B, C, D, ctx.chunk_size, ctx.output_final_state, seq_idx = inputs
+    ctx.save_for_backward(x, dt, A, B, C, D, output[0], seq_idx)
+
+
+def _mamba_documents_grad(ctx, dy, d_final):
+    x, dt, A, B, C, D, y, seq_idx = ctx.saved_tensors
+    d_final = d_final if ctx.output_final_state else None
+    dx, ddt, dA, dB, dC, dD = torch.ops.canon_titan.mamba_chunk_scan_documents_backward(
+        dy, d_final, x, dt, A, B, C, D, y, ctx.chunk_size, seq_idx)
+    return dx, ddt, dA, dB, dC, dD if D is not None else None, None, None, None
+
+
+_mamba_chunk_scan_documents.register_autograd(_mamba_documents_grad,
+                                              setup_context=_mamba_documents_setup)
+
+
+def _ssd_torch(x, dt, A, B, C, D, chunk_size, initial_state, documents=None):
     out_dtype, dtype, seq_len = x.dtype, compute_dtype(x.dtype), x.shape[1]
     heads, groups = x.shape[2], B.shape[2]
     x, dt, B, C = (to_chunks(t, chunk_size, dtype) for t in (x, dt, B, C))  # [B, H or G, N, L, *]
@@ -123,15 +226,20 @@ def _ssd_torch(x, dt, A, B, C, D, chunk_size, initial_state):
     def by_group(t):  # [B, H, ...] -> [B, G, H // G, ...]
         return t.unflatten(1, (groups, heads // groups))
 
+    masks = separate(documents, chunk_size)
     dt_x = x * dt.unsqueeze(-1)
     B, C = B.unsqueeze(2), C.unsqueeze(2)  # [B, G, 1, N, L, state]
-    scores = (C @ B.transpose(-1, -2)) * by_group(decay_matrix(b))
+    scores = (C @ B.transpose(-1, -2)) * by_group(kept(decay_matrix(b), masks, "same"))
     y = scores @ by_group(dt_x)
 
     b_last = b[..., -1:]
-    updates = by_group(dt_x * (b_last - b).exp().unsqueeze(-1)).transpose(-1, -2) @ B  # [B, G, H/G, N, P, state]
-    entering, final_state = scan_states(b_last.exp().unsqueeze(-1), updates.flatten(1, 2), initial_state)
-    y = y + (C @ by_group(entering).transpose(-1, -2)) * by_group(b.exp().unsqueeze(-1))
+    leaving = kept((b_last - b).exp(), masks, "last")
+    # [B, G, H/G, N, P, state]
+    updates = by_group(dt_x * leaving.unsqueeze(-1)).transpose(-1, -2) @ B
+    carried = kept(b_last.exp(), masks, "carried")
+    entering, final_state = scan_states(carried.unsqueeze(-1), updates.flatten(1, 2), initial_state)
+    reading = kept(b.exp(), masks, "fresh")
+    y = y + (C @ by_group(entering).transpose(-1, -2)) * by_group(reading.unsqueeze(-1))
     y = y.flatten(1, 2)
     if D is not None:
         y = y + D.to(dtype)[:, None, None, None] * x

@@ -1,23 +1,32 @@
-"""The first step's kernel tuning: narrowed, reported, and kept off the collectives' clock.
+"""The first step's kernel tuning: narrowed, reported, done by one rank, kept off the collectives'
+clock.
 
-fla 0.6.0 autotunes each of its Triton kernels on its first call for a new tuning key by compiling and timing
-every configuration in the kernel's list: on Hopper at the 1B recipes' head sizes, 266 for GLA's forward and
-backward (10 kernels), 64 for the gated delta rule's (9). On the H200 leases (2026-11-26 to 28, Triton 3.6)
-GLA5Canon-1B's first step was still tuning after 124 to 290 s, and on a cluster that step runs inside the first
-collectives' timeout (TorchTitan's 300 s).
+fla 0.6.0 autotunes each of its Triton kernels on its first call for a new tuning key by compiling
+and timing every configuration in the kernel's list: on Hopper at the 1B recipes' head sizes, 266
+for GLA's forward and backward (10 kernels), 64 for the gated delta rule's (9). That takes minutes
+on a GPU (the leases' figures: ``docs/benchmarks/tuning.md``), and on a cluster the first step runs
+inside the first collectives' timeout (TorchTitan's 300 s).
 
-- **Narrowing.** For the kernels in ``NARROWED`` the autotuner times only the configurations that can win at the
-  recipes' shapes (28 of GLA's 266, 21 of the gated delta rule's 64), through Triton's documented hook,
-  each autotuner's ``early_config_prune`` (fla's own pruning runs first). The rules are in ``Keep``'s three
-  classes below, chosen from the H200 timings of every configuration of fla's forward kernels at the 1B shapes
-  (``scripts/benchmarks/gpu_check_tuned.json``, which ``tests/test_linear_tuning.py`` checks them against).
-  ``CANON_TITAN_FULL_AUTOTUNE=1`` in the environment restores fla's full search (to compare on a new GPU);
-  on a GPU other than Hopper, where the rules were not measured, the full search runs anyway.
-- **Progress.** Every autotuned kernel of fla and mamba-ssm logs a line as it starts tuning for a new key,
-  with the seconds since this process's first tuning: the gaps between lines are each kernel's cost.
-- **Off the clock.** ``wait_for_every_rank`` lets the ranks that finished tuning wait for the others through the
-  process group's store (no collective, so no collective timeout); ``models/common/linear_tuning.py`` tunes a
-  linear model's mixer before the first collective and then waits there.
+- **Narrowing.** For the kernels in ``NARROWED`` the autotuner times only the configurations that
+  can win at the recipes' shapes (28 of GLA's 266, 21 of the gated delta rule's 64), through
+  Triton's documented hook, each autotuner's ``early_config_prune`` (fla's own pruning runs first).
+  The rules are ``Keep``'s three classes below. Those of fla's forward kernels were chosen from an
+  H200's timings of every configuration at the 1B shapes
+  (``scripts/benchmarks/gpu_check_tuned.json``, which ``tests/test_linear_tuning.py`` checks them
+  against); those in ``UNMEASURED`` (GLA's backward kernels, every gated-delta-rule kernel) follow
+  the same classes by analogy, with no timing of their own yet. ``CANON_TITAN_FULL_AUTOTUNE=1`` in
+  the environment restores fla's full search (to compare on a new GPU); on a GPU other than Hopper,
+  where the rules were not measured, the full search runs anyway.
+- **Progress.** Every autotuned kernel of fla and mamba-ssm logs a line as it starts tuning for a
+  new key, with the seconds since this process's first tuning: the gaps are each kernel's cost.
+- **One rank tunes.** A process that times the candidates itself picks from one noisy timing, and
+  the step runs at the slowest rank's pick: ``tuned_on_rank_zero`` has rank 0 tune and publish its
+  choice for every kernel and tuning key through the store; the other ranks put those choices in
+  their autotuners' caches, so they compile one configuration per kernel and time none.
+- **Off the clock.** ``wait_for_every_rank`` lets the ranks that finished wait for the others
+  through the process group's store (``tools/collectives.store_barrier``: no collective, so no
+  collective timeout); ``models/common/linear_tuning.py`` tunes a linear model's mixer before the
+  first collective and waits there.
 """
 
 from __future__ import annotations
@@ -25,13 +34,18 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import triton.runtime.autotuner as autotuner
+from torch.distributed import DistStoreError
 
 from torchtitan.tools.logging import logger
+
+from canon_titan.tools.collectives import rank_zero_decides, store_barrier
 
 FULL_AUTOTUNE_ENV = "CANON_TITAN_FULL_AUTOTUNE"
 
@@ -60,19 +74,20 @@ class Keep:
 
 
 STATE = Keep(num_warps=(4,), num_stages=(3,))
-"""Kernels that carry the state across chunks (one program per state tile and sequence, looping over time): every
-tile on offer, since the tiles set how many programs share the GPU and that depends on batch x heads, which fla's
-tuning key does not hold (GLA5-1B at 16,384 x 1: 128 programs of 64x64, 512 of 32x32, for 132 SMs); 4 warps, 3
-stages: the H200's choice for ``chunk_fwd_kernel_h`` at 1B (112 us; 3.5% slower with 4 stages, 14% with 2,
-16% with 8 warps)."""
+"""Kernels that carry the state across chunks (one program per state tile and sequence, looping
+over time): every tile on offer, since the tiles set how many programs share the GPU and that
+depends on batch x heads, which fla's tuning key does not hold (GLA5-1B at 16,384 x 1: 128 programs
+of 64x64, 512 of 32x32, for 132 SMs); 4 warps, 3 stages, the H200's choice for
+``chunk_fwd_kernel_h`` at 1B (``docs/benchmarks/tuning.md``)."""
 CHUNK_TILED = Keep(num_warps=(4, 8), num_stages=(3,), largest=("BK", "BV"))
-"""Kernels with one program per chunk and value tile (thousands at the recipes' shapes): the largest tiles fla
-keeps for the shape, 4 or 8 warps, 3 stages. H200, ``chunk_gla_fwd_kernel_o`` at 1B: BK 64, BV 128, 4 warps won
-(116 us, stages within 0.1%), 8 warps next (+14%), every smaller tile slower."""
+"""Kernels with one program per chunk and value tile (thousands at the recipes' shapes): the
+largest tiles fla keeps for the shape, 4 or 8 warps, 3 stages, which held the H200's winner of
+``chunk_gla_fwd_kernel_o`` at 1B (every smaller tile was slower)."""
 CHUNK = Keep(num_warps=(2, 4), num_stages=(3,))
-"""Per-chunk kernels tuned over warps and stages only (and GLA's ``BK`` of its inter-sub-chunk scores, whose
-tuning key lacks the head size): 2 or 4 warps, 3 stages. H200 at 1B: ``chunk_gla_fwd_A_kernel_intra_sub_intra``
-2 warps (140 us, stages equal), ``chunk_local_cumsum_vector_kernel`` 2 and 4 warps within 0.3%."""
+"""Per-chunk kernels tuned over warps and stages only (and GLA's ``BK`` of its inter-sub-chunk
+scores, whose tuning key lacks the head size): 2 or 4 warps, 3 stages, which held the H200's
+winners of ``chunk_gla_fwd_A_kernel_intra_sub_intra`` and ``chunk_local_cumsum_vector_kernel``
+at 1B."""
 
 NARROWED: dict[str, dict[str, Keep]] = {
     "fla.ops.utils.cumsum": {"chunk_local_cumsum_vector_kernel": CHUNK, "chunk_local_cumsum_scalar_kernel": CHUNK},
@@ -94,8 +109,20 @@ NARROWED: dict[str, dict[str, Keep]] = {
 }
 """Defining module -> kernel -> the configurations its autotuner times. fla's other autotuned kernels on these
 paths offer 3 configurations or fewer."""
+UNMEASURED = frozenset({
+    "chunk_local_cumsum_scalar_kernel", "chunk_bwd_kernel_dh", "chunk_gla_bwd_kernel_dA",
+    "chunk_gla_bwd_kernel_intra", "chunk_gla_bwd_kernel_dv", "chunk_gla_bwd_kernel_inter",
+    "chunk_gated_delta_rule_fwd_kernel_h_blockdim64",
+    "chunk_gated_delta_rule_bwd_kernel_dhu_blockdim64", "chunk_bwd_kernel_dv_local",
+    "chunk_bwd_kernel_dqkwg", "recompute_w_u_fwd_kernel", "prepare_wy_repr_bwd_kernel",
+    "chunk_gated_delta_rule_fwd_kkt_solve_kernel"})
+"""The kernels of ``NARROWED`` whose rule no lease has timed (no entry of theirs in
+``scripts/benchmarks/gpu_check_tuned.json``): a rule by analogy with the forward kernel of its
+class. A lease checks one with ``CANON_TITAN_FULL_AUTOTUNE=1`` (``docs/benchmarks/tuning.md``)."""
 
 KERNEL_PACKAGES = {"fla": "fla.ops", "mamba_ssm": "mamba_ssm.ops.triton"}
+WATCHED: list[autotuner.Autotuner] = []
+"""The autotuners ``watch`` narrows and reports: those whose choices rank 0 makes for every rank."""
 
 
 def autotuner_of(obj) -> autotuner.Autotuner | None:
@@ -159,37 +186,76 @@ def watch(package: str) -> None:
             name = tuner.base_fn.__name__
             keep = NARROWED.get(tuner.base_fn.__module__, {}).get(name)
             tuner.early_config_prune = _Watched(name, tuner.early_config_prune, keep)
+            WATCHED.append(tuner)
 
 
-TUNING_WAIT_S = 1800
-"""How long a rank that finished tuning waits for the others (a rank that died ends the job sooner: torchrun
-stops its workers)."""
+TUNING_WAIT = timedelta(seconds=1800)
+"""How long a rank waits for rank 0's tuning, and for the other ranks to be done (a rank that died
+ends the job sooner: torchrun stops its workers)."""
 
 
-def wait_for_every_rank(what: str, poll_s: float = 1.0, report_s: float = 30.0) -> None:
-    """Return once every rank of the default process group has called this with the same ``what``, waiting
-    through the group's store: a rank still tuning its kernels keeps the others here, where no collective
-    timeout runs, rather than in the first collective. (Each waiting rank asks the store once per ``poll_s``:
-    512 ranks, 512 requests a second.)"""
+def wait_for_every_rank(what: str) -> None:
+    """Return once every rank of the default process group has called this (for ``what``, in the
+    same order), waiting through the group's store: a rank still tuning or compiling its kernels
+    keeps the others here, where no collective timeout runs, rather than in the first collective."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
-    store = dist.distributed_c10d._get_default_store()
-    key = f"canon-titan/kernel-tuning/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{what}"
-    world = dist.get_world_size()
-    done = store.add(key, 1)
-    started = last_report = time.perf_counter()
-    while done < world:
-        now = time.perf_counter()
-        if now - started > TUNING_WAIT_S:
-            raise RuntimeError(f"rank {dist.get_rank()} waited {TUNING_WAIT_S} s for {world - done} of {world} ranks "
-                               f"to finish tuning their kernels ({what})")
-        if now - last_report >= report_s:
-            logger.info(f"kernel tuning: waiting for {world - done} of {world} ranks ({now - started:.0f} s)")
-            last_report = now
-        time.sleep(poll_s)
-        done = store.add(key, 0)
-    if time.perf_counter() - started >= 1.0:
-        logger.info(f"kernel tuning: every rank done after {time.perf_counter() - started:.1f} s of waiting")
+    started = time.perf_counter()
+    try:
+        store_barrier("kernel-tuning-done", TUNING_WAIT)
+    except DistStoreError:
+        raise RuntimeError(f"rank {dist.get_rank()} waited {TUNING_WAIT.seconds} s for the other "
+                           f"ranks to finish tuning their kernels ({what})") from None
+    waited = time.perf_counter() - started
+    if waited >= 1.0:
+        logger.info(f"kernel tuning: every rank done after {waited:.1f} s of waiting")
+
+
+def _name(tuner: autotuner.Autotuner) -> str:
+    return f"{tuner.base_fn.__module__}.{tuner.base_fn.__name__}"
+
+
+def choices(tuners: list[autotuner.Autotuner]) -> dict[str, dict[tuple, str]]:
+    """The configuration each autotuner chose for each tuning key it has seen, by kernel and key
+    (as Triton writes the configuration: the same text names the same one of its list anywhere)."""
+    return {_name(t): {key: str(config) for key, config in t.cache.items()}
+            for t in tuners if t.cache}
+
+
+def pin(tuners: list[autotuner.Autotuner], chosen: dict[str, dict[tuple, str]]) -> int:
+    """Put ``chosen`` (another process's ``choices``) into these autotuners' caches, each as the
+    configuration of the autotuner's own list with the same text (its own hooks with it): a kernel
+    called with a pinned key compiles that configuration and times none. How many were pinned."""
+    pinned = 0
+    for tuner in tuners:
+        own = {str(config): config for config in tuner.configs}
+        for key, text in chosen.get(_name(tuner), {}).items():
+            if text in own:
+                tuner.cache[key] = own[text]
+                pinned += 1
+            else:
+                logger.warning(f"kernel tuning: rank 0 chose a configuration that {_name(tuner)} "
+                               f"does not offer here ({text}); this rank tunes it itself")
+    return pinned
+
+
+def tuned_on_rank_zero(run: Callable[[], None], what: str,
+                       tuners: list[autotuner.Autotuner] | None = None) -> None:
+    """``run()`` (a call of the kernels at the first step's shapes) tunes them on rank 0; every
+    other rank pins rank 0's choices (``pin``), then runs it, compiling without timing; then every
+    rank waits for the others (``wait_for_every_rank``). So every rank runs the same configuration
+    of each kernel and tuning key."""
+    tuners = WATCHED if tuners is None else tuners
+
+    def tune() -> dict[str, dict[tuple, str]]:
+        run()
+        return choices(tuners)
+
+    chosen = rank_zero_decides(tune, "kernel-tuning", timeout=TUNING_WAIT)
+    if dist.is_initialized() and dist.get_rank() != 0:
+        progress(f"{what}: {pin(tuners, chosen)} choices of rank 0 pinned")
+        run()
+    wait_for_every_rank(what)
 
 
 def device_for_kernels() -> torch.device:

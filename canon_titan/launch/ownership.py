@@ -34,11 +34,13 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from torchtitan.tools.logging import logger
 
 from canon_titan.components.exit_codes import before_exit
+from canon_titan.tools.collectives import job_key, store_barrier
 from canon_titan.tools.fileio import write_atomic
 
 LOCK_FILE = ".canon-titan.lock"
@@ -72,10 +74,12 @@ class DumpFolderUnusable(RuntimeError):
     pass
 
 
-def lock_dump_folder(dump_folder: str | os.PathLike, *, hold: bool = True) -> None:
+def lock_dump_folder(dump_folder: str | os.PathLike, *, hold: bool = True,
+                     on_lost: Callable[[str], None] | None = None) -> None:
     """Take the dump folder's run lock and lease (kept for the process's life when ``hold``; else only
     checked), or raise DumpFolderInUse naming the live run that has them, or DumpFolderUnusable when
-    the lock file cannot be opened."""
+    the lock file cannot be opened. ``on_lost(line)`` is called (from the refreshing thread) if
+    another run takes the lease over while this process holds it."""
     folder = Path(dump_folder)
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / LOCK_FILE
@@ -93,7 +97,7 @@ def lock_dump_folder(dump_folder: str | os.PathLike, *, hold: bool = True) -> No
                                   "wait for it to end or stop it, or use another [job] dump_folder") from None
         handle = None  # no working flock here, whatever it says: the lease alone keeps other runs out
     try:
-        _take_lease(folder, hold)
+        _take_lease(folder, hold, on_lost)
     except BaseException:
         if handle is not None:
             handle.close()
@@ -215,14 +219,17 @@ def _parse(text: str) -> dict | None:
 def _create_exclusive(lease: Path, text: str) -> bool:
     """Create ``lease`` holding ``text`` unless it exists: a complete temporary file hard-linked to
     the name (link fails when the name exists, atomically even on NFS, and no reader ever sees a
-    half-written lease). False when another process has it."""
+    half-written lease). False when another process has it. On NFS the LINK call is not
+    idempotent: when its reply is lost, the client's retransmission answers EEXIST although the
+    first made the link; the temporary file's link count tells (2: the link is this process's;
+    open(2)'s recipe)."""
     tmp = lease.with_name(f"{lease.name}.{socket.gethostname()}.{os.getpid()}.new")
     try:
         write_atomic(tmp, text)
         os.link(tmp, lease)
         return True
     except FileExistsError:
-        return False
+        return os.stat(tmp).st_nlink == 2
     except OSError as e:  # a full disk, or a filesystem without hard links (some FUSE mounts)
         raise DumpFolderUnusable(f"cannot create the lease file {lease}: {e.strerror or e}; use a [job] dump_folder "
                                  "with free space, on a POSIX filesystem (NFS, Lustre, GPFS, BeeGFS, a local disk)"
@@ -251,7 +258,7 @@ def _remove_if_unchanged(lease: Path, text: str) -> bool:
         mine.unlink(missing_ok=True)
 
 
-def _take_lease(folder: Path, hold: bool) -> None:
+def _take_lease(folder: Path, hold: bool, on_lost: Callable[[str], None] | None = None) -> None:
     """The lease: naming the holder, created exclusively, refreshed by the holder, and removed however
     it ends on purpose (``exit_codes.before_exit``: at exit, and before ``os._exit``). It is never
     taken from a live process of this host, nor from a job squeue says is running; it is over, and
@@ -281,13 +288,13 @@ def _take_lease(folder: Path, hold: bool) -> None:
             return
         text = json.dumps(_lease_holder())
         if _create_exclusive(lease, text):
-            _hold_lease(lease, text)
+            _hold_lease(lease, text, on_lost)
             return
     raise DumpFolderInUse(f"dump folder {folder}: another process keeps taking its lease file {lease}; "
                           "is another run starting there?")
 
 
-def _hold_lease(lease: Path, text: str) -> None:
+def _hold_lease(lease: Path, text: str, on_lost: Callable[[str], None] | None) -> None:
     released = threading.Event()
 
     def release():
@@ -310,8 +317,13 @@ def _hold_lease(lease: Path, text: str) -> None:
             except OSError:
                 return
         if not released.is_set():
-            logger.error(f"the lease {lease} is no longer this run's ({_describe_holder(lease.parent)} holds it, "
-                         "or it was deleted): another run may write into the same dump folder; stop one of them")
+            line = (f"the lease {lease} is no longer this run's ({_describe_holder(lease.parent)} "
+                    "holds it, or it was deleted): another run may write into the same dump "
+                    "folder; this run stops before its next save, so that the two do not write "
+                    "checkpoints side by side")
+            logger.error(line)
+            if on_lost is not None:
+                on_lost(line)
 
     before_exit(release)
     threading.Thread(target=refresh, name="lease-refresh", daemon=True).start()
@@ -329,32 +341,35 @@ def held_lease_token(dump_folder: str | os.PathLike) -> str | None:
 SHARED_LOOKS = 3
 """How often a node looks for rank 0's lease, a second apart, before it says it does not see it: an NFS
 client may answer a lookup from its cache of names for a moment (listing the folder first revalidates it)."""
+SHARED_WAIT = datetime.timedelta(minutes=10)
+"""How long a rank waits for every node to have looked for the lease."""
 
 
-def check_shared(store, dump_folder: str | os.PathLike, token: str, key: str) -> str | None:
+def check_shared(store, dump_folder: str | os.PathLike, token: str) -> str | None:
     """On several nodes: whether every node sees the dump folder whose lease rank 0 holds (``token``:
     that lease's), or one line saying that some do not and how to fix it. Local rank 0 of each node
-    reads the lease; every rank gets the same answer through ``store`` (torchrun's, under ``key``), so
-    none trains while another refuses. A folder each node has of its own (a node-local disk, a path
-    mounted on some nodes only) would take half of every checkpoint, and the run would end as if saved."""
+    reads the lease and says through ``store`` (torchrun's) whether it saw it; every rank waits
+    until every node has looked and reads the same count, so none trains while another refuses. A
+    folder
+    each node has of its own (a node-local disk, a path mounted on some nodes only) would take half
+    of every checkpoint, and the run would end as if saved."""
     nodes = int(os.environ.get("GROUP_WORLD_SIZE", "1"))
     if nodes == 1:
         return None
-    answer = f"{key}/answer"
-    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
-        if not _sees(Path(dump_folder) / LEASE_FILE, token):
-            store.compare_set(f"{key}/first-blind", "", socket.gethostname())
-            store.add(f"{key}/blind", 1)
-        if store.add(f"{key}/read", 1) == nodes:  # the last node to look says what all found
-            blind = store.add(f"{key}/blind", 0)
-            problem = "" if not blind else (
-                f"dump folder {dump_folder} is not shared by every node: {blind} of {nodes} nodes (the first: "
-                f"{store.get(f'{key}/first-blind').decode()}) do not see the lease file {LEASE_FILE} that rank 0 "
-                "wrote in it; put [job] dump_folder on a filesystem every node mounts at the same path (NFS, "
-                "Lustre, GPFS, ...)")
-            store.set(answer, problem)
-            return problem or None
-    return store.get(answer).decode() or None
+    blind, first_blind = job_key("dump-folder-blind"), job_key("dump-folder-first-blind")
+    looks = int(os.environ.get("LOCAL_RANK", "0")) == 0
+    if looks and not _sees(Path(dump_folder) / LEASE_FILE, token):
+        store.compare_set(first_blind, "", socket.gethostname())
+        store.add(blind, 1)
+    store_barrier("dump-folder-seen", SHARED_WAIT, parties=nodes, arrives=looks, store=store)
+    unseen = store.add(blind, 0)
+    if not unseen:
+        return None
+    first = store.get(first_blind).decode()
+    return (f"dump folder {dump_folder} is not shared by every node: {unseen} of {nodes} nodes "
+            f"(the first: {first}) do not see the lease file {LEASE_FILE} that rank 0 wrote in "
+            "it; put [job] dump_folder on a filesystem every node mounts at the same path (NFS, "
+            "Lustre, GPFS, ...)")
 
 
 def _sees(lease: Path, token: str) -> bool:

@@ -8,10 +8,11 @@ rank goes on to build, load or wait in a collective for a rank that refused."""
 
 from __future__ import annotations
 
-import json
 import os
 from datetime import timedelta
 from pathlib import Path
+
+from torch.distributed import DistStoreError
 
 from canon_titan.config import run_toml
 from canon_titan.config.build import absolute_paths
@@ -19,7 +20,9 @@ from canon_titan.convert.dcp_io import NoLoadableCheckpoint
 from canon_titan.data.fingerprint import data_fingerprint
 from canon_titan.launch.ownership import (DumpFolderInUse, DumpFolderUnusable, check_shared, held_lease_token,
                                          lock_dump_folder)
+from canon_titan.components.checkpointer import refuse_saves
 from canon_titan.components.resume_checks import ResumeRefused, check_resume
+from canon_titan.tools.collectives import rank_zero_decides, store_barrier
 from canon_titan.trainer import RUN_CONFIG_FILE, FinishedRun, config_changes, resume_point
 
 CHECKED_ENV = "CANON_TITAN_LAUNCH_CHECKED"
@@ -47,7 +50,7 @@ def check_launch(run, world_size: int, *, lock: str = "check", compare_config: b
     warnings: list[str] = []
     try:
         if lock != "skip":
-            lock_dump_folder(dump, hold=lock == "hold")
+            lock_dump_folder(dump, hold=lock == "hold", on_lost=refuse_saves)
         ckpt = run["checkpoint"]
         if ckpt["enable"]:
             folder = Path(dump) / ckpt["folder"]
@@ -91,33 +94,29 @@ def agreed_verdict(run) -> Verdict:
     if store is None:  # one process, or started without torchrun's agent: each rank checks for itself
         verdict = _decide(run, world_size, lock="hold" if rank == 0 else "skip")
         return verdict if rank == 0 else Verdict(verdict.problem)
-    key = f"canon-titan/launch-verdict/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
     dump = run["job"]["dump_folder"]
-    if rank == 0:
+
+    def decide() -> tuple[str | None, list[str], str | None]:
         verdict = _decide(run, world_size)
         token = None if verdict.problem else held_lease_token(dump)
-        store.set(key, json.dumps({"problem": verdict.problem, "lease": token}))
-    else:
-        published = json.loads(store.get(key))
-        verdict, token = Verdict(published["problem"]), published["lease"]
+        return verdict.problem, verdict.warnings, token
+
+    problem, warnings, token = rank_zero_decides(decide, "launch-verdict", timeout=VERDICT_WAIT,
+                                                 store=store)
+    verdict = Verdict(problem, warnings if rank == 0 else [])
     if verdict.problem is None:
-        verdict.problem = check_shared(store, dump, token, f"{key}/shared")
+        verdict.problem = check_shared(store, dump, token)
     if verdict.problem:
-        _until_every_rank_has_it(store, f"{key}/told", world_size)
+        _until_every_rank_has_it(store)
     return verdict
 
 
-def _until_every_rank_has_it(store, key: str, world_size: int) -> None:
-    """Hold a refusing rank until every rank has the refusal (or ``TOLD_WAIT`` passed): the store lives in
-    a node's torchrun agent, which ends once its ranks do, and a rank that asked after that would end on
-    a connection error instead of the refusal's line."""
-    from torch.distributed import DistStoreError
-
-    if store.add(key, 1) == world_size:
-        store.set(f"{key}/all", "")
-        return
+def _until_every_rank_has_it(store) -> None:
+    """Hold a refusing rank until every rank has the refusal (or ``TOLD_WAIT`` passed): the store
+    lives in a node's torchrun agent, which ends once its ranks do, and a rank that asked after that
+    would end on a connection error instead of the refusal's line."""
     try:
-        store.wait([f"{key}/all"], TOLD_WAIT)
+        store_barrier("launch-refusal-told", TOLD_WAIT, store=store)
     except DistStoreError:  # a rank that never came (it died): the others have said why
         pass
 
@@ -126,7 +125,7 @@ def _decide(run, world_size: int, lock: str = "hold") -> Verdict:
     if os.environ.get(CHECKED_ENV) == "1":  # the launcher checked and warned; only the lock is left to take
         try:
             if lock == "hold":
-                lock_dump_folder(run["job"]["dump_folder"])
+                lock_dump_folder(run["job"]["dump_folder"], on_lost=refuse_saves)
             return Verdict(None)
         except (DumpFolderInUse, DumpFolderUnusable) as e:
             return Verdict(str(e))

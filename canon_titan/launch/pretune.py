@@ -1,7 +1,9 @@
 """``python -m canon_titan.launch.pretune CONFIG.toml [--section.key value ...]``: before a linear
 model's first run on a machine, tune one rank's kernels on its GPU into Triton's cache
-(``TRITON_CACHE_DIR``, default ``~/.triton/cache``), which the run's processes then read instead of
-tuning (``models/common/linear_tuning.py``)."""
+(``TRITON_CACHE_DIR``; with ``TRITON_CACHE_AUTOTUNING=1`` the choices too), which the run's
+processes then read instead of tuning (``models/common/linear_tuning.py``); on a cluster, a shared
+folder that each node copies into its own cache (``CANON_TITAN_TRITON_SEED``,
+``launch/triton_cache.py``)."""
 
 from __future__ import annotations
 

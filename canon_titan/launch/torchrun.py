@@ -7,8 +7,11 @@ Before torchrun starts anything, for a ``canon_titan.train`` job: its config is 
 validate`` checks it, at the job's world size (nodes x processes per node), and refused in one line on
 every node; a host whose own name does not resolve (torchrun names the node by it, and its workers
 would wait minutes for a store there) runs a one-node job on the loopback address and refuses a
-multi-node one. While a node waits for the others to join, it says every 30 s whom it waits for and
-where. A stop signal before torchrun has its own handlers is one line and 75 (nothing has started).
+multi-node one; a node rank out of range, a rendezvous port taken on the node that would host it,
+and a node rank another node holds already are refused in one line (``launch/rendezvous.py``). While
+a node waits for the others to join, it says every 30 s whom it waits for and where. The node's
+Triton cache is seeded from ``CANON_TITAN_TRITON_SEED`` when given (``launch/triton_cache.py``). A
+stop signal before torchrun has its own handlers is one line and 75 (nothing has started).
 
 The lines the ranks say alike (``exit_codes.say_once``: a refusal, why they stopped) are printed once,
 after torchrun ends, so the diagnosis is the last line on each node's console.
@@ -49,17 +52,10 @@ from pathlib import Path
 from canon_titan.components.exit_codes import (DUPLICATE_WINDOW_S, OUTCOME_DIR_ENV, PREEMPTED, REFUSED, STOPPED,
                                                STOPPED_EXIT_CODES, before_exit, exit_now, reported_exits,
                                                reported_lines, saved_checkpoints, take_stop_signals, trained, watching)
-from canon_titan.tools.fileio import write_atomic
 
 TRAINING_MODULE = "canon_titan.train"
 SHUTDOWN_MARGIN_S = 30
 """Beyond the run's stop grace: the workers' exit, torchrun's own shutdown."""
-REQUEUE_MARKER_ENV = "CANON_TITAN_REQUEUE_MARKER"
-"""A file the wrapper writes when it exits 75 (every worker saved the step it reached and that checkpoint
-is complete, or nothing had trained). A job script requeues on it rather than on srun's exit code: with
-``--kill-on-bad-exit`` the first node to exit 75 has srun kill the others' tasks, and srun then reports
-the killed tasks' signal (128 + signal) over every exit code."""
-
 _first_signal_at: list[float] = []
 
 
@@ -79,7 +75,6 @@ def _stop_before_start(signum) -> None:
     """A stop signal before torchrun has its own handlers: no worker has started."""
     os.write(2, f"canon-titan: {signal.Signals(signum).name} before the training processes started: stopped, "
                 "nothing to save; run the same command again\n".encode())
-    _mark_requeue([])
     exit_now(PREEMPTED)
 
 
@@ -106,19 +101,6 @@ def after_stop_signal(reported: dict[int, int], saved: list[Path], training: boo
 
 def _complete(saved: list[Path]) -> bool:
     return all((step_dir / ".metadata").is_file() for step_dir in saved)
-
-
-def _mark_requeue(saved: list[Path]) -> None:
-    """Write ``REQUEUE_MARKER_ENV``'s file, naming the complete checkpoints the workers saved, for a job
-    script to requeue on."""
-    marker = os.environ.get(REQUEUE_MARKER_ENV)
-    if not marker:
-        return
-    try:
-        write_atomic(marker, "".join(f"{step_dir}\n" for step_dir in sorted(set(saved))))
-    except OSError as e:
-        print(f"canon-titan: cannot write the requeue marker {marker}: {e.strerror or e}; the job will not be "
-              "requeued, resume it with the same command", file=sys.stderr)
 
 
 class _PurposefulStops(logging.Filter):
@@ -330,7 +312,10 @@ def main(argv: list[str] | None = None) -> int:
         from torch.distributed.elastic.multiprocessing.api import SignalException
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
         from torch.distributed.run import main as torchrun_main
-        from torch.distributed.run import parse_args
+        from torch.distributed.run import parse_args, parse_min_max_nnodes
+
+        from canon_titan.launch import rendezvous
+        from canon_titan.launch.triton_cache import seeded_from_environment
 
     argv = sys.argv[1:] if argv is None else argv
     launch = parse_args(argv)  # torchrun's own reading of its arguments
@@ -338,9 +323,17 @@ def main(argv: list[str] | None = None) -> int:
         else (None, None)
     local, problem = ([], problem) if problem else _local_address(launch)
     problem = problem or _store_host(launch)
+    if not problem and not _single_node(launch):
+        threading.Thread(target=_say_while_waiting, args=(launch,), name="waiting",
+                         daemon=True).start()
+        problem = rendezvous.problem(launch, parse_min_max_nnodes(launch.nnodes)[1])
+    seeded, seed_problem = seeded_from_environment() if not problem else (None, None)
+    problem = problem or seed_problem
     if problem:
         print(f"canon-titan: {problem}", file=sys.stderr)
         return REFUSED
+    if seeded:
+        print(f"canon-titan: {seeded}", file=sys.stderr)
     argv, own_log_dir = with_defaults(argv, grace)
     argv = local + argv
     # torchrun installs the module's handler by name when it starts its workers, and raises on every
@@ -359,8 +352,6 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("torch.distributed.elastic.multiprocessing.api", "torch.distributed.elastic.agent.server.api",
                  "torch.distributed.elastic.multiprocessing.errors.error_handler"):
         logging.getLogger(name).addFilter(quiet)
-    if not _single_node(launch):
-        threading.Thread(target=_say_while_waiting, args=(launch,), name="waiting", daemon=True).start()
     code = None
     try:
         torchrun_main(argv)
@@ -386,8 +377,6 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for line in reported_lines(outcomes):
             print(f"canon-titan: {line}", file=sys.stderr, flush=True)
-        if code == PREEMPTED:
-            _mark_requeue(saved_checkpoints(outcomes))
         if code is None and own_log_dir:  # torchrun's report names the files there
             made.remove(own_log_dir)
     return code

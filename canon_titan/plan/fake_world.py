@@ -39,6 +39,7 @@ from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from canon_titan.kernels.documents import one_document_a_row
 from canon_titan.plan.recorder import StepRecorder, StepTrace
 
 _SCALAR = torch.ops.aten._local_scalar_dense.default
@@ -75,8 +76,9 @@ class ShapeOnlyBatches:
     def __iter__(self):
         while True:
             inputs = {"input": torch.zeros(self.batch_size, self.seq_len, dtype=torch.long)}
-            if self.positions:
+            if self.positions:  # one document a row
                 inputs["positions"] = torch.arange(self.seq_len).expand(self.batch_size, -1)
+                inputs.update(one_document_a_row(self.batch_size, self.seq_len))
             yield inputs, torch.zeros(self.batch_size, self.seq_len, dtype=torch.long)
 
 

@@ -30,6 +30,11 @@ CANON = {ops.canon_conv, ops.canon_conv_backward, ops.canon_conv_weight_grads, o
          ops.canon_swiglu_backward}
 RECURRENCES = {ops.fla_chunk_gla, ops.fla_chunk_gla_backward, ops.fla_chunk_gated_delta_rule,
                ops.fla_chunk_gated_delta_rule_backward, ops.mamba_chunk_scan, ops.mamba_chunk_scan_backward}
+# With document boundaries (kernels/documents.py): the same kernels, the same work.
+RECURRENCES |= {ops.fla_chunk_gla_documents, ops.fla_chunk_gla_documents_backward,
+                ops.fla_chunk_gated_delta_rule_documents,
+                ops.fla_chunk_gated_delta_rule_documents_backward, ops.mamba_chunk_scan_documents,
+                ops.mamba_chunk_scan_documents_backward}
 
 
 def op_kind(packet) -> str:
@@ -149,3 +154,48 @@ def _ssd_backward(dy_shape, d_final_shape, x_shape, dt_shape, a_shape, b_shape, 
                   chunk_size, *args, out_shape=None, **kwargs) -> int:
     batch, seq_len, heads, head_dim = x_shape
     return 2 * _ssd_forward(x_shape, b_shape, chunk_size) + 2 * batch * seq_len * heads * head_dim * b_shape[3]
+
+
+# With document boundaries the kernels run over the same chunks of the same tokens (the batch
+# flattened for fla: one row of 64-token chunks, each document's last one partial), so the formulas
+# above count their work at FLA_CHUNK; a document's partial chunk costs as a full one.
+@register_flop_formula(ops.fla_chunk_gla_documents)
+def _gla_documents(q_shape, k_shape, v_shape, *args, out_shape=None, **kwargs) -> int:
+    from canon_titan.kernels.documents import FLA_CHUNK
+
+    return _gla_forward(q_shape, v_shape, FLA_CHUNK)
+
+
+@register_flop_formula(ops.fla_chunk_gla_documents_backward)
+def _gla_documents_backward(do_shape, d_final_shape, q_shape, k_shape, v_shape, *args,
+                            out_shape=None, **kwargs) -> int:
+    from canon_titan.kernels.documents import FLA_CHUNK
+
+    batch, seq_len, heads, dk = q_shape
+    states = 2 * batch * heads * seq_len * dk * v_shape[-1]
+    return 2 * _gla_forward(q_shape, v_shape, FLA_CHUNK) + states
+
+
+@register_flop_formula(ops.fla_chunk_gated_delta_rule_documents)
+def _delta_rule_documents(q_shape, k_shape, v_shape, *args, out_shape=None, **kwargs) -> int:
+    return _delta_rule_forward(q_shape, v_shape)
+
+
+@register_flop_formula(ops.fla_chunk_gated_delta_rule_documents_backward)
+def _delta_rule_documents_backward(do_shape, d_final_shape, q_shape, k_shape, v_shape, *args,
+                                   out_shape=None, **kwargs) -> int:
+    return _delta_rule_backward(do_shape, d_final_shape, q_shape, k_shape, v_shape)
+
+
+@register_flop_formula(ops.mamba_chunk_scan_documents)
+def _ssd_documents(x_shape, dt_shape, a_shape, b_shape, c_shape, d_shape, chunk_size, *args,
+                   out_shape=None, **kwargs) -> int:
+    return _ssd_forward(x_shape, b_shape, chunk_size)
+
+
+@register_flop_formula(ops.mamba_chunk_scan_documents_backward)
+def _ssd_documents_backward(dy_shape, d_final_shape, x_shape, dt_shape, a_shape, b_shape, c_shape,
+                            d_shape, y_shape, chunk_size, *args, out_shape=None, **kwargs) -> int:
+    batch, seq_len, heads, head_dim = x_shape
+    states = 2 * batch * seq_len * heads * head_dim * b_shape[3]
+    return 2 * _ssd_forward(x_shape, b_shape, chunk_size) + states

@@ -20,6 +20,14 @@ Markdown tables (ready for docs/benchmarks/):
    tokens per step: 4096 x 2) for information: tokens/s, MFU, peak memory and the first step's seconds (from the
    model's build: compile and kernel tuning). The kernels each run used are listed.
 4. host (``--tables host``, on a CPU): each custom op's host path in one layer, counted (``linear_host.py``).
+5. documents (``--tables documents``, on a CPU): what keeping packed documents apart costs per
+   layer. Bytes and kernels of one compiled block's own code at ``--documents-flavor`` (1B) and
+   ``--documents-tokens`` tokens, as Inductor's scheduler counts them for a Hopper GPU
+   (``inductor_bytes.HopperCodegen``; the recurrence's custom ops left out: their kernels are
+   fla's and mamba-ssm's), with and without document boundaries (four documents a row); then each
+   custom op's Triton launches and torch kernels with and without them (``linear_host.py
+   --documents``). The Canon layers run on the torch backend in both (the Triton Canon op takes no
+   positions yet), Canon-AbCD and without Canon layers ('').
 
 For tables 1 and 2, a step is forward + backward + AdamW on random tokens, after ``--warmup`` untimed steps; the tables
 give the median of the timed steps. Each model runs in its own process (its cases in order, the
@@ -35,6 +43,7 @@ steps up to ~1.7x slower and very noisy. Progress goes to stderr, tables to stdo
   .venv/bin/python scripts/benchmarks/bench_linear.py --tables scaling --models gla5:bb,llama_canon
   .venv/bin/python scripts/benchmarks/bench_linear.py --tables trainer                              # on a GPU
   .venv/bin/python scripts/benchmarks/bench_linear.py --tables host                                 # any machine
+  .venv/bin/python scripts/benchmarks/bench_linear.py --tables documents             # on a CPU
 """
 
 from __future__ import annotations
@@ -72,7 +81,8 @@ def parse_args(argv=None):
                         "(fla for gla5/gdn2, mamba_ssm for mamba2)")
     p.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", 2)),
                    help="torch CPU threads (default $OMP_NUM_THREADS or 2)")
-    p.add_argument("--tables", default="throughput,scaling", help="comma list of throughput, scaling, trainer, host")
+    p.add_argument("--tables", default="throughput,scaling",
+                   help="comma list of throughput, scaling, trainer, host, documents")
     # table 1
     p.add_argument("--dim", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
@@ -110,8 +120,17 @@ def parse_args(argv=None):
     p.add_argument("--trainer-steps", type=int, default=30)
     p.add_argument("--trainer-warmup", type=int, default=10, help="steps left out of the medians (compile, autotuning)")
     p.add_argument("--trainer-no-compile", dest="trainer_compile", action="store_false")
+    # table 5
+    p.add_argument("--documents-flavor", default="1B")
+    p.add_argument(
+        "--documents-tokens",
+        type=int,
+        default=4096,
+        help="tokens of the one row (documents of its 17, 37, 7 and 39 hundredths)",
+    )
     p.add_argument("--json", help="also write the raw results here")
     p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--bytes-worker", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
@@ -414,10 +433,157 @@ def trainer_table(results: list[dict], specs: list[str], seqs: list[int], args) 
     return "\n".join(lines)
 
 
+DOCUMENT_SHARES = (0.17, 0.37, 0.07)
+"""The row's first three documents, as shares of it; the fourth takes the rest."""
+
+
+def block_bytes(job: dict) -> dict:
+    """One compiled block's forward and backward kernels and bytes per token
+    (``inductor_bytes.HopperCodegen``: in a process of its own), with document boundaries if
+    ``job["documents"]``."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from inductor_bytes import HopperCodegen
+    from torch._library.custom_ops import OPDEFS
+
+    from canon_titan.kernels.backends import KernelEnvironment, planned_machine
+    from canon_titan.kernels.documents import Documents, document_boundaries
+
+    codegen = HopperCodegen()
+    family, tokens = job["family"], job["tokens"]
+    # The recurrences' ops answer with their fake outputs: their kernels are the packages'
+    # (linear_host.py).
+    for name, op in OPDEFS.items():
+        if name.startswith(("canon_titan::fla_", "canon_titan::mamba_")):
+            op.register_kernel("cpu")(op._abstract_fn)
+    with planned_machine(KernelEnvironment.planned_gpu((9, 0))):
+        spec = model_registry.model_spec(
+            family,
+            job["flavor"],
+            {
+                "n_layers": 1,
+                "canon_set": job["canon"],
+                "canon_backend": "torch",
+                "kernel_backend": {"gla5": "fla", "gdn2": "fla", "mamba2": "mamba_ssm"}[family],
+            },
+        )
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(torch.bfloat16)  # FSDP's bf16 parameters, as the trainer computes
+        try:
+            block = spec.model.build().layers["0"]
+        finally:
+            torch.set_default_dtype(default)
+        x = torch.randn(1, tokens, spec.model.args.dim, dtype=torch.bfloat16, requires_grad=True)
+        args = (x,)
+        if job["documents"]:
+            lengths = [int(share * tokens) for share in DOCUMENT_SHARES]
+            positions = torch.cat(
+                [torch.arange(n) for n in lengths + [tokens - sum(lengths)]]
+            ).unsqueeze(0)
+            args = (x, Documents(positions, **document_boundaries(positions)), positions)
+        y = torch.compile(block, fullgraph=True)(*args)
+        y.backward(torch.ones_like(y))
+    forward, backward = codegen.graphs
+    return {**job, "forward": forward, "backward": backward}
+
+
+def documents_table(results: list[dict], args) -> str:
+    by = {(r["family"], r["canon"], r["documents"]): r for r in results}
+    lines = [
+        f"**Keeping documents apart: a compiled block's own code** ({args.documents_flavor}, "
+        f"1 x {args.documents_tokens:,} tokens, four documents a row; bf16; Inductor's kernels for "
+        "sm_90 as its scheduler counts them, the recurrence's custom ops left out; Canon layers on "
+        "the torch backend)",
+        "",
+        "| model | forward kernels | forward KB / token | backward kernels | backward KB / token |",
+        "|---|---:|---:|---:|---:|",
+    ]
+
+    def cell(plain, masked, key, unit=1):
+        a, b = plain[key] / unit, masked[key] / unit
+        return (
+            f"{a:,.0f} -> {b:,.0f}" if unit == 1 else f"{a:,.1f} -> {b:,.1f} ({(b - a) / a:+.1%})"
+        )
+
+    for family, canon in dict.fromkeys((f, c) for f, c, _ in by):
+        plain, masked = by.get((family, canon, False)), by.get((family, canon, True))
+        if plain and masked:
+            kb = 1000 * args.documents_tokens
+            lines.append(
+                f"| {family}:{canon or '(none)'} | "
+                f"{cell(plain['forward'], masked['forward'], 'kernels')} | "
+                f"{cell(plain['forward'], masked['forward'], 'bytes', kb)} | "
+                f"{cell(plain['backward'], masked['backward'], 'kernels')} | "
+                f"{cell(plain['backward'], masked['backward'], 'bytes', kb)} |"
+            )
+    return "\n".join(lines)
+
+
+def run_documents_table(args, models) -> list[str]:
+    results, out = [], []
+    for family in dict.fromkeys(f for f, _ in models if f in LINEAR):
+        for canon in ("AbbCD", ""):
+            for documents in (False, True):
+                job = {
+                    "family": family,
+                    "canon": canon,
+                    "documents": documents,
+                    "flavor": args.documents_flavor,
+                    "tokens": args.documents_tokens,
+                }
+                proc = subprocess.run(
+                    [sys.executable, os.path.abspath(__file__), "--bytes-worker", json.dumps(job)],
+                    capture_output=True,
+                    text=True,
+                )
+                lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+                if proc.returncode or not lines:
+                    FAILED.append(f"documents {family}:{canon}")
+                    print(
+                        f"[bench_linear] documents {job} failed:\n{proc.stderr[-4000:]}",
+                        file=sys.stderr,
+                    )
+                    continue
+                results.append(json.loads(lines[0][7:]))
+                print(
+                    f"[bench_linear] documents {family}:{canon or '(none)'} {documents}: done",
+                    file=sys.stderr,
+                    flush=True,
+                )
+    if results:
+        out.append(documents_table(results, args))
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "linear_host.py")
+    proc = subprocess.run(
+        [
+            sys.executable,
+            script,
+            "--documents",
+            "--models",
+            ",".join(dict.fromkeys(f for f, _ in models if f in LINEAR)),
+        ],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, TRITON_INTERPRET="1"),
+    )
+    if proc.returncode:
+        FAILED.append("documents host")
+        print(
+            f"[bench_linear] documents host table failed:\n{proc.stderr[-4000:]}", file=sys.stderr
+        )
+    else:
+        out.append(proc.stdout.strip())
+    return out
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.worker:
         run_worker(json.loads(args.worker))
+        return 0
+    if args.bytes_worker:
+        import warnings
+
+        warnings.filterwarnings("ignore")
+        print("RESULT " + json.dumps(block_bytes(json.loads(args.bytes_worker))))
         return 0
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -476,6 +642,8 @@ def main(argv=None) -> int:
             print(f"[bench_linear] host table failed:\n{proc.stderr[-4000:]}", file=sys.stderr)
         else:
             out.append(proc.stdout.strip())
+    if "documents" in tables:
+        out += run_documents_table(args, models)
     elapsed = time.perf_counter() - started
     print(f"[bench_linear] done in {elapsed / 60:.1f} min", file=sys.stderr, flush=True)
     print("\n\n".join(out))

@@ -12,15 +12,19 @@ which installs the offline kit first where needed.
                       torch, mamba2 mamba_ssm vs torch (debug models, the trainer), each pair  }
                       as it ends                                                            }
   warm_tuning         two untimed steps of Mamba2-1B and GLA5-1B at 16,384 x 1, so that their }
-                      kernels are tuned and compiled (on disk) before their timed runs
+                      kernels are tuned and compiled (on disk) before their timed runs      }
+  syncs               what a training step waits on (step_syncs.py): sync debug mode and the }
+                      profiler's CUDA runtime calls, pinned vs pageable batches, and PP 2     }
+                      (PP 2 x FSDP 2 on four GPUs) where two GPUs are lent
   canon_llama_b8      the trainer, one run each (TorchTitan's metrics; 1B, seq 4096, the recipes' batch 8,
   canon_triton_b8       compile, a profiled step): Llama-1B, then LlamaCanon-1B on the Triton Canon op: the
                         Canon ratio of record
   canon_llama         the same at batch 2 (the base of the linear and float8 runs)
   canon_triton
   linear_*_16k        the linear models' figure of record: Llama, Mamba2, GLA5, GDN2 (Canon AbbCD) at the
-                      recipes' 16,384 x 1, then Mamba2 with CUDA graphs; a case whose recurrence ``auto`` runs
-                      on torch here is skipped, saying why
+                      recipes' 16,384 x 1, then Mamba2 with CUDA graphs, then the three with
+                      document masking (against the same runs without); a case whose recurrence
+                      ``auto`` runs on torch here is skipped, saying why
   linear_*_4k         Mamba2, GLA5, GDN2 at 4096 x 2, for information (against canon_llama)
   float8_tensorwise   LlamaCanon-1B (triton) with float8 training, each recipe (against canon_triton)
   float8_rowwise
@@ -131,6 +135,15 @@ def cases() -> list[Case]:
             out.append(Case(f"linear_mamba2_{tag}_graphs", "linear", "mamba2:AbbCD, CUDA graphs",
                             {"name": "mamba2", "flavor": "1B", "canon_set": "AbbCD"}, seq, batch, base=base,
                             extra=("--training.disable_cuda_graphs=false",), limit=180, kernel_op="ssd"))
+            # Packed documents kept apart (fla's varlen kernels, mamba-ssm's seq_idx, the Canon
+            # layers' taps inside each document) against the same run without: the built-in corpus
+            # packs ~190 documents a row.
+            out += [Case(f"linear_{family}_{tag}_documents", "linear",
+                         f"{family}:AbbCD, document masking",
+                         {"name": family, "flavor": "1B", "canon_set": "AbbCD"}, seq, batch,
+                         base=f"linear_{family}_{tag}",
+                         extra=("--dataloader.document_masking=true",), limit=180,
+                         kernel_op=LINEAR_OPS[family]) for family in LINEAR]
     for recipe in ("tensorwise", "rowwise"):
         out.append(Case(f"float8_{recipe}", "float8", f"llama_canon (triton) {recipe}",
                         {**canon, "canon_backend": "triton"}, 4096, 2, base="canon_triton",
@@ -148,9 +161,11 @@ def steps(tiny: bool, work: Path) -> list[Step]:
     correctness = [
         Step("kernel_tests", 120, [py, SCRIPT, "--kernel-tests", str(work), *tiny_flag], group="correctness"),
         Step("losses", 120, [py, SCRIPT, "--losses", str(work / "losses.json"), *tiny_flag], group="correctness")]
-    if not tiny:  # nothing to tune in the interpreter
+    if not tiny:  # nothing to tune in the interpreter, no CUDA to synchronise with
         correctness.append(Step("warm_tuning", 120, [py, SCRIPT, "--warm", str(work / "warm_tuning.json")],
                                 group="correctness"))
+        correctness.append(Step("syncs", 150, [py, "scripts/benchmarks/step_syncs.py",
+                                               str(work / "syncs.json")], group="correctness"))
     trainer = {c.name: Step(c.name, c.limit, [py, SCRIPT, "--case", c.name, str(work / f"{c.name}.json"),
                                               *tiny_flag]) for c in cases() if c.tiny or not tiny}
     ops_step = Step("ops", 120, [py, "scripts/benchmarks/bench_canon.py", "--mode", "ops", *ops,

@@ -14,7 +14,12 @@ Reads are counted once they reach the dispatcher (``_local_scalar_dense``), and 
 ``numpy``/``to`` at the Python level, where a CPU tensor's own data is read without any op. A copy from
 device to host memory with ``non_blocking`` is counted as a wait only when its host copy is read (it
 arrives later on a GPU, behind an event the reader waits on: what it waits for is the device's work up to
-the copy, which a read one step later finds done).
+the copy, which a read one step later finds done). A copy to the device with ``non_blocking`` from
+pageable host memory is counted as a wait: the driver stages it through a pinned buffer of its own
+and may wait for the stream to do so (CUDA's "API synchronization behavior"); so is one from a
+strided source, which ATen first copies into a pageable contiguous temporary. Pinned is what
+``canon_titan.tools.host_memory.is_pinned`` says: a GPU run's page-locked memory, or on a CPU run
+the buffers the data loaders build their batches in, marked as standing in for it.
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
+
+from canon_titan.tools.host_memory import is_pinned
 
 aten = torch.ops.aten
 READS = {aten._local_scalar_dense.default, aten.is_nonzero.default, aten.equal.default}
@@ -77,9 +84,12 @@ class HostSyncs(TorchDispatchMode):
         return isinstance(t, torch.Tensor) and t in self.host
 
     def mark_host(self, tree) -> None:
+        """The tensors of ``tree``, and the buffers they are views of, in host memory."""
         for t in tree_flatten(tree)[0]:
             if isinstance(t, torch.Tensor):
                 self.host[t] = True
+                if t._base is not None:
+                    self.host[t._base] = True
 
     def _wait(self, what: str) -> None:
         self.waits.append(f"{what} at {_where()}")
@@ -125,16 +135,16 @@ class HostSyncs(TorchDispatchMode):
             non_blocking = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
             if self.on_host(dst) and not self.on_host(src) and not non_blocking:
                 self._wait("a copy from the device")
-            if not self.on_host(dst) and self.on_host(src) and not non_blocking:
-                self._wait("a blocking copy to the device")
+            if not self.on_host(dst) and self.on_host(src):
+                self._copy_to_device(src, non_blocking)
             return out  # the copy stays where it was made
         if func is aten._to_copy.default:
             to_host = _host_device(kwargs["device"]) if "device" in kwargs else self.on_host(args[0])
             non_blocking = kwargs.get("non_blocking", False)
             if to_host and not self.on_host(args[0]) and not non_blocking:
                 self._wait("a copy from the device")
-            if not to_host and self.on_host(args[0]) and not non_blocking:
-                self._wait("a blocking copy to the device")
+            if not to_host and self.on_host(args[0]):
+                self._copy_to_device(args[0], non_blocking)
             on_host = to_host
         elif func is aten.lift_fresh.default:
             on_host = True  # a tensor made from Python values
@@ -149,6 +159,13 @@ class HostSyncs(TorchDispatchMode):
                 else:
                     self.host.pop(t, None)
         return out
+
+    def _copy_to_device(self, src: torch.Tensor, non_blocking: bool) -> None:
+        # From a strided source ATen first makes a contiguous copy, in pageable memory.
+        if not non_blocking:
+            self._wait("a blocking copy to the device")
+        elif not is_pinned(src) or not src.is_contiguous():
+            self._wait("a copy to the device from pageable memory")
 
     # What dispatches no op on a CPU run, or loses its device on the way: reads of a CPU tensor's own
     # data, and a tensor made from Python values on the device (made on the host, then copied).

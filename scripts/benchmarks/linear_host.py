@@ -95,33 +95,50 @@ def _leaves(event) -> list:
     return [leaf for child in event.cpu_children for leaf in _leaves(child)] if event.cpu_children else [event]
 
 
+DOCUMENTS = (5, 1, 40, 18)
+"""The documents of each row with ``documents``: shorter than a chunk, one token, across a 64-token
+chunk."""
+
+
 def layer_host_path(family: str, canon_set: str = "AbbCD", *, batch: int = 1, seq_len: int = 64,
-                    repeats: int = 5) -> dict:
+                    repeats: int = 5, documents: bool = False) -> dict:
     """One block's forward and backward of ``family``'s debug flavor with its CUDA kernels (the recurrence's
     package, the Triton Canon op), after one untimed pass: per custom op, its calls and per call its Python
     calls, Triton launches and torch kernels (one pass), and its host microseconds (the median call over
-    ``repeats`` passes under torch's profiler); and the layer's totals."""
+    ``repeats`` passes under torch's profiler); and the layer's totals. With ``documents`` each row
+    packs ``DOCUMENTS`` with the boundaries the loaders send (``kernels/documents.py``), and the
+    Canon layers run on the torch backend (the Triton Canon op takes no positions yet)."""
+    from canon_titan.kernels.documents import Documents, document_boundaries
+
     cuda = {"gla5": "fla", "gdn2": "fla", "mamba2": "mamba_ssm"}[family]
     spec = model_registry.model_spec(family, "debug", {"n_layers": 1, "canon_set": canon_set, "kernel_backend": cuda,
-                                                      "canon_backend": "triton"})
+                                                      "canon_backend":
+                                                          "torch" if documents else "triton"})
     torch.manual_seed(0)
     model = spec.model.build()
     model.init_states()
     block = model.layers["0"]
     x = torch.randn(batch, seq_len, spec.model.args.dim, requires_grad=True)
+    args = (x,)
+    if documents:
+        if sum(DOCUMENTS) != seq_len:
+            raise ValueError(f"documents: rows of {sum(DOCUMENTS)} tokens, not {seq_len}")
+        positions = torch.cat([torch.arange(n) for n in DOCUMENTS]).expand(batch, -1)
+        args = (x, Documents(positions, **document_boundaries(positions)), positions)
     ops = _custom_ops()
     counting = [_Counts(ops)]
     with _stubbed_launches(counting):
-        block(x).sum().backward()  # the first call of each kernel tunes it: not the steady state
+        # The first call of each kernel tunes it: not the steady state.
+        block(*args).sum().backward()
         counts = counting[0] = _Counts(ops)
         sys.setprofile(counts.profile)
         try:
-            block(x).sum().backward()
+            block(*args).sum().backward()
         finally:
             sys.setprofile(None)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             for _ in range(repeats):
-                block(x).sum().backward()
+                block(*args).sum().backward()
     kernels, host_us = Counter(), defaultdict(list)
     for event in prof.events():
         op = event.name.split("::", 1)[1] if event.name.startswith("canon_titan::") else None
@@ -134,8 +151,15 @@ def layer_host_path(family: str, canon_set: str = "AbbCD", *, batch: int = 1, se
               for op, n in sorted(counts.calls.items())}
     total = {key: sum(v["calls"] * v[key] for v in per_op.values())
              for key in ("python_calls", "triton_launches", "torch_kernels", "host_us")}
-    return {"family": family, "canon_set": canon_set, "batch": batch, "seq_len": seq_len, "ops": per_op,
-            "total": {**total, "custom_op_calls": sum(counts.calls.values())}}
+    return {
+        "family": family,
+        "canon_set": canon_set,
+        "batch": batch,
+        "seq_len": seq_len,
+        "documents": documents,
+        "ops": per_op,
+        "total": {**total, "custom_op_calls": sum(counts.calls.values())},
+    }
 
 
 def table(results: list[dict]) -> str:
@@ -145,11 +169,12 @@ def table(results: list[dict]) -> str:
              "| model | custom op | calls | Python calls / call | Triton launches / call | torch kernels / call | "
              "host us / call |", "|---|---|---:|---:|---:|---:|---:|"]
     for r in results:
+        model = f"{r['family']}:{r['canon_set']}" + (" documents" if r.get("documents") else "")
         for op, v in r["ops"].items():
-            lines.append(f"| {r['family']}:{r['canon_set']} | {op} | {v['calls']} | {v['python_calls']} | "
+            lines.append(f"| {model} | {op} | {v['calls']} | {v['python_calls']} | "
                          f"{v['triton_launches']} | {v['torch_kernels']} | {v['host_us']:,.0f} |")
         t = r["total"]
-        lines.append(f"| {r['family']}:{r['canon_set']} | **layer** | {t['custom_op_calls']} | {t['python_calls']} | "
+        lines.append(f"| {model} | **layer** | {t['custom_op_calls']} | {t['python_calls']} | "
                      f"{t['triton_launches']} | {t['torch_kernels']} | {t['host_us']:,.0f} |")
     return "\n".join(lines)
 
@@ -161,12 +186,15 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="gla5,gdn2,mamba2", help="comma list of gla5, gdn2, mamba2")
     p.add_argument("--json", help="also write the results here")
+    p.add_argument("--documents", action="store_true",
+                   help="also each layer with packed documents (the recurrence's document ops)")
     args = p.parse_args(argv)
     families = args.models.split(",")
     unknown = [f for f in families if f not in ("gla5", "gdn2", "mamba2")]
     if unknown:
         p.error(f"--models: unknown {', '.join(unknown)}; allowed: gla5, gdn2, mamba2")
-    results = [layer_host_path(family) for family in families]
+    results = [layer_host_path(family, documents=documents) for family in families
+               for documents in ((False, True) if args.documents else (False,))]
     print(table(results))
     if args.json:
         with open(args.json, "w") as f:

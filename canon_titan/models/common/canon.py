@@ -73,43 +73,74 @@ class CanonConv(Module):
             biases = bias.split(sizes) if bias is not None else [None] * len(sizes)
         return list(zip(weights, biases)), partials
 
-    def _convolve(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                  norm: RMSNorm | None, square_sum: torch.Tensor | None = None) -> torch.Tensor:
+    def _convolve(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        norm: RMSNorm | None,
+        positions: torch.Tensor | None,
+        square_sum: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         row_scale = col_scale = None
         if norm is not None:
             row_scale = norm.inverse_rms(x, square_sum).squeeze(-1)
             col_scale = local(norm.weight, x)
         return canon_conv(x, weight, bias, row_scale=row_scale, col_scale=col_scale, residual=self.residual,
-                          activation=self.activation, backend=self.backend)
+                          activation=self.activation, positions=positions, backend=self.backend)
 
     def _halos(self, shards: ContextShards | None, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Under context parallelism, each input's runs with the rows before them (see ``ContextShards``)."""
         return xs if shards is None else tuple(shards.with_halos(x, self.kernel_size) for x in xs)
 
+    def _halo_positions(
+        self, shards: ContextShards | None, positions: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        if shards is None or positions is None:
+            return positions
+        return shards.with_halo_positions(positions, self.kernel_size)
+
     def _unhalo(self, shards: ContextShards | None, y: torch.Tensor) -> torch.Tensor:
         return y if shards is None else shards.without_halos(y, self.kernel_size)
 
-    def forward(self, x: torch.Tensor, norm: RMSNorm | None = None, shards: ContextShards | None = None) -> torch.Tensor:
-        """The layer on ``x`` [batch, seq, channels], or on ``norm(x)``."""
+    def forward(
+        self,
+        x: torch.Tensor,
+        norm: RMSNorm | None = None,
+        shards: ContextShards | None = None,
+        positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The layer on ``x`` [batch, seq, channels], or on ``norm(x)``; with ``positions``
+        [batch, seq] (each token's position in its document) the taps stay inside each document."""
         ((weight, bias),), _ = self._weights(x, [x.shape[-1]])
         (x,) = self._halos(shards, x)
-        return self._unhalo(shards, self._convolve(x, weight, bias, norm))
+        positions = self._halo_positions(shards, positions)
+        return self._unhalo(shards, self._convolve(x, weight, bias, norm, positions))
 
-    def segments(self, *xs: torch.Tensor, norms: tuple[RMSNorm | None, ...] | None = None,
-                 shards: ContextShards | None = None) -> tuple[torch.Tensor, ...]:
+    def segments(
+        self,
+        *xs: torch.Tensor,
+        norms: tuple[RMSNorm | None, ...] | None = None,
+        shards: ContextShards | None = None,
+        positions: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, ...]:
         """The layer on the concatenation of ``xs`` along channels (each through its norm, if any),
         without concatenating. Under tensor parallelism the statistics of flat norms (QK-norm) are
         summed over the group together, in one all-reduce."""
         norms = norms or (None,) * len(xs)
         xs = self._halos(shards, *xs)
+        positions = self._halo_positions(shards, positions)
         flat = [i for i, norm in enumerate(norms)
                 if self.channel_shard is not None and norm is not None and norm.tp_group is not None]
         weights, sums = self._weights(xs[0], [x.shape[-1] for x in xs], [norms[i].square_sum(xs[i]) for i in flat])
         square_sums = dict(zip(flat, sums))
-        return tuple(self._unhalo(shards, self._convolve(x, w, b, norm, square_sums.get(i)))
-                     for i, (x, (w, b), norm) in enumerate(zip(xs, weights, norms)))
+        return tuple(
+            self._unhalo(shards, self._convolve(x, w, b, norm, positions, square_sums.get(i)))
+            for i, (x, (w, b), norm) in enumerate(zip(xs, weights, norms))
+        )
 
-    def swiglu(self, gate: torch.Tensor, up: torch.Tensor, shards: ContextShards | None = None) -> torch.Tensor:
+    def swiglu(self, gate: torch.Tensor, up: torch.Tensor, shards: ContextShards | None = None,
+               positions: torch.Tensor | None = None) -> torch.Tensor:
         """``silu(g) * u`` with ``g, u`` this layer on [gate | up] (Canon-D and the SwiGLU after it)."""
         if self.channel_shard is None:
             weight, bias = local(self.weight, gate).squeeze(1), local(self.bias, gate)
@@ -118,5 +149,7 @@ class CanonConv(Module):
             weight = torch.cat((w_gate, w_up))
             bias = torch.cat((b_gate, b_up)) if b_gate is not None else None
         gate, up = self._halos(shards, gate, up)
+        positions = self._halo_positions(shards, positions)
         return self._unhalo(shards, canon_swiglu(gate, up, weight, bias, residual=self.residual,
-                                                 activation=self.activation, backend=self.backend))
+                                                 activation=self.activation, positions=positions,
+                                                 backend=self.backend))

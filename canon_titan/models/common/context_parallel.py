@@ -191,6 +191,18 @@ class ContextShards:
             pieces += [bank[:, first:first + k], x[:, start:start + length]]
         return torch.cat(pieces, dim=1)
 
+    def with_halo_positions(self, positions: torch.Tensor, kernel_size: int) -> torch.Tensor:
+        """[batch, L] document positions laid out as ``with_halos`` lays out rows: the halo rows'
+        own outputs are dropped, so their positions are never read (zeros)."""
+        k = kernel_size - 1
+        if k == 0:
+            return positions
+        pieces = []
+        for start, _, length in self.runs:
+            halo = positions.new_zeros(positions.shape[0], k)
+            pieces += [halo, positions[:, start : start + length]]
+        return torch.cat(pieces, dim=1)
+
     def without_halos(self, y: torch.Tensor, kernel_size: int) -> torch.Tensor:
         """The inverse of ``with_halos`` on a layer's output: the runs' own rows."""
         k = kernel_size - 1

@@ -34,6 +34,18 @@ class CanonDecoder(Decoder):
     class Config(Decoder.Config):
         args: Annotated[Any, tyro.conf.Suppress] = None
 
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        attention_masks=None,
+        cu_seqlens: torch.Tensor | None = None,
+        chunk_indices: torch.Tensor | None = None,
+    ):
+        """TorchTitan's; with document masking the data loaders also send the documents' boundaries
+        in fla's layout (``kernels/documents.py``), which only the linear models read."""
+        return super().forward(tokens, positions, attention_masks)
+
 
 class Embedding(nn.Embedding, Module):
     """``nn.Embedding`` as a torchtitan Module. TorchTitan's own Embedding unwraps a DTensor
@@ -60,10 +72,13 @@ class FeedForward(feed_forward.FeedForward):
         super().__init__(config)
         self.canonD = config.canonD.build() if config.canonD is not None else None
 
-    def forward(self, x: torch.Tensor, shards: ContextShards | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, shards: ContextShards | None = None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        """``positions``: Canon-D's taps stay inside each document (``CanonConv``)."""
         if self.canonD is None:
             return super().forward(x)
-        return self.w2(self.canonD.swiglu(self.w1(x), self.w3(x), shards=shards))
+        gated = self.canonD.swiglu(self.w1(x), self.w3(x), shards=shards, positions=positions)
+        return self.w2(gated)
 
 
 def swiglu(dim: int, hidden: int, init: dict, out_init: dict, canonD: CanonConv.Config | None) -> FeedForward.Config:
@@ -75,9 +90,16 @@ def swiglu(dim: int, hidden: int, init: dict, out_init: dict, canonD: CanonConv.
     )
 
 
-def normed(x: torch.Tensor, norm: RMSNorm, canon: CanonConv | None, shards: ContextShards | None = None) -> torch.Tensor:
-    """``norm(x)``, or the Canon layer on it (which applies the norm itself, fused)."""
-    return canon(x, norm, shards=shards) if canon is not None else norm(x)
+def normed(
+    x: torch.Tensor,
+    norm: RMSNorm,
+    canon: CanonConv | None,
+    shards: ContextShards | None = None,
+    positions: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``norm(x)``, or the Canon layer on it (which applies the norm itself, fused; its taps inside
+    each document with ``positions``)."""
+    return canon(x, norm, shards=shards, positions=positions) if canon is not None else norm(x)
 
 
 def decoder_parts(dim: int, vocab_size: int, norm_eps: float, embedding_init: dict, lm_head_init: dict) -> dict:

@@ -32,6 +32,7 @@ from torchtitan.models.common.decoder import Decoder
 from torchtitan.models.utils import get_dense_model_nparams_and_flops
 from torchtitan.protocols.module import Module
 
+from canon_titan.kernels.documents import Documents
 from canon_titan.models.common.canon import CanonConv
 from canon_titan.models.common.decoder import CanonDecoder, FeedForward, normed
 from canon_titan.models.common.norms import RMSNorm
@@ -116,12 +117,24 @@ class LinearBlock(Module):
         self.canonA = config.canonA.build() if config.canonA is not None else None
         self.canonC = config.canonC.build() if config.canonC is not None else None
 
-    def forward(self, x: torch.Tensor, attention_masks=None, positions: torch.Tensor | None = None):
-        # Same signature as the attention blocks. Document boundaries (positions restarting at 0)
-        # are ignored: the recurrent state and the convolutions run across the documents of a
-        # packed sequence, as in the release's training.
-        h = x + self.mixer(normed(x, self.mixer_norm, self.canonA))
-        return h + self.feed_forward(normed(h, self.ffn_norm, self.canonC))
+    def forward(
+        self,
+        x: torch.Tensor,
+        attention_masks: Documents | None = None,
+        positions: torch.Tensor | None = None,
+    ):
+        # The attention blocks' signature; ``LinearLM`` passes the batch's documents as the masks.
+        # With them, the recurrence, the short convolutions and the Canon layers keep the documents
+        # apart.
+        documents = attention_masks
+        canon_positions = None if documents is None else documents.positions
+        h = x + self.mixer(
+            normed(x, self.mixer_norm, self.canonA, positions=canon_positions), documents
+        )
+        return h + self.feed_forward(
+            normed(h, self.ffn_norm, self.canonC, positions=canon_positions),
+            positions=canon_positions,
+        )
 
 
 class LinearLM(CanonDecoder):
@@ -150,6 +163,20 @@ class LinearLM(CanonDecoder):
             nparams, flops = get_dense_model_nparams_and_flops(model, n_layers=len(self.layers), n_heads=0,
                                                                head_dims=0, seq_len=seq_len)
             return nparams, flops + 12 * sum(layer.mixer.recurrent_state_size for layer in self.layers)
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        attention_masks=None,
+        cu_seqlens: torch.Tensor | None = None,
+        chunk_indices: torch.Tensor | None = None,
+    ):
+        """With ``positions`` (the data loaders' ``document_masking``, the synthetic tasks' samples)
+        every packed document is computed as if alone (``kernels/documents.py``); without, as the
+        release trains: the state and the convolutions run across documents."""
+        documents = None if positions is None else Documents(positions, cu_seqlens, chunk_indices)
+        return Decoder.forward(self, tokens, positions, documents)
 
 
 class FlaMixer(Module):
@@ -190,9 +217,13 @@ class FlaMixer(Module):
     @abstractmethod
     def build_norm(self, config: Config) -> None: ...
 
-    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q, k, v = SiLU(b(W x)) with the short convolutions b, else SiLU(W x)."""
+    def qkv(self, x: torch.Tensor, documents: Documents | None
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v = SiLU(b(W x)) with the short convolutions b (inside each document), else
+        SiLU(W x)."""
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.q_conv1d is not None:
-            return self.q_conv1d(q), self.k_conv1d(k), self.v_conv1d(v)
+            positions = None if documents is None else documents.positions
+            return (self.q_conv1d(q, positions=positions), self.k_conv1d(k, positions=positions),
+                    self.v_conv1d(v, positions=positions))
         return F.silu(q), F.silu(k), F.silu(v)

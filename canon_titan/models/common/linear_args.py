@@ -61,9 +61,6 @@ class LinearArgs(CanonArgs, ABC):
     """Why this family has no tensor parallelism, or None when it has."""
     unset_values: ClassVar[dict[str, str]] = {"ffn_hidden_dim": "hidden_dim"}
     """As Llama's: a field whose None leaves its value to a rule -> the property holding it."""
-    document_masking: ClassVar[str | None] = (
-        "the linear models carry their recurrent state across packed documents, as the release does; they "
-        "cannot restart it at a BOS (set false)")
 
     @property
     def kv_heads(self) -> int:

@@ -4,8 +4,11 @@
 at its own shapes (local batch, or the pipeline's micro-batch; the sequence length; its share of the heads under
 tensor parallelism; the activations' dtype, ``[training] mixed_precision_param``) and runs a forward and backward
 of it on random inputs, so that the recurrence's Triton kernels tune and compile for exactly the calls of the
-first step (the Canon ops and short convolutions are Inductor's to tune under compile, as each block compiles). Then it waits, through the process group's store, until every rank has done
-the same: a rank that tunes longer keeps the others waiting there, before any collective of the run, not inside
+first step (the Canon ops and short convolutions are Inductor's to tune under compile, as each
+block compiles). Rank 0 times the candidates; the other ranks run its choices
+(``tuning.tuned_on_rank_zero``). Then
+every rank waits, through the process group's store, until every rank has done the same: a rank
+that takes longer keeps the others waiting there, before any collective of the run, not inside
 the first step's collectives, whose timeout (``[comm] init_timeout_seconds``) would end the job.
 
 Nothing runs when the recurrence runs on torch, where no Triton kernel can run (a CPU without Triton's
@@ -24,7 +27,7 @@ import torch
 from torchtitan.config import TORCH_DTYPE_MAP
 
 from canon_titan.kernels.backends import KernelEnvironment, runs_cuda_kernel
-from canon_titan.kernels.tuning import device_for_kernels, progress, wait_for_every_rank
+from canon_titan.kernels.tuning import device_for_kernels, progress, tuned_on_rank_zero
 
 _tuned: set[str] = set()
 """The shapes this process has tuned (a pipeline rank parallelizes each of its stages)."""
@@ -47,8 +50,9 @@ def tuned_first(parallelize):
 
 
 def tune_mixer(args, backend: str, *, batch: int, seq_len: int, tp: int, dtype: torch.dtype) -> None:
-    """One forward and backward of a mixer of ``args`` (a family's ``[model]`` args) with ``backend`` (resolved)
-    at one rank's shapes, then ``wait_for_every_rank``. Once per process and shape."""
+    """One forward and backward of a mixer of ``args`` (a family's ``[model]`` args) with
+    ``backend`` (resolved) at one rank's shapes, tuned by rank 0 for every rank
+    (``tuned_on_rank_zero``). Once per process and shape."""
     device = device_for_kernels()
     if (backend == "torch" or KernelEnvironment.current().planned
             or not runs_cuda_kernel(backend, torch.empty(0, device=device))):
@@ -60,9 +64,9 @@ def tune_mixer(args, backend: str, *, batch: int, seq_len: int, tp: int, dtype: 
     _tuned.add(shape)
     started = time.perf_counter()
     progress(f"{shape}: a forward and backward before the first collective")
-    run_mixer(local, backend, batch=batch, seq_len=seq_len, dtype=dtype, device=device)
+    tuned_on_rank_zero(lambda: run_mixer(local, backend, batch=batch, seq_len=seq_len, dtype=dtype,
+                                         device=device), shape)
     progress(f"{shape}: tuned in {time.perf_counter() - started:.1f} s")
-    wait_for_every_rank(shape)
 
 
 def run_mixer(args, backend: str, *, batch: int, seq_len: int, dtype: torch.dtype, device: torch.device) -> None:

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torchtitan.models.common import Linear
 
 from canon_titan.kernels import gated_delta_rule
+from canon_titan.kernels.documents import Documents
 from canon_titan.models.common.linear import FlaMixer, GatedRMSNorm, upcast
 from canon_titan.models.common.tensor_parallel import local
 
@@ -60,14 +61,14 @@ class GDN2Mixer(FlaMixer):
     def build_norm(self, config: Config) -> None:
         self.o_norm = config.o_norm.build()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv(x)
+    def forward(self, x: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
+        q, k, v = self.qkv(x, documents)
         # Heads from the widths, not a count: under tensor parallelism a rank holds some of them.
         q, k = (l2norm(t.unflatten(-1, (-1, self.head_dim))) for t in (q, k))
         v = v.unflatten(-1, (-1, self.head_v_dim))
         beta = self.b_proj(x).sigmoid()
         A_log, dt_bias = local(self.A_log, x), local(self.dt_bias, x)
         log_decay = -upcast(A_log).exp() * F.softplus(upcast(self.a_proj(x)) + upcast(dt_bias))
-        o, _ = gated_delta_rule(q, k, v, log_decay, beta, backend=self.backend)
+        o, _ = gated_delta_rule(q, k, v, log_decay, beta, documents=documents, backend=self.backend)
         gate = self.g_proj(x).unflatten(-1, (-1, self.head_v_dim))
         return self.o_proj(self.o_norm(o, gate).flatten(-2))

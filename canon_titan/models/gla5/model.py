@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from canon_titan.kernels import gla
+from canon_titan.kernels.documents import Documents
 from canon_titan.models.common.linear import FlaMixer, GatedRMSNorm, LowRankLinear, upcast
 
 GATE_LOGIT_NORMALIZER = 16
@@ -46,12 +47,12 @@ class GLA5Mixer(FlaMixer):
     def build_norm(self, config: Config) -> None:
         self.g_norm = config.g_norm.build()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv(x)
+    def forward(self, x: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
+        q, k, v = self.qkv(x, documents)
         log_gate = F.logsigmoid(upcast(self.gk_proj(x))) / GATE_LOGIT_NORMALIZER
         # Heads from the widths, not a count: under tensor parallelism a rank holds some of them.
         q, k, log_gate = (t.unflatten(-1, (-1, self.head_k_dim)) for t in (q, k, log_gate))
         v = v.unflatten(-1, (-1, self.head_v_dim))
-        o, _ = gla(q, k, v, log_gate, backend=self.backend)
+        o, _ = gla(q, k, v, log_gate, documents=documents, backend=self.backend)
         gate = self.g_proj(x).unflatten(-1, (-1, self.head_v_dim))
         return self.o_proj(self.g_norm(o, gate).flatten(-2))

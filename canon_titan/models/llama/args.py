@@ -44,8 +44,6 @@ class LlamaArgs:
     release's ``model.seed``; its run seed is 777)."""
 
     label: ClassVar[str] = "Llama"
-    document_masking: ClassVar[str | None] = None
-    """Why ``[dataloader] document_masking`` cannot be used with this family, or None."""
     unset_values: ClassVar[dict[str, str]] = {
         "n_kv_heads": "kv_heads", "ffn_hidden_dim": "hidden_dim", "rope_dim": "head_dim"}
     """A field whose None leaves its value to a rule -> the property holding that value

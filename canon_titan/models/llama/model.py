@@ -69,12 +69,14 @@ class Attention(Module):
         self.canonB = config.canonB.build() if config.canonB is not None else None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None,
-                shards: ContextShards | None = None) -> torch.Tensor:
+                shards: ContextShards | None = None,
+                canon_positions: torch.Tensor | None = None) -> torch.Tensor:
         batch, seq_len, _ = x.shape
         q, k, v = self.wq(x), self.wk(x), self.wv(x)
         # QK-norm: over the whole flat projection, before splitting into heads (fused into Canon-B).
         if self.canonB is not None:
-            q, k, v = self.canonB.segments(q, k, v, norms=(self.q_norm, self.k_norm, None), shards=shards)
+            q, k, v = self.canonB.segments(q, k, v, norms=(self.q_norm, self.k_norm, None),
+                                           shards=shards, positions=canon_positions)
         elif self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(batch, seq_len, -1, self.head_dim)
@@ -99,6 +101,9 @@ class LlamaBlock(TransformerBlock):
     class Config(TransformerBlock.Config):
         canonA: CanonConv.Config | None = None
         canonC: CanonConv.Config | None = None
+        canon_document_reset: bool = False
+        """The Canon layers' taps stay inside each document when the batch has document positions
+        (``[model] canon_document_reset``); otherwise they reach across, as the release's."""
 
     def __init__(self, config: Config):
         super().__init__()
@@ -108,12 +113,21 @@ class LlamaBlock(TransformerBlock):
         self.feed_forward = config.feed_forward.build()
         self.canonA = config.canonA.build() if config.canonA is not None else None
         self.canonC = config.canonC.build() if config.canonC is not None else None
+        self.canon_document_reset = config.canon_document_reset
 
     def forward(self, x: torch.Tensor, attention_masks=None, positions: torch.Tensor | None = None):
         # Under context parallelism the trainer passes the sequence split as ``attention_masks``.
         shards = attention_masks if isinstance(attention_masks, ContextShards) else None
-        h = x + self.attention(normed(x, self.attention_norm, self.canonA, shards), positions, shards=shards)
-        return h + self.feed_forward(normed(h, self.ffn_norm, self.canonC, shards), shards=shards)
+        canon = positions if self.canon_document_reset else None
+        h = x + self.attention(
+            normed(x, self.attention_norm, self.canonA, shards, canon),
+            positions,
+            shards=shards,
+            canon_positions=canon,
+        )
+        return h + self.feed_forward(
+            normed(h, self.ffn_norm, self.canonC, shards, canon), shards=shards, positions=canon
+        )
 
 
 class LlamaModel(CanonDecoder):

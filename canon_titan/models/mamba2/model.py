@@ -23,6 +23,7 @@ from torchtitan.models.common import Linear
 from torchtitan.protocols.module import Module
 
 from canon_titan.kernels import ssd
+from canon_titan.kernels.documents import Documents
 from canon_titan.models.common.canon import CanonConv
 from canon_titan.models.common.linear import GatedRMSNorm, upcast
 
@@ -59,14 +60,14 @@ class Mamba2Mixer(Module):
         self.norm = config.norm.build()
         self.out_proj = config.out_proj.build()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
         n, heads = self.state_size, self.dt_bias.shape[0]
         z, xbc, dt = self.in_proj(x).split([self.d_inner, self.d_inner + 2 * n, heads], dim=-1)
         if self.conv1d is not None:
-            xbc = self.conv1d(xbc)
+            xbc = self.conv1d(xbc, positions=None if documents is None else documents.positions)
         xs, B, C = xbc.split([self.d_inner, n, n], dim=-1)
         dt = F.softplus(upcast(dt) + upcast(self.dt_bias))
         A = -upcast(self.A_log).exp()
         y, _ = ssd(xs.unflatten(-1, (heads, self.head_dim)), dt, A, B.unsqueeze(2), C.unsqueeze(2), D=self.D,
-                   chunk_size=self.chunk_size, backend=self.backend)
+                   chunk_size=self.chunk_size, documents=documents, backend=self.backend)
         return self.out_proj(self.norm(y.flatten(-2), z))
