@@ -6,13 +6,11 @@ folders from ``[checkpoint] last_save_in_hf``."""
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import functools
 import logging
 import math
 import os
 import shutil
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated
@@ -36,6 +34,7 @@ from canon_titan.components.divergence import (
     StepVerdict,
 )
 from canon_titan.components.preemption import Preempted, StopSignals
+from canon_titan.components.progress import Progress
 from canon_titan.components.queued_step import QueuedCopies
 from canon_titan.components.resume_checks import (
     ResumeRefused,
@@ -131,12 +130,6 @@ class _DropRecord(logging.Filter):
         return not (record.msg == self.message and self.when())
 
 
-def _duration(seconds: float) -> str:
-    if seconds > 100 * 365 * 86400:
-        return f"{seconds / (365 * 86400):.3g} years"
-    return str(datetime.timedelta(seconds=round(seconds)))
-
-
 class CanonMetrics(MetricsProcessor):
     """TorchTitan's metrics, plus: the last step is always logged (a run shorter than ``log_freq``
     still ends with its final loss), and on a CPU no MFU (there is no peak-FLOPS figure to divide
@@ -194,7 +187,8 @@ class CanonTrainer(QueuedCopies, Trainer):
         self._preempting = False
         self.global_batch_size = (config.training.local_batch_size * self.gradient_accumulation_steps
                                   * getattr(self.dataloader, "dp_world_size", 1))
-        self._progress_origin: tuple[float, int] | None = None
+        self.progress = Progress(config.training.steps)
+        self._mixture_said = False
         self.evaluator = None
         if config.evaluation is not None:
             self.evaluator = InTrainingEval(config.evaluation, self.parallel_dims, self.device, config.training.steps)
@@ -412,8 +406,7 @@ class CanonTrainer(QueuedCopies, Trainer):
         return not self._preempting and super().should_continue_training()
 
     def train_step(self, data_iterator):
-        if self._progress_origin is None:
-            self._progress_origin = (time.perf_counter(), self.step - 1)
+        self.progress.step_starts()
         if self.takes_stop_signals and not self.stop_signals.installed:
             self.stop_signals.install()  # before the step's first collective: a stop signal now finishes and saves
         if self.evaluator is not None and self.evaluator.cut_short_before(self.step - 1):
@@ -426,6 +419,7 @@ class CanonTrainer(QueuedCopies, Trainer):
             if last is None or last.step != self.step or not last.skipped:
                 raise
             return
+        self.progress.step_done(self.step)
         if self.takes_stop_signals:
             self.stop_signals.step_done()
         # The previous step's verdict, now that this step's work is queued behind it (a stop request
@@ -434,7 +428,9 @@ class CanonTrainer(QueuedCopies, Trainer):
         if self._decides_now():
             self._read_verdicts(self.step)
         if self.metrics_processor.should_log(self.step):
-            self._log_progress()
+            logger.info(self.progress.line(self.step))
+            if hasattr(self.dataloader, "mixture"):
+                self._log_mixture()
         if self.evaluator is not None and self.evaluator.due(self.step):
             self._evaluate(self.step)
 
@@ -453,11 +449,11 @@ class CanonTrainer(QueuedCopies, Trainer):
             self.evaluator.close()
         super().close()
 
-    def _log_progress(self) -> None:
-        total = self.config.training.steps
-        start_time, start_step = self._progress_origin
-        done = self.step - start_step
-        elapsed = time.perf_counter() - start_time
-        eta = _duration(elapsed / done * (total - self.step)) if done else "?"
-        logger.info(f"progress: step {self.step}/{total} ({100 * self.step / total:.0f}%), "
-                    f"elapsed {_duration(elapsed)}, ETA {eta}")
+    def _log_mixture(self) -> None:
+        """A streamed mixture's tokens per source: on TensorBoard at every logged step, in the log
+        at the first and the last."""
+        metrics, line = self.dataloader.mixture()
+        self.metrics_processor.logger.log(metrics, self.step)
+        if not self._mixture_said or self.step >= self.config.training.steps:
+            logger.info(line)
+            self._mixture_said = True

@@ -248,7 +248,7 @@ def test_the_readme_gpu_figures_are_measured_runs_of_record():
     from canon_titan.plan.calibration import POINTS
 
     text = README.read_text()
-    table = text[text.index("**On a GPU**"):text.index("GLA5 and GDN2 have no GPU figure")]
+    table = text[text.index("**On a GPU**"):text.index("GDN2's only GPU figure")]
     rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in table.splitlines()
             if line.startswith("| ") and not line.startswith(("| run", "|---"))]
     assert len(rows) >= 4
@@ -266,3 +266,149 @@ def test_the_readme_gpu_figures_are_measured_runs_of_record():
         if ratio != "-":
             base = runs[(shape, date, "Llama-1B")]
             assert number(ratio.lstrip("x")) == pytest.approx(number(tokens) / base, abs=5e-4), run
+
+
+def _same_run_of_llama(point):
+    """The Llama-1B run of ``point``'s session, GPU and settings, its kernel choice aside (what its
+    "x Llama-1B" is against)."""
+    from canon_titan.plan.calibration import POINTS
+
+    settings = tuple(o for o in point.overrides if o not in ("--model.kernel_backend", "torch"))
+    return next(p for p in POINTS if p.kind.model == "llama" and (p.date, p.gpu, p.overrides) ==
+                (point.date, point.gpu, settings))
+
+
+def test_every_page_gives_gdn2_its_one_gpu_figure():
+    """GDN2's only GPU runs are on its torch fallback (``POINTS``): every page that speaks of its
+    GPU figure gives that run's ratio to the Llama-1B run of its session, and none says it has none
+    (at 381a133 the README said so, models.md and gpu.md gave x0.216)."""
+    from canon_titan.plan.calibration import POINTS
+
+    runs = [p for p in POINTS if p.kind.model == "gdn2"]
+    assert runs and all(p.kind.torch_kernels for p in runs)
+    newest = max(runs, key=lambda p: p.date)
+    llama = _same_run_of_llama(newest)
+    ratio = f"x{newest.measured_tokens_per_s / llama.measured_tokens_per_s:.3f}"
+    for page in PAGES:
+        text = " ".join(page.read_text().split())
+        assert not re.search(r"GDN2 ha(ve|s) no GPU figure|GLA5 and GDN2 have no", text), page
+    for page in (README, REPO / "docs" / "models.md", REPO / "docs" / "benchmarks" / "gpu.md"):
+        assert ratio in page.read_text(), (page, ratio)
+
+
+def test_the_readme_says_which_gpus_have_no_figure_with_the_triton_canon_ops():
+    """The README's GPU table is one H200's; for every other GPU of the runs of record without a
+    LlamaCanon run on the Triton Canon ops (the H100's 2026-11-22 run had the torch backend), it
+    says there is none."""
+    from canon_titan.plan.calibration import POINTS, TRITON
+    from canon_titan.plan.gpus import GPUS
+
+    text = " ".join(README.read_text().split())
+    triton = {p.gpu for p in POINTS
+              if p.kind.model == "llama_canon" and set(TRITON) <= set(p.overrides)}
+    for gpu in sorted({p.gpu for p in POINTS} - triton):
+        assert f"no {GPUS[gpu].name.split()[0]} figure with the Triton Canon ops" in text, gpu
+
+
+def _rendezvous(script: str) -> str:
+    text = (REPO / "scripts" / script).read_text()
+    backend = re.search(r"--rdzv_backend (\w+)", text)
+    return backend.group(1) if backend else "static"
+
+
+def test_the_pages_name_each_launch_scripts_rendezvous_as_it_is():
+    """Every clause of a page that names a launch script and a rendezvous kind names the script's
+    own (run_train.sh: torchrun's static one, which NODE_RANK orders; train.slurm: c10d). At
+    381a133 parallelism.md gave both scripts a c10d rendezvous."""
+    kinds = {script: _rendezvous(script) for script in ("run_train.sh", "train.slurm")}
+    assert kinds == {"run_train.sh": "static", "train.slurm": "c10d"}
+    checked = 0
+    for page in PAGES:
+        for clause in re.split(r"[.;|]\s|\n\n", page.read_text()):
+            named = [script for script in kinds if script in clause]
+            said = set(re.findall(r"\b(static|c10d)\b(?=[^.;|]*rendezvous)", clause))
+            if named and said:
+                checked += 1
+                assert said == {kinds[s] for s in named}, (page.name, clause)
+    assert checked >= 2
+
+
+def test_no_page_says_importing_canon_titan_quiets_library_notes():
+    """development.md: importing canon_titan changes nothing process-wide (its programs call
+    ``process_setup``); so no snippet says ``import canon_titan`` quiets torchao (checkpoints.md's
+    did), and a process that only imports it keeps torchao's logger unfiltered."""
+    import subprocess
+    import sys
+
+    development = (REPO / "docs" / "development.md").read_text()
+    assert "Importing `canon_titan` changes nothing process-wide" in development
+    for page in PAGES:
+        for line in page.read_text().splitlines():
+            if re.match(r"\s*import canon_titan\b", line):
+                assert "quiet" not in line.lower() and "drop" not in line.lower(), (page.name, line)
+    script = "import canon_titan, logging; print(len(logging.getLogger('torchao').filters))"
+    filters = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True,
+                             text=True, timeout=120).stdout.split()
+    assert filters == ["0"]
+
+
+def test_the_resume_schedule_figures_are_torchtitans():
+    """checkpoints.md's figures of a run resumed with a larger ``steps``: the learning rates
+    TorchTitan's schedule gives the debug config's keys at 30 and at 60 steps (the cosine jumps;
+    WSD stays at its peak through the stable phase)."""
+    import torch
+    from torchtitan.components.optimizer import LRSchedulersContainer
+
+    from canon_titan.config import load
+
+    run = load(REPO / "train_configs" / "llama_canon_debug.toml", [], environment=False)
+    peak = run["optimizer"]["lr"]
+
+    def lr(steps: int, at: int, **keys) -> float:
+        optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=peak)
+        schedule = LRSchedulersContainer.Config(**{**run["lr_scheduler"], **keys}).build(
+            optimizers=[optimizer], training_steps=steps)
+        for _ in range(at - 1):
+            optimizer.step()
+            schedule.step()
+        return optimizer.param_groups[0]["lr"]
+
+    text = " ".join((REPO / "docs" / "checkpoints.md").read_text().split())
+    assert f"trains step 30 at {lr(30, 30):.2e}" in text
+    assert f"step 31 trains at {lr(60, 31):.2e}" in text
+    stable = [lr(steps, 21, decay_ratio=0.2) for steps in (30, 60)]
+    assert stable == [peak, peak]
+    assert f"{peak:g} at step 21 of the same config at 30 and at 60 steps" in text
+
+
+def test_the_planning_pages_search_example_is_the_tables_search():
+    """docs/planning.md's search example is written from its record by plan_search_recipes.py (so
+    regenerating it fixes it), and that record is the search table's row of the same recipe and
+    cluster (GPU-hours per 1T tokens there, of the run here); its ratio and saving are its
+    figures'."""
+    import importlib.util
+    import sys
+
+    sys.path.insert(0, str(REPO / "scripts" / "benchmarks"))
+    path = REPO / "scripts" / "benchmarks" / "plan_search_recipes.py"
+    spec = importlib.util.spec_from_file_location("plan_search_recipes", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    text = (REPO / "docs" / "planning.md").read_text()
+    record = script.example_record_on_page(text)
+    assert script.example_block(record) in text
+    own, best = record["own"], record["best"]
+    assert f"x{best['tokens_per_s'] / own['tokens_per_s']:.2f}" in script.example_prose(record)
+    table = (REPO / "docs" / "benchmarks" / "planner.md").read_text()
+    body = table.split(script.MARKERS[0], 1)[1].split(script.MARKERS[1], 1)[0]
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in body.splitlines()
+            if line.startswith("| ") and not line.startswith(("| recipes", "|---"))]
+    cluster = f"{record['gpus']} x {record['gpu']}"
+    row = next(r for r in rows if record["recipe"].rsplit("-lr", 1)[0] in r[0] and r[1] == cluster)
+    assert (row[2], row[4]) == (own["layout"], best["layout"])
+    from canon_titan.config import load
+
+    config = load(REPO / "train_configs" / f"{record['recipe']}.toml", [], environment=False)
+    run_tokens = config["training"]["steps"] * record["global_batch"] * record["seq_len"]
+    for hours, cell in ((own["gpu_hours"], row[3]), (best["gpu_hours"], row[5])):
+        assert hours * 1e12 / run_tokens == pytest.approx(float(cell.replace(",", "")), abs=1.5)

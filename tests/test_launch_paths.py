@@ -403,7 +403,9 @@ def test_node_rank_decides_where_rank_0_runs_and_a_waiting_node_says_for_whom(tm
     """Two run_train.sh nodes on loopback, one process each, node 1 started first: it says every 30 s
     that it waits for node 0 at MASTER_ADDR:MASTER_PORT; once node 0 joins, global rank 0 runs on node 0
     (NODE_RANK=0), not on the node that joined first (at 432670c, with c10d's rendezvous, it did, and
-    a node waited in silence). Launched again on the finished run, both nodes refuse in one line each."""
+    a node waited in silence). Node 1's console prefixes its rank's lines with its global rank, 1
+    (torchrun's own prefix is the local rank: ``[rank0]:`` on every node). Launched again on the
+    finished run, both nodes refuse in one line each."""
     port = free_port()
     launched = []
 
@@ -429,6 +431,9 @@ def test_node_rank_decides_where_rank_0_runs_and_a_waiting_node_says_for_whom(tm
         assert ranks == {0: 0, 1: 1}, ranks
         results = [finish(launcher) for launcher in (first, second)]
         assert [code for code, _, _ in results] == [0, 0], [err[-2000:] for _, _, err in results]
+        node1 = results[0][1]
+        assert re.search(r"^\[rank1\]:", node1, re.M), node1[-2000:]
+        assert not re.search(r"^\[rank0\]:", node1, re.M), node1[-2000:]
         for code, out, err in [finish(launcher) for launcher in (node(1), node(0))]:
             lines = [line for line in err.splitlines() if "canon-titan:" in line]
             assert code == 2 and len(lines) == 1 and "already holds a finished run" in lines[0], err[-3000:]

@@ -323,7 +323,8 @@ def test_kill_and_resume_online_and_pretokenized(tmp_path, dataset):
     """Killed at step 10 of 12 (2 processes, checkpoints every 4): the stream run resumes on 2
     processes bitwise, and refuses, before launching, to resume on 1; the token-folder run resumes
     on 1 process (FSDP resharded, 2 windows x 2 accumulation steps) with the losses and grad norms
-    of the uninterrupted 2-process run."""
+    of the uninterrupted 2-process run. The stream run logs its mixture (its one source: all the
+    tokens) and puts it on TensorBoard at every logged step."""
     import subprocess
     import sys
 
@@ -341,7 +342,12 @@ def test_kill_and_resume_online_and_pretokenized(tmp_path, dataset):
     args = COMMON + data + ["--training.steps", "12", "--training.local_batch_size", "2",
                             "--training.global_batch_size", "4", "--checkpoint.enable", "--checkpoint.interval", "4"]
     ref, interrupted = tmp_path / "ref", tmp_path / "interrupted"
-    run_training(2, args + ["--job.dump_folder", str(ref)], config=CONFIGS["llama"])
+    out = run_training(2, args + ["--job.dump_folder", str(ref)], config=CONFIGS["llama"])
+    if dataset == "stream":
+        assert re.search(rf"streamed mixture, tokens drawn on dp rank 0 \([\d,]+\): {src}/\*: "
+                         r"100\.0% \(weight 100%\)", out), out[-3000:]
+        shares = read_scalars(ref, "data/source_0_token_share")
+        assert shares == {step: 1.0 for step in range(1, 13)}
     run_training_until(2, args + ["--job.dump_folder", str(interrupted)], stop_marker="step: 10",
                        config=CONFIGS["llama"])
     resume = args + ["--job.dump_folder", str(interrupted), "--metrics.save_tb_folder", "tb2"]
@@ -354,6 +360,7 @@ def test_kill_and_resume_online_and_pretokenized(tmp_path, dataset):
                 "rank(s); this run has 1") in refused.stderr
     out = run_training(2 if dataset == "stream" else 1, resume, config=CONFIGS["llama"])
     assert "Training starts at step 9" in out
+    assert "get_last_lr" not in out  # the schedulers' load, without torch's warning (issue 89)
     for tag in (LOSS_TAG, "grad_norm"):
         reference, resumed = read_scalars(ref, tag), read_scalars(interrupted, tag, tb_folder="tb2")
         assert list(resumed) == [9, 10, 11, 12]

@@ -59,6 +59,7 @@ PATCHED = [
      ["self", "state_dict", "metadata", "is_coordinator"], "components/checkpointer.py",
      "every run"),
     ("torch.distributed.distributed_c10d", "_get_default_store", [], "kernels/tuning.py", "every run"),
+    ("lm_eval.evaluator", "get_git_commit_hash", [], "evaluation/lm.py", "every evaluation"),
     # -- the planner: plan/
     ("torch.distributed.tensor._sharding_prop", "_propagate_use_strided_shard_flag", ["op_strategy", "op_schema"],
      "plan/strided_scan.py", "planner"),
@@ -129,6 +130,13 @@ MESSAGES = [
     ("torchao", 'f"Failed to load {', "tools/startup.py: NOISE"),
     ("torch.utils._pytree", '"%s is an Enum subclass and is now natively supported by "', "tools/startup.py: NOISE"),
     ("torch.distributed.tensor._redistribute", '"While redistributing from %s to %s', "tools/startup.py: NOISE"),
+    # a resume's schedulers: TorchTitan's load calls get_lr() outside step(), which torch warns
+    ("torchtitan.components.optimizer.lr_scheduler", "scheduler._last_lr = scheduler.get_lr()",
+     "components/lr_schedule.py: quiet_resume"),
+    ("torch.optim.lr_scheduler", '"To get the last learning rate computed by the scheduler, "',
+     "components/lr_schedule.py: GET_LR_WARNING"),
+    ("lm_eval.evaluator", 'results["git_hash"] = get_git_commit_hash()',
+     "evaluation/lm.py: evaluate"),
 ]
 
 SETTINGS = {"triton.knobs.cache.dir", "triton.knobs.nvidia.dump_ptxas_log"}

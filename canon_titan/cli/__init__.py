@@ -5,7 +5,8 @@
   canon-titan config validate FILE.toml [FILE.toml ...] [--static] [--world-size N] [--section.key value ...]
   canon-titan convert to-hf CKPT_DIR OUT_DIR --config FILE.toml [--dtype fp32|bf16|fp16] [--rope-layout lingua|huggingface] [--section.key value ...]
   canon-titan convert from-hf HF_DIR OUT_DIR --config FILE.toml [--section.key value ...]
-  canon-titan data tokenize --input GLOB [--input GLOB ...] --out DIR --tokenizer PATH [--tokenizer-kind hf|sentencepiece|tiktoken] [--workers N]
+  canon-titan data tokenize --input GLOB [--input GLOB ...] --out DIR
+      [--tokenizer PATH --tokenizer-kind hf|sentencepiece|tiktoken] [--workers N]
   canon-titan data inspect DIR [--samples N]
   canon-titan data capo-people --config FILE.toml --out FILE.jsonl [--section.key value ...]
   canon-titan data synthetic TASK --n N --out FILE.jsonl [--test] [--config FILE.toml] [--seed S] [--section.key value ...]

@@ -7,15 +7,16 @@ import os
 import sys
 
 from canon_titan.cli.common import OVERRIDES, fail
-from canon_titan.config import dumps
+from canon_titan.config import run_toml
 from canon_titan.config.titan_sections import load_or_report
 
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="canon-titan config")
     sub = parser.add_subparsers(dest="action", required=True)
-    show = sub.add_parser("show", help="print the resolved config (defaults and overrides applied) as TOML",
-                          epilog=OVERRIDES)
+    show = sub.add_parser("show", epilog=OVERRIDES,
+                          help="print the resolved config (defaults and overrides applied) as "
+                          "TOML; [model] has the keys set, the flavor's shape as comments")
     show.add_argument("file")
     show.add_argument("--static", action="store_true", help="do not check data paths, tokenizer files or hardware")
     validate = sub.add_parser("validate", help="check config files; exit status 2 if any is invalid",
@@ -31,10 +32,13 @@ def main(argv: list[str]) -> int:
 
     if args.action == "show":
         run, error = load_or_report(args.file, overrides, not args.static)
+        if error and not args.static and load_or_report(args.file, overrides, False)[1] is None:
+            error += (" (config show --static shows it without checking paths, tokenizer files or "
+                      "hardware)")
         if error:
             return fail("config", error)
         print(f"# resolved from {args.file}" + (f" with {' '.join(overrides)}" if overrides else ""))
-        print(dumps(run.sections), end="")
+        print(run_toml(run), end="")
         return 0
 
     if args.world_size is not None:

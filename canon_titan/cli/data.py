@@ -33,9 +33,11 @@ def main(argv: list[str]) -> int:
     tok = sub.add_parser("tokenize", help="document files -> memory-mappable token shards (resumable)")
     tok.add_argument("--input", action="append", required=True, help="glob of .jsonl/.json/.zst/.parquet files")
     tok.add_argument("--out", required=True)
-    tok.add_argument("--tokenizer", required=True,
-                     help=f"tokenizer file or folder (the built-in one, kind hf, is {BUILTIN_TOKENIZER})")
-    tok.add_argument("--tokenizer-kind", choices=["hf", "sentencepiece", "tiktoken"], default="hf")
+    tok.add_argument("--tokenizer", help=f"{BUILTIN_TOKENIZER} (the built-in tokenizer, kind hf) "
+                     "unless given, as for [tokenizer] path: a tokenizer file or folder")
+    tok.add_argument("--tokenizer-kind", choices=["hf", "sentencepiece", "tiktoken"], default="hf",
+                     help="hf (default), sentencepiece (Llama-2's tokenizer.model) or tiktoken "
+                     "(Llama-3's)")
     tok.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     tok.add_argument("--text-key", default="text")
     tok.add_argument("--on-error", choices=["fail", "skip"], default="fail")
@@ -89,7 +91,12 @@ def main(argv: list[str]) -> int:
 
     try:
         if args.action == "tokenize":
-            index = tokenize_files(args.input, args.out, kind=args.tokenizer_kind, tokenizer_path=args.tokenizer,
+            if args.tokenizer is None and args.tokenizer_kind != "hf":
+                return fail("data", f"--tokenizer-kind {args.tokenizer_kind} needs --tokenizer "
+                                    "(its file); without --tokenizer the built-in tokenizer (kind "
+                                    "hf) is used")
+            index = tokenize_files(args.input, args.out, kind=args.tokenizer_kind,
+                                   tokenizer_path=args.tokenizer or str(BUILTIN_TOKENIZER),
                                    workers=args.workers, text_key=args.text_key, on_error=args.on_error)
             skipped = sum(s["skipped"] for s in index["shards"])
             print(f"[tokenize] done: {sum(s['tokens'] for s in index['shards']):,} tokens in "

@@ -7,7 +7,16 @@ import json
 import sys
 
 from canon_titan.cli.common import OVERRIDES, fail, parse_with_overrides
+from canon_titan.components.exit_codes import STOPPED
 from canon_titan.config import ConfigError
+
+NOTHING_FITS = 1
+"""``plan --search``'s exit status when it planned every candidate and none fits; a search whose
+budget ran out before a layout that fits was planned exits ``STOPPED`` (3): a larger --budget-s may
+find one."""
+SEARCH_EXITS = (" With --search, the exit status is 0 when a layout fits, 1 when none of those "
+                "it tried fits, 3 when its budget ran out before one that fits was planned, 2 for "
+                "a bad config or argument.")
 
 
 def main(argv: list[str]) -> int:
@@ -17,7 +26,7 @@ def main(argv: list[str]) -> int:
                     "and report memory per GPU against the GPU's, FLOPs, collective volumes, step time, "
                     "tokens/s per GPU, MFU and the run's GPU-hours; for a run that does not fit, the changes "
                     "that make it fit. Runs on a CPU.",
-        epilog=OVERRIDES)
+        epilog=OVERRIDES + SEARCH_EXITS)
     parser.add_argument("config", help="TOML run config")
     parser.add_argument("--gpus", type=int, required=True, help="GPUs of the run (the world size)")
     parser.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8): which groups "
@@ -36,11 +45,14 @@ def main(argv: list[str]) -> int:
                         "float8 apart) and print the fastest that fit")
     search.add_argument("--top", type=int, default=5, help="with --search: how many layouts to print (default 5)")
     search.add_argument("--budget-s", type=float, default=580.0,
-                        help="with --search: wall-clock budget in seconds; no round of full plans is started that "
-                        "is expected to end past it (default 580: the command within 10 minutes)")
+                        help="with --search: wall-clock budget in seconds, from the search's start "
+                        "(the config's own plan, first, is not cut short); no round of plans is "
+                        "started that is expected to end past it (default 580)")
     search.add_argument("--workers", type=int, default=None,
                         help="with --search: planning processes (default: one per core, at most 4)")
-    search.add_argument("--write", metavar="FILE.toml", help="with --search: write the winner's resolved config here")
+    search.add_argument("--write", metavar="FILE.toml",
+                        help="with --search: write the winner's resolved config here (the "
+                        "config's own layout when no other planned fits and it does)")
     args, overrides = parse_with_overrides(parser, argv)  # the rest, in order: --section.key value overrides
     from canon_titan.plan.gpus import gpu_count_problem
 
@@ -84,12 +96,16 @@ def main(argv: list[str]) -> int:
         except PlanError as e:
             return fail("plan", e)
         print(json.dumps(search.as_dict(found), indent=2) if args.json else search.text(found, args.top))
-        if args.write:
-            if not found.ranked:
-                return fail("plan", f"--write {args.write}: no layout fits, nothing written")
+        code = 0 if found.best is not None else STOPPED if found.budget_ran_out else NOTHING_FITS
+        if args.write and code:
+            print(f"canon-titan: plan: --write {args.write}: no layout planned fits, nothing "
+                  "written", file=sys.stderr)
+        elif args.write:
             search.write_toml(found, args.config, overrides, args.write)
-            print(f"wrote the winner to {args.write}", file=sys.stderr)  # stdout stays the table or JSON
-        return 0
+            what = ("the winner" if found.ranked
+                    else "the config's own layout (no other layout planned fits)")
+            print(f"wrote {what} to {args.write}", file=sys.stderr)  # stdout: the table or JSON
+        return code
     try:
         result = plan(args.config, overrides, gpus=args.gpus, gpu=gpu, gpus_per_node=args.gpus_per_node,
                       progress=progress_printer(), advise=not args.no_advice,

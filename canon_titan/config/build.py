@@ -17,7 +17,7 @@ from canon_titan.components.loss import ZLossCrossEntropy
 from canon_titan.components.validation import HeldOutValidator
 from canon_titan.config.run import ConfigError, RunConfig
 from canon_titan.config.titan_sections import titan_sections
-from canon_titan.config.toml_writer import dumps
+from canon_titan.config.toml_writer import run_toml
 from canon_titan.data.builtin import ASSET_DIR
 from canon_titan.data.held_out import validation_loader
 from canon_titan.data.kinds import STREAM, SYNTHETIC
@@ -144,7 +144,7 @@ def build_trainer_config(run: RunConfig):
                               print_config=job["print_config"]),
             model_seed=run.model_args.seed,
             loss=loss,
-            run_toml=dumps(absolute_paths(run.sections)),
+            run_toml=run_toml(run, absolute_paths(run.sections), record=True),
             divergence=DivergenceSection(**run["divergence"]),
             stop_grace_seconds=job["stop_grace_seconds"],
             allow_changed_data=run["dataloader"]["allow_changed_data"],

@@ -122,8 +122,10 @@ def check_training(run: RunConfig) -> None:
     _positive(run, "optimizer", "lr")
     if len(opt["betas"]) != 2 or not all(0 <= b < 1 for b in opt["betas"]):
         _fail(run, "optimizer", "betas", f"must be two numbers in [0, 1), got {opt['betas']}")
-    if opt["weight_decay"] < 0 or opt["eps"] <= 0:
-        _fail(run, "optimizer", "weight_decay" if opt["weight_decay"] < 0 else "eps", "must be >= 0 (eps > 0)")
+    if opt["eps"] <= 0:
+        _fail(run, "optimizer", "eps", f"must be > 0, got {opt['eps']}")
+    if opt["weight_decay"] < 0:
+        _fail(run, "optimizer", "weight_decay", f"must be >= 0, got {opt['weight_decay']}")
     sched = run["lr_scheduler"]
     if sched["warmup_steps"] < 0:
         _fail(run, "lr_scheduler", "warmup_steps", "must be >= 0")
@@ -346,9 +348,10 @@ def check_ignored_data_keys(run: RunConfig) -> None:
                 wanted = _dataset_for(run["dataloader"][key]) if key == "dataset_path" else readers[0]
                 _fail(run, "dataloader", key, f"is set, but dataset = 'builtin' (the built-in corpus) reads no "
                       f"{key}: for your own data set dataset = \"{wanted}\" ({key} is read by dataset = "
-                      f"{' or '.join(map(repr, readers))}), or remove it")
+                      f"{' or '.join(map(repr, readers))}), or remove it "
+                      f"(--dataloader.{key} unset)")
             _fail(run, "dataloader", key, f"is set, but dataset = {dataset!r} does not read it; remove it "
-                  f"(it reads {', '.join(sorted(reads - {'dataset'}))})")
+                  f"(--dataloader.{key} unset) (it reads {', '.join(sorted(reads - {'dataset'}))})")
 
 
 def _dataset_for(path: str) -> str:

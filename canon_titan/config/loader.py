@@ -114,7 +114,19 @@ def load_toml(path: str | os.PathLike) -> dict:
         raise ConfigError(str(path), "", f"cannot be read ({e.strerror or e})") from None
 
 
+class _Unset:
+    """The value of ``--section.key unset``: the key as if the file did not set it."""
+
+    def __repr__(self) -> str:
+        return "unset"
+
+
+UNSET = _Unset()
+
+
 def _parse_value(text: str):
+    if text == "unset":
+        return UNSET
     try:
         return tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
@@ -125,7 +137,8 @@ def parse_overrides(argv: list[str]) -> list[tuple[str, str, Any]]:
     """``--section.key value``, ``--section.key=value`` or a bare ``--section.flag`` (true).
 
     Values are read as TOML literals (``10``, ``true``, ``[0.9, 0.95]``, ``"x"``), falling back
-    to a plain string, so ``--model.flavor 1B`` works without quotes.
+    to a plain string, so ``--model.flavor 1B`` works without quotes. A bare ``unset`` (``UNSET``)
+    drops the key the file set, which then takes its default; ``'"unset"'`` is the string.
     """
     out, i = [], 0
     while i < len(argv):
@@ -167,7 +180,13 @@ def _set_key(sections, origins, schema, section, key, value, source) -> None:
         raise ConfigError(
             source, _where(section, key), f"unknown key; allowed keys: {', '.join(schema)}"
         )
-    tp = schema[key][0]
+    tp, default = schema[key]
+    if value is UNSET:
+        if default is dataclasses.MISSING:
+            raise ConfigError(source, _where(section, key), "is required: it cannot be unset")
+        sections[section][key] = default
+        origins.pop((section, key), None)
+        return
     try:
         sections[section][key] = coerce(value, tp)
     except TypeError:
@@ -209,8 +228,15 @@ def resolve(path: str | os.PathLike, overrides: list[tuple[str, str, Any]] = (),
     # [model] first: its name and flavor decide which keys the section has.
     model_raw = dict(raw.get("model", {}))
     model_sources = {k: source for k in model_raw}
+    unset = []
     for section, key, value in overrides:
-        if section == "model":
+        if section == "model" and value is UNSET:
+            if key in ("name", "flavor"):
+                raise ConfigError(CLI, _where("model", key), "is required: it cannot be unset")
+            model_raw.pop(key, None)  # the flavor's value
+            model_sources.pop(key, None)
+            unset.append(key)
+        elif section == "model":
             model_raw[key], model_sources[key] = value, CLI
     for key in ("name", "flavor"):
         if key not in model_raw:
@@ -218,6 +244,10 @@ def resolve(path: str | os.PathLike, overrides: list[tuple[str, str, Any]] = (),
         if not isinstance(model_raw[key], str):
             raise ConfigError(model_sources[key], _where("model", key), f"expected a string, got {model_raw[key]!r}")
     args_cls, model_schema = _model_schema(model_raw["name"], model_raw["flavor"], model_sources)
+    for key in unset:
+        if key not in model_schema:
+            raise ConfigError(CLI, _where("model", key),
+                              f"unknown key; allowed keys: {', '.join(model_schema)}")
 
     sections: dict[str, dict[str, Any]] = {"model": {"name": model_raw["name"], "flavor": model_raw["flavor"]}}
     origins: dict[tuple[str, str], str] = {}

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import torch
 
-from torchtitan.components.optimizer import LRSchedulersContainer
 from torchtitan.components.optimizer.optimizer import ParamGroupConfig
 from torchtitan.config.configs import CommConfig, CompileConfig, ParallelismConfig, TrainingConfig
+from torchtitan.tools.logging import logger
 from torchtitan.tools.profiler import Profiler
 
 from canon_titan.components.checkpointer import CanonCheckpointer
+from canon_titan.components.lr_schedule import ResumableSchedulers
 from canon_titan.components.optimizer import GuardedOptimizers
 from canon_titan.config.loader import load
 from canon_titan.config.run import ConfigError, RunConfig
@@ -46,7 +47,7 @@ def titan_sections(run: RunConfig) -> dict:
             implementation=opt["implementation"],
             precompute_float8_scales=precompute,
         ),
-        "lr_scheduler": lambda: LRSchedulersContainer.Config(**run["lr_scheduler"]),
+        "lr_scheduler": lambda: _lr_schedule(run),
         "training": lambda: TrainingConfig(**run["training"]),
         "profiler": lambda: Profiler.Config(**run["profiling"]),
         # NCCL's flight recorder (and its comm_traces/ folder) only exist with CUDA.
@@ -59,6 +60,19 @@ def titan_sections(run: RunConfig) -> dict:
         except ValueError as e:
             raise ConfigError(run.source, f"[{section}]", str(e)) from e
     return built
+
+
+def _lr_schedule(run: RunConfig) -> ResumableSchedulers.Config:
+    """TorchTitan's schedule config with a warmup no longer than the schedule: TorchTitan shortens
+    a longer one as it builds the schedule, then logs the config's as the run's ("total steps 2
+    (warmup 10)")."""
+    schedule = dict(run["lr_scheduler"])
+    total = schedule["total_steps"] or run["training"]["steps"]
+    if schedule["warmup_steps"] > total:
+        logger.warning(f"[lr_scheduler] warmup_steps ({schedule['warmup_steps']}) is longer than "
+                       f"the schedule's {total} steps: the learning rate warms up over all {total}")
+        schedule["warmup_steps"] = total
+    return ResumableSchedulers.Config(**schedule)
 
 
 def load_or_report(path: str, overrides: list[str], environment: bool = True, build=titan_sections):

@@ -129,7 +129,16 @@ def _parquet_records(path: str, text_key: str, key_hint: str | None) -> Iterator
         yield 1, MissingTextColumn(f"{path}: no column {text_key!r} (columns: {', '.join(schema.names)}){hint}")
         return
     row = 0
-    for batch in table_file.iter_batches(columns=[text_key]):
+    batches = table_file.iter_batches(columns=[text_key])
+    while True:
+        try:
+            batch = next(batches, None)
+        except (OSError, pa.ArrowException) as e:  # a damaged data page under an intact footer
+            yield row + 1, DataError(f"{path}: rows from {row + 1} on cannot be read: damaged "
+                                     f"Parquet data ({e})")
+            return
+        if batch is None:
+            return
         for value in batch.column(0).to_pylist():
             row += 1
             yield row, {text_key: value}

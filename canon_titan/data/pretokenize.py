@@ -52,15 +52,19 @@ def _tokenize_file(job: tuple) -> dict:
     out_dir = Path(out_dir)
     fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=f".{index:05d}.bin.")
     tokens, max_id, digest = 0, -1, hashlib.blake2b(digest_size=16)
-    with os.fdopen(fd, "wb") as f:
-        for text in iter_documents(source, text_key, on_error, stats, skip_hint="--on-error skip",
-                                   key_hint="--text-key {}"):
-            ids = np.asarray(tok.encode(text, add_bos=True, add_eos=True), dtype=dtype)
-            data = ids.tobytes()
-            f.write(data)
-            digest.update(data)
-            tokens += len(ids)
-            max_id = max(max_id, int(ids.max())) if len(ids) else max_id
+    try:
+        with os.fdopen(fd, "wb") as f:
+            for text in iter_documents(source, text_key, on_error, stats,
+                                       skip_hint="--on-error skip", key_hint="--text-key {}"):
+                ids = np.asarray(tok.encode(text, add_bos=True, add_eos=True), dtype=dtype)
+                data = ids.tobytes()
+                f.write(data)
+                digest.update(data)
+                tokens += len(ids)
+                max_id = max(max_id, int(ids.max())) if len(ids) else max_id
+    except BaseException:
+        os.unlink(tmp)  # a file that failed leaves no partial shard
+        raise
     os.chmod(tmp, 0o644)
     os.replace(tmp, out_dir / f"{index:05d}.bin")
     info = {"shard": f"{index:05d}.bin", "source": source, "tokens": tokens, "max_id": max_id,

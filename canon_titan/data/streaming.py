@@ -8,8 +8,12 @@ round-robin, so every document is read by exactly one unit, for any number of ra
 A unit draws each next document from a source picked at random by the mixture weights (seeded),
 wraps it in BOS/EOS, packs the tokens into ``seq_len + 1`` windows across document boundaries,
 and passes the windows through a seeded shuffle buffer. Its state (file positions, leftover
-tokens, shuffle buffer, random generators) is checkpointed, so a resumed run continues with the
-same windows; resuming needs the same number of ranks and workers.
+tokens, shuffle buffer, random generators, the tokens drawn from each source) is checkpointed, so a
+resumed run continues with the same windows; resuming needs the same number of ranks and workers.
+
+The weights pick documents, so a source of longer documents supplies more of the tokens than its
+weight: each window comes with its unit's count of the tokens drawn from each source so far, which
+the loader keeps from each batch (``mixture``) for the log and TensorBoard.
 """
 
 from __future__ import annotations
@@ -33,7 +37,6 @@ from canon_titan.data.documents import (DATALOADER_KEY, DATALOADER_SKIP, DataErr
 from canon_titan.data.fingerprint import FINGERPRINT_KEY, data_fingerprint
 from canon_titan.data.packed import batch_buffer, batch_views
 from canon_titan.tools.host_memory import pinned
-
 
 def unit_slices(files: list[str], unit: int, units: int) -> list[tuple[str, int, int]]:
     """The (file, slice, slices) pieces of a source that ``unit`` of ``units`` reads."""
@@ -171,6 +174,7 @@ class StreamingTextDataset(IterableDataset):
         self.shuffle_rng = random.Random(f"{cfg.seed}-shuffle-{unit}")
         self.buffer = np.zeros(0, dtype=np.int64)
         self.shuffle = []
+        self.drawn = np.zeros(len(self.readers), dtype=np.int64)
         self._unit = unit
         if self._state is not None:
             self._restore(self._state)
@@ -179,12 +183,13 @@ class StreamingTextDataset(IterableDataset):
         need = self.seq_len + 1
         while len(self.buffer) < need:
             weights = self.config.weights or [1.0] * len(self.readers)
-            reader = self.mixture_rng.choices(self.readers, weights=weights)[0]
-            text = reader.next()
+            source = self.mixture_rng.choices(range(len(self.readers)), weights=weights)[0]
+            text = self.readers[source].next()
             if text is None:
                 raise RuntimeError("a data source has no documents for this rank/worker")
             ids = self.tokenizer.encode(text, add_bos=self.config.add_bos, add_eos=self.config.add_eos)
             self.buffer = np.concatenate([self.buffer, np.asarray(ids, dtype=np.int64)])
+            self.drawn[source] += len(ids)
         window, self.buffer = self.buffer[:need], self.buffer[need:]
         return window
 
@@ -200,7 +205,7 @@ class StreamingTextDataset(IterableDataset):
                     continue
                 i = self.shuffle_rng.randrange(size)
                 window, self.shuffle[i] = self.shuffle[i], window
-            yield window
+            yield window, self.drawn.copy(), self._unit
 
     def state_dict(self) -> dict:
         if self._unit is None:
@@ -211,6 +216,7 @@ class StreamingTextDataset(IterableDataset):
             "shuffle_rng": self.shuffle_rng.getstate(),
             "buffer": self.buffer.tolist(),
             "shuffle": [w.tolist() for w in self.shuffle],
+            "drawn": self.drawn.tolist(),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -227,12 +233,18 @@ class StreamingTextDataset(IterableDataset):
         self.shuffle_rng.setstate(_as_rng_state(state["shuffle_rng"]))
         self.buffer = np.asarray(state["buffer"], dtype=np.int64)
         self.shuffle = [np.asarray(w, dtype=np.int64) for w in state["shuffle"]]
+        if "drawn" in state:  # not in a checkpoint from before the count
+            self.drawn = np.asarray(state["drawn"], dtype=np.int64)
 
 
-def _collated(windows: list[np.ndarray], *, bos_id: int | None, pin: bool) -> torch.Tensor:
+def _collated(items: list[tuple], *, bos_id: int | None, pin: bool) -> tuple:
     """A batch of windows in one host buffer (``batch_buffer``): pinned in the training process; a
-    loader worker's, as it reaches the training process (the DataLoader's ``pin_memory``)."""
-    return batch_buffer(windows, bos_id, pin=pin and get_worker_info() is None)
+    loader worker's, as it reaches the training process (the DataLoader's ``pin_memory``). With it,
+    the tokens its unit had drawn per source by its last window, and the unit."""
+    windows = [window for window, _, _ in items]
+    _, drawn, unit = items[-1]
+    return batch_buffer(windows, bos_id, pin=pin and get_worker_info() is None), \
+        torch.from_numpy(drawn), unit
 
 
 def _as_rng_state(state):
@@ -276,11 +288,30 @@ class StreamingTextDataLoader(ParallelAwareDataloader):
         self.pin_batches = config.pin_memory
         self.fingerprint = data_fingerprint("stream", None, config.sources)
         self._fingerprint_saved = True
+        self.sources = list(config.sources)
+        self.weights = [w / sum(config.weights) for w in config.weights] if config.weights else \
+            [1 / len(config.sources)] * len(config.sources)
+        self._drawn: dict[int, np.ndarray] = {}
+        mixture = ", ".join(f"{source} {100 * w:.0f}%"
+                            for source, w in zip(self.sources, self.weights))
         logger.info(f"Streaming {len(config.sources)} source(s) with {config.num_workers} worker(s) "
-                    f"on dp rank {dp_rank}/{dp_world_size}")
+                    f"on dp rank {dp_rank}/{dp_world_size}; the documents drawn by weight: "
+                    f"{mixture}")
+
+    def mixture(self) -> tuple[dict[str, float], str]:
+        """The tokens this rank's readers drew from each source so far (its batches reach training
+        within the shuffle buffer's windows): TensorBoard metrics and a log line."""
+        drawn = sum(self._drawn.values(), np.zeros(len(self.sources), dtype=np.int64))
+        total = int(drawn.sum()) or 1
+        metrics = {f"data/source_{i}_token_share": int(n) / total for i, n in enumerate(drawn)}
+        line = "; ".join(f"{source}: {100 * n / total:.1f}% (weight {100 * w:.0f}%)"
+                         for source, n, w in zip(self.sources, drawn.tolist(), self.weights))
+        return metrics, (f"streamed mixture, tokens drawn on dp rank {self.dp_rank} ({total:,}): "
+                         f"{line}")
 
     def __iter__(self):
-        for buffer in super().__iter__():
+        for buffer, drawn, unit in super().__iter__():
+            self._drawn[unit] = drawn.numpy()  # the unit's count as of its latest window
             buffer = pinned(buffer) if self.pin_batches else buffer  # a worker's, on a CPU run
             yield batch_views(buffer, self.local_batch_size, self.seq_len)
 

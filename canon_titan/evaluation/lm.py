@@ -14,6 +14,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from unittest.mock import patch
 
 from torchtitan.tools.logging import logger
 
@@ -281,8 +282,13 @@ def evaluate(hf_model, tokenizer, tasks: list[str], *, max_length: int, limit: f
     lm = CountingHFLM(pretrained=hf_model, tokenizer=tokenizer, backend="causal", add_bos_token=False,
                       max_length=max_length, batch_size=batch_size, device=str(next(hf_model.parameters()).device))
     try:
-        out = lm_eval.simple_evaluate(model=lm, tasks=tasks, limit=limit, task_manager=manager,
-                                      log_samples=False, bootstrap_iters=BOOTSTRAP_ITERS, verbosity="WARNING")
+        # lm-eval records "your repo's" commit (`git describe` in the current directory) in results
+        # this function drops; outside a checkout git prints "fatal: not a git repository"
+        # (tests/test_upstream.py pins the name)
+        with patch("lm_eval.evaluator.get_git_commit_hash", lambda: None):
+            out = lm_eval.simple_evaluate(model=lm, tasks=tasks, limit=limit, task_manager=manager,
+                                          log_samples=False, bootstrap_iters=BOOTSTRAP_ITERS,
+                                          verbosity="WARNING")
     except ConnectionError as e:
         raise LMEvalError(f"a dataset could not be downloaded: {e}") from e
     truncated = {task: {"inputs": cut.inputs, "of": lm.inputs[task], "longest_tokens": cut.longest,

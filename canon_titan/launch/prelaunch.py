@@ -14,7 +14,7 @@ from pathlib import Path
 
 from torch.distributed import DistStoreError
 
-from canon_titan.config import dumps
+from canon_titan.config import run_toml
 from canon_titan.config.build import absolute_paths
 from canon_titan.convert.dcp_io import NoLoadableCheckpoint
 from canon_titan.data.fingerprint import data_fingerprint
@@ -61,7 +61,8 @@ def check_launch(run, world_size: int, *, lock: str = "check", compare_config: b
     except (DumpFolderInUse, DumpFolderUnusable, NoLoadableCheckpoint, FinishedRun, ResumeRefused) as e:
         return Verdict(str(e), warnings)
     if compare_config:
-        changes = config_changes(os.path.join(dump, RUN_CONFIG_FILE), dumps(absolute_paths(run.sections)))
+        written = run_toml(run, absolute_paths(run.sections), record=True)
+        changes = config_changes(os.path.join(dump, RUN_CONFIG_FILE), written)
         if changes:
             warnings.append(f"the config differs from the one of the run already in {dump}: {changes}")
     return Verdict(None, warnings)

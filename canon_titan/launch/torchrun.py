@@ -162,6 +162,9 @@ def with_defaults(argv: list[str], grace: int | None) -> tuple[list[str], str | 
 
 SIGNALS_TO_HANDLE = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 """torchrun's default, and SIGUSR1."""
+LINE_PREFIX_ENV, LINE_PREFIX = "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", "[${role_name}${rank}]:"
+"""torchrun prefixes a worker's lines with its local rank (``[rank0]:`` on every node); the default
+here is its global rank, so node 1's console says whose lines they are."""
 
 
 def _checked_run(launch) -> tuple[int | None, str | None]:
@@ -339,6 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     if callable(getattr(elastic_api, "_terminate_process_handler", None)):
         elastic_api._terminate_process_handler = _terminate_once
     made = [own_log_dir] if own_log_dir else []
+    os.environ.setdefault(LINE_PREFIX_ENV, LINE_PREFIX)
     outcomes = os.environ.get(OUTCOME_DIR_ENV)
     if outcomes is None:
         outcomes = os.environ[OUTCOME_DIR_ENV] = tempfile.mkdtemp(prefix="canon-titan-exits-")  # the workers inherit it

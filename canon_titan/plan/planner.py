@@ -402,10 +402,12 @@ def _advice(config, overrides, run, *, gpus, gpu, gpus_per_node, progress, atten
     return found
 
 
-def progress_printer(stream=sys.stderr):
+def progress_printer(stream=None):
+    """Progress lines to ``stream`` (default: ``sys.stderr`` as it is when a line is written)."""
     started = time.perf_counter()
 
     def show(message: str) -> None:
-        print(f"[plan {time.perf_counter() - started:5.1f} s] {message}", file=stream, flush=True)
+        print(f"[plan {time.perf_counter() - started:5.1f} s] {message}", file=stream or sys.stderr,
+              flush=True)
 
     return show

@@ -34,14 +34,16 @@ How, in three passes:
    time for.
 
 Probes and plans run in worker processes (one per core, at most ``MAX_WORKERS``); progress goes
-to stderr.
+to stderr, and every ``HEARTBEAT_S`` while a plan or a round runs.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as futures
+import contextlib
 import multiprocessing
 import os
+import threading
 import time
 from dataclasses import dataclass, field, replace
 
@@ -57,6 +59,11 @@ LOOPED = {"Interleaved1F1B"}
 AC_MODES = ("none", "selective", "full")
 STATE_BYTES_PER_PARAMETER = {"float32": 16, "bfloat16": 8}
 """Parameters, gradients and AdamW's two moments in the training dtype."""
+HEARTBEAT_S = 30.0
+"""How often a search says what it is still waiting for (the config's own plan of an 8B model at its
+gradient accumulation takes minutes on a loaded 2-core machine)."""
+BUDGET_KEYS = ("not probed (budget)", "not planned in full (budget)")
+"""The ``tried`` counts of what the budget left out."""
 
 
 @dataclass(frozen=True)
@@ -174,6 +181,21 @@ class SearchResult:
     model_kind: ModelKind | None = None
     """The run's kind of model without float8 (a row's is this with its float8): its plan error."""
     budget_s: float = 0.0
+    own_plan_s: float = 0.0
+    """The wall time of the config's own plan, the first thing the search does."""
+
+    @property
+    def budget_ran_out(self) -> bool:
+        """Whether the budget left layouts unprobed or unplanned."""
+        return any(self.tried.get(key) for key in BUDGET_KEYS)
+
+    @property
+    def best(self) -> Outcome | None:
+        """What ``--write`` writes: the fastest layout planned that fits, or else the config's own
+        if it fits (None: no layout planned fits)."""
+        if self.ranked:
+            return self.ranked[0]
+        return self.recipe if self.recipe is not None and self.recipe.fits else None
 
 
 def _divisors(n: int) -> list[int]:
@@ -262,18 +284,43 @@ def extrapolate(pair: list[dict], layers: int) -> tuple[float, float, int] | Non
     return memory, linear("step_s") / one["accumulation"], one["accumulation"]
 
 
+@contextlib.contextmanager
+def saying_every(say, what: str):
+    """While the block runs, ``say`` every ``HEARTBEAT_S`` seconds that ``what`` still runs."""
+    done, began, every = threading.Event(), time.perf_counter(), HEARTBEAT_S
+
+    def beat() -> None:
+        while not done.wait(every):
+            say(f"{what}: {time.perf_counter() - began:.0f} s so far")
+
+    thread = threading.Thread(target=beat, name="search-heartbeat", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+
+
 class _Pool:
-    """Plans in worker processes (spawned: the parent's torch state is not theirs), or in this
-    process when one worker is asked for."""
+    """Plans in worker processes (spawned: the parent's torch state is not theirs, and each sets up
+    as a canon-titan program does, dropping the same library notes), or in this process when one
+    worker is asked for; ``say`` hears of a round still running every ``HEARTBEAT_S``."""
 
-    def __init__(self, workers: int):
-        self._pool = futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) \
-            if workers > 1 else None
+    def __init__(self, workers: int, say=lambda message: None):
+        from canon_titan.tools.startup import process_setup
 
-    def map(self, calls: list[tuple]) -> list[dict]:
-        if self._pool is None:
-            return [_plan_figures(*call) for call in calls]
-        return list(self._pool.map(_plan_figures, *zip(*calls))) if calls else []
+        self.say = say
+        spawn = multiprocessing.get_context("spawn")
+        self._pool = (futures.ProcessPoolExecutor(workers, mp_context=spawn,
+                                                  initializer=process_setup)
+                      if workers > 1 else None)
+
+    def map(self, calls: list[tuple], what: str = "planning") -> list[dict]:
+        with saying_every(self.say, f"{what} ({len(calls)} plans)"):
+            if self._pool is None:
+                return [_plan_figures(*call) for call in calls]
+            return list(self._pool.map(_plan_figures, *zip(*calls))) if calls else []
 
     def close(self) -> None:
         if self._pool is not None:
@@ -478,35 +525,43 @@ def probe_estimates(shapes: list[Shape], probed: dict[Layout, Probe], capacity: 
 class Prober:
     """Stage 2, probes: layouts planned with one and two layers a stage, in rounds of the workers'
     chunks, each extrapolated to the model's layers (``extrapolate``), until each shape has what it
-    needs (``probes_needed``) or the probes' share of the budget is spent (checked between chunks)."""
+    needs (``probes_needed``) or the probes' share of the budget is spent (checked between chunks);
+    while no layout probed fits, nothing would be planned in full, and the probes go on into the
+    rest of the budget."""
 
     def __init__(self, space: SearchSpace, pool: _Pool, workers: int, started: float, say):
         self.space, self.pool, self.workers, self.started, self.say = space, pool, workers, started, say
         self.probed: dict[Layout, Probe] = {}
         self.plan_seconds: dict[Layout, float] = {}
         """A full plan's wall time, from the probes' own in the layers."""
+        self.chunk_s = 0.0
+        """The longest a chunk of probes took."""
 
     def _calls(self, layout: Layout) -> list[tuple]:
         return [self.space.call(layout, ["--model.n_layers", str(k * layout.pp)]) for k in (1, 2)]
 
-    def probe(self, group: list[Shape], deadline: float) -> None:
+    def probe(self, group: list[Shape], deadline: float) -> int:
+        """Probe ``group`` until ``deadline`` (seconds from the search's start); how many layouts it
+        left unprobed."""
         layers, capacity = self.space.layers, self.space.capacity
         while True:
             todo = [lay for shape in group for lay in probes_needed(shape, self.probed, capacity)]
             if not todo:
-                return
+                return 0
             if time.perf_counter() - self.started > deadline:
                 self.say("probe budget spent: ranking what was probed")
-                return
+                return len(todo)
             self.say(f"probing {len(todo)} layouts ({2 * len(todo)} few-layer plans on {self.workers} worker(s))")
             for i in range(0, len(todo), 2 * self.workers):
                 if i and time.perf_counter() - self.started > deadline:
                     # checked between chunks too: a round of probes of an 8B model on a loaded
                     # machine takes minutes, and what is left of the budget is for full plans
                     self.say(f"probe budget spent after {len(self.probed)} layouts: ranking what was probed")
-                    return
-                chunk = todo[i:i + 2 * self.workers]
-                figures = self.pool.map([c for lay in chunk for c in self._calls(lay)])
+                    return len(todo) - i
+                chunk, began = todo[i:i + 2 * self.workers], time.perf_counter()
+                figures = self.pool.map([c for lay in chunk for c in self._calls(lay)],
+                                        f"probing {len(chunk)} layouts")
+                self.chunk_s = max(self.chunk_s, time.perf_counter() - began)
                 for n, lay in enumerate(chunk):
                     self.probed[lay] = extrapolate(figures[2 * n:2 * n + 2], layers // lay.pp)
                     one, two = (f.get("seconds", 0.0) for f in figures[2 * n:2 * n + 2])
@@ -567,7 +622,9 @@ class FullPlans:
                 self.budget_cut.extend(lay for rest in chunks[n:] for lay in rest)
                 return
             began = time.perf_counter()
-            for layout, figures in zip(chunk, self.pool.map([self.space.call(lay) for lay in chunk])):
+            calls = [self.space.call(lay) for lay in chunk]
+            figured = self.pool.map(calls, f"planning {len(chunk)} layouts in full")
+            for layout, figures in zip(chunk, figured):
                 self.planned[layout] = self.space.outcome(layout, figures)
             took = time.perf_counter() - began
             self.slowest_round = max(self.slowest_round, took)
@@ -660,13 +717,16 @@ def search(config: str, base_overrides: list[str], *, gpus: int, gpu, gpus_per_n
     tried = {"structures": 0, "HSDP forms": 0, "refused by the config checks": 0,
              "over memory by their state alone": 0, "probed": 0, "planned in full": 0}
     workers = max(1, min(workers or os.cpu_count() or 1, MAX_WORKERS))
-    pool = _Pool(workers)
+    pool = _Pool(workers, say)
     try:
         # The config's own layout on these GPUs, for comparison.
         say("planning the config's own layout")
         began = time.perf_counter()
-        recipe_figures = _plan_figures(config, list(base_overrides), gpus, gpu, gpus_per_node, attention)
-        recipe_s = 0.0 if "error" in recipe_figures else time.perf_counter() - began
+        with saying_every(say, "planning the config's own layout"):
+            recipe_figures = _plan_figures(config, list(base_overrides), gpus, gpu, gpus_per_node,
+                                           attention)
+        own_plan_s = time.perf_counter() - began
+        recipe_s = 0.0 if "error" in recipe_figures else own_plan_s
         recipe = None if "error" in recipe_figures else Outcome(
             space.own_layout(), recipe_figures["fits"], recipe_figures["device_bytes"],
             recipe_figures["tokens_per_s_per_gpu"], recipe_figures["mfu"], recipe_figures["step_s"],
@@ -682,15 +742,23 @@ def search(config: str, base_overrides: list[str], *, gpus: int, gpu, gpus_per_n
         # minute for an 8B model on 8 stages) and pay a bubble: they are probed when nothing else
         # fits, or when the budget is large (PP_PROBE_BUDGET_S).
         prober = Prober(space, pool, workers, started, say)
-        prober.probe([shape for shape in shapes if shape[0].pp == 1], budget_s * 0.6)
+        flat = [shape for shape in shapes if shape[0].pp == 1]
+        left = prober.probe(flat, budget_s * 0.6)
+        if left and not prober.fits():
+            # nothing would be planned in full: the probes go on, leaving the time of a chunk of
+            # probes (the last one started may end that late) and of a full plan (the own one's)
+            say("no layout probed fits yet: probing on into the full plans' share of the budget")
+            left = prober.probe(flat, budget_s - own_plan_s - prober.chunk_s)
         pipelined = [shape for shape in shapes if shape[0].pp > 1]
         if pipelines is None:
             pipelines = budget_s >= PP_PROBE_BUDGET_S
         if pipelined and (not prober.fits() or pipelines):
-            prober.probe(pipelined, budget_s * 0.6)
+            left += prober.probe(pipelined, budget_s * 0.6)
         elif pipelined:
             tried["pipeline layouts not probed (a layout without PP fits)"] = len(pipelined)
         tried["probed"] = len(prober.probed)
+        if left:
+            tried["not probed (budget)"] = left
         estimates = probe_estimates(shapes, prober.probed, space.capacity, space.global_batch)
         say(f"{len(estimates)} layouts fit by the probes; planning the best in full")
 
@@ -706,7 +774,8 @@ def search(config: str, base_overrides: list[str], *, gpus: int, gpu, gpus_per_n
     pool.close()
     return SearchResult(config, gpus, gpu.name, space.global_batch, training["seq_len"], training["steps"], recipe,
                         fitting, float8_outcomes, tried, time.perf_counter() - started,
-                        model_kind=kind_of(run, float8=""), budget_s=budget_s)
+                        model_kind=kind_of(run, float8=""), budget_s=budget_s,
+                        own_plan_s=own_plan_s)
 
 
 # ------------------------------------------------------------------------------------- output
@@ -742,8 +811,13 @@ def text(result: SearchResult, top: int) -> str:
         out += [f"The config's own layout ({verdict}):"] + row("  -", result.recipe) + [""]
     else:
         out += ["The config's own layout: not a valid run on these GPUs", ""]
-    if not result.ranked and result.tried.get("not planned in full (budget)"):
-        out.append("No layout planned in full within the budget: raise --budget-s")
+    if not result.ranked and result.budget_ran_out:
+        fits = result.recipe is not None and result.recipe.fits
+        out.append(f"The budget ran out before another layout was planned in full (--budget-s "
+                   f"{result.budget_s:.0f}, of which the config's own plan took "
+                   f"{result.own_plan_s:.0f} s)"
+                   + ("; the config's own layout above fits" if fits else "")
+                   + f": raise --budget-s (--budget-s {2 * result.budget_s:.0f}) to search further")
     elif not result.ranked:
         out.append("No layout found that fits (more GPUs, or a smaller model)")
     else:
@@ -787,21 +861,25 @@ def as_dict(result: SearchResult) -> dict:
     return {"config": result.config, "gpus": result.gpus, "gpu": result.gpu_name, "global_batch": result.global_batch,
             "seq_len": result.seq_len, "steps": result.steps, "recipe": one(result.recipe) if result.recipe else None,
             "ranked": [one(o) for o in result.ranked], "float8": [one(o) for o in result.float8],
-            "tried": result.tried, "seconds": result.seconds, "budget_seconds": result.budget_s}
+            "tried": result.tried, "seconds": result.seconds, "budget_seconds": result.budget_s,
+            "budget_ran_out": result.budget_ran_out, "own_plan_seconds": result.own_plan_s}
 
 
 def write_toml(result: SearchResult, config: str, base_overrides: list[str], path: str) -> None:
-    """The winner as a resolved TOML config (``canon-titan config show`` of the config with its
+    """``result.best`` as a resolved TOML config (``canon-titan config show`` of the config with its
     overrides), written to a temporary file and renamed."""
     from unittest.mock import patch
 
-    from canon_titan.config import dumps, load
+    from canon_titan.config import load, run_toml
     from canon_titan.tools.fileio import write_atomic
 
-    best = result.ranked[0]
-    overrides = [*base_overrides, *best.layout.overrides(result.global_batch)]
+    best = result.best
+    own = best is result.recipe
+    overrides = [*base_overrides, *([] if own else best.layout.overrides(result.global_batch))]
     with patch.dict(os.environ, WORLD_SIZE=str(result.gpus)):
         run = load(config, overrides, environment=False)
-    header = (f"# canon-titan plan --search winner for {result.gpus} x {result.gpu_name}: "
-              f"{best.layout.describe(result.global_batch)}\n# resolved from {config} with {' '.join(overrides)}\n")
-    write_atomic(path, header + dumps(run.sections))
+    what = "the config's own layout (no other layout planned fits)" if own else "winner"
+    header = (f"# canon-titan plan --search {what} for {result.gpus} x {result.gpu_name}: "
+              f"{best.layout.describe(result.global_batch)}\n# resolved from {config}"
+              + (f" with {' '.join(overrides)}" if overrides else "") + "\n")
+    write_atomic(path, header + run_toml(run))

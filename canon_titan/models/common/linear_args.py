@@ -59,6 +59,8 @@ class LinearArgs(CanonArgs, ABC):
     canon_set_note: ClassVar[str] = " ('bb' counts as b)"
     no_tensor_parallel: ClassVar[str | None] = None
     """Why this family has no tensor parallelism, or None when it has."""
+    unset_values: ClassVar[dict[str, str]] = {"ffn_hidden_dim": "hidden_dim"}
+    """As Llama's: a field whose None leaves its value to a rule -> the property holding it."""
 
     @property
     def kv_heads(self) -> int:

@@ -44,6 +44,10 @@ class LlamaArgs:
     release's ``model.seed``; its run seed is 777)."""
 
     label: ClassVar[str] = "Llama"
+    unset_values: ClassVar[dict[str, str]] = {
+        "n_kv_heads": "kv_heads", "ffn_hidden_dim": "hidden_dim", "rope_dim": "head_dim"}
+    """A field whose None leaves its value to a rule -> the property holding that value
+    (``config show`` writes the value)."""
 
     @property
     def head_dim(self) -> int:
