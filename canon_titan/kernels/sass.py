@@ -346,13 +346,24 @@ def _expand(obj, args: tuple, kwargs: dict, chosen: dict) -> list[Config]:
 
 def record_launches(run) -> list[Launch]:
     """Every Triton kernel launch ``run()`` makes (``kernel[grid](...)``, directly or through
-    ``torch.library.wrap_triton`` outside tracing), none of them run: the kernel launches return
-    None."""
+    ``torch.library.wrap_triton`` outside tracing), none of them run: the kernel launches return None.
+    Host code that reads an autotuner's choice after a launch (mamba-ssm sizes a buffer by it) finds
+    its first candidate."""
     launches: list[Launch] = []
+    chose: list[Autotuner] = []
     original = KernelInterface.__getitem__
 
     def getitem(kernel, grid):
-        return lambda *args, **kwargs: launches.append(Launch(kernel, grid, args, kwargs))
+        def launch(*args, **kwargs):
+            launches.append(Launch(kernel, grid, args, kwargs))
+            tuner = kernel
+            while not isinstance(tuner, JITFunction):
+                if isinstance(tuner, Autotuner) and getattr(tuner, "best_config", None) is None:
+                    tuner.best_config = tuner.configs[0]
+                    chose.append(tuner)
+                tuner = tuner.fn
+
+        return launch
 
     KernelInterface.__getitem__ = getitem
     try:
@@ -360,6 +371,8 @@ def record_launches(run) -> list[Launch]:
             run()
     finally:
         KernelInterface.__getitem__ = original
+        for tuner in chose:
+            tuner.best_config = None
     return launches
 
 

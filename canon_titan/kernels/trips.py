@@ -478,24 +478,76 @@ def nest(intervals: list[tuple[int, int]]) -> list[dict]:
 
 
 def ptx_loops(ptx: str) -> list[dict]:
-    """The PTX's loops (backward branches), each with ``memory`` (its own body's global and shared
-    memory and MMA instructions) and ``size`` (its own body's instructions)."""
-    lines = ptx.splitlines()
-    labels = {m.group(1): i for i, line in enumerate(lines) if (m := _PTX_LABEL.match(line.strip()))}
-    loops = nest([(labels[m.group(1)], i) for i, line in enumerate(lines)
-                  if (m := _PTX_BRANCH.search(line)) and labels.get(m.group(1), i + 1) <= i])
-    for loop in loops:
-        loop["memory"] = loop["size"] = 0
-    for i, line in enumerate(lines):
+    """The PTX's natural loops (a back edge to a block that dominates it: LLVM does not lay a loop out
+    in one piece), outer first in the order of their headers, each with ``parent``, ``memory`` (its
+    own body's global and shared memory and MMA instructions) and ``size`` (its own instructions)."""
+    blocks: list[list[str]] = [[]]
+    labels: dict[str, int] = {}
+    for line in ptx.splitlines():
         text = line.strip()
-        if not text or text.startswith(("//", ".", "$", "{", "}")):
+        if m := _PTX_LABEL.match(text):
+            if blocks[-1]:
+                blocks.append([])
+            labels[m.group(1)] = len(blocks) - 1
             continue
-        inner = next((k for k in range(len(loops) - 1, -1, -1)
-                      if loops[k]["start"] <= i <= loops[k]["end"]), None)
-        if inner is not None:
-            loops[inner]["size"] += 1
-            loops[inner]["memory"] += bool(_PTX_MEMORY.match(line))
+        if not text or text.startswith(("//", ".", "{", "}", "$")):
+            continue
+        blocks[-1].append(text)
+        if re.search(r"\b(bra|ret)\b", text):
+            blocks.append([])
+    successors = []
+    for i, block in enumerate(blocks):
+        last = block[-1] if block else ""
+        out = []
+        if m := _PTX_BRANCH.search(last):
+            out.append(labels[m.group(1)])
+            if last.startswith("@"):
+                out.append(i + 1)
+        elif not re.search(r"\bret\b", last):
+            out.append(i + 1)
+        successors.append([s for s in out if s < len(blocks)])
+    dominators = _dominators(successors)
+    predecessors = [[p for p, o in enumerate(successors) if b in o] for b in range(len(blocks))]
+    bodies: dict[int, set[int]] = {}
+    for tail, outs in enumerate(successors):
+        for head in outs:
+            if head in dominators[tail]:
+                body, stack = {head, tail}, [tail] if tail != head else []
+                while stack:
+                    for p in predecessors[stack.pop()]:
+                        if p not in body:
+                            body.add(p)
+                            stack.append(p)
+                bodies.setdefault(head, set()).update(body)
+    heads = sorted(bodies)
+    loops = []
+    for head in heads:
+        around = [h for h in heads if h != head and bodies[head] < bodies[h]]
+        parent = min(around, key=lambda h: len(bodies[h])) if around else None
+        loops.append({"parent": heads.index(parent) if parent is not None else None, "head": head})
+    for k, loop in enumerate(loops):
+        inner = set().union(*(bodies[heads[c]] for c in range(len(loops)) if loops[c]["parent"] == k))
+        own = [line for b in bodies[loop["head"]] - inner for line in blocks[b]]
+        loop["size"] = len(own)
+        loop["memory"] = sum(bool(_PTX_MEMORY.match(line)) for line in own)
     return loops
+
+
+def _dominators(successors: list[list[int]]) -> list[set[int]]:
+    """Each block's dominators (block 0 the entry), by the iterative data-flow algorithm."""
+    n = len(successors)
+    predecessors = [[p for p in range(n) if b in successors[p]] for b in range(n)]
+    everything = set(range(n))
+    dominators = [{0}] + [set(everything) for _ in range(n - 1)]
+    changed = True
+    while changed:
+        changed = False
+        for b in range(1, n):
+            reached = [dominators[p] for p in predecessors[b]]
+            new = ({b} | set.intersection(*reached)) if reached else {b}
+            if new != dominators[b]:
+                dominators[b], changed = new, True
+    return dominators
 
 
 def _children(loops: list[dict], parent: int | None) -> list[int]:
