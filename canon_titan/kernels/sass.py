@@ -346,7 +346,8 @@ def _expand(obj, args: tuple, kwargs: dict, chosen: dict) -> list[Config]:
 
 def record_launches(run) -> list[Launch]:
     """Every Triton kernel launch ``run()`` makes (``kernel[grid](...)``, directly or through
-    ``torch.library.wrap_triton`` outside tracing), none of them run: the kernel launches return None.
+    ``torch.library.wrap_triton`` outside tracing), none of them run: the kernel launches return
+    None.
     Host code that reads an autotuner's choice after a launch (mamba-ssm sizes a buffer by it) finds
     its first candidate."""
     launches: list[Launch] = []
@@ -555,19 +556,44 @@ class Code:
 
 def _loops(instructions: list[_Instruction], labels: dict[str, int]) -> list[dict]:
     """Loops as backward branches (``trips.nest``)."""
-    return nest([(labels[m.group(1)], ins.address) for ins in instructions
-                 if ins.opcode.startswith("BRA") and (m := _TARGET.search(ins.operands))
-                 and labels.get(m.group(1), ins.address + 1) <= ins.address])
+    return nest(
+        [
+            (labels[m.group(1)], ins.address)
+            for ins in instructions
+            if ins.opcode.startswith("BRA")
+            and (m := _TARGET.search(ins.operands))
+            and labels.get(m.group(1), ins.address + 1) <= ins.address
+        ]
+    )
 
 
-_MEMORY = {"LDG", "STG", "LDS", "STS", "LDSM", "STSM", "LDGSTS", "ATOM", "ATOMG", "ATOMS", "RED",
-           "REDG", "HMMA", "HGMMA", "IMMA", "QGMMA", "IGMMA"}
-"""The SASS instructions that match PTX's memory and MMA instructions one to one (``trips.ptx_loops``):
+_MEMORY = {
+    "LDG",
+    "STG",
+    "LDS",
+    "STS",
+    "LDSM",
+    "STSM",
+    "LDGSTS",
+    "ATOM",
+    "ATOMG",
+    "ATOMS",
+    "RED",
+    "REDG",
+    "HMMA",
+    "HGMMA",
+    "IMMA",
+    "QGMMA",
+    "IGMMA",
+}
+"""The SASS instructions that match PTX's memory and MMA instructions one to one
+(``trips.ptx_loops``):
 the measure of how many times ptxas unrolled a loop."""
 
 
 def _unrolled(ptx_loop: dict, sass_loop: dict) -> int:
-    """How many iterations of the PTX loop one iteration of the SASS loop makes (ptxas's unrolling)."""
+    """How many iterations of the PTX loop one iteration of the SASS loop makes (ptxas's
+    unrolling)."""
     if not ptx_loop["memory"] or sass_loop["memory"] < 1.5 * ptx_loop["memory"]:
         return 1
     return round(sass_loop["memory"] / ptx_loop["memory"])

@@ -197,7 +197,8 @@ class Trips:
     programs: int
     loops: list[dict] = field(default_factory=list)
     """Per ``scf.for``/``scf.while``, in textual order: ``parent`` (index or None), ``iterations``
-    (summed over the programs and the iterations of the loops around it), ``histogram`` (trip count ->
+    (summed over the programs and the iterations of the loops around it), ``histogram`` (trip count
+    ->
     how many times a program starts the loop with it), ``static`` (its bounds are constants: the
     compiler may unroll it whole)."""
     survivors: list[tuple[float, float]] = field(default_factory=list)
@@ -471,16 +472,24 @@ def nest(intervals: list[tuple[int, int]]) -> list[dict]:
         ends[start] = max(ends.get(start, start), end)
     loops: list[dict] = []
     for start, end in sorted(ends.items(), key=lambda se: (se[0], -se[1])):
-        parent = next((i for i in range(len(loops) - 1, -1, -1)
-                       if loops[i]["start"] <= start and end <= loops[i]["end"]), None)
+        parent = next(
+            (
+                i
+                for i in range(len(loops) - 1, -1, -1)
+                if loops[i]["start"] <= start and end <= loops[i]["end"]
+            ),
+            None,
+        )
         loops.append({"parent": parent, "start": start, "end": end})
     return loops
 
 
 def ptx_loops(ptx: str) -> list[dict]:
-    """The PTX's natural loops (a back edge to a block that dominates it: LLVM does not lay a loop out
+    """The PTX's natural loops (a back edge to a block that dominates it: LLVM does not lay a loop
+    out
     in one piece), outer first in the order of their headers, each with ``parent``, ``memory`` (its
-    own body's global and shared memory and MMA instructions) and ``size`` (its own instructions)."""
+    own body's global and shared memory and MMA instructions) and ``size`` (its own
+    instructions)."""
     blocks: list[list[str]] = [[]]
     labels: dict[str, int] = {}
     for line in ptx.splitlines():
@@ -526,7 +535,9 @@ def ptx_loops(ptx: str) -> list[dict]:
         parent = min(around, key=lambda h: len(bodies[h])) if around else None
         loops.append({"parent": heads.index(parent) if parent is not None else None, "head": head})
     for k, loop in enumerate(loops):
-        inner = set().union(*(bodies[heads[c]] for c in range(len(loops)) if loops[c]["parent"] == k))
+        inner = set().union(
+            *(bodies[heads[c]] for c in range(len(loops)) if loops[c]["parent"] == k)
+        )
         own = [line for b in bodies[loop["head"]] - inner for line in blocks[b]]
         loop["size"] = len(own)
         loop["memory"] = sum(bool(_PTX_MEMORY.match(line)) for line in own)
@@ -565,7 +576,8 @@ def _divided(histogram: dict, share: float, k: int, remainder: bool = False) -> 
 def align(upper: list[dict], lower: list[dict], factor=None) -> list[dict]:
     """The loops of a later compilation stage (``lower``: ``parent``, ``memory``, ``size``) with the
     trip counts of an earlier one's (``upper``: ``parent``, ``histogram``, ``static``), the trees
-    matched in order: each lower loop with its ``histogram`` and ``static``. A compiler may have unrolled
+    matched in order: each lower loop with its ``histogram`` and ``static``. A compiler may have
+    unrolled
     an upper loop: by ``factor(upper, lower)`` in place (its trip counts divided; default 1), by an
     integer factor with a remainder loop after it (two lower loops: their memory instructions in
     that ratio), or whole when its bounds are constants (its nested loops then appear once per
@@ -599,7 +611,9 @@ def align(upper: list[dict], lower: list[dict], factor=None) -> list[dict]:
             tries.append(("whole", next(iter(histogram))))
         for how, k in tries:
             if how == "in place":
-                nested = go([(c, share / k) for c in _children(upper, u)] * k, _children(lower, ls[0]))
+                nested = go(
+                    [(c, share / k) for c in _children(upper, u)] * k, _children(lower, ls[0])
+                )
                 tail = go(rest, ls[1:]) if nested is not None else None
                 if tail is not None:
                     mine = {"histogram": _divided(histogram, share, k), "static": static and k == 1}
@@ -607,9 +621,11 @@ def align(upper: list[dict], lower: list[dict], factor=None) -> list[dict]:
             elif how == "remainder":
                 tail = go(rest, ls[2:])
                 if tail is not None:
-                    return {ls[0]: {"histogram": _divided(histogram, share, k), "static": False},
-                            ls[1]: {"histogram": _divided(histogram, share, k, True), "static": False},
-                            **tail}
+                    return {
+                        ls[0]: {"histogram": _divided(histogram, share, k), "static": False},
+                        ls[1]: {"histogram": _divided(histogram, share, k, True), "static": False},
+                        **tail,
+                    }
             else:
                 copies = [(c, share / k if k else 0.0) for c in _children(upper, u)] * k
                 found = go(copies + rest, ls)
@@ -619,8 +635,9 @@ def align(upper: list[dict], lower: list[dict], factor=None) -> list[dict]:
 
     found = go([(u, 1.0) for u in _children(upper, None)], _children(lower, None))
     if found is None:
-        raise UnknownTrips(f"the compiled code's {len(lower)} loops do not match the {len(upper)} "
-                           "before it")
+        raise UnknownTrips(
+            f"the compiled code's {len(lower)} loops do not match the {len(upper)} before it"
+        )
     return [{**lower[i], **found[i]} for i in range(len(lower))]
 
 

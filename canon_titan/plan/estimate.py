@@ -8,7 +8,8 @@ are priced instead by their own kernels, compiled for the GPU and counted
 (``kernel_cost.call_seconds``: each launch the longest of its bytes, its instructions' issue and its
 tensor-core work), where the instrument prices the GPU; elsewhere by the roofline above. Causal
 attention does its causal share of the counted FLOPs (flash kernels skip the masked blocks;
-``recorder.causal_share``), at the efficiency of the SDPA backend that runs it (FlashAttention-2 or cuDNN) for its head dim (``ATTENTION_EFFICIENCY``).
+``recorder.causal_share``), at the efficiency of the SDPA backend that runs it (FlashAttention-2
+or cuDNN) for its head dim (``ATTENTION_EFFICIENCY``).
 
 Compile. The plan runs eagerly (fake tensors cannot run compiled code). With ``[compile]`` on,
 TorchTitan compiles each block of the model, and the loss where ``[compile] components`` names it
