@@ -62,7 +62,8 @@ from triton.compiler import ASTSource, make_backend
 from triton.runtime.autotuner import Autotuner, Heuristics
 from triton.runtime.jit import JITFunction, KernelInterface, create_function_from_signature
 
-from canon_titan.kernels.trips import EXIT_REACH, align, evaluate, nest, ptx_loops, skeleton
+from canon_titan.kernels.trips import (EXIT_REACH, UnknownTrips, align, evaluate, nest, ptx_loops,
+                                      skeleton)
 from canon_titan.kernels.trips import iterations as loop_iterations
 
 SM90 = GPUTarget("cuda", 90, 32)
@@ -731,14 +732,42 @@ class Executed:
     """Per SASS loop, its iterations summed over the programs (each warp runs them all)."""
     mma_flops: float
     """Tensor-core FLOPs of the launch, bf16-equivalent, as its MMA instructions count them."""
+    matched: bool = True
+    """Whether the SASS's loops were matched to the TTGIR's one by one (else ``_by_memory``)."""
+
+
+def _by_memory(trips: list[dict], ptx: list[dict], sass: list[dict]) -> list[float]:
+    """Iterations of the SASS's loops where the compilers reshaped them past matching (versions of
+    one loop, unrolling on top): the innermost TTGIR loops' iterations, each making the memory
+    instructions of an innermost PTX loop (the smallest, a version's), shared out over the innermost
+    SASS loops by their memory instructions; an outer SASS loop once per program's pass."""
+    leaves = [i for i in range(len(sass)) if not any(x["parent"] == i for x in sass)]
+    tt_leaves = [i for i in range(len(trips)) if not any(x["parent"] == i for x in trips)]
+    ptx_leaves = [x["memory"] for i, x in enumerate(ptx) if not any(y["parent"] == i for y in ptx)]
+    per_iteration = min((m for m in ptx_leaves if m), default=0)
+    total = sum(loop_iterations(trips[i]["histogram"]) for i in tt_leaves)
+    memory = sum(sass[i]["memory"] for i in leaves)
+    out = []
+    for i, loop in enumerate(sass):
+        if i in leaves and memory and per_iteration:
+            out.append(total * per_iteration / memory)
+        else:
+            out.append(total / max(len(leaves), 1) if i in leaves else 0.0)
+    return out
 
 
 def execute(code: Code, arguments: dict, grid: tuple[int, int, int]) -> Executed:
     """``code`` run as one launch with ``arguments`` (the kernel's, by name) on ``grid``."""
     trips = evaluate(code.skeleton, arguments, grid)
     programs = trips.programs
-    machine = align(align(trips.loops, code.ptx_loops), code.loops, _unrolled) if code.loops else []
-    iterations = [loop_iterations(m["histogram"]) for m in machine]
+    matched = True
+    try:
+        machine = align(align(trips.loops, code.ptx_loops), code.loops, _unrolled) if code.loops else []
+        iterations = [loop_iterations(m["histogram"]) for m in machine]
+    except UnknownTrips:
+        if not trips.loops:
+            raise
+        iterations, matched = _by_memory(trips.loops, code.ptx_loops, code.loops), False
     survivors = [float(programs)]
     returns = list(trips.survivors)
     for at in code.exits_at:
@@ -764,7 +793,7 @@ def execute(code: Code, arguments: dict, grid: tuple[int, int, int]) -> Executed
     per_program = (
         {cls: n / programs / code.num_warps for cls, n in executed.items()} if programs else {}
     )
-    return Executed(programs, code.num_warps, dict(executed), per_program, iterations, flops)
+    return Executed(programs, code.num_warps, dict(executed), per_program, iterations, flops, matched)
 
 
 @dataclass

@@ -47,6 +47,8 @@ class LaunchCount:
     """Its MMA instructions' FLOPs, bf16-equivalent."""
     compile_s: float = 0.0
     """Triton's compile of the configuration on the machine that counted it."""
+    matched: bool = True
+    """Its loops' trip counts matched the compiled loops one by one (``sass.Executed.matched``)."""
 
     def per_element(self, elements: int) -> float:
         """Thread instructions per element of ``elements``."""
@@ -161,6 +163,7 @@ def launch_counts(launch, codes=None) -> list[LaunchCount]:
                 run.executed,
                 run.mma_flops,
                 compile_s=code.compile_seconds,
+                matched=run.matched,
             )
         )
     return out

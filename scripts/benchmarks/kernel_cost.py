@@ -323,6 +323,107 @@ def table_canon(args) -> dict:
     return {"rows": rows}
 
 
+INDUCTOR_TOKENS = 1024
+"""Inductor's kernels are generated at 1 x 1024 and scaled to the step's tokens: a compiled block's
+pointwise and row kernels do per token what they do at 4096 (the attention, whose CPU kernel runs
+for real here, is an extern kernel and not among them)."""
+
+
+def inductor_launches(family: str = "llama_canon") -> list:
+    """Every Triton kernel launch of one compiled 1B block's forward and backward (the step after the
+    compiling one), as ``sass.Launch``es of Inductor's kernels and configurations, generated for sm_90
+    on this CPU and not run (``inductor_bytes.HopperCodegen``)."""
+    import torch
+    import triton
+    from torch._inductor.runtime import triton_heuristics
+    from torch._inductor.runtime.triton_heuristics import GridExpr
+
+    import model_registry
+    from canon_titan.kernels import canon, sass
+
+    sys.path.insert(0, str(REPO / "scripts" / "benchmarks"))
+    from inductor_bytes import HopperCodegen
+
+    HopperCodegen()
+    launches: list = []
+
+    def run(autotuner, *args, **kwargs):
+        configs = list(autotuner.configs)
+        tuned = triton.autotune(configs=configs, key=[])(autotuner.fn)
+        meta = autotuner.inductor_meta
+        names = autotuner.fn.arg_names
+
+        def grid(values, meta=meta, configs=configs):
+            chosen = {k: values[k] for k in configs[0].kwargs if k in values}
+            return GridExpr.from_meta(meta, chosen).eval_slow(values)
+
+        launches.append(sass.Launch(tuned, grid, args[: len(names)], {}))
+
+    triton_heuristics.CachingAutotuner.run = run
+    canon._use_triton = lambda backend, x, size: backend == "triton" and size in canon.TRITON_KERNEL_SIZES
+    overrides = {"n_layers": 1, "max_seq_len": INDUCTOR_TOKENS}
+    if family == "llama_canon":
+        overrides["canon_backend"] = "triton"
+    spec = model_registry.model_spec(family, "1B", overrides)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        block = spec.model.build().layers["0"]
+    finally:
+        torch.set_default_dtype(default)
+    compiled = torch.compile(block, fullgraph=True)
+    x = torch.randn(1, INDUCTOR_TOKENS, spec.model.dim, dtype=torch.bfloat16)
+
+    def step():
+        y = compiled(x.clone().requires_grad_())
+        y.backward(torch.ones_like(y))
+
+    step()
+    launches.clear()
+    step()
+    return [launch for launch in launches if not launch.name.startswith("_canon")]
+
+
+def table_inductor(args) -> dict:
+    """Inductor's kernels of a compiled LlamaCanon-1B block (and Llama-1B's, for the difference),
+    scaled to --batch x --seq-len."""
+    gpu = _gpu()
+    given = kernel_cost.assumptions(gpu)
+    full = kernel_cost.Assumptions(memory=given.memory, issue=1.0, tensor=1.0)
+    codes = kernel_counts.Codes(kernel_counts.cache_folder())
+    tokens = args.batch * args.seq_len / INDUCTOR_TOKENS
+    out = {}
+    for family in ("llama_canon", "llama"):
+        rows = []
+        for launch in inductor_launches(family):
+            counts = kernel_counts.launch_counts(launch, codes)
+            cost = kernel_cost.best(counts, gpu, given)
+            perfect = kernel_cost.priced(cost.count, gpu, full)
+            # each of the layers' launches at the step's tokens: the bounds scale, the floor does not
+            seconds = max(cost.memory_s, cost.issue_s, cost.tensor_s) * tokens
+            rows.append({"kernel": cost.count.kernel, "config": cost.count.config,
+                         "registers": cost.count.registers,
+                         "bytes": cost.count.bytes * tokens * LAYERS,
+                         "memory_ms": 1e3 * cost.memory_s * tokens * LAYERS,
+                         "issue_full_ms": 1e3 * perfect.issue_s * tokens * LAYERS,
+                         "ms": 1e3 * max(seconds, kernel_cost.MIN_KERNEL_S) * LAYERS,
+                         "bound": cost.bound, "matched": cost.count.matched})
+        out[family] = rows
+        print(f"\nInductor's kernels of a compiled {family} 1B block (generated at 1 x {INDUCTOR_TOKENS}, "
+              f"per step of {args.batch} x {args.seq_len} and {LAYERS} layers), {gpu.name}\n")
+        print(md("kernel", "config", "registers", "HBM GB a step", "memory-bound ms",
+                 "issue-bound ms (100%)", "predicted ms", "bound"))
+        print(md("---", "---", *["---:"] * 5, "---"))
+        for r in rows:
+            name = f"`{r['kernel']}`" + ("" if r["matched"] else " (loops by memory)")
+            print(md(name, r["config"], r["registers"], f"{r['bytes'] / 1e9:.2f}",
+                     f"{r['memory_ms']:.2f}", f"{r['issue_full_ms']:.2f}", f"{r['ms']:.2f}", r["bound"]))
+        print(md(f"**{len(rows)} kernels**", "", "", f"{sum(r['bytes'] for r in rows) / 1e9:.1f}",
+                 f"{sum(r['memory_ms'] for r in rows):.1f}", f"{sum(r['issue_full_ms'] for r in rows):.1f}",
+                 f"**{sum(r['ms'] for r in rows):.1f}**", ""))
+    return out
+
+
 LINEAR = {
     "gla5": {"kernel_backend": "fla"},
     "gdn2": {"kernel_backend": "fla"},
@@ -381,6 +482,52 @@ def table_first_step(args) -> dict:
             )
         out[family] = {"kernels": kernels, "compile_s": total}
     return out
+
+
+# ------------------------------------------------------------------------------------- guard
+
+
+def guard_figures(pinned: dict[str, str] | None = None) -> dict[str, list]:
+    """Per Canon call of a LlamaCanon-1B layer at 8 x 4096 (``_variant``): its kernel, the
+    configuration it runs with (``pinned``'s, the only one compiled, where given; else the fastest by
+    the instrument, every candidate compiled), its SASS instructions per element and its issue-bound
+    time at 100% over its memory-bound time. ``tests/test_kernel_cost_guard.py`` holds them."""
+    gpu = _gpu()
+    given = kernel_cost.assumptions(gpu)
+    full = kernel_cost.Assumptions(memory=given.memory, issue=1.0, tensor=1.0)
+    codes = kernel_counts.Codes(kernel_counts.cache_folder())
+    out: dict[str, list] = {}
+    calls = model_calls("llama_canon", 8, 4096, {"canon_backend": "triton"})
+    for op, args in calls:
+        variant = _variant(op, args)
+        if variant in out:
+            continue
+        (launch,) = kernel_counts.launches(op, args)
+        configs = launch.configs()
+        if pinned is not None:
+            wanted = pinned.get(variant)
+            chosen = [c for c in configs if c.label == wanted]
+            if not chosen:
+                raise SystemExit(f"{variant}: its launch has no configuration {wanted!r} (it has "
+                                 f"{[c.label for c in configs]}): update FIGURES")
+            configs = chosen
+        launch.configs = lambda configs=configs: configs
+        counts = kernel_counts.launch_counts(launch, codes)
+        cost = kernel_cost.best(counts, gpu, given)
+        at_full = kernel_cost.priced(cost.count, gpu, full)
+        per_element = cost.count.per_element(_elements(args))
+        out[variant] = [cost.count.kernel, cost.count.config, round(per_element, 2),
+                        round(at_full.issue_s / at_full.memory_s, 3)]
+    return out
+
+
+def table_guard(args) -> dict:
+    figures = guard_figures()
+    print("FIGURES = {")
+    for variant, (kernel, config, per_element, ratio) in figures.items():
+        print(f"    {variant!r}: ({kernel!r}, {config!r}, {per_element}, {ratio}),")
+    print("}")
+    return figures
 
 
 # ------------------------------------------------------------------------------------- leases
@@ -525,6 +672,15 @@ def fit_issue_efficiency() -> tuple[float, list[dict]]:
     return efficiency, rows
 
 
+def canon_ms(commit: str | None, family: str, batch: int, seq_len: int) -> float:
+    """The predicted milliseconds of the Canon kernels of a step of ``family``'s 1B flavor at batch x
+    seq_len, the kernels of ``commit`` (None: today's)."""
+    module = old_canon(commit) if commit else None
+    calls = model_calls(family, batch, seq_len, FAMILY_OVERRIDES[family], canon_module=module)
+    canon = [c for c in calls if c[0].split("::")[1].startswith("canon_")]
+    return _kind_ms(rows_of(counted(canon), _gpu()), "Canon")
+
+
 def table_leases(args) -> dict:
     gpu = _gpu()
     given = kernel_cost.assumptions(gpu)
@@ -639,13 +795,16 @@ def main(argv=None) -> int:
             file=sys.stderr,
         )
         return 2
-    kernel_counts._as_hopper()
+    if args.table != "inductor":  # which compiles with Inductor: it asks the device about itself
+        kernel_counts._as_hopper()
     started = time.perf_counter()
     result = {
         "canon": table_canon,
         "linear": table_linear,
         "first-step": table_first_step,
         "leases": table_leases,
+        "guard": table_guard,
+        "inductor": table_inductor,
     }[args.table](args)
     print(f"\n({time.perf_counter() - started:.0f} s on this machine)", file=sys.stderr)
     if args.json:
