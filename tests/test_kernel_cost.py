@@ -85,3 +85,20 @@ def test_the_canon_kernels_of_the_profiled_leases_take_what_they_measured():
     assert ASSUMPTIONS[H200_NAME].issue == pytest.approx(result["efficiency"], abs=0.01)
     for run, measured in MEASURED.items():
         assert result["profiled"][run] == pytest.approx(measured, rel=0.15), run
+
+
+def test_a_gpu_file_with_its_sm_count_and_clock_is_priced_and_a_fractional_count_refused(tmp_path):
+    """An sm_90 part described in a file with its SMs and clock takes the H100's assumptions; without
+    them, none (the roofline); 131.5 SMs is one error naming the key."""
+    from canon_titan.plan.gpus import UnknownGPU, gpu_from_file
+    from canon_titan.plan.kernel_cost import ASSUMPTIONS, assumptions
+
+    base = ('name = "H800"\nmemory_gib = 79.6\nbf16_tflops = 989.0\nfp8_tflops = 1979.0\nhbm_tb_s = 3.35\n'
+            'nvlink_gb_s = 200.0\nnetwork_gb_s = 50.0\nfp32_tflops = 67.0\n')
+    (tmp_path / "plain.toml").write_text(base)
+    (tmp_path / "sms.toml").write_text(base + "sm_count = 132\nsm_clock_ghz = 1.98\n")
+    (tmp_path / "half.toml").write_text(base + "sm_count = 131.5\nsm_clock_ghz = 1.98\n")
+    assert assumptions(gpu_from_file(tmp_path / "plain.toml")) is None
+    assert assumptions(gpu_from_file(tmp_path / "sms.toml")) == ASSUMPTIONS["H100 SXM 80GB"]
+    with pytest.raises(UnknownGPU, match="sm_count must be a whole number"):
+        gpu_from_file(tmp_path / "half.toml")

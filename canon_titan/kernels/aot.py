@@ -108,6 +108,11 @@ def model_cases(seq_len: int = SEQ_LEN) -> dict:
     }
 
 
+def record_launches(run) -> list[tuple]:
+    """(kernel, args, kwargs) of every launch ``run()`` makes (``sass.record_launches``)."""
+    return [(launch.kernel, launch.args, launch.kwargs) for launch in sass.record_launches(run)]
+
+
 def configs_of(launch: sass.Launch) -> list[sass.Config]:
     """The configurations compiled for a launch: every one it may run with."""
     return launch.configs()

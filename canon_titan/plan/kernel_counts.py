@@ -49,6 +49,8 @@ class LaunchCount:
     """Triton's compile of the configuration on the machine that counted it."""
     matched: bool = True
     """Its loops' trip counts matched the compiled loops one by one (``sass.Executed.matched``)."""
+    compile_key: str = ""
+    """What Triton compiled (``sass.compile_key``): one compile per key, whatever the launch."""
 
     def per_element(self, elements: int) -> float:
         """Thread instructions per element of ``elements``."""
@@ -164,6 +166,7 @@ def launch_counts(launch, codes=None) -> list[LaunchCount]:
                 run.mma_flops,
                 compile_s=code.compile_seconds,
                 matched=run.matched,
+                compile_key=key,
             )
         )
     return out

@@ -12,6 +12,7 @@ CPU (``canon_titan/plan/kernel_cost.py``: SASS counted by ``canon_titan/kernels/
   leases      predicted against measured for every GPU lease that timed kernels, the kernels as they
               were then (git show of their commit)
   guard       the figures tests/test_kernel_cost_guard.py holds
+  predict     what the next lease's block sweep of the Canon backward kernels should time
 
     .venv/bin/python scripts/benchmarks/kernel_cost.py canon
     .venv/bin/python scripts/benchmarks/kernel_cost.py leases --json out.json
@@ -451,9 +452,9 @@ def table_first_step(args) -> dict:
         for op, call_args, costs in counted(calls):
             for configs in costs:
                 for c in configs:
-                    if (c.kernel, c.config) in seen:
+                    if c.compile_key in seen:
                         continue
-                    seen.add((c.kernel, c.config))
+                    seen.add(c.compile_key)
                     kernels.append(
                         {
                             "op": op,
@@ -578,7 +579,9 @@ FAMILY_OVERRIDES = {
 
 
 def _swept_launches(module, call: str, blocks):
-    """The 2026-11-27 sweep's calls (``canon_op_bench.backward_blocks`` then) at batch 2 x 4096."""
+    """The block sweep's calls (``canon_op_bench.backward_blocks``) at batch 2 x 4096: Canon-A's
+    through ``conv_weight_grads`` where the module has it (the input's gradient is Inductor's
+    since 605baf9), else ``conv_backward``."""
     import torch
 
     from canon_titan.kernels import sass
@@ -679,6 +682,37 @@ def canon_ms(commit: str | None, family: str, batch: int, seq_len: int) -> float
     calls = model_calls(family, batch, seq_len, FAMILY_OVERRIDES[family], canon_module=module)
     canon = [c for c in calls if c[0].split("::")[1].startswith("canon_")]
     return _kind_ms(rows_of(counted(canon), _gpu()), "Canon")
+
+
+def table_predict(args) -> dict:
+    """What the next lease's block sweep (``bench_canon.py --mode bwd_blocks``) should time with
+    today's kernels: each call at each candidate configuration, predicted before the run."""
+    from canon_op_bench import BACKWARD_CANDIDATES
+
+    from canon_titan.kernels import canon
+
+    gpu = _gpu()
+    given = kernel_cost.assumptions(gpu)
+    codes = kernel_counts.Codes(kernel_counts.cache_folder())
+    saved = canon.BACKWARD_BLOCKS, canon.RECOMPUTING_BACKWARD_BLOCKS
+    rows = []
+    try:
+        for call in ("Canon-A", "Canon-D", "Mamba2 b"):
+            for blocks in BACKWARD_CANDIDATES:
+                costs = [kernel_cost.best(kernel_counts.launch_counts(launch, codes), gpu, given)
+                         for launch in _swept_launches(canon, call, blocks)]
+                rows.append({"call": call, "blocks": "{}x{}/{}w".format(*blocks),
+                             "registers": max(c.count.registers for c in costs),
+                             "memory_ms": 1e3 * sum(c.memory_s for c in costs),
+                             "predicted_ms": 1e3 * sum(c.seconds for c in costs)})
+    finally:
+        canon.BACKWARD_BLOCKS, canon.RECOMPUTING_BACKWARD_BLOCKS = saved
+    print(md("call (one, batch 2 x 4096)", "blocks", "registers", "memory-bound ms", "predicted ms"))
+    print(md("---", "---", "---:", "---:", "---:"))
+    for r in rows:
+        print(md(r["call"], r["blocks"], r["registers"], f"{r['memory_ms']:.3f}",
+                 f"{r['predicted_ms']:.3f}"))
+    return {"sweep": rows}
 
 
 def table_leases(args) -> dict:
@@ -783,7 +817,8 @@ def main(argv=None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
-        "table", choices=("canon", "inductor", "linear", "first-step", "leases", "guard")
+        "table",
+        choices=("canon", "inductor", "linear", "first-step", "leases", "guard", "predict"),
     )
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=4096)
@@ -804,6 +839,7 @@ def main(argv=None) -> int:
         "first-step": table_first_step,
         "leases": table_leases,
         "guard": table_guard,
+        "predict": table_predict,
         "inductor": table_inductor,
     }[args.table](args)
     print(f"\n({time.perf_counter() - started:.0f} s on this machine)", file=sys.stderr)
