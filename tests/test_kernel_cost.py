@@ -102,3 +102,21 @@ def test_a_gpu_file_with_its_sm_count_and_clock_is_priced_and_a_fractional_count
     assert assumptions(gpu_from_file(tmp_path / "sms.toml")) == ASSUMPTIONS["H100 SXM 80GB"]
     with pytest.raises(UnknownGPU, match="sm_count must be a whole number"):
         gpu_from_file(tmp_path / "half.toml")
+
+
+def test_a_call_that_a_plan_under_the_interpreter_asks_for_is_counted_and_priced(tmp_path, monkeypatch):
+    """This process runs Triton's interpreter (the suite's conftest), where the Canon ops are plain
+    custom ops; the counting process runs the real Triton, where they are ``triton_op``s: a call the
+    planner asks for is counted there and found here under the same key, and priced."""
+    import torch
+
+    from canon_titan.plan import kernel_cost, kernel_counts
+    from canon_titan.plan.gpus import GPUS
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    x = torch.empty(1, 64, 128, dtype=torch.bfloat16, device="meta")
+    w = torch.empty(128, 4, dtype=torch.bfloat16, device="meta")
+    call = ("canon_titan::canon_conv", kernel_counts.spec([x, w, None, None, None, True, False]))
+    seconds = kernel_cost.call_seconds([call], GPUS["h200"])
+    assert kernel_counts.cached(*call) is not None
+    assert seconds[kernel_counts.call_key(*call)] > 0

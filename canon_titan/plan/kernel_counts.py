@@ -108,6 +108,8 @@ def calls_of(run, namespace: str = "canon_titan") -> list[tuple[str, list]]:
     return calls
 
 
+TUNING = ("canon_titan.kernels.tuning",)
+"""The kernel tuning rules (which autotuning candidates a launch may run with)."""
 KERNEL_MODULES = (
     "canon_titan.kernels.canon",
     "canon_titan.kernels.gla",
@@ -121,7 +123,7 @@ def _definition(op: str):
     """The Python definition of custom op ``op`` (``namespace::name``): its body is ``_init_fn``."""
     from torch._library.custom_ops import _maybe_get_opdef
 
-    for name in KERNEL_MODULES:
+    for name in (*KERNEL_MODULES, *TUNING):
         importlib.import_module(name)
     definition = _maybe_get_opdef(op)
     if definition is None:
@@ -214,16 +216,13 @@ def _counting_code() -> tuple[str, ...]:
 
 
 def call_key(op: str, args: list) -> str:
-    """A call's cache key: the op, its arguments, the module that defines it and the kernel tuning
-    rules, the counting code (this module's too), and the kernel packages' versions."""
-    module = sys.modules[_definition(op)._init_fn.__module__].__file__
-    kernels = Path(__file__).resolve().parents[1] / "kernels"
-    sources = [
-        _file_digest(module),
-        _file_digest(kernels / "tuning.py"),
-        _file_digest(__file__),
-        *_counting_code(),
-    ]
+    """A call's cache key: the op, its arguments, the modules that define the ops and the kernel
+    tuning rules, the counting code (this module's too), and the kernel packages' versions. (By
+    every op module's source: a ``triton_op``'s body is a wrapper of torch's, an interpreter run's
+    custom op's the function itself.)"""
+    _definition(op)
+    sources = [_file_digest(sys.modules[name].__file__) for name in (*KERNEL_MODULES, *TUNING)]
+    sources += [_file_digest(__file__), *_counting_code()]
     return _digest(op, args, sources, _version("flash-linear-attention"), _version("mamba-ssm"))
 
 
