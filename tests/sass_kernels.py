@@ -1,9 +1,7 @@
 """Small Triton kernels whose SASS counts follow from their source, for
 ``tests/test_kernel_cost_sass.py``: ``python tests/sass_kernels.py NAME...`` compiles each for sm_90
-(the
-real Triton: run it without ``TRITON_INTERPRET``) and prints what ``canon_titan.kernels.sass``
-counts of
-one launch, as JSON."""
+(the real Triton: run it without ``TRITON_INTERPRET``) and prints what ``canon_titan.kernels.sass``
+counts of one launch, as JSON."""
 
 import json
 import sys

@@ -1,9 +1,8 @@
 """The kernel cost instrument (``canon_titan/plan/kernel_cost.py``) against what GPUs measured and
 against hand arithmetic: its one fitted figure is the one lease's sweep of the Canon backward
-kernels
-gives, and with it the Canon kernels of the other leases' profiled steps (their kernels as they
-were,
-``scripts/benchmarks/kernel_cost.py leases``) take within 15% of what the profiles measured."""
+kernels gives, and with it the Canon kernels of the other leases' profiled steps (their kernels as
+they were, ``scripts/benchmarks/kernel_cost.py leases``) take within 15% of what the profiles
+measured."""
 
 import json
 import os
@@ -65,10 +64,8 @@ the kernels of those commits (2026-11-27 and 2026-11-28, docs/benchmarks/gpu.md)
 @pytest.mark.slow
 def test_the_canon_kernels_of_the_profiled_leases_take_what_they_measured():
     """The issue efficiency of ``kernel_cost.ASSUMPTIONS`` is what the 2026-11-27 sweep's rows at
-    the
-    blocks kept (16x32/4w) measured; fitted there, the Canon kernels of LlamaCanon-1B's profiled
-    steps
-    of 2026-11-27 and 2026-11-28 (not fitted) are predicted within 15%."""
+    the blocks kept (16x32/4w) measured; fitted there, the Canon kernels of LlamaCanon-1B's profiled
+    steps of 2026-11-27 and 2026-11-28 (not fitted) are predicted within 15%."""
     from canon_titan.plan.kernel_cost import ASSUMPTIONS
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -88,13 +85,15 @@ def test_the_canon_kernels_of_the_profiled_leases_take_what_they_measured():
 
 
 def test_a_gpu_file_with_its_sm_count_and_clock_is_priced_and_a_fractional_count_refused(tmp_path):
-    """An sm_90 part described in a file with its SMs and clock takes the H100's assumptions; without
-    them, none (the roofline); 131.5 SMs is one error naming the key."""
+    """An sm_90 part described in a file with its SMs and clock takes the H100's assumptions;
+    without them, none (the roofline); 131.5 SMs is one error naming the key."""
     from canon_titan.plan.gpus import UnknownGPU, gpu_from_file
     from canon_titan.plan.kernel_cost import ASSUMPTIONS, assumptions
 
-    base = ('name = "H800"\nmemory_gib = 79.6\nbf16_tflops = 989.0\nfp8_tflops = 1979.0\nhbm_tb_s = 3.35\n'
-            'nvlink_gb_s = 200.0\nnetwork_gb_s = 50.0\nfp32_tflops = 67.0\n')
+    base = (
+        'name = "H800"\nmemory_gib = 79.6\nbf16_tflops = 989.0\nfp8_tflops = 1979.0\n'
+        "hbm_tb_s = 3.35\nnvlink_gb_s = 200.0\nnetwork_gb_s = 50.0\nfp32_tflops = 67.0\n"
+    )
     (tmp_path / "plain.toml").write_text(base)
     (tmp_path / "sms.toml").write_text(base + "sm_count = 132\nsm_clock_ghz = 1.98\n")
     (tmp_path / "half.toml").write_text(base + "sm_count = 131.5\nsm_clock_ghz = 1.98\n")
@@ -104,7 +103,9 @@ def test_a_gpu_file_with_its_sm_count_and_clock_is_priced_and_a_fractional_count
         gpu_from_file(tmp_path / "half.toml")
 
 
-def test_a_call_that_a_plan_under_the_interpreter_asks_for_is_counted_and_priced(tmp_path, monkeypatch):
+def test_a_call_that_a_plan_under_the_interpreter_asks_for_is_counted_and_priced(
+    tmp_path, monkeypatch
+):
     """This process runs Triton's interpreter (the suite's conftest), where the Canon ops are plain
     custom ops; the counting process runs the real Triton, where they are ``triton_op``s: a call the
     planner asks for is counted there and found here under the same key, and priced."""

@@ -1,8 +1,7 @@
 """The SASS counter (``canon_titan/kernels/sass.py``, ``trips.py``) against hand counts: small
-Triton
-kernels written here, compiled for sm_90 with the bundled ptxas and nvdisasm (no GPU), whose loops,
-early returns and instructions per element follow from their source; a hand-written TTGIR for the
-trip-count evaluator; a kernel forced to spill, seen by ptxas's report and in the SASS alike."""
+Triton kernels written here, compiled for sm_90 with the bundled ptxas and nvdisasm (no GPU), whose
+loops, early returns and instructions per element follow from their source; a hand-written TTGIR for
+the trip-count evaluator; a kernel forced to spill, seen by ptxas's report and in the SASS alike."""
 
 import json
 import os
@@ -47,8 +46,8 @@ def counted(every_config) -> dict:
 
 
 def test_a_loop_runs_its_trip_count_in_every_program_that_did_not_return(counted):
-    """10 programs, 4 returning at once, each of the other 6 looping 200 times over two scalar loads a
-    thread: 6 x 200 x 2 load instructions per warp, on 4 warps; the store after the loop by 6
+    """10 programs, 4 returning at once, each of the other 6 looping 200 times over two scalar loads
+    a thread: 6 x 200 x 2 load instructions per warp, on 4 warps; the store after the loop by 6
     programs."""
     looped = counted["looped"]
     assert looped["programs"] == 10
@@ -57,8 +56,8 @@ def test_a_loop_runs_its_trip_count_in_every_program_that_did_not_return(counted
 
 
 def test_a_loop_bounded_by_the_program_id_runs_a_triangle(counted):
-    """Program p loads 16 p tiles: 16 (0 + 1 + ... + 63) = 32,256 tiles over the 64 programs, one load
-    per warp each."""
+    """Program p loads 16 p tiles: 16 (0 + 1 + ... + 63) = 32,256 tiles over the 64 programs, one
+    load per warp each."""
     assert counted["triangular"]["executed"]["load"] == pytest.approx(32_256 * 4, rel=0.05)
 
 
@@ -69,8 +68,7 @@ def test_a_loop_in_a_loop_of_a_constant_trip_count_runs_the_product(counted):
 
 def test_an_exp2_of_an_affine_map_is_one_mufu_and_one_ffma_per_element(counted):
     """exp2(x * a + b) on fp32: one special-function instruction and one fused multiply-add per
-    element,
-    and its loads vectorised (at most one load per 4 elements)."""
+    element, and its loads vectorised (at most one load per 4 elements)."""
     per = counted["exp_affine"]["per_element"]
     assert per["mufu"] == pytest.approx(1.0)
     assert per["fp32"] == pytest.approx(1.0, abs=0.05)
@@ -110,8 +108,8 @@ module {
 
 def test_a_kernel_held_to_few_registers_spills_in_the_report_and_in_the_sass(every_config):
     """Three 4096-element fp32 tiles on 128 threads need about 96 registers a thread: with
-    ``maxnreg`` 32
-    ptxas reports spill stores and the SASS holds local-memory instructions; without it, neither."""
+    ``maxnreg`` 32 ptxas reports spill stores and the SASS holds local-memory instructions; without
+    it, neither."""
     held, free = every_config["wide"]
     assert "32 max registers" in held["label"]
     assert (

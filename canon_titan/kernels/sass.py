@@ -2,39 +2,32 @@
 class.
 
 A launch is recorded, not run (``record_launches``: meta tensors serve as arguments); Triton
-compiles it
-for the target (sm_90 by default: H100/H200) at each configuration it may run with
-(``Launch.configs``:
-every autotuning candidate its pruning keeps, heuristics applied), its bundled ptxas reports
-registers
-and spills, and its bundled nvdisasm gives the SASS. ``analyse`` counts the program's instructions
-by
-class (``CLASSES``) in its straight code and in each loop's body; ``execute`` turns them into what
-the
-launch executes, from its grid and its loops' trip counts. The trip counts come from the kernel's
-TTGIR:
-the integer arithmetic of the loop bounds, on the launch's arguments and every program's ids
-(``_Skeleton``),
-as do the programs an early ``return`` ends.
+compiles it for the target (sm_90 by default: H100/H200) at each configuration it may run with
+(``Launch.configs``: every autotuning candidate its own pruning keeps, heuristics applied), its
+bundled ptxas reports registers and spills, and its bundled nvdisasm gives the SASS. ``analyse``
+counts the program's instructions by class (``CLASSES``) in its straight code and in each loop's
+body; ``execute`` turns them into what the launch executes from its grid and its loops' trip
+counts, which come from the kernel's TTGIR (``trips``: the loop bounds' integer arithmetic on the
+launch's arguments and every program's ids), matched through the PTX's loops to those ptxas made.
+The programs an early ``return`` ends come from the TTGIR the same way.
 
     from canon_titan.kernels import sass
 
-    for launch in sass.record_launches(lambda: canon.swiglu_backward(dy, gate, up, w, None, True,
-    False)):
+    run = lambda: canon.swiglu_backward(dy, gate, up, weight, None, True, False)
+    for launch in sass.record_launches(run):
         for config in launch.configs():
             counted = sass.count(launch, config)
-            counted.registers, counted.spill_store_bytes, counted.loop_instructions()  # per
-            iteration
-            counted.executed          # class -> warp instructions of the whole launch
-            counted.per_element(n)    # class -> thread instructions per element of n elements
+            counted.registers, counted.spill_store_bytes
+            counted.loop_instructions()  # per loop: class -> instructions of one iteration
+            counted.executed             # class -> warp instructions of the whole launch
+            counted.per_element(n)       # class -> thread instructions per element of n
 
-What it assumes: every instruction of a loop body runs on every iteration and every instruction of
-the
-straight code in every program that reaches it (both sides of a branch inside them are counted; a
-masked-off lane still issues); ptxas's loops are the TTGIR's, in order, less those it unrolled
-(loops
-of a constant trip count may vanish). A trip count that depends on loaded data (variable-length
-sequences) is not known: ``execute`` raises ``UnknownTrips``.
+What it assumes: every instruction of a loop's body runs on each iteration, and every instruction
+of the straight code in each program that reaches it (both sides of a branch there are counted; a
+masked-off lane still issues). Loops the compilers reshaped past matching (versions of one loop,
+unrolled on top) are counted by their memory instructions (``Executed.matched`` is then False). A
+trip count that depends on loaded data (variable-length sequences) is not known: ``execute`` raises
+``trips.UnknownTrips``.
 
 It runs the real Triton, so not under ``TRITON_INTERPRET=1`` (``KernelInterface`` there is Triton's
 interpreter's).
@@ -62,8 +55,15 @@ from triton.compiler import ASTSource, make_backend
 from triton.runtime.autotuner import Autotuner, Heuristics
 from triton.runtime.jit import JITFunction, KernelInterface, create_function_from_signature
 
-from canon_titan.kernels.trips import (EXIT_REACH, UnknownTrips, align, evaluate, nest, ptx_loops,
-                                      skeleton)
+from canon_titan.kernels.trips import (
+    EXIT_REACH,
+    UnknownTrips,
+    align,
+    evaluate,
+    nest,
+    ptx_loops,
+    skeleton,
+)
 from canon_titan.kernels.trips import iterations as loop_iterations
 
 SM90 = GPUTarget("cuda", 90, 32)
@@ -88,8 +88,7 @@ CLASSES = (
 comparisons, packed fp16/bf16, the special-function unit (exp2, reciprocal, ...), conversions,
 tensor-core MMA/WGMMA, global loads (async copies and TMA included) and stores (atomics included),
 shared memory, local memory (spills), the uniform datapath (one per warp: scalar arithmetic,
-constant
-loads), barriers and fences, branches and exits, the rest."""
+constant loads), barriers and fences, branches and exits, the rest."""
 
 _CLASS_OF = {
     **dict.fromkeys(
@@ -222,12 +221,10 @@ def instruction_class(opcode: str) -> str:
     base = opcode.split(".")[0]
     if base in _CLASS_OF:
         return _CLASS_OF[base]
-    if base.startswith("U") or base in (
-        "R2UR",
-        "S2UR",
-        "LDC",
-    ):  # the uniform datapath, constant loads
-        return "uniform" if base != "LDC" else "int"
+    if base == "LDC":  # a constant load into a register
+        return "int"
+    if base.startswith("U") or base in ("R2UR", "S2UR"):  # the uniform datapath
+        return "uniform"
     if base in ("SHFL", "VOTE", "VOTEU", "MATCH", "REDUX"):
         return "int"
     return "other"
@@ -240,8 +237,7 @@ def instruction_class(opcode: str) -> str:
 @dataclass
 class Config:
     """One configuration a launch may run with: the keyword arguments its kernel gets (the launch's
-    own,
-    the autotuning candidate's meta-parameters and options, the heuristics' values)."""
+    own, the autotuning candidate's meta-parameters and options, the heuristics' values)."""
 
     kwargs: dict
     label: str
@@ -268,10 +264,9 @@ class Launch:
 
     def configs(self) -> list[Config]:
         """Every configuration the launch may run with: each candidate its autotuner keeps after its
-        own
-        pruning (``early_config_prune``; a performance model, which needs a GPU, is not asked), with
-        the
-        heuristics around and inside it applied; the launch's own arguments for a plain kernel."""
+        own pruning (``early_config_prune``; a performance model, which needs a GPU, is not asked),
+        with the heuristics around and inside it applied; the launch's own arguments for a plain
+        kernel."""
         return _expand(self.kernel, self.args, dict(self.kwargs), {})
 
     def bound_args(self, config: Config) -> dict:
@@ -294,8 +289,8 @@ class Launch:
 
     def bytes(self) -> int:
         """What its tensor arguments hold, each distinct tensor (storage, offset, shape, strides)
-        once:
-        the bytes the kernel reads and writes if it touches each element of each argument once."""
+        once: the bytes the kernel reads and writes if it touches each element of each argument
+        once."""
         views = {}
         for a in (*self.args, *self.kwargs.values()):
             if isinstance(a, torch.Tensor):
@@ -348,9 +343,8 @@ def _expand(obj, args: tuple, kwargs: dict, chosen: dict) -> list[Config]:
 def record_launches(run) -> list[Launch]:
     """Every Triton kernel launch ``run()`` makes (``kernel[grid](...)``, directly or through
     ``torch.library.wrap_triton`` outside tracing), none of them run: the kernel launches return
-    None.
-    Host code that reads an autotuner's choice after a launch (mamba-ssm sizes a buffer by it) finds
-    its first candidate."""
+    None. Host code that reads an autotuner's choice after a launch (mamba-ssm sizes a buffer by it)
+    finds its first candidate."""
     launches: list[Launch] = []
     chose: list[Autotuner] = []
     original = KernelInterface.__getitem__
@@ -388,9 +382,8 @@ _SPILL = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) b
 
 def source(launch: Launch, config: Config, target: GPUTarget = SM90):
     """What Triton compiles for the launch with ``config``, specialised on its arguments as the JIT
-    would
-    (ints equal to 1 become constants; multiples of 16 and 16-byte-aligned pointers get divisibility
-    hints): the ``ASTSource`` and its options."""
+    would (ints equal to 1 become constants; multiples of 16 and 16-byte-aligned pointers get
+    divisibility hints): the ``ASTSource`` and its options."""
     fn = launch.function
     backend = make_backend(target)
     binder = create_function_from_signature(fn.signature, fn.params, backend)
@@ -403,8 +396,7 @@ def source(launch: Launch, config: Config, target: GPUTarget = SM90):
 
 def compile_key(launch: Launch, config: Config, target: GPUTarget = SM90) -> str:
     """What identifies the compiled code: the source's hash (the kernel's and its callees' source,
-    the
-    constants and specialisations), the options, the target and Triton's version."""
+    the constants and specialisations), the options, the target and Triton's version."""
     src, options = source(launch, config, target)
     text = json.dumps(
         [src.hash(), str(sorted(options.__dict__.items())), target.arch, triton.__version__]
@@ -503,8 +495,7 @@ def _parse_sass(text: str) -> tuple[list[_Instruction], dict[str, int]]:
 @dataclass
 class Region:
     """Instructions counted together: the straight code between two early exits, or a loop's own
-    body
-    (its nested loops apart)."""
+    body (its nested loops apart)."""
 
     loop: int | None
     """Index of the loop (in ``Code.loops``) whose body it is; None for straight code."""
@@ -588,8 +579,7 @@ _MEMORY = {
     "IGMMA",
 }
 """The SASS instructions that match PTX's memory and MMA instructions one to one
-(``trips.ptx_loops``):
-the measure of how many times ptxas unrolled a loop."""
+(``trips.ptx_loops``): the measure of how many times ptxas unrolled a loop."""
 
 
 def _unrolled(ptx_loop: dict, sass_loop: dict) -> int:
@@ -602,8 +592,7 @@ def _unrolled(ptx_loop: dict, sass_loop: dict) -> int:
 
 def _body(instructions: list[_Instruction], labels: dict[str, int]) -> list[_Instruction]:
     """The kernel's own instructions: without the subroutines it calls (ptxas's slow paths of
-    division
-    and square roots, placed after its exits) and the padding after its end."""
+    division and square roots, placed after its exits) and the padding after its end."""
     callees = {
         labels[m.group(1)]
         for ins in instructions
@@ -651,8 +640,7 @@ def _mma_flops(opcode: str) -> tuple[float, bool]:
 
 def analyse(compiled: Compiled, name: str, config: str) -> Code:
     """``compiled``'s SASS counted by class: the whole program, each loop's own body, the straight
-    code
-    between early exits; and the TTGIR's control skeleton."""
+    code between early exits; and the TTGIR's control skeleton."""
     instructions, labels = _parse_sass(disassemble(compiled.asm["cubin"]))
     body = _body(instructions, labels)
     loops = _loops(body, labels)
@@ -762,7 +750,9 @@ def execute(code: Code, arguments: dict, grid: tuple[int, int, int]) -> Executed
     programs = trips.programs
     matched = True
     try:
-        machine = align(align(trips.loops, code.ptx_loops), code.loops, _unrolled) if code.loops else []
+        machine = (
+            align(align(trips.loops, code.ptx_loops), code.loops, _unrolled) if code.loops else []
+        )
         iterations = [loop_iterations(m["histogram"]) for m in machine]
     except UnknownTrips:
         if not trips.loops:
@@ -772,8 +762,7 @@ def execute(code: Code, arguments: dict, grid: tuple[int, int, int]) -> Executed
     returns = list(trips.survivors)
     for at in code.exits_at:
         # ptxas merges and moves early returns: an exit stands for the TTGIR's returns before its
-        # own
-        # place in the program, or a little after it
+        # own place in the program, or a little after it
         running = survivors[-1]
         while returns and returns[0][0] <= at + EXIT_REACH:
             running = returns.pop(0)[1]
@@ -793,7 +782,9 @@ def execute(code: Code, arguments: dict, grid: tuple[int, int, int]) -> Executed
     per_program = (
         {cls: n / programs / code.num_warps for cls, n in executed.items()} if programs else {}
     )
-    return Executed(programs, code.num_warps, dict(executed), per_program, iterations, flops, matched)
+    return Executed(
+        programs, code.num_warps, dict(executed), per_program, iterations, flops, matched
+    )
 
 
 @dataclass

@@ -2,13 +2,12 @@
 
 ``skeleton(ttgir)`` keeps the kernel's control flow (its blocks and early returns, ``scf.for``,
 ``scf.while``, ``scf.if``) and the scalar integer arithmetic that decides it (program ids, the
-kernel's
-integer arguments, constants); ``evaluate`` runs it for every program of a grid at once (each value
-an
-array over the programs) on a launch's arguments: how many iterations each loop makes over all
-programs,
-and how many programs go on past each early return. A decision that depends on anything else (loaded
-data, a float) is unknown: for a loop, ``UnknownTrips``; for a branch, both sides are taken.
+kernel's integer arguments, constants); ``evaluate`` runs it for every program of a grid at once
+(each value an array over the programs) on a launch's arguments: how many iterations each loop makes
+over all programs, and how many programs go on past each early return. A decision that depends on
+anything else (loaded data, a float) is unknown: for a loop, ``UnknownTrips``; for a branch, both
+sides are taken. ``align`` carries the trip counts to the loops of the code compiled from it (the
+PTX's, ``ptx_loops``; then the SASS's), which a compiler may have unrolled, peeled or versioned.
 """
 
 from __future__ import annotations
@@ -29,16 +28,13 @@ def _strip(line: str) -> str:
 
 
 def skeleton(ttgir: str) -> list:
-    """The TTGIR function's control flow and its scalar integer ops, as nested lists:
-    ``["args", {ssa: name}]`` first, then blocks ``["block", label, [nodes]]`` of nodes ``["op",
-    results,
-    text]``, ``["for", results, iv, lb, ub, step, [[arg, init]...], [nodes]]``,
-    ``["while", results, [[arg, init]...], [before], [after], [after's arguments]]``, ``["if",
-    results, cond, [then], [else]]``,
-    ``["yield", [operands]]``, ``["condition", cond, [operands]]``, ``["cond_br", cond, true, false,
-    at]``
-    (``at``: where it stands in the function, 0 to 1),
-    ``["br", label]``, ``["return"]``. Tensor ops are left out."""
+    """The TTGIR function's control flow and its scalar integer ops, as nested lists: ``["args",
+    {ssa: name}]`` first, then blocks ``["block", label, [nodes]]`` of nodes ``["op", results,
+    text]``, ``["for", results, iv, lb, ub, step, [[arg, init]...], [nodes]]``, ``["while", results,
+    [[arg, init]...], [before], [after], [after's arguments]]``, ``["if", results, cond, [then],
+    [else]]``, ``["yield", [operands]]``, ``["condition", cond, [operands]]``, ``["cond_br", cond,
+    true, false, at]`` (``at``: where it stands in the function, 0 to 1), ``["br", label]``,
+    ``["return"]``. Tensor ops are left out."""
     lines = ttgir.splitlines()
     start = next(i for i, line in enumerate(lines) if "tt.func" in line and "@" in line)
     args = {m.group(1): m.group(3) for m in _ARG.finditer(lines[start])}
@@ -140,8 +136,7 @@ from."""
 
 class UnknownTrips(RuntimeError):
     """A loop's trip count (or a branch's condition) depends on something the skeleton does not
-    hold:
-    loaded data, a float."""
+    hold: loaded data, a float."""
 
 
 def _div(a, b, ceil=False, floor=False):
@@ -198,8 +193,7 @@ class Trips:
     loops: list[dict] = field(default_factory=list)
     """Per ``scf.for``/``scf.while``, in textual order: ``parent`` (index or None), ``iterations``
     (summed over the programs and the iterations of the loops around it), ``histogram`` (trip count
-    ->
-    how many times a program starts the loop with it), ``static`` (its bounds are constants: the
+    -> how many times a program starts the loop with it), ``static`` (its bounds are constants: the
     compiler may unroll it whole)."""
     survivors: list[tuple[float, float]] = field(default_factory=list)
     """After each early return, in order: (where it stands in the function, 0 to 1; the programs
@@ -208,8 +202,8 @@ class Trips:
 
 class _Evaluator:
     """The skeleton run for every program at once: each value an array over the programs, each
-    region
-    entered with a weight per program (how many times that program runs it: 0 where it does not)."""
+    region entered with a weight per program (how many times that program runs it: 0 where it does
+    not)."""
 
     def __init__(self, skeleton: list, arguments: dict, grid: tuple[int, int, int]):
         self.programs = grid[0] * grid[1] * grid[2]
@@ -486,9 +480,8 @@ def nest(intervals: list[tuple[int, int]]) -> list[dict]:
 
 def ptx_loops(ptx: str) -> list[dict]:
     """The PTX's natural loops (a back edge to a block that dominates it: LLVM does not lay a loop
-    out
-    in one piece), outer first in the order of their headers, each with ``parent``, ``memory`` (its
-    own body's global and shared memory and MMA instructions) and ``size`` (its own
+    out in one piece), outer first in the order of their headers, each with ``parent``, ``memory``
+    (its own body's global and shared memory and MMA instructions) and ``size`` (its own
     instructions)."""
     blocks: list[list[str]] = [[]]
     labels: dict[str, int] = {}
@@ -577,11 +570,10 @@ def align(upper: list[dict], lower: list[dict], factor=None) -> list[dict]:
     """The loops of a later compilation stage (``lower``: ``parent``, ``memory``, ``size``) with the
     trip counts of an earlier one's (``upper``: ``parent``, ``histogram``, ``static``), the trees
     matched in order: each lower loop with its ``histogram`` and ``static``. A compiler may have
-    unrolled
-    an upper loop: by ``factor(upper, lower)`` in place (its trip counts divided; default 1), by an
-    integer factor with a remainder loop after it (two lower loops: their memory instructions in
-    that ratio), or whole when its bounds are constants (its nested loops then appear once per
-    iteration). UnknownTrips when no such reading matches."""
+    unrolled an upper loop: by ``factor(upper, lower)`` in place (its trip counts divided; default
+    1), by an integer factor with a remainder loop after it (two lower loops: their memory
+    instructions in that ratio), or whole when its bounds are constants (its nested loops then
+    appear once per iteration). UnknownTrips when no such reading matches."""
     factor = factor or (lambda u, lo: 1)
 
     def pair(a: int, b: int) -> int:

@@ -5,19 +5,16 @@ CPU). A launch's time is the longest of three bounds (``priced``):
 - memory: its tensor arguments' bytes, each once, at ``Assumptions.memory`` of the HBM bandwidth;
 - issue: the busiest scheduler's cycles (its SM's share of the programs, their warps' instructions):
   every instruction takes an issue cycle and each pipe the cycles its instructions hold it
-  (``PIPES``:
-  integer and conversions at half rate, MUFU at an eighth), the larger; at the SM clock, with
-  ``Assumptions.issue`` of those cycles issuing;
+  (``PIPES``: integer and conversions at half rate, MUFU at an eighth), the larger; at the SM clock,
+  with ``Assumptions.issue`` of those cycles issuing;
 - tensor cores: its MMA instructions' FLOPs at ``Assumptions.tensor`` of the dense bf16 peak;
 
 and no less than ``MIN_KERNEL_S``. An autotuned launch takes its fastest configuration by this
-measure
-(its autotuner times them all). What it cannot see: caches (a launch's re-reads of its own tensors
-count once), the latency a program waits for when few warps share a scheduler (occupancy) or at a
-barrier, branches inside straight code (both sides counted), and the host. The assumptions are held
-to what GPU leases measured in docs/benchmarks/kernels.md (``scripts/benchmarks/kernel_cost.py
-leases``).
-"""
+measure (its autotuner times them all). What it cannot see: caches (a launch's re-reads of its own
+tensors count once), the latency a program waits for when few warps share a scheduler (occupancy) or
+at a barrier, branches inside straight code (both sides counted), and the host. The assumptions are
+held to what GPU leases measured in docs/benchmarks/kernels.md (``scripts/benchmarks/kernel_cost.py
+leases``)."""
 
 from __future__ import annotations
 

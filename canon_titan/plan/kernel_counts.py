@@ -1,17 +1,14 @@
 """What each Triton kernel launch of a custom-op call executes, counted from its compiled kernels on
-a
-CPU, and kept: the counting half of ``kernel_cost`` (which prices the counts on a GPU).
+a CPU, and kept: the counting half of ``kernel_cost`` (which prices the counts on a GPU).
 
 A custom op of canon-titan (the Canon op, fla's GLA and gated delta rule, mamba-ssm's SSD) is run
-from
-its own body on meta tensors at a call's arguments (``launches``: its kernel launches recorded, none
-run), and each launch compiled for sm_90 at every configuration it may run with and counted
+from its own body on meta tensors at a call's arguments (``launches``: its kernel launches recorded,
+none run), and each launch compiled for sm_90 at every configuration it may run with and counted
 (``canon_titan.kernels.sass``): ``LaunchCount``. Compiled code is kept by its compile key, a call's
 counts by the call and the code that counts it (``cache_folder``: ``$XDG_CACHE_HOME/canon-titan/
 kernel-cost``); a call not counted yet is counted by a process of its own (``python -m
 canon_titan.plan.kernel_counts FOLDER < calls.json``: the real Triton, not its interpreter; fla and
-mamba-ssm imported as on an H100, ``_as_hopper``).
-"""
+mamba-ssm imported as on an H100, ``_as_hopper``)."""
 
 from __future__ import annotations
 

@@ -1,25 +1,22 @@
 #!/usr/bin/env python
 """A GPU's cost of each Triton kernel a training step launches, read from the compiled kernels on
-this
-CPU (``canon_titan/plan/kernel_cost.py``: SASS counted by ``canon_titan/kernels/sass.py``).
+this CPU (``canon_titan/plan/kernel_cost.py``: SASS counted by ``canon_titan/kernels/sass.py``).
 
-  canon       every Canon kernel of a LlamaCanon-1B layer at --batch x --seq-len (8 x 4096): SASS
-              per element by class, registers, bytes, memory- against issue-bound time, per step
-  inductor    Inductor's kernels of a compiled LlamaCanon-1B block (generated for sm_90 here)
-  linear      the recurrence and Canon kernels of GLA5/GDN2/Mamba2-1B at 16,384 x 1
-  first-step  every kernel configuration the linear models' first step compiles and times (after
-              kernels/tuning.py's narrowing), each compiled for sm_90 here: the compile time
-  leases      predicted against measured for every GPU lease that timed kernels, the kernels as they
-              were then (git show of their commit)
-  guard       the figures tests/test_kernel_cost_guard.py holds
-  predict     what the next lease's block sweep of the Canon backward kernels should time
+canon       every Canon kernel of a LlamaCanon-1B layer at --batch x --seq-len (8 x 4096): SASS per
+element by class, registers, bytes, memory- against issue-bound time, per step inductor
+Inductor's kernels of a compiled LlamaCanon-1B block (generated for sm_90 here) linear      the
+recurrence and Canon kernels of GLA5/GDN2/Mamba2-1B at 16,384 x 1 first-step  every kernel
+configuration the linear models' first step compiles and times (after kernels/tuning.py's
+narrowing), each compiled for sm_90 here: the compile time leases      predicted against measured
+for every GPU lease that timed kernels, the kernels as they were then (git show of their commit)
+guard       the figures tests/test_kernel_cost_guard.py holds predict     what the next lease's
+block sweep of the Canon backward kernels should time
 
     .venv/bin/python scripts/benchmarks/kernel_cost.py canon
     .venv/bin/python scripts/benchmarks/kernel_cost.py leases --json out.json
 
 Unset TRITON_INTERPRET (it compiles for a GPU). Compiled code is cached
-(``kernel_cost.cache_folder``).
-"""
+(``kernel_cost.cache_folder``)."""
 
 from __future__ import annotations
 
@@ -57,9 +54,8 @@ def model_calls(
     family: str, batch: int, seq_len: int, overrides: dict | None = None, canon_module=None
 ) -> list[tuple[str, list]]:
     """One layer's custom-op calls of ``family``'s 1B flavor, forward and backward, at batch x
-    seq_len
-    (meta tensors, the CUDA backends as on an H100/H200); with ``canon_module``, the Canon entry
-    points of that module (another commit's kernels, ``old_canon``) in place of today's."""
+    seq_len (meta tensors, the CUDA backends as on an H100/H200); with ``canon_module``, the Canon
+    entry points of that module (another commit's kernels, ``old_canon``) in place of today's."""
     import torch
 
     import model_registry
@@ -331,9 +327,9 @@ for real here, is an extern kernel and not among them)."""
 
 
 def inductor_launches(family: str = "llama_canon") -> list:
-    """Every Triton kernel launch of one compiled 1B block's forward and backward (the step after the
-    compiling one), as ``sass.Launch``es of Inductor's kernels and configurations, generated for sm_90
-    on this CPU and not run (``inductor_bytes.HopperCodegen``)."""
+    """Every Triton kernel launch of one compiled 1B block's forward and backward (the step after
+    the compiling one), as ``sass.Launch``es of Inductor's kernels and configurations, generated for
+    sm_90 on this CPU and not run (``inductor_bytes.HopperCodegen``)."""
     import torch
     import triton
     from torch._inductor.runtime import triton_heuristics
@@ -361,7 +357,9 @@ def inductor_launches(family: str = "llama_canon") -> list:
         launches.append(sass.Launch(tuned, grid, args[: len(names)], {}))
 
     triton_heuristics.CachingAutotuner.run = run
-    canon._use_triton = lambda backend, x, size: backend == "triton" and size in canon.TRITON_KERNEL_SIZES
+    canon._use_triton = lambda backend, x, size: (
+        backend == "triton" and size in canon.TRITON_KERNEL_SIZES
+    )
     overrides = {"n_layers": 1, "max_seq_len": INDUCTOR_TOKENS}
     if family == "llama_canon":
         overrides["canon_backend"] = "triton"
@@ -400,28 +398,67 @@ def table_inductor(args) -> dict:
             counts = kernel_counts.launch_counts(launch, codes)
             cost = kernel_cost.best(counts, gpu, given)
             perfect = kernel_cost.priced(cost.count, gpu, full)
-            # each of the layers' launches at the step's tokens: the bounds scale, the floor does not
+            # each of the layers' launches at the step's tokens: the bounds scale, the floor does
+            # not
             seconds = max(cost.memory_s, cost.issue_s, cost.tensor_s) * tokens
-            rows.append({"kernel": cost.count.kernel, "config": cost.count.config,
-                         "registers": cost.count.registers,
-                         "bytes": cost.count.bytes * tokens * LAYERS,
-                         "memory_ms": 1e3 * cost.memory_s * tokens * LAYERS,
-                         "issue_full_ms": 1e3 * perfect.issue_s * tokens * LAYERS,
-                         "ms": 1e3 * max(seconds, kernel_cost.MIN_KERNEL_S) * LAYERS,
-                         "bound": cost.bound, "matched": cost.count.matched})
+            rows.append(
+                {
+                    "kernel": cost.count.kernel,
+                    "config": cost.count.config,
+                    "registers": cost.count.registers,
+                    "bytes": cost.count.bytes * tokens * LAYERS,
+                    "memory_ms": 1e3 * cost.memory_s * tokens * LAYERS,
+                    "issue_full_ms": 1e3 * perfect.issue_s * tokens * LAYERS,
+                    "ms": 1e3 * max(seconds, kernel_cost.MIN_KERNEL_S) * LAYERS,
+                    "bound": cost.bound,
+                    "matched": cost.count.matched,
+                }
+            )
         out[family] = rows
-        print(f"\nInductor's kernels of a compiled {family} 1B block (generated at 1 x {INDUCTOR_TOKENS}, "
-              f"per step of {args.batch} x {args.seq_len} and {LAYERS} layers), {gpu.name}\n")
-        print(md("kernel", "config", "registers", "HBM GB a step", "memory-bound ms",
-                 "issue-bound ms (100%)", "predicted ms", "bound"))
+        print(
+            f"\nInductor's kernels of a compiled {family} 1B block (generated at 1 x "
+            f"{INDUCTOR_TOKENS}, per step of {args.batch} x {args.seq_len} and {LAYERS} layers), "
+            f"{gpu.name}\n"
+        )
+        print(
+            md(
+                "kernel",
+                "config",
+                "registers",
+                "HBM GB a step",
+                "memory-bound ms",
+                "issue-bound ms (100%)",
+                "predicted ms",
+                "bound",
+            )
+        )
         print(md("---", "---", *["---:"] * 5, "---"))
         for r in rows:
             name = f"`{r['kernel']}`" + ("" if r["matched"] else " (loops by memory)")
-            print(md(name, r["config"], r["registers"], f"{r['bytes'] / 1e9:.2f}",
-                     f"{r['memory_ms']:.2f}", f"{r['issue_full_ms']:.2f}", f"{r['ms']:.2f}", r["bound"]))
-        print(md(f"**{len(rows)} kernels**", "", "", f"{sum(r['bytes'] for r in rows) / 1e9:.1f}",
-                 f"{sum(r['memory_ms'] for r in rows):.1f}", f"{sum(r['issue_full_ms'] for r in rows):.1f}",
-                 f"**{sum(r['ms'] for r in rows):.1f}**", ""))
+            print(
+                md(
+                    name,
+                    r["config"],
+                    r["registers"],
+                    f"{r['bytes'] / 1e9:.2f}",
+                    f"{r['memory_ms']:.2f}",
+                    f"{r['issue_full_ms']:.2f}",
+                    f"{r['ms']:.2f}",
+                    r["bound"],
+                )
+            )
+        print(
+            md(
+                f"**{len(rows)} kernels**",
+                "",
+                "",
+                f"{sum(r['bytes'] for r in rows) / 1e9:.1f}",
+                f"{sum(r['memory_ms'] for r in rows):.1f}",
+                f"{sum(r['issue_full_ms'] for r in rows):.1f}",
+                f"**{sum(r['ms'] for r in rows):.1f}**",
+                "",
+            )
+        )
     return out
 
 
@@ -490,9 +527,10 @@ def table_first_step(args) -> dict:
 
 def guard_figures(pinned: dict[str, str] | None = None) -> dict[str, list]:
     """Per Canon call of a LlamaCanon-1B layer at 8 x 4096 (``_variant``): its kernel, the
-    configuration it runs with (``pinned``'s, the only one compiled, where given; else the fastest by
-    the instrument, every candidate compiled), its SASS instructions per element and its issue-bound
-    time at 100% over its memory-bound time. ``tests/test_kernel_cost_guard.py`` holds them."""
+    configuration it runs with (``pinned``'s, the only one compiled, where given; else the fastest
+    by the instrument, every candidate compiled), its SASS instructions per element and its
+    issue-bound time at 100% over its memory-bound time. ``tests/test_kernel_cost_guard.py`` holds
+    them."""
     gpu = _gpu()
     given = kernel_cost.assumptions(gpu)
     full = kernel_cost.Assumptions(memory=given.memory, issue=1.0, tensor=1.0)
@@ -509,16 +547,22 @@ def guard_figures(pinned: dict[str, str] | None = None) -> dict[str, list]:
             wanted = pinned.get(variant)
             chosen = [c for c in configs if c.label == wanted]
             if not chosen:
-                raise SystemExit(f"{variant}: its launch has no configuration {wanted!r} (it has "
-                                 f"{[c.label for c in configs]}): update FIGURES")
+                raise SystemExit(
+                    f"{variant}: its launch has no configuration {wanted!r} (it has "
+                    f"{[c.label for c in configs]}): update FIGURES"
+                )
             configs = chosen
         launch.configs = lambda configs=configs: configs
         counts = kernel_counts.launch_counts(launch, codes)
         cost = kernel_cost.best(counts, gpu, given)
         at_full = kernel_cost.priced(cost.count, gpu, full)
         per_element = cost.count.per_element(_elements(args))
-        out[variant] = [cost.count.kernel, cost.count.config, round(per_element, 2),
-                        round(at_full.issue_s / at_full.memory_s, 3)]
+        out[variant] = [
+            cost.count.kernel,
+            cost.count.config,
+            round(per_element, 2),
+            round(at_full.issue_s / at_full.memory_s, 3),
+        ]
     return out
 
 
@@ -535,14 +579,11 @@ def table_guard(args) -> dict:
 
 
 # What the H200 leases measured of the Triton kernels (docs/benchmarks/gpu.md): the kernels of the
-# commit
-# each ran, the run, and per kernel (a name, or a kind: all Canon kernels, the SSD recurrence's) the
-# profiled step's milliseconds. The 2026-11-27 block sweep timed the Canon backward kernels alone,
-# one
-# call at batch 2 x 4096 and the configurations named (its milliseconds include the weight-gradient
-# sum
-# after the kernel); the issue efficiency is fitted to its rows at the configuration then kept (in
-# sample).
+# commit each ran, the run, and per kernel (a name, or a kind: all Canon kernels, the SSD
+# recurrence's) the profiled step's milliseconds. The 2026-11-27 block sweep timed the Canon
+# backward kernels alone, one call at batch 2 x 4096 and the configurations named (its milliseconds
+# include the weight-gradient sum after the kernel); the issue efficiency is fitted to its rows at
+# the configuration then kept (in sample).
 PROFILED = [
     (
         "2026-11-26",
@@ -580,8 +621,8 @@ FAMILY_OVERRIDES = {
 
 def _swept_launches(module, call: str, blocks):
     """The block sweep's calls (``canon_op_bench.backward_blocks``) at batch 2 x 4096: Canon-A's
-    through ``conv_weight_grads`` where the module has it (the input's gradient is Inductor's
-    since 605baf9), else ``conv_backward``."""
+    through ``conv_weight_grads`` where the module has it (the input's gradient is Inductor's since
+    605baf9), else ``conv_backward``."""
     import torch
 
     from canon_titan.kernels import sass
@@ -641,8 +682,7 @@ def _kind_ms(rows: list[dict], kind: str) -> float:
 
 def fit_issue_efficiency() -> tuple[float, list[dict]]:
     """The issue efficiency that the sweep's rows at the kept blocks (16x32/4w) measured: the
-    geometric
-    mean of their issue-bound time at 100% over their time."""
+    geometric mean of their issue-bound time at 100% over their time."""
     import math
 
     gpu = _gpu()
@@ -676,8 +716,8 @@ def fit_issue_efficiency() -> tuple[float, list[dict]]:
 
 
 def canon_ms(commit: str | None, family: str, batch: int, seq_len: int) -> float:
-    """The predicted milliseconds of the Canon kernels of a step of ``family``'s 1B flavor at batch x
-    seq_len, the kernels of ``commit`` (None: today's)."""
+    """The predicted milliseconds of the Canon kernels of a step of ``family``'s 1B flavor at batch
+    x seq_len, the kernels of ``commit`` (None: today's)."""
     module = old_canon(commit) if commit else None
     calls = model_calls(family, batch, seq_len, FAMILY_OVERRIDES[family], canon_module=module)
     canon = [c for c in calls if c[0].split("::")[1].startswith("canon_")]
@@ -699,19 +739,35 @@ def table_predict(args) -> dict:
     try:
         for call in ("Canon-A", "Canon-D", "Mamba2 b"):
             for blocks in BACKWARD_CANDIDATES:
-                costs = [kernel_cost.best(kernel_counts.launch_counts(launch, codes), gpu, given)
-                         for launch in _swept_launches(canon, call, blocks)]
-                rows.append({"call": call, "blocks": "{}x{}/{}w".format(*blocks),
-                             "registers": max(c.count.registers for c in costs),
-                             "memory_ms": 1e3 * sum(c.memory_s for c in costs),
-                             "predicted_ms": 1e3 * sum(c.seconds for c in costs)})
+                costs = [
+                    kernel_cost.best(kernel_counts.launch_counts(launch, codes), gpu, given)
+                    for launch in _swept_launches(canon, call, blocks)
+                ]
+                rows.append(
+                    {
+                        "call": call,
+                        "blocks": "{}x{}/{}w".format(*blocks),
+                        "registers": max(c.count.registers for c in costs),
+                        "memory_ms": 1e3 * sum(c.memory_s for c in costs),
+                        "predicted_ms": 1e3 * sum(c.seconds for c in costs),
+                    }
+                )
     finally:
         canon.BACKWARD_BLOCKS, canon.RECOMPUTING_BACKWARD_BLOCKS = saved
-    print(md("call (one, batch 2 x 4096)", "blocks", "registers", "memory-bound ms", "predicted ms"))
+    print(
+        md("call (one, batch 2 x 4096)", "blocks", "registers", "memory-bound ms", "predicted ms")
+    )
     print(md("---", "---", "---:", "---:", "---:"))
     for r in rows:
-        print(md(r["call"], r["blocks"], r["registers"], f"{r['memory_ms']:.3f}",
-                 f"{r['predicted_ms']:.3f}"))
+        print(
+            md(
+                r["call"],
+                r["blocks"],
+                r["registers"],
+                f"{r['memory_ms']:.3f}",
+                f"{r['predicted_ms']:.3f}",
+            )
+        )
     return {"sweep": rows}
 
 
