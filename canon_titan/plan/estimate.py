@@ -69,8 +69,8 @@ ATTENTION_EFFICIENCY = {
     ("flash", 9): {64: 0.30, 128: 0.30},
     # cuDNN's fused attention on Hopper: at head dim 128 ~600 TFLOPS forward and ~450 backward
     # (the same paper's Figs. 5-6): 3.5 / (1/600 + 2.5/450) = 485, 0.49 of 989; at head dim 64,
-    # 0.39, the share a profiled H200 step measured (docs/benchmarks/gpu.md, "Planned against
-    # measured by op kind").
+    # 0.39, the share a profiled H200 step measured (docs/benchmarks/kernels.md, "Figures that were
+    # in code comments").
     ("cudnn", 9): {64: 0.39, 128: 0.49},
 }
 """Attention kernels' efficiency by the SDPA backend that runs them and the head dim (linear
