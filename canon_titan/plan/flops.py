@@ -38,13 +38,16 @@ RECURRENCES |= {ops.fla_chunk_gla_documents, ops.fla_chunk_gla_documents_backwar
 
 
 def op_kind(packet) -> str:
+    """The op's kind; a custom op of canon-titan by its name too (``canon_*``: the Canon op's,
+    ``fla_*``, ``mamba_*``: the recurrences'), so that a new kernel's op is priced by its kernels."""
     if packet in MATMULS:
         return "matmul"
     if packet in ATTENTION:
         return "attention"
-    if packet in CANON:
+    name = str(packet)
+    if packet in CANON or name.startswith("canon_titan.canon_"):
         return "canon"
-    if packet in RECURRENCES:
+    if packet in RECURRENCES or name.startswith(("canon_titan.fla_", "canon_titan.mamba_")):
         return "recurrence"
     return "other"
 
