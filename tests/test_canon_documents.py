@@ -14,7 +14,8 @@ from kernel_paths import DEVICE, kernel_path, randn
 LENGTHS = ((5, 1, 13, 2), (21,))
 """Documents of each batch row: shorter and longer than the taps, a one-token document."""
 
-BACKENDS = ["torch"]
+BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(
+    not triton_runs_here(), reason="needs a GPU or TRITON_INTERPRET=1"))]
 
 
 def document_positions(lengths=LENGTHS) -> torch.Tensor:
@@ -92,7 +93,8 @@ def test_packed_documents_convolve_as_each_document_alone(
             positions=positions, backend=backend,
         )
 
-    ops = ("canon_conv",) if backend == "triton" else ()
+    backward = "canon_conv_weight_grads" if norm and not activation else "canon_conv_backward"
+    ops = ("canon_conv", backward) if backend == "triton" else ()
     with kernel_path(*ops):
         packed, alone = packed_and_alone(fn, per_token, [w, b, col_scale] if norm else [w, b], dy)
     _assert_equal_lists(packed, alone)
@@ -109,7 +111,7 @@ def test_packed_documents_through_canon_d_and_swiglu_as_each_alone(backend, kern
     def fn(gate, up, w, b, positions):
         return canon_swiglu(gate, up, w, b, positions=positions, backend=backend)
 
-    ops = ("canon_swiglu",) if backend == "triton" else ()
+    ops = ("canon_swiglu", "canon_swiglu_backward") if backend == "triton" else ()
     with kernel_path(*ops):
         packed, alone = packed_and_alone(fn, [gate, up], [w, b], dy)
     _assert_equal_lists(packed, alone)
@@ -155,9 +157,3 @@ def test_the_layer_passes_positions_to_every_entry_point():
         packed, alone = packed_and_alone(call, [x], [], dy if name != "swiglu" else dy[..., :12])
         _assert_equal_lists(packed, alone)
 
-
-@pytest.mark.skipif(not triton_runs_here(), reason="needs a GPU or TRITON_INTERPRET=1")
-def test_the_triton_kernels_refuse_positions_they_do_not_take_yet():
-    x, w = torch.zeros(1, 4, 8, device=DEVICE), torch.zeros(8, 4, device=DEVICE)
-    with pytest.raises(NotImplementedError, match="positions are not in the Triton kernels yet"):
-        canon_conv(x, w, positions=document_positions(((4,),)), backend="triton")

@@ -37,6 +37,15 @@ CASES = [
 ]
 
 
+def _positions(g, batch, seq):
+    """Document positions: documents of random lengths packed into each row."""
+    starts = torch.rand(batch, seq, generator=g) < 0.2
+    starts[:, 0] = True
+    index = torch.arange(seq).expand(batch, seq)
+    last_start = torch.where(starts, index, 0).cummax(1).values
+    return (index - last_start).to(DEVICE)
+
+
 def _run(fn, tensors, dy, backend):
     leaves = [t.detach().clone().requires_grad_() if t is not None else None for t in tensors]
     out = fn(*leaves, backend=backend)
@@ -115,6 +124,34 @@ def test_long_chunks_give_the_same_gradients(monkeypatch):
     assert_backends_agree(norm_conv, [x, w[:24], row_scale, col_scale], SCALED_CONV_OPS)
     assert_backends_agree(silu_conv, [x, w[:24], b[:24]], CONV_OPS)
     assert_backends_agree(swiglu, [x, u, w], SWIGLU_OPS)
+
+
+@pytest.mark.skipif(ON_GPU, reason="the GPU runs these blocks in every test")
+def test_the_gpus_blocks_walk_the_same(monkeypatch):
+    """Under the interpreter the kernels walk each chunk as many runs of one group of rows side by side
+    (its cost is per block op); a GPU walks one run per program, group after group with the next
+    group's loads in flight, and tests a group's last document position. Those blocks here: several
+    chunks and channel blocks (both partial), several groups a run, documents starting anywhere."""
+    monkeypatch.setattr(canon, "CHUNK_T", 24)
+    monkeypatch.setattr(canon, "_interpreter_blocks",
+                        lambda channels, chunk, unroll: {"BLOCK_C": 16, "CHUNK": chunk, "STREAMS": 1, "U": unroll})
+    gen = torch.Generator().manual_seed(0)
+    x, u, w, b = randn(gen, 1, 40, 20), randn(gen, 1, 40, 20), randn(gen, 40, 4), randn(gen, 40)
+    row_scale, col_scale = (torch.rand(1, 40, generator=gen) + 0.5).to(DEVICE), randn(gen, 20)
+    documents = torch.cat([torch.arange(n) for n in (3, 25, 1, 11)])[None].to(DEVICE)  # some groups far from a start
+    for positions in (None, documents):
+        def norm_conv(x, w, rs, cs, backend):
+            return canon_conv(x, w, row_scale=rs, col_scale=cs, positions=positions, backend=backend)
+
+        def silu_conv(x, w, b, backend):
+            return canon_conv(x, w, b, residual=False, activation=True, positions=positions, backend=backend)
+
+        def swiglu(g, u, w, b, backend):
+            return canon_swiglu(g, u, w, b, positions=positions, backend=backend)
+
+        assert_backends_agree(norm_conv, [x, w[:20], row_scale, col_scale], SCALED_CONV_OPS)
+        assert_backends_agree(silu_conv, [x, w[:20, :3], b[:20]], CONV_OPS)
+        assert_backends_agree(swiglu, [x, u, w, b], SWIGLU_OPS)
 
 
 def test_non_contiguous_inputs_and_weights():
@@ -202,18 +239,20 @@ def test_real_shapes_in_bfloat16(batch, channels):
 
 @pytest.mark.parametrize("op, backward, args", [
     ("canon_conv", "canon_conv_backward",
-     lambda g: (randn(g, 2, 20, 48), randn(g, 48, 4), randn(g, 48), None, None, True, True)),
+     lambda g: (randn(g, 2, 20, 48), randn(g, 48, 4), randn(g, 48), None, None, None, True, True)),
     ("canon_conv", "canon_conv_weight_grads",
      lambda g: (randn(g, 2, 20, 48), randn(g, 48, 2), None, torch.rand(2, 20, generator=g).to(DEVICE), randn(g, 48),
-                True, False)),
+                _positions(g, 2, 20), True, False)),
     ("canon_swiglu", "canon_swiglu_backward",
-     lambda g: (randn(g, 2, 20, 24), randn(g, 2, 20, 24), randn(g, 48, 3), None, True, False)),
+     lambda g: (randn(g, 2, 20, 24), randn(g, 2, 20, 24), randn(g, 48, 3), None, _positions(g, 2, 20), True,
+                False)),
 ])
-def test_custom_op_registration(op, backward, args):
-    """torch.library's own checks: schema, fake (meta) kernel against the real one, autograd
-    registration, and AOT dispatch with dynamic shapes."""
+def test_op_registration(op, backward, args):
+    """torch.library's own checks of the ``triton_op`` registration a GPU runs too: schema, fake (the
+    body, traced) against the real op, autograd registration, and AOT dispatch with dynamic shapes."""
     inputs = args(torch.Generator().manual_seed(0))
-    inputs = tuple(t.requires_grad_() if isinstance(t, torch.Tensor) else t for t in inputs)
+    inputs = tuple(t.requires_grad_() if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+                   for t in inputs)
     with kernel_path(op, backward):
         torch.library.opcheck(getattr(torch.ops.canon_titan, op).default, inputs)
 
