@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import logging
 import math
 import os
@@ -26,15 +27,29 @@ from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
 from canon_titan.components.checkpointer import newest_checkpoint_line
-from canon_titan.components.divergence import RECORD_SIZE, Diverged, DivergenceSection, LossGuard
-from canon_titan.components.float8 import precompute_float8_scales
+from canon_titan.components.divergence import (
+    RECORD_SIZE,
+    Diverged,
+    DivergenceSection,
+    LossGuard,
+    NonFiniteLoss,
+    StepVerdict,
+)
 from canon_titan.components.preemption import Preempted, StopSignals
 from canon_titan.components.queued_step import QueuedCopies
-from canon_titan.components.resume_checks import (GLOBAL_BATCH_KEY, ResumeRefused, check_resume, loads_model_only,
-                                                   saved_loader_keys)
+from canon_titan.components.resume_checks import (
+    ResumeRefused,
+    check_resume,
+    loads_model_only,
+    saved_loader_keys,
+)
 from canon_titan.components.step_records import StepRecords
-from canon_titan.convert.dcp_io import (NoLoadableCheckpoint, hf_export_steps, model_only_steps, read_metadata,
-                                       resume_step)
+from canon_titan.convert.dcp_io import (
+    NoLoadableCheckpoint,
+    hf_export_steps,
+    model_only_steps,
+    resume_step,
+)
 from canon_titan.convert.hf import tokenizer_info, write_hf_files
 from canon_titan.evaluation.in_training import EvalSettings, InTrainingEval
 from canon_titan.models.common.context_parallel import context_parallel_inputs
@@ -80,7 +95,6 @@ class ResumePlan:
     warnings: list[str] = field(default_factory=list)
     new_data_pass: bool = False
     model_only: bool = False
-    batch_in_checkpoint: bool = False
     loader_keys: list[str] = field(default_factory=list)
 
 
@@ -174,10 +188,6 @@ class CanonTrainer(QueuedCopies, Trainer):
         the run's random state after that, as the release seeds its weights with 42 and its run with
         777. None: ``debug.seed`` seeds the weights too."""
         divergence: Annotated[DivergenceSection, tyro.conf.Suppress] = field(default_factory=DivergenceSection)
-        float8_precompute_scales: Annotated[bool, tyro.conf.Suppress] = False
-        """``[float8] precompute_float8_dynamic_scale_for_fsdp``: after the checkpoint load that starts
-        training and after each optimizer step, the float8 weights' scales for FSDP's float8
-        all-gather, each over its whole weight, in one all-reduce."""
         stop_grace_seconds: Annotated[int, tyro.conf.Suppress] = 90
         allow_changed_data: Annotated[bool, tyro.conf.Suppress] = False
         model_label: Annotated[str, tyro.conf.Suppress] = ""
@@ -188,7 +198,6 @@ class CanonTrainer(QueuedCopies, Trainer):
     step and checkpoint; a rank that ``canon-titan plan`` steps on fake tensors does not."""
 
     def __init__(self, config: Config):
-        self._batch_in_checkpoint = False
         # Taken once a step is done (``train_step``); until then a stop signal ends the process at once.
         self.stop_signals = StopSignals(config.stop_grace_seconds, on_disk=self._on_disk)
         if config.model_seed is None:
@@ -197,55 +206,13 @@ class CanonTrainer(QueuedCopies, Trainer):
             self._init_with_model_seed(config)
         self.loss_guard = LossGuard(config.divergence, self.device)
         self._records = StepRecords()
-        self._step_loss: torch.Tensor | None = None
-        self._groups_done = 0
-        self._skip_flag: torch.Tensor | None = None
-        self._last_skipped = False
+        self._group_losses: list[torch.Tensor] = []
+        """This step's loss so far, one sum per gradient-accumulation group done."""
+        self._last_verdict: StepVerdict | None = None
+        """The newest step verdict the host has read (``_read_verdicts``)."""
         self._preempting = False
-        self._loader_excluded = False  # "dataloader" added to the checkpointer's exclude_from_loading
-        self._batch_in_checkpoint = True
         self.global_batch_size = (config.training.local_batch_size * self.gradient_accumulation_steps
                                   * getattr(self.dataloader, "dp_world_size", 1))
-        # A skipped step's update must not be applied at all (AdamW moves the weights even on zero
-        # gradients). The fused optimizer takes the device's skip flag as its ``found_inf`` and skips
-        # the whole update in its kernel; the others cannot, so with them the host reads the step's
-        # verdict (a sync) and does not call them. TorchTitan's train_step calls this container's step.
-        optimizer_step = self.optimizers.step
-        self._skips_on_device = all(group.get("fused") for optimizer in self.optimizers.optimizers
-                                    for group in optimizer.param_groups)
-
-        def guarded_step(*args, **kwargs):
-            if not self._skips_on_device:
-                self._read_verdicts(self.step)
-                if self._last_skipped:
-                    return None
-            elif self._skip_flag is not None:
-                for optimizer in self.optimizers.optimizers:
-                    optimizer.found_inf = self._skip_flag
-            try:
-                result = optimizer_step(*args, **kwargs)
-            finally:
-                for optimizer in self.optimizers.optimizers:
-                    optimizer.__dict__.pop("found_inf", None)
-            if config.float8_precompute_scales:
-                precompute_float8_scales(self.model_parts)
-            return result
-
-        self._applied_steps = self._skipped_steps = 0
-
-        self.optimizers.step = guarded_step
-        if config.float8_precompute_scales:
-            # The first forward gathers with the scales of the weights it trains from (TorchTitan's
-            # train() always calls load, which restores a checkpoint or returns at once): without them
-            # torchao takes each rank's amax over the FSDP mesh alone, a TP shard's under TP.
-            load = self.checkpointer.load
-
-            def load_then_precompute(*args, **kwargs):
-                loaded = load(*args, **kwargs)
-                precompute_float8_scales(self.model_parts)
-                return loaded
-
-            self.checkpointer.load = load_then_precompute
         self._progress_origin: tuple[float, int] | None = None
         self.evaluator = None
         if config.evaluation is not None:
@@ -307,9 +274,11 @@ class CanonTrainer(QueuedCopies, Trainer):
         runtime.end_barrier()  # every rank has left the loop (TorchTitan's own 2-second sleep, shimmed)
         if self.stop_signals.requested and self.step >= self.config.training.steps:
             logger.info(f"the stop signal came during or after the last step ({self.step}): the run is complete")
-        if self._skipped_steps and not self._applied_steps:
-            raise Diverged(f"every step this run trained ({self._skipped_steps}) was skipped ([divergence]), so it "
-                           f"trained nothing; {self.checkpointer.resume_hint(self.step + 1)}")
+        last = self._last_verdict
+        if last is not None and not last.applied:  # every step skipped, the last in_a_row of them
+            raise Diverged(f"every step this run trained ({last.in_a_row}) was skipped "
+                           "([divergence]), so it trained nothing; "
+                           f"{self.checkpointer.resume_hint(self.step + 1)}")
         if self._preempting and self.step < self.config.training.steps:
             if not ckpt.enable:
                 raise Preempted(f"preempted at step {self.step}; nothing saved ([checkpoint] enable = false)")
@@ -347,7 +316,6 @@ class CanonTrainer(QueuedCopies, Trainer):
         plan.warnings, plan.new_data_pass = verdict.warnings, verdict.new_data_pass
         plan.model_only = loads_model_only(step_dir)
         if not plan.model_only:
-            plan.batch_in_checkpoint = GLOBAL_BATCH_KEY in read_metadata(step_dir).state_dict_metadata
             plan.loader_keys = saved_loader_keys(step_dir)
         return plan
 
@@ -365,29 +333,18 @@ class CanonTrainer(QueuedCopies, Trainer):
         afresh."""
         if plan.model_only:
             return  # a seed checkpoint: TorchTitan loads the model alone
-        self._batch_in_checkpoint = plan.batch_in_checkpoint
         # Called again for the checkpoint a damaged one falls back to: what was excluded for the first
         # (its data changed) is not excluded for the second unless its data changed too.
-        excluded = self.checkpointer.exclude_from_loading
-        if plan.new_data_pass and not self._loader_excluded:
-            excluded.append("dataloader")
-        elif self._loader_excluded and not plan.new_data_pass:
-            excluded.remove("dataloader")
-        self._loader_excluded = plan.new_data_pass
+        configured = self.config.checkpoint.exclude_from_loading
+        fresh = plan.new_data_pass and "dataloader" not in configured
+        self.checkpointer.exclude_from_loading = configured + (["dataloader"] if fresh else [])
         if not plan.new_data_pass and hasattr(self.dataloader, "expect_checkpoint"):
             self.dataloader.expect_checkpoint(plan.loader_keys)
 
     def state_dict(self) -> dict:
-        """TorchTitan's train state, plus the global batch (its change is caught at resume); a
-        checkpoint from before it holds none to fill in."""
-        state = super().state_dict()
-        if self._batch_in_checkpoint:
-            state["global_batch_size"] = self.global_batch_size
-        return state
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        super().load_state_dict(state_dict)
-        self._batch_in_checkpoint = True
+        """TorchTitan's train state, plus the global batch (its change is caught at resume; a
+        checkpoint from before it loads without it, ``components/checkpointer.py``)."""
+        return {**super().state_dict(), "global_batch_size": self.global_batch_size}
 
     def _complete_hf_export(self) -> None:
         """config.json, modeling code, tokenizer and checksums beside the safetensors TorchTitan wrote."""
@@ -412,9 +369,8 @@ class CanonTrainer(QueuedCopies, Trainer):
         loss = super().forward_backward_step(**kwargs)
         holds_loss = getattr(self, "pp_has_last_stage", True)
         part = loss.detach().float().sum() if holds_loss else torch.zeros((), device=self.device)
-        self._step_loss = part if self._step_loss is None else self._step_loss + part
-        self._groups_done += 1
-        if self._groups_done == self.gradient_accumulation_steps:
+        self._group_losses.append(part)
+        if len(self._group_losses) == self.gradient_accumulation_steps:
             if self.parallel_dims.tp_enabled:
                 sum_partial_gradients(self.model_parts, self.parallel_dims.get_mesh("tp").get_group())
             self._judge_step(holds_loss)
@@ -423,17 +379,18 @@ class CanonTrainer(QueuedCopies, Trainer):
     def _judge_step(self, holds_loss: bool) -> None:
         """The step's skip flag for the optimizer and its record for the host, by device ops alone
         (``new_full`` fills on the device: a tensor made from a host value would be a copy that waits)."""
-        step_loss = self._step_loss
+        step_loss = functools.reduce(torch.add, self._group_losses)
+        self._group_losses = []
         stats = torch.stack([step_loss, step_loss.new_full((), float(holds_loss)),
                              step_loss.new_full((), float(self.stop_signals.requested)), self._nonfinite_gradients()])
-        self._step_loss, self._groups_done = None, 0
         if torch.distributed.is_initialized():
             torch.distributed.all_reduce(stats)
         loss_sum, holders, stop, nonfinite_gradients = stats.unbind()
         # Ranks of one tensor- or pipeline-parallel group hold the same loss (pipelines: the last stage).
         dims = self.parallel_dims
         loss = loss_sum / (holders / max(1, dims.world_size // (dims.tp * dims.pp)))
-        self._skip_flag, record = self.loss_guard.judge(loss, nonfinite_gradients)
+        skip_flag, record = self.loss_guard.judge(loss, nonfinite_gradients)
+        self.optimizers.skip_if(skip_flag)
         self._records.put(self.step, torch.cat([record, stop.view(1)]))
 
     def _nonfinite_gradients(self) -> torch.Tensor:
@@ -450,16 +407,12 @@ class CanonTrainer(QueuedCopies, Trainer):
         stop on one that stops the run (its update, and every later one, was not applied), and
         start saving and stopping on a stop request."""
         for step, values in self._records.take(through):
-            verdict = self.loss_guard.verdict(step, values[:RECORD_SIZE])
-            self._last_skipped = verdict.skipped
+            verdict = self._last_verdict = self.loss_guard.verdict(step, values[:RECORD_SIZE])
             if verdict.stop:
                 raise Diverged(f"{verdict.problem}: the run stops before saving it; "
                                f"{self.checkpointer.resume_hint(step + 1)}")
             if verdict.skipped:
-                self._skipped_steps += 1
                 logger.warning(f"{verdict.problem}: its update is skipped ([divergence] section)")
-            else:
-                self._applied_steps += 1
             if values[RECORD_SIZE] and not self._preempting:
                 self._preempting = True
                 self.checkpointer.force_next_save = True
@@ -482,12 +435,10 @@ class CanonTrainer(QueuedCopies, Trainer):
             self.stop_signals.install()  # before the step's first collective: a stop signal now finishes and saves
         try:
             self.queued_train_step(data_iterator)  # TorchTitan's step, its host-to-device copies queued
-        except RuntimeError as e:
-            # The stop on a non-finite loss (TorchTitan's, kept by the queued step), on logging steps: judged here.
-            if not str(e).startswith("Loss is not finite"):
-                raise
+        except NonFiniteLoss:  # on a logged step: a step the guard skipped goes on
             self._read_verdicts(self.step)
-            if not self._last_skipped:
+            last = self._last_verdict
+            if last is None or last.step != self.step or not last.skipped:
                 raise
             return
         if self.takes_stop_signals:

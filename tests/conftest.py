@@ -1,3 +1,4 @@
+import logging
 import os
 import shutil
 import signal
@@ -171,6 +172,19 @@ def run_training_until(nproc: int, overrides: list[str], stop_marker: str, confi
     assert stop_marker in out, f"never saw {stop_marker!r}:\n{out[-6000:]}"
     assert proc.returncode == -signal.SIGKILL
     return out
+
+
+@pytest.fixture(autouse=True)
+def logging_as_it_was():
+    """Every test leaves the root logger (TorchTitan's ``logger``) with the handlers, level and
+    filters it found. A command's ``main`` run in-process sets up logging; a handler bound to the
+    test's captured stream, which pytest closes after the test, would make every later test's log
+    line in the same worker a logging error."""
+    root = logging.getLogger()
+    handlers, level, filters = root.handlers[:], root.level, root.filters[:]
+    yield
+    root.handlers[:], root.filters[:] = handlers, filters
+    root.setLevel(level)
 
 
 @pytest.fixture

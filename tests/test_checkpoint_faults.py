@@ -122,6 +122,49 @@ def test_damaged_checkpoints_are_named_and_the_run_falls_back_to_the_previous_on
         assert all_finite(checkpoints / f"step-{step}")
 
 
+class _TrainState:
+    """A trainer's train state as DCP sees it (a Stateful): its step, tokens seen and global
+    batch."""
+
+    def __init__(self, **state):
+        self.state = state
+
+    def state_dict(self):
+        return dict(self.state)
+
+    def load_state_dict(self, state_dict):
+        self.state = dict(state_dict)
+
+
+def test_a_checkpoint_saved_before_the_train_state_held_the_global_batch_still_loads(tmp_path):
+    """``CanonTrainer.state_dict`` always holds the global batch; a checkpoint saved before it did
+    loads with DCP's planner as the checkpointer sets it up, the saved values restored and the batch
+    left as it was. An entry missing for any other reason still fails the load."""
+    import torch.distributed.checkpoint as dcp
+
+    from canon_titan.components.checkpointer import _EarlierTrainState
+
+    earlier, later = tmp_path / "earlier", tmp_path / "later"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"w": torch.full((3,), 2.0), "train_state": _TrainState(step=4, ntokens_seen=512)},
+                 checkpoint_id=str(earlier))
+        saved = _TrainState(step=6, global_batch_size=8)
+        dcp.save({"w": torch.full((3,), 3.0), "train_state": saved}, checkpoint_id=str(later))
+        state = _TrainState(step=0, ntokens_seen=0, global_batch_size=8)
+        weights = torch.zeros(3)
+        dcp.load({"w": weights, "train_state": state}, checkpoint_id=str(earlier),
+                 planner=_EarlierTrainState())
+        assert state.state == {"step": 4, "ntokens_seen": 512, "global_batch_size": 8}
+        assert torch.equal(weights, torch.full((3,), 2.0))
+        state = _TrainState(step=0, ntokens_seen=0, global_batch_size=8)
+        with pytest.raises(dcp.api.CheckpointException) as refused:
+            dcp.load({"w": weights, "train_state": state}, checkpoint_id=str(later),
+                     planner=_EarlierTrainState())
+    missing = "Missing key in checkpoint state_dict: train_state.ntokens_seen"
+    assert missing in str(refused.value.failures)
+
+
 def test_only_a_checkpoint_this_process_checked_is_called_good(tmp_path):
     """The advice after a divergence names the newest checkpoint before it; "the last good checkpoint"
     only if this process saved it or loaded it with finite values, and never one it found damaged. At

@@ -337,6 +337,14 @@ def test_the_loss_guard_skips_spikes_and_stops_on_repeated_non_finite_losses():
     assert [skip for _, _, skip in got] == [0.0] * 3 + [1.0, 0.0, 1.0, 1.0]  # no bad update reaches the weights
     assert "step 4 (6.5) is a spike, above 2.0 x its running mean 3 " in got[3][1]
     assert got[6][1] == "the loss at step 7 is not finite (inf)"
+    # What the host counts from the same records: skipped in a row, applied since the start.
+    from canon_titan.components.divergence import LossGuard
+
+    guard, counts = LossGuard(section, torch.device("cpu")), []
+    for step, loss in enumerate([4.0, 3.0, 2.0, 6.5, 5.9, float("nan")], 1):
+        verdict = guard.verdict(step, guard.judge(torch.tensor(loss), torch.tensor(0.0))[1].tolist())
+        counts.append((verdict.in_a_row, verdict.applied))
+    assert counts == [(0, 1), (0, 2), (0, 3), (1, 3), (0, 4), (1, 4)]
     # A stop holds back every later update too (the host reads it a step late).
     got = guard_verdicts(DivergenceSection(spike_factor=1.5, spike_window=1, on_spike="stop"), [2.0, 3.1, 1.0])
     assert [v for v, _, _ in got[:2]] == ["ok", "stop"] and [skip for _, _, skip in got] == [0.0, 1.0, 1.0]

@@ -47,15 +47,24 @@ def test_the_narrowed_searches_keep_the_h200_winners():
 
 
 HOPPER_LISTS = """
-import importlib, json
+import importlib, importlib.metadata, importlib.util, json, os, sys, types
+# fla's and fla.ops' __init__ import every op of fla (minutes on a busy 2-core machine): as empty
+# packages here, only the modules read below and what they import are, once, and after the checks
+# their candidate lists are built from say what fla finds on an H100/H200 (227 KB of shared memory,
+# sm_90), rebuilt here without one.
+root = importlib.util.find_spec("fla").submodule_search_locations[0]
+for name, folder in (("fla", root), ("fla.ops", os.path.join(root, "ops"))):
+    sys.modules[name] = package = types.ModuleType(name)
+    package.__path__ = [folder]
+sys.modules["fla"].__version__ = importlib.metadata.version("fla-core")
 import fla.utils, fla.utils.hardware as hardware
-# The candidate lists fla builds on an H100/H200 (shared memory 227 KB, sm_90), rebuilt here without one.
 fla.utils.check_shared_mem = hardware.check_shared_mem = lambda arch="none", tensor_idx=0: True
 fla.utils.IS_NVIDIA_HOPPER = hardware.IS_NVIDIA_HOPPER = True
 from canon_titan.kernels import tuning
+assert not [name for name in tuning.NARROWED if name in sys.modules], "imported before the checks"
 out = {}
 for module_name, kernels in tuning.NARROWED.items():
-    module = importlib.reload(importlib.import_module(module_name))
+    module = importlib.import_module(module_name)
     for name, keep in kernels.items():
         tuner = tuning.autotuner_of(getattr(module, name))
         offered = tuner.early_config_prune(tuner.configs, dict(K=128, V=256, STATE_V_FIRST=False)) \\
@@ -161,11 +170,14 @@ def test_the_tuning_pass_reports_each_kernel_and_keeps_the_random_state(caplog, 
 
 
 def test_the_pretuning_command_refuses_what_it_cannot_tune(capsys):
-    """``python -m canon_titan.models.common.linear_tuning CONFIG``: one line and exit 2 for a model that is not a
-    linear one, and for a run whose recurrence runs on torch."""
-    assert linear_tuning.main([str(REPO / "train_configs" / "llama_debug.toml")]) == 2
+    """``python -m canon_titan.launch.pretune CONFIG``: one line and exit 2 for a model that is not
+    a linear one, and for a run whose recurrence runs on torch."""
+    from canon_titan.launch import pretune
+
+    assert pretune.main([str(REPO / "train_configs" / "llama_debug.toml")]) == 2
     assert "[model] name: the kernel tuning is for gla5, gdn2 and mamba2" in capsys.readouterr().err
-    assert linear_tuning.main([str(REPO / "train_configs" / "gla5_debug.toml"), "--model.kernel_backend", "torch"]) == 2
+    gla5 = str(REPO / "train_configs" / "gla5_debug.toml")
+    assert pretune.main([gla5, "--model.kernel_backend", "torch"]) == 2
     assert "its recurrence runs on torch here ('torch'): nothing to tune" in capsys.readouterr().err.strip()
 
 

@@ -310,7 +310,7 @@ def test_lm_evals_noise_is_quiet_and_its_real_warnings_are_not(setup, tmp_path, 
 
     script = ("import logging\n"
               "import datasets, huggingface_hub, lm_eval  # what eval lm imports, with their own handlers\n"
-              "from canon_titan.cli.common import init_logging\n"
+              "from canon_titan.tools.startup import init_logging\n"
               "from canon_titan.evaluation import lm\n"
               "init_logging()\n"
               "lm.quiet_lm_eval()\n"

@@ -8,6 +8,7 @@ the time and compile models.
 """
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -122,9 +123,13 @@ def _real_worker(rank, world, port, config, overrides, dump_folder, queue):
 
         from canon_titan.config import load
         from canon_titan.config.build import build_trainer_config
-        from canon_titan.plan.fake_world import record_step
+        from canon_titan.plan.fake_world import RecordedGroups, record_step
         from canon_titan.plan.recorder import StepRecorder
         from canon_titan.tools import runtime
+        from canon_titan.trainer import CanonTrainer
+
+        class RecordedTrainer(RecordedGroups, CanonTrainer):
+            pass
 
         runtime.apply()
         config_ = build_trainer_config(load(config, overrides))
@@ -133,7 +138,7 @@ def _real_worker(rank, world, port, config, overrides, dump_folder, queue):
         config_.metrics.enable_tensorboard = False
         config_.metrics.log_freq, config_.metrics.last_step, config_.run_toml = 10**9, 0, ""
         config_.comm = dataclasses.replace(config_.comm, trace_buf_size=100_000)  # gloo's flight recorder
-        trainer = config_.build()
+        trainer = RecordedTrainer(config_)
         recorded = summary(record_step(trainer, StepRecorder()))
         # torch's own instruments on the next real step: MemTracker, FlopCounterMode, CommDebugMode
         # and gloo's flight recorder.
@@ -754,36 +759,59 @@ def test_tensorwise_float8_under_tp_moves_the_tp_bytes_of_bf16():
     assert float8 == plain
 
 
-def test_fsdp_float8_all_gather_moves_a_byte_a_float8_weight_element():
+FLOAT8 = ["--float8.enable", "--float8.emulate", "--float8.recipe_name", "tensorwise"]
+GATHER = ["--float8.enable_fsdp_float8_all_gather", "true"]
+
+
+@pytest.fixture(scope="module")
+def float8_step():
+    """``float8_step(family, *overrides)``: the fake rank's step of the family's debug model on FSDP 2
+    with emulated tensorwise float8, planned once for all of this module's tests that ask for it."""
+
+    @functools.cache
+    def planned(family, *overrides):
+        return plan_step(REPO / "train_configs" / f"{family}_debug.toml", DEBUG + FLOAT8 + list(overrides), 2)
+
+    return planned
+
+
+def _fsdp_collectives(step) -> Counter:
+    out = Counter()
+    for c in step.trace.collectives:
+        if step.group_names.get(tuple(sorted(c.group))) == "fsdp":
+            out[(c.kind, c.phase, "bytes")] += c.bytes
+            out[(c.kind, c.phase, "count")] += 1
+    return out
+
+
+def _padded_parameters(family) -> dict[str, int]:
+    """Each parameter's elements as FSDP 2 shards it over 2 ranks (dim 0 padded to a multiple of 2),
+    by name, from the float8-converted debug model's shapes; and the names of its float8 linears."""
+    from torchao.float8.float8_linear import Float8Linear
+
+    from canon_titan.config import load
+    from canon_titan.config.build import _model_spec
+
+    run = load(REPO / "train_configs" / f"{family}_debug.toml", DEBUG + FLOAT8, environment=False)
+    with torch.device("meta"):
+        model = _model_spec(run).model.build()
+    padded = {name: -(-p.shape[0] // 2) * 2 * (p.numel() // p.shape[0]) for name, p in model.named_parameters()}
+    float8 = [f"{name}.weight" for name, m in model.named_modules() if isinstance(m, Float8Linear)]
+    return padded, float8
+
+
+def test_fsdp_float8_all_gather_moves_a_byte_a_float8_weight_element(float8_step):
     """With ``[float8] enable_fsdp_float8_all_gather`` FSDP2 (the real code, on fake tensors) gathers
     each float8 linear's weight in float8: the forward's all-gathers move the same bytes as without
     it less (param bytes - 1) a padded element of those weights, which are the blocks' 28 linears
     (lm_head is filtered out), by hand from the model's shapes. Each gather first all-reduces its
     weight's amax (28 more forward all-reduces); precomputing the scales makes them one all-reduce
     after the optimizer step. Reduce-scatters are unchanged: gradients stay high precision."""
-    from canon_titan.config import load
-
-    f8 = ["--float8.enable", "--float8.recipe_name", "tensorwise"]
-    gather = ["--float8.enable_fsdp_float8_all_gather", "true"]
-    precompute = ["--float8.precompute_float8_dynamic_scale_for_fsdp", "true"]
-
-    def moved(extra):
-        step = plan_step(CONFIGS["llama"], DEBUG + f8 + extra, 2)
-        out = Counter()
-        for c in step.trace.collectives:
-            if step.group_names.get(tuple(sorted(c.group))) == "fsdp":
-                out[(c.kind, c.phase, "bytes")] += c.bytes
-                out[(c.kind, c.phase, "count")] += 1
-        return out
-
-    run = load(CONFIGS["llama"], DEBUG, environment=False)
-    with torch.device("meta"):
-        model = run.model_spec().model.build()
-    padded = {name: -(-p.shape[0] // 2) * 2 * (p.numel() // p.shape[0]) for name, p in model.named_parameters()}
-    linears = [f"{name}.weight" for name, m in model.named_modules()
-               if isinstance(m, torch.nn.Linear) and name.startswith("layers.")]
-    assert len(linears) == 28
-    plain, gathered, precomputed = moved([]), moved(gather), moved(gather + precompute)
+    padded, float8 = _padded_parameters("llama")
+    linears = [name for name in float8 if name.startswith("layers.")]
+    assert len(linears) == len(float8) == 28
+    plain, gathered, precomputed = (_fsdp_collectives(float8_step("llama", *extra)) for extra in (
+        [], GATHER, GATHER + ["--float8.precompute_float8_dynamic_scale_for_fsdp", "true"]))
     element = plain[("all_gather", "forward", "bytes")] // sum(padded.values())
     assert plain[("all_gather", "forward", "bytes")] == element * sum(padded.values())
     assert gathered[("all_gather", "forward", "bytes")] == (plain[("all_gather", "forward", "bytes")]
@@ -796,32 +824,18 @@ def test_fsdp_float8_all_gather_moves_a_byte_a_float8_weight_element():
 
 
 @pytest.mark.parametrize("family", ["llama", "llama_canon", "gla5", "gdn2", "mamba2"])
-def test_every_family_gathers_its_float8_weights_in_float8(family):
+def test_every_family_gathers_its_float8_weights_in_float8(family, float8_step):
     """``[float8] enable_fsdp_float8_all_gather`` on FSDP 2, each family's debug model: the forward's
-    FSDP all-gathers move one byte where they moved an element of every float8 linear's (padded)
-    weight, which the float8-converted model names, by hand from its shapes. A family that ignored
-    the option (Mamba2 did, while its log said the weights were gathered in float8) moves the same
-    bytes with it."""
-    from torchao.float8.float8_linear import Float8Linear
-
-    from canon_titan.config import load
-    from canon_titan.config.build import _model_spec
-
-    config = REPO / "train_configs" / f"{family}_debug.toml"
-    f8 = DEBUG + ["--float8.enable", "--float8.emulate", "--float8.recipe_name", "tensorwise"]
-
-    def forward_gathers(extra):
-        step = plan_step(config, f8 + extra, 2)
-        return sum(c.bytes for c in step.trace.collectives if step.group_names.get(tuple(sorted(c.group))) == "fsdp"
-                   and c.kind == "all_gather" and c.phase == "forward")
-
-    with torch.device("meta"):
-        model = _model_spec(load(config, f8, environment=False)).model.build()
-    padded = [-(-m.weight.shape[0] // 2) * 2 * m.weight.shape[1] for m in model.modules() if isinstance(m, Float8Linear)]
-    assert padded
-    plain, gathered = forward_gathers([]), forward_gathers(["--float8.enable_fsdp_float8_all_gather", "true"])
-    element = 4  # the debug configs train in fp32
-    assert gathered == plain - (element - 1) * sum(padded)
+    FSDP all-gathers move one byte where they would move an element of every float8 linear's (padded)
+    weight, and an element of every other parameter, which the float8-converted model names, by hand
+    from its shapes (4 bytes: the debug configs train in fp32). A family that ignored the option
+    (Mamba2 did, while its log said the weights were gathered in float8) moves an element of every
+    parameter with it."""
+    padded, float8 = _padded_parameters(family)
+    assert float8
+    gathered = _fsdp_collectives(float8_step(family, *GATHER))[("all_gather", "forward", "bytes")]
+    element = 4
+    assert gathered == element * sum(padded.values()) - (element - 1) * sum(padded[n] for n in float8)
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])

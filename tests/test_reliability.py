@@ -6,6 +6,7 @@ import io
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -314,6 +315,12 @@ def tiny_disk(tmp_path, monkeypatch):
         import safetensors.torch
         from torch.distributed.checkpoint import filesystem
 
+        disk_usage = shutil.disk_usage
+
+        def no_room_left(path):  # as a full disk reports itself
+            usage = disk_usage(path)
+            return usage._replace(free=0) if Path(path).is_relative_to(mount) else usage
+
         def full(*args, **kwargs):
             raise safetensors.SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, '
                                               'message: "No space left on device" })')
@@ -323,6 +330,7 @@ def tiny_disk(tmp_path, monkeypatch):
 
         monkeypatch.setattr(safetensors.torch, "save_file", full)
         monkeypatch.setattr(filesystem, "_write_item", enospc)
+        monkeypatch.setattr(shutil, "disk_usage", no_room_left)
 
     yield mount, fill
 

@@ -48,6 +48,9 @@ PATCHED = [
      "every run"),
     ("torchtitan.components.checkpointer", "CheckpointManager._should_save", ["self", "curr_step", "last_step"],
      "components/checkpointer.py, trainer.py", "every run"),
+    ("torch.distributed.checkpoint", "DefaultLoadPlanner.set_up_planner",
+     ["self", "state_dict", "metadata", "is_coordinator"], "components/checkpointer.py",
+     "every run"),
     ("torch.distributed.distributed_c10d", "_get_default_store", [], "kernels/tuning.py", "every run"),
     # -- the planner: plan/
     ("torch.distributed.tensor._sharding_prop", "_propagate_use_strided_shard_flag", ["op_strategy", "op_schema"],
@@ -92,10 +95,13 @@ MESSAGES = [
     # (module whose source says it, the text canon-titan keys on, where)
     # GradScaler's contract with the fused optimizers: an optimizer's ``found_inf`` attribute skips its
     # update on the device when it holds 1 (the divergence guard's skip, without a host sync).
-    ("torch.optim.adam", 'found_inf=getattr(self, "found_inf", None)', "trainer.py: a skipped step's update"),
-    ("torch.optim.adamw", "found_inf", "trainer.py: a skipped step's update"),
+    ("torch.optim.adam", 'found_inf=getattr(self, "found_inf", None)',
+     "components/optimizer.py: a skipped update"),
+    ("torch.optim.adamw", "found_inf", "components/optimizer.py: a skipped update"),
+    # DCP's load planner keeps the flattened entries it will read in ``state_dict``.
+    ("torch.distributed.checkpoint.default_planner", "self.state_dict = state_dict",
+     "components/checkpointer.py: an earlier checkpoint's train state"),
     ("triton.runtime.autotuner", "self.early_config_prune", "kernels/tuning.py: the narrowing of fla's autotuning"),
-    ("torchtitan.trainer", "Loss is not finite", "trainer.py: a skipped step's non-finite loss"),
     ("torchtitan.trainer", '"Training completed"', "trainer.py: dropped when a preempted run stops early"),
     ("torchtitan.trainer", '"Sleeping 2 seconds for other ranks to complete"', "tools/runtime.py: end-barrier"),
     ("torchtitan.trainer", "Peak FLOPS used for computing MFU", "tools/runtime.py: quiet-cpu-log"),
@@ -216,9 +222,66 @@ def test_every_upstream_attribute_the_package_assigns_is_pinned():
     assert not unpinned, f"assigned and not pinned in tests/test_upstream.py: {unpinned}"
 
 
+MIRROR_CALLEES = [
+    # (module, name, the parameters components/queued_step.py passes or relies on), which TorchTitan
+    # 0.3.0's Trainer.train_step and pp_forward_backward_step call as the mirror does. The pipeline
+    # schedule's ``step`` is pinned in PATCHED.
+    ("torchtitan.trainer", "Trainer.forward_backward_step",
+     ["self", "input_dict", "labels", "global_valid_tokens"]),
+    ("torchtitan.trainer", "Trainer.post_dataloading_process", ["self", "input_dict", "labels"]),
+    ("torchtitan.distributed.utils", "dist_sum_tensor", ["x", "mesh", "extra_pg"]),
+    ("torchtitan.distributed.utils", "dist_sum", ["x", "mesh", "extra_pg"]),
+    ("torchtitan.distributed.utils", "dist_max", ["x", "mesh", "extra_pg"]),
+    ("torchtitan.distributed.utils", "clip_grad_norm_",
+     ["parameters", "max_norm", "norm_type", "error_if_nonfinite", "foreach", "pp_mesh",
+      "ep_enabled"]),
+    ("torchtitan.components.metrics", "MetricsProcessor.log",
+     ["self", "step", "global_avg_loss", "global_max_loss", "grad_norm", "extra_metrics"]),
+    ("torchtitan.components.metrics", "MetricsProcessor.should_log", ["self", "step"]),
+    ("torchtitan.components.optimizer", "OptimizersContainer.zero_grad", ["self", "set_to_none"]),
+    ("torchtitan.components.optimizer", "LRSchedulersContainer.get_metrics", ["self"]),
+    ("torchtitan.components.optimizer", "LRSchedulersContainer.step", ["self"]),
+    ("torchtitan.components.checkpointer", "CheckpointManager.maybe_wait_for_staging", ["self"]),
+    ("torchtitan.observability.structured_logger", "log_trace_span",
+     ["event_type", "description", "stacklevel"]),
+    ("torchtitan.observability.structured_logger", "log_trace_scalar", ["scalars", "stacklevel"]),
+    ("torchtitan.distributed", "ParallelDims.get_mesh", ["self", "dims"]),
+    ("torchtitan.distributed", "ParallelDims.get_optional_mesh",
+     ["self", "dims", "include_singleton_axes"]),
+]
+
+
+@pytest.mark.parametrize("module,name,parameters", MIRROR_CALLEES,
+                         ids=[f"{c[0]}.{c[1]}" for c in MIRROR_CALLEES])
+def test_what_the_queued_step_calls_takes_what_it_passes(module, name, parameters):
+    """A callee of the mirrored methods that changes its parameters fails here by name, even where
+    the mirrored methods' own source (hashed below) did not change."""
+    target = _resolve(module, name)
+    assert list(inspect.signature(target).parameters) == parameters, \
+        (f"{module}.{name} now takes {inspect.signature(target)}; components/queued_step.py passes "
+         f"{parameters}")
+
+
+def test_the_queued_step_calls_only_pinned_torchtitan_helpers():
+    """Every TorchTitan module function the queued step calls (``dist_utils.*``, ``sl.*``) is one
+    pinned in MIRROR_CALLEES, so that a new call cannot skip the pin."""
+    from canon_titan.components import queued_step
+
+    tree = ast.parse(inspect.getsource(queued_step))
+    modules = {"dist_utils": "torchtitan.distributed.utils",
+               "sl": "torchtitan.observability.structured_logger"}
+    called = {(modules[node.func.value.id], node.func.attr) for node in ast.walk(tree)
+              if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+              and isinstance(node.func.value, ast.Name) and node.func.value.id in modules}
+    assert called, "the scan finds no call: it no longer reads the queued step"
+    assert called <= {(module, name) for module, name, _ in MIRROR_CALLEES}, called
+
+
 def test_the_methods_the_queued_step_mirrors_are_the_ones_it_was_written_from():
-    """``components/queued_step.py`` does the work of TorchTitan methods pinned there by a hash of their
-    source: a release that changes one fails here, to be compared with what the queued step does."""
+    """``components/queued_step.py`` does the work of TorchTitan methods pinned there by a hash of
+    their source: a release that changes one fails here, to be compared with what the queued step
+    does (its callees are pinned above; ``docs/development.md`` names the upstream change that ends
+    the mirror)."""
     import hashlib
 
     from canon_titan.components.queued_step import MIRRORED

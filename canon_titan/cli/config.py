@@ -6,8 +6,9 @@ import argparse
 import os
 import sys
 
-from canon_titan.cli.common import OVERRIDES, fail, load_or_report
+from canon_titan.cli.common import OVERRIDES, fail
 from canon_titan.config import dumps
+from canon_titan.config.titan_sections import load_or_report
 
 
 def main(argv: list[str]) -> int:

@@ -8,11 +8,12 @@ from pathlib import Path
 
 from torchtitan.tools.logging import logger
 
-from canon_titan.cli.common import OVERRIDES, dtype_arg, fail, init_logging, parse_with_overrides
+from canon_titan.cli.common import OVERRIDES, dtype_arg, fail, parse_with_overrides
 from canon_titan.config import ConfigError, RunConfig, load
 from canon_titan.convert.dcp_io import ConversionError
 from canon_titan.convert.hf import from_hf as run_from_hf, to_hf as run_to_hf
 from canon_titan.data.tokenizers import folder_tokenizer_kind
+from canon_titan.tools.startup import init_logging
 
 
 def _size(text: str) -> int:

@@ -8,13 +8,14 @@ from pathlib import Path
 
 import torch
 
-from canon_titan.cli.common import OVERRIDES, dtype_arg, fail, init_logging, parse_with_overrides
+from canon_titan.cli.common import OVERRIDES, dtype_arg, fail, parse_with_overrides
 from canon_titan.config import ConfigError, load
 from canon_titan.convert.dcp_io import ConversionError
 from canon_titan.convert.hf import dcp_to_hf_model
 from canon_titan.data.builtin import ASSET_DIR
 from canon_titan.evaluation import lm
 from canon_titan.evaluation.synthetic import DEFAULT_TEST_SEED, EvalError, evaluate, format_table, write_result
+from canon_titan.tools.startup import init_logging
 from canon_titan.trainer import RUN_CONFIG_FILE
 
 

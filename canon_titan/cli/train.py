@@ -11,9 +11,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from canon_titan.cli.common import OVERRIDES, fail, load_or_report, parse_with_overrides
+from canon_titan.cli.common import OVERRIDES, fail, parse_with_overrides
 from canon_titan.components.exit_codes import OUTCOME_DIR_ENV, REFUSED, STOP_SIGNALS, STOPPED, STOPPED_EXIT_CODES
 from canon_titan.config.build import build_trainer_config
+from canon_titan.config.titan_sections import load_or_report
 from canon_titan.launch.ownership import torchrun_preexec
 from canon_titan.launch.prelaunch import CHECKED_ENV, check_launch
 

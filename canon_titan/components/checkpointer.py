@@ -25,13 +25,18 @@ import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated
 
 import torch
 import torch.distributed.checkpoint as dcp
+import tyro
+from torch import nn
+from torch.distributed.checkpoint import DefaultLoadPlanner
 
 from torchtitan.components.checkpointer import CheckpointManager
 from torchtitan.tools.logging import logger
 
+from canon_titan.components.resume_checks import GLOBAL_BATCH_KEY
 from canon_titan.convert.dcp_io import (CheckpointDamaged, FileNamingReader, NoLoadableCheckpoint, checkpoint_problem,
                                         inner_failure, model_only, step_dirs)
 from canon_titan.tools.collectives import from_rank0
@@ -157,6 +162,17 @@ def largest_magnitude(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.nn.utils.get_total_norm(tensors, norm_type=math.inf)
 
 
+class _EarlierTrainState(DefaultLoadPlanner):
+    """DCP's load planner, which also loads a checkpoint saved before the trainer's state held the
+    global batch (``CanonTrainer.state_dict``): that entry keeps its value instead of being refused
+    as missing. Every other missing entry is refused as before."""
+
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator=False) -> None:
+        super().set_up_planner(state_dict, metadata, is_coordinator)
+        if metadata is not None and GLOBAL_BATCH_KEY not in metadata.state_dict_metadata:
+            self.state_dict.pop(GLOBAL_BATCH_KEY, None)
+
+
 class CanonCheckpointer(CheckpointManager):
     @dataclass(kw_only=True, slots=True)
     class Config(CheckpointManager.Config):
@@ -164,18 +180,36 @@ class CanonCheckpointer(CheckpointManager):
         """With keep_latest_k: delete the oldest checkpoints down to keep_latest_k - 1 before each save,
         instead of down to keep_latest_k after it, so the disk never holds more than keep_latest_k (a save
         that fails leaves keep_latest_k - 1)."""
+        precompute_float8_scales: Annotated[bool, tyro.conf.Suppress] = False
+        """``[float8] precompute_float8_dynamic_scale_for_fsdp``: after the load that starts
+        training (TorchTitan's ``train`` always calls ``load``, which restores a checkpoint or
+        returns at once), the float8 weights' scales for the first forward's all-gather; without
+        them torchao takes each rank's amax over the FSDP mesh alone, a TP shard's under TP."""
 
-    def __init__(self, config: Config, *args, **kwargs):
+    def __init__(self, config: Config, *args, model_parts: list[nn.Module], **kwargs):
         self.checked: set[int] = set()
         """Steps whose checkpoint this process saved or loaded with finite weights and optimizer state."""
         self.damaged: set[int] = set()
         self.before_fallback: Callable[[Path], None] | None = None
+        """Called with the step folder a load falls back to, before it loads (the trainer's resume
+        checks)."""
         self.pinned_step: int | None = None
-        """The step ``[checkpoint] load_step`` asks for: a damaged one is refused, not fallen back from."""
-        """Called with the step folder a load falls back to, before it loads (the trainer's resume checks)."""
-        super().__init__(config, *args, **kwargs)
+        """The step ``[checkpoint] load_step`` asks for: a damaged one is refused, not fallen back
+        from."""
+        self.model_parts = model_parts
+        self.precompute_float8_scales = config.precompute_float8_scales
+        super().__init__(config, *args, model_parts=model_parts, **kwargs)
         self.force_next_save = False
         self.purge_before_save = config.purge_before_save
+
+    def load(self, step: int = -1) -> bool:
+        """TorchTitan's load (nothing when checkpointing is off), then the float8 scales."""
+        loaded = super().load(step)
+        if self.precompute_float8_scales:
+            from canon_titan.components.float8 import precompute_float8_scales
+
+            precompute_float8_scales(self.model_parts)
+        return loaded
 
     def resume_hint(self, before: int) -> str:
         """The newest checkpoint before step ``before`` to resume from, called good only if checked."""
@@ -269,7 +303,8 @@ class CanonCheckpointer(CheckpointManager):
             if from_hf:
                 super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
             else:
-                dcp.load(state_dict, checkpoint_id=checkpoint_id, storage_reader=FileNamingReader(checkpoint_id))
+                dcp.load(state_dict, checkpoint_id=checkpoint_id, planner=_EarlierTrainState(),
+                         storage_reader=FileNamingReader(checkpoint_id))
                 self.states["model"].load_state_dict(state_dict)
         except (KeyboardInterrupt, SystemExit):
             raise

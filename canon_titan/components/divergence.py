@@ -37,11 +37,18 @@ class Diverged(RuntimeError):
     pass
 
 
+class NonFiniteLoss(Diverged):
+    """A logged step's loss is not finite (TorchTitan's stop, kept by the queued step). The trainer
+    reads that step's verdict first: a step the guard skipped goes on; one it did not stops the
+    run."""
+
+
 # What a step's record says (its ``kind``), and why a run stops (its ``stop``).
 APPLIED, NONFINITE_LOSS, SPIKE, NONFINITE_GRADIENTS = range(4)
 GO_ON, NONFINITE_LIMIT, SPIKE_STOP, SKIPS_IN_A_ROW = range(4)
-RECORD_SIZE = 5
-"""A record: the loss, the running mean it was held to, kind, steps skipped in a row, stop."""
+RECORD_SIZE = 6
+"""A record: the loss, the running mean it was held to, kind, steps skipped in a row, steps applied
+since the run (re)started, stop."""
 
 
 @dataclass
@@ -51,6 +58,10 @@ class StepVerdict:
     stop: bool
     problem: str
     """Why the step was skipped or the run stops ("" for an applied step)."""
+    in_a_row: int
+    """Steps skipped in a row, this one included (0 for an applied step)."""
+    applied: int
+    """Steps applied since the run (re)started, this one included."""
 
 
 class LossGuard:
@@ -93,13 +104,14 @@ class LossGuard:
         self.kept += applied
         kind = torch.where(~finite, NONFINITE_LOSS,
                            torch.where(spike, SPIKE, torch.where(bad_gradients, NONFINITE_GRADIENTS, APPLIED)))
-        record = torch.stack([loss, mean, kind.float(), self.in_a_row, stop.float()])
+        kept = self.kept.float()
+        record = torch.stack([loss, mean, kind.float(), self.in_a_row, kept, stop.float()])
         return (~applied | self.stopped).float(), record
 
     def verdict(self, step: int, record: list[float]) -> StepVerdict:
         """What the host says of step ``step`` from its record (read back from the device)."""
-        loss, mean, kind, in_a_row, stop = record
-        kind, in_a_row, stop = int(kind), int(in_a_row), int(stop)
+        loss, mean, kind, in_a_row, applied, stop = record
+        kind, in_a_row, applied, stop = int(kind), int(in_a_row), int(applied), int(stop)
         problem = ""
         if kind == NONFINITE_LOSS:
             problem = f"the loss at step {step} is not finite ({loss})"
@@ -111,4 +123,5 @@ class LossGuard:
         if stop == SKIPS_IN_A_ROW:
             problem += (f"; {in_a_row} steps in a row were skipped (steps {step - in_a_row + 1}-{step}, [divergence] "
                         "max_consecutive_skips), so the run trains nothing")
-        return StepVerdict(step=step, skipped=kind != APPLIED, stop=stop != GO_ON, problem=problem)
+        return StepVerdict(step=step, skipped=kind != APPLIED, stop=stop != GO_ON, problem=problem,
+                           in_a_row=in_a_row, applied=applied)

@@ -22,6 +22,8 @@ from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.observability import structured_logger as sl
 
+from canon_titan.components.divergence import NonFiniteLoss
+
 MIRRORED = {"Trainer.train_step": "911f8077fc175e7f", "Trainer.pp_forward_backward_step": "cabc5cbf434ef4f0"}
 """TorchTitan 0.3.0's methods whose work ``QueuedCopies`` does, by the first 16 hex digits of the SHA-256
 of their source (held by tests/test_upstream.py)."""
@@ -100,8 +102,7 @@ class QueuedCopies:
                 average = largest = float(accumulated.item())
                 tokens_seen = self.ntokens_seen
         if not math.isfinite(average):
-            raise RuntimeError(f"Loss is not finite (global_avg_loss={average}) at step {self.step}. "
-                               "Stopping training.")
+            raise NonFiniteLoss(f"the loss at step {self.step} is not finite ({average})")
         self.metrics_processor.log(self.step, average, largest, float(grad_norm.item()),
                                    extra_metrics={"n_tokens_seen": tokens_seen, **lr_metrics})
 

@@ -132,8 +132,6 @@ def build_trainer_config(run: RunConfig):
             loss=loss,
             run_toml=dumps(absolute_paths(run.sections)),
             divergence=DivergenceSection(**run["divergence"]),
-            float8_precompute_scales=(run["float8"]["enable"]
-                                      and run["float8"]["precompute_float8_dynamic_scale_for_fsdp"]),
             stop_grace_seconds=job["stop_grace_seconds"],
             allow_changed_data=run["dataloader"]["allow_changed_data"],
             model_label=run.label(),

@@ -206,7 +206,10 @@ SECTIONS: dict[str, Section] = {
         defaults={"spmd_backend": "partial_dtensor"},
         hidden=("context_parallel_ptrr_mask_key", "pipeline_parallel_schedule_csv"),
     ),
-    "checkpoint": Section(CanonCheckpointer.Config, hidden=("initial_load_in_hf_quantized",)),
+    "checkpoint": Section(
+        CanonCheckpointer.Config,
+        hidden=("initial_load_in_hf_quantized", "precompute_float8_scales"),
+    ),
     "activation_checkpoint": Section(ActivationCheckpointSection),
     "compile": Section(CompileConfig, hidden=("enable_async_tensor_parallel",)),
     "float8": Section(Float8Section),

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import torch
 
-from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer
+from torchtitan.components.optimizer import LRSchedulersContainer
 from torchtitan.components.optimizer.optimizer import ParamGroupConfig
 from torchtitan.config.configs import CommConfig, CompileConfig, ParallelismConfig, TrainingConfig
 from torchtitan.tools.profiler import Profiler
 
 from canon_titan.components.checkpointer import CanonCheckpointer
+from canon_titan.components.optimizer import GuardedOptimizers
+from canon_titan.config.loader import load
 from canon_titan.config.run import ConfigError, RunConfig
 
 
@@ -26,11 +28,15 @@ def titan_sections(run: RunConfig) -> dict:
     ckpt = dict(run["checkpoint"])
     # TorchTitan warns on every run that model-only has no effect without an initial load path.
     ckpt["initial_load_model_only"] = ckpt["initial_load_model_only"] and bool(ckpt["initial_load_path"])
+    float8 = run["float8"]
+    # The scales are set after every change of the weights: the load that starts training, each
+    # update.
+    precompute = float8["enable"] and float8["precompute_float8_dynamic_scale_for_fsdp"]
     builders = {
         "parallelism": lambda: ParallelismConfig(**run["parallelism"]),
         "compile": lambda: CompileConfig(**run["compile"]),
-        "checkpoint": lambda: CanonCheckpointer.Config(**ckpt),
-        "optimizer": lambda: OptimizersContainer.Config(
+        "checkpoint": lambda: CanonCheckpointer.Config(**ckpt, precompute_float8_scales=precompute),
+        "optimizer": lambda: GuardedOptimizers.Config(
             param_groups=[ParamGroupConfig(
                 pattern=r".*",
                 optimizer_name=opt["name"],
@@ -38,6 +44,7 @@ def titan_sections(run: RunConfig) -> dict:
                                   "weight_decay": opt["weight_decay"]},
             )],
             implementation=opt["implementation"],
+            precompute_float8_scales=precompute,
         ),
         "lr_scheduler": lambda: LRSchedulersContainer.Config(**run["lr_scheduler"]),
         "training": lambda: TrainingConfig(**run["training"]),
@@ -52,3 +59,15 @@ def titan_sections(run: RunConfig) -> dict:
         except ValueError as e:
             raise ConfigError(run.source, f"[{section}]", str(e)) from e
     return built
+
+
+def load_or_report(path: str, overrides: list[str], environment: bool = True, build=titan_sections):
+    """The resolved run, after our checks and TorchTitan's own, or the error. ``build(run)`` makes
+    TorchTitan's configs: of the sections (what ``config validate`` checks), or ``train``'s whole
+    ``Trainer.Config`` with the model (``config.build.build_trainer_config``)."""
+    try:
+        run = load(path, overrides, environment)
+        build(run)
+        return run, None
+    except ConfigError as e:
+        return None, str(e)

@@ -127,8 +127,8 @@ def writing(out_dir: Path):
         free = shutil.disk_usage(out_dir.parent).free if out_dir.parent.is_dir() else None
         error = inner_failure(e, OSError)
         text = str(error or e).strip().splitlines()
-        full = ((error is not None and error.errno == errno.ENOSPC) or "No space left" in str(e)
-                or (free is not None and free < FULL_BELOW))
+        no_room = error is not None and error.errno == errno.ENOSPC
+        full = no_room or (free is not None and free < FULL_BELOW)
         what = "the disk is full" if full else f"{type(error or e).__name__}: {text[0] if text else ''}"
         room = f"{free / 2**20:,.1f} MiB free on its filesystem" if free is not None else "its filesystem unreadable"
         again = ": free space and run the same command" if full else ""

@@ -12,13 +12,13 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from torchtitan.tools.logging import logger
 
 from canon_titan.data.tokenizers import LLAMA3_PATTERN, _find_file, build_tokenizer, tiktoken_special_tokens
+from canon_titan.evaluation.lm_tasks import MissingTestFile
 from canon_titan.hf import DTYPES
 from canon_titan.tools.fileio import write_atomic
 from model_registry import register_with_transformers
@@ -135,14 +135,11 @@ def missing_datasets(manager, names: list[str]) -> tuple[list[str], list[str]]:
             continue  # online, Hub datasets download on first use
         try:
             manager.load(name)
-        except FileNotFoundError as e:
-            if "test file" in str(e):
-                local.setdefault(str(e), []).append(name)
-            else:
-                hub.setdefault(str(e).splitlines()[0], []).append(name)
+        except MissingTestFile as e:
+            local.setdefault(str(e), []).append(name)
         except Exception as e:  # datasets raises ConnectionError offline
-            found = re.search(r"reach '([^']+)'", str(e))
-            hub.setdefault(found.group(1) if found else str(e).splitlines()[0], []).append(name)
+            dataset = (manager.task_index[name].cfg or {}).get("dataset_path")
+            hub.setdefault(dataset or str(e).splitlines()[0], []).append(name)
 
     def named(found: dict[str, list[str]]) -> list[str]:
         return [f"{what} (task{'s' if len(tasks) > 1 else ''} {', '.join(tasks[:3])}"

@@ -23,6 +23,10 @@ BABILONG_CONTEXTS = ("0k", "1k", "2k", "4k")
 _YEAR = re.compile(r"\s*(\d{4})(?!\d)")
 
 
+class MissingTestFile(FileNotFoundError):
+    """A local task's test file is not in its data folder."""
+
+
 def local_jsonl(data_dir: str = "eval_data", file: str = "", qa: str | None = None, **_):
     """``custom_dataset`` of the local tasks: ``{data_dir}/{file}`` as a one-split DatasetDict."""
     import datasets
@@ -32,8 +36,8 @@ def local_jsonl(data_dir: str = "eval_data", file: str = "", qa: str | None = No
         hint = ("canon-titan data multihop --out-dir" if file.startswith("multihop")
                 else "export the public Babilong release as JSON lines of input, question and target; "
                      "docs/evaluation.md, section Babilong")
-        raise FileNotFoundError(f"test file {path} does not exist (data dir {data_dir!r}: pass --data-dir or set "
-                                f"CANON_EVAL_DATA; to make it: {hint})")
+        raise MissingTestFile(f"test file {path} does not exist (data dir {data_dir!r}: pass "
+                              f"--data-dir or set CANON_EVAL_DATA; to make it: {hint})")
     if qa is not None:
         rows = [{**row, "task": qa} for row in babilong.read_samples(path)]
     else:

@@ -186,8 +186,8 @@ def _checked_run(launch) -> tuple[int | None, str | None]:
     """For a job of ``canon_titan.train``: its run's ``[job] stop_grace_seconds`` (None when unknown), and
     what ``config validate`` finds wrong with its config at the job's world size (None: nothing, or
     ``canon-titan train`` has checked it already)."""
-    from canon_titan.cli.common import load_or_report
     from canon_titan.config import ConfigError, load
+    from canon_titan.config.titan_sections import load_or_report
     from canon_titan.launch.prelaunch import CHECKED_ENV
     from torch.distributed.run import determine_local_world_size, parse_min_max_nnodes
 

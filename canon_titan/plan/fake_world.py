@@ -184,9 +184,47 @@ def warm_optimizer(trainer) -> None:
             group["lr"] = group.pop("_lr")
 
 
-def record_step(trainer, recorder: StepRecorder, *, max_groups: int = 2, modes=()) -> RankStep:
-    """Run one training step of a built trainer under ``recorder`` (and ``modes`` around it): the
-    optimizer state already there, at most ``max_groups`` gradient-accumulation groups."""
+@dataclass
+class _GroupMarks:
+    """What ``record_step`` marks in its recorder around each gradient-accumulation group."""
+
+    recorder: StepRecorder
+    groups: int
+    categories: dict
+    grads: list
+    done: int = 0
+
+
+class RecordedGroups:
+    """A ``CanonTrainer`` mixin for ``record_step``: while a step is recorded, each
+    gradient-accumulation group is marked in the recorder, and after the last one the gradients
+    are registered and the optimizer's phase begins (clipping, the optimizer step)."""
+
+    group_marks: _GroupMarks | None = None
+
+    def forward_backward_step(self, **kwargs):
+        marks = self.group_marks
+        if marks is None:
+            return super().forward_backward_step(**kwargs)
+        marks.recorder.mark(f"group {marks.done}")
+        loss = super().forward_backward_step(**kwargs)
+        marks.done += 1
+        if marks.done == marks.groups:
+            marks.grads.extend(_local(p.grad) for m in self.model_parts for p in m.parameters()
+                               if p.grad is not None)
+            registered = marks.recorder.register(marks.grads)
+            marks.categories.update({sid: "gradients" for sid in registered})
+            marks.recorder.mark("optimizer")
+            marks.recorder.phase_override = "optimizer"
+        return loss
+
+
+def record_step(
+    trainer: RecordedGroups, recorder: StepRecorder, *, max_groups: int = 2, modes=()
+) -> RankStep:
+    """Run one training step of a built trainer (a ``RecordedGroups`` one) under ``recorder`` (and
+    ``modes`` around it): the optimizer state already there, at most ``max_groups``
+    gradient-accumulation groups."""
     accumulation = trainer.gradient_accumulation_steps
     groups = min(accumulation, max_groups)
     trainer.gradient_accumulation_steps = groups
@@ -201,28 +239,13 @@ def record_step(trainer, recorder: StepRecorder, *, max_groups: int = 2, modes=(
         optimizer_state = _optimizer_tensors(trainer.optimizers)
         categories.update({sid: "optimizer state" for sid in recorder.register(optimizer_state)})
         grads: list[torch.Tensor] = []
-        step_groups = trainer.forward_backward_step
-        done = [0]
-
-        def forward_backward_step(**kwargs):
-            recorder.mark(f"group {done[0]}")
-            loss = step_groups(**kwargs)
-            done[0] += 1
-            if done[0] == groups:
-                grads.extend(_local(p.grad) for m in trainer.model_parts for p in m.parameters()
-                             if p.grad is not None)
-                categories.update({sid: "gradients" for sid in recorder.register(grads)})
-                recorder.mark("optimizer")
-                recorder.phase_override = "optimizer"
-            return loss
-
-        trainer.forward_backward_step = forward_backward_step
+        trainer.group_marks = _GroupMarks(recorder, groups, categories, grads)
         trainer.step = 2  # neither the first step nor (with the log frequency raised) a logging one
         try:
             with recorder:
                 trainer.train_step(iter(trainer.dataloader))
         finally:
-            trainer.forward_backward_step = step_groups
+            trainer.group_marks = None
             trainer.gradient_accumulation_steps = accumulation
             recorder.phase_override = None
     dims = trainer.parallel_dims
@@ -298,7 +321,7 @@ def pipeline_without_peers(sent: dict, recorder: StepRecorder):
     from torch.distributed.pipelining import stage as pipeline_stage
     try:
         from torch.distributed.pipelining._utils import InferenceMode, _derive_grad_metas, _StageBackwardMeta
-    except ImportError as e:  # torch 2.11 (the H200 kit of 2026-11-28) has another stage start-up
+    except ImportError as e:  # torch 2.11 (the offline GPU kit's) has another stage start-up
         raise RuntimeError(f"planning pipeline parallelism needs torch >= 2.13, whose pipeline stages this planner "
                            f"answers (this torch: {torch.__version__}: {e})") from None
 
@@ -414,7 +437,7 @@ def fake_rank_step(config, *, rank: int, world_size: int, positions: bool, fp8_l
     strided_shard_scan_once_per_op()
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
 
-    class FakeRankTrainer(CanonTrainer):
+    class FakeRankTrainer(RecordedGroups, CanonTrainer):
         # the planning process keeps its own signal handling (a search plans hundreds of ranks
         # in one process, and must stop on SIGTERM)
         takes_stop_signals = False

@@ -32,18 +32,11 @@ ROWWISE_CAST_BYTES = {"INPUT": 12.1, "GRAD_OUTPUT": 3.9}
 activation operand of a float8 GEMM with row-wise (or column-wise) scales (torchao's ``rowwise``
 recipes), per GEMM it enters: the linear's input (``INPUT``: its forward GEMM, and its
 grad-weight GEMM scaled per column) and its output gradient (``GRAD_OUTPUT``: the grad-input
-and grad-weight GEMMs). Source: torchao's published microbenchmark of a compiled LayerNorm ->
-Linear -> Sigmoid forward and backward, row-wise float8 against bf16, on an H100 for M, K, N in
-1024-32768 (``pytorch/ao/docs/static/fp8-rowwise-perf.png``, pytorch/ao#2312, PyTorch 2.8.0a0, June 2025).
-Planned with no such cost, the plan's speed-up misses the table by a median 26% (worst 57%)
-over its rows of M >= 8192 (thin layers plan far faster than the 0.5-0.6x measured). A
-least-squares fit of the missing time as ``a * M * K + b * M * N`` to half of those rows (every
-other one along M, K and N) leaves a median 4.0% (worst 14%) there and 4.3% (worst 27%) on the
-other half, which it never saw: ``a`` = 9.0 ps and ``b`` = 2.9 ps per element, 24.2 and 7.8 bytes
-at 80% of the H100 SXM's 3.35 TB/s, split evenly here between the two GEMMs each tensor enters
-(``scripts/benchmarks/fit_rowwise_casts.py`` refits them; the figures are those of the compile
-model as it stands, ``estimate.fused_region_bytes``). In eager mode every recorded cast op
-is its own kernel and is counted in full instead."""
+and grad-weight GEMMs). Fitted to half of torchao's published microbenchmark of a row-wise
+float8 linear and held to the other half (docs/benchmarks/planner.md, "Row-wise float8 casts at
+their measured cost"); ``scripts/benchmarks/fit_rowwise_casts.py`` refits them for the compile
+model as it stands (``estimate.fused_region_bytes``). In eager mode every recorded cast op is its
+own kernel and is counted in full instead."""
 
 _FACTORIES = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default,
               torch.ops.aten.empty_like.default, torch.ops.aten.new_empty.default,

@@ -2,13 +2,7 @@
 cyclic garbage collector kept out of the imports of torch, TorchTitan and their dependencies
 (``importing``), and out of the interpreter's last collections (``freeze_at_exit``); and the
 process-wide settings of a canon-titan program (``process_setup``), which its entry points make
-and importing the package never does.
-
-Measured on the 2-core machine, 2026-11-28, as whole processes, each pair of commands interleaved:
-``import canon_titan.train`` took 8.9 s of CPU, 7.8 s without the collector during the imports (medians
-of 5), and the collections at exit 1.9-2.2 s, 0.35-0.4 s frozen; import and exit together 8.5 s, 7.0 s
-with both. A 2-rank, 2-step debug training run under torchrun: 26.6 s of CPU and 15.6 s of wall time
-without either, 23.0 and 13.9 s with both (medians of 4).
+and importing the package never does. What each saves: docs/benchmarks/cpu.md, "Start-up and exit".
 """
 
 from __future__ import annotations
@@ -18,6 +12,7 @@ import contextlib
 import gc
 import logging
 import re
+import sys
 
 
 @contextlib.contextmanager
@@ -73,3 +68,24 @@ NOISE = {
     "torch.distributed.tensor._redistribute": r"^While redistributing from \(_NormPartial",
 }
 """Logger -> the message (a regular expression) it prints that ``process_setup`` drops."""
+
+
+class _CurrentStdout:
+    """``sys.stdout`` as it is when a record is written, not when logging was set up."""
+
+    def write(self, text: str) -> int:
+        return sys.stdout.write(text)
+
+    def flush(self) -> None:
+        sys.stdout.flush()
+
+
+def init_logging() -> None:
+    """TorchTitan's log format on stdout. A command may run more than once in one process (a
+    notebook, the tests) with stdout replaced in between; the handler writes to the current one."""
+    from torchtitan.tools.logging import init_logger
+
+    init_logger()
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.StreamHandler):
+            handler.setStream(_CurrentStdout())

@@ -244,11 +244,10 @@ def ops(calls: list[Call], batch: int, seq: int, reps: int) -> dict:
 
 
 BACKWARD_CANDIDATES = [(16, 16, 2), (16, 16, 4), (16, 32, 4), (16, 32, 8), (32, 32, 8)]
-"""(BLOCK_T, BLOCK_C, num_warps) of the backward kernels, each tried by ``backward_blocks``. On an H200
-(2026-11-27) the smallest of 16x32/4w, 16x64/4w, 16x64/8w, 32x64/8w, 16x128/8w was the fastest for every call,
-the larger ones up to 1.6x slower; so the candidates now stay at four elements a thread (16x16/2w, 32x32/8w) or
-go to two (16x16/4w, 16x32/8w: Canon-D's backward at 101-108 registers instead of 168, without 16-byte loads).
-None spills on sm_90 (``python -m canon_titan.kernels.aot`` with the blocks set; 16x32/2w and 32x32/4w spill)."""
+"""(BLOCK_T, BLOCK_C, num_warps) of the backward kernels, each tried by ``backward_blocks``: around the
+smallest block, which an H200 timed fastest for every call (docs/benchmarks/gpu.md), at four elements a thread
+(16x16/2w, 32x32/8w) or two (16x16/4w, 16x32/8w: fewer registers, without 16-byte loads). None spills on sm_90
+(``python -m canon_titan.kernels.aot`` with the blocks set; 16x32/2w and 32x32/4w spill)."""
 
 
 def _backward(call: Call, t: dict, dy: torch.Tensor, bodies: bool = False):

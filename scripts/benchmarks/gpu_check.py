@@ -31,7 +31,7 @@ which installs the offline kit first where needed.
   ops                 the Canon ops against fla's causal_conv1d and the memory bound (bench_canon --mode ops)
   cp_attention        one context-parallel rank's attention at TorchTitan's table 2 shapes, torch's ring and
                       canon-titan's gather, compute alone (cp_attention_rank: issue 42's CP 4 and 8 points)
-  canon_torch         LlamaCanon-1B on the torch Canon backend (the 2026-11-22 baseline's configuration)
+  canon_torch         LlamaCanon-1B on the torch Canon backend (the first baseline's configuration)
 Beside each trainer run, the planner's prediction (``canon-titan plan`` for that GPU), when time is left
 at the end; ``--replan OUTDIR`` adds them afterwards on any machine.
 
@@ -97,8 +97,8 @@ TRAINER_STEPS, TRAINER_WARMUP = 12, 4
 """Medians over steps 5-12: the first steps compile and autotune."""
 TINY = {"flavor": "debug", "seq": 32, "batch": 1, "steps": 2, "warmup": 1}
 LINEAR = ("mamba2", "gla5", "gdn2")
-"""In the order they run at each length. GLA5's first step had no known bound on the H200s (2026-11-26 to 28: fla's
-autotuning over 124 to 290 s) and ran last; fla's searches are now narrowed and tuned before the first collective
+"""In the order they run at each length. GLA5's first step once had no known bound (fla's full autotuning,
+docs/benchmarks/gpu.md) and ran last; fla's searches are now narrowed and tuned before the first collective
 (``canon_titan/kernels/tuning.py``), and GLA5 runs with the others."""
 LINEAR_OPS = {"mamba2": "ssd", "gdn2": "gated_delta_rule", "gla5": "gla"}
 
@@ -107,8 +107,8 @@ def cases() -> list[Case]:
     """Every trainer run, in the order they run (by value)."""
     llama = {"name": "llama", "flavor": "1B"}
     canon = {"name": "llama_canon", "flavor": "1B", "canon_set": "ABCD"}
-    # The figure of record at the 1B recipes' own batch, 8 x 4096 (Llama 67.6 GiB, LlamaCanon 71.0 on an H200,
-    # 2026-11-28), then batch 2, the base of the linear and float8 runs.
+    # The figure of record at the 1B recipes' own batch, 8 x 4096 (it fits an H200: docs/benchmarks/gpu.md),
+    # then batch 2, the base of the linear and float8 runs.
     out = [Case("canon_llama_b8", "canon", "llama, batch 8", llama, 4096, 8, limit=120),
            Case("canon_triton_b8", "canon", "llama_canon (triton), batch 8", {**canon, "canon_backend": "triton"},
                 4096, 8, base="canon_llama_b8", limit=120),
@@ -126,8 +126,8 @@ def cases() -> list[Case]:
                      tiny=(family == "gla5" and seq == 4096), limit=180, kernel_op=LINEAR_OPS[family])
                 for family in LINEAR]
         if seq != 4096:
-            # Mamba2 is host-bound (2026-11-28 at 16k: 76 ms of a 383 ms step idle, short of x1.5 by about that):
-            # the same run with TorchTitan's CUDA graph of the whole forward and backward, launched at once.
+            # Mamba2 is host-bound (its idle time at 16k: docs/benchmarks/gpu.md): the same run with
+            # TorchTitan's CUDA graph of the whole forward and backward, launched at once.
             out.append(Case(f"linear_mamba2_{tag}_graphs", "linear", "mamba2:AbbCD, CUDA graphs",
                             {"name": "mamba2", "flavor": "1B", "canon_set": "AbbCD"}, seq, batch, base=base,
                             extra=("--training.disable_cuda_graphs=false",), limit=180, kernel_op="ssd"))
@@ -249,8 +249,8 @@ def kernel_tests(tiny: bool, work: Path) -> int:
 
 def torch_fallback(step_name: str, report: dict) -> str | None:
     """Why a trainer case would measure the torch fallback of its recurrence here, or None. GDN2 on an H200 with
-    the kit's Triton 3.6 (fla refuses its gated-delta backward there) ran at 9,091 tokens/s in 174 s of a
-    15-minute lease on 2026-11-27: that figure is on record, and a run of it again measures nothing new.
+    the kit's Triton 3.6 (fla refuses its gated-delta backward there) has its fallback figure on record
+    (docs/benchmarks/gpu.md), and a run of it again measures nothing new in a short lease.
     What ``auto`` picks comes from the ``env`` step, or (``--only`` without it) from a process of its own: this
     one stays off the GPU."""
     case = next((c for c in cases() if c.name == step_name), None)
@@ -306,8 +306,8 @@ def environment() -> dict:
         problem = backends.import_problem(backend)
         packages[backend] = problem or backends.installed_version(backend)
     chosen = {op: backends.resolve_backend("auto", op=op) for op in backends.CUDA_BACKENDS}
-    # The host: a step bound by the host's work (Mamba2-1B at 4096 on the H200s, 2026-11-27 and 28) runs at
-    # its CPU's speed.
+    # The host: a step bound by the host's work (Mamba2-1B at 4096, docs/benchmarks/gpu.md) runs at its
+    # CPU's speed.
     cpuinfo = Path("/proc/cpuinfo")
     models = [line.split(":", 1)[1].strip() for line in (cpuinfo.read_text() if cpuinfo.exists() else "").splitlines()
               if line.startswith("model name")]
@@ -382,8 +382,8 @@ def predict(run: dict, gpu: str) -> dict:
 TUNED = REPO / "scripts" / "benchmarks" / "gpu_check_tuned.json"
 """Triton's autotuning results from an earlier lent GPU (``OUTDIR/triton_autotune.json`` of its run, committed
 here): restored into Triton's cache before the steps run, so that the kernels of fla, mamba-ssm and the Canon
-forward pick their tuned configurations without timing every candidate again. On 2026-11-26/27 that tuning took
-over 150 s of GLA5's first step and most of Mamba2's 115 s, in a lease of 15 minutes. Triton keys each entry by
+forward pick their tuned configurations without timing every candidate again (that tuning took minutes of a
+short lease: docs/benchmarks/gpu.md). Triton keys each entry by
 its version, the GPU architecture, the kernel's source, the tuning key and the candidates, so an entry that does
 not match this machine is never read."""
 
@@ -418,8 +418,8 @@ STEP_MARK = "CANON_GPU_CHECK_STEP"
 def leftover_processes(mark: str) -> list[int]:
     """Processes, other than this one, whose environment holds ``STEP_MARK=mark``. torchrun starts its
     workers in sessions of their own, so a trainer run stopped with its step (``timeout`` signals one process
-    group) can leave them behind, training on the GPU and compiling on the CPU through the steps that follow:
-    on 2026-11-27 the loss step's runs did, and Llama-1B's step time rose from 168.8 to 194 ms."""
+    group) can leave them behind, training on the GPU and compiling on the CPU through the steps that follow,
+    which slows every later step's figures (docs/benchmarks/gpu.md)."""
     needle = f"{STEP_MARK}={mark}".encode()
     found = []
     for entry in Path("/proc").iterdir():
@@ -467,8 +467,8 @@ def run_step(step: Step, limit: int, log) -> None:
         seconds = time.perf_counter() - started
         output.seek(0)
         text = output.read()
-    # A step that outlasts its interrupt is killed with its process group, ``timeout`` itself included (-9): on
-    # the H200 (2026-11-28) the three correctness steps were, and read "failed (-9)".
+    # A step that outlasts its interrupt is killed with its process group, ``timeout`` itself included (-9),
+    # which is a time-out, not a failure.
     killed = proc.returncode == -9 and seconds >= limit
     status = ("ok" if proc.returncode == 0 else "timed out" if proc.returncode in (124, 137)
               else f"timed out, killed {KILL_AFTER} s after its interrupt" if killed else f"failed ({proc.returncode})")
@@ -546,7 +546,7 @@ def add_predictions(report: dict, deadline: float | None = None) -> None:
         return
     # Tiny mode checks the plumbing on one run, planned for an H100.
     gpu = "h100" if report["tiny"] else report["steps"].get("env", {}).get("data", {}).get("gpu", "h100")
-    # Runs without a plan, or whose planning failed (on a GPU machine every plan did before 2026-11-27).
+    # Runs without a plan, or whose planning failed.
     runs = [r for r in trainer_runs(report) if "error" in r.get("planner", {"error": 1})][:1 if report["tiny"] else None]
     for run in runs:
         if deadline is not None and deadline - time.perf_counter() < 30:

@@ -5,10 +5,9 @@ allocations), and the host time it holds.
 
 On a GPU a compiled block runs its own code as Inductor's kernels, and the Canon ops' too (there they are
 ``torch.library.triton_op``s, whose kernels Inductor launches from its own code), but the recurrence's custom ops
-stay Python calls that run the wrapper and the package's host code and launch its Triton kernels one by one: on the
-H200 (2026-11-28) Mamba2Canon-1B's step at 4096 held the host 357 ms for 165 ms of kernels, mamba-ssm's chunk-scan
-backward 3.1 ms a call. The Canon ops' rows here are their eager path (in the interpreter they are plain custom
-ops).
+stay Python calls that run the wrapper and the package's host code and launch its Triton kernels one by one, which
+can hold the host longer than the kernels run (Mamba2Canon-1B at 4096 on an H200: docs/benchmarks/gpu.md). The
+Canon ops' rows here are their eager path (in the interpreter they are plain custom ops).
 
 The Triton launches are stubbed (counted, not run: the host's work, not the interpreter's), in Triton's interpreter
 mode so that the packages' host code runs as on a GPU. The counts are exact and the same on every machine; the

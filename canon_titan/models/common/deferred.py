@@ -3,7 +3,7 @@
 Reading and checking a config (``config validate``, the pre-launch checks) needs a family's args
 but not its modules. The model stack costs most of a command's start-up:
 ``torchtitan.models.common`` compiles FlexAttention as it is imported, which loads dynamo and
-inductor (about 3 s of the 5-s budget on a 2-core machine). The args modules reach the model
+inductor (most of that start-up: docs/benchmarks/cpu.md). The args modules reach the model
 classes they build configs from through ``deferred(...)``, and modules the checks read constants
 from reach their heavy dependencies so, which puts that cost on the first build, not on import.
 """
