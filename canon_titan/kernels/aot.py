@@ -192,7 +192,7 @@ def compile_case(case: str, run, target: GPUTarget = SM90) -> list[Compiled]:
             shown = {**kwargs, **meta}
             results.append(Compiled(
                 case=case, kernel=src.name,
-                config=f"{shown['BLOCK_T']}x{shown['BLOCK_C']}/{shown.get('num_warps', 4)}w",
+                config=f"{shown['CHUNK']}x{shown['BLOCK_C']}/{shown.get('num_warps', 4)}w",
                 registers=int(registers.group(1)), stack_bytes=int(spill.group(1)),
                 spill_store_bytes=int(spill.group(2)), spill_load_bytes=int(spill.group(3)),
                 vector_loads=len(re.findall(r"ld\.global(?:\.\w+)*\.v\d", ptx)),

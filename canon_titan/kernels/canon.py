@@ -808,8 +808,8 @@ def _op(name: str):
 
 
 def conv_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, row_scale: torch.Tensor | None,
-                 col_scale: torch.Tensor | None, positions: torch.Tensor | None, residual: bool,
-                 activation: bool) -> torch.Tensor:
+                 col_scale: torch.Tensor | None, residual: bool, activation: bool,
+                 positions: torch.Tensor | None = None) -> torch.Tensor:
     batch, seq_len, channels = x.shape
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     rs, cs, srs_b, srs_t = _scale_args(row_scale, col_scale, weight)
@@ -822,7 +822,7 @@ def conv_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return y
 
 
-def _conv_backward(dy, x, weight, bias, row_scale, col_scale, positions, residual: bool, activation: bool,
+def _conv_backward(dy, x, weight, bias, row_scale, col_scale, residual: bool, activation: bool, positions,
                    input_grad: bool):
     """The backward kernel's launch: dx unless ``input_grad`` is off (then, with the scales, the column
     scale's gradient instead), and the weight/bias gradients."""
@@ -850,24 +850,24 @@ def _conv_backward(dy, x, weight, bias, row_scale, col_scale, positions, residua
 
 
 def conv_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                  row_scale: torch.Tensor | None, col_scale: torch.Tensor | None, positions: torch.Tensor | None,
-                  residual: bool, activation: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  row_scale: torch.Tensor | None, col_scale: torch.Tensor | None, residual: bool, activation: bool,
+                  positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of the convolution's input (after scaling), weight and bias (empty without one)."""
-    return _conv_backward(dy, x, weight, bias, row_scale, col_scale, positions, residual, activation,
+    return _conv_backward(dy, x, weight, bias, row_scale, col_scale, residual, activation, positions,
                           input_grad=True)
 
 
 def conv_weight_grads(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                      row_scale: torch.Tensor, col_scale: torch.Tensor, positions: torch.Tensor | None,
-                      residual: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      row_scale: torch.Tensor, col_scale: torch.Tensor, residual: bool,
+                      positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Without SiLU, on a scaled input: the gradients of the column scale, the weight and the bias, and
     not dx, which ``_canon_conv_grad`` leaves to torch ops."""
-    return _conv_backward(dy, x, weight, bias, row_scale, col_scale, positions, residual, False,
+    return _conv_backward(dy, x, weight, bias, row_scale, col_scale, residual, False, positions,
                           input_grad=False)
 
 
 def swiglu_forward(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                   positions: torch.Tensor | None, residual: bool, activation: bool) -> torch.Tensor:
+                   residual: bool, activation: bool, positions: torch.Tensor | None = None) -> torch.Tensor:
     batch, seq_len, hidden = gate.shape
     y = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     pos, spos_b, spos_t = _position_args(positions, weight)
@@ -879,7 +879,8 @@ def swiglu_forward(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, b
 
 
 def swiglu_backward(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor,
-                    bias: torch.Tensor | None, positions: torch.Tensor | None, residual: bool, activation: bool
+                    bias: torch.Tensor | None, residual: bool, activation: bool,
+                    positions: torch.Tensor | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of gate, up, the weight and the bias (empty without one)."""
     batch, seq_len, hidden = gate.shape
@@ -906,7 +907,7 @@ _op("canon_titan::canon_swiglu_backward")(swiglu_backward)
 
 
 def _canon_conv_setup(ctx, inputs, output):
-    x, weight, bias, row_scale, col_scale, positions, ctx.residual, ctx.activation = inputs
+    x, weight, bias, row_scale, col_scale, ctx.residual, ctx.activation, positions = inputs
     ctx.save_for_backward(x, weight, bias, row_scale, col_scale, positions)
 
 
@@ -931,7 +932,7 @@ def _canon_conv_grad(ctx, dy):
     x, weight, bias, row_scale, col_scale, positions = ctx.saved_tensors
     if row_scale is None or ctx.activation:
         d_input, dw, db = torch.ops.canon_titan.canon_conv_backward(dy, x, weight, bias, row_scale, col_scale,
-                                                                    positions, ctx.residual, ctx.activation)
+                                                                    ctx.residual, ctx.activation, positions)
         d_col = None
     else:
         # A fused norm (Canon-A/C, Canon-B on q and k): the kernel reads x and dy once for the weight's and the
@@ -939,7 +940,7 @@ def _canon_conv_grad(ctx, dy):
         # chain rule below and its backward into one pass that reads dy and x and writes dx, as Llama's RMSNorm
         # backward reads its input's gradient and x.
         d_col, dw, db = torch.ops.canon_titan.canon_conv_weight_grads(dy, x, weight, bias, row_scale, col_scale,
-                                                                      positions, ctx.residual)
+                                                                      ctx.residual, positions)
         d_input = _transposed_conv(dy, weight, ctx.residual, positions)
     db = db if bias is not None else None
     if row_scale is None:
@@ -957,14 +958,14 @@ _canon_conv_op.register_autograd(_canon_conv_grad, setup_context=_canon_conv_set
 
 
 def _canon_swiglu_setup(ctx, inputs, output):
-    gate, up, weight, bias, positions, ctx.residual, ctx.activation = inputs
+    gate, up, weight, bias, ctx.residual, ctx.activation, positions = inputs
     ctx.save_for_backward(gate, up, weight, bias, positions)
 
 
 def _canon_swiglu_grad(ctx, dy):
     gate, up, weight, bias, positions = ctx.saved_tensors
-    d_gate, d_up, dw, db = torch.ops.canon_titan.canon_swiglu_backward(dy, gate, up, weight, bias, positions,
-                                                                       ctx.residual, ctx.activation)
+    d_gate, d_up, dw, db = torch.ops.canon_titan.canon_swiglu_backward(dy, gate, up, weight, bias, ctx.residual,
+                                                                       ctx.activation, positions)
     return d_gate, d_up, dw, db if bias is not None else None, None, None, None
 
 
@@ -1003,8 +1004,8 @@ def canon_conv(
     if (row_scale is None) != (col_scale is None):
         raise ValueError("canon_conv: row_scale and col_scale go together")
     if _use_triton(backend, x, weight.shape[-1]):
-        return torch.ops.canon_titan.canon_conv(x, weight, bias, row_scale, col_scale, positions, residual,
-                                                activation)
+        return torch.ops.canon_titan.canon_conv(x, weight, bias, row_scale, col_scale, residual, activation,
+                                                positions)
     if row_scale is not None:
         x = (x.float() * row_scale.unsqueeze(-1) * col_scale.float()).type_as(x)
     return _canon_torch(x, weight, bias, residual, activation, positions)
@@ -1024,7 +1025,7 @@ def canon_swiglu(
     """``silu(canon(gate)) * canon(up)`` with weight [2H, K] over [gate | up] (gate, up: [B, T, H]);
     ``positions`` as in ``canon_conv``."""
     if _use_triton(backend, gate, weight.shape[-1]):
-        return torch.ops.canon_titan.canon_swiglu(gate, up, weight, bias, positions, residual, activation)
+        return torch.ops.canon_titan.canon_swiglu(gate, up, weight, bias, residual, activation, positions)
     hidden = gate.shape[-1]
     w_gate, w_up = weight.split(hidden)
     b_gate, b_up = bias.split(hidden) if bias is not None else (None, None)
