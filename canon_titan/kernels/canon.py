@@ -58,9 +58,10 @@ def _canon_torch(x, weight, bias, residual: bool, activation: bool, positions=No
 # ----------------------------------------------------------------------------- Triton blocks
 
 FORWARD_CONFIGS = [triton.Config({"BLOCK_C": c, "CHUNK": t, "STREAMS": 1, "U": 4}, num_warps=w)
-                   for c, t, w in ((64, 64, 1), (128, 64, 1), (128, 128, 1), (256, 128, 2))]
-"""The forward kernels' autotuning space: a program walks CHUNK rows of BLOCK_C channels, 2 to 4
-channels a thread (``python -m canon_titan.kernels.aot`` prints their registers)."""
+                   for c, t, w in ((128, 64, 1), (128, 128, 1), (256, 64, 2), (256, 128, 2))]
+"""The forward kernels' autotuning space: a program walks CHUNK rows of BLOCK_C channels, 4 channels a
+thread (8-byte loads; at 2 a thread the per-row work of a walk is shared by too few elements), 1 or 2
+warps (``python -m canon_titan.kernels.aot`` prints their registers)."""
 
 BACKWARD_BLOCKS = {"BLOCK_C": 64, "STREAMS": 1, "U": 8, "num_warps": 1}
 """The backward kernels' configuration, fixed (not autotuned): the weight gradient sums a chunk's
