@@ -39,8 +39,17 @@ TRITON_KERNEL_SIZES = (2, 3, 4)
 # ----------------------------------------------------------------------------- torch backend
 
 
-def _canon_torch(x, weight, bias, residual: bool, activation: bool, positions=None):
+def _canon_torch(x, weight, bias, residual: bool, activation: bool, positions=None, halo=None, split=-1):
     kernel, seq_len = weight.shape[-1], x.shape[1]
+    if halo is not None:  # each run with its halo rows in front
+        k = kernel - 1
+        bounds = [0, split, seq_len] if split >= 0 else [0, seq_len]
+        outs = []
+        for r, (start, end) in enumerate(zip(bounds, bounds[1:])):
+            rows = torch.cat([halo[:, r * k : (r + 1) * k], x[:, start:end]], dim=1)
+            run_positions = None if positions is None else F.pad(positions[:, start:end], (k, 0))
+            outs.append(_canon_torch(rows, weight, bias, residual, activation, run_positions)[:, k:])
+        return torch.cat(outs, dim=1)
     padded = F.pad(x, (0, 0, kernel - 1, 0))
     y = x * weight[:, kernel - 1]
     for j in range(kernel - 1):
@@ -206,18 +215,25 @@ def _input(raw, scale, SCALED: tl.constexpr):
 
 
 @triton.jit
-def _halo_rows(ptr, rs_ptr, starts, stride, srs_t, T, col_mask, K: tl.constexpr, SCALED: tl.constexpr):
-    """The convolution's inputs at rows starts-1 .. starts-K+1 (zeros before the sequence): the window
-    a walk starts with (element s-1: row starts-s)."""
+def _window(ptr, rs_ptr, halo, starts, lo, end, stride, srs_t, sh_t, col_mask, K: tl.constexpr,
+            SCALED: tl.constexpr, HAS_HALO: tl.constexpr):
+    """The convolution's inputs at rows starts-1 .. starts-K+1, the window a walk starts with (element
+    s-1: row starts-s): rows of the sequence run [lo, end); before it, the run's halo rows (``halo``:
+    its row lo-K+1, as stored: the input before the column scale) or zeros."""
     window = ()
     for s in tl.static_range(1, K):
         t = starts - s
-        in_seq = (t >= 0) & (t < T)
-        raw = tl.load(ptr + t[:, None] * stride, mask=col_mask & in_seq[:, None], other=0.0)
+        in_run = (t >= lo) & (t < end)
+        raw = tl.load(ptr + t[:, None] * stride, mask=col_mask & in_run[:, None], other=0.0)
         scale = 1.0
         if SCALED:
-            scale = tl.load(rs_ptr + t * srs_t, mask=in_seq, other=0.0)[:, None]
-        window = window + (_input(raw, scale, SCALED),)
+            scale = tl.load(rs_ptr + t * srs_t, mask=in_run, other=0.0)[:, None]
+        u = _input(raw, scale, SCALED)
+        if HAS_HALO:
+            before = t - (lo - (K - 1))
+            halo_mask = col_mask & ((before >= 0) & (t < lo))[:, None]
+            u += tl.load(halo + before[:, None] * sh_t, mask=halo_mask, other=0.0).to(tl.float32)
+        window = window + (u,)
     return window
 
 
@@ -322,9 +338,27 @@ def _store_taps(dw_ptr, acc, part, C, cols, mask, scale, K: tl.constexpr):
 
 
 @triton.jit
-def _runs(CHUNK: tl.constexpr, STREAMS: tl.constexpr):
-    """The first rows of the program's runs, [STREAMS]."""
-    return tl.program_id(0) * CHUNK + tl.arange(0, STREAMS) * (CHUNK // STREAMS)
+def _walks(split, T, CHUNK: tl.constexpr, STREAMS: tl.constexpr):
+    """The program's chunk of rows, in one of the sequence runs [0, split) and [split, T) (a context-
+    parallel rank's two runs; split = T without): the first rows of its walks [STREAMS] and their ends,
+    the run's first row, how many rows the first walk has, and the run's number."""
+    pid = tl.program_id(0)
+    first_run = tl.cdiv(split, CHUNK)
+    second = pid >= first_run
+    lo = tl.where(second, split, 0)
+    start = tl.where(second, split + (pid - first_run) * CHUNK, pid * CHUNK)
+    end = tl.where(second, T, split)
+    starts = start + tl.arange(0, STREAMS) * (CHUNK // STREAMS)
+    ends = tl.minimum(starts + CHUNK // STREAMS, end)
+    return starts, ends, lo, end, tl.minimum(CHUNK // STREAMS, end - start), second.to(tl.int32)
+
+
+@triton.jit
+def _store_halo_rows(ptr, rows, stride, lo, starts, col_mask, value, K: tl.constexpr):
+    """The gradient of a run's halo row ``rows`` (lo-K+1 <= row < lo), by the run's first walk."""
+    before = rows - (lo - (K - 1))
+    mask = col_mask & ((before >= 0) & (rows < lo) & (starts == lo))[:, None]
+    tl.store(ptr + before[:, None] * stride, value.to(ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -369,17 +403,17 @@ def _swiglu_rows(y, rows_g, rows_u, positions, first, window_g, window_u, taps_g
 
 @_forward_blocks("C", "K", "HAS_BIAS", "RESIDUAL", "SILU", "SCALED")
 @triton.jit
-def _canon_fwd_kernel(x_ptr, w_ptr, b_ptr, rs_ptr, cs_ptr, pos_ptr, y_ptr, T, C,
-                      sx_b, sx_t, sx_c, srs_b, srs_t, spos_b, spos_t, sy_b, sy_t, sy_c, sw_c, sw_k,
+def _canon_fwd_kernel(x_ptr, w_ptr, b_ptr, rs_ptr, cs_ptr, pos_ptr, halo_ptr, y_ptr, T, C, split,
+                      sx_b, sx_t, sx_c, srs_b, srs_t, spos_b, spos_t, sh_b, sh_t, sh_c, sy_b, sy_t, sy_c, sw_c, sw_k,
                       K: tl.constexpr, HAS_BIAS: tl.constexpr, RESIDUAL: tl.constexpr, SILU: tl.constexpr,
-                      SCALED: tl.constexpr, HAS_POS: tl.constexpr, X_ALIGNED: tl.constexpr,
+                      SCALED: tl.constexpr, HAS_POS: tl.constexpr, HAS_HALO: tl.constexpr, X_ALIGNED: tl.constexpr,
                       CHUNK: tl.constexpr, STREAMS: tl.constexpr, BLOCK_C: tl.constexpr, U: tl.constexpr):
     """y = [input +] act(conv(input)) with input = x, or x * row_scale * col_scale (a fused norm)."""
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     col_mask = (cols < C)[None, :]
     batch = tl.program_id(2).to(tl.int64)
-    starts = _runs(CHUNK, STREAMS)
-    ends = tl.minimum(starts + CHUNK // STREAMS, T)
+    starts, ends, lo, end, walked, run = _walks(split, T, CHUNK, STREAMS)
+    halo = halo_ptr + batch * sh_b + run * (K - 1) * sh_t + cols[None, :] * sh_c
     x = x_ptr + batch * sx_b + cols[None, :] * sx_c
     y = y_ptr + batch * sy_b + cols[None, :] * sy_c
     rs = rs_ptr + batch * srs_b
@@ -392,11 +426,11 @@ def _canon_fwd_kernel(x_ptr, w_ptr, b_ptr, rs_ptr, cs_ptr, pos_ptr, y_ptr, T, C,
     bias = tl.zeros([1, BLOCK_C], tl.float32)
     if HAS_BIAS:
         bias = tl.load(b_ptr + cols[None, :], mask=col_mask, other=0.0).to(tl.float32)
-    window = _halo_rows(x, rs, starts, sx_t, srs_t, T, col_mask, K, SCALED)
+    window = _window(x, rs, halo, starts, lo, end, sx_t, srs_t, sh_t, col_mask, K, SCALED, HAS_HALO)
     ahead = _load_rows(x, rs, starts, sx_t, srs_t, ends, col_mask, U, SCALED)
     ahead_last = _last_position(pos, starts, spos_t, ends, U, HAS_POS)
     unmasked = _copies(0, U)
-    for t0 in range(0, tl.minimum(CHUNK // STREAMS, T - tl.program_id(0) * CHUNK), U):
+    for t0 in range(0, walked, U):
         rows, scales = ahead
         last = ahead_last
         ahead = _load_rows(x, rs, starts + t0 + U, sx_t, srs_t, ends, col_mask, U, SCALED)
@@ -416,17 +450,17 @@ def _canon_fwd_kernel(x_ptr, w_ptr, b_ptr, rs_ptr, cs_ptr, pos_ptr, y_ptr, T, C,
 
 @_forward_blocks("H", "K", "HAS_BIAS", "RESIDUAL", "SILU")
 @triton.jit
-def _canon_swiglu_fwd_kernel(g_ptr, u_ptr, w_ptr, b_ptr, pos_ptr, y_ptr, T, H,
-                             sg_b, sg_t, sg_c, su_b, su_t, su_c, spos_b, spos_t, sy_b, sy_t, sy_c, sw_c, sw_k,
-                             K: tl.constexpr, HAS_BIAS: tl.constexpr, RESIDUAL: tl.constexpr, SILU: tl.constexpr,
-                             HAS_POS: tl.constexpr, CHUNK: tl.constexpr, STREAMS: tl.constexpr,
-                             BLOCK_C: tl.constexpr, U: tl.constexpr):
+def _canon_swiglu_fwd_kernel(g_ptr, u_ptr, w_ptr, b_ptr, pos_ptr, hg_ptr, hu_ptr, y_ptr, T, H, split,
+                             sg_b, sg_t, sg_c, su_b, su_t, su_c, spos_b, spos_t, sh_b, sh_t, sh_c, sy_b, sy_t, sy_c,
+                             sw_c, sw_k, K: tl.constexpr, HAS_BIAS: tl.constexpr, RESIDUAL: tl.constexpr,
+                             SILU: tl.constexpr, HAS_POS: tl.constexpr, HAS_HALO: tl.constexpr, CHUNK: tl.constexpr,
+                             STREAMS: tl.constexpr, BLOCK_C: tl.constexpr, U: tl.constexpr):
     """y = silu(canon(gate)) * canon(up), the two with the weight's rows [0, H) and [H, 2H)."""
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     col_mask = (cols < H)[None, :]
     batch = tl.program_id(2).to(tl.int64)
-    starts = _runs(CHUNK, STREAMS)
-    ends = tl.minimum(starts + CHUNK // STREAMS, T)
+    starts, ends, lo, end, walked, run = _walks(split, T, CHUNK, STREAMS)
+    halo_offsets = batch * sh_b + run * (K - 1) * sh_t + cols[None, :] * sh_c
     g = g_ptr + batch * sg_b + cols[None, :] * sg_c
     u = u_ptr + batch * su_b + cols[None, :] * su_c
     y = y_ptr + batch * sy_b + cols[None, :] * sy_c
@@ -439,13 +473,13 @@ def _canon_swiglu_fwd_kernel(g_ptr, u_ptr, w_ptr, b_ptr, pos_ptr, y_ptr, T, H,
     if HAS_BIAS:
         bias_g = tl.load(b_ptr + cols[None, :], mask=col_mask, other=0.0).to(tl.float32)
         bias_u = tl.load(b_ptr + H + cols[None, :], mask=col_mask, other=0.0).to(tl.float32)
-    window_g = _halo_rows(g, g, starts, sg_t, 0, T, col_mask, K, False)
-    window_u = _halo_rows(u, u, starts, su_t, 0, T, col_mask, K, False)
+    window_g = _window(g, g, hg_ptr + halo_offsets, starts, lo, end, sg_t, 0, sh_t, col_mask, K, False, HAS_HALO)
+    window_u = _window(u, u, hu_ptr + halo_offsets, starts, lo, end, su_t, 0, sh_t, col_mask, K, False, HAS_HALO)
     ahead_g = _load_rows(g, g, starts, sg_t, 0, ends, col_mask, U, False)
     ahead_u = _load_rows(u, u, starts, su_t, 0, ends, col_mask, U, False)
     ahead_last = _last_position(pos, starts, spos_t, ends, U, HAS_POS)
     unmasked = _copies(0, U)
-    for t0 in range(0, tl.minimum(CHUNK // STREAMS, T - tl.program_id(0) * CHUNK), U):
+    for t0 in range(0, walked, U):
         rows_g, _ = ahead_g
         rows_u, _ = ahead_u
         last = ahead_last
@@ -491,27 +525,30 @@ def _conv_backward_row(u, dy, window, pending, acc, db, res, taps_u, taps, bias,
 
 
 @triton.jit
-def _conv_backward_rows(dx, rows, scales, rows_dy, positions, first, starts, ends, window, pending, acc, db, res,
-                        taps_u, taps, bias, sdx_t, col_mask, K: tl.constexpr, U: tl.constexpr,
+def _conv_backward_rows(dx, dh, rows, scales, rows_dy, positions, first, starts, ends, lo, window, pending, acc,
+                        db, res, taps_u, taps, bias, sdx_t, sh_t, col_mask, K: tl.constexpr, U: tl.constexpr,
                         HAS_BIAS: tl.constexpr, RESIDUAL: tl.constexpr, SILU: tl.constexpr, SCALED: tl.constexpr,
-                        STORE_DX: tl.constexpr, COL_GRAD: tl.constexpr, MASKED: tl.constexpr):
-    """U rows of ``_canon_bwd_kernel``'s walk from row ``first`` of each run: the dx rows they complete
-    stored; the state after them."""
+                        STORE_DX: tl.constexpr, COL_GRAD: tl.constexpr, HAS_HALO: tl.constexpr,
+                        MASKED: tl.constexpr):
+    """U rows of ``_canon_bwd_kernel``'s walk from row ``first`` of each walk: the dx rows they complete
+    stored (the halo's into ``dh``); the state after them."""
     for i in tl.static_range(U):
         done, window, pending, acc, db, res = _conv_backward_row(
             _input(rows[i], scales[i], SCALED), rows_dy[i].to(tl.float32), window, pending, acc, db, res, taps_u,
             taps, bias, positions[i], K, HAS_BIAS, RESIDUAL, SILU, STORE_DX, COL_GRAD, True, MASKED)
         if STORE_DX:
             _store_rows(dx, first + i - (K - 1), sdx_t, starts, ends, col_mask, done)
+            if HAS_HALO:
+                _store_halo_rows(dh, first + i - (K - 1), sh_t, lo, starts, col_mask, done, K)
     return window, pending, acc, db, res
 
 
 @triton.jit
-def _canon_bwd_kernel(x_ptr, w_ptr, b_ptr, rs_ptr, cs_ptr, pos_ptr, dy_ptr, dx_ptr, dw_ptr, db_ptr, dcs_ptr,
-                      T, C, sx_b, sx_t, sx_c, srs_b, srs_t, spos_b, spos_t, sdy_b, sdy_t, sdy_c,
-                      sdx_b, sdx_t, sdx_c, sw_c, sw_k,
+def _canon_bwd_kernel(x_ptr, w_ptr, b_ptr, rs_ptr, cs_ptr, pos_ptr, halo_ptr, dy_ptr, dx_ptr, dh_ptr, dw_ptr,
+                      db_ptr, dcs_ptr, T, C, split, sx_b, sx_t, sx_c, srs_b, srs_t, spos_b, spos_t, sh_b, sh_t, sh_c,
+                      sdy_b, sdy_t, sdy_c, sdx_b, sdx_t, sdx_c, sw_c, sw_k,
                       K: tl.constexpr, HAS_BIAS: tl.constexpr, RESIDUAL: tl.constexpr, SILU: tl.constexpr,
-                      SCALED: tl.constexpr, HAS_POS: tl.constexpr, X_ALIGNED: tl.constexpr,
+                      SCALED: tl.constexpr, HAS_POS: tl.constexpr, HAS_HALO: tl.constexpr, X_ALIGNED: tl.constexpr,
                       STORE_DX: tl.constexpr, COL_GRAD: tl.constexpr, CHUNK: tl.constexpr,
                       STREAMS: tl.constexpr, BLOCK_C: tl.constexpr, U: tl.constexpr):
     """dx (of the input the convolution saw: after the scales) with STORE_DX, and the weight and bias
@@ -521,8 +558,9 @@ def _canon_bwd_kernel(x_ptr, w_ptr, b_ptr, rs_ptr, cs_ptr, pos_ptr, dy_ptr, dx_p
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     col_mask = (cols < C)[None, :]
     batch = tl.program_id(2).to(tl.int64)
-    starts = _runs(CHUNK, STREAMS)
-    ends = tl.minimum(starts + CHUNK // STREAMS, T)
+    starts, ends, lo, end, walked, run = _walks(split, T, CHUNK, STREAMS)
+    halo_offsets = batch * sh_b + run * (K - 1) * sh_t + cols[None, :] * sh_c
+    dh = dh_ptr + halo_offsets
     x = x_ptr + batch * sx_b + cols[None, :] * sx_c
     dy = dy_ptr + batch * sdy_b + cols[None, :] * sdy_c
     dx = dx_ptr + batch * sdx_b + cols[None, :] * sdx_c
@@ -543,12 +581,12 @@ def _canon_bwd_kernel(x_ptr, w_ptr, b_ptr, rs_ptr, cs_ptr, pos_ptr, dy_ptr, dx_p
     pending = _copies(zeros, K - 1)
     db = zeros
     res = zeros
-    window = _halo_rows(x, rs, starts, sx_t, srs_t, T, col_mask, K, SCALED)
+    window = _window(x, rs, halo_ptr + halo_offsets, starts, lo, end, sx_t, srs_t, sh_t, col_mask, K, SCALED,
+                     HAS_HALO)
     ahead = _load_rows(x, rs, starts, sx_t, srs_t, ends, col_mask, U, SCALED)
     ahead_dy = _load_rows(dy, dy, starts, sdy_t, 0, ends, col_mask, U, False)
     ahead_last = _last_position(pos, starts, spos_t, ends, U, HAS_POS)
     unmasked = _copies(0, U)
-    walked = tl.minimum(CHUNK // STREAMS, T - tl.program_id(0) * CHUNK)
     for t0 in range(0, walked, U):
         rows, scales = ahead
         rows_dy, _ = ahead_dy
@@ -560,29 +598,31 @@ def _canon_bwd_kernel(x_ptr, w_ptr, b_ptr, rs_ptr, cs_ptr, pos_ptr, dy_ptr, dx_p
             if _near_document_start(last, U, K):
                 positions = _positions(pos, starts + t0, spos_t, ends, U, HAS_POS)
                 window, pending, acc, db, res = _conv_backward_rows(
-                    dx, rows, scales, rows_dy, positions, starts + t0, starts, ends, window, pending, acc, db, res,
-                    taps_u, taps, bias, sdx_t, col_mask, K, U, HAS_BIAS, RESIDUAL, SILU, SCALED, STORE_DX,
-                    COL_GRAD, True)
+                    dx, dh, rows, scales, rows_dy, positions, starts + t0, starts, ends, lo, window, pending, acc,
+                    db, res, taps_u, taps, bias, sdx_t, sh_t, col_mask, K, U, HAS_BIAS, RESIDUAL, SILU, SCALED,
+                    STORE_DX, COL_GRAD, HAS_HALO, True)
             else:
                 window, pending, acc, db, res = _conv_backward_rows(
-                    dx, rows, scales, rows_dy, unmasked, starts + t0, starts, ends, window, pending, acc, db, res,
-                    taps_u, taps, bias, sdx_t, col_mask, K, U, HAS_BIAS, RESIDUAL, SILU, SCALED, STORE_DX,
-                    COL_GRAD, False)
+                    dx, dh, rows, scales, rows_dy, unmasked, starts + t0, starts, ends, lo, window, pending, acc,
+                    db, res, taps_u, taps, bias, sdx_t, sh_t, col_mask, K, U, HAS_BIAS, RESIDUAL, SILU, SCALED,
+                    STORE_DX, COL_GRAD, HAS_HALO, False)
         else:
             window, pending, acc, db, res = _conv_backward_rows(
-                dx, rows, scales, rows_dy, unmasked, starts + t0, starts, ends, window, pending, acc, db, res,
-                taps_u, taps, bias, sdx_t, col_mask, K, U, HAS_BIAS, RESIDUAL, SILU, SCALED, STORE_DX, COL_GRAD,
-                False)
-    if STORE_DX:  # the K-1 rows after each run complete its last rows' dx
+                dx, dh, rows, scales, rows_dy, unmasked, starts + t0, starts, ends, lo, window, pending, acc, db,
+                res, taps_u, taps, bias, sdx_t, sh_t, col_mask, K, U, HAS_BIAS, RESIDUAL, SILU, SCALED, STORE_DX,
+                COL_GRAD, HAS_HALO, False)
+    if STORE_DX:  # the K-1 rows after each walk complete its last rows' dx
         after = starts + tl.cdiv(walked, U) * U
-        tail, scales = _load_rows(x, rs, after, sx_t, srs_t, T, col_mask, K - 1, SCALED)
-        tail_dy, _ = _load_rows(dy, dy, after, sdy_t, 0, T, col_mask, K - 1, False)
-        positions = _positions(pos, after, spos_t, T, K - 1, HAS_POS)
+        tail, scales = _load_rows(x, rs, after, sx_t, srs_t, end, col_mask, K - 1, SCALED)
+        tail_dy, _ = _load_rows(dy, dy, after, sdy_t, 0, end, col_mask, K - 1, False)
+        positions = _positions(pos, after, spos_t, end, K - 1, HAS_POS)
         for i in tl.static_range(K - 1):
             done, window, pending, acc, db, res = _conv_backward_row(
                 _input(tail[i], scales[i], SCALED), tail_dy[i].to(tl.float32), window, pending, acc, db, res,
                 taps_u, taps, bias, positions[i], K, HAS_BIAS, RESIDUAL, SILU, STORE_DX, COL_GRAD, False, HAS_POS)
             _store_rows(dx, after + i - (K - 1), sdx_t, starts, ends, col_mask, done)
+            if HAS_HALO:
+                _store_halo_rows(dh, after + i - (K - 1), sh_t, lo, starts, col_mask, done, K)
     part = batch * tl.num_programs(0) + tl.program_id(0)
     _store_taps(dw_ptr, acc, part, C, cols, cols < C, tl.sum(cs, axis=0), K)
     if HAS_BIAS:
@@ -632,10 +672,10 @@ def _swiglu_backward_row(xg, xu, dy, state, taps_g, taps_u, bias_g, bias_u, reac
 
 
 @triton.jit
-def _swiglu_backward_rows(dg, du, rows_g, rows_u, rows_dy, positions, first, starts, ends, state, taps_g, taps_u,
-                          bias_g, bias_u, sdx_t, col_mask, K: tl.constexpr, U: tl.constexpr,
+def _swiglu_backward_rows(dg, du, dhg, dhu, rows_g, rows_u, rows_dy, positions, first, starts, ends, lo, state,
+                          taps_g, taps_u, bias_g, bias_u, sdx_t, sh_t, col_mask, K: tl.constexpr, U: tl.constexpr,
                           HAS_BIAS: tl.constexpr, RESIDUAL: tl.constexpr, SILU: tl.constexpr,
-                          MASKED: tl.constexpr):
+                          HAS_HALO: tl.constexpr, MASKED: tl.constexpr):
     """U rows of ``_canon_swiglu_bwd_kernel``'s walk from row ``first`` of each run: the gate and up
     gradient rows they complete stored; the state after them."""
     for i in tl.static_range(U):
@@ -644,23 +684,28 @@ def _swiglu_backward_rows(dg, du, rows_g, rows_u, rows_dy, positions, first, sta
             bias_g, bias_u, positions[i], K, HAS_BIAS, RESIDUAL, SILU, True, MASKED)
         _store_rows(dg, first + i - (K - 1), sdx_t, starts, ends, col_mask, done_g)
         _store_rows(du, first + i - (K - 1), sdx_t, starts, ends, col_mask, done_u)
+        if HAS_HALO:
+            _store_halo_rows(dhg, first + i - (K - 1), sh_t, lo, starts, col_mask, done_g, K)
+            _store_halo_rows(dhu, first + i - (K - 1), sh_t, lo, starts, col_mask, done_u, K)
     return state
 
 
 @triton.jit
-def _canon_swiglu_bwd_kernel(g_ptr, u_ptr, w_ptr, b_ptr, pos_ptr, dy_ptr, dg_ptr, du_ptr, dw_ptr, db_ptr, T, H,
-                             sg_b, sg_t, sg_c, su_b, su_t, su_c, spos_b, spos_t, sdy_b, sdy_t, sdy_c,
-                             sdx_b, sdx_t, sdx_c, sw_c, sw_k,
+def _canon_swiglu_bwd_kernel(g_ptr, u_ptr, w_ptr, b_ptr, pos_ptr, hg_ptr, hu_ptr, dy_ptr, dg_ptr, du_ptr, dhg_ptr,
+                             dhu_ptr, dw_ptr, db_ptr, T, H, split, sg_b, sg_t, sg_c, su_b, su_t, su_c, spos_b, spos_t,
+                             sh_b, sh_t, sh_c, sdy_b, sdy_t, sdy_c, sdx_b, sdx_t, sdx_c, sw_c, sw_k,
                              K: tl.constexpr, HAS_BIAS: tl.constexpr, RESIDUAL: tl.constexpr, SILU: tl.constexpr,
-                             HAS_POS: tl.constexpr, CHUNK: tl.constexpr, STREAMS: tl.constexpr,
-                             BLOCK_C: tl.constexpr, U: tl.constexpr):
+                             HAS_POS: tl.constexpr, HAS_HALO: tl.constexpr, CHUNK: tl.constexpr,
+                             STREAMS: tl.constexpr, BLOCK_C: tl.constexpr, U: tl.constexpr):
     """Gradients of gate and up (dg, du: same strides) and the weight/bias partial sums over the
     program's CHUNK rows ([part, 2H, K], [part, 2H])."""
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     col_mask = (cols < H)[None, :]
     batch = tl.program_id(2).to(tl.int64)
-    starts = _runs(CHUNK, STREAMS)
-    ends = tl.minimum(starts + CHUNK // STREAMS, T)
+    starts, ends, lo, end, walked, run = _walks(split, T, CHUNK, STREAMS)
+    halo_offsets = batch * sh_b + run * (K - 1) * sh_t + cols[None, :] * sh_c
+    dhg = dhg_ptr + halo_offsets
+    dhu = dhu_ptr + halo_offsets
     g = g_ptr + batch * sg_b + cols[None, :] * sg_c
     u = u_ptr + batch * su_b + cols[None, :] * su_c
     dy = dy_ptr + batch * sdy_b + cols[None, :] * sdy_c
@@ -676,15 +721,14 @@ def _canon_swiglu_bwd_kernel(g_ptr, u_ptr, w_ptr, b_ptr, pos_ptr, dy_ptr, dg_ptr
         bias_g = tl.load(b_ptr + cols[None, :], mask=col_mask, other=0.0).to(tl.float32)
         bias_u = tl.load(b_ptr + H + cols[None, :], mask=col_mask, other=0.0).to(tl.float32)
     zeros = tl.zeros([STREAMS, BLOCK_C], tl.float32)
-    state = (_halo_rows(g, g, starts, sg_t, 0, T, col_mask, K, False),
-             _halo_rows(u, u, starts, su_t, 0, T, col_mask, K, False), _copies(zeros, K - 1), _copies(zeros, K - 1),
-             _copies(zeros, K), _copies(zeros, K), zeros, zeros)
+    state = (_window(g, g, hg_ptr + halo_offsets, starts, lo, end, sg_t, 0, sh_t, col_mask, K, False, HAS_HALO),
+             _window(u, u, hu_ptr + halo_offsets, starts, lo, end, su_t, 0, sh_t, col_mask, K, False, HAS_HALO),
+             _copies(zeros, K - 1), _copies(zeros, K - 1), _copies(zeros, K), _copies(zeros, K), zeros, zeros)
     ahead_g = _load_rows(g, g, starts, sg_t, 0, ends, col_mask, U, False)
     ahead_u = _load_rows(u, u, starts, su_t, 0, ends, col_mask, U, False)
     ahead_dy = _load_rows(dy, dy, starts, sdy_t, 0, ends, col_mask, U, False)
     ahead_last = _last_position(pos, starts, spos_t, ends, U, HAS_POS)
     unmasked = _copies(0, U)
-    walked = tl.minimum(CHUNK // STREAMS, T - tl.program_id(0) * CHUNK)
     for t0 in range(0, walked, U):
         rows_g, _ = ahead_g
         rows_u, _ = ahead_u
@@ -697,28 +741,31 @@ def _canon_swiglu_bwd_kernel(g_ptr, u_ptr, w_ptr, b_ptr, pos_ptr, dy_ptr, dg_ptr
         if HAS_POS:
             if _near_document_start(last, U, K):
                 positions = _positions(pos, starts + t0, spos_t, ends, U, HAS_POS)
-                state = _swiglu_backward_rows(dg, du, rows_g, rows_u, rows_dy, positions, starts + t0, starts, ends,
-                                              state, taps_g, taps_u, bias_g, bias_u, sdx_t, col_mask, K, U,
-                                              HAS_BIAS, RESIDUAL, SILU, True)
+                state = _swiglu_backward_rows(dg, du, dhg, dhu, rows_g, rows_u, rows_dy, positions, starts + t0,
+                                              starts, ends, lo, state, taps_g, taps_u, bias_g, bias_u, sdx_t, sh_t,
+                                              col_mask, K, U, HAS_BIAS, RESIDUAL, SILU, HAS_HALO, True)
             else:
-                state = _swiglu_backward_rows(dg, du, rows_g, rows_u, rows_dy, unmasked, starts + t0, starts, ends,
-                                              state, taps_g, taps_u, bias_g, bias_u, sdx_t, col_mask, K, U,
-                                              HAS_BIAS, RESIDUAL, SILU, False)
+                state = _swiglu_backward_rows(dg, du, dhg, dhu, rows_g, rows_u, rows_dy, unmasked, starts + t0,
+                                              starts, ends, lo, state, taps_g, taps_u, bias_g, bias_u, sdx_t, sh_t,
+                                              col_mask, K, U, HAS_BIAS, RESIDUAL, SILU, HAS_HALO, False)
         else:
-            state = _swiglu_backward_rows(dg, du, rows_g, rows_u, rows_dy, unmasked, starts + t0, starts, ends, state,
-                                          taps_g, taps_u, bias_g, bias_u, sdx_t, col_mask, K, U, HAS_BIAS, RESIDUAL,
-                                          SILU, False)
+            state = _swiglu_backward_rows(dg, du, dhg, dhu, rows_g, rows_u, rows_dy, unmasked, starts + t0, starts,
+                                          ends, lo, state, taps_g, taps_u, bias_g, bias_u, sdx_t, sh_t, col_mask, K,
+                                          U, HAS_BIAS, RESIDUAL, SILU, HAS_HALO, False)
     after = starts + tl.cdiv(walked, U) * U
-    tail_g, _ = _load_rows(g, g, after, sg_t, 0, T, col_mask, K - 1, False)
-    tail_u, _ = _load_rows(u, u, after, su_t, 0, T, col_mask, K - 1, False)
-    tail_dy, _ = _load_rows(dy, dy, after, sdy_t, 0, T, col_mask, K - 1, False)
-    positions = _positions(pos, after, spos_t, T, K - 1, HAS_POS)
+    tail_g, _ = _load_rows(g, g, after, sg_t, 0, end, col_mask, K - 1, False)
+    tail_u, _ = _load_rows(u, u, after, su_t, 0, end, col_mask, K - 1, False)
+    tail_dy, _ = _load_rows(dy, dy, after, sdy_t, 0, end, col_mask, K - 1, False)
+    positions = _positions(pos, after, spos_t, end, K - 1, HAS_POS)
     for i in tl.static_range(K - 1):  # the K-1 rows after each run complete its last rows' gradients
         done_g, done_u, state = _swiglu_backward_row(
             tail_g[i].to(tl.float32), tail_u[i].to(tl.float32), tail_dy[i].to(tl.float32), state, taps_g, taps_u,
             bias_g, bias_u, positions[i], K, HAS_BIAS, RESIDUAL, SILU, False, HAS_POS)
         _store_rows(dg, after + i - (K - 1), sdx_t, starts, ends, col_mask, done_g)
         _store_rows(du, after + i - (K - 1), sdx_t, starts, ends, col_mask, done_u)
+        if HAS_HALO:
+            _store_halo_rows(dhg, after + i - (K - 1), sh_t, lo, starts, col_mask, done_g, K)
+            _store_halo_rows(dhu, after + i - (K - 1), sh_t, lo, starts, col_mask, done_u, K)
     _, _, _, _, acc_g, acc_u, db_g, db_u = state
     part = batch * tl.num_programs(0) + tl.program_id(0)
     _store_taps(dw_ptr, acc_g, part, 2 * H, cols, cols < H, 1.0, K)
@@ -728,8 +775,19 @@ def _canon_swiglu_bwd_kernel(g_ptr, u_ptr, w_ptr, b_ptr, pos_ptr, dy_ptr, dg_ptr
         tl.store(db_ptr + part * 2 * H + H + cols, tl.sum(db_u, axis=0), mask=cols < H)
 
 
-def _grid(batch: int, seq_len: int, channels: int, rows: int | None = None):
-    return lambda meta: (triton.cdiv(seq_len, rows or meta["CHUNK"]), triton.cdiv(channels, meta["BLOCK_C"]),
+def _split(seq_len: int, split: int) -> int:
+    """The kernels' split of the rows into two sequence runs: [0, split) and [split, seq_len)."""
+    return seq_len if split < 0 else split
+
+
+def _chunks(seq_len: int, split: int, rows: int) -> int:
+    """Chunks of ``rows`` rows in the runs [0, split) and [split, seq_len), one program each."""
+    split = _split(seq_len, split)
+    return triton.cdiv(split, rows) + triton.cdiv(seq_len - split, rows)
+
+
+def _grid(batch: int, seq_len: int, channels: int, split: int, rows: int | None = None):
+    return lambda meta: (_chunks(seq_len, split, rows or meta["CHUNK"]), triton.cdiv(channels, meta["BLOCK_C"]),
                          batch)
 
 
@@ -768,6 +826,13 @@ def _position_args(positions, weight) -> tuple:
     if positions is None:
         return weight, 0, 0
     return positions, *positions.stride()
+
+
+def _halo_args(halo, like) -> tuple:
+    """Kernel arguments of the optional halo rows : the tensor and its strides."""
+    if halo is None:
+        return like, 0, 0, 0
+    return halo, *halo.stride()
 
 
 # ----------------------------------------------------------------------------- ops
@@ -810,94 +875,117 @@ def _op(name: str):
 
 def conv_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, row_scale: torch.Tensor | None,
                  col_scale: torch.Tensor | None, residual: bool, activation: bool,
-                 positions: torch.Tensor | None = None) -> torch.Tensor:
+                 positions: torch.Tensor | None = None, halo: torch.Tensor | None = None,
+                 split: int = -1) -> torch.Tensor:
     batch, seq_len, channels = x.shape
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     rs, cs, srs_b, srs_t = _scale_args(row_scale, col_scale, weight)
     pos, spos_b, spos_t = _position_args(positions, weight)
-    wrap_triton(_canon_fwd_kernel)[_grid(batch, seq_len, channels)](
-        x, weight, _bias_ptr(bias, weight), rs, cs, pos, y, seq_len, channels, *x.stride(), srs_b, srs_t,
-        spos_b, spos_t, *y.stride(), *weight.stride(), K=weight.shape[1], HAS_BIAS=bias is not None,
-        RESIDUAL=residual, SILU=activation, SCALED=row_scale is not None, HAS_POS=positions is not None,
-        X_ALIGNED=_rows_aligned(x))
+    halo, *halo_strides = _halo_args(halo, weight)
+    wrap_triton(_canon_fwd_kernel)[_grid(batch, seq_len, channels, split)](
+        x, weight, _bias_ptr(bias, weight), rs, cs, pos, halo, y, seq_len, channels, _split(seq_len, split),
+        *x.stride(), srs_b, srs_t, spos_b, spos_t, *halo_strides, *y.stride(), *weight.stride(), K=weight.shape[1],
+        HAS_BIAS=bias is not None, RESIDUAL=residual, SILU=activation, SCALED=row_scale is not None,
+        HAS_POS=positions is not None, HAS_HALO=halo is not weight, X_ALIGNED=_rows_aligned(x))
     return y
 
 
-def _conv_backward(dy, x, weight, bias, row_scale, col_scale, residual: bool, activation: bool, positions,
-                   input_grad: bool):
-    """The backward kernel's launch: dx unless ``input_grad`` is off (then, with the scales, the column
-    scale's gradient instead), and the weight/bias gradients."""
+def _conv_backward(dy, x, weight, bias, row_scale, col_scale, residual: bool, activation: bool, positions, halo,
+                   split: int, input_grad: bool):
+    """The backward kernel's launch: dx and the halo rows' (of the input the convolution saw, after the
+    scales) unless ``input_grad`` is off (then, with the scales, the column scale's gradient instead),
+    and the weight/bias gradients."""
     batch, seq_len, channels = x.shape
     kernel, rows = weight.shape[1], _chunk_rows(batch, seq_len, channels)
-    parts = batch * triton.cdiv(seq_len, rows)
-    # Without the input's gradient, an empty tensor stands for dx (never written; Inductor would copy a
-    # larger stand-in, as the kernel's stores to dx count as a mutation of whatever tensor is passed).
+    parts = batch * _chunks(seq_len, split, rows)
+    # Without the input's gradient, empty tensors stand for dx and the halo's (never written; Inductor would
+    # copy larger stand-ins, as the kernel's stores to them count as a mutation of whatever tensor is passed).
     dx = x.new_empty(x.shape if input_grad else (0, 0, 0))
+    d_halo = torch.empty(halo.shape if input_grad and halo is not None else (0, 0, 0), dtype=x.dtype,
+                         device=x.device)
     partial_dw, partial_db = _partials(parts, kernel, channels, x, bias is not None)
     col_grad = row_scale is not None and not input_grad
     partial_dcs = torch.empty(parts, channels, dtype=torch.float32, device=x.device) if col_grad else partial_dw
     rs, cs, srs_b, srs_t = _scale_args(row_scale, col_scale, weight)
     pos, spos_b, spos_t = _position_args(positions, weight)
-    wrap_triton(_canon_bwd_kernel)[_grid(batch, seq_len, channels, rows)](
-        x, weight, _bias_ptr(bias, weight), rs, cs, pos, dy, dx, partial_dw, partial_db, partial_dcs, seq_len,
-        channels, *x.stride(), srs_b, srs_t, spos_b, spos_t, *dy.stride(), *dx.stride(), *weight.stride(),
-        K=kernel, HAS_BIAS=bias is not None, RESIDUAL=residual, SILU=activation, SCALED=row_scale is not None,
-        HAS_POS=positions is not None, X_ALIGNED=_rows_aligned(x), STORE_DX=input_grad, COL_GRAD=col_grad,
-        **_backward_blocks(channels, rows, BACKWARD_BLOCKS))
+    halo, *halo_strides = _halo_args(halo, weight)
+    wrap_triton(_canon_bwd_kernel)[_grid(batch, seq_len, channels, split, rows)](
+        x, weight, _bias_ptr(bias, weight), rs, cs, pos, halo, dy, dx, d_halo, partial_dw, partial_db, partial_dcs,
+        seq_len, channels, _split(seq_len, split), *x.stride(), srs_b, srs_t, spos_b, spos_t, *halo_strides,
+        *dy.stride(), *dx.stride(), *weight.stride(), K=kernel, HAS_BIAS=bias is not None, RESIDUAL=residual,
+        SILU=activation, SCALED=row_scale is not None, HAS_POS=positions is not None, HAS_HALO=halo is not weight,
+        X_ALIGNED=_rows_aligned(x), STORE_DX=input_grad, COL_GRAD=col_grad, **_backward_blocks(channels, rows,
+                                                                                                BACKWARD_BLOCKS))
     dw, db = _weight_grads(partial_dw, partial_db, weight, bias)
     if col_grad:
         return partial_dcs.sum(0).to(col_scale.dtype), dw, db
-    return dx, dw, db
+    return dx, dw, db, d_halo
 
 
 def conv_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                   row_scale: torch.Tensor | None, col_scale: torch.Tensor | None, residual: bool, activation: bool,
-                  positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of the convolution's input (after scaling), weight and bias (empty without one)."""
-    return _conv_backward(dy, x, weight, bias, row_scale, col_scale, residual, activation, positions,
+                  positions: torch.Tensor | None = None, halo: torch.Tensor | None = None, split: int = -1
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of the convolution's input (after scaling), weight, bias (empty without one) and halo
+    rows (after scaling; empty without them)."""
+    return _conv_backward(dy, x, weight, bias, row_scale, col_scale, residual, activation, positions, halo, split,
                           input_grad=True)
 
 
 def conv_weight_grads(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                       row_scale: torch.Tensor, col_scale: torch.Tensor, residual: bool,
-                      positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      positions: torch.Tensor | None = None, halo: torch.Tensor | None = None, split: int = -1
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Without SiLU, on a scaled input: the gradients of the column scale, the weight and the bias, and
-    not dx, which ``_canon_conv_grad`` leaves to torch ops."""
-    return _conv_backward(dy, x, weight, bias, row_scale, col_scale, residual, False, positions,
+    not the input's, which ``_canon_conv_grad`` leaves to torch ops."""
+    return _conv_backward(dy, x, weight, bias, row_scale, col_scale, residual, False, positions, halo, split,
                           input_grad=False)
 
 
 def swiglu_forward(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                   residual: bool, activation: bool, positions: torch.Tensor | None = None) -> torch.Tensor:
+                   residual: bool, activation: bool, positions: torch.Tensor | None = None,
+                   halo_gate: torch.Tensor | None = None, halo_up: torch.Tensor | None = None,
+                   split: int = -1) -> torch.Tensor:
     batch, seq_len, hidden = gate.shape
     y = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     pos, spos_b, spos_t = _position_args(positions, weight)
-    wrap_triton(_canon_swiglu_fwd_kernel)[_grid(batch, seq_len, hidden)](
-        gate, up, weight, _bias_ptr(bias, weight), pos, y, seq_len, hidden, *gate.stride(), *up.stride(), spos_b,
-        spos_t, *y.stride(), *weight.stride(), K=weight.shape[1], HAS_BIAS=bias is not None, RESIDUAL=residual,
-        SILU=activation, HAS_POS=positions is not None)
+    halo_gate, *halo_strides = _halo_args(halo_gate, weight)
+    halo_up, _, _, _ = _halo_args(halo_up, weight)
+    wrap_triton(_canon_swiglu_fwd_kernel)[_grid(batch, seq_len, hidden, split)](
+        gate, up, weight, _bias_ptr(bias, weight), pos, halo_gate, halo_up, y, seq_len, hidden,
+        _split(seq_len, split), *gate.stride(), *up.stride(), spos_b, spos_t, *halo_strides, *y.stride(),
+        *weight.stride(), K=weight.shape[1], HAS_BIAS=bias is not None, RESIDUAL=residual, SILU=activation,
+        HAS_POS=positions is not None, HAS_HALO=halo_gate is not weight)
     return y
 
 
 def swiglu_backward(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor,
                     bias: torch.Tensor | None, residual: bool, activation: bool,
-                    positions: torch.Tensor | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of gate, up, the weight and the bias (empty without one)."""
+                    positions: torch.Tensor | None = None, halo_gate: torch.Tensor | None = None,
+                    halo_up: torch.Tensor | None = None, split: int = -1
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of gate, up, the weight, the bias (empty without one) and the halo rows of gate and up
+    (empty without them)."""
     batch, seq_len, hidden = gate.shape
     kernel = weight.shape[1]
     d_gate = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     d_up = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    halo_shape = halo_gate.shape if halo_gate is not None else (0, 0, 0)
+    d_halo_gate = torch.empty(halo_shape, dtype=gate.dtype, device=gate.device)
+    d_halo_up = torch.empty(halo_shape, dtype=gate.dtype, device=gate.device)
     rows = _chunk_rows(batch, seq_len, hidden)
-    partial_dw, partial_db = _partials(batch * triton.cdiv(seq_len, rows), kernel, 2 * hidden, gate,
+    partial_dw, partial_db = _partials(batch * _chunks(seq_len, split, rows), kernel, 2 * hidden, gate,
                                        bias is not None)
     pos, spos_b, spos_t = _position_args(positions, weight)
-    wrap_triton(_canon_swiglu_bwd_kernel)[_grid(batch, seq_len, hidden, rows)](
-        gate, up, weight, _bias_ptr(bias, weight), pos, dy, d_gate, d_up, partial_dw, partial_db, seq_len, hidden,
-        *gate.stride(), *up.stride(), spos_b, spos_t, *dy.stride(), *d_gate.stride(), *weight.stride(),
-        K=kernel, HAS_BIAS=bias is not None, RESIDUAL=residual, SILU=activation, HAS_POS=positions is not None,
-        **_backward_blocks(hidden, rows, SWIGLU_BACKWARD_BLOCKS))
-    return (d_gate, d_up, *_weight_grads(partial_dw, partial_db, weight, bias))
+    halo_gate, *halo_strides = _halo_args(halo_gate, weight)
+    halo_up, _, _, _ = _halo_args(halo_up, weight)
+    wrap_triton(_canon_swiglu_bwd_kernel)[_grid(batch, seq_len, hidden, split, rows)](
+        gate, up, weight, _bias_ptr(bias, weight), pos, halo_gate, halo_up, dy, d_gate, d_up, d_halo_gate,
+        d_halo_up, partial_dw, partial_db, seq_len, hidden, _split(seq_len, split), *gate.stride(), *up.stride(),
+        spos_b, spos_t, *halo_strides, *dy.stride(), *d_gate.stride(), *weight.stride(), K=kernel,
+        HAS_BIAS=bias is not None, RESIDUAL=residual, SILU=activation, HAS_POS=positions is not None,
+        HAS_HALO=halo_gate is not weight, **_backward_blocks(hidden, rows, SWIGLU_BACKWARD_BLOCKS))
+    return (d_gate, d_up, *_weight_grads(partial_dw, partial_db, weight, bias), d_halo_gate, d_halo_up)
 
 
 _canon_conv_op = _op("canon_titan::canon_conv")(conv_forward)
@@ -908,66 +996,94 @@ _op("canon_titan::canon_swiglu_backward")(swiglu_backward)
 
 
 def _canon_conv_setup(ctx, inputs, output):
-    x, weight, bias, row_scale, col_scale, ctx.residual, ctx.activation, positions = inputs
-    ctx.save_for_backward(x, weight, bias, row_scale, col_scale, positions)
+    x, weight, bias, row_scale, col_scale, ctx.residual, ctx.activation, positions, halo, ctx.split = inputs
+    ctx.save_for_backward(x, weight, bias, row_scale, col_scale, positions, halo)
 
 
-def _transposed_conv(dy: torch.Tensor, weight: torch.Tensor, residual: bool, positions) -> torch.Tensor:
+def _transposed_conv(dy: torch.Tensor, weight: torch.Tensor, residual: bool, positions, split: int = -1):
     """The gradient of the convolution's input without SiLU, in float32: ``dy[t] (residual) + sum_d
-    w[K-1-d] dy[t+d]`` (zeros past the last token; with positions, where ``positions[t+d] >= d``)."""
+    w[K-1-d] dy[t+d]`` (zeros past the last token and the first run's end; with positions, where
+    ``positions[t+d] >= d``)."""
     kernel, seq_len = weight.shape[-1], dy.shape[1]
     dy, weight = dy.float(), weight.float()
     padded = F.pad(dy, (0, 0, 0, kernel - 1))
     if positions is not None:
         reach = F.pad(positions, (0, kernel - 1))
+    rows = torch.arange(seq_len, device=dy.device)
     d_input = dy * (weight[:, kernel - 1] + 1) if residual else dy * weight[:, kernel - 1]
     for d in range(1, kernel):
         later = padded[:, d : d + seq_len]
         if positions is not None:
             later = later.masked_fill((reach[:, d : d + seq_len] < d).unsqueeze(-1), 0)
+        if split >= 0:  # row t+d is in the other run
+            later = later.masked_fill(((rows < split) & (rows + d >= split)).unsqueeze(-1), 0)
         d_input = d_input + later * weight[:, kernel - 1 - d]
     return d_input
 
 
+def _halo_grad(dy: torch.Tensor, weight: torch.Tensor, positions, split: int) -> torch.Tensor:
+    """Without SiLU, the gradient of the halo rows (float32, as the convolution saw them): each run's
+    first K-1 rows' ``dy`` carried back to the K-1 rows before it."""
+    k, seq_len = weight.shape[-1] - 1, dy.shape[1]
+    bounds = [0, split, seq_len] if split >= 0 else [0, seq_len]
+    grads = []
+    for start, end in zip(bounds, bounds[1:]):
+        head = F.pad(dy[:, start : min(start + k, end)], (0, 0, k, k - min(k, end - start)))
+        head_positions = None
+        if positions is not None:
+            head_positions = F.pad(positions[:, start : min(start + k, end)], (k, k - min(k, end - start)))
+        grads.append(_transposed_conv(head, weight, False, head_positions)[:, :k])
+    return torch.cat(grads, dim=1)
+
+
 def _canon_conv_grad(ctx, dy):
-    x, weight, bias, row_scale, col_scale, positions = ctx.saved_tensors
+    x, weight, bias, row_scale, col_scale, positions, halo = ctx.saved_tensors
+    ops = torch.ops.canon_titan
     if row_scale is None or ctx.activation:
-        d_input, dw, db = torch.ops.canon_titan.canon_conv_backward(dy, x, weight, bias, row_scale, col_scale,
-                                                                    ctx.residual, ctx.activation, positions)
+        d_input, dw, db, d_halo = ops.canon_conv_backward(dy, x, weight, bias, row_scale, col_scale, ctx.residual,
+                                                          ctx.activation, positions, halo, ctx.split)
         d_col = None
     else:
         # A fused norm (Canon-A/C, Canon-B on q and k): the kernel reads x and dy once for the weight's and the
         # column scale's gradients, and the input's is left to torch ops, which Inductor fuses with the norm's
         # chain rule below and its backward into one pass that reads dy and x and writes dx, as Llama's RMSNorm
         # backward reads its input's gradient and x.
-        d_col, dw, db = torch.ops.canon_titan.canon_conv_weight_grads(dy, x, weight, bias, row_scale, col_scale,
-                                                                      ctx.residual, positions)
-        d_input = _transposed_conv(dy, weight, ctx.residual, positions)
+        d_col, dw, db = ops.canon_conv_weight_grads(dy, x, weight, bias, row_scale, col_scale, ctx.residual,
+                                                    positions, halo, ctx.split)
+        d_input = _transposed_conv(dy, weight, ctx.residual, positions, ctx.split)
+        d_halo = _halo_grad(dy, weight, positions, ctx.split) if halo is not None else None
     db = db if bias is not None else None
     if row_scale is None:
-        return d_input, dw, db, None, None, None, None, None
-    # input = x * row_scale * col_scale, in float32 (traced: Inductor fuses these into one pass).
+        return d_input, dw, db, None, None, None, None, None, d_halo if halo is not None else None, None
+    # input = x * row_scale * col_scale, in float32 (traced: Inductor fuses these into one pass); the halo
+    # rows are x * row_scale already.
     d_input, xf, cs = d_input.float(), x.float(), col_scale.float()
     dx = (d_input * row_scale.unsqueeze(-1) * cs).to(x.dtype)
     d_row = (d_input * xf * cs).sum(-1).to(row_scale.dtype)
     if d_col is None:
-        d_col = (d_input * xf * row_scale.unsqueeze(-1)).sum((0, 1)).to(col_scale.dtype)
-    return dx, dw, db, d_row, d_col, None, None, None
+        d_col = (d_input * xf * row_scale.unsqueeze(-1)).sum((0, 1))
+        if halo is not None:
+            d_col = d_col + (d_halo.float() * halo.float()).sum((0, 1))
+        d_col = d_col.to(col_scale.dtype)
+    d_halo = (d_halo.float() * cs).to(halo.dtype) if halo is not None else None
+    return dx, dw, db, d_row, d_col, None, None, None, d_halo, None
 
 
 _canon_conv_op.register_autograd(_canon_conv_grad, setup_context=_canon_conv_setup)
 
 
 def _canon_swiglu_setup(ctx, inputs, output):
-    gate, up, weight, bias, ctx.residual, ctx.activation, positions = inputs
-    ctx.save_for_backward(gate, up, weight, bias, positions)
+    gate, up, weight, bias, ctx.residual, ctx.activation, positions, halo_gate, halo_up, ctx.split = inputs
+    ctx.save_for_backward(gate, up, weight, bias, positions, halo_gate, halo_up)
 
 
 def _canon_swiglu_grad(ctx, dy):
-    gate, up, weight, bias, positions = ctx.saved_tensors
-    d_gate, d_up, dw, db = torch.ops.canon_titan.canon_swiglu_backward(dy, gate, up, weight, bias, ctx.residual,
-                                                                       ctx.activation, positions)
-    return d_gate, d_up, dw, db if bias is not None else None, None, None, None
+    gate, up, weight, bias, positions, halo_gate, halo_up = ctx.saved_tensors
+    d_gate, d_up, dw, db, d_halo_gate, d_halo_up = torch.ops.canon_titan.canon_swiglu_backward(
+        dy, gate, up, weight, bias, ctx.residual, ctx.activation, positions, halo_gate, halo_up, ctx.split)
+    if halo_gate is None:
+        d_halo_gate = d_halo_up = None
+    return d_gate, d_up, dw, db if bias is not None else None, None, None, None, d_halo_gate, d_halo_up, None
 
 
 _canon_swiglu_op.register_autograd(_canon_swiglu_grad, setup_context=_canon_swiglu_setup)
@@ -990,6 +1106,8 @@ def canon_conv(
     residual: bool = True,
     activation: bool = False,
     positions: torch.Tensor | None = None,
+    halo: torch.Tensor | None = None,
+    split: int = -1,
     backend: str = "torch",
 ) -> torch.Tensor:
     """x [B, T, C], weight [C, K] (index K-1 on the current token), bias [C] or None.
@@ -1001,15 +1119,21 @@ def canon_conv(
     With ``positions`` [B, T] (each token's position in its document, 0 at a document's first token)
     the tap reaching back s rows adds to ``out[b, t]`` only where ``positions[b, t] >= s``: packed
     documents are convolved as if each were alone.
+
+    With ``halo`` [B, R * (K-1), C] (context parallelism: a rank's rows are R <= 2 runs of the
+    sequence, [0, split) and [split, T), ``split`` -1 for one) the taps that reach back past a run's
+    start read that run's K-1 halo rows (before the column scale: x's dtype, or ``x * row_scale`` in
+    float32 with the scales) instead of zeros.
     """
     if (row_scale is None) != (col_scale is None):
         raise ValueError("canon_conv: row_scale and col_scale go together")
     if _use_triton(backend, x, weight.shape[-1]):
         return torch.ops.canon_titan.canon_conv(x, weight, bias, row_scale, col_scale, residual, activation,
-                                                positions)
+                                                positions, halo, split)
     if row_scale is not None:
         x = (x.float() * row_scale.unsqueeze(-1) * col_scale.float()).type_as(x)
-    return _canon_torch(x, weight, bias, residual, activation, positions)
+        halo = (halo.float() * col_scale.float()).type_as(x) if halo is not None else None
+    return _canon_torch(x, weight, bias, residual, activation, positions, halo, split)
 
 
 def canon_swiglu(
@@ -1021,15 +1145,18 @@ def canon_swiglu(
     residual: bool = True,
     activation: bool = False,
     positions: torch.Tensor | None = None,
+    halo: tuple[torch.Tensor, torch.Tensor] | None = None,
+    split: int = -1,
     backend: str = "torch",
 ) -> torch.Tensor:
     """``silu(canon(gate)) * canon(up)`` with weight [2H, K] over [gate | up] (gate, up: [B, T, H]);
-    ``positions`` as in ``canon_conv``."""
+    ``positions`` as in ``canon_conv``, ``halo`` the halo rows of gate and up (as in ``canon_conv``)."""
+    halo_gate, halo_up = halo if halo is not None else (None, None)
     if _use_triton(backend, gate, weight.shape[-1]):
-        return torch.ops.canon_titan.canon_swiglu(gate, up, weight, bias, residual, activation, positions)
+        return torch.ops.canon_titan.canon_swiglu(gate, up, weight, bias, residual, activation, positions,
+                                                  halo_gate, halo_up, split)
     hidden = gate.shape[-1]
     w_gate, w_up = weight.split(hidden)
     b_gate, b_up = bias.split(hidden) if bias is not None else (None, None)
-    gate = _canon_torch(gate, w_gate, b_gate, residual, activation, positions)
-    return F.silu(gate) * _canon_torch(up, w_up, b_up, residual, activation, positions)
-
+    gate = _canon_torch(gate, w_gate, b_gate, residual, activation, positions, halo_gate, split)
+    return F.silu(gate) * _canon_torch(up, w_up, b_up, residual, activation, positions, halo_up, split)
