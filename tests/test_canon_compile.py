@@ -1,8 +1,9 @@
 """The path a GPU runs, held on the CPU: LlamaCanon's block with the Triton Canon ops compiled by
 Inductor for sm_90 (``inductor_bytes.HopperCodegen``: Triton code generated on this CPU, never run),
-the ops registered as on a GPU (``torch.library.triton_op``, their kernels traced into the graph), with
-``fullgraph=True`` and dynamic shapes, forward and backward; and each op's fake (its body traced on fake
-tensors, what Inductor plans the graph with) against the torch backend's outputs and gradients."""
+the ops registered as on a GPU (``torch.library.triton_op``, their kernels traced into the graph),
+with ``fullgraph=True`` and dynamic shapes, forward and backward; and each op's fake (its body
+traced on fake tensors, what Inductor plans the graph with) against the torch backend's outputs and
+gradients."""
 
 import json
 import os
@@ -62,8 +63,8 @@ def meta(tensors):
 fakes = {}
 with FakeTensorMode():
     x, u, dy = (torch.randn(3, 72, 96) for _ in range(3))
-    rs, cs, w, w2, b = torch.rand(3, 72, dtype=torch.float32), torch.randn(96), torch.randn(96, 4), \\
-        torch.randn(192, 3), torch.randn(192)
+    rs, cs = torch.rand(3, 72, dtype=torch.float32), torch.randn(96)
+    w, w2, b = torch.randn(96, 4), torch.randn(192, 3), torch.randn(192)
     positions = torch.arange(72).expand(3, 72)
     cases = {
         "fused norm": (lambda x, w, rs, cs, backend: canon.canon_conv(
@@ -82,22 +83,33 @@ print(json.dumps({"graphs": len(codegen.graphs), "launches": launches, "body_cal
                   "fakes": fakes}))
 """
 
-CANON_LAUNCHES = sorted(["_canon_fwd_kernel"] * 5 + ["_canon_bwd_kernel"] * 5
-                        + ["_canon_swiglu_fwd_kernel", "_canon_swiglu_bwd_kernel"])
-"""One block's step: Canon-A, B on q, k and v, C forward and backward, and Canon-D fused with SwiGLU."""
+CANON_LAUNCHES = sorted(
+    ["_canon_fwd_kernel"] * 5
+    + ["_canon_bwd_kernel"] * 5
+    + ["_canon_swiglu_fwd_kernel", "_canon_swiglu_bwd_kernel"]
+)
+"""One block's step: Canon-A, B on q, k and v, C forward and backward, and Canon-D fused with
+SwiGLU."""
 
 
 def test_the_gpus_compiled_block_is_one_graph_pair_for_every_shape_with_the_canon_kernels_in_it():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the GPU's registration
-    proc = subprocess.run([sys.executable, "-c", _TRACE], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=900)
+    proc = subprocess.run(
+        [sys.executable, "-c", _TRACE],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     # One forward and one backward graph for both shapes (a symbolic batch and a symbolic sequence
     # that is not a multiple of any block): no graph break, no recompilation.
     assert result["graphs"] == 2
     assert result["launches"] == [CANON_LAUNCHES, CANON_LAUNCHES]
-    # The kernels are launched from Inductor's code: no Python body of an op runs in a compiled step.
+    # The kernels are launched from Inductor's code: no Python body of an op runs in a compiled
+    # step.
     assert result["body_calls"] == {}
     fakes = result["fakes"]
     for name in ("fused norm", "silu, bias, positions", "swiglu"):

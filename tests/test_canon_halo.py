@@ -1,9 +1,9 @@
-"""The Canon op on a context-parallel rank's rows: two runs of the sequence side by side, each read with
-the K-1 rows before it from a small halo argument (no copy of the input with the halos in front). Its
-output equals the whole sequence's convolution at those rows, and the Triton kernels' outputs and
-gradients (of the rows, the halo rows, the weights and the fused norm's scales) equal the torch
-backend's, with and without document positions. The trainings under context parallelism are in
-``tests/test_context_parallel.py``."""
+"""The Canon op on a context-parallel rank's rows: two runs of the sequence side by side, each read
+with the K-1 rows before it from a small halo argument (no copy of the input with the halos in
+front). Its output equals the whole sequence's convolution at those rows, and the Triton kernels'
+outputs and gradients (of the rows, the halo rows, the weights and the fused norm's scales) equal
+the torch backend's, with and without document positions. The trainings under context parallelism
+are in ``tests/test_context_parallel.py``."""
 
 import pytest
 import torch
@@ -34,9 +34,13 @@ def _grads(fn, tensors, dy, backend):
     return [out, *torch.autograd.grad(out, leaves, dy)]
 
 
-@pytest.mark.parametrize("kernel, norm, activation", [(4, True, False), (3, False, True), (2, True, True)])
+@pytest.mark.parametrize(
+    "kernel, norm, activation", [(4, True, False), (3, False, True), (2, True, True)]
+)
 @pytest.mark.parametrize("documents", [False, True])
-def test_a_ranks_runs_with_their_halos_convolve_as_the_whole_sequence(kernel, norm, activation, documents):
+def test_a_ranks_runs_with_their_halos_convolve_as_the_whole_sequence(
+    kernel, norm, activation, documents
+):
     gen = torch.Generator().manual_seed(0)
     x, w, b = randn(gen, 2, 40, 24), randn(gen, 24, kernel), randn(gen, 24)
     row_scale, col_scale = (torch.rand(2, 40, generator=gen) + 0.5).to(DEVICE), randn(gen, 24)
@@ -49,7 +53,9 @@ def test_a_ranks_runs_with_their_halos_convolve_as_the_whole_sequence(kernel, no
 
     def fn(x, halo, w, b, *rs, backend):
         scales = {"row_scale": rs[0], "col_scale": col_scale} if norm else {}
-        return canon_conv(x, w, b, activation=activation, halo=halo, backend=backend, **scales, **local)
+        return canon_conv(
+            x, w, b, activation=activation, halo=halo, backend=backend, **scales, **local
+        )
 
     inputs = [_local(x), halo, w, b] + ([_local(row_scale)] if norm else [])
     torch.testing.assert_close(fn(*inputs, backend="torch"), whole, rtol=1e-5, atol=1e-5)

@@ -244,9 +244,9 @@ def ops(calls: list[Call], batch: int, seq: int, reps: int) -> dict:
 
 
 BACKWARD_CANDIDATES = [(64, 4, 1), (64, 8, 1), (128, 4, 1), (128, 8, 1), (128, 8, 2)]
-"""(BLOCK_C, U, num_warps) of the backward kernels, each tried by ``backward_blocks``: two or four channels a
-thread, the next 4 or 8 rows' loads in flight. None spills on sm_90 (``python -m canon_titan.kernels.aot`` with
-the blocks set)."""
+"""(BLOCK_C, U, num_warps) of the backward kernels, each tried by ``backward_blocks``: two or four
+channels a thread, the next 4 or 8 rows' loads in flight. None spills on sm_90 (``python -m
+canon_titan.kernels.aot`` with the blocks set)."""
 
 
 def _backward(call: Call, t: dict, dy: torch.Tensor, bodies: bool = False):

@@ -172,17 +172,19 @@ class ContextShards:
         return torch.cat(outs, dim=2).transpose(1, 2)
 
     def halo(self, x: torch.Tensor, kernel_size: int, row_scale: torch.Tensor | None = None):
-        """The ``kernel_size - 1`` rows before each of this rank's runs ([batch, runs * (K-1), C], run
-        after run; zeros before the sequence start), and where the second run starts (-1 with one): what
-        the Canon op reads for the taps that reach back past a run's start. With ``row_scale`` (a fused
-        norm) the rows are ``x * row_scale`` in float32, as the op scales its input before the column
-        scale; only the runs' last rows are scaled and gathered, not copies of the whole input."""
+        """The ``kernel_size - 1`` rows before each of this rank's runs ([batch, runs * (K-1), C],
+        run after run; zeros before the sequence start), and where the second run starts (-1 with
+        one): what the Canon op reads for the taps that reach back past a run's start. With
+        ``row_scale`` (a fused norm) the rows are ``x * row_scale`` in float32, as the op scales its
+        input before the column scale; only the runs' last rows are scaled and gathered, not copies
+        of the whole input."""
         k = kernel_size - 1
         tails = [x[:, start + length - k:start + length] for start, _, length in self.runs]
         if row_scale is not None:
             tails = [tail.float() * row_scale[:, start + length - k:start + length, None]
                      for tail, (start, _, length) in zip(tails, self.runs)]
-        tails += [tails[0].new_zeros(tails[0].shape)] * (self.max_runs - len(self.runs))  # same size on every rank
+        # the same size on every rank
+        tails += [tails[0].new_zeros(tails[0].shape)] * (self.max_runs - len(self.runs))
         tails = torch.cat(tails, dim=1)
         gathered = all_gather_autograd(tails.contiguous(), self.group)
         # Every rank's tails, then k zero rows (the halo of the sequence start), as one tensor that
