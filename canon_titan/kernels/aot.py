@@ -6,8 +6,10 @@ default: H100/H200) with every configuration the launch may run with (each autot
 the fixed one it passes). Triton hands the PTX to the ptxas it bundles, whose report gives the
 registers, stack and spill bytes; the PTX gives the global load instructions (16-byte vector loads
 against 2-byte scalar ones, which unaligned row strides cause) and the barriers inside loops
-(reductions across warps repeated on every iteration: what made the backward kernels run at a
-twelfth of the memory bandwidth on an H200, 2026-11-26).
+(reductions across warps repeated on every iteration: docs/benchmarks/gpu.md has what they cost the
+backward kernels on an H200). The launches are recorded and compiled by
+``canon_titan.kernels.sass``, which also counts their SASS (``canon_titan.plan.kernel_cost`` prices
+them).
 
     python -m canon_titan.kernels.aot                 # the table for sm_90
     python -m canon_titan.kernels.aot --json out.json
@@ -18,26 +20,19 @@ It runs the real Triton, so not under ``TRITON_INTERPRET=1``.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import json
 import re
 import sys
-import tempfile
-import time
 from dataclasses import asdict, dataclass
 
 import torch
 import triton
 from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource, make_backend
-from triton.runtime.jit import JITFunction, create_function_from_signature
 
-from canon_titan.kernels import canon
+from canon_titan.kernels import canon, sass
 from canon_titan.kernels.backends import INTERPRETED
+from canon_titan.kernels.sass import SM90
 from canon_titan.tools.fileio import write_atomic
-
-SM90 = GPUTarget("cuda", 90, 32)
 SEQ_LEN = 4096
 MISALIGNED = "b Mamba2-3B, bias+SiLU, row stride 12568"
 ALIGNED_TWIN = "b twin, row stride 12576"
@@ -65,16 +60,6 @@ class Compiled:
     @property
     def spills(self) -> bool:
         return self.spill_store_bytes > 0 or self.spill_load_bytes > 0
-
-
-class _Recorder:
-    """Stands in for a kernel in ``canon``: ``kernel[grid](*args, **kwargs)`` records the launch."""
-
-    def __init__(self, kernel, launches: list):
-        self.kernel, self.launches = kernel, launches
-
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: self.launches.append((self.kernel, args, kwargs))
 
 
 def _meta(*shape, dtype=torch.bfloat16, width=None):
@@ -123,81 +108,33 @@ def model_cases(seq_len: int = SEQ_LEN) -> dict:
     }
 
 
-def record_launches(run) -> list[tuple]:
-    """(kernel, args, kwargs) of every launch ``run()`` makes."""
-    launches: list[tuple] = []
-    names = [name for name, value in vars(canon).items() if isinstance(value, triton.runtime.KernelInterface)]
-    originals = {name: getattr(canon, name) for name in names}
-    wrap = canon.wrap_triton
-    try:
-        for name in names:
-            setattr(canon, name, _Recorder(originals[name], launches))
-        canon.wrap_triton = lambda kernel: kernel  # the op bodies launch through it
-        run()
-    finally:
-        for name, kernel in originals.items():
-            setattr(canon, name, kernel)
-        canon.wrap_triton = wrap
-    return launches
-
-
-def _jit_function(kernel) -> JITFunction:
-    while not isinstance(kernel, JITFunction):
-        kernel = kernel.fn
-    return kernel
-
-
-def _configs(kernel) -> list[dict]:
-    """The launch's possible meta-parameters: every autotuning config, or (none here) the ones it passes."""
-    if isinstance(kernel, triton.runtime.Autotuner):
-        return [{**c.kwargs, "num_warps": c.num_warps, "num_stages": c.num_stages} for c in kernel.configs]
-    return [{}]
-
-
-_PTXAS = re.compile(r"Used (\d+) registers")
-_SPILL = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
-
-
-def _source(kernel, args: tuple, kwargs: dict, meta: dict, target: GPUTarget):
-    """What Triton compiles for one launch with meta-parameters ``meta``, specialised on its arguments
-    as the JIT would (ints equal to 1 become constants; multiples of 16 and 16-byte-aligned pointers
-    get divisibility hints): the source and its options."""
-    fn = _jit_function(kernel)
-    backend = make_backend(target)
-    binder = create_function_from_signature(fn.signature, fn.params, backend)
-    call_kwargs = {**kwargs, **meta}
-    bound_args, specialization, options = binder(*args, **call_kwargs)
-    options, signature, constexprs, attrs = fn._pack_args(backend, call_kwargs, bound_args, specialization, options)
-    return ASTSource(fn, signature, constexprs, attrs), options
+def configs_of(launch: sass.Launch) -> list[sass.Config]:
+    """The configurations compiled for a launch: every one it may run with."""
+    return launch.configs()
 
 
 def compile_case(case: str, run, target: GPUTarget = SM90) -> list[Compiled]:
     """Every distinct kernel specialisation and configuration ``run()`` may launch, compiled."""
     results, seen = [], set()
-    for kernel, args, kwargs in record_launches(run):
-        for meta in _configs(kernel):
-            src, options = _source(kernel, args, kwargs, meta, target)
-            if (src.hash(), str(options)) in seen:
+    for launch in sass.record_launches(run):
+        for config in configs_of(launch):
+            key = sass.compile_key(launch, config, target)
+            if key in seen:
                 continue
-            seen.add((src.hash(), str(options)))
-            log = io.StringIO()
-            started = time.perf_counter()
-            with contextlib.redirect_stdout(log):
-                compiled = triton.compile(src, target=target, options=options.__dict__)
-            seconds = time.perf_counter() - started
-            registers, spill = _PTXAS.search(log.getvalue()), _SPILL.search(log.getvalue())
-            if registers is None or spill is None:
-                raise RuntimeError(f"no ptxas report for {src.name}:\n{log.getvalue()}")
+            seen.add(key)
+            compiled = sass.compile_launch(launch, config, target)
             ptx = compiled.asm["ptx"]
-            shown = {**kwargs, **meta}
+            shown = config.kwargs
             results.append(Compiled(
-                case=case, kernel=src.name,
+                case=case, kernel=launch.name,
                 config=f"{shown['CHUNK']}x{shown['BLOCK_C']}/{shown.get('num_warps', 4)}w",
-                registers=int(registers.group(1)), stack_bytes=int(spill.group(1)),
-                spill_store_bytes=int(spill.group(2)), spill_load_bytes=int(spill.group(3)),
+                registers=compiled.registers, stack_bytes=compiled.stack_bytes,
+                spill_store_bytes=compiled.spill_store_bytes,
+                spill_load_bytes=compiled.spill_load_bytes,
                 vector_loads=len(re.findall(r"ld\.global(?:\.\w+)*\.v\d", ptx)),
                 scalar_2byte_loads=len(re.findall(r"ld\.global(?:\.[a-z]+)*\.[bu]16\b", ptx)),
-                loop_barriers=loop_barriers(ptx), loop_loads=loop_loads(ptx), seconds=seconds))
+                loop_barriers=loop_barriers(ptx), loop_loads=loop_loads(ptx),
+                seconds=compiled.seconds))
     return results
 
 
@@ -227,19 +164,10 @@ def loop_loads(ptx: str) -> int:
 
 def compile_all(target: GPUTarget = SM90, cases: dict | None = None, progress=None) -> list[Compiled]:
     results = []
-    # A fresh cache: a cached kernel is not compiled again, so ptxas would not report on it.
-    with tempfile.TemporaryDirectory() as cache:
-        previous = triton.knobs.cache.dir
-        triton.knobs.cache.dir = cache
-        triton.knobs.nvidia.dump_ptxas_log = True
-        try:
-            for case, run in (cases or model_cases()).items():
-                if progress:
-                    progress(f"compiling {case} ...")
-                results += compile_case(case, run, target)
-        finally:
-            triton.knobs.cache.dir = previous
-            triton.knobs.nvidia.dump_ptxas_log = False
+    for case, run in (cases or model_cases()).items():
+        if progress:
+            progress(f"compiling {case} ...")
+        results += compile_case(case, run, target)
     return results
 
 

@@ -2,11 +2,14 @@
 their process groups cross, FSDP's overlap, the pipeline bubble.
 
 Compute. Each op takes the longer of its FLOPs at the GPU's peak for its kind and its bytes at
-the HBM bandwidth, each at the fraction of peak that such kernels reach (``EFFICIENCY``; the Canon
-op's kernels at the share of the bandwidth they were measured at), and no less than
-``MIN_KERNEL_S``. Causal attention does its causal share of the counted FLOPs (flash
-kernels skip the masked blocks; ``recorder.causal_share``), at the efficiency of the SDPA
-backend that runs it (FlashAttention-2 or cuDNN) for its head dim (``ATTENTION_EFFICIENCY``).
+the HBM bandwidth, each at the fraction of peak that such kernels reach (``EFFICIENCY``), and no
+less than ``MIN_KERNEL_S``. The Canon op's and the recurrences' (GLA, gated delta rule, SSD) calls
+are priced instead by their own kernels, compiled for the GPU and counted
+(``kernel_cost.call_seconds``: each launch the longest of its bytes, its instructions' issue and its
+tensor-core work), where the instrument prices the GPU; elsewhere by the roofline above. Causal
+attention does its causal share of the counted FLOPs (flash kernels skip the masked blocks;
+``recorder.causal_share``), at the efficiency of the SDPA backend that runs it (FlashAttention-2
+or cuDNN) for its head dim (``ATTENTION_EFFICIENCY``).
 
 Compile. The plan runs eagerly (fake tensors cannot run compiled code). With ``[compile]`` on,
 TorchTitan compiles each block of the model, and the loss where ``[compile] components`` names it
@@ -54,13 +57,6 @@ EFFICIENCY = {
     "canon": 0.35,
     # Streaming elementwise kernels reach ~80% of HBM bandwidth.
     "memory": 0.80,
-    # The Triton Canon op's kernels, as measured: LlamaCanon-1B on an H200 (2026-11-28, torch 2.11, Triton 3.6,
-    # batch 2 x 4096), 28.5 ms of Canon kernels a step for the 38.0 GB their calls read and write (the plan's
-    # bytes of those calls): 1.33 TB/s, 0.28 of the 4.8 TB/s (2026-11-27: 29.7 ms, 0.27). Their backward kernels
-    # recompute the convolution on halo rows and run at a fifth to a third of the bandwidth (``bench_canon.py
-    # --mode bwd_blocks``); priced at the streaming figure above, the plan had LlamaCanon-1B at 8 x 4096 x1.19
-    # of its measured tokens/s.
-    "canon_memory": 0.28,
 }
 ATTENTION_BACKENDS = ("cudnn", "flash")
 ATTENTION_EFFICIENCY = {
@@ -73,8 +69,7 @@ ATTENTION_EFFICIENCY = {
     ("flash", 9): {64: 0.30, 128: 0.30},
     # cuDNN's fused attention on Hopper: at head dim 128 ~600 TFLOPS forward and ~450 backward
     # (the same paper's Figs. 5-6): 3.5 / (1/600 + 2.5/450) = 485, 0.49 of 989; at head dim 64,
-    # 0.39: measured, LlamaCanon-1B on an H200, 2026-11-26 (gpu_check's profile: 30.0 ms of
-    # cuDNN attention kernels for the step's causal attention FLOPs; README, "Planned against
+    # 0.39, the share a profiled H200 step measured (docs/benchmarks/gpu.md, "Planned against
     # measured by op kind").
     ("cudnn", 9): {64: 0.39, 128: 0.49},
 }
@@ -119,6 +114,8 @@ class RankTime:
     kernels: int
     optimizer_share: float = 0.0
     """The optimizer's share of the compute (outside the pipeline's microbatches)."""
+    kernels_unpriced: str | None = None
+    """Why the Canon and recurrence ops were priced by the roofline rather than by their kernels."""
 
     @property
     def compute_total_s(self) -> float:
@@ -161,8 +158,8 @@ def matmul_efficiency(gpu: GPU, op) -> float:
 def default_attention_backend(gpu: GPU) -> str:
     """The SDPA backend torch picks on ``gpu`` for a training step's bf16 causal attention: cuDNN
     on sm90 and sm100 (``check_prefer_cudnn_attention`` in torch's ``sdp_utils.cpp``, on by
-    default from torch 2.9: pytorch/pytorch#162073; the H200 profile of 2026-11-26, torch 2.11,
-    ran cuDNN's kernels), FlashAttention-2 elsewhere. Torch 2.5.1 to 2.8 put flash first on every
+    default from torch 2.9: pytorch/pytorch#162073; the H200 leases' profiles ran cuDNN's kernels,
+    docs/benchmarks/gpu.md), FlashAttention-2 elsewhere. Torch 2.5.1 to 2.8 put flash first on every
     part."""
     return "cudnn" if gpu.capability in ((9, 0), (10, 0)) else "flash"
 
@@ -186,9 +183,32 @@ def attention_efficiency(gpu: GPU, op, backend: str) -> float:
     return table[below] + share * (table[above] - table[below])
 
 
+KERNEL_KINDS = ("canon", "recurrence")
+"""The op kinds priced by their own kernels (``kernel_seconds``)."""
+
+
+def kernel_seconds(step: RankStep, gpu: GPU) -> tuple[dict[int, float], str | None]:
+    """Seconds of each Canon and recurrence op of the step (by op index) from its kernels
+    (``kernel_cost.call_seconds``), and why none are where the instrument does not price them."""
+    from canon_titan.plan import kernel_cost, kernel_counts
+
+    ops = [(i, op) for i, op in enumerate(step.trace.ops) if op.kind in KERNEL_KINDS and op.call]
+    if not ops:
+        return {}, None
+    keys = {i: kernel_counts.call_key(*op.call) for i, op in ops}
+    calls = {keys[i]: op.call for i, op in ops}
+    try:
+        seconds = kernel_cost.call_seconds(list(calls.values()), gpu)
+    except kernel_cost.InstrumentError as e:
+        return {}, f"the kernel cost instrument failed ({e})"
+    if seconds is None:
+        return {}, f"the kernel cost instrument prices sm_90 parts, not the {gpu.name}"
+    return {i: seconds[keys[i]] for i, _ in ops}, None
+
+
 def _op_seconds(gpu: GPU, kind: str, op, nbytes: int, attention: str = "flash") -> float:
     flops = op.flops * op.attended
-    t_mem = nbytes / (gpu.hbm_tb_s * 1e12 * EFFICIENCY["canon_memory" if kind == "canon" else "memory"])
+    t_mem = nbytes / (gpu.hbm_tb_s * 1e12 * EFFICIENCY["memory"])
     if kind == "matmul":
         efficiency = matmul_efficiency(gpu, op)
     elif kind == "attention":
@@ -402,11 +422,14 @@ def fused_region_bytes(step: RankStep) -> list[tuple[int, int, int]]:
     return [(a, b, _region_bytes(ops, a, b, readers, born, inlined)) for a, b in regions]
 
 
-def compute_seconds(step: RankStep, gpu: GPU, compiled: bool,
-                    attention: str = "flash") -> tuple[dict[str, float], dict[str, int], int]:
+def compute_seconds(step: RankStep, gpu: GPU, compiled: bool, attention: str = "flash",
+                    kernels_s: dict[int, float] | None = None
+                    ) -> tuple[dict[str, float], dict[str, int], int]:
     """Seconds and executed FLOPs per op kind for the whole step, and the kernels launched
-    (attention on the SDPA backend ``attention``)."""
+    (attention on the SDPA backend ``attention``; the ops in ``kernels_s``, op index -> seconds, at
+    those: ``kernel_seconds``)."""
     ops = step.trace.ops
+    kernels_s = kernels_s or {}
     seconds: dict[str, float] = defaultdict(float)
     flops: dict[str, int] = defaultdict(int)
     kernels = 0
@@ -425,7 +448,8 @@ def compute_seconds(step: RankStep, gpu: GPU, compiled: bool,
             i = end
             continue
         if (op.bytes or op.flops) and not op.compiled_only:
-            seconds[op.kind] += scale * _op_seconds(gpu, op.kind, op, op.bytes, attention)
+            op_s = kernels_s.get(i) or _op_seconds(gpu, op.kind, op, op.bytes, attention)
+            seconds[op.kind] += scale * op_s
             kernels += int(scale)
         flops[op.kind] += int(scale * op.flops)
         i += 1
@@ -494,12 +518,14 @@ def collectives(step: RankStep, gpu: GPU, gpus_per_node: int):
     return sorted(grouped.values(), key=lambda c: -c.seconds), overlappable, units, exposed
 
 
-def _phase_share(step: RankStep, gpu: GPU, attention: str) -> dict[str, float]:
+def _phase_share(step: RankStep, gpu: GPU, attention: str,
+                 kernels_s: dict[int, float]) -> dict[str, float]:
     """Each phase's share (forward, backward, optimizer) of the step's eager op time."""
     per_phase: dict[str, float] = defaultdict(float)
     for i, op in enumerate(step.trace.ops):
         if (op.bytes or op.flops) and not op.compiled_only:
-            per_phase[op.phase] += repeats(step, i) * _op_seconds(gpu, op.kind, op, op.bytes, attention)
+            op_s = kernels_s.get(i) or _op_seconds(gpu, op.kind, op, op.bytes, attention)
+            per_phase[op.phase] += repeats(step, i) * op_s
     total = sum(per_phase.values()) or 1.0
     return {phase: t / total for phase, t in per_phase.items()}
 
@@ -514,10 +540,11 @@ def bubble_slots(schedule: str, ranks: int, stages_per_rank: int) -> float:
 
 def rank_time(step: RankStep, gpu: GPU, *, compiled: bool, gpus_per_node: int, attention: str = "flash") -> RankTime:
     """This rank's step without the pipeline bubble (which the slowest stage sets: ``plan``)."""
-    compute, flops, kernels = compute_seconds(step, gpu, compiled, attention)
+    kernels_s, unpriced = kernel_seconds(step, gpu)
+    compute, flops, kernels = compute_seconds(step, gpu, compiled, attention, kernels_s)
     costs, overlappable, units, exposed = collectives(step, gpu, gpus_per_node)
     total_compute = sum(compute.values())
-    share = _phase_share(step, gpu, attention)
+    share = _phase_share(step, gpu, attention, kernels_s)
     exposed_s = sum(exposed.values())
     for phase in ("forward", "backward"):
         comm = overlappable.get(phase, 0.0)
@@ -526,4 +553,5 @@ def rank_time(step: RankStep, gpu: GPU, *, compiled: bool, gpus_per_node: int, a
         phase_compute = total_compute * share.get(phase, 0.0)
         # The first all-gather of a phase (or its last reduce-scatter) waits alone.
         exposed_s += comm / units[phase] + max(0.0, comm - phase_compute)
-    return RankTime(compute, costs, exposed_s, total_compute + exposed_s, flops, kernels, share.get("optimizer", 0.0))
+    return RankTime(compute, costs, exposed_s, total_compute + exposed_s, flops, kernels,
+                    share.get("optimizer", 0.0), unpriced)

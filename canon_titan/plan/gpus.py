@@ -44,6 +44,12 @@ class GPU:
     H100 SXM's."""
     fp8_matmul_efficiency: float = field(default=0.709, kw_only=True)
     """The same for float8 GEMMs against the fp8 peak. Default: the H100 SXM's."""
+    sm_count: int | None = field(default=None, kw_only=True)
+    """Streaming multiprocessors (None: not known; ``kernel_cost`` then does not price its
+    kernels)."""
+    sm_clock_ghz: float | None = field(default=None, kw_only=True)
+    """The SM clock of the datasheet's fp32 peak (``fp32_tflops`` = SMs x 128 lanes x 2 x clock on
+    these parts), 10^9 cycles/s: what ``kernel_cost`` issues instructions at."""
     nccl_nvlink_gb_s: float | None = field(default=None, kw_only=True)
     """The NVLink bandwidth NCCL's collectives reach per GPU and direction, 10^9 bytes/s: its
     per-link rate for the architecture times the links (NCCL's ``src/graph/topo.h``; torch's
@@ -76,8 +82,10 @@ GPUS: dict[str, GPU] = {
     # Best-shape GEMMs: 794.5 of 989 bf16 (80.3%), 1,402.6 of 1,979 fp8 (70.9%): the maximum
     # achievable matmul FLOPS table of Stas Bekman's "Machine Learning Engineering"
     # (compute/accelerator), which the efficiencies of every part below come from too.
+    # 132 SMs at 1.98 GHz (67 TFLOPS fp32 = 132 x 128 x 2 x 1.98e9).
     "h100": GPU("H100 SXM 80GB", 79.6, 989.0, 1979.0, 3.35, 450.0, 50.0, (9, 0), fp32_tflops=67.0,
-                matmul_efficiency=0.803, fp8_matmul_efficiency=0.709, nccl_nvlink_gb_s=370.0),
+                matmul_efficiency=0.803, fp8_matmul_efficiency=0.709, nccl_nvlink_gb_s=370.0,
+                sm_count=132, sm_clock_ghz=1.98),
     # The H100 of TorchTitan's published runs (benchmarks/llama3_h100_202412_torchtitan.md, Meta's
     # Grand Teton): 96 GB HBM2e at 2.4 TB/s, a 500 W power limit, NVLink with NVSwitch and 400 Gb/s
     # RDMA per GPU. Its peak is "between SXM and NVL" (that file's footnote 2), which no datasheet
@@ -90,8 +98,10 @@ GPUS: dict[str, GPU] = {
     # NVIDIA H200 Tensor Core GPU datasheet, SXM column: the H100's compute, 4.8 TB/s HBM3e, 141 GB
     # (nvidia-smi: 143,771 MiB), NVLink 900 GB/s; HGX H200 with 400 Gb/s NDR per GPU.
     # Best-shape GEMMs: bf16 as the H100 ("H200 is the same"), 1,453.4 of 1,979 fp8 (73.4%).
+    # The H100's 132 SMs at 1.98 GHz.
     "h200": GPU("H200 SXM 141GB", 140.4, 989.0, 1979.0, 4.8, 450.0, 50.0, (9, 0), fp32_tflops=67.0,
-                matmul_efficiency=0.803, fp8_matmul_efficiency=0.734, nccl_nvlink_gb_s=370.0),
+                matmul_efficiency=0.803, fp8_matmul_efficiency=0.734, nccl_nvlink_gb_s=370.0,
+                sm_count=132, sm_clock_ghz=1.98),
     # NVIDIA A100 Tensor Core GPU datasheet, 80GB SXM column: 312 TFLOPS bf16, no fp8, 19.5 fp32,
     # 2,039 GB/s HBM2e, NVLink 600 GB/s; DGX A100: one 200 Gb/s HDR per GPU (25 GB/s).
     # Best-shape GEMMs: 271.2 of 312 bf16 (86.9%): the A100 holds its 1,410 MHz boost clock.
@@ -105,7 +115,8 @@ GPUS: dict[str, GPU] = {
 }
 
 _FIELDS = {f.name: f.type for f in dataclasses.fields(GPU)}
-_OPTIONAL = {"capability", "matmul_efficiency", "fp8_matmul_efficiency", "nccl_nvlink_gb_s"}
+_OPTIONAL = {"capability", "matmul_efficiency", "fp8_matmul_efficiency", "nccl_nvlink_gb_s",
+             "sm_count", "sm_clock_ghz"}
 BOUNDS: dict[str, tuple[float, float, str]] = {
     "memory_gib": (1, 4096, "GiB"),
     "bf16_tflops": (1, 100_000, "TFLOP/s"),
@@ -116,6 +127,8 @@ BOUNDS: dict[str, tuple[float, float, str]] = {
     "nccl_nvlink_gb_s": (1, 100_000, "GB/s"),
     "network_gb_s": (0.1, 100_000, "GB/s"),
     "matmul_efficiency": (0.05, 1, "of the peak"),
+    "sm_count": (1, 10_000, "SMs"),
+    "sm_clock_ghz": (0.1, 10, "GHz"),
     "fp8_matmul_efficiency": (0.05, 1, "of the peak"),
 }
 """What a GPU file's figure may be: tens to hundreds of times beyond the parts of the table either way. A
@@ -176,6 +189,10 @@ def gpu_from_file(path: Path) -> GPU:
             raise UnknownGPU(f"--gpu {path}: {key} = {value!r} is outside {low:g} to {high:,g} {unit}"
                              f"{' (0 for none)' if key == 'fp8_tflops' else ''}, far beyond any GPU (the "
                              f"{GPUS['h100'].name} has {getattr(GPUS['h100'], key)}): a typo, or another unit?")
+        elif key == "sm_count":
+            if value != int(value):
+                raise UnknownGPU(f"--gpu {path}: sm_count must be a whole number, got {value!r}")
+            values[key] = int(value)
         else:
             values[key] = float(value)
     return GPU(**values)

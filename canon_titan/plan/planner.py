@@ -325,6 +325,15 @@ def _notes(run, result: Plan) -> list[str]:
     else:
         notes.append("compile off: every op is its own kernel")
     notes.append(f"attention on the {result.attention} SDPA backend (--attention-backend)")
+    unpriced = next((k.time.kernels_unpriced for k in result.kinds if k.time.kernels_unpriced),
+                    None)
+    if unpriced:
+        notes.append(f"Canon and recurrence kernels at their bytes and FLOPs (the roofline): "
+                     f"{unpriced}")
+    elif any(k.time.compute_s.get(kind) for k in result.kinds for kind in ("canon", "recurrence")):
+        notes.append("Canon and recurrence kernels priced from their sm_90 SASS "
+                     "(canon_titan.plan.kernel_cost): each launch the longest of its bytes, its "
+                     "instructions' issue and its tensor-core work")
     if run["parallelism"]["pipeline_parallel_degree"] > 1 and \
             run["parallelism"]["pipeline_parallel_schedule"] in LOOPED_SCHEDULES:
         notes.append("pipeline: each stage's parameters gathered all at once before its first compute (torch's "

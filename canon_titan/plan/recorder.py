@@ -23,6 +23,7 @@ from torch.utils.flop_counter import flop_registry
 from torch.utils.weak import WeakIdKeyDictionary
 
 from canon_titan.plan.flops import op_kind  # importing it registers the FLOP formulas of our ops
+from canon_titan.plan.kernel_counts import spec
 
 ALLOCATION_ROUNDING = 512
 """The CUDA caching allocator hands out multiples of 512 bytes."""
@@ -136,6 +137,9 @@ class Op:
     compiled_only: bool = False
     """A cost that only compiled code pays over what its ops move (``ROWWISE_CAST_BYTES``): eager
     mode runs each recorded op as its own kernel, which the plan already counts in full."""
+    call: tuple[str, list] | None = None
+    """A Canon or recurrence op's call: the op and its arguments (``kernel_counts.spec``), which
+    ``kernel_cost`` prices by the kernels the call launches."""
 
 
 @dataclass
@@ -360,9 +364,10 @@ class StepRecorder(TorchDispatchMode):
         attended = self._attended(func, args, kwargs) if kind == "attention" else 1.0
         head_dim = _head_dim(func, args, kwargs) if kind == "attention" else 0
         tf32 = kind == "recurrence" or (kind in ("matmul", "attention") and self._tf32)
+        call = (func._schema.name, spec(list(args))) if kind in ("canon", "recurrence") else None
         self.trace.ops.append(Op(kind, self.phase(), str(packet).split("::")[-1], int(flops),
                                  sum(read_bytes) + sum(write_bytes), dtype, reads, read_bytes, writes, write_bytes,
-                                 fp8, attended, head_dim, tf32))
+                                 fp8, attended, head_dim, tf32, call=call))
         gemm = len(self.trace.ops) - 1
         if fp8 and len(outputs) == 1 and _rescaled_after_gemm(inputs):
             self._rescale(inputs, outputs[0])
