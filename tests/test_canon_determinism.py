@@ -46,12 +46,12 @@ def weight_grads() -> dict[str, torch.Tensor]:
 
 
 def _other_blocks(monkeypatch):
-    """Backward blocks of other rows per tile than the product's."""
+    """Backward blocks that walk each chunk as another number of runs than the product's."""
     product = canon._backward_blocks
 
-    def other(seq_len, channels, recomputes):
-        blocks = product(seq_len, channels, recomputes)
-        return {**blocks, "BLOCK_T": 32 if blocks["BLOCK_T"] == 16 else 16}
+    def other(channels, rows, blocks):
+        chosen = product(channels, rows, blocks)
+        return {**chosen, "STREAMS": 2 if chosen["STREAMS"] == 1 else chosen["STREAMS"] // 2}
 
     monkeypatch.setattr(canon, "_backward_blocks", other)
 

@@ -14,7 +14,15 @@ from kernel_paths import DEVICE, kernel_path, randn
 LENGTHS = ((5, 1, 13, 2), (21,))
 """Documents of each batch row: shorter and longer than the taps, a one-token document."""
 
-BACKENDS = ["torch"]
+BACKENDS = [
+    "torch",
+    pytest.param(
+        "triton",
+        marks=pytest.mark.skipif(
+            not triton_runs_here(), reason="needs a GPU or TRITON_INTERPRET=1"
+        ),
+    ),
+]
 
 
 def document_positions(lengths=LENGTHS) -> torch.Tensor:
@@ -37,21 +45,21 @@ def packed_and_alone(fn, per_token, shared, dy, lengths=LENGTHS):
     for b, row in enumerate(lengths):
         start = 0
         for n in row:
-            doc = _leaves([t[b:b + 1, start:start + n] for t in per_token] + shared)
+            doc = _leaves([t[b : b + 1, start : start + n] for t in per_token] + shared)
             y = fn(*doc, positions=None)
             doc_dy = dy[b : b + 1, start : start + n]
             grads = torch.autograd.grad(y, [t for t in doc if t is not None], doc_dy)
             outs.append((b, y))
             for i in range(len(per_token)):
                 token_grads[i].append(grads[i])
-            shared_grads = [s + g for s, g in zip(shared_grads, grads[len(per_token):])]
+            shared_grads = [s + g for s, g in zip(shared_grads, grads[len(per_token) :])]
             start += n
     rows = len(lengths)
     alone = [torch.cat([torch.cat([y for r, y in outs if r == b], 1) for b in range(rows)])]
     for grads in token_grads:
         per_row, i = [], 0
         for row in lengths:
-            per_row.append(torch.cat(grads[i:i + len(row)], 1))
+            per_row.append(torch.cat(grads[i : i + len(row)], 1))
             i += len(row)
         alone.append(torch.cat(per_row))
     return packed, alone + shared_grads
@@ -88,11 +96,19 @@ def test_packed_documents_convolve_as_each_document_alone(
     def fn(x, *rest, positions):
         rs, (w, b, cs) = (rest[0], rest[1:]) if norm else (None, (*rest, None))
         return canon_conv(
-            x, w, b, row_scale=rs, col_scale=cs, residual=residual, activation=activation,
-            positions=positions, backend=backend,
+            x,
+            w,
+            b,
+            row_scale=rs,
+            col_scale=cs,
+            residual=residual,
+            activation=activation,
+            positions=positions,
+            backend=backend,
         )
 
-    ops = ("canon_conv",) if backend == "triton" else ()
+    backward = "canon_conv_weight_grads" if norm and not activation else "canon_conv_backward"
+    ops = ("canon_conv", backward) if backend == "triton" else ()
     with kernel_path(*ops):
         packed, alone = packed_and_alone(fn, per_token, [w, b, col_scale] if norm else [w, b], dy)
     _assert_equal_lists(packed, alone)
@@ -109,7 +125,7 @@ def test_packed_documents_through_canon_d_and_swiglu_as_each_alone(backend, kern
     def fn(gate, up, w, b, positions):
         return canon_swiglu(gate, up, w, b, positions=positions, backend=backend)
 
-    ops = ("canon_swiglu",) if backend == "triton" else ()
+    ops = ("canon_swiglu", "canon_swiglu_backward") if backend == "triton" else ()
     with kernel_path(*ops):
         packed, alone = packed_and_alone(fn, [gate, up], [w, b], dy)
     _assert_equal_lists(packed, alone)
@@ -121,10 +137,13 @@ def test_one_documents_positions_give_the_bits_of_none(backend):
     x, w = randn(gen, 2, 30, 16), randn(gen, 16, 4)
     gate, up = randn(gen, 2, 30, 8), randn(gen, 2, 30, 8)
     one = torch.arange(30, device=DEVICE).expand(2, 30)
-    assert torch.equal(canon_conv(x, w, positions=one, backend=backend),
-                       canon_conv(x, w, backend=backend))
-    assert torch.equal(canon_swiglu(gate, up, w, positions=one, backend=backend),
-                       canon_swiglu(gate, up, w, backend=backend))
+    assert torch.equal(
+        canon_conv(x, w, positions=one, backend=backend), canon_conv(x, w, backend=backend)
+    )
+    assert torch.equal(
+        canon_swiglu(gate, up, w, positions=one, backend=backend),
+        canon_swiglu(gate, up, w, backend=backend),
+    )
 
 
 def test_the_layer_passes_positions_to_every_entry_point():
@@ -143,8 +162,13 @@ def test_the_layer_passes_positions_to_every_entry_point():
     calls = {
         "forward": lambda x, positions: layer(x, norm, positions=positions),
         "segments": lambda x, positions: torch.cat(
-            layer.segments(x[..., :8], x[..., 8:16], x[..., 16:], norms=(norm_8, None, None),
-                           positions=positions),
+            layer.segments(
+                x[..., :8],
+                x[..., 8:16],
+                x[..., 16:],
+                norms=(norm_8, None, None),
+                positions=positions,
+            ),
             -1,
         ),
         "swiglu": lambda x, positions: layer.swiglu(x[..., :12], x[..., 12:], positions=positions),
@@ -154,10 +178,3 @@ def test_the_layer_passes_positions_to_every_entry_point():
     for name, call in calls.items():
         packed, alone = packed_and_alone(call, [x], [], dy if name != "swiglu" else dy[..., :12])
         _assert_equal_lists(packed, alone)
-
-
-@pytest.mark.skipif(not triton_runs_here(), reason="needs a GPU or TRITON_INTERPRET=1")
-def test_the_triton_kernels_refuse_positions_they_do_not_take_yet():
-    x, w = torch.zeros(1, 4, 8, device=DEVICE), torch.zeros(8, 4, device=DEVICE)
-    with pytest.raises(NotImplementedError, match="positions are not in the Triton kernels yet"):
-        canon_conv(x, w, positions=document_positions(((4,),)), backend="triton")

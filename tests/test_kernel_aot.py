@@ -42,7 +42,7 @@ def test_every_configuration_compiles_without_spills(compiled):
     names = {k["kernel"] for k in kernels}
     assert names == {"_canon_fwd_kernel", "_canon_bwd_kernel", "_canon_swiglu_fwd_kernel", "_canon_swiglu_bwd_kernel"}
     forward = {(k["case"], k["config"]) for k in kernels if k["kernel"] == "_canon_fwd_kernel"}
-    configs = {f"{c.kwargs['BLOCK_T']}x{c.kwargs['BLOCK_C']}/{c.num_warps}w" for c in FORWARD_CONFIGS}
+    configs = {f"{c.kwargs['CHUNK']}x{c.kwargs['BLOCK_C']}/{c.num_warps}w" for c in FORWARD_CONFIGS}
     assert {config for _, config in forward} == configs
 
 
@@ -53,16 +53,17 @@ def test_no_kernel_waits_at_a_barrier_inside_its_loop(compiled):
     assert not looping, looping
 
 
-def test_backward_kernels_load_each_input_tile_once_per_iteration(compiled):
-    """The backward kernels that recompute the convolution (Canon-D's SwiGLU, the short convolutions' SiLU)
-    read the input at a tile's rows and the K-1 rows each side once (2K-1 = 7 tiles at K = 4; gate and up for
-    Canon-D) and dy at the K rows they need: 18 and 11 loads in their loops, where each of the K convolutions
-    loading its own K rows and taps issued 62 and 34."""
+def test_backward_kernels_load_each_input_row_once(compiled):
+    """The backward kernels walk the sequence U rows an iteration and load each input row once: the
+    SwiGLU backward gate, up and dy, the short convolution's x and dy (its SiLU recomputed from the
+    rows carried in registers). Each of the K shifted tiles loaded on its own issued 62 and 34 loads
+    an iteration, a window of tiles 18 and 11."""
     from canon_titan.kernels.aot import ALIGNED_TWIN
+    from canon_titan.kernels.canon import BACKWARD_BLOCKS, SWIGLU_BACKWARD_BLOCKS
 
     loads = {(k["case"], k["kernel"]): k["loop_loads"] for k in compiled["kernels"] if "bwd" in k["kernel"]}
-    assert loads[("D 8B, swiglu", "_canon_swiglu_bwd_kernel")] == 2 * 7 + 4
-    assert loads[(ALIGNED_TWIN, "_canon_bwd_kernel")] == 7 + 4
+    assert loads[("D 8B, swiglu", "_canon_swiglu_bwd_kernel")] == 3 * SWIGLU_BACKWARD_BLOCKS["U"]
+    assert loads[(ALIGNED_TWIN, "_canon_bwd_kernel")] == 2 * BACKWARD_BLOCKS["U"]
 
 
 def test_loop_barrier_count_against_hand_written_ptx():
@@ -98,7 +99,7 @@ def test_misaligned_rows_load_like_aligned_ones(compiled):
     assert misaligned and misaligned == aligned
 
 
-# Canon-D's backward at its own tile (16x32/4w, about 160 registers a thread) held to 64 registers
+# Canon-D's backward at its own configuration (about 128 registers a thread) held to 64 registers
 # a thread with ptxas's ``maxnreg``, compiled through aot's own path, the backward kernel alone: one
 # compile of a configuration that spills, where compiling a tile too large for the registers took
 # ptxas minutes.
@@ -122,5 +123,5 @@ def test_the_check_reports_a_spilling_configuration():
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     (backward,) = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert backward["kernel"] == "_canon_swiglu_bwd_kernel" and backward["config"] == "16x32/4w"
+    assert backward["kernel"] == "_canon_swiglu_bwd_kernel" and backward["config"] == "128x64/1w"
     assert backward["registers"] <= 64 and backward["spills"] and backward["spill_load_bytes"] > 0

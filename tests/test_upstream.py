@@ -100,6 +100,8 @@ PATCHED = [
     ("triton.runtime.autotuner", "Autotuner.do_bench", None, "kernels/interpreter.py", "interpreter"),
     ("torch.cuda", "device", None, "kernels/interpreter.py", "interpreter"),
     ("torch.cuda", "get_device_properties", None, "kernels/interpreter.py", "interpreter"),
+    ("torch._functorch.config", "decompose_custom_triton_ops", None, "kernels/canon.py",
+     "interpreter"),
 ]
 
 MESSAGES = [

@@ -132,7 +132,7 @@ def compile_case(case: str, run, target: GPUTarget = SM90) -> list[Compiled]:
             shown = config.kwargs
             results.append(Compiled(
                 case=case, kernel=launch.name,
-                config=f"{shown['BLOCK_T']}x{shown['BLOCK_C']}/{shown.get('num_warps', 4)}w",
+                config=f"{shown['CHUNK']}x{shown['BLOCK_C']}/{shown.get('num_warps', 4)}w",
                 registers=compiled.registers, stack_bytes=compiled.stack_bytes,
                 spill_store_bytes=compiled.spill_store_bytes,
                 spill_load_bytes=compiled.spill_load_bytes,

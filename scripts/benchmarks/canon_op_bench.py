@@ -5,9 +5,9 @@ forward and backward, counted from the launches the op makes on meta tensors at 
 (each tensor argument of a kernel moved once: halo re-reads hit the caches), and the buffers it
 allocates. Device-independent; runs anywhere.
 
-``bwd_blocks``: on a GPU, the backward kernels alone at each candidate block configuration (the
-backward's blocks are fixed, not autotuned, so that dw/db are bitwise reproducible: this picks the
-fixed ones), against the backward's memory bound.
+``bwd_blocks``: on a GPU, the backward kernels alone at each candidate configuration (the backward's
+blocks are fixed, not autotuned, so that dw/db are bitwise reproducible: this picks the fixed ones),
+against the backward's memory bound.
 
 ``ops``: on a GPU, forward+backward time of Canon calls (the Triton kernels, and fla's
 ``causal_conv1d`` on the same work) against the memory bound (``traffic``'s bytes over the bandwidth
@@ -243,11 +243,10 @@ def ops(calls: list[Call], batch: int, seq: int, reps: int) -> dict:
             "tuned": _tuned_configs()}
 
 
-BACKWARD_CANDIDATES = [(16, 16, 2), (16, 16, 4), (16, 32, 4), (16, 32, 8), (32, 32, 8)]
-"""(BLOCK_T, BLOCK_C, num_warps) of the backward kernels, each tried by ``backward_blocks``: around the
-smallest block, which an H200 timed fastest for every call (docs/benchmarks/gpu.md), at four elements a thread
-(16x16/2w, 32x32/8w) or two (16x16/4w, 16x32/8w: fewer registers, without 16-byte loads). None spills on sm_90
-(``python -m canon_titan.kernels.aot`` with the blocks set; 16x32/2w and 32x32/4w spill)."""
+BACKWARD_CANDIDATES = [(64, 4, 1), (64, 8, 1), (128, 4, 1), (128, 8, 1), (128, 8, 2)]
+"""(BLOCK_C, U, num_warps) of the backward kernels, each tried by ``backward_blocks``: two or four
+channels a thread, the next 4 or 8 rows' loads in flight. None spills on sm_90 (``python -m
+canon_titan.kernels.aot`` with the blocks set)."""
 
 
 def _backward(call: Call, t: dict, dy: torch.Tensor, bodies: bool = False):
@@ -273,30 +272,30 @@ def backward_blocks(calls: list[Call], batch: int, seq: int, reps: int,
     cuda = torch.cuda.is_available()
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     bandwidth = copy_bandwidth() if cuda else None
-    chosen = {"plain": canon.BACKWARD_BLOCKS, "recomputing": canon.RECOMPUTING_BACKWARD_BLOCKS}
+    chosen = {"conv": canon.BACKWARD_BLOCKS, "swiglu": canon.SWIGLU_BACKWARD_BLOCKS}
+    names = {"conv": "BACKWARD_BLOCKS", "swiglu": "SWIGLU_BACKWARD_BLOCKS"}
     rows = []
     try:
         for call in calls:
             gen = torch.Generator().manual_seed(0)
             t = inputs(call, batch, seq, device, dtype, gen)
             dy = torch.randn(batch, seq, call.channels, generator=gen).to(device, dtype)
-            recomputes = call.swiglu or call.activation
-            kind = "recomputing" if recomputes else "plain"
+            kind = "swiglu" if call.swiglu else "conv"
             meta = inputs(call, batch, seq, "meta")
             bound = None
             if cuda:
                 moved = _launch_bytes(aot.record_launches(_backward(call, meta, meta["x"].new_empty(dy.shape),
                                                                     bodies=True)))
                 bound = 1000 * moved / bandwidth
-            for block_t, block_c, warps in candidates:
-                blocks = {"BLOCK_T": block_t, "BLOCK_C": block_c, "num_warps": warps}
-                setattr(canon, "RECOMPUTING_BACKWARD_BLOCKS" if recomputes else "BACKWARD_BLOCKS", blocks)
+            for block_c, unroll, warps in candidates:
+                blocks = {**chosen[kind], "BLOCK_C": block_c, "U": unroll, "num_warps": warps}
+                setattr(canon, names[kind], blocks)
                 step = _backward(call, t, dy)
                 step()  # compiles
                 rows.append({"call": call.name, "channels": call.channels, "kind": kind,
-                             "config": f"{block_t}x{block_c}/{warps}w", "ms": _time_ms(step, reps),
+                             "config": f"{block_c}/{warps}w U{unroll}", "ms": _time_ms(step, reps),
                              "bound_ms": bound, "current": blocks == chosen[kind]})
     finally:
-        canon.BACKWARD_BLOCKS, canon.RECOMPUTING_BACKWARD_BLOCKS = chosen["plain"], chosen["recomputing"]
+        canon.BACKWARD_BLOCKS, canon.SWIGLU_BACKWARD_BLOCKS = chosen["conv"], chosen["swiglu"]
     return {"device": torch.cuda.get_device_name() if cuda else "cpu (Triton interpreter)", "batch": batch,
             "seq": seq, "rows": rows}

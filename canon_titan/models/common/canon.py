@@ -22,7 +22,6 @@ from typing import Literal
 
 import torch
 import torch.nn as nn
-
 from torchtitan.protocols.module import Module
 
 from canon_titan.kernels.canon import canon_conv, canon_swiglu
@@ -46,10 +45,15 @@ class CanonConv(Module):
     def __init__(self, config: Config):
         super().__init__()
         self.kernel_size = config.kernel_size
-        self.residual, self.activation, self.backend = config.residual, config.activation, config.backend
+        self.residual, self.activation, self.backend = (
+            config.residual,
+            config.activation,
+            config.backend,
+        )
         self.weight = nn.Parameter(torch.empty(config.channels, 1, config.kernel_size))
         self.bias = nn.Parameter(torch.empty(config.channels)) if config.bias else None
-        # Set by tensor parallelism where the inputs are column-sharded (Canon-B/D, short convolutions).
+        # Set by tensor parallelism where the inputs are column-sharded (Canon-B/D, short
+        # convolutions).
         self.channel_shard: ChannelShard | None = None
 
     def reset_parameters(self) -> None:
@@ -58,16 +62,20 @@ class CanonConv(Module):
         if self.bias is not None:
             canon_bias_init(self.bias, self.kernel_size)
 
-    def _weights(self, like: torch.Tensor, sizes: list[int], partials: list[torch.Tensor] = ()
-                 ) -> tuple[list[tuple[torch.Tensor, torch.Tensor | None]], list[torch.Tensor]]:
+    def _weights(
+        self, like: torch.Tensor, sizes: list[int], partials: list[torch.Tensor] = ()
+    ) -> tuple[list[tuple[torch.Tensor, torch.Tensor | None]], list[torch.Tensor]]:
         """(weight [c, K], bias) for consecutive inputs of ``sizes`` channels (this rank's share of
-        each under tensor parallelism), and ``partials`` summed over the TP group in one all-reduce."""
+        each under tensor parallelism), and ``partials`` summed over the TP group in one
+        all-reduce."""
         weight = local(self.weight, like).squeeze(1)
         bias = local(self.bias, like)
         if self.channel_shard is not None:
             partials = tp_sum_together(partials, self.channel_shard.group)
             weights = self.channel_shard.rows(weight, sizes)
-            biases = self.channel_shard.rows(bias, sizes) if bias is not None else [None] * len(sizes)
+            biases = (
+                self.channel_shard.rows(bias, sizes) if bias is not None else [None] * len(sizes)
+            )
         else:
             weights = weight.split(sizes)
             biases = bias.split(sizes) if bias is not None else [None] * len(sizes)
@@ -79,6 +87,7 @@ class CanonConv(Module):
         weight: torch.Tensor,
         bias: torch.Tensor | None,
         norm: RMSNorm | None,
+        shards: ContextShards | None,
         positions: torch.Tensor | None,
         square_sum: torch.Tensor | None = None,
     ) -> torch.Tensor:
@@ -86,22 +95,27 @@ class CanonConv(Module):
         if norm is not None:
             row_scale = norm.inverse_rms(x, square_sum).squeeze(-1)
             col_scale = local(norm.weight, x)
-        return canon_conv(x, weight, bias, row_scale=row_scale, col_scale=col_scale, residual=self.residual,
-                          activation=self.activation, positions=positions, backend=self.backend)
+        halo, split = self._halo(shards, x, row_scale)
+        return canon_conv(
+            x,
+            weight,
+            bias,
+            row_scale=row_scale,
+            col_scale=col_scale,
+            residual=self.residual,
+            activation=self.activation,
+            positions=positions,
+            halo=halo,
+            split=split,
+            backend=self.backend,
+        )
 
-    def _halos(self, shards: ContextShards | None, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Under context parallelism, each input's runs with the rows before them (see ``ContextShards``)."""
-        return xs if shards is None else tuple(shards.with_halos(x, self.kernel_size) for x in xs)
-
-    def _halo_positions(
-        self, shards: ContextShards | None, positions: torch.Tensor | None
-    ) -> torch.Tensor | None:
-        if shards is None or positions is None:
-            return positions
-        return shards.with_halo_positions(positions, self.kernel_size)
-
-    def _unhalo(self, shards: ContextShards | None, y: torch.Tensor) -> torch.Tensor:
-        return y if shards is None else shards.without_halos(y, self.kernel_size)
+    def _halo(
+        self, shards: ContextShards | None, x: torch.Tensor, row_scale: torch.Tensor | None = None
+    ):
+        """Under context parallelism, the rows before each of this rank's runs
+        (``ContextShards.halo``)."""
+        return (None, -1) if shards is None else shards.halo(x, self.kernel_size, row_scale)
 
     def forward(
         self,
@@ -113,9 +127,7 @@ class CanonConv(Module):
         """The layer on ``x`` [batch, seq, channels], or on ``norm(x)``; with ``positions``
         [batch, seq] (each token's position in its document) the taps stay inside each document."""
         ((weight, bias),), _ = self._weights(x, [x.shape[-1]])
-        (x,) = self._halos(shards, x)
-        positions = self._halo_positions(shards, positions)
-        return self._unhalo(shards, self._convolve(x, weight, bias, norm, positions))
+        return self._convolve(x, weight, bias, norm, shards, positions)
 
     def segments(
         self,
@@ -128,28 +140,47 @@ class CanonConv(Module):
         without concatenating. Under tensor parallelism the statistics of flat norms (QK-norm) are
         summed over the group together, in one all-reduce."""
         norms = norms or (None,) * len(xs)
-        xs = self._halos(shards, *xs)
-        positions = self._halo_positions(shards, positions)
-        flat = [i for i, norm in enumerate(norms)
-                if self.channel_shard is not None and norm is not None and norm.tp_group is not None]
-        weights, sums = self._weights(xs[0], [x.shape[-1] for x in xs], [norms[i].square_sum(xs[i]) for i in flat])
+        flat = [
+            i
+            for i, norm in enumerate(norms)
+            if self.channel_shard is not None and norm is not None and norm.tp_group is not None
+        ]
+        weights, sums = self._weights(
+            xs[0], [x.shape[-1] for x in xs], [norms[i].square_sum(xs[i]) for i in flat]
+        )
         square_sums = dict(zip(flat, sums))
         return tuple(
-            self._unhalo(shards, self._convolve(x, w, b, norm, positions, square_sums.get(i)))
+            self._convolve(x, w, b, norm, shards, positions, square_sums.get(i))
             for i, (x, (w, b), norm) in enumerate(zip(xs, weights, norms))
         )
 
-    def swiglu(self, gate: torch.Tensor, up: torch.Tensor, shards: ContextShards | None = None,
-               positions: torch.Tensor | None = None) -> torch.Tensor:
-        """``silu(g) * u`` with ``g, u`` this layer on [gate | up] (Canon-D and the SwiGLU after it)."""
+    def swiglu(
+        self,
+        gate: torch.Tensor,
+        up: torch.Tensor,
+        shards: ContextShards | None = None,
+        positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``silu(g) * u`` with ``g, u`` this layer on [gate | up] (Canon-D and the SwiGLU after
+        it)."""
         if self.channel_shard is None:
             weight, bias = local(self.weight, gate).squeeze(1), local(self.bias, gate)
         else:  # this rank's gate rows and up rows, one [2h, K] weight for the fused op
-            ((w_gate, b_gate), (w_up, b_up)), _ = self._weights(gate, [gate.shape[-1], up.shape[-1]])
+            ((w_gate, b_gate), (w_up, b_up)), _ = self._weights(
+                gate, [gate.shape[-1], up.shape[-1]]
+            )
             weight = torch.cat((w_gate, w_up))
             bias = torch.cat((b_gate, b_up)) if b_gate is not None else None
-        gate, up = self._halos(shards, gate, up)
-        positions = self._halo_positions(shards, positions)
-        return self._unhalo(shards, canon_swiglu(gate, up, weight, bias, residual=self.residual,
-                                                 activation=self.activation, positions=positions,
-                                                 backend=self.backend))
+        (halo_gate, split), (halo_up, _) = self._halo(shards, gate), self._halo(shards, up)
+        return canon_swiglu(
+            gate,
+            up,
+            weight,
+            bias,
+            residual=self.residual,
+            activation=self.activation,
+            positions=positions,
+            halo=(halo_gate, halo_up) if shards is not None else None,
+            split=split,
+            backend=self.backend,
+        )

@@ -22,9 +22,10 @@ The layers see it through ``ContextShards``, which the trainer hands every block
   head-tail reorder) is alive.
 * a Canon layer needs, for the first token of each contiguous run of its rows, the K - 1 tokens
   before it, which another rank holds (or none: the sequence start, where the convolution pads
-  with zeros). Every rank all-gathers the last K - 1 rows of each of its runs (a halo exchange)
-  and runs the layer on its runs with their halos in front, so its output equals the unsharded
-  layer's exactly. The halo rows are the layer's inputs, before any fused norm.
+  with zeros). Every rank all-gathers the last K - 1 rows of each of its runs (a halo exchange),
+  and the Canon op reads a run's halo rows for the taps that reach back past its start, so its
+  output equals the unsharded layer's exactly; the op's input is the rank's rows as they are (no
+  copy with the halos in front).
 
 The result is the unsharded model's on every token; the tests compare CP runs with one process.
 """
@@ -170,49 +171,32 @@ class ContextShards:
                                                        attn_mask=mask, is_causal=mask is None, enable_gqa=enable_gqa))
         return torch.cat(outs, dim=2).transpose(1, 2)
 
-    def with_halos(self, x: torch.Tensor, kernel_size: int) -> torch.Tensor:
-        """[batch, L, C] -> each run with the ``kernel_size - 1`` rows before it in front."""
+    def halo(self, x: torch.Tensor, kernel_size: int, row_scale: torch.Tensor | None = None):
+        """The ``kernel_size - 1`` rows before each of this rank's runs ([batch, runs * (K-1), C],
+        run after run; zeros before the sequence start), and where the second run starts (-1 with
+        one): what the Canon op reads for the taps that reach back past a run's start. With
+        ``row_scale`` (a fused norm) the rows are ``x * row_scale`` in float32, as the op scales its
+        input before the column scale; only the runs' last rows are scaled and gathered, not copies
+        of the whole input."""
         k = kernel_size - 1
-        if k == 0:
-            return x
         tails = [x[:, start + length - k:start + length] for start, _, length in self.runs]
-        tails += [x.new_zeros(x.shape[0], k, x.shape[2])] * (self.max_runs - len(self.runs))  # same size on every rank
+        if row_scale is not None:
+            tails = [tail.float() * row_scale[:, start + length - k:start + length, None]
+                     for tail, (start, _, length) in zip(tails, self.runs)]
+        # the same size on every rank
+        tails += [tails[0].new_zeros(tails[0].shape)] * (self.max_runs - len(self.runs))
         tails = torch.cat(tails, dim=1)
         gathered = all_gather_autograd(tails.contiguous(), self.group)
         # Every rank's tails, then k zero rows (the halo of the sequence start), as one tensor that
         # every rank's halos come from: the gather is in each rank's backward graph, so its
         # reduce-scatter runs on all of them (a rank that used none of it would skip it and hang).
         bank = torch.cat([gathered.view(self.size, *tails.shape).movedim(0, 1).flatten(1, 2),
-                          x.new_zeros(x.shape[0], k, x.shape[2])], dim=1)
+                          tails.new_zeros(x.shape[0], k, x.shape[2])], dim=1)
         zeros = self.size * tails.shape[1]
-        pieces = []
-        for (start, _, length), source in zip(self.runs, self.halo_sources):
-            first = zeros if source is None else (source[0] * self.max_runs + source[1]) * k
-            pieces += [bank[:, first:first + k], x[:, start:start + length]]
-        return torch.cat(pieces, dim=1)
-
-    def with_halo_positions(self, positions: torch.Tensor, kernel_size: int) -> torch.Tensor:
-        """[batch, L] document positions laid out as ``with_halos`` lays out rows: the halo rows'
-        own outputs are dropped, so their positions are never read (zeros)."""
-        k = kernel_size - 1
-        if k == 0:
-            return positions
-        pieces = []
-        for start, _, length in self.runs:
-            halo = positions.new_zeros(positions.shape[0], k)
-            pieces += [halo, positions[:, start : start + length]]
-        return torch.cat(pieces, dim=1)
-
-    def without_halos(self, y: torch.Tensor, kernel_size: int) -> torch.Tensor:
-        """The inverse of ``with_halos`` on a layer's output: the runs' own rows."""
-        k = kernel_size - 1
-        if k == 0:
-            return y
-        pieces, offset = [], 0
-        for _, _, length in self.runs:
-            pieces.append(y[:, offset + k:offset + k + length])
-            offset += k + length
-        return torch.cat(pieces, dim=1)
+        firsts = [zeros if source is None else (source[0] * self.max_runs + source[1]) * k
+                  for source in self.halo_sources]
+        halo = torch.cat([bank[:, first:first + k] for first in firsts], dim=1)
+        return halo, self.runs[1][0] if len(self.runs) > 1 else -1
 
 
 def rank_positions(seq_len: int, size: int, load_balancer: str | None) -> list[list[int]]:
