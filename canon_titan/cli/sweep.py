@@ -89,7 +89,9 @@ def _sweep(args) -> int:
         if note:
             print(f"[sweep] {note}", flush=True)
         scores = local.run_local(cells, evaluation, jobs)
-    tasks = results.collect(arm_runs, cells, scores, evaluation)
+    scored = {(c.task.label, c.arm.label, c.seed): s for c, s in zip(cells, scores, strict=True)
+              if s is not None}
+    tasks = results.collect(arm_runs, scored, evaluation)
     report = results.markdown(tasks, budget, evaluation, spec.seeds)
     table = results.as_json(tasks, budget, evaluation, str(spec.path))
     write_atomic(spec.out / "results.md", report)

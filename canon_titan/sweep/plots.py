@@ -68,7 +68,7 @@ def accuracy_figure(results: dict, path: Path) -> None:
         1, len(tasks), figsize=(max(4.8, 1.1 * _widest(tasks)) * len(tasks), 4.0), squeeze=False
     )
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for ax, (label, task) in zip(axes[0], tasks.items()):
+    for ax, (label, task) in zip(axes[0], tasks.items(), strict=True):
         groups, arms = task["groups"], list(task["arms"].items())
         width = 0.8 / len(arms)
         for i, (name, arm) in enumerate(arms):

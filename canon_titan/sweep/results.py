@@ -11,7 +11,6 @@ import numpy as np
 
 from canon_titan.sweep import stats
 from canon_titan.sweep.budget import UNITS, ArmRun, Budget
-from canon_titan.sweep.cells import Cell
 from canon_titan.sweep.scores import ALL, Evaluation
 from canon_titan.sweep.spec import value_label
 
@@ -87,51 +86,42 @@ class TaskResult:
 
 
 def differ_in_one_axis(a: ArmRun, b: ArmRun) -> str | None:
-    differing = [axis for (axis, x), (_, y) in zip(a.arm.values, b.arm.values) if x != y]
+    differing = [axis for (axis, x), (_, y) in zip(a.arm.values, b.arm.values, strict=True)
+                 if x != y]
     return differing[0] if len(differing) == 1 else None
 
 
-def collect(
-    arm_runs: list[ArmRun], cells: list[Cell], scores: list[dict | None], evaluation: Evaluation
-) -> list[TaskResult]:
-    by_arm = {id(r): ArmResult(r) for r in arm_runs}
-    index = {(r.task.label, r.arm): by_arm[id(r)] for r in arm_runs}
-    for cell, record in zip(cells, scores):
-        if record is not None:
-            index[(cell.task.label, cell.arm)].seeds[cell.seed] = record
+def collect(arm_runs: list[ArmRun], scores: dict[tuple[str, str, int], dict],
+            evaluation: Evaluation) -> list[TaskResult]:
+    """The results of every base config from the cells' ``scores`` ((config label, arm label,
+    seed) -> scores; cells that have not finished are absent)."""
     tasks: dict[str, TaskResult] = {}
-    for r in arm_runs:
-        tasks.setdefault(
-            r.task.label, TaskResult(r.task.label, r.task.description, [])
-        ).arms.append(by_arm[id(r)])
+    for run in arm_runs:
+        arm = ArmResult(run, {seed: record for (task, label, seed), record in scores.items()
+                              if task == run.task.label and label == run.arm.label})
+        tasks.setdefault(run.task.label, TaskResult(run.task.label, run.task.description, []))
+        tasks[run.task.label].arms.append(arm)
     for task in tasks.values():
-        for b, a in itertools.combinations(
-            task.arms, 2
-        ):  # a: the later value of the axis, b: the earlier
+        # a is the arm with the later value of the axis they differ in, b the earlier
+        for b, a in itertools.combinations(task.arms, 2):
             axis = differ_in_one_axis(a.run, b.run)
-            if axis is None:
-                continue
-            for group in task.groups():
-                same = a.run.test_set == b.run.test_set and all(
-                    "scores" in s["groups"].get(group, {})
-                    for arm in (a, b)
-                    for s in arm.seeds.values()
-                )
-                difference = stats.paired_difference(
-                    a.items(group), b.items(group), same_items=same
-                )
-                if difference is not None:
-                    task.comparisons.append(
-                        Comparison(
-                            a.label,
-                            b.label,
-                            axis,
-                            group,
-                            difference,
-                            verdict(difference, a.label, b.label, group, evaluation),
-                        )
-                    )
+            if axis is not None:
+                task.comparisons += compare(a, b, axis, task.groups(), evaluation)
     return list(tasks.values())
+
+
+def compare(a: ArmResult, b: ArmResult, axis: str, groups: list[str],
+            evaluation: Evaluation) -> list[Comparison]:
+    out = []
+    for group in groups:
+        # item by item when both were scored on the same test set and kept each item's score
+        same = a.run.test_set == b.run.test_set and all(
+            "scores" in s["groups"].get(group, {}) for arm in (a, b) for s in arm.seeds.values())
+        d = stats.paired_difference(a.items(group), b.items(group), same_items=same)
+        if d is not None:
+            out.append(Comparison(a.label, b.label, axis, group, d,
+                                  verdict(d, a.label, b.label, group, evaluation)))
+    return out
 
 
 def _number(value: float, evaluation: Evaluation, signed: bool = False) -> str:
