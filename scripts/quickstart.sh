@@ -14,4 +14,5 @@ bash scripts/setup.sh
 OUT=${OUT:-outputs/quickstart}
 rm -rf "$OUT"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-exec .venv/bin/canon-titan sweep train_configs/sweeps/quickstart.toml --out "$OUT" --check "llama_canon>llama:k=1:40" "$@"
+exec .venv/bin/canon-titan sweep train_configs/sweeps/quickstart.toml --out "$OUT" \
+    --check "llama_canon>llama:k=1:40" "$@"

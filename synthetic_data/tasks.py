@@ -79,7 +79,7 @@ class Task(ABC):
 
     @abstractmethod
     def test_set(self, count: int) -> str:
-        """What ``test_items(seed, count)`` draws and how it groups it, in words (a table's header)."""
+        """What ``test_items(seed, count)`` draws and how it groups it, in words."""
 
     @abstractmethod
     def score(self, item: TestItem, continuation) -> bool: ...
@@ -272,7 +272,8 @@ class CapoTask(Task):
         return items
 
     def test_set(self, count):
-        return f"{min(count, len(self.people))} people of the population, one question per attribute"
+        people = min(count, len(self.people))
+        return f"{people} people of the population, one question per attribute"
 
     def score(self, item, continuation):
         return str(continuation).startswith(item.answer)
@@ -303,15 +304,15 @@ def make_task(dataset: str, **overrides) -> Task:
 
 
 def changed_params(task: Task) -> dict[str, Any]:
-    """The task's parameters that differ from its dataset's preset (what a label must say about it)."""
+    """The task's parameters that differ from its dataset's preset (what its label must say)."""
     preset = PRESETS[task.name][1]
     return {f.name: getattr(task.params, f.name) for f in dataclasses.fields(task.params)
             if getattr(task.params, f.name) != getattr(preset, f.name)}
 
 
 def summarize(task: Task, items: list[TestItem], continuations: list) -> dict:
-    """Accuracy per group (in the order of the items) and overall; ``scores`` lists each item's 1 or 0,
-    in order (a comparison of two models pairs them item by item)."""
+    """Accuracy per group (in the order of the items) and overall; ``scores`` lists each item's 1
+    or 0, in order (a comparison of two models pairs them item by item)."""
     groups: dict[str, dict] = {}
     for item, continuation in zip(items, continuations, strict=True):
         group = groups.setdefault(item.group, {"correct": 0, "total": 0, "scores": []})

@@ -367,6 +367,12 @@ def test_a_folder_trained_as_another_cell_is_refused(tmp_path):
 # ----------------------------------------------------------------------------- end to end
 
 
+def raw_scores(out: Path, arm: str, seed: int) -> dict:
+    """A cell's own score file, as ``canon-titan eval synthetic`` wrote it."""
+    cell = out / "cells" / "playground" / "depo" / f"name={arm}" / f"seed-{seed}"
+    return json.loads((cell / "eval_synthetic.json").read_text())
+
+
 def hand_table(out: Path, arms: list[str], seeds: list[int]) -> dict:
     """From the cells' own ``eval_synthetic.json``: per arm and group the seeds' accuracies, their
     mean and t interval (scipy), and per seed its Wilson interval (scipy)."""
@@ -375,17 +381,7 @@ def hand_table(out: Path, arms: list[str], seeds: list[int]) -> dict:
     for arm in arms:
         per_seed = {}
         for seed in seeds:
-            raw = json.loads(
-                (
-                    out
-                    / "cells"
-                    / "playground"
-                    / "depo"
-                    / f"name={arm}"
-                    / f"seed-{seed}"
-                    / "eval_synthetic.json"
-                ).read_text()
-            )
+            raw = raw_scores(out, arm, seed)
             per_seed[seed] = {
                 **raw["groups"],
                 "all": {
@@ -599,17 +595,7 @@ def test_a_sweep_runs_as_a_slurm_array_and_is_collected(tmp_path):
     )
     arms = json.loads((out / "results.json").read_text())["tasks"]["playground/depo"]["arms"]
     for arm in ("llama", "llama_canon"):
-        raw = json.loads(
-            (
-                out
-                / "cells"
-                / "playground"
-                / "depo"
-                / f"name={arm}"
-                / "seed-1"
-                / "eval_synthetic.json"
-            ).read_text()
-        )
+        raw = raw_scores(out, arm, 1)
         assert arms[arm]["groups"]["all"]["mean"] == raw["overall"]["accuracy"]
 
 
@@ -653,8 +639,8 @@ def test_lm_eval_scores_are_read_as_accuracies_out_of_their_items(tmp_path):
     the items lm-eval scored, which gives it a Wilson interval; a group's aggregate is left out."""
     from canon_titan.sweep.scores import LmEval
 
-    record = {"results": {"hellaswag": {"alias": "hellaswag", "acc,none": 0.25, "acc_stderr,none": 0.1,
-                                        "acc_norm,none": 0.3},
+    record = {"results": {"hellaswag": {"alias": "hellaswag", "acc,none": 0.25,
+                                        "acc_stderr,none": 0.1, "acc_norm,none": 0.3},
                           "tiny_gen": {"exact_match,none": 0.5},
                           "canon_avg10": {"acc,none": 0.4}},
               "n-samples": {"hellaswag": {"original": 10042, "effective": 40},
@@ -664,3 +650,21 @@ def test_lm_eval_scores_are_read_as_accuracies_out_of_their_items(tmp_path):
     assert groups == {"hellaswag": {"value": 0.25, "correct": 10, "total": 40},
                       "tiny_gen": {"value": 0.5, "correct": 3, "total": 6}}
     assert results.seed_cell(groups["hellaswag"], LmEval([], None)) == "25.0 (14-40)"
+
+
+def test_every_shipped_spec_resolves_every_arm():
+    """train_configs/sweeps/: each spec's arms resolve as config validate would (a typo in a spec
+    fails here, not an hour into its sweep), with the budget its docs describe."""
+    specs = sorted((REPO / "train_configs" / "sweeps").glob("*.toml"))
+    assert {p.stem for p in specs} >= {"quickstart", "canon_placements", "linear_canon"}
+    arms = {}
+    for path in specs:
+        spec = read_spec(path)
+        arm_runs, budget = budgets.plan_sweep(spec)
+        arms[path.stem] = [(a.arm.label, a.steps) for a in arm_runs]
+        assert budget.kind == "tokens" and len(budgets.cells_of(spec, arm_runs)) == \
+            len(arm_runs) * len(spec.seeds)
+    assert arms["quickstart"] == [("llama", 300), ("llama_canon", 300)]
+    assert [label for label, _ in arms["canon_placements"]] == ['""', "A", "B", "C", "D", "ABCD"]
+    assert [label for label, _ in arms["linear_canon"]] == ['gla5 ""', "gla5 AbCD", "mamba2 b",
+                                                            "mamba2 AbCD"]

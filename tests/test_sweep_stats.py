@@ -63,8 +63,9 @@ def test_one_value_per_seed_is_the_paired_t_test():
 
 
 def exact_crossed_variance(rows: np.ndarray) -> float:
-    """The variance of the mean of ``rows`` [S, n] when its seeds and its items are each drawn S and n
-    times with replacement, independently: E[W W^T] = I + (1 - 1/S) 1 1^T for a multinomial W."""
+    """The variance of the mean of ``rows`` [S, n] when its seeds and its items are each drawn S
+    and n times with replacement, independently: E[W W^T] = I + (1 - 1/S) 1 1^T for a multinomial
+    W."""
     seeds, items = rows.shape
     ww = np.eye(seeds) + (1 - 1 / seeds) * np.ones((seeds, seeds))
     vv = np.eye(items) + (1 - 1 / items) * np.ones((items, items))

@@ -291,8 +291,10 @@ def test_greedy_generation_with_an_oracle_scores_100_and_a_constant_model_near_0
     solved = [greedy_continuation(Oracle(lambda ids: 5000 + mano.evaluate_prefix(ids[2:-1])), i) for i in mano_items]
     result = summarize(mano_task, mano_items, solved)
     assert result["overall"]["accuracy"] == 1.0 and list(result["groups"]) == ["L=1", "L=2", "L=3", "L=4"]
-    table = format_table({**result, "dataset": "mano", "model": "oracle"})
+    table = format_table({**result, "dataset": "mano", "model": "oracle",
+                          "test_set": mano_task.test_set(10)})
     assert "L=4" in table and "100.0%" in table
+    assert "(10 expressions per number of operators L)" in table
 
 
 def test_eval_cli_reports_a_missing_checkpoint(tmp_path):

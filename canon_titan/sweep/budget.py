@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from unittest.mock import patch
 
 from canon_titan.config import ConfigError, load
+from canon_titan.config.run import RunConfig
 from canon_titan.sweep.cells import Cell, Task, task_label
 from canon_titan.sweep.spec import Arm, Spec, SweepError, override_args
 from synthetic_data.tasks import changed_params
@@ -25,7 +26,7 @@ class ArmRun:
 
     task: Task
     arm: Arm
-    run: object
+    run: RunConfig
     tokens_per_step: int
     cost_per_step: float
     """In the budget's unit: tokens, FLOPs or GPU-hours."""

@@ -30,6 +30,7 @@ def _pyplot():
 def _save(fig, path: Path) -> None:
     png = io.BytesIO()
     fig.savefig(png, dpi=110, format="png")
+    _pyplot().close(fig)
     write_atomic(path, png.getvalue())
 
 
