@@ -215,46 +215,38 @@ def test_tokens_are_matched_and_each_cells_steps_printed_before_training(tmp_pat
     assert proc.stdout.count(": 20 steps, to train") == 2 and not (tmp_path / "out").exists()
 
 
-def test_flops_and_gpu_hours_budgets_are_the_planners(tmp_path):
+def test_flops_and_gpu_hours_budgets_are_the_planners(tmp_path, monkeypatch):
     """Canon-ABCD costs more FLOPs a step than no Canon (the planner counts its convolutions), so it
     gets fewer steps of the same budget; GPU-hours follow the planned step time on the GPU named."""
+    from canon_titan.plan import planner
     from canon_titan.plan.gpus import find_gpu
-    from canon_titan.plan.planner import plan
 
-    fixed = {
-        **TINY,
-        "training.seq_len": 256,
-        "training.local_batch_size": 8,
-        "training.global_batch_size": 8,
-    }
+    plans = {}
+
+    def plan_once(config, overrides, **kwargs):  # the same run is planned once in this test
+        key = (config, tuple(overrides))
+        if key not in plans:
+            plans[key] = real_plan(config, overrides, **kwargs)
+        return plans[key]
+
+    real_plan = planner.plan
+    monkeypatch.setattr(planner, "plan", plan_once)
+    fixed = {**TINY, "training.seq_len": 256, "training.local_batch_size": 8,
+             "training.global_batch_size": 8}
     args = budgets.override_args(list(fixed.items()))
-    planned = {
-        c: plan(
-            str(DEPO),
-            [*args, f"--model.canon_set={json.dumps(c)}"],
-            gpus=1,
-            gpu=find_gpu("h100"),
-            advise=False,
-        )
-        for c in ("", "ABCD")
-    }
+    planned = {c: plan_once(str(DEPO), [*args, f"--model.canon_set={json.dumps(c)}"], gpus=1,
+                            gpu=find_gpu("h100"), advise=False) for c in ("", "ABCD")}
     flops = {c: p.kinds[0].model_flops for c, p in planned.items()}
     assert flops["ABCD"] > flops[""]
-    for match, per_step in (
-        ("flops", flops),
-        ("gpu_hours", {c: p.step_s / 3600 for c, p in planned.items()}),
-    ):
+    hours = {c: p.step_s / 3600 for c, p in planned.items()}
+    for match, per_step in (("flops", flops), ("gpu_hours", hours)):
         budget = per_step[""] * 1000
-        spec = write_spec(
-            tmp_path / f"{match}.toml",
-            tmp_path / "out",
-            axes={"model.canon_set": ["", "ABCD"]},
-            fixed=fixed,
-            budget=[f'match = "{match}"', f"{match} = {budget!r}", 'gpu = "h100"'],
-        )
+        spec = write_spec(tmp_path / f"{match}.toml", tmp_path / "out",
+                          axes={"model.canon_set": ["", "ABCD"]}, fixed=fixed,
+                          budget=[f'match = "{match}"', f"{match} = {budget!r}", 'gpu = "h100"'])
         arm_runs, _ = budgets.plan_sweep(read_spec(spec))
         assert [a.steps for a in arm_runs] == [1000, round(budget / per_step["ABCD"])]
-    assert arm_runs[1].steps < 1000
+    assert len(plans) == 2 and arm_runs[1].steps < 1000
 
 
 # ----------------------------------------------------------------- labels and tables (issue 89)

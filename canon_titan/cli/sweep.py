@@ -53,7 +53,9 @@ def _sweep(args) -> int:
     spec = read_spec(args.spec)
     if args.out:
         spec.out = args.out
-    arm_runs, budget = budgets.plan_sweep(spec, slurm=args.slurm)
+    # cells made by --slurm are collected at its world size (a global batch may depend on it)
+    on_slurm = args.slurm or (args.collect and slurm.manifest_of(spec).is_file())
+    arm_runs, budget = budgets.plan_sweep(spec, slurm=on_slurm)
     evaluation = evaluation_of(spec, synthetic=all(a.run.task is not None for a in arm_runs))
     cells = budgets.cells_of(spec, arm_runs)
     print(budgets.budget_table(arm_runs, budget), flush=True)
@@ -74,7 +76,7 @@ def _sweep(args) -> int:
     if args.slurm:
         script = slurm.write(spec, cells, evaluation)
         again = f" --out {spec.out}" if args.out else ""
-        print(f"[sweep] {len(cells)} cells, one array task each: {script.parent / 'manifest.jsonl'}"
+        print(f"[sweep] {len(cells)} cells, one array task each: {slurm.manifest_of(spec)}"
               f"\n[sweep] submit from {os.getcwd()}: sbatch {script}"
               f"\n[sweep] then: canon-titan sweep {spec.path} --collect{again}")
         return 0

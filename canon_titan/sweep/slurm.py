@@ -60,10 +60,13 @@ def array_script(spec: Spec, manifest: Path, count: int) -> str:
     ])
 
 
+def manifest_of(spec: Spec) -> Path:
+    return spec.out / "slurm" / "manifest.jsonl"
+
+
 def write(spec: Spec, cells: list[Cell], evaluation: Evaluation) -> Path:
-    folder = spec.out / "slurm"
-    manifest = folder / "manifest.jsonl"
-    script = folder / "sweep.sbatch"
+    manifest = manifest_of(spec)
+    script = manifest.parent / "sweep.sbatch"
     text = array_script(spec, manifest, len(cells))
     write_atomic(manifest, "".join(manifest_line(cell, evaluation) + "\n" for cell in cells))
     write_atomic(script, text)
