@@ -167,7 +167,7 @@ def budget_table(arm_runs: list[ArmRun], budget: Budget) -> str:
     lines = []
     for label, value in budget.per_task.items():
         lines.append(
-            f"[sweep] {label}: budget {_amount(value, budget.kind)} {unit} per cell "
+            f"[sweep] {label}: budget {amount(value, budget.kind)} {unit} per cell "
             f"({budget.source[label]}), matched on {unit}"
         )
         for a in (a for a in arm_runs if a.task.label == label):
@@ -175,9 +175,9 @@ def budget_table(arm_runs: list[ArmRun], budget: Budget) -> str:
             cost = (
                 ""
                 if budget.kind == "tokens"
-                else f", {_amount(a.cost_per_step, budget.kind)} {unit} a step"
+                else f", {amount(a.cost_per_step, budget.kind)} {unit} a step"
             )
-            total = "" if budget.kind == "tokens" else f", {_amount(spent, budget.kind)} {unit}"
+            total = "" if budget.kind == "tokens" else f", {amount(spent, budget.kind)} {unit}"
             lines.append(
                 f"[sweep]   {a.arm.label:<24} {a.steps:>7,} steps of {a.tokens_per_step:,} tokens"
                 f"{cost}: {a.steps * a.tokens_per_step:,} tokens{total}"
@@ -185,7 +185,8 @@ def budget_table(arm_runs: list[ArmRun], budget: Budget) -> str:
     return "\n".join(lines)
 
 
-def _amount(value: float, kind: str) -> str:
+def amount(value: float, kind: str) -> str:
+    """A budget in its unit's usual form: 614,400 (tokens), 1.234e+15 (FLOPs), 0.5 (GPU-hours)."""
     if kind == "tokens":
         return f"{value:,.0f}"
     if kind == "flops":

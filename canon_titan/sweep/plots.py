@@ -100,6 +100,7 @@ def accuracy_figure(results: dict, path: Path) -> None:
                     fontsize=7,
                 )
         ax.set_xticks(range(len(groups)), groups)
+        ax.set_xlim(-0.5, len(groups) - 0.5)
         if scale == 100.0:
             ax.set_ylim(0, 112)
         ax.set_ylabel(f"{results['metric']}{' (%)' if scale == 100.0 else ''}, 95% interval")

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from canon_titan.sweep import stats
-from canon_titan.sweep.budget import UNITS, ArmRun, Budget
+from canon_titan.sweep.budget import UNITS, ArmRun, Budget, amount
 from canon_titan.sweep.scores import ALL, Evaluation
 from canon_titan.sweep.spec import value_label
 
@@ -224,9 +224,9 @@ def markdown(
             header.append(
                 f"Test set: {test_set}" + (f" (items per group: {sizes})" if sizes else "") + "."
             )
+        per_cell = amount(budget.per_task[task.label], budget.kind)
         header.append(
-            f"Budget: {budget.per_task[task.label]:,.4g} {UNITS[budget.kind]} per cell "
-            f"({budget.source[task.label]}). "
+            f"Budget: {per_cell} {UNITS[budget.kind]} per cell ({budget.source[task.label]}). "
             + (
                 f"{what.capitalize()}: the mean over {measured} seeds, its 95% interval over seeds."
                 if measured > 1
