@@ -483,7 +483,8 @@ def test_a_tiny_sweep_end_to_end_and_again_after_an_interruption(tmp_path):
     ]
     assert len(trained) == 1 and "llama_canon seed 1]" in trained[0]
     # CPU training is deterministic: the retrained cell scores as before (its training time aside)
-    assert without_seconds(json.loads((out / "results.json").read_text())) == without_seconds(written)
+    again_table = json.loads((out / "results.json").read_text())
+    assert without_seconds(again_table) == without_seconds(written)
 
 
 # ----------------------------------------------------------------------------- SLURM
