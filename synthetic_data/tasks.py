@@ -78,6 +78,10 @@ class Task(ABC):
     def test_items(self, seed: int, count: int) -> list[TestItem]: ...
 
     @abstractmethod
+    def test_set(self, count: int) -> str:
+        """What ``test_items(seed, count)`` draws and how it groups it, in words."""
+
+    @abstractmethod
     def score(self, item: TestItem, continuation) -> bool: ...
 
 
@@ -116,6 +120,9 @@ class DepoTask(Task):
             items += group[:count]
         return items
 
+    def test_set(self, count):
+        return f"{count} queries per hop count k, on cycles of {self.params.N} words"
+
     def score(self, item, continuation):
         return tuple(continuation) == tuple(item.answer)
 
@@ -149,6 +156,9 @@ class BrevoTask(Task):
             items.append(TestItem(sample.tokens[: at + 1], f"depth={sample.meta['depth']}", sample.tokens[at + 1 :],
                                   self.params.N * self.word + 1, frozenset({brevo.ANSWER})))
         return sorted(items, key=lambda item: int(item.group.split("=")[1]))
+
+    def test_set(self, count):
+        return f"{4 * count} graphs of {self.params.N} nodes, grouped by the query's depth"
 
     def score(self, item, continuation):
         continuation = list(continuation)
@@ -187,6 +197,9 @@ class ManoTask(Task):
                 items.append(TestItem(sample.tokens[:-1], f"L={length}", sample.tokens[-1:], 1))
         return items
 
+    def test_set(self, count):
+        return f"{count} expressions per number of operators L"
+
     def score(self, item, continuation):
         return list(continuation)[:1] == list(item.answer)
 
@@ -218,6 +231,9 @@ class LanoTask(Task):
                 items.append(TestItem([BOS] + sentence[:cut], f"cut={percent}%", sentence[cut:] + [self.eos],
                                       self.longest - cut + 1, frozenset({self.eos})))
         return items
+
+    def test_set(self, count):
+        return f"{count} held-out sentences, each cut after 25% and after 50% of its tokens"
 
     def score(self, item, continuation):
         continuation = list(continuation)
@@ -255,6 +271,10 @@ class CapoTask(Task):
                 items.append(TestItem(prompt, attribute, expected, 48, stop_chars=len(expected)))
         return items
 
+    def test_set(self, count):
+        people = min(count, len(self.people))
+        return f"{people} people of the population, one question per attribute"
+
     def score(self, item, continuation):
         return str(continuation).startswith(item.answer)
 
@@ -283,14 +303,23 @@ def make_task(dataset: str, **overrides) -> Task:
     return cls(dataset, dataclasses.replace(preset, **overrides))
 
 
+def changed_params(task: Task) -> dict[str, Any]:
+    """The task's parameters that differ from its dataset's preset (what its label must say)."""
+    preset = PRESETS[task.name][1]
+    return {f.name: getattr(task.params, f.name) for f in dataclasses.fields(task.params)
+            if getattr(task.params, f.name) != getattr(preset, f.name)}
+
 
 def summarize(task: Task, items: list[TestItem], continuations: list) -> dict:
-    """Accuracy per group (in the order of the items) and overall."""
+    """Accuracy per group (in the order of the items) and overall; ``scores`` lists each item's 1
+    or 0, in order (a comparison of two models pairs them item by item)."""
     groups: dict[str, dict] = {}
     for item, continuation in zip(items, continuations, strict=True):
-        group = groups.setdefault(item.group, {"correct": 0, "total": 0})
+        group = groups.setdefault(item.group, {"correct": 0, "total": 0, "scores": []})
+        right = int(bool(task.score(item, continuation)))
         group["total"] += 1
-        group["correct"] += bool(task.score(item, continuation))
+        group["correct"] += right
+        group["scores"].append(right)
     correct, total = sum(g["correct"] for g in groups.values()), sum(g["total"] for g in groups.values())
     for group in groups.values():
         group["accuracy"] = group["correct"] / group["total"]

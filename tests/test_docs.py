@@ -15,8 +15,8 @@ from conftest import REPO
 README = REPO / "README.md"
 PAGES = [README, *sorted((REPO / "docs").rglob("*.md"))]
 TOPICS = ["configs", "models", "data", "launching", "parallelism", "checkpoints", "evaluation", "planning",
-          "failures", "extending", "development"]
-BENCHMARKS = ["gpu", "planner", "cpu"]
+          "failures", "extending", "development", "experiments"]
+BENCHMARKS = ["gpu", "planner", "cpu", "sweeps"]
 MAX_README_LINES = 400
 TOP = ("canon_titan", "scripts", "train_configs", "tests", "docs", "eval", "model_registry", "synthetic_data", ".ci")
 PATH = re.compile(r"(?<![\w./-])((?:%s)/[\w./-]*)" % "|".join(re.escape(t) for t in TOP))
@@ -219,25 +219,29 @@ def test_the_readme_is_a_front_page():
 
 
 def test_the_playground_figure_is_drawn_from_the_playground_tables(tmp_path):
-    """``docs/accuracy.png`` is drawn from ``docs/playground_results.json``; every bar of it, with
-    its 95% interval, is a cell of the playground tables in docs/data.md, and the quick start's
-    cells are the README's."""
-    import importlib.util
+    """``docs/accuracy.png`` is drawn from ``docs/playground_results.json`` (a sweep's results
+    file); every bar of it, with its 95% interval, is a cell of the playground tables in
+    docs/data.md, and the quick start's cells are the README's."""
     import json
 
-    spec = importlib.util.spec_from_file_location("playground", REPO / "scripts" / "playground.py")
-    playground = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(playground)
+    from canon_titan.sweep.plots import accuracy_figure
+    from canon_titan.sweep.results import seed_cell
+    from canon_titan.sweep.scores import SyntheticEval
+
     results = json.loads((REPO / "docs" / "playground_results.json").read_text())
     text = (REPO / "docs" / "data.md").read_text().replace("**", "")
-    cells = [playground.cell(group) for task in results.values() for model in task.values()
-             for group in model["groups"].values()]
-    assert len(cells) == 16
-    assert [c for c in cells if f"| {c} |" not in text] == []
+
+    def cells(task):
+        return [seed_cell(group, SyntheticEval(100)) for arm in task["arms"].values()
+                for seed in arm["seeds"].values() for group in seed["groups"].values()]
+
+    every = [c for task in results["tasks"].values() for c in cells(task)]
+    assert len(every) == 16
+    assert [c for c in every if f"| {c} |" not in text] == []
     readme = README.read_text().replace("**", "")
-    quick = [playground.cell(group) for model in results["Depo, 300 steps (quick start)"].values() for group in model["groups"].values()]
+    quick = cells(results["tasks"]["Depo, 300 steps (quick start)"])
     assert quick and [c for c in quick if f"| {c} |" not in readme] == []
-    playground.plot(results, tmp_path / "accuracy.png")
+    accuracy_figure(results, tmp_path / "accuracy.png")
     assert (tmp_path / "accuracy.png").stat().st_size > 10_000
 
 

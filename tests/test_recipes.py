@@ -126,4 +126,5 @@ def test_every_config_header_launches_it_through_the_project_s_launcher():
         own = str(path.relative_to(REPO))
         assert (f"canon-titan train --config {own} " in run.group(1)
                 or run.group(1).startswith(f"CONFIG={own} NGPU=8 scripts/run_train.sh")
-                or run.group(1).startswith("scripts/playground.sh")), (path, run.group(1))
+                or run.group(1).startswith("scripts/playground.sh")
+                or run.group(1).startswith(f"canon-titan sweep {own}")), (path, run.group(1))

@@ -15,6 +15,8 @@
   canon-titan eval lm --model HF_DIR|CKPT_DIR --suite avg10|all13|TASK ... [--dtype bf16|fp32] [--limit N] [--data-dir DIR] [--out FILE.json]
   canon-titan plan FILE.toml --gpus N [--gpus-per-node 8] [--gpu h100|h200|a100|b200|FILE.toml] [--json] [--section.key value ...]
   canon-titan report RUN_DIR [RUN_DIR ...] --out FILE.png [--html FILE.html] [--labels A,B,...]
+  canon-titan sweep SPEC.toml [--out DIR] [--jobs N] [--dry-run | --slurm | --collect]
+                    [--check WINNER>LOSER:GROUP:POINTS]
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import signal
 import sys
 
 COMMANDS = {"train": "train", "config": "config", "plan": "plan", "convert": "convert", "data": "data",
-            "eval": "evaluate", "report": "report"}
+            "eval": "evaluate", "report": "report", "sweep": "sweep"}
 """Command -> its module in this package (each defines ``main(argv) -> exit status``)."""
 
 

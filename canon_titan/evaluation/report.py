@@ -1,9 +1,10 @@
 """Training curves of several runs side by side: ``canon-titan report RUN_DIR ... --out F.png``.
 
-Each run is a dump folder with TensorBoard events (``[metrics] enable_tensorboard``). One panel
-shows the training loss, one the validation loss (``[validation]``), one panel each the evaluation
-metrics logged during training (``[eval]``), all against tokens seen, one colour per run. ``--html``
-also writes a self-contained page: the figure inline plus a table of each run's last values.
+Each run is a dump folder with TensorBoard events (``[metrics] enable_tensorboard``), or a sweep's
+folder (``canon-titan sweep``), which stands for its cells, one colour per arm. One panel shows the
+training loss, one the validation loss (``[validation]``), one panel each the evaluation metrics
+logged during training (``[eval]``), all against tokens seen, one colour per run. ``--html`` also
+writes a self-contained page: the figure inline plus a table of each run's last values.
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ class RunCurves:
     series: dict[str, dict[int, float]]
     """tag -> step -> value"""
     tokens: dict[int, float]
+    colour_key: str | None = None
+    """Runs with the same key share a colour (a sweep's arm); None: a colour of its own."""
 
     def tokens_at(self, steps: list[int]) -> list[float]:
         """Tokens seen after each step, interpolated between the steps where they were logged."""
@@ -106,6 +109,7 @@ def figure(runs: list[RunCurves], smooth: float = 0.0):
     rows = -(-len(tags) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 3.6 * rows), squeeze=False)
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    keys = list(dict.fromkeys(run.colour_key or run.label for run in runs))
     for ax, tag in zip(axes.flat, tags):
         for i, run in enumerate(runs):
             points = sorted(run.series.get(tag, {}).items())
@@ -115,7 +119,8 @@ def figure(runs: list[RunCurves], smooth: float = 0.0):
             values = _ema(list(values), smooth) if tag == LOSS_TAG and smooth else list(values)
             # Markers wherever points are few: a run that logged its loss once is still visible.
             marker = "o" if tag != LOSS_TAG or len(points) <= 30 else None
-            ax.plot(run.tokens_at(list(steps)), [shown_value(tag, v) for v in values], color=colours[i % len(colours)],
+            colour = colours[keys.index(run.colour_key or run.label) % len(colours)]
+            ax.plot(run.tokens_at(list(steps)), [shown_value(tag, v) for v in values], color=colour,
                     marker=marker, markersize=3, label=run.label)
         name = tag.removeprefix("eval/")
         ax.set_title(LOSSES.get(tag, name), fontsize=10)
@@ -155,7 +160,13 @@ def write_report(run_dirs: list[str], out_png: str | Path, html_path: str | Path
                  labels: list[str] | None = None, smooth: float = 0.0) -> list[RunCurves]:
     if labels is not None and len(labels) != len(run_dirs):
         raise ReportError(f"--labels has {len(labels)} names for {len(run_dirs)} runs")
-    runs = [read_run(d, labels[i] if labels else None) for i, d in enumerate(run_dirs)]
+    runs = []
+    for i, folder in enumerate(run_dirs):
+        cells = sweep_cells(folder)
+        if cells is None:
+            runs.append(read_run(folder, labels[i] if labels else None))
+        else:
+            runs += cells
     names = [r.label for r in runs]
     for run in runs:
         if names.count(run.label) > 1:  # two runs with one description: tell them apart by folder
@@ -182,4 +193,28 @@ def write_report(run_dirs: list[str], out_png: str | Path, html_path: str | Path
         )
         Path(html_path).parent.mkdir(parents=True, exist_ok=True)
         write_atomic(Path(html_path), page)
+    return runs
+
+
+def sweep_cells(folder: str | Path) -> list[RunCurves] | None:
+    """The cells of the sweep in ``folder`` that have curves, labelled by arm and seed and coloured
+    by arm (None: not a sweep's folder)."""
+    import json
+
+    manifest = Path(folder) / "sweep.json"
+    if not manifest.is_file():
+        return None
+    cells = json.loads(manifest.read_text())["cells"]
+    several = len({c["task"] for c in cells}) > 1
+    runs = []
+    for cell in cells:
+        arm = f"{cell['task']} {cell['arm']}" if several else cell["arm"]
+        try:
+            run = read_run(cell["folder"], f"{arm} seed {cell['seed']}")
+        except ReportError:  # not started yet
+            continue
+        run.colour_key = arm
+        runs.append(run)
+    if not runs:
+        raise ReportError(f"{folder}: a sweep none of whose cells has TensorBoard events yet")
     return runs

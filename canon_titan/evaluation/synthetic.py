@@ -85,7 +85,8 @@ def evaluate(run, checkpoint: str | Path, count: int = 100, seed: int = DEFAULT_
                         f"ETA {elapsed / n * (len(items) - n):.0f}s")
     result = summarize(task, items, continuations)
     result.update({"dataset": task.name, "params": vars(task.params), "model": run["model"]["name"],
-                   "checkpoint": str(step_dir), "count": count, "seed": seed})
+                   "checkpoint": str(step_dir), "count": count, "seed": seed,
+                   "test_set": task.test_set(count)})
     return result
 
 
@@ -94,7 +95,8 @@ def format_table(result: dict) -> str:
     overall = result["overall"]
     rows.append(("all", overall["correct"], overall["total"], overall["accuracy"]))
     width = max(len(r[0]) for r in rows)
-    lines = [f"{result['dataset']} ({result['model']}): greedy accuracy on held-out items",
+    lines = [f"{result['dataset']} ({result['model']}): greedy accuracy on held-out items "
+             f"({result['test_set']})",
              f"{'group':<{width}}  correct  total  accuracy"]
     lines += [f"{name:<{width}}  {c:>7}  {t:>5}  {100 * a:7.1f}%" for name, c, t, a in rows]
     return "\n".join(lines)
