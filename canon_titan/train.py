@@ -19,13 +19,20 @@ if __name__ == "__main__":
 
 with importing():  # seconds of imports, without the garbage collector walking them
     import torch
-
     from torchtitan.tools.logging import init_logger, logger
 
     from canon_titan.components.checkpointer import NonFiniteParameters, SaveFailed
     from canon_titan.components.divergence import Diverged
-    from canon_titan.components.exit_codes import PREEMPTED, REFUSED, STOPPED, report_exit, report_saved, say_once
+    from canon_titan.components.exit_codes import (
+        PREEMPTED,
+        REFUSED,
+        STOPPED,
+        report_exit,
+        report_saved,
+        say_once,
+    )
     from canon_titan.components.preemption import Preempted
+    from canon_titan.components.resume_checks import ResumeRefused
     from canon_titan.config import ConfigError, load
     from canon_titan.config.build import build_trainer_config
     from canon_titan.convert.dcp_io import NoLoadableCheckpoint
@@ -33,14 +40,14 @@ with importing():  # seconds of imports, without the garbage collector walking t
     from canon_titan.data.inputs import DataConfigError
     from canon_titan.launch.ownership import die_with_parent
     from canon_titan.launch.prelaunch import agreed_verdict
-    from canon_titan.components.resume_checks import ResumeRefused
     from canon_titan.tools import runtime
     from canon_titan.trainer import FinishedRun
 
 
 def parse_args(argv: list[str]) -> tuple[str, list[str]]:
     parser = argparse.ArgumentParser(
-        prog="canon_titan.train", description=__doc__,
+        prog="canon_titan.train",
+        description=__doc__,
         epilog="Any other argument is an override of the form --section.key value.",
     )
     parser.add_argument("--config", required=True, help="TOML run config (see train_configs/)")
@@ -79,14 +86,19 @@ def _main(argv: list[str] | None) -> int:
         trainer = config.build()
         if config.checkpoint.create_seed_checkpoint:
             if torch.distributed.get_world_size() != 1:
-                raise SystemExit("canon-titan: a seed checkpoint must be created by a single process")
+                raise SystemExit(
+                    "canon-titan: a seed checkpoint must be created by a single process"
+                )
             trainer.checkpointer.save(curr_step=0, last_step=True)
             logger.info("Created seed checkpoint")
         else:
             trainer.train()
     except (NoLoadableCheckpoint, FinishedRun, ResumeRefused) as e:
         code, say = REFUSED, functools.partial(say_once, str(e))
-    except (DataConfigError, DataError) as e:  # found as the loader opens the data (a damaged token shard, ...)
+    except (
+        DataConfigError,
+        DataError,
+    ) as e:  # found as the loader opens the data (a damaged token shard, ...)
         code, say = REFUSED, functools.partial(say_once, f"data error: {e}")
     except Preempted as e:
         # 75 says "saved, requeue": only with a checkpoint of the step reached, which the torchrun wrapper checks.

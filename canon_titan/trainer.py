@@ -18,7 +18,6 @@ from typing import Annotated
 import torch
 import tyro
 from torch.distributed.tensor import DTensor
-
 from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.distributed.utils import set_determinism
 from torchtitan.tools.logging import logger
@@ -65,12 +64,16 @@ class FinishedRun(RuntimeError):
 
 
 def finished_message(dump_folder: str, step: int, steps: int) -> str:
-    return (f"dump folder {dump_folder} already holds a finished run: its checkpoint step-{step} reaches "
-            f"[training] steps = {steps}, so there is nothing to train. Raise steps to continue it, or use "
-            "another [job] dump_folder for a new run")
+    return (
+        f"dump folder {dump_folder} already holds a finished run: its checkpoint step-{step} reaches "
+        f"[training] steps = {steps}, so there is nothing to train. Raise steps to continue it, or use "
+        "another [job] dump_folder for a new run"
+    )
 
 
-def resume_point(folder: str, load_step: int, steps: int, dump_folder: str) -> tuple[int, list[str]]:
+def resume_point(
+    folder: str, load_step: int, steps: int, dump_folder: str
+) -> tuple[int, list[str]]:
     """The checkpoint step a run resumes from (-1: a fresh start) and the newer step folders it
     skips; FinishedRun when a checkpoint or a Hugging Face export already reaches ``steps``."""
     weights_only = max([*hf_export_steps(folder), *model_only_steps(folder)], default=-1)
@@ -112,9 +115,12 @@ def config_changes(previous_file: str, new_toml: str, shown: int = 8) -> str:
     except (OSError, tomllib.TOMLDecodeError):
         return ""
     new = tomllib.loads(new_toml)
-    changes = [f"[{section}] {key}: {old.get(section, {}).get(key)!r} -> {value!r}"
-               for section, body in new.items() for key, value in body.items()
-               if old.get(section, {}).get(key) != value]
+    changes = [
+        f"[{section}] {key}: {old.get(section, {}).get(key)!r} -> {value!r}"
+        for section, body in new.items()
+        for key, value in body.items()
+        if old.get(section, {}).get(key) != value
+    ]
     more = f" (and {len(changes) - shown} more)" if len(changes) > shown else ""
     return "; ".join(changes[:shown]) + more
 
@@ -161,7 +167,9 @@ class CanonTrainer(QueuedCopies, Trainer):
         """``[model] seed``: the weights are initialised from it; ``debug.seed`` (``[job] seed``) seeds
         the run's random state after that, as the release seeds its weights with 42 and its run with
         777. None: ``debug.seed`` seeds the weights too."""
-        divergence: Annotated[DivergenceSection, tyro.conf.Suppress] = field(default_factory=DivergenceSection)
+        divergence: Annotated[DivergenceSection, tyro.conf.Suppress] = field(
+            default_factory=DivergenceSection
+        )
         stop_grace_seconds: Annotated[int, tyro.conf.Suppress] = 90
         allow_changed_data: Annotated[bool, tyro.conf.Suppress] = False
         model_label: Annotated[str, tyro.conf.Suppress] = ""
@@ -185,19 +193,28 @@ class CanonTrainer(QueuedCopies, Trainer):
         self._last_verdict: StepVerdict | None = None
         """The newest step verdict the host has read (``_read_verdicts``)."""
         self._preempting = False
-        self.global_batch_size = (config.training.local_batch_size * self.gradient_accumulation_steps
-                                  * getattr(self.dataloader, "dp_world_size", 1))
+        self.global_batch_size = (
+            config.training.local_batch_size
+            * self.gradient_accumulation_steps
+            * getattr(self.dataloader, "dp_world_size", 1)
+        )
         self.progress = Progress(config.training.steps)
         self._mixture_said = False
         self.evaluator = None
         if config.evaluation is not None:
-            self.evaluator = InTrainingEval(config.evaluation, self.parallel_dims, self.device, config.training.steps)
-        if config.run_toml and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
+            self.evaluator = InTrainingEval(
+                config.evaluation, self.parallel_dims, self.device, config.training.steps
+            )
+        if config.run_toml and (
+            not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+        ):
             os.makedirs(config.dump_folder, exist_ok=True)
             path = os.path.join(config.dump_folder, RUN_CONFIG_FILE)
             changes = config_changes(path, config.run_toml)
             if changes:
-                logger.warning(f"the config differs from the one of the run already in {config.dump_folder}: {changes}")
+                logger.warning(
+                    f"the config differs from the one of the run already in {config.dump_folder}: {changes}"
+                )
             write_atomic(path, config.run_toml)
 
     def _on_disk(self) -> str:
@@ -235,30 +252,49 @@ class CanonTrainer(QueuedCopies, Trainer):
                 self.checkpointer.sd_adapter.read_source(ckpt.initial_load_path)
             if plan.resumes:
                 self._prepare_resume(plan)
-                self.checkpointer.before_fallback = self._resume_from  # a damaged one's fallback, checked alike
-        untrue = _DropRecord("Training completed", when=lambda: self._preempting and
-                             self.step < self.config.training.steps)  # TorchTitan says it however the loop ends
+                self.checkpointer.before_fallback = (
+                    self._resume_from
+                )  # a damaged one's fallback, checked alike
+        untrue = _DropRecord(
+            "Training completed",
+            when=lambda: self._preempting and self.step < self.config.training.steps,
+        )  # TorchTitan says it however the loop ends
         logger.addFilter(untrue)
         try:
             super().train()
         finally:
             logger.removeFilter(untrue)
         self._read_verdicts(self.step)  # where the loop ended early (the data ran out)
-        if self.checkpointer.force_next_save:  # a stop request read only now: the step it stops at is saved
+        if (
+            self.checkpointer.force_next_save
+        ):  # a stop request read only now: the step it stops at is saved
             self.checkpointer.save(self.step)
         runtime.end_barrier()  # every rank has left the loop (TorchTitan's own 2-second sleep, shimmed)
         if self.stop_signals.requested and self.step >= self.config.training.steps:
-            logger.info(f"the stop signal came during or after the last step ({self.step}): the run is complete")
+            logger.info(
+                f"the stop signal came during or after the last step ({self.step}): the run is complete"
+            )
         last = self._last_verdict
         if last is not None and not last.applied:  # every step skipped, the last in_a_row of them
-            raise Diverged(f"every step this run trained ({last.in_a_row}) was skipped "
-                           "([divergence]), so it trained nothing; "
-                           f"{self.checkpointer.resume_hint(self.step + 1)}")
+            raise Diverged(
+                f"every step this run trained ({last.in_a_row}) was skipped "
+                "([divergence]), so it trained nothing; "
+                f"{self.checkpointer.resume_hint(self.step + 1)}"
+            )
         if self._preempting and self.step < self.config.training.steps:
             if not ckpt.enable:
-                raise Preempted(f"preempted at step {self.step}; nothing saved ([checkpoint] enable = false)")
-            raise Preempted(f"preempted at step {self.step}, checkpoint saved, resume with the same command")
-        if ckpt.enable and ckpt.last_save_in_hf and not ckpt.load_only and self.step >= self.config.training.steps:
+                raise Preempted(
+                    f"preempted at step {self.step}; nothing saved ([checkpoint] enable = false)"
+                )
+            raise Preempted(
+                f"preempted at step {self.step}, checkpoint saved, resume with the same command"
+            )
+        if (
+            ckpt.enable
+            and ckpt.last_save_in_hf
+            and not ckpt.load_only
+            and self.step >= self.config.training.steps
+        ):
             self._complete_hf_export()
 
     def post_dataloading_process(self, input_dict, labels):
@@ -266,28 +302,44 @@ class CanonTrainer(QueuedCopies, Trainer):
         the attention and Canon layers need (``ContextShards``); TorchTitan's own path otherwise."""
         if not self.parallel_dims.cp_enabled:
             return super().post_dataloading_process(input_dict, labels)
-        inputs, labels, extra = context_parallel_inputs(input_dict, labels, self.parallel_dims.get_mesh("cp"),
-                                                        self.config.parallelism.context_parallel_load_balancer)
+        inputs, labels, extra = context_parallel_inputs(
+            input_dict,
+            labels,
+            self.parallel_dims.get_mesh("cp"),
+            self.config.parallelism.context_parallel_load_balancer,
+        )
         self.ntokens_seen += labels.numel()
         return inputs, labels, extra
 
     def _resume_plan(self) -> ResumePlan:
         """Where this run resumes (``resume_point``), and what of that checkpoint it takes."""
         ckpt = self.config.checkpoint
-        step, skipped = resume_point(self.checkpointer.folder, ckpt.load_step, self.config.training.steps,
-                                     self.config.dump_folder)
+        step, skipped = resume_point(
+            self.checkpointer.folder,
+            ckpt.load_step,
+            self.config.training.steps,
+            self.config.dump_folder,
+        )
         plan = ResumePlan(step=step, skipped=skipped, resumes=step >= 0 and not ckpt.load_only)
-        return self._checked(plan, Path(self.checkpointer.folder) / f"step-{step}") if plan.resumes else plan
+        return (
+            self._checked(plan, Path(self.checkpointer.folder) / f"step-{step}")
+            if plan.resumes
+            else plan
+        )
 
     def _checked(self, plan: ResumePlan, step_dir: Path) -> ResumePlan:
         """``plan`` with what the run takes of ``step_dir``, read from its metadata; ResumeRefused for a
         checkpoint that cannot continue this run (``check_resume``)."""
-        verdict = check_resume(step_dir, shapes=self.checkpointer.sd_adapter.shapes, model=self.config.model_label,
-                               fingerprint=getattr(self.dataloader, "fingerprint", ""),
-                               allow_changed_data=self.config.allow_changed_data,
-                               dp_size=getattr(self.dataloader, "dp_world_size", 1),
-                               global_batch=self.global_batch_size,
-                               batch_explicit=self.config.training.global_batch_size > 0)
+        verdict = check_resume(
+            step_dir,
+            shapes=self.checkpointer.sd_adapter.shapes,
+            model=self.config.model_label,
+            fingerprint=getattr(self.dataloader, "fingerprint", ""),
+            allow_changed_data=self.config.allow_changed_data,
+            dp_size=getattr(self.dataloader, "dp_world_size", 1),
+            global_batch=self.global_batch_size,
+            batch_explicit=self.config.training.global_batch_size > 0,
+        )
         plan.warnings, plan.new_data_pass = verdict.warnings, verdict.new_data_pass
         plan.model_only = loads_model_only(step_dir)
         if not plan.model_only:
@@ -298,8 +350,9 @@ class CanonTrainer(QueuedCopies, Trainer):
         """The checkpoint a load falls back to (every rank is there), checked as the first one was."""
         step = int(step_dir.name.removeprefix("step-"))
         fallback = ResumePlan(step=step, skipped=[], resumes=True)
-        plan = rank_zero_decides(lambda: self._checked(fallback, step_dir), "where to resume",
-                                 refusals=RESUME_REFUSALS)
+        plan = rank_zero_decides(
+            lambda: self._checked(fallback, step_dir), "where to resume", refusals=RESUME_REFUSALS
+        )
         for message in plan.warnings:
             logger.warning(message)
         self._prepare_resume(plan)
@@ -332,9 +385,16 @@ class CanonTrainer(QueuedCopies, Trainer):
         folder = Path(self.checkpointer.folder) / f"step-{self.step}"
         # The per-rank files the safetensors writer consolidated from: a second copy of the weights.
         shutil.rmtree(folder / "sharded", ignore_errors=True)
-        dtype = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[self.config.checkpoint.export_dtype]
-        write_hf_files(folder, self.checkpointer.sd_adapter, dtype=dtype, max_seq_len=self.config.training.seq_len,
-                       tokenizer=tokenizer_info(self.config.tokenizer_kind, self.config.hf_assets_path))
+        dtype = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[
+            self.config.checkpoint.export_dtype
+        ]
+        write_hf_files(
+            folder,
+            self.checkpointer.sd_adapter,
+            dtype=dtype,
+            max_seq_len=self.config.training.seq_len,
+            tokenizer=tokenizer_info(self.config.tokenizer_kind, self.config.hf_assets_path),
+        )
         logger.info(f"Wrote a Hugging Face export of step {self.step} to {folder}")
 
     def forward_backward_step(self, **kwargs) -> torch.Tensor:
@@ -349,7 +409,9 @@ class CanonTrainer(QueuedCopies, Trainer):
         self._group_losses.append(part)
         if len(self._group_losses) == self.gradient_accumulation_steps:
             if self.parallel_dims.tp_enabled:
-                sum_partial_gradients(self.model_parts, self.parallel_dims.get_mesh("tp").get_group())
+                sum_partial_gradients(
+                    self.model_parts, self.parallel_dims.get_mesh("tp").get_group()
+                )
             self._judge_step(holds_loss)
         return loss
 
@@ -358,8 +420,14 @@ class CanonTrainer(QueuedCopies, Trainer):
         (``new_full`` fills on the device: a tensor made from a host value would be a copy that waits)."""
         step_loss = functools.reduce(torch.add, self._group_losses)
         self._group_losses = []
-        stats = torch.stack([step_loss, step_loss.new_full((), float(holds_loss)),
-                             step_loss.new_full((), float(self.stop_signals.requested)), self._nonfinite_gradients()])
+        stats = torch.stack(
+            [
+                step_loss,
+                step_loss.new_full((), float(holds_loss)),
+                step_loss.new_full((), float(self.stop_signals.requested)),
+                self._nonfinite_gradients(),
+            ]
+        )
         if torch.distributed.is_initialized():
             torch.distributed.all_reduce(stats)
         loss_sum, holders, stop, nonfinite_gradients = stats.unbind()
@@ -377,7 +445,12 @@ class CanonTrainer(QueuedCopies, Trainer):
         if not local:
             return torch.zeros((), device=self.device)
         # The max-norm: a 2-norm of finite fp32 values above ~1e19 overflows to inf.
-        return torch.nn.utils.get_total_norm(local, norm_type=math.inf).isfinite().logical_not().float()
+        return (
+            torch.nn.utils.get_total_norm(local, norm_type=math.inf)
+            .isfinite()
+            .logical_not()
+            .float()
+        )
 
     def _read_verdicts(self, through: int) -> None:
         """Act on the records of the steps up to ``through`` not yet read: say which were skipped,
@@ -386,8 +459,10 @@ class CanonTrainer(QueuedCopies, Trainer):
         for step, values in self._records.take(through):
             verdict = self._last_verdict = self.loss_guard.verdict(step, values[:RECORD_SIZE])
             if verdict.stop:
-                raise Diverged(f"{verdict.problem}: the run stops before saving it; "
-                               f"{self.checkpointer.resume_hint(step + 1)}")
+                raise Diverged(
+                    f"{verdict.problem}: the run stops before saving it; "
+                    f"{self.checkpointer.resume_hint(step + 1)}"
+                )
             if verdict.skipped:
                 logger.warning(f"{verdict.problem}: its update is skipped ([divergence] section)")
             if values[RECORD_SIZE] and not self._preempting:
@@ -399,8 +474,11 @@ class CanonTrainer(QueuedCopies, Trainer):
         a logged step (its loss is read anyway), a step whose checkpoint is written (none of a step
         that stops the run), the last step."""
         step, steps = self.step, self.config.training.steps
-        return (self.metrics_processor.should_log(step) or step >= steps
-                or self.checkpointer._should_save(step, last_step=step == steps))
+        return (
+            self.metrics_processor.should_log(step)
+            or step >= steps
+            or self.checkpointer._should_save(step, last_step=step == steps)
+        )
 
     def should_continue_training(self) -> bool:
         return not self._preempting and super().should_continue_training()
@@ -412,7 +490,9 @@ class CanonTrainer(QueuedCopies, Trainer):
         if self.evaluator is not None and self.evaluator.cut_short_before(self.step - 1):
             self._evaluate(self.step - 1)  # its weights: this step has not run yet
         try:
-            self.queued_train_step(data_iterator)  # TorchTitan's step, its host-to-device copies queued
+            self.queued_train_step(
+                data_iterator
+            )  # TorchTitan's step, its host-to-device copies queued
         except NonFiniteLoss:  # on a logged step: a step the guard skipped goes on
             self._read_verdicts(self.step)
             last = self._last_verdict
@@ -437,8 +517,9 @@ class CanonTrainer(QueuedCopies, Trainer):
     def _evaluate(self, step: int) -> None:
         """The in-training evaluation of the weights of ``step``; one a stop signal cut short saves
         the step reached and stops, as the signal asks."""
-        metrics = self.evaluator.run(self.model_parts, step,
-                                     stop=lambda: self.stop_signals.requested)
+        metrics = self.evaluator.run(
+            self.model_parts, step, stop=lambda: self.stop_signals.requested
+        )
         self.metrics_processor.logger.log(metrics, step)
         if self.evaluator.cut_short and not self._preempting:
             self._preempting = True

@@ -58,12 +58,16 @@ def ancestors(parents: list[list[int]], node: int) -> set[int]:
     return found
 
 
-def random_topological_order(rng: random.Random, parents: list[list[int]], nodes: set[int], last: int) -> list[int]:
+def random_topological_order(
+    rng: random.Random, parents: list[list[int]], nodes: set[int], last: int
+) -> list[int]:
     """Kahn's algorithm over ``nodes`` with a random choice among ready nodes; ``last`` comes last."""
     waiting = {v: {p for p in parents[v] if p in nodes} for v in nodes}
     order = []
     while waiting:
-        ready = sorted(v for v, ps in waiting.items() if not ps and (v != last or len(waiting) == 1))
+        ready = sorted(
+            v for v, ps in waiting.items() if not ps and (v != last or len(waiting) == 1)
+        )
         chosen = rng.choice(ready)
         order.append(chosen)
         del waiting[chosen]
@@ -76,8 +80,16 @@ def generate(params: BrevoParams, rng: random.Random, *, test: bool = False) -> 
     n = params.N if test else sample_size(rng, params.N)
     parents = random_dag(rng, n)
     ids = rng.sample(range(1, params.N + 1), n)
-    names = ([list(w) for w in multi_token_words(rng, n, params.mini_vocab, params.min_word_len, params.max_word_len)]
-             if params.multi_token else [[i] for i in ids])
+    names = (
+        [
+            list(w)
+            for w in multi_token_words(
+                rng, n, params.mini_vocab, params.min_word_len, params.max_word_len
+            )
+        ]
+        if params.multi_token
+        else [[i] for i in ids]
+    )
     query = n - 1
     answer = random_topological_order(rng, parents, ancestors(parents, query) | {query}, query)
     edges = [(p, c) for c in range(n) for p in parents[c]]
@@ -90,7 +102,9 @@ def generate(params: BrevoParams, rng: random.Random, *, test: bool = False) -> 
     answer_tokens = [ANSWER] + [t for v in answer for t in names[v]] + [ANSWER]
     tokens += answer_tokens
     labels += [1] * len(answer_tokens)
-    return Sample(tokens, labels, {"n": n, "depth": depth(parents, query), "answer_nodes": len(answer)})
+    return Sample(
+        tokens, labels, {"n": n, "depth": depth(parents, query), "answer_nodes": len(answer)}
+    )
 
 
 def depth(parents: list[list[int]], node: int) -> int:

@@ -25,8 +25,20 @@ from synthetic_data.common import TaskParamError
 
 FIELDS_DIR = Path(__file__).parent / "capo_fields"
 ATTRIBUTES = ("birthday", "birth_city", "university", "field", "company", "company_city")
-MONTHS = ("January", "February", "March", "April", "May", "June", "July", "August", "September",
-          "October", "November", "December")
+MONTHS = (
+    "January",
+    "February",
+    "March",
+    "April",
+    "May",
+    "June",
+    "July",
+    "August",
+    "September",
+    "October",
+    "November",
+    "December",
+)
 
 
 @dataclass
@@ -87,7 +99,11 @@ def templates(attribute: str) -> tuple[str, ...]:
 
 def unique_names(rng: random.Random, count: int) -> list[tuple[str, str, str]]:
     """``count`` distinct (first, middle, last) names drawn from the lists."""
-    first, middle, last = word_list("first_names"), word_list("middle_names"), word_list("last_names")
+    first, middle, last = (
+        word_list("first_names"),
+        word_list("middle_names"),
+        word_list("last_names"),
+    )
     if count > len(first) * len(middle) * len(last) // 2:
         raise ValueError(f"{count} people are too many for the name lists")
     names: dict[tuple[str, str, str], None] = {}
@@ -99,7 +115,9 @@ def unique_names(rng: random.Random, count: int) -> list[tuple[str, str, str]]:
 def population(params: CapoParams) -> list[Person]:
     """The people, deterministic from ``population_seed``; full names are unique."""
     if params.min_year > params.max_year:
-        raise TaskParamError("max_year", f"is {params.max_year}, below min_year = {params.min_year}")
+        raise TaskParamError(
+            "max_year", f"is {params.max_year}, below min_year = {params.min_year}"
+        )
     rng = random.Random(f"capo-population/{params.population_seed}")
     try:
         names = unique_names(rng, params.individuals)
@@ -111,9 +129,18 @@ def population(params: CapoParams) -> list[Person]:
     for name in names:
         company, company_city = (part.strip() for part in rng.choice(companies).split(";"))
         birthday = f"{rng.choice(MONTHS)} {rng.randint(1, 28)}, {rng.randint(params.min_year, params.max_year)}"
-        people.append(Person(len(people), *name, birthday=birthday, birth_city=rng.choice(cities),
-                             university=rng.choice(universities), field=rng.choice(fields),
-                             company=company, company_city=company_city))
+        people.append(
+            Person(
+                len(people),
+                *name,
+                birthday=birthday,
+                birth_city=rng.choice(cities),
+                university=rng.choice(universities),
+                field=rng.choice(fields),
+                company=company,
+                company_city=company_city,
+            )
+        )
     return people
 
 
@@ -170,9 +197,9 @@ def permute_text(text: str, person: Person, rng: random.Random) -> str:
     out = []
     for i, s in enumerate(sentences):
         if i == 0 and s.startswith(person.pronoun + " "):
-            s = person.name + s[len(person.pronoun):]
+            s = person.name + s[len(person.pronoun) :]
         elif i > 0 and s.startswith(person.name + " "):
-            s = person.pronoun + s[len(person.name):]
+            s = person.pronoun + s[len(person.name) :]
         out.append(s)
     return " ".join(out)
 
@@ -188,9 +215,13 @@ def load_bior(path: str | Path, people: list[Person]) -> list[tuple[int, str]]:
                 record = json.loads(line)
                 pid, text = int(record["id"]), str(record["text"])
             except (ValueError, KeyError, TypeError) as e:
-                raise ValueError(f"{path}:{number}: expected {{\"id\": int, \"text\": str}}: {e}") from None
+                raise ValueError(
+                    f'{path}:{number}: expected {{"id": int, "text": str}}: {e}'
+                ) from None
             if not 0 <= pid < len(people):
-                raise ValueError(f"{path}:{number}: id {pid} outside the population (0..{len(people) - 1})")
+                raise ValueError(
+                    f"{path}:{number}: id {pid} outside the population (0..{len(people) - 1})"
+                )
             records.append((pid, text))
     if not records:
         raise ValueError(f"{path}: no biographies")
@@ -199,12 +230,22 @@ def load_bior(path: str | Path, people: list[Person]) -> list[tuple[int, str]]:
 
 def bior_prompt(person: Person, rng: random.Random) -> str:
     """A prompt asking a language model for a bioR biography of ``person`` (facts in random order)."""
-    facts = [f"was born on {person.birthday}", f"was born in {person.birth_city}", f"studied at {person.university}",
-             f"majored in {person.field}", f"worked for {person.company}", f"worked in {person.company_city}"]
+    facts = [
+        f"was born on {person.birthday}",
+        f"was born in {person.birth_city}",
+        f"studied at {person.university}",
+        f"majored in {person.field}",
+        f"worked for {person.company}",
+        f"worked in {person.company_city}",
+    ]
     rng.shuffle(facts)
-    return (f"Write a 50-200 word biography of a fictional person named {person.name} "
-            f"({person.pronoun.lower()}/{person.possessive}) who " + ", ".join(facts[:-1]) + f" and {facts[-1]}. "
-            "Mention every one of these facts exactly once, and nothing else that could contradict them.")
+    return (
+        f"Write a 50-200 word biography of a fictional person named {person.name} "
+        f"({person.pronoun.lower()}/{person.possessive}) who "
+        + ", ".join(facts[:-1])
+        + f" and {facts[-1]}. "
+        "Mention every one of these facts exactly once, and nothing else that could contradict them."
+    )
 
 
 def question(person: Person, attribute: str, rng: random.Random) -> tuple[str, str]:

@@ -38,7 +38,9 @@ def sample_size(rng: random.Random, largest: int, smallest: int = 3) -> int:
     return rng.choices(sizes, weights=[1 / (n + math.sqrt(largest)) for n in sizes])[0]
 
 
-def multi_token_words(rng: random.Random, n: int, mini_vocab: int, min_len: int, max_len: int) -> list[tuple[int, ...]]:
+def multi_token_words(
+    rng: random.Random, n: int, mini_vocab: int, min_len: int, max_len: int
+) -> list[tuple[int, ...]]:
     """``n`` distinct words of ``min_len..max_len`` tokens in 1..mini_vocab; the last token of a
     word is shifted by ``mini_vocab`` (ids mini_vocab+1..2*mini_vocab mark word ends)."""
     words: set[tuple[int, ...]] = set()

@@ -45,7 +45,9 @@ def test_hops(K: int) -> list[int]:
     return sorted(hops)
 
 
-def generate(params: DepoParams, rng: random.Random, *, test: bool = False, hops: int | None = None) -> Sample:
+def generate(
+    params: DepoParams, rng: random.Random, *, test: bool = False, hops: int | None = None
+) -> Sample:
     n = params.N if test else sample_size(rng, params.N)
     words = multi_token_words(rng, n, params.mini_vocab, params.min_word_len, params.max_word_len)
     tokens, labels = [BOS], [0]
@@ -55,7 +57,11 @@ def generate(params: DepoParams, rng: random.Random, *, test: bool = False, hops
         labels += [0] * len(edge)
     queries = []
     for source in rng.sample(range(n), min(n, params.queries)):
-        k = hops if hops is not None else (rng.choice(test_hops(params.K)) if test else rng.randint(1, params.K))
+        k = (
+            hops
+            if hops is not None
+            else (rng.choice(test_hops(params.K)) if test else rng.randint(1, params.K))
+        )
         answer = words[(source + k) % n]
         prompt = [HOP_BASE + k] + list(words[source])
         tokens += prompt + [ANSWER] + list(answer)

@@ -36,18 +36,24 @@ class Grammar:
     def from_json(cls, data: dict) -> Grammar:
         depth, sizes = data["depth"], list(data["sizes"])
         if len(sizes) != depth + 1 or sizes[0] != 1:
-            raise ValueError(f"grammar: sizes {sizes} must have depth+1 = {depth + 1} levels and one root")
+            raise ValueError(
+                f"grammar: sizes {sizes} must have depth+1 = {depth + 1} levels and one root"
+            )
         rules = []
         for level in range(depth):
             symbols = data["all"][level]
             if len(symbols) != sizes[level]:
-                raise ValueError(f"grammar: level {level} lists {len(symbols)} symbols, sizes says {sizes[level]}")
+                raise ValueError(
+                    f"grammar: level {level} lists {len(symbols)} symbols, sizes says {sizes[level]}"
+                )
             level_rules = []
             for symbol in symbols:
                 children = [tuple(rule) for rule in symbol["children"]]
                 for rule in children:
                     if not rule or any(not 0 <= c < sizes[level + 1] for c in rule):
-                        raise ValueError(f"grammar: rule {list(rule)} of {symbol.get('name')} points outside level {level + 1}")
+                        raise ValueError(
+                            f"grammar: rule {list(rule)} of {symbol.get('name')} points outside level {level + 1}"
+                        )
                 level_rules.append(children)
             rules.append(level_rules)
         return cls(depth, sizes, rules)
@@ -61,11 +67,19 @@ class Grammar:
             next_id += self.sizes[level]
         idx = [level_ids[level] for level in range(self.depth + 1)]
         all_levels = [
-            [{"name": f"L{level}S{j}", "id": level_ids[level][j], "children": [list(r) for r in self.rules[level][j]]}
-             for j in range(self.sizes[level])]
+            [
+                {
+                    "name": f"L{level}S{j}",
+                    "id": level_ids[level][j],
+                    "children": [list(r) for r in self.rules[level][j]],
+                }
+                for j in range(self.sizes[level])
+            ]
             for level in range(self.depth)
         ]
-        all_levels.append([{"name": f"T{t}", "id": t, "children": []} for t in level_ids[self.depth]])
+        all_levels.append(
+            [{"name": f"T{t}", "id": t, "children": []} for t in level_ids[self.depth]]
+        )
         return {"depth": self.depth, "sizes": self.sizes, "idx": idx, "all": all_levels}
 
     @classmethod
@@ -95,7 +109,11 @@ class Grammar:
         @lru_cache(maxsize=None)
         def ends(level: int, symbol: int, start: int) -> frozenset[int]:
             if level == self.depth:
-                return frozenset((start + 1,)) if start < n and sentence[start] == symbol + 1 else frozenset()
+                return (
+                    frozenset((start + 1,))
+                    if start < n and sentence[start] == symbol + 1
+                    else frozenset()
+                )
             found: set[int] = set()
             for rule in self.rules[level][symbol]:
                 positions = {start}
@@ -114,8 +132,12 @@ class Grammar:
             sys.setrecursionlimit(limit)
 
 
-def sample_grammar(rng: random.Random, sizes: list[int], rules_per_symbol: tuple[int, int] = (2, 3),
-                   rule_lengths: tuple[int, int] = (2, 3)) -> Grammar:
+def sample_grammar(
+    rng: random.Random,
+    sizes: list[int],
+    rules_per_symbol: tuple[int, int] = (2, 3),
+    rule_lengths: tuple[int, int] = (2, 3),
+) -> Grammar:
     """A new grammar with the given level sizes (sizes[0] = 1 root, sizes[-1] = terminals), each
     non-terminal having ``rules_per_symbol`` distinct rules of ``rule_lengths`` symbols."""
     depth = len(sizes) - 1
@@ -126,7 +148,9 @@ def sample_grammar(rng: random.Random, sizes: list[int], rules_per_symbol: tuple
             count = rng.randint(*rules_per_symbol)
             chosen: list[tuple[int, ...]] = []
             while len(chosen) < count:
-                rule = tuple(rng.randrange(sizes[level + 1]) for _ in range(rng.randint(*rule_lengths)))
+                rule = tuple(
+                    rng.randrange(sizes[level + 1]) for _ in range(rng.randint(*rule_lengths))
+                )
                 if rule not in chosen:
                     chosen.append(rule)
             level_rules.append(chosen)
@@ -154,12 +178,19 @@ def build_grammar(params: LanoParams) -> Grammar:
         try:
             return Grammar.load(params.grammar)
         except OSError as e:
-            raise TaskParamError("grammar", f"cannot read {params.grammar}: {e.strerror or e}") from None
+            raise TaskParamError(
+                "grammar", f"cannot read {params.grammar}: {e.strerror or e}"
+            ) from None
         except (ValueError, KeyError, TypeError, IndexError) as e:
-            raise TaskParamError("grammar", f"{params.grammar} is not a grammar in the reference JSON layout "
-                                 f"(depth, sizes, idx, all): {type(e).__name__}: {e}") from None
+            raise TaskParamError(
+                "grammar",
+                f"{params.grammar} is not a grammar in the reference JSON layout "
+                f"(depth, sizes, idx, all): {type(e).__name__}: {e}",
+            ) from None
     if len(params.sizes) < 2 or params.sizes[0] != 1 or min(params.sizes) < 1:
-        raise TaskParamError("sizes", f"is {params.sizes}; need a root level of 1 symbol and at least one more level")
+        raise TaskParamError(
+            "sizes", f"is {params.sizes}; need a root level of 1 symbol and at least one more level"
+        )
     for name in ("rules_per_symbol", "rule_lengths"):
         low_high = getattr(params, name)
         if len(low_high) != 2 or not 1 <= low_high[0] <= low_high[1]:
@@ -167,10 +198,17 @@ def build_grammar(params: LanoParams) -> Grammar:
     narrowest = min(params.sizes[1:])
     possible = sum(narrowest**n for n in range(params.rule_lengths[0], params.rule_lengths[1] + 1))
     if params.rules_per_symbol[1] > possible:
-        raise TaskParamError("rules_per_symbol", f"is {params.rules_per_symbol}, but a level of {narrowest} "
-                             f"symbols allows only {possible} distinct rules of {params.rule_lengths} symbols")
-    return sample_grammar(random.Random(f"lano-grammar/{params.grammar_seed}"), params.sizes,
-                          tuple(params.rules_per_symbol), tuple(params.rule_lengths))
+        raise TaskParamError(
+            "rules_per_symbol",
+            f"is {params.rules_per_symbol}, but a level of {narrowest} "
+            f"symbols allows only {possible} distinct rules of {params.rule_lengths} symbols",
+        )
+    return sample_grammar(
+        random.Random(f"lano-grammar/{params.grammar_seed}"),
+        params.sizes,
+        tuple(params.rules_per_symbol),
+        tuple(params.rule_lengths),
+    )
 
 
 def length_range(grammar: Grammar) -> tuple[int, int]:

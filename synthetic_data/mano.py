@@ -69,7 +69,11 @@ def generate(params: ManoParams, rng: random.Random, *, test: bool = False) -> S
             continue
     jitter = (lambda: rng.randint(0, 1)) if params.knowledge_augment else (lambda: 0)
     bos = BOS - jitter()
-    tokens = [bos, 10 * length + jitter()] + expression + [10 * length + 4 + jitter(), LEAF_BASE + answer]
+    tokens = (
+        [bos, 10 * length + jitter()]
+        + expression
+        + [10 * length + 4 + jitter(), LEAF_BASE + answer]
+    )
     labels = [0] * (len(tokens) - 1) + [1]
     return Sample(tokens, labels, {"length": length, "answer": answer})
 

@@ -27,15 +27,24 @@ PAD = 0
 
 def _word_params(params, largest_n: int) -> None:
     if params.min_word_len < 1:
-        raise TaskParamError("min_word_len", f"is {params.min_word_len}; words need at least 1 token")
+        raise TaskParamError(
+            "min_word_len", f"is {params.min_word_len}; words need at least 1 token"
+        )
     if params.max_word_len < params.min_word_len:
-        raise TaskParamError("max_word_len", f"is {params.max_word_len}, below min_word_len = {params.min_word_len}")
+        raise TaskParamError(
+            "max_word_len", f"is {params.max_word_len}, below min_word_len = {params.min_word_len}"
+        )
     if params.mini_vocab < 1:
         raise TaskParamError("mini_vocab", f"is {params.mini_vocab}; it must be >= 1")
-    capacity = sum(params.mini_vocab**n for n in range(params.min_word_len, params.max_word_len + 1))
+    capacity = sum(
+        params.mini_vocab**n for n in range(params.min_word_len, params.max_word_len + 1)
+    )
     if capacity < largest_n:
-        raise TaskParamError("N", f"is {largest_n}, but mini_vocab = {params.mini_vocab} with words of "
-                             f"{params.min_word_len}-{params.max_word_len} tokens makes only {capacity} distinct words")
+        raise TaskParamError(
+            "N",
+            f"is {largest_n}, but mini_vocab = {params.mini_vocab} with words of "
+            f"{params.min_word_len}-{params.max_word_len} tokens makes only {capacity} distinct words",
+        )
 
 
 @dataclass
@@ -95,7 +104,9 @@ class DepoTask(Task):
         if params.queries < 1:
             raise TaskParamError("queries", f"is {params.queries}; it must be >= 1")
         if 2 * params.mini_vocab >= depo.HOP_BASE:
-            raise TaskParamError("mini_vocab", f"is {params.mini_vocab}; word tokens must stay below 9000")
+            raise TaskParamError(
+                "mini_vocab", f"is {params.mini_vocab}; word tokens must stay below 9000"
+            )
         _word_params(params, params.N)
 
     def train_sample(self, rng):
@@ -114,8 +125,15 @@ class DepoTask(Task):
                 sample = depo.generate(p, _test_rng(seed, f"depo-k{k}", index), test=True, hops=k)
                 marks = [i for i, t in enumerate(sample.tokens) if t == depo.ANSWER]
                 for at, query in zip(marks, sample.meta["queries"]):
-                    group.append(TestItem(sample.tokens[: at + 1], f"k={k}", query["answer"], p.max_word_len,
-                                          frozenset(range(p.mini_vocab + 1, 2 * p.mini_vocab + 1))))
+                    group.append(
+                        TestItem(
+                            sample.tokens[: at + 1],
+                            f"k={k}",
+                            query["answer"],
+                            p.max_word_len,
+                            frozenset(range(p.mini_vocab + 1, 2 * p.mini_vocab + 1)),
+                        )
+                    )
                 index += 1
             items += group[:count]
         return items
@@ -135,7 +153,9 @@ class BrevoTask(Task):
         if params.multi_token:
             _word_params(params, params.N)
             if 2 * params.mini_vocab >= brevo.QUERY:
-                raise TaskParamError("mini_vocab", f"is {params.mini_vocab}; word tokens must stay below 9997")
+                raise TaskParamError(
+                    "mini_vocab", f"is {params.mini_vocab}; word tokens must stay below 9997"
+                )
         self.word = params.max_word_len if params.multi_token else 1
 
     def train_sample(self, rng):
@@ -153,8 +173,15 @@ class BrevoTask(Task):
         for index in range(4 * count):
             sample = brevo.generate(self.params, _test_rng(seed, "brevo", index), test=True)
             at = sample.tokens.index(brevo.ANSWER)
-            items.append(TestItem(sample.tokens[: at + 1], f"depth={sample.meta['depth']}", sample.tokens[at + 1 :],
-                                  self.params.N * self.word + 1, frozenset({brevo.ANSWER})))
+            items.append(
+                TestItem(
+                    sample.tokens[: at + 1],
+                    f"depth={sample.meta['depth']}",
+                    sample.tokens[at + 1 :],
+                    self.params.N * self.word + 1,
+                    frozenset({brevo.ANSWER}),
+                )
+            )
         return sorted(items, key=lambda item: int(item.group.split("=")[1]))
 
     def test_set(self, count):
@@ -176,7 +203,9 @@ class ManoTask(Task):
         if not 1 <= params.L < 499:
             raise TaskParamError("L", f"is {params.L}; length tokens 10*L+5 need 1 <= L < 499")
         if not params.operators or set(params.operators) - set(mano.OPERATORS):
-            raise TaskParamError("operators", f"is {params.operators!r}; use a non-empty subset of '+-*/'")
+            raise TaskParamError(
+                "operators", f"is {params.operators!r}; use a non-empty subset of '+-*/'"
+            )
 
     def train_sample(self, rng):
         return mano.generate(self.params, rng)
@@ -192,8 +221,11 @@ class ManoTask(Task):
         items = []
         for length in self.test_lengths():
             for index in range(count):
-                sample = mano.generate(dataclasses.replace(self.params, L=length),
-                                       _test_rng(seed, f"mano-l{length}", index), test=True)
+                sample = mano.generate(
+                    dataclasses.replace(self.params, L=length),
+                    _test_rng(seed, f"mano-l{length}", index),
+                    test=True,
+                )
                 items.append(TestItem(sample.tokens[:-1], f"L={length}", sample.tokens[-1:], 1))
         return items
 
@@ -210,13 +242,19 @@ class LanoTask(Task):
         self.grammar = lano.build_grammar(params)
         self.eos = self.grammar.num_terminals + 1
         if self.eos >= BOS:
-            raise TaskParamError("grammar" if params.grammar else "sizes",
-                                 f"{self.grammar.num_terminals} terminals: ids must stay below {BOS}")
+            raise TaskParamError(
+                "grammar" if params.grammar else "sizes",
+                f"{self.grammar.num_terminals} terminals: ids must stay below {BOS}",
+            )
         self.shortest, self.longest = lano.length_range(self.grammar)
 
     def train_sample(self, rng):
         sentence = self.grammar.generate(rng)
-        return Sample([BOS] + sentence + [self.eos], [0] + [1] * (len(sentence) + 1), {"length": len(sentence)})
+        return Sample(
+            [BOS] + sentence + [self.eos],
+            [0] + [1] * (len(sentence) + 1),
+            {"length": len(sentence)},
+        )
 
     def min_length(self) -> int:
         return self.shortest + 2
@@ -228,8 +266,15 @@ class LanoTask(Task):
             for index in range(count):
                 sentence = self.grammar.generate(_test_rng(seed, "lano", index))
                 cut = max(1, len(sentence) * percent // 100)
-                items.append(TestItem([BOS] + sentence[:cut], f"cut={percent}%", sentence[cut:] + [self.eos],
-                                      self.longest - cut + 1, frozenset({self.eos})))
+                items.append(
+                    TestItem(
+                        [BOS] + sentence[:cut],
+                        f"cut={percent}%",
+                        sentence[cut:] + [self.eos],
+                        self.longest - cut + 1,
+                        frozenset({self.eos}),
+                    )
+                )
         return items
 
     def test_set(self, count):
@@ -288,11 +333,23 @@ PRESETS = {
     "lano": (LanoTask, lano.LANO),
     "capo_bios": (CapoTask, capo.CAPO),
 }
-SECTION = {"depo1": "depo", "depo2": "depo", "brevo1": "brevo", "brevo2": "brevo", "mano": "mano",
-           "lano": "lano", "capo_bios": "capo"}
+SECTION = {
+    "depo1": "depo",
+    "depo2": "depo",
+    "brevo1": "brevo",
+    "brevo2": "brevo",
+    "mano": "mano",
+    "lano": "lano",
+    "capo_bios": "capo",
+}
 """The TOML section holding each dataset's parameters."""
-PARAMS = {"depo": depo.DepoParams, "brevo": brevo.BrevoParams, "mano": mano.ManoParams,
-          "lano": lano.LanoParams, "capo": capo.CapoParams}
+PARAMS = {
+    "depo": depo.DepoParams,
+    "brevo": brevo.BrevoParams,
+    "mano": mano.ManoParams,
+    "lano": lano.LanoParams,
+    "capo": capo.CapoParams,
+}
 
 
 def make_task(dataset: str, **overrides) -> Task:
@@ -306,8 +363,11 @@ def make_task(dataset: str, **overrides) -> Task:
 def changed_params(task: Task) -> dict[str, Any]:
     """The task's parameters that differ from its dataset's preset (what its label must say)."""
     preset = PRESETS[task.name][1]
-    return {f.name: getattr(task.params, f.name) for f in dataclasses.fields(task.params)
-            if getattr(task.params, f.name) != getattr(preset, f.name)}
+    return {
+        f.name: getattr(task.params, f.name)
+        for f in dataclasses.fields(task.params)
+        if getattr(task.params, f.name) != getattr(preset, f.name)
+    }
 
 
 def summarize(task: Task, items: list[TestItem], continuations: list) -> dict:
@@ -320,7 +380,13 @@ def summarize(task: Task, items: list[TestItem], continuations: list) -> dict:
         group["total"] += 1
         group["correct"] += right
         group["scores"].append(right)
-    correct, total = sum(g["correct"] for g in groups.values()), sum(g["total"] for g in groups.values())
+    correct, total = (
+        sum(g["correct"] for g in groups.values()),
+        sum(g["total"] for g in groups.values()),
+    )
     for group in groups.values():
         group["accuracy"] = group["correct"] / group["total"]
-    return {"groups": groups, "overall": {"correct": correct, "total": total, "accuracy": correct / max(total, 1)}}
+    return {
+        "groups": groups,
+        "overall": {"correct": correct, "total": total, "accuracy": correct / max(total, 1)},
+    }

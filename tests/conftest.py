@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from proc_tree import descendants
 
 # Triton decides when a kernel module is imported whether its kernels run in the interpreter; on a
@@ -21,7 +22,14 @@ REPO = Path(__file__).resolve().parent.parent
 DEBUG_CONFIG = REPO / "train_configs" / "llama_debug.toml"
 CONFIGS = {name: REPO / "train_configs" / f"{name}_debug.toml" for name in ("llama", "llama_canon")}
 # Short sequences and a loss/grad-norm value at every step, in TensorBoard, for comparisons.
-COMMON = ["--training.seq_len", "128", "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "true"]
+COMMON = [
+    "--training.seq_len",
+    "128",
+    "--metrics.log_freq",
+    "1",
+    "--metrics.enable_tensorboard",
+    "true",
+]
 
 
 def made_once(tmp_path_factory, name: str, make) -> Path:
@@ -58,9 +66,21 @@ def make_once(folder: Path, make) -> Path:
 def seed_checkpoint(model: str, tmp_path_factory) -> Path:
     """Initial weights written once per session by one process, so runs on any layout start from
     identical weights."""
-    made = made_once(tmp_path_factory, f"seed_{model}", lambda out: run_training(
-        1, COMMON + ["--job.dump_folder", str(out), "--checkpoint.enable", "--checkpoint.create_seed_checkpoint"],
-        config=CONFIGS[model]))
+    made = made_once(
+        tmp_path_factory,
+        f"seed_{model}",
+        lambda out: run_training(
+            1,
+            COMMON
+            + [
+                "--job.dump_folder",
+                str(out),
+                "--checkpoint.enable",
+                "--checkpoint.create_seed_checkpoint",
+            ],
+            config=CONFIGS[model],
+        ),
+    )
     return made / "checkpoint" / "step-0"
 
 
@@ -87,17 +107,25 @@ def make_checkpoint(tmp_path, overrides, config=CONFIGS["llama_canon"], seed=0):
     return run, step, model.eval()
 
 
-MC = [{"q": f"Item {i}: the sky on a clear day is", "choices": [" blue", " a green cat", " red"], "label": i % 3}
-      for i in range(6)]
-PPL = [{"text": f"Once upon a time there were {i} cats in a small house by the sea."} for i in range(3)]
+MC = [
+    {
+        "q": f"Item {i}: the sky on a clear day is",
+        "choices": [" blue", " a green cat", " red"],
+        "label": i % 3,
+    }
+    for i in range(6)
+]
+PPL = [
+    {"text": f"Once upon a time there were {i} cats in a small house by the sea."} for i in range(3)
+]
 TINY_TASKS = {
     "tiny_mc": "output_type: multiple_choice\ndoc_to_text: q\ndoc_to_choice: choices\ndoc_to_target: label\n"
-               "target_delimiter: ''\nmetric_list:\n  - metric: acc\n  - metric: acc_norm\n",
+    "target_delimiter: ''\nmetric_list:\n  - metric: acc\n  - metric: acc_norm\n",
     "tiny_gen": "output_type: generate_until\ndoc_to_text: q\ndoc_to_target: a\ntarget_delimiter: ''\n"
-                "generation_kwargs:\n  until: ['\\n']\n  max_gen_toks: 6\n  do_sample: false\n"
-                "metric_list:\n  - metric: exact_match\n",
+    "generation_kwargs:\n  until: ['\\n']\n  max_gen_toks: 6\n  do_sample: false\n"
+    "metric_list:\n  - metric: exact_match\n",
     "tiny_ppl": "output_type: loglikelihood_rolling\ndoc_to_text: ''\ndoc_to_target: text\n"
-                "metric_list:\n  - metric: word_perplexity\n  - metric: bits_per_byte\n",
+    "metric_list:\n  - metric: word_perplexity\n  - metric: bits_per_byte\n",
 }
 
 
@@ -108,8 +136,10 @@ def write_tiny_tasks(folder: Path, gen_rows: list[dict]) -> None:
     for name, rows in (("tiny_mc", MC), ("tiny_gen", gen_rows), ("tiny_ppl", PPL)):
         data = folder / f"{name}.jsonl"
         data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        (folder / f"{name}.yaml").write_text(f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
-                                             f"    test: {data}\ntest_split: test\n" + TINY_TASKS[name])
+        (folder / f"{name}.yaml").write_text(
+            f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+            f"    test: {data}\ntest_split: test\n" + TINY_TASKS[name]
+        )
 
 
 def start_from(seed_dir: Path, dump: Path) -> Path:
@@ -125,8 +155,18 @@ def free_port() -> int:
 
 
 def torchrun_cmd(nproc: int, config: Path, overrides: list[str]) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-            "-m", "canon_titan.train", "--config", str(config), *overrides]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "-m",
+        "canon_titan.train",
+        "--config",
+        str(config),
+        *overrides,
+    ]
 
 
 def train_env() -> dict:
@@ -135,10 +175,18 @@ def train_env() -> dict:
     return env
 
 
-def run_training(nproc: int, overrides: list[str], config: Path = DEBUG_CONFIG, timeout: int = 600) -> str:
+def run_training(
+    nproc: int, overrides: list[str], config: Path = DEBUG_CONFIG, timeout: int = 600
+) -> str:
     """Run a real torchrun training job; returns its output, fails the test on a non-zero exit."""
-    proc = subprocess.run(torchrun_cmd(nproc, config, overrides), cwd=REPO, env=train_env(),
-                          capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        torchrun_cmd(nproc, config, overrides),
+        cwd=REPO,
+        env=train_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"training failed (exit {proc.returncode}):\n{out[-6000:]}"
     return out
@@ -152,12 +200,23 @@ def kill_tree(pid: int) -> None:
             pass
 
 
-def run_training_until(nproc: int, overrides: list[str], stop_marker: str, config: Path = DEBUG_CONFIG,
-                       timeout: int = 600) -> str:
+def run_training_until(
+    nproc: int,
+    overrides: list[str],
+    stop_marker: str,
+    config: Path = DEBUG_CONFIG,
+    timeout: int = 600,
+) -> str:
     """Start training and SIGKILL torchrun and every worker once ``stop_marker`` is printed."""
-    proc = subprocess.Popen(torchrun_cmd(nproc, config, overrides), cwd=REPO, env=train_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        torchrun_cmd(nproc, config, overrides),
+        cwd=REPO,
+        env=train_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     lines = []
     try:
         for line in proc.stdout:

@@ -39,8 +39,10 @@ def kernel_path(*ops: str):
         yield mode.calls
     missing = [op for op in ops if not mode.calls[op]]
     if missing:
-        raise AssertionError(f"kernel path not taken: canon_titan::{', '.join(missing)} never ran (the backend fell "
-                             f"back to torch); custom ops that ran: {dict(mode.calls) or 'none'}")
+        raise AssertionError(
+            f"kernel path not taken: canon_titan::{', '.join(missing)} never ran (the backend fell "
+            f"back to torch); custom ops that ran: {dict(mode.calls) or 'none'}"
+        )
 
 
 def randn(gen: torch.Generator, *shape, dtype=torch.float32) -> torch.Tensor:

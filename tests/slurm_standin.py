@@ -31,8 +31,10 @@ KILL_WAIT_S = 5.0
 def install(bin_dir: Path) -> Path:
     bin_dir.mkdir(parents=True, exist_ok=True)
     for tool in ("srun", "scontrol"):
-        (bin_dir / tool).write_text(f'#!/bin/sh\nSLURM_STANDIN_DIR="{bin_dir}" exec "{sys.executable}" '
-                                    f'"{Path(__file__).resolve()}" {tool} "$@"\n')
+        (bin_dir / tool).write_text(
+            f'#!/bin/sh\nSLURM_STANDIN_DIR="{bin_dir}" exec "{sys.executable}" '
+            f'"{Path(__file__).resolve()}" {tool} "$@"\n'
+        )
         (bin_dir / tool).chmod(0o755)
     return bin_dir
 
@@ -59,8 +61,18 @@ def srun(argv: list[str]) -> int:
     slow = os.environ.get("SRUN_SLOW_NODE_S", "0")
     tasks = []
     for node in range(int(os.environ["SLURM_NNODES"])):
-        env = dict(os.environ, SLURM_NODEID=str(node), SLURM_PROCID=str(node), SLURM_LOCALID="0", SLURM_STEP_ID="0")
-        tasks.append(subprocess.Popen([sys.executable, __file__, "task", slow if node else "0", *argv], env=env))
+        env = dict(
+            os.environ,
+            SLURM_NODEID=str(node),
+            SLURM_PROCID=str(node),
+            SLURM_LOCALID="0",
+            SLURM_STEP_ID="0",
+        )
+        tasks.append(
+            subprocess.Popen(
+                [sys.executable, __file__, "task", slow if node else "0", *argv], env=env
+            )
+        )
     codes: dict[int, int] = {}
     killing_since = first_end = None
     while len(codes) < len(tasks):
@@ -69,7 +81,11 @@ def srun(argv: list[str]) -> int:
                 continue
             codes[node] = task.returncode
             first_end = first_end or time.monotonic()
-            print(f"srun stand-in: node {node} ended with {task.returncode}", file=sys.stderr, flush=True)
+            print(
+                f"srun stand-in: node {node} ended with {task.returncode}",
+                file=sys.stderr,
+                flush=True,
+            )
             if task.returncode != 0 and kill_on_bad_exit and killing_since is None:
                 killing_since = time.monotonic()
                 for other in tasks:

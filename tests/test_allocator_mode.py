@@ -17,15 +17,25 @@ from conftest import REPO
 MIB = 1 << 20
 
 
-@pytest.mark.parametrize("env, expandable", [
-    ({}, True),
-    ({"PYTORCH_ALLOC_CONF": "expandable_segments:False"}, False),
-    ({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"}, False),
-    ({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128,expandable_segments:True"}, True),
-    ({"PYTORCH_ALLOC_CONF": "expandable_segments:True", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}, True),
-])
+@pytest.mark.parametrize(
+    "env, expandable",
+    [
+        ({}, True),
+        ({"PYTORCH_ALLOC_CONF": "expandable_segments:False"}, False),
+        ({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"}, False),
+        ({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128,expandable_segments:True"}, True),
+        (
+            {
+                "PYTORCH_ALLOC_CONF": "expandable_segments:True",
+                "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False",
+            },
+            True,
+        ),
+    ],
+)
 def test_a_training_process_runs_with_expandable_segments_unless_the_environment_says_otherwise(
-        monkeypatch, env, expandable):
+    monkeypatch, env, expandable
+):
     """The mode the planner assumes is the one a training process sets itself: expandable segments where
     the environment leaves the allocator alone, the user's setting otherwise (PYTORCH_ALLOC_CONF first,
     as torch reads it)."""
@@ -35,11 +45,12 @@ def test_a_training_process_runs_with_expandable_segments_unless_the_environment
         monkeypatch.setenv(name, value)
     assert cuda_allocator.expandable_segments() == expandable
     cuda_allocator.use_expandable_segments()
-    import os
 
-    assert {name: os.environ.get(name) for name in cuda_allocator.SETTINGS} == \
-        ({"PYTORCH_ALLOC_CONF": "expandable_segments:True", "PYTORCH_CUDA_ALLOC_CONF": None} if not env
-         else {name: env.get(name) for name in cuda_allocator.SETTINGS})
+    assert {name: os.environ.get(name) for name in cuda_allocator.SETTINGS} == (
+        {"PYTORCH_ALLOC_CONF": "expandable_segments:True", "PYTORCH_CUDA_ALLOC_CONF": None}
+        if not env
+        else {name: env.get(name) for name in cuda_allocator.SETTINGS}
+    )
     assert cuda_allocator.expandable_segments() == expandable
 
 
@@ -47,9 +58,14 @@ def test_the_planner_replays_the_step_in_the_runs_allocator_mode(monkeypatch):
     """``reserved_peak`` hands the replay the mode a training process started from this environment
     would use (at 432670c it always modelled the default allocator, which no launch path uses now)."""
     seen = []
-    monkeypatch.setattr(planner, "replay", lambda events, **kwargs: seen.append(kwargs["expandable"]))
-    step = SimpleNamespace(trace=SimpleNamespace(collective_buffers={}, collective_buffer_kinds={}, memory_events=[]),
-                           group_names={}, categories={})
+    monkeypatch.setattr(
+        planner, "replay", lambda events, **kwargs: seen.append(kwargs["expandable"])
+    )
+    step = SimpleNamespace(
+        trace=SimpleNamespace(collective_buffers={}, collective_buffer_kinds={}, memory_events=[]),
+        group_names={},
+        categories={},
+    )
     for name in cuda_allocator.SETTINGS:
         monkeypatch.delenv(name, raising=False)
     planner.reserved_peak(step)
@@ -102,9 +118,19 @@ def test_at_the_gpus_memory_free_pages_are_unmapped_and_the_mapping_tried_again(
     block and would map three pages at 80 (140): one retry unmaps b's two whole pages (40 reserved), the
     hole [20, 60) is too small for 50, so d maps at 80 after all: 100 reserved, within the GPU. The
     default allocator releases b's whole segment and reserves a 50 MiB one: 90."""
-    events = [(0, 1, 20 * MIB), (1, 2, 40 * MIB), (2, 3, 20 * MIB), (3, 2, -40 * MIB), (4, 4, 50 * MIB)]
+    events = [
+        (0, 1, 20 * MIB),
+        (1, 2, 40 * MIB),
+        (2, 3, 20 * MIB),
+        (3, 2, -40 * MIB),
+        (4, 4, 50 * MIB),
+    ]
     expanding = replay(events, steps=1, capacity=100 * MIB, expandable=True)
-    assert (expanding.reserved, expanding.peak_reserved, expanding.retries) == (100 * MIB, 100 * MIB, 1)
+    assert (expanding.reserved, expanding.peak_reserved, expanding.retries) == (
+        100 * MIB,
+        100 * MIB,
+        1,
+    )
     default = replay(events, steps=1, capacity=100 * MIB)
     assert (default.reserved, default.retries) == (90 * MIB, 1)
 
@@ -113,7 +139,13 @@ def test_a_replayed_step_with_expandable_segments_reserves_less_of_its_fragmente
     """Parameters 100 MiB (persistent), a 40 MiB activation freed, then 50 MiB: the free 40 at the end
     grows by a page, 160 reserved (the default allocator: 190, a new 50 MiB segment); the second step
     reuses it."""
-    events = [(0, 0, 100 * MIB), (1, 1, 40 * MIB), (2, 1, -40 * MIB), (3, 2, 50 * MIB), (4, 2, -50 * MIB)]
+    events = [
+        (0, 0, 100 * MIB),
+        (1, 1, 40 * MIB),
+        (2, 1, -40 * MIB),
+        (3, 2, 50 * MIB),
+        (4, 2, -50 * MIB),
+    ]
     assert replay(events, persistent={0}, steps=1, expandable=True).peak_reserved == 160 * MIB
     assert replay(events, persistent={0}, steps=2, expandable=True).peak_reserved == 160 * MIB
     assert replay(events, persistent={0}, steps=1).peak_reserved == 190 * MIB
@@ -129,8 +161,15 @@ def test_a_gpu_run_of_record_is_planned_in_the_allocator_mode_it_had(monkeypatch
     import plan_recipes
 
     seen = []
-    monkeypatch.setattr(plan_recipes, "plan", lambda *args, **kwargs: seen.append(kwargs.get("expandable")) or
-                        SimpleNamespace(tokens_per_s_per_gpu=1.0, planner_s=0.0,
-                                        worst=SimpleNamespace(reserved_bytes=2**30)))
+    monkeypatch.setattr(
+        plan_recipes,
+        "plan",
+        lambda *args, **kwargs: (
+            seen.append(kwargs.get("expandable"))
+            or SimpleNamespace(
+                tokens_per_s_per_gpu=1.0, planner_s=0.0, worst=SimpleNamespace(reserved_bytes=2**30)
+            )
+        ),
+    )
     plan_recipes.calibration_table(lambda message: None, {})
     assert seen == [p.expandable_segments for p in POINTS]

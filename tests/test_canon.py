@@ -39,11 +39,15 @@ def hand_canon(x, weight, bias=None, residual=True, activation=False):
 
 
 @pytest.mark.parametrize("kernel", [2, 3, 4])
-@pytest.mark.parametrize("residual, activation, bias", [(True, False, False), (False, True, True), (True, True, False)])
+@pytest.mark.parametrize(
+    "residual, activation, bias", [(True, False, False), (False, True, True), (True, True, False)]
+)
 def test_canon_conv_equals_hand_loop(kernel, residual, activation, bias):
     layer = canon(kernel=kernel, residual=residual, activation=activation, bias=bias)
     x = torch.randn(2, 7, 6)
-    expected = hand_canon(x, layer.weight.detach(), layer.bias.detach() if bias else None, residual, activation)
+    expected = hand_canon(
+        x, layer.weight.detach(), layer.bias.detach() if bias else None, residual, activation
+    )
     torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-6)
 
 
@@ -141,15 +145,19 @@ def test_canon_b_acts_before_rope_and_after_qk_norm():
         attn.canonB.weight[:, 0, 3] = 1.0
     x = torch.randn(1, 5, 128)
     captured = {}
-    hook = attn.rope.register_forward_pre_hook(lambda m, args: captured.update(q=args[0], k=args[1]))
+    hook = attn.rope.register_forward_pre_hook(
+        lambda m, args: captured.update(q=args[0], k=args[1])
+    )
     attn(x)
     hook.remove()
     q = attn.q_norm(attn.wq(x)).view(1, 5, 4, 32)
     torch.testing.assert_close(captured["q"], 2 * q)
 
 
-@pytest.mark.parametrize("flavor, billions, canon_params", [
-    ("1B", 1.37, 24 * 86016), ("3B", 3.14, 26 * 126976), ("8B", 8.04, 32 * 172032)])
+@pytest.mark.parametrize(
+    "flavor, billions, canon_params",
+    [("1B", 1.37, 24 * 86016), ("3B", 3.14, 26 * 126976), ("8B", 8.04, 32 * 172032)],
+)
 def test_llama_canon_parameter_counts(flavor, billions, canon_params):
     with torch.device("meta"):
         canon_model_ = model_registry.model_spec("llama_canon", flavor).model.build()
@@ -159,15 +167,18 @@ def test_llama_canon_parameter_counts(flavor, billions, canon_params):
     assert round(n / 1e9, 2) == billions
 
 
-@pytest.mark.parametrize("key, value, message", [
-    ("canon_set", '"AX"', "distinct letters"),
-    ("canon_set", '"AA"', "distinct letters"),
-    ("canon_kernel", "7", "must be 2, 3 or 4"),
-    ("rope_dim", "9", "even number"),
-    ("rope_dim", "64", "even number in [2, head_dim=32]"),
-    ("canon_backend", '"cuda"', "must be one of 'auto', 'torch', 'triton'"),
-    ("canon_backend", '"causal_conv1d"', "'causal_conv1d' was removed"),
-])
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("canon_set", '"AX"', "distinct letters"),
+        ("canon_set", '"AA"', "distinct letters"),
+        ("canon_kernel", "7", "must be 2, 3 or 4"),
+        ("rope_dim", "9", "even number"),
+        ("rope_dim", "64", "even number in [2, head_dim=32]"),
+        ("canon_backend", '"cuda"', "must be one of 'auto', 'torch', 'triton'"),
+        ("canon_backend", '"causal_conv1d"', "'causal_conv1d' was removed"),
+    ],
+)
 def test_invalid_canon_options_are_config_errors(key, value, message):
     with pytest.raises(ConfigError) as e:
         load(REPO / "train_configs" / "llama_canon_debug.toml", [f"--model.{key}", value])
@@ -186,12 +197,23 @@ def test_triton_backend_needs_a_gpu_or_the_interpreter(interpret, ok, monkeypatc
 
     if torch.cuda.is_available():
         pytest.skip("a GPU makes the Triton backend valid either way")
-    assert backends.INTERPRETED == triton.knobs.runtime.interpret == (os.environ["TRITON_INTERPRET"] == "1")
+    assert (
+        backends.INTERPRETED
+        == triton.knobs.runtime.interpret
+        == (os.environ["TRITON_INTERPRET"] == "1")
+    )
     monkeypatch.setattr(backends, "INTERPRETED", interpret)
     backends.KernelEnvironment._this_machine.cache_clear()  # this machine's, as a fresh process finds it
     try:
-        code = cli.main(["config", "validate", str(REPO / "train_configs" / "llama_canon_debug.toml"),
-                         "--model.canon_backend", "triton"])
+        code = cli.main(
+            [
+                "config",
+                "validate",
+                str(REPO / "train_configs" / "llama_canon_debug.toml"),
+                "--model.canon_backend",
+                "triton",
+            ]
+        )
     finally:
         monkeypatch.undo()
         backends.KernelEnvironment._this_machine.cache_clear()
@@ -200,14 +222,19 @@ def test_triton_backend_needs_a_gpu_or_the_interpreter(interpret, ok, monkeypatc
         assert code == 0, err
     else:
         assert code == 2
-        assert "[model] canon_backend: canon backend 'triton' runs Triton kernels, which need a CUDA GPU" in err
+        assert (
+            "[model] canon_backend: canon backend 'triton' runs Triton kernels, which need a CUDA GPU"
+            in err
+        )
         assert "TRITON_INTERPRET=1" in err
 
 
 def test_auto_backend_is_torch_without_a_gpu_even_with_the_interpreter():
     from canon_titan.kernels.backends import resolve_backend
 
-    assert resolve_backend("auto", op="canon")[0] == ("triton" if torch.cuda.is_available() else "torch")
+    assert resolve_backend("auto", op="canon")[0] == (
+        "triton" if torch.cuda.is_available() else "torch"
+    )
     assert resolve_backend("torch", op="canon") == ("torch", None)
 
 

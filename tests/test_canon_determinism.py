@@ -37,8 +37,13 @@ def weight_grads() -> dict[str, torch.Tensor]:
     grads = {}
     with kernel_path("canon_conv_backward", "canon_swiglu_backward"):
         for name, fn, params in (
-                ("conv", lambda w, b: canon.canon_conv(x, w, b, activation=True, backend="triton"), (w, b)),
-                ("swiglu", lambda w, b: canon.canon_swiglu(gate, up, w, b, backend="triton"), (w2, b2))):
+            (
+                "conv",
+                lambda w, b: canon.canon_conv(x, w, b, activation=True, backend="triton"),
+                (w, b),
+            ),
+            ("swiglu", lambda w, b: canon.canon_swiglu(gate, up, w, b, backend="triton"), (w2, b2)),
+        ):
             leaves = [p.clone().requires_grad_() for p in params]
             dw, db = torch.autograd.grad(fn(*leaves), leaves, dy)
             grads[f"{name} dw"], grads[f"{name} db"] = dw.cpu(), db.cpu()
@@ -59,9 +64,16 @@ def _other_blocks(monkeypatch):
 def test_weight_gradients_are_bitwise_equal_across_processes_and_runs(tmp_path, monkeypatch):
     # Own Triton caches: each process autotunes the forward kernels afresh (cache_results would
     # otherwise hand the second one the first one's choice).
-    procs = [subprocess.Popen([sys.executable, __file__, str(tmp_path / f"grads{i}.pt")], cwd=REPO / "tests",
-                              env=dict(os.environ, TRITON_CACHE_DIR=str(tmp_path / f"triton{i}")),
-                              stderr=subprocess.PIPE, text=True) for i in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, __file__, str(tmp_path / f"grads{i}.pt")],
+            cwd=REPO / "tests",
+            env=dict(os.environ, TRITON_CACHE_DIR=str(tmp_path / f"triton{i}")),
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
     for proc in procs:
         _, err = proc.communicate(timeout=600)
         assert proc.returncode == 0, err[-4000:]
@@ -79,6 +91,7 @@ def test_weight_gradients_are_bitwise_equal_across_processes_and_runs(tmp_path, 
 
 
 # --- tensor parallelism with sequence parallelism ----------------------------------------------
+
 
 def _tp_worker(rank: int, world: int, port: int, backend: str, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -105,7 +118,9 @@ def _train_under_tp(rank: int, world: int) -> dict:
     device = torch.device("cuda", rank) if DEVICE.type == "cuda" else DEVICE
     torch.manual_seed(0)
     with device:
-        model = model_registry.model_spec("llama_canon", "debug", {"canon_backend": "triton", "n_layers": 1}).model.build()
+        model = model_registry.model_spec(
+            "llama_canon", "debug", {"canon_backend": "triton", "n_layers": 1}
+        ).model.build()
     model.init_states()
     mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("tp",))
     apply_tp(model, mesh, enable_sp=True, parallelize_block=parallelize_block)
@@ -116,11 +131,16 @@ def _train_under_tp(rank: int, world: int) -> dict:
             logits = model(tokens[:, :-1])
             logits = logits.full_tensor() if isinstance(logits, DTensor) else logits
             F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
-            sum_partial_gradients([model], mesh.get_group())  # as the trainer does after the last backward
+            sum_partial_gradients(
+                [model], mesh.get_group()
+            )  # as the trainer does after the last backward
             optimizer.step()
             optimizer.zero_grad()
-    return {name: p.to_local().detach().cpu().numpy() for name, p in model.named_parameters()
-            if "canonA" in name or "canonC" in name}
+    return {
+        name: p.to_local().detach().cpu().numpy()
+        for name, p in model.named_parameters()
+        if "canonA" in name or "canonC" in name
+    }
 
 
 @pytest.mark.slow
@@ -133,8 +153,13 @@ def test_replicated_canon_weights_stay_equal_on_every_tensor_parallel_rank():
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_tp_worker, args=(r, world, port, "nccl" if DEVICE.type == "cuda" else "gloo", queue))
-             for r in range(world)]
+    procs = [
+        ctx.Process(
+            target=_tp_worker,
+            args=(r, world, port, "nccl" if DEVICE.type == "cuda" else "gloo", queue),
+        )
+        for r in range(world)
+    ]
     for p in procs:
         p.start()
     results = dict(queue.get(timeout=600) for _ in range(world))

@@ -29,8 +29,12 @@ def _batch(document_masking: bool):
     tokens = torch.randint(0, 2048, (2, 48), generator=g)
     positions = None
     if document_masking:  # documents of lengths 13 + 20 + 15 and 30 + 18
-        positions = torch.cat([torch.cat([torch.arange(n) for n in lengths])[None]
-                               for lengths in ((13, 20, 15), (30, 18))])
+        positions = torch.cat(
+            [
+                torch.cat([torch.arange(n) for n in lengths])[None]
+                for lengths in ((13, 20, 15), (30, 18))
+            ]
+        )
     probe = torch.randn(2, 48, 2048, generator=g)
     return tokens, positions, probe
 
@@ -67,7 +71,13 @@ def _shard_and_run(rank, world, name, overrides, balancer, document_masking):
         dist.all_reduce(grad)
         grads[key] = grad
     # numpy arrays travel by value (tensors would go through shared memory this process frees on exit)
-    return rank, shards.index.numpy(), shards.runs, logits.detach().numpy(), {k: g.numpy() for k, g in grads.items()}
+    return (
+        rank,
+        shards.index.numpy(),
+        shards.runs,
+        logits.detach().numpy(),
+        {k: g.numpy() for k, g in grads.items()},
+    )
 
 
 CASES = [
@@ -95,8 +105,13 @@ def test_sharded_sequence_equals_the_whole_one(name, overrides, balancer, docume
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, name, overrides, balancer, document_masking, queue))
-             for r in range(world)]
+    procs = [
+        ctx.Process(
+            target=_worker,
+            args=(r, world, port, name, overrides, balancer, document_masking, queue),
+        )
+        for r in range(world)
+    ]
     for p in procs:
         p.start()
     results = [queue.get(timeout=300) for _ in range(world)]
@@ -110,33 +125,55 @@ def test_sharded_sequence_equals_the_whole_one(name, overrides, balancer, docume
     assert sum(len(runs) for _, _, runs, _, _ in results) == (3 if balancer == "headtail" else 2)
     for rank, index, runs, local_logits, grads in results:
         index = torch.from_numpy(index)
-        torch.testing.assert_close(torch.from_numpy(local_logits), logits.detach()[:, index], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            torch.from_numpy(local_logits), logits.detach()[:, index], rtol=1e-5, atol=1e-5
+        )
         for key, grad in grads.items():
             # fp32 sums in another order (per rank, then over ranks): within 1e-5 of each tensor's scale
-            torch.testing.assert_close(torch.from_numpy(grad), expected[key], rtol=1e-4,
-                                       atol=1e-5 * expected[key].abs().max().item(), msg=lambda m: f"{key}: {m}")
+            torch.testing.assert_close(
+                torch.from_numpy(grad),
+                expected[key],
+                rtol=1e-4,
+                atol=1e-5 * expected[key].abs().max().item(),
+                msg=lambda m: f"{key}: {m}",
+            )
 
 
 def test_rank_positions_are_pytorchs_head_tail_split():
     """Every rank's share of a sequence, computed locally, is the split of PyTorch's head-tail
     load balancer (which TorchTitan's cp_shard applies), or contiguous chunks without one."""
-    from torch.distributed.tensor.experimental._context_parallel._load_balancer import _HeadTailLoadBalancer
+    from torch.distributed.tensor.experimental._context_parallel._load_balancer import (
+        _HeadTailLoadBalancer,
+    )
 
     from canon_titan.models.common.context_parallel import rank_positions
 
     for seq_len, size in [(48, 2), (64, 4), (4096, 8)]:
         order = _HeadTailLoadBalancer(seq_len, size, "cpu")._generate_indices()[0].tolist()
         length = seq_len // size
-        assert rank_positions(seq_len, size, "headtail") == [order[r * length:(r + 1) * length] for r in range(size)]
+        assert rank_positions(seq_len, size, "headtail") == [
+            order[r * length : (r + 1) * length] for r in range(size)
+        ]
         assert sum(rank_positions(seq_len, size, None), []) == list(range(seq_len))
 
 
-@pytest.mark.parametrize("name,overrides,key", [
-    ("gla5", [], "has no context-parallel path"),
-    ("llama_canon", ["--parallelism.pipeline_parallel_degree", "2"], "not with pipeline parallelism"),
-    ("llama_canon", ["--parallelism.context_parallel_load_balancer", "ptrr"], "must be 'headtail', got 'ptrr'"),
-    ("llama_canon", ["--training.seq_len", "8"], "at least canon_kernel - 1 = 3 tokens"),
-])
+@pytest.mark.parametrize(
+    "name,overrides,key",
+    [
+        ("gla5", [], "has no context-parallel path"),
+        (
+            "llama_canon",
+            ["--parallelism.pipeline_parallel_degree", "2"],
+            "not with pipeline parallelism",
+        ),
+        (
+            "llama_canon",
+            ["--parallelism.context_parallel_load_balancer", "ptrr"],
+            "must be 'headtail', got 'ptrr'",
+        ),
+        ("llama_canon", ["--training.seq_len", "8"], "at least canon_kernel - 1 = 3 tokens"),
+    ],
+)
 def test_what_context_parallelism_refuses(name, overrides, key, monkeypatch):
     from conftest import REPO
 

@@ -7,6 +7,7 @@ import sys
 import pytest
 import torch
 
+from canon_titan.components.metrics import read_scalars
 from canon_titan.config import load
 from canon_titan.convert.dcp_io import (
     ConversionError,
@@ -15,11 +16,10 @@ from canon_titan.convert.dcp_io import (
     load_tensor,
     model_tensor_metadata,
 )
-from canon_titan.components.metrics import read_scalars
 from canon_titan.convert.hf import from_hf, to_hf
 from canon_titan.data.builtin import ASSET_DIR
-from model_registry import register_with_transformers
 from conftest import COMMON, CONFIGS, make_checkpoint, run_training, seed_checkpoint, start_from
+from model_registry import register_with_transformers
 
 CANON_CONFIG = CONFIGS["llama_canon"]
 
@@ -53,7 +53,9 @@ def test_exported_logits_match_canon_titan(tmp_path, canon_set, layout):
     with torch.no_grad():
         reference = model(TOKENS)
     assert type(hf_model).__name__ == "LlamaCanonForCausalLM"
-    torch.testing.assert_close(logits, reference, rtol=1e-5, atol=1e-5 * reference.abs().max().item())
+    torch.testing.assert_close(
+        logits, reference, rtol=1e-5, atol=1e-5 * reference.abs().max().item()
+    )
     names = set(json.loads((out / "model.safetensors.index.json").read_text())["weight_map"])
     assert ("model.layers.0.self_attn.canonB.weight" in names) == ("B" in canon_set)
     assert ("model.layers.0.canonA.weight" in names) == ("A" in canon_set)
@@ -63,7 +65,9 @@ def test_exported_logits_match_canon_titan(tmp_path, canon_set, layout):
 def test_plain_llama_exports_as_standard_llama(tmp_path):
     from transformers import LlamaForCausalLM
 
-    run, step, model = make_checkpoint(tmp_path, ["--model.qk_norm", "false"], config=CONFIGS["llama"])
+    run, step, model = make_checkpoint(
+        tmp_path, ["--model.qk_norm", "false"], config=CONFIGS["llama"]
+    )
     out = to_hf(step, tmp_path / "hf", run, dtype="fp32")
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == "llama" and "auto_map" not in config
@@ -71,7 +75,9 @@ def test_plain_llama_exports_as_standard_llama(tmp_path):
     hf_model = LlamaForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     with torch.no_grad():
         logits, reference = hf_model(TOKENS).logits, model(TOKENS)
-    torch.testing.assert_close(logits, reference, rtol=1e-5, atol=1e-5 * reference.abs().max().item())
+    torch.testing.assert_close(
+        logits, reference, rtol=1e-5, atol=1e-5 * reference.abs().max().item()
+    )
 
 
 def test_the_export_tokenizer_says_the_model_s_length(tmp_path):
@@ -88,10 +94,13 @@ def test_the_export_tokenizer_says_the_model_s_length(tmp_path):
     assert AutoTokenizer.from_pretrained(out).model_max_length == 256
 
 
-@pytest.mark.parametrize("config,overrides,architecture", [
-    (CONFIGS["llama"], ["--model.qk_norm", "false"], "LlamaForCausalLM"),
-    (CANON_CONFIG, [], "LlamaCanonForCausalLM"),
-])
+@pytest.mark.parametrize(
+    "config,overrides,architecture",
+    [
+        (CONFIGS["llama"], ["--model.qk_norm", "false"], "LlamaForCausalLM"),
+        (CANON_CONFIG, [], "LlamaCanonForCausalLM"),
+    ],
+)
 def test_in_memory_conversion_equals_the_export(tmp_path, config, overrides, architecture):
     """What `eval lm` and in-training evaluation build from DCP tensors without writing files
     is the model `to-hf` exports, with canon-titan's logits."""
@@ -104,7 +113,9 @@ def test_in_memory_conversion_equals_the_export(tmp_path, config, overrides, arc
         logits, reference = in_memory(TOKENS).logits, model(TOKENS)
     assert type(in_memory).__name__ == architecture and not in_memory.training
     torch.testing.assert_close(logits, exported, rtol=0, atol=0)
-    torch.testing.assert_close(logits, reference, rtol=1e-5, atol=1e-5 * reference.abs().max().item())
+    torch.testing.assert_close(
+        logits, reference, rtol=1e-5, atol=1e-5 * reference.abs().max().item()
+    )
 
 
 def test_remote_code_loads_without_canon_titan(tmp_path):
@@ -120,12 +131,14 @@ from transformers import AutoModelForCausalLM
 m = AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True, dtype=torch.float32).eval()
 assert m.__class__.__module__.startswith("transformers_modules"), m.__class__.__module__
 with torch.no_grad():
-    logits = m(torch.load({str(tmp_path / 'tokens.pt')!r})).logits
-ref = torch.load({str(tmp_path / 'ref.pt')!r})
+    logits = m(torch.load({str(tmp_path / "tokens.pt")!r})).logits
+ref = torch.load({str(tmp_path / "ref.pt")!r})
 torch.testing.assert_close(logits, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
 print("remote-ok")
 """
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path, timeout=300
+    )
     assert "remote-ok" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
@@ -146,12 +159,15 @@ def test_greedy_generate_with_cache_equals_argmax_loop(tmp_path, layout):
     assert len(set(sequence[0, 7:].tolist())) > 5  # a non-degenerate continuation
 
 
-@pytest.mark.parametrize("config, overrides, layout", [
-    (CONFIGS["llama"], [], "lingua"),
-    (CONFIGS["llama"], ["--model.qk_norm", "false"], "lingua"),  # standard LlamaForCausalLM
-    (CANON_CONFIG, [], "huggingface"),
-    (CANON_CONFIG, ["--model.canon_bias", "true"], "lingua"),
-])
+@pytest.mark.parametrize(
+    "config, overrides, layout",
+    [
+        (CONFIGS["llama"], [], "lingua"),
+        (CONFIGS["llama"], ["--model.qk_norm", "false"], "lingua"),  # standard LlamaForCausalLM
+        (CANON_CONFIG, [], "huggingface"),
+        (CANON_CONFIG, ["--model.canon_bias", "true"], "lingua"),
+    ],
+)
 def test_round_trip_is_bit_identical(tmp_path, config, overrides, layout):
     run, step, _ = make_checkpoint(tmp_path, overrides, config=config)
     hf_dir = to_hf(step, tmp_path / "hf", run, rope_layout=layout, max_shard_size=200_000)
@@ -164,15 +180,23 @@ def test_round_trip_is_bit_identical(tmp_path, config, overrides, layout):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("parallelism", [
-    ["--parallelism.data_parallel_shard_degree", "2"],
-    ["--parallelism.tensor_parallel_degree", "2"],
-])
+@pytest.mark.parametrize(
+    "parallelism",
+    [
+        ["--parallelism.data_parallel_shard_degree", "2"],
+        ["--parallelism.tensor_parallel_degree", "2"],
+    ],
+)
 def test_round_trip_from_distributed_checkpoints(tmp_path, tmp_path_factory, parallelism):
     seed = seed_checkpoint("llama_canon", tmp_path_factory)
     dump = start_from(seed, tmp_path / "run")
-    run_training(2, COMMON + parallelism + ["--training.steps", "2", "--checkpoint.interval", "2",
-                                            "--job.dump_folder", str(dump)], config=CANON_CONFIG)
+    run_training(
+        2,
+        COMMON
+        + parallelism
+        + ["--training.steps", "2", "--checkpoint.interval", "2", "--job.dump_folder", str(dump)],
+        config=CANON_CONFIG,
+    )
     run = load(dump / "run_config.toml", environment=False)
     step = dump / "checkpoint" / "step-2"
     hf_dir = to_hf(dump / "checkpoint", tmp_path / "hf", run)  # the newest step is picked
@@ -182,11 +206,15 @@ def test_round_trip_from_distributed_checkpoints(tmp_path, tmp_path_factory, par
     for name in original:
         assert torch.equal(original[name], restored[name]), name
     # The trained weights moved away from the seed, so this is not a copy of step-0.
-    assert not torch.equal(original["layers.0.attention.wq.weight"], dcp_tensors(seed)["layers.0.attention.wq.weight"])
+    assert not torch.equal(
+        original["layers.0.attention.wq.weight"], dcp_tensors(seed)["layers.0.attention.wq.weight"]
+    )
     logits, _ = hf_logits(hf_dir, TOKENS)
     with torch.no_grad():
         reference = load_model(run, step)(TOKENS)
-    torch.testing.assert_close(logits, reference, rtol=1e-5, atol=1e-5 * reference.abs().max().item())
+    torch.testing.assert_close(
+        logits, reference, rtol=1e-5, atol=1e-5 * reference.abs().max().item()
+    )
 
 
 @pytest.mark.slow
@@ -198,8 +226,17 @@ def test_training_starts_from_imported_hf_weights(tmp_path, tmp_path_factory):
     args = COMMON + ["--training.steps", "2", "--checkpoint.enable"]
     direct = start_from(seed, tmp_path / "direct")
     run_training(1, args + ["--job.dump_folder", str(direct)], config=CANON_CONFIG)
-    out = run_training(1, args + ["--job.dump_folder", str(tmp_path / "from_hf"),
-                                  "--checkpoint.initial_load_path", str(imported)], config=CANON_CONFIG)
+    out = run_training(
+        1,
+        args
+        + [
+            "--job.dump_folder",
+            str(tmp_path / "from_hf"),
+            "--checkpoint.initial_load_path",
+            str(imported),
+        ],
+        config=CANON_CONFIG,
+    )
     assert f"Loading the checkpoint from {imported}" in out
     assert read_scalars(tmp_path / "from_hf") == read_scalars(direct)
 
@@ -210,7 +247,9 @@ def test_bad_inputs_fail_clearly_and_leave_nothing(tmp_path):
     with pytest.raises(ConversionError, match="does not exist"):
         to_hf(tmp_path / "missing", out, run)
     wrong = load(CANON_CONFIG, ["--model.canon_set", "AC"], environment=False)
-    with pytest.raises(ConversionError, match=r"tensor 'layers.0.attention.canonB.weight' is not part of the model"):
+    with pytest.raises(
+        ConversionError, match=r"tensor 'layers.0.attention.canonB.weight' is not part of the model"
+    ):
         to_hf(step, out, wrong)
     wider = load(CANON_CONFIG, ["--model.dim", "256"], environment=False)
     with pytest.raises(ConversionError, match=r"tensor '.*' has shape .* expects"):
@@ -240,7 +279,9 @@ def test_from_hf_takes_the_vocabulary_of_the_folder(tmp_path, capsys):
     assert not list(out.glob("tokenizer*"))
 
     def convert(name):
-        code = cli.main(["convert", "from-hf", str(out), str(tmp_path / name), "--config", str(CANON_CONFIG)])
+        code = cli.main(
+            ["convert", "from-hf", str(out), str(tmp_path / name), "--config", str(CANON_CONFIG)]
+        )
         return code, capsys.readouterr()
 
     code, printed = convert("weights")
@@ -254,16 +295,38 @@ def test_from_hf_takes_the_vocabulary_of_the_folder(tmp_path, capsys):
         code, printed = convert(f"tokenizer{size}")
         assert code == expected and "has no tokenizer" not in printed.out
     assert "vocab_size is 128, the run config expects 64" in printed.err
-    assert all(torch.equal(t, original[k]) for k, t in dcp_tensors(tmp_path / "tokenizer128").items())
+    assert all(
+        torch.equal(t, original[k]) for k, t in dcp_tensors(tmp_path / "tokenizer128").items()
+    )
 
 
 def test_cli_convert_reports_errors(tmp_path, capsys):
     from canon_titan import cli
 
-    code = cli.main(["convert", "to-hf", str(tmp_path / "nope"), str(tmp_path / "out"), "--config", str(CANON_CONFIG)])
+    code = cli.main(
+        [
+            "convert",
+            "to-hf",
+            str(tmp_path / "nope"),
+            str(tmp_path / "out"),
+            "--config",
+            str(CANON_CONFIG),
+        ]
+    )
     assert code == 2 and "conversion error" in capsys.readouterr().err
-    code = cli.main(["convert", "to-hf", str(tmp_path), str(tmp_path / "out"), "--config", str(tmp_path / "x.toml")])
-    assert code == 2 and "config error" in capsys.readouterr().err and not (tmp_path / "out").exists()
+    code = cli.main(
+        [
+            "convert",
+            "to-hf",
+            str(tmp_path),
+            str(tmp_path / "out"),
+            "--config",
+            str(tmp_path / "x.toml"),
+        ]
+    )
+    assert (
+        code == 2 and "config error" in capsys.readouterr().err and not (tmp_path / "out").exists()
+    )
 
 
 def test_hf_classes_register_with_transformers_only_when_asked(tmp_path):
@@ -272,13 +335,17 @@ def test_hf_classes_register_with_transformers_only_when_asked(tmp_path):
     so an export loads without trust_remote_code."""
     run, step, _ = make_checkpoint(tmp_path, [])
     out = to_hf(step, tmp_path / "hf", run)
-    script = ("import sys, canon_titan, model_registry, canon_titan.config, canon_titan.convert.hf\n"
-              "for name in model_registry.FAMILIES:\n"
-              "    model_registry.model_spec(name, 'debug')\n"
-              "assert 'transformers' not in sys.modules\n"
-              "model_registry.register_with_transformers()\n"
-              "from transformers import AutoModelForCausalLM\n"
-              f"print(type(AutoModelForCausalLM.from_pretrained({str(out)!r})).__module__)\n")
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    script = (
+        "import sys, canon_titan, model_registry, canon_titan.config, canon_titan.convert.hf\n"
+        "for name in model_registry.FAMILIES:\n"
+        "    model_registry.model_spec(name, 'debug')\n"
+        "assert 'transformers' not in sys.modules\n"
+        "model_registry.register_with_transformers()\n"
+        "from transformers import AutoModelForCausalLM\n"
+        f"print(type(AutoModelForCausalLM.from_pretrained({str(out)!r})).__module__)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == "canon_titan.hf.modeling_llama_canon"

@@ -10,19 +10,37 @@ import pytest
 import torch
 
 from canon_titan.config import load
-from canon_titan.convert.dcp_io import ConversionError, find_step_dir, load_tensor, model_tensor_metadata
+from canon_titan.convert.dcp_io import (
+    ConversionError,
+    find_step_dir,
+    load_tensor,
+    model_tensor_metadata,
+)
 from canon_titan.convert.hf import dcp_to_hf_model, from_hf, to_hf
-from model_registry import register_with_transformers
 from conftest import REPO, make_checkpoint
+from model_registry import register_with_transformers
 
 FAMILIES = ("gla5", "gdn2", "mamba2")
 CONFIGS = {family: REPO / "train_configs" / f"{family}_debug.toml" for family in FAMILIES}
-ARCHITECTURES = {"gla5": ("GLACanon", "GLACanonForCausalLM", "configuration_gla_canon", "modeling_gla_canon"),
-                 "gdn2": ("GatedDeltaNetCanon", "GatedDeltaNetCanonForCausalLM", "configuration_gated_deltanet_canon",
-                          "modeling_gated_deltanet_canon"),
-                 "mamba2": ("Mamba2Canon", "Mamba2CanonForCausalLM", "configuration_mamba2_canon",
-                            "modeling_mamba2_canon")}
-CASES = [(family, canon_set) for family in FAMILIES for canon_set in ("AbbCD", "bb")] + [("mamba2", ""), ("gdn2", "AC")]
+ARCHITECTURES = {
+    "gla5": ("GLACanon", "GLACanonForCausalLM", "configuration_gla_canon", "modeling_gla_canon"),
+    "gdn2": (
+        "GatedDeltaNetCanon",
+        "GatedDeltaNetCanonForCausalLM",
+        "configuration_gated_deltanet_canon",
+        "modeling_gated_deltanet_canon",
+    ),
+    "mamba2": (
+        "Mamba2Canon",
+        "Mamba2CanonForCausalLM",
+        "configuration_mamba2_canon",
+        "modeling_mamba2_canon",
+    ),
+}
+CASES = [(family, canon_set) for family in FAMILIES for canon_set in ("AbbCD", "bb")] + [
+    ("mamba2", ""),
+    ("gdn2", "AC"),
+]
 # 80 tokens: more than one 64-token chunk of every kernel, canon-titan's and the HF classes'.
 TOKENS = torch.randint(0, 700, (2, 80), generator=torch.Generator().manual_seed(1))
 SHARD_BYTES = 300_000  # several shards for the debug models
@@ -36,8 +54,15 @@ def export(tmp_path_factory):
     def get(family, canon_set):
         if (family, canon_set) not in made:
             tmp = tmp_path_factory.mktemp(f"{family}_{canon_set or 'none'}")
-            run, step, model = make_checkpoint(tmp, ["--model.canon_set", canon_set], config=CONFIGS[family])
-            made[family, canon_set] = run, step, model, to_hf(step, tmp / "hf", run, max_shard_size=SHARD_BYTES)
+            run, step, model = make_checkpoint(
+                tmp, ["--model.canon_set", canon_set], config=CONFIGS[family]
+            )
+            made[family, canon_set] = (
+                run,
+                step,
+                model,
+                to_hf(step, tmp / "hf", run, max_shard_size=SHARD_BYTES),
+            )
         return made[family, canon_set]
 
     return get
@@ -51,7 +76,9 @@ def hf_model(out_dir):
 
 
 def assert_logits_close(logits, reference):
-    torch.testing.assert_close(logits, reference, rtol=1e-5, atol=1e-5 * reference.abs().max().item())
+    torch.testing.assert_close(
+        logits, reference, rtol=1e-5, atol=1e-5 * reference.abs().max().item()
+    )
 
 
 def dcp_tensors(step_dir):
@@ -62,7 +89,9 @@ def dcp_tensors(step_dir):
 def hf_weights(out_dir):
     from safetensors.torch import load_file
 
-    return {k: v for f in sorted(out_dir.glob("model-*.safetensors")) for k, v in load_file(f).items()}
+    return {
+        k: v for f in sorted(out_dir.glob("model-*.safetensors")) for k, v in load_file(f).items()
+    }
 
 
 @pytest.mark.parametrize("family,canon_set", CASES)
@@ -71,9 +100,14 @@ def test_exported_logits_match_canon_titan(export, family, canon_set):
     model_type, architecture, config_module, modeling_module = ARCHITECTURES[family]
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == model_type and config["architectures"] == [architecture]
-    assert config["auto_map"] == {"AutoConfig": f"{config_module}.{model_type}Config",
-                                  "AutoModelForCausalLM": f"{modeling_module}.{architecture}"}
-    assert config["canon_set"] == canon_set and config["max_position_embeddings"] == run["training"]["seq_len"]
+    assert config["auto_map"] == {
+        "AutoConfig": f"{config_module}.{model_type}Config",
+        "AutoModelForCausalLM": f"{modeling_module}.{architecture}",
+    }
+    assert (
+        config["canon_set"] == canon_set
+        and config["max_position_embeddings"] == run["training"]["seq_len"]
+    )
     for name in (config_module, modeling_module, "linear_canon_layers"):
         assert (out / f"{name}.py").is_file()
     hf = hf_model(out)
@@ -91,7 +125,9 @@ def test_exported_logits_match_canon_titan(export, family, canon_set):
     assert (layer + "canonA.weight" in weights) == ("A" in canon_set)
     assert (layer + "mlp.canonD.weight" in weights) == ("D" in canon_set)
     if family == "mamba2":
-        assert f"{prefix}.norm_f.weight" in weights and layer + "pre_mlp_layernorm.weight" in weights
+        assert (
+            f"{prefix}.norm_f.weight" in weights and layer + "pre_mlp_layernorm.weight" in weights
+        )
         assert weights[layer + "mlp.both_proj.weight"].shape == (2 * hidden, d)
         conv = weights[layer + "mixer.conv1d.weight"]
         assert (layer + "mixer.conv1d.bias" in weights) == b and config["noconv1d"] == (not b)
@@ -103,13 +139,20 @@ def test_exported_logits_match_canon_titan(export, family, canon_set):
     assert weights[layer + "attn.g_proj.1.bias"].shape == (2 * d,)
     assert (layer + "attn.q_conv1d.weight" in weights) == b and config["use_short_conv"] == b
     if family == "gla5":
-        assert {layer + "attn.gk_proj.0.weight", layer + "attn.g_norm_swish_gate.weight"} <= weights.keys()
+        assert {
+            layer + "attn.gk_proj.0.weight",
+            layer + "attn.g_norm_swish_gate.weight",
+        } <= weights.keys()
         assert weights[layer + "mlp.gate_proj.weight"].shape == (2 * hidden, d)  # [gate | up]
     elif "D" in canon_set:
         assert weights[layer + "mlp.both_proj.weight"].shape == (2 * hidden, d)
     else:
-        assert {layer + "mlp.gate_proj.weight", layer + "mlp.up_proj.weight", layer + "attn.A_log",
-                layer + "attn.o_norm.weight"} <= weights.keys()
+        assert {
+            layer + "mlp.gate_proj.weight",
+            layer + "mlp.up_proj.weight",
+            layer + "attn.A_log",
+            layer + "attn.o_norm.weight",
+        } <= weights.keys()
 
 
 @pytest.mark.parametrize("family,canon_set", CASES)
@@ -150,7 +193,7 @@ def test_greedy_generate_with_cache_equals_argmax_loop(export, family):
         prefill = model(TOKENS[:, :50], use_cache=True)
         cache, steps = prefill.past_key_values, [prefill.logits]
         for t in range(50, 58):
-            out = model(TOKENS[:, t:t + 1], past_key_values=cache, use_cache=True)
+            out = model(TOKENS[:, t : t + 1], past_key_values=cache, use_cache=True)
             cache = out.past_key_values
             steps.append(out.logits)
         full = model(TOKENS[:, :58], use_cache=False).logits
@@ -192,7 +235,9 @@ def test_gla_release_layernorm_names_import(export, tmp_path):
     register_with_transformers()
     model = AutoModelForCausalLM.from_pretrained(release, dtype=torch.float32).eval()
     with torch.no_grad():
-        torch.testing.assert_close(model(TOKENS).logits, hf_model(out)(TOKENS).logits, rtol=0, atol=0)
+        torch.testing.assert_close(
+            model(TOKENS).logits, hf_model(out)(TOKENS).logits, rtol=0, atol=0
+        )
 
 
 @pytest.mark.parametrize("family", ["gla5", "gdn2"])
@@ -200,29 +245,45 @@ def test_zeyuan_layernorm_exports_and_round_trips(tmp_path, family):
     """A run with ``zeyuan_layernorm`` (the release's 8B recipes) writes it into config.json, and GLA5
     the release's name for its gated norm, so the release's class builds those modules; the folder
     imports back to the same tensors, whose export writes the same config.json."""
-    run, step, model = make_checkpoint(tmp_path, ["--model.zeyuan_layernorm", "true"], config=CONFIGS[family])
+    run, step, model = make_checkpoint(
+        tmp_path, ["--model.zeyuan_layernorm", "true"], config=CONFIGS[family]
+    )
     out = to_hf(step, tmp_path / "hf", run)
     config = json.loads((out / "config.json").read_text())
     assert config["zeyuan_layernorm"] is True
     if family == "gla5":
         names = set(hf_weights(out))
-        assert "model.layers.0.attn.g_norm.weight" in names and not any("g_norm_swish_gate" in n for n in names)
+        assert "model.layers.0.attn.g_norm.weight" in names and not any(
+            "g_norm_swish_gate" in n for n in names
+        )
     with torch.no_grad():
         assert_logits_close(hf_model(out)(TOKENS).logits, model(TOKENS))
     back = from_hf(out, tmp_path / "back", run)
     original, restored = dcp_tensors(step), dcp_tensors(back)
-    assert original.keys() == restored.keys() and all(torch.equal(original[k], restored[k]) for k in original)
+    assert original.keys() == restored.keys() and all(
+        torch.equal(original[k], restored[k]) for k in original
+    )
     assert json.loads((to_hf(back, tmp_path / "again", run) / "config.json").read_text()) == config
 
 
 def test_from_hf_rejects_another_model(export, tmp_path):
     run, _, _, out = export("gla5", "AbbCD")
     with pytest.raises(ConversionError, match="canon_set is 'AbbCD', the run config expects 'bb'"):
-        from_hf(out, tmp_path / "a", load(CONFIGS["gla5"], ["--model.canon_set", "bb"], environment=False))
+        from_hf(
+            out,
+            tmp_path / "a",
+            load(CONFIGS["gla5"], ["--model.canon_set", "bb"], environment=False),
+        )
     with pytest.raises(ConversionError, match="model_type 'GLACanon' is not 'GatedDeltaNetCanon'"):
-        from_hf(out, tmp_path / "b", load(CONFIGS["gdn2"], ["--model.canon_set", "AbbCD"], environment=False))
+        from_hf(
+            out,
+            tmp_path / "b",
+            load(CONFIGS["gdn2"], ["--model.canon_set", "AbbCD"], environment=False),
+        )
     with pytest.raises(ConversionError, match="num_hidden_layers is 4, the run config expects 2"):
-        from_hf(out, tmp_path / "c", load(CONFIGS["gla5"], ["--model.n_layers", "2"], environment=False))
+        from_hf(
+            out, tmp_path / "c", load(CONFIGS["gla5"], ["--model.n_layers", "2"], environment=False)
+        )
     assert not any((tmp_path / n).exists() for n in "abc")
 
 
@@ -238,7 +299,7 @@ def test_remote_code_loads_without_canon_titan(export, tmp_path):
 import sys, torch
 sys.modules["canon_titan"] = None  # make any import of canon-titan fail
 from transformers import AutoModelForCausalLM
-tokens = torch.load({str(tmp_path / 'tokens.pt')!r})
+tokens = torch.load({str(tmp_path / "tokens.pt")!r})
 for family, out in {outs!r}.items():
     m = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, dtype=torch.float32).eval()
     assert m.__class__.__module__.startswith("transformers_modules"), m.__class__.__module__
@@ -250,5 +311,7 @@ for family, out in {outs!r}.items():
     assert generated.shape == (1, 9), generated.shape
 print("remote-ok")
 """
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path, timeout=300
+    )
     assert "remote-ok" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]

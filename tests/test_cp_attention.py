@@ -28,9 +28,16 @@ class NewStorages(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         inputs = {_storage(a) for a in torch.utils._pytree.tree_leaves((args, kwargs))}
         out = func(*args, **(kwargs or {}))
-        outputs = {_storage(o): o.dtype for o in (out if isinstance(out, (tuple, list)) else [out])
-                   if _storage(o) is not None}
-        self.sizes += [(nbytes, dtype) for (address, nbytes), dtype in outputs.items() if (address, nbytes) not in inputs]
+        outputs = {
+            _storage(o): o.dtype
+            for o in (out if isinstance(out, (tuple, list)) else [out])
+            if _storage(o) is not None
+        }
+        self.sizes += [
+            (nbytes, dtype)
+            for (address, nbytes), dtype in outputs.items()
+            if (address, nbytes) not in inputs
+        ]
         return out
 
 
@@ -54,9 +61,11 @@ def fake_rank_0_of_2():
 
 
 def _qkv():
-    return (torch.randn(BATCH, LOCAL, HEADS, DIM, requires_grad=True),
-            torch.randn(BATCH, LOCAL, KV_HEADS, DIM, requires_grad=True),
-            torch.randn(BATCH, LOCAL, KV_HEADS, DIM, requires_grad=True))
+    return (
+        torch.randn(BATCH, LOCAL, HEADS, DIM, requires_grad=True),
+        torch.randn(BATCH, LOCAL, KV_HEADS, DIM, requires_grad=True),
+        torch.randn(BATCH, LOCAL, KV_HEADS, DIM, requires_grad=True),
+    )
 
 
 @pytest.mark.parametrize("documents", [False, True])
@@ -74,8 +83,12 @@ def test_a_cp_ranks_attention_makes_two_whole_sequence_copies_of_k_and_v_and_kee
     marks = torch.zeros(BATCH, seq, dtype=torch.long)
     marks[:, [0, 20, 40]] = 1
     with fake_rank_0_of_2() as group:
-        shards = ContextShards.build(group, rank_positions(seq, 2, "headtail"), "cpu",
-                                     torch.cumsum(marks, 1) if documents else None)
+        shards = ContextShards.build(
+            group,
+            rank_positions(seq, 2, "headtail"),
+            "cpu",
+            torch.cumsum(marks, 1) if documents else None,
+        )
         q, k, v = _qkv()
         saved = []
 
@@ -85,7 +98,9 @@ def test_a_cp_ranks_attention_makes_two_whole_sequence_copies_of_k_and_v_and_kee
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), NewStorages() as new:
             shards.attention(q, k, v, enable_gqa=True)
-    assert [n for n, _ in new.sizes if n == whole] == [whole] * 4  # K: gathered, reordered; V: the same
+    assert [n for n, _ in new.sizes if n == whole] == [
+        whole
+    ] * 4  # K: gathered, reordered; V: the same
     assert sorted(n for n in dict(s for s in saved if s).values() if n == whole) == [whole, whole]
     chunk = LOCAL // 2
     assert [(first, length) for _, first, length in shards.runs] == [(0, chunk), (3 * chunk, chunk)]
@@ -105,8 +120,12 @@ def test_cp_attention_runs_on_a_torch_without_the_2_13_gather_name(monkeypatch, 
     gather, used = funcol.all_gather_single_autograd, []
     monkeypatch.delattr(funcol, "all_gather_single_autograd")
     # 2.13's deprecated alias calls the newer name; 2.11's gathers itself, as the one kept here does
-    monkeypatch.setattr(funcol, "all_gather_tensor_autograd", lambda *args: used.append(args) or gather(*args))
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    monkeypatch.setattr(
+        funcol, "all_gather_tensor_autograd", lambda *args: used.append(args) or gather(*args)
+    )
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
     try:
         shards = ContextShards.build(dist.group.WORLD, rank_positions(LOCAL, 1, "headtail"), "cpu")
         q, k, v = _qkv()
@@ -117,8 +136,9 @@ def test_cp_attention_runs_on_a_torch_without_the_2_13_gather_name(monkeypatch, 
     assert len(used) == 2  # K and V
     got = (out, q.grad, k.grad, v.grad)
     q2, k2, v2 = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    expected = F.scaled_dot_product_attention(q2.transpose(1, 2), k2.transpose(1, 2), v2.transpose(1, 2),
-                                              is_causal=True, enable_gqa=True).transpose(1, 2)
+    expected = F.scaled_dot_product_attention(
+        q2.transpose(1, 2), k2.transpose(1, 2), v2.transpose(1, 2), is_causal=True, enable_gqa=True
+    ).transpose(1, 2)
     expected.square().sum().backward()
     for a, b in zip(got, (expected, q2.grad, k2.grad, v2.grad)):
         torch.testing.assert_close(a, b)

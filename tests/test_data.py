@@ -21,8 +21,14 @@ def tokenizer():
 
 def loader(tokenizer, rank=0, world=1, batch=4, seq_len=32, **kw):
     config = PackedTextDataLoader.Config(**kw)
-    return PackedTextDataLoader(config, dp_world_size=world, dp_rank=rank, tokenizer=tokenizer,
-                                seq_len=seq_len, local_batch_size=batch)
+    return PackedTextDataLoader(
+        config,
+        dp_world_size=world,
+        dp_rank=rank,
+        tokenizer=tokenizer,
+        seq_len=seq_len,
+        local_batch_size=batch,
+    )
 
 
 def test_committed_corpus_is_what_the_generator_makes():
@@ -32,7 +38,11 @@ def test_committed_corpus_is_what_the_generator_makes():
 def test_tokenizer_round_trip_and_specials(tokenizer):
     text = "Mia lived in Oakford with a cat called Pip. She found 7 red kites!"
     ids = tokenizer.encode(text, add_bos=True, add_eos=True)
-    assert ids[0] == tokenizer.bos_id and ids[-1] == tokenizer.eos_id and tokenizer.bos_id != tokenizer.eos_id
+    assert (
+        ids[0] == tokenizer.bos_id
+        and ids[-1] == tokenizer.eos_id
+        and tokenizer.bos_id != tokenizer.eos_id
+    )
     assert tokenizer.decode(ids[1:-1]) == text
     assert tokenizer.get_vocab_size() <= 2048
 
@@ -65,7 +75,9 @@ def test_ranks_see_disjoint_windows_and_epochs_reshuffle(tokenizer):
     epoch1 = [next(it)[0]["input"] for _ in range(n)]
     key = lambda xs: sorted(tuple(x[0, :8].tolist()) for x in xs)
     assert key(epoch0) == key(epoch1)  # each epoch covers every window once ...
-    assert [x[0, :8].tolist() for x in epoch0] != [x[0, :8].tolist() for x in epoch1]  # ... in a new order
+    assert [x[0, :8].tolist() for x in epoch0] != [
+        x[0, :8].tolist() for x in epoch1
+    ]  # ... in a new order
 
 
 def test_resume_from_state_gives_the_same_next_batches(tokenizer):
@@ -116,9 +128,11 @@ def test_the_end_of_each_epoch_is_said_once_with_the_tokens_seen(tokenizer, capl
     passes = (batches * 3 - 1) // n  # passes completed before the last sample read
     assert passes == 3 and len(ends) == passes, ends
     for epoch, message in enumerate(ends, 1):
-        assert message.startswith(f"dataset 'builtin': epoch {epoch} ended ({n:,} windows of 256 tokens each, "
-                                  f"{epoch * n * 256:,} tokens seen in all); epoch {epoch + 1} reads the same data "
-                                  "again, reshuffled"), message
+        assert message.startswith(
+            f"dataset 'builtin': epoch {epoch} ended ({n:,} windows of 256 tokens each, "
+            f"{epoch * n * 256:,} tokens seen in all); epoch {epoch + 1} reads the same data "
+            "again, reshuffled"
+        ), message
     caplog.clear()
     resumed = loader(tokenizer, batch=3, seq_len=256)
     resumed.load_state_dict({"next_sample": n + 3})  # inside the second pass
@@ -126,8 +140,9 @@ def test_the_end_of_each_epoch_is_said_once_with_the_tokens_seen(tokenizer, capl
     with caplog.at_level(logging.INFO):
         for _ in range(n // 3 + 1):
             next(it)
-    assert [r.getMessage()[:34] for r in caplog.records if "ended (" in r.getMessage()] == \
-        ["dataset 'builtin': epoch 2 ended ("]
+    assert [r.getMessage()[:34] for r in caplog.records if "ended (" in r.getMessage()] == [
+        "dataset 'builtin': epoch 2 ended ("
+    ]
 
 
 @pytest.mark.parametrize("suffix", ["jsonl", "parquet"])
@@ -151,8 +166,11 @@ def test_a_text_field_under_another_name_is_named_with_the_key_to_set(tmp_path, 
         loader(tokenizer, dataset="files", dataset_path=str(path))
     message = str(error.value)
     assert message.startswith(where) and "on_error" not in message, message
-    assert message.endswith("set [dataloader] text_key = \"content\" if its text is there"), message
-    with pytest.raises(DataConfigError, match=r"every record was skipped \(\d+, \[dataloader\] on_error = \"skip\"\)"):
+    assert message.endswith('set [dataloader] text_key = "content" if its text is there'), message
+    with pytest.raises(
+        DataConfigError,
+        match=r"every record was skipped \(\d+, \[dataloader\] on_error = \"skip\"\)",
+    ):
         loader(tokenizer, dataset="files", dataset_path=str(path), on_error="skip")
     dl = loader(tokenizer, dataset="files", dataset_path=str(path), text_key="content")
     assert dl.num_windows > 0
@@ -162,6 +180,9 @@ def test_a_record_without_the_field_after_good_ones_may_be_skipped(tmp_path):
     """Where earlier records had the field, a record without it is a bad record: skipping stays the advice."""
     path = tmp_path / "docs.jsonl"
     path.write_text(json.dumps({"text": "fine"}) + "\n" + json.dumps({"body": "odd one"}) + "\n")
-    with pytest.raises(Exception, match=r"docs.jsonl:2: the 'text' text field is missing; the record's fields: "
-                                        r"'body'; set K=body if its text is there \(use SKIP to skip bad records\)"):
+    with pytest.raises(
+        Exception,
+        match=r"docs.jsonl:2: the 'text' text field is missing; the record's fields: "
+        r"'body'; set K=body if its text is there \(use SKIP to skip bad records\)",
+    ):
         list(iter_documents(str(path), "text", "fail", skip_hint="SKIP", key_hint="K={}"))

@@ -14,16 +14,40 @@ from conftest import REPO
 
 README = REPO / "README.md"
 PAGES = [README, *sorted((REPO / "docs").rglob("*.md"))]
-TOPICS = ["configs", "models", "data", "launching", "parallelism", "checkpoints", "evaluation", "planning",
-          "failures", "extending", "development", "experiments"]
+TOPICS = [
+    "configs",
+    "models",
+    "data",
+    "launching",
+    "parallelism",
+    "checkpoints",
+    "evaluation",
+    "planning",
+    "failures",
+    "extending",
+    "development",
+    "experiments",
+]
 BENCHMARKS = ["gpu", "planner", "cpu", "sweeps"]
 MAX_README_LINES = 400
-TOP = ("canon_titan", "scripts", "train_configs", "tests", "docs", "eval", "model_registry", "synthetic_data", ".ci")
+TOP = (
+    "canon_titan",
+    "scripts",
+    "train_configs",
+    "tests",
+    "docs",
+    "eval",
+    "model_registry",
+    "synthetic_data",
+    ".ci",
+)
 PATH = re.compile(r"(?<![\w./-])((?:%s)/[\w./-]*)" % "|".join(re.escape(t) for t in TOP))
 TWO_LEVEL = {"config", "convert", "data", "eval"}
 NOT_PATHS = {
-    "eval/depo1/k", "eval/hellaswag/acc_norm",  # metric names in the logs, not files
-    "train_configs/FILE.toml", "train_configs/my.toml",  # a placeholder, and an example error message's file
+    "eval/depo1/k",
+    "eval/hellaswag/acc_norm",  # metric names in the logs, not files
+    "train_configs/FILE.toml",
+    "train_configs/my.toml",  # a placeholder, and an example error message's file
 }
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 TEST = re.compile(r"(?:tests/)?(test_\w+\.py)::(\w+)")
@@ -50,9 +74,13 @@ def commands(text: str) -> list[list[str]]:
     joined = re.sub(r"\\\n\s*", " ", text)
     out = []
     # In code (a backtick, the venv's bin folder or the start of a code line before it), not in prose.
-    for match in re.finditer(r"(?:(?<=`)|(?<=\.venv/bin/)|(?<=^)|(?<=^\$ ))canon-titan ([^`\n|]*)", joined, re.M):
+    for match in re.finditer(
+        r"(?:(?<=`)|(?<=\.venv/bin/)|(?<=^)|(?<=^\$ ))canon-titan ([^`\n|]*)", joined, re.M
+    ):
         words = match.group(1).split()
-        log_line = any(w.endswith(":") for w in words[:3])  # what a run prints, e.g. `canon-titan runtime shims: ...`
+        log_line = any(
+            w.endswith(":") for w in words[:3]
+        )  # what a run prints, e.g. `canon-titan runtime shims: ...`
         if words and re.fullmatch(r"[a-z][a-z-]*", words[0]) and not log_line:
             out.append(words)
     return out
@@ -60,7 +88,9 @@ def commands(text: str) -> list[list[str]]:
 
 def slug(heading: str) -> str:
     """GitHub's anchor for a heading: lower case, markup and punctuation dropped, spaces as hyphens."""
-    text = re.sub(r"[`*]|\[([^\]]*)\]\([^)]*\)", lambda m: m.group(1) or "", heading.strip().lower())
+    text = re.sub(
+        r"[`*]|\[([^\]]*)\]\([^)]*\)", lambda m: m.group(1) or "", heading.strip().lower()
+    )
     return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
 
 
@@ -122,7 +152,9 @@ def test_a_path_removed_from_the_tree_is_caught(tmp_path):
 def _help(argv: list[str], capsys) -> str:
     from canon_titan.cli import COMMANDS, main
 
-    assert argv[0] in COMMANDS, f"the guide names `canon-titan {argv[0]}`; commands: {', '.join(COMMANDS)}"
+    assert argv[0] in COMMANDS, (
+        f"the guide names `canon-titan {argv[0]}`; commands: {', '.join(COMMANDS)}"
+    )
     with pytest.raises(SystemExit) as exit_:
         main([*argv, "--help"])
     assert exit_.value.code == 0, argv
@@ -134,13 +166,18 @@ def test_every_canon_titan_command_in_the_guide_exists_with_its_options(capsys):
     assert len(found) > 20
     helps: dict[tuple[str, ...], str] = {}
     for words in found:
-        key = tuple(words[:2]) if words[0] in TWO_LEVEL and len(words) > 1 and not words[1].startswith("-") \
+        key = (
+            tuple(words[:2])
+            if words[0] in TWO_LEVEL and len(words) > 1 and not words[1].startswith("-")
             else (words[0],)
+        )
         if key not in helps:
             helps[key] = _help(list(key), capsys)
         options = {w.split("=")[0] for w in words if re.fullmatch(r"--[a-z][\w-]*(=.*)?", w)}
         unknown = sorted(o for o in options if o not in helps[key] and o != "--help")
-        assert not unknown, f"`canon-titan {' '.join(words)}`: {unknown} not in `canon-titan {' '.join(key)} --help`"
+        assert not unknown, (
+            f"`canon-titan {' '.join(words)}`: {unknown} not in `canon-titan {' '.join(key)} --help`"
+        )
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(REPO)))
@@ -150,9 +187,14 @@ def test_every_link_between_pages_resolves(page):
 
 def missing_tests(text: str, root) -> list[str]:
     """``test_file.py::test_name`` references (the fault table's) whose file has no such test."""
-    return sorted({f"{file}::{name}" for file, name in TEST.findall(text)
-                   if not (root / "tests" / file).is_file()
-                   or not re.search(rf"^(async )?def {name}\(", (root / "tests" / file).read_text(), re.M)})
+    return sorted(
+        {
+            f"{file}::{name}"
+            for file, name in TEST.findall(text)
+            if not (root / "tests" / file).is_file()
+            or not re.search(rf"^(async )?def {name}\(", (root / "tests" / file).read_text(), re.M)
+        }
+    )
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(REPO)))
@@ -167,8 +209,16 @@ def unreadable(text: str) -> list[str]:
     """What makes a page no guide: more than ``MAX_PAGE_BYTES``, or a line of prose (over 60 characters,
     not a table row or a generated table's footnote) standing twice, as a paragraph pasted over and
     over does (f92c40a wrote one paragraph between every two characters of docs/planning.md: 8.4 MB)."""
-    out = [f"{len(text.encode()):,} bytes (at most {MAX_PAGE_BYTES:,})"] if len(text.encode()) > MAX_PAGE_BYTES else []
-    prose = [line for line in text.splitlines() if len(line) > 60 and not line.lstrip().startswith(("|", "_"))]
+    out = (
+        [f"{len(text.encode()):,} bytes (at most {MAX_PAGE_BYTES:,})"]
+        if len(text.encode()) > MAX_PAGE_BYTES
+        else []
+    )
+    prose = [
+        line
+        for line in text.splitlines()
+        if len(line) > 60 and not line.lstrip().startswith(("|", "_"))
+    ]
     out += [f"twice: {line[:80]}" for line, n in collections.Counter(prose).items() if n > 1]
     return out
 
@@ -180,9 +230,13 @@ def test_every_page_is_a_readable_size_without_repeated_paragraphs(page):
 
 def test_a_pasted_over_page_is_caught():
     paragraph = "- **canon-titan's own GPU runs** (one H200): Llama-1B within 4% at the recipe's 8 x 4096.\n"
-    assert unreadable("# Planning\n\n" + paragraph + "\n" + paragraph)[0].startswith("twice: - **canon-titan's own")
+    assert unreadable("# Planning\n\n" + paragraph + "\n" + paragraph)[0].startswith(
+        "twice: - **canon-titan's own"
+    )
     pasted = paragraph.join("# Planning: how accurate it is")
-    assert unreadable(pasted)[0].startswith("twice:") and unreadable("x" * 100_001)[0].startswith("100,001 bytes")
+    assert unreadable(pasted)[0].startswith("twice:") and unreadable("x" * 100_001)[0].startswith(
+        "100,001 bytes"
+    )
 
 
 def test_a_renamed_test_is_caught(tmp_path):
@@ -195,27 +249,37 @@ def test_a_renamed_test_is_caught(tmp_path):
 def test_a_broken_link_is_caught(tmp_path):
     """A link to a page that is not there, and one to a heading the page does not have."""
     (tmp_path / "docs").mkdir()
-    (tmp_path / "docs" / "a.md").write_text("# A page\n\n## Multi-node: `run_train.sh`\n\n```\n## not a heading\n```\n")
+    (tmp_path / "docs" / "a.md").write_text(
+        "# A page\n\n## Multi-node: `run_train.sh`\n\n```\n## not a heading\n```\n"
+    )
     page = tmp_path / "README.md"
-    page.write_text("[ok](docs/a.md#multi-node-run_trainsh) [ok](docs/a.md#a-page) [ok](#front) [web](https://x.org/y)\n"
-                    "[gone](docs/b.md) [bad](docs/a.md#not-a-heading) [self](#nowhere)\n# Front\n")
-    assert broken_links(page, tmp_path) == ["README.md: docs/b.md (no such file)",
-                                            "README.md: docs/a.md#not-a-heading (no such heading)",
-                                            "README.md: #nowhere (no such heading)"]
+    page.write_text(
+        "[ok](docs/a.md#multi-node-run_trainsh) [ok](docs/a.md#a-page) [ok](#front) [web](https://x.org/y)\n"
+        "[gone](docs/b.md) [bad](docs/a.md#not-a-heading) [self](#nowhere)\n# Front\n"
+    )
+    assert broken_links(page, tmp_path) == [
+        "README.md: docs/b.md (no such file)",
+        "README.md: docs/a.md#not-a-heading (no such heading)",
+        "README.md: #nowhere (no such heading)",
+    ]
 
 
 def test_the_readme_is_a_front_page():
     """At most 400 lines; the two set-up commands on its first screen; a link to every topic page and
     benchmark file, each of which exists."""
     lines = README.read_text().splitlines()
-    assert len(lines) <= MAX_README_LINES, f"README.md has {len(lines)} lines; keep it to {MAX_README_LINES}"
+    assert len(lines) <= MAX_README_LINES, (
+        f"README.md has {len(lines)} lines; keep it to {MAX_README_LINES}"
+    )
     first = "\n".join(lines[:15])
     assert "scripts/quickstart.sh" in first and "scripts/test.sh" in first
     links = set(LINK.findall(README.read_text()))
     for name in TOPICS:
         assert (REPO / "docs" / f"{name}.md").is_file() and f"docs/{name}.md" in links, name
     for name in BENCHMARKS:
-        assert (REPO / "docs" / "benchmarks" / f"{name}.md").is_file() and f"docs/benchmarks/{name}.md" in links, name
+        assert (
+            REPO / "docs" / "benchmarks" / f"{name}.md"
+        ).is_file() and f"docs/benchmarks/{name}.md" in links, name
 
 
 def test_the_playground_figure_is_drawn_from_the_playground_tables(tmp_path):
@@ -232,8 +296,12 @@ def test_the_playground_figure_is_drawn_from_the_playground_tables(tmp_path):
     text = (REPO / "docs" / "data.md").read_text().replace("**", "")
 
     def cells(task):
-        return [seed_cell(group, SyntheticEval(100)) for arm in task["arms"].values()
-                for seed in arm["seeds"].values() for group in seed["groups"].values()]
+        return [
+            seed_cell(group, SyntheticEval(100))
+            for arm in task["arms"].values()
+            for seed in arm["seeds"].values()
+            for group in seed["groups"].values()
+        ]
 
     every = [c for task in results["tasks"].values() for c in cells(task)]
     assert len(every) == 16
@@ -252,16 +320,26 @@ def test_the_readme_gpu_figures_are_measured_runs_of_record():
     from canon_titan.plan.calibration import POINTS
 
     text = README.read_text()
-    table = text[text.index("**On a GPU**"):text.index("GDN2's only GPU figure")]
-    rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in table.splitlines()
-            if line.startswith("| ") and not line.startswith(("| run", "|---"))]
+    table = text[text.index("**On a GPU**") : text.index("GDN2's only GPU figure")]
+    rows = [
+        [c.strip() for c in line.strip().strip("|").split("|")]
+        for line in table.splitlines()
+        if line.startswith("| ") and not line.startswith(("| run", "|---"))
+    ]
     assert len(rows) >= 4
-    number = lambda cell: float(re.match(r"[\d,.]+", cell.replace("**", "")).group(0).replace(",", ""))  # noqa: E731
+    number = lambda cell: float(
+        re.match(r"[\d,.]+", cell.replace("**", "")).group(0).replace(",", "")
+    )  # noqa: E731
     runs = {}
     for run, shape, tokens, ratio, memory, date in rows:
         batch, seq = (int(x.replace(",", "")) for x in shape.split(" x "))
-        matches = [p for p in POINTS if p.date == date and p.measured_tokens_per_s == number(tokens)
-                   and p.measured_gib == number(memory)]
+        matches = [
+            p
+            for p in POINTS
+            if p.date == date
+            and p.measured_tokens_per_s == number(tokens)
+            and p.measured_gib == number(memory)
+        ]
         assert len(matches) == 1, (run, tokens, memory, date)
         point = matches[0]
         assert f"--training.local_batch_size {batch}" in " ".join(point.overrides), run
@@ -278,8 +356,12 @@ def _same_run_of_llama(point):
     from canon_titan.plan.calibration import POINTS
 
     settings = tuple(o for o in point.overrides if o not in ("--model.kernel_backend", "torch"))
-    return next(p for p in POINTS if p.kind.model == "llama" and (p.date, p.gpu, p.overrides) ==
-                (point.date, point.gpu, settings))
+    return next(
+        p
+        for p in POINTS
+        if p.kind.model == "llama"
+        and (p.date, p.gpu, p.overrides) == (point.date, point.gpu, settings)
+    )
 
 
 def test_every_page_gives_gdn2_its_one_gpu_figure():
@@ -308,8 +390,9 @@ def test_the_readme_says_which_gpus_have_no_figure_with_the_triton_canon_ops():
     from canon_titan.plan.gpus import GPUS
 
     text = " ".join(README.read_text().split())
-    triton = {p.gpu for p in POINTS
-              if p.kind.model == "llama_canon" and set(TRITON) <= set(p.overrides)}
+    triton = {
+        p.gpu for p in POINTS if p.kind.model == "llama_canon" and set(TRITON) <= set(p.overrides)
+    }
     for gpu in sorted({p.gpu for p in POINTS} - triton):
         assert f"no {GPUS[gpu].name.split()[0]} figure with the Triton Canon ops" in text, gpu
 
@@ -351,8 +434,9 @@ def test_no_page_says_importing_canon_titan_quiets_library_notes():
             if re.match(r"\s*import canon_titan\b", line):
                 assert "quiet" not in line.lower() and "drop" not in line.lower(), (page.name, line)
     script = "import canon_titan, logging; print(len(logging.getLogger('torchao').filters))"
-    filters = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True,
-                             text=True, timeout=120).stdout.split()
+    filters = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120
+    ).stdout.split()
     assert filters == ["0"]
 
 
@@ -371,7 +455,8 @@ def test_the_resume_schedule_figures_are_torchtitans():
     def lr(steps: int, at: int, **keys) -> float:
         optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=peak)
         schedule = LRSchedulersContainer.Config(**{**run["lr_scheduler"], **keys}).build(
-            optimizers=[optimizer], training_steps=steps)
+            optimizers=[optimizer], training_steps=steps
+        )
         for _ in range(at - 1):
             optimizer.step()
             schedule.step()
@@ -405,8 +490,11 @@ def test_the_planning_pages_search_example_is_the_tables_search():
     assert f"x{best['tokens_per_s'] / own['tokens_per_s']:.2f}" in script.example_prose(record)
     table = (REPO / "docs" / "benchmarks" / "planner.md").read_text()
     body = table.split(script.MARKERS[0], 1)[1].split(script.MARKERS[1], 1)[0]
-    rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in body.splitlines()
-            if line.startswith("| ") and not line.startswith(("| recipes", "|---"))]
+    rows = [
+        [c.strip() for c in line.strip().strip("|").split("|")]
+        for line in body.splitlines()
+        if line.startswith("| ") and not line.startswith(("| recipes", "|---"))
+    ]
     cluster = f"{record['gpus']} x {record['gpu']}"
     row = next(r for r in rows if record["recipe"].rsplit("-lr", 1)[0] in r[0] and r[1] == cluster)
     assert (row[2], row[4]) == (own["layout"], best["layout"])

@@ -41,8 +41,14 @@ time.sleep(float(sys.argv[4]))
 
 def hold(dump, host, flock):
     """A process that takes the dump folder's lock as ``host`` and keeps it; returned once it holds it."""
-    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(dump), host, flock, "120"], cwd=REPO, env=train_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(dump), host, flock, "120"],
+        cwd=REPO,
+        env=train_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     lines = []
     while not lines or lines[-1] not in ("holding\n", ""):  # "": it ended without holding
         lines.append(proc.stdout.readline())
@@ -74,8 +80,14 @@ def test_a_node_local_flock_does_not_let_a_second_node_in(tmp_path):
     dump = tmp_path / "run"
     first = hold(dump, "node-a", "node-local")
     try:
-        second = subprocess.run([sys.executable, "-c", HOLD, str(dump), "node-b", "node-local", "0"], cwd=REPO,
-                                env=train_env(), capture_output=True, text=True, timeout=120)
+        second = subprocess.run(
+            [sys.executable, "-c", HOLD, str(dump), "node-b", "node-local", "0"],
+            cwd=REPO,
+            env=train_env(),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert second.returncode == 2, second.stdout + second.stderr
         assert f"dump folder {dump} is in use by a run (pid {first.pid} on node-a" in second.stdout
     finally:
@@ -83,7 +95,9 @@ def test_a_node_local_flock_does_not_let_a_second_node_in(tmp_path):
         first.wait()
 
 
-def test_a_lease_is_never_taken_from_a_live_process_of_this_host_however_long_suspended(tmp_path, monkeypatch):
+def test_a_lease_is_never_taken_from_a_live_process_of_this_host_however_long_suspended(
+    tmp_path, monkeypatch
+):
     """Without flock, a holder on this host stopped (SIGSTOP) for longer than the lease's expiry is
     still refused, and a lease naming a live pid that another process now has (its start time differs)
     is taken over. At 432670c a lease unrefreshed for 150 s was taken from a live, suspended holder:
@@ -99,9 +113,14 @@ def test_a_lease_is_never_taken_from_a_live_process_of_this_host_however_long_su
         then = time.time() - ownership.LEASE_EXPIRY_S - 60
         os.utime(lease, (then, then))  # what a suspension of 210 s leaves
         for check in (True, False):  # the run, and the launcher's check
-            with pytest.raises(ownership.DumpFolderInUse, match=f"pid {holder.pid} on .*is alive on this host"):
+            with pytest.raises(
+                ownership.DumpFolderInUse, match=f"pid {holder.pid} on .*is alive on this host"
+            ):
                 ownership.lock_dump_folder(dump, hold=check)
-        reused = {**json.loads(lease.read_text()), "pid_start": ownership._process_start(holder.pid) - 1}
+        reused = {
+            **json.loads(lease.read_text()),
+            "pid_start": ownership._process_start(holder.pid) - 1,
+        }
         lease.write_text(json.dumps(reused))  # the same pid, now another process's
         os.utime(lease, (time.time(), time.time()))
         ownership.lock_dump_folder(dump)
@@ -111,8 +130,11 @@ def test_a_lease_is_never_taken_from_a_live_process_of_this_host_however_long_su
         holder.wait()
 
 
-@pytest.mark.parametrize("squeue, taken", [("RUNNING", False), ("SUSPENDED", False), ("COMPLETED", True),
-                                           (None, True)], ids=["running", "suspended", "completed", "no_squeue"])
+@pytest.mark.parametrize(
+    "squeue, taken",
+    [("RUNNING", False), ("SUSPENDED", False), ("COMPLETED", True), (None, True)],
+    ids=["running", "suspended", "completed", "no_squeue"],
+)
 def test_a_lease_of_a_job_slurm_still_runs_is_never_taken(tmp_path, monkeypatch, squeue, taken):
     """A lease from another host, unrefreshed for longer than its expiry: taken over unless squeue says
     its SLURM job still runs (a suspended job refreshes nothing)."""
@@ -122,14 +144,26 @@ def test_a_lease_of_a_job_slurm_still_runs_is_never_taken(tmp_path, monkeypatch,
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     if squeue is not None:
-        (bin_dir / "squeue").write_text(f'#!/bin/sh\n[ "$*" = "--noheader --jobs 4242 --format %T" ] && echo {squeue}\n')
+        (bin_dir / "squeue").write_text(
+            f'#!/bin/sh\n[ "$*" = "--noheader --jobs 4242 --format %T" ] && echo {squeue}\n'
+        )
         (bin_dir / "squeue").chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
     lease = tmp_path / "run" / ownership.LEASE_FILE
     lease.parent.mkdir()
-    lease.write_text(json.dumps({"pid": 7, "host": "other-node", "started": "then", "token": "theirs",
-                                 "refresh_s": ownership.LEASE_REFRESH_S, "slurm_job": "4242"}))
+    lease.write_text(
+        json.dumps(
+            {
+                "pid": 7,
+                "host": "other-node",
+                "started": "then",
+                "token": "theirs",
+                "refresh_s": ownership.LEASE_REFRESH_S,
+                "slurm_job": "4242",
+            }
+        )
+    )
     then = time.time() - ownership.LEASE_EXPIRY_S - 60
     os.utime(lease, (then, then))
     if taken:
@@ -154,8 +188,11 @@ def test_the_holder_refreshes_only_its_own_lease(tmp_path, monkeypatch, caplog):
     os.utime(lease, (then, then))
     time.sleep(1.0)
     assert time.time() - lease.stat().st_mtime < 5  # its own: refreshed
-    lease.write_text(json.dumps({"pid": 7, "host": "other-node", "started": "now", "token": "theirs",
-                                 "refresh_s": 30}))
+    lease.write_text(
+        json.dumps(
+            {"pid": 7, "host": "other-node", "started": "now", "token": "theirs", "refresh_s": 30}
+        )
+    )
     os.utime(lease, (then, then))
     time.sleep(1.0)
     assert lease.stat().st_mtime == pytest.approx(then, abs=1)
@@ -171,24 +208,56 @@ def test_nodes_that_do_not_share_the_dump_folder_refuse_on_every_node(tmp_path):
     port = free_port()
     procs = []
     for node in range(2):
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "canon_titan.launch.torchrun", "--nnodes=2", f"--node_rank={node}",
-             "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", f"--rdzv_id=shared-{port}",
-             "--nproc_per_node=1", "-m", "canon_titan.train", "--config", str(DEBUG_CONFIG), *COMMON,
-             "--training.steps", "3", "--training.local_batch_size", "2", "--checkpoint.enable",
-             "--job.dump_folder", str(tmp_path / f"node{node}")],
-            cwd=REPO, env=train_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        procs.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "canon_titan.launch.torchrun",
+                    "--nnodes=2",
+                    f"--node_rank={node}",
+                    "--rdzv_backend=c10d",
+                    f"--rdzv_endpoint=127.0.0.1:{port}",
+                    f"--rdzv_id=shared-{port}",
+                    "--nproc_per_node=1",
+                    "-m",
+                    "canon_titan.train",
+                    "--config",
+                    str(DEBUG_CONFIG),
+                    *COMMON,
+                    "--training.steps",
+                    "3",
+                    "--training.local_batch_size",
+                    "2",
+                    "--checkpoint.enable",
+                    "--job.dump_folder",
+                    str(tmp_path / f"node{node}"),
+                ],
+                cwd=REPO,
+                env=train_env(),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
     outputs = [p.communicate(timeout=300)[0] for p in procs]
     for node, (proc, out) in enumerate(zip(procs, outputs)):
         assert proc.returncode == 2, out[-4000:]
         refusals = [line for line in out.splitlines() if line.startswith("canon-titan: ")]
-        assert len(refusals) == 1 and "is not shared by every node: 1 of 2 nodes" in refusals[0], out[-4000:]
-        assert "put [job] dump_folder on a filesystem every node mounts at the same path" in refusals[0]
+        assert len(refusals) == 1 and "is not shared by every node: 1 of 2 nodes" in refusals[0], (
+            out[-4000:]
+        )
+        assert (
+            "put [job] dump_folder on a filesystem every node mounts at the same path"
+            in refusals[0]
+        )
         assert " step: " not in out and "Traceback" not in out, out[-4000:]
         assert not (tmp_path / f"node{node}" / "checkpoint").exists()
 
 
-def test_a_folder_where_the_lease_cannot_be_made_is_one_line_and_leaves_nothing(tmp_path, monkeypatch):
+def test_a_folder_where_the_lease_cannot_be_made_is_one_line_and_leaves_nothing(
+    tmp_path, monkeypatch
+):
     """The lease is made by a hard link, which some FUSE mounts refuse: one line naming it (at 432670c a
     traceback, on the filesystems without flock), and no file of it left behind."""
     from canon_titan.launch import ownership
@@ -198,9 +267,11 @@ def test_a_folder_where_the_lease_cannot_be_made_is_one_line_and_leaves_nothing(
 
     monkeypatch.setattr(os, "link", no_link)
     dump = tmp_path / "run"
-    with pytest.raises(ownership.DumpFolderUnusable,
-                       match=f"cannot create the lease file {dump / ownership.LEASE_FILE}: Operation not permitted; "
-                             r"use a \[job\] dump_folder"):
+    with pytest.raises(
+        ownership.DumpFolderUnusable,
+        match=f"cannot create the lease file {dump / ownership.LEASE_FILE}: Operation not permitted; "
+        r"use a \[job\] dump_folder",
+    ):
         ownership.lock_dump_folder(dump)
     assert sorted(p.name for p in dump.iterdir()) == [ownership.LOCK_FILE]
 

@@ -45,14 +45,31 @@ def score(oracle, tasks, data_dir):
 @pytest.fixture(scope="module")
 def multihop_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("eval_data")
-    assert main(["data", "multihop", "--background", str(BACKGROUND), "--out-dir", str(out), "--count", "4"]) == 0
+    assert (
+        main(
+            [
+                "data",
+                "multihop",
+                "--background",
+                str(BACKGROUND),
+                "--out-dir",
+                str(out),
+                "--count",
+                "4",
+            ]
+        )
+        == 0
+    )
     return out
 
 
 def test_generator_writes_the_reference_grid(multihop_dir):
     files = sorted(p.name for p in (multihop_dir / "multihop").iterdir())
     assert files == sorted(f"{h}_{c}.jsonl" for h in ("1hop", "2hop") for c in MULTIHOP_CONTEXTS)
-    two_hop = [json.loads(line) for line in (multihop_dir / "multihop" / "2hop_1k.jsonl").read_text().splitlines()]
+    two_hop = [
+        json.loads(line)
+        for line in (multihop_dir / "multihop" / "2hop_1k.jsonl").read_text().splitlines()
+    ]
     assert all(r["n"] == 3 and r["k"] == 2 and r["background_tokens"] < 1024 for r in two_hop)
 
 
@@ -63,7 +80,10 @@ def test_multihop_tasks_score_the_year(multihop_dir):
     assert len(scores) == len(MULTIHOP_CONTEXTS) + 2  # the 1-hop group's average too
     assert all(v == 1.0 for k, v in scores.items() if k.endswith("/exact_match")), scores
     # lm-eval hands the model exactly the generated prompts: the prompt ends after "year of ".
-    rows = [json.loads(line) for line in (multihop_dir / "multihop" / "2hop_2k.jsonl").read_text().splitlines()]
+    rows = [
+        json.loads(line)
+        for line in (multihop_dir / "multihop" / "2hop_2k.jsonl").read_text().splitlines()
+    ]
     assert all(r["prompt"] in right.prompts for r in rows)
     assert all(p.endswith("was born in the year of ") for p in right.prompts)
 
@@ -74,12 +94,24 @@ def test_multihop_tasks_score_the_year(multihop_dir):
 
 
 SAMPLES = {
-    "qa1": ({"input": "Mary went to the kitchen. John moved to the garden. Mary travelled to the office.",
-             "question": "Where is Mary?", "target": "office"},
-            " The most recent location of Mary is office.", " The most recent location of Mary is kitchen."),
-    "qa4": ({"input": "The garden is south of the bedroom. The office is east of the garden.",
-             "question": "What is the garden south of?", "target": "bedroom"},
-            " bedroom\nQuestion:", " office"),
+    "qa1": (
+        {
+            "input": "Mary went to the kitchen. John moved to the garden. Mary travelled to the office.",
+            "question": "Where is Mary?",
+            "target": "office",
+        },
+        " The most recent location of Mary is office.",
+        " The most recent location of Mary is kitchen.",
+    ),
+    "qa4": (
+        {
+            "input": "The garden is south of the bedroom. The office is east of the garden.",
+            "question": "What is the garden south of?",
+            "target": "bedroom",
+        },
+        " bedroom\nQuestion:",
+        " office",
+    ),
 }
 
 
@@ -88,7 +120,11 @@ def test_multihop_groups_report_the_mean_over_context_lengths(multihop_dir):
     plain mean of its eight tasks'."""
     import zlib
 
-    half = Oracle(lambda prompt: f" {multihop.solve(prompt)}." if zlib.crc32(prompt.encode()) % 2 else " 1066.")
+    half = Oracle(
+        lambda prompt: (
+            f" {multihop.solve(prompt)}." if zlib.crc32(prompt.encode()) % 2 else " 1066."
+        )
+    )
     scores = score(half, ["multihop_2hop"], multihop_dir)
     leaves = [v for k, v in scores.items() if k.startswith("multihop_2hop_")]
     assert len(leaves) == len(MULTIHOP_CONTEXTS) and 0 < sum(leaves) < len(leaves)
@@ -99,8 +135,10 @@ def test_babilong_tasks_use_our_prompt_and_answer_format(tmp_path):
     (tmp_path / "babilong").mkdir()
     for qa, (sample, _, _) in SAMPLES.items():
         (tmp_path / "babilong" / f"{qa}_1k.jsonl").write_text(json.dumps(sample) + "\n")
-    prompts = {babilong.format_prompt(qa, s["input"], s["question"]): (right, wrong)
-               for qa, (s, right, wrong) in SAMPLES.items()}
+    prompts = {
+        babilong.format_prompt(qa, s["input"], s["question"]): (right, wrong)
+        for qa, (s, right, wrong) in SAMPLES.items()
+    }
     tasks = ["babilong_qa1_1k", "babilong_qa4_1k"]
     right = Oracle(lambda prompt: prompts[prompt][0])  # a KeyError if lm-eval's prompt is not ours
     assert score(right, tasks, tmp_path) == {"babilong_qa1_1k/acc": 1.0, "babilong_qa4_1k/acc": 1.0}
@@ -109,12 +147,16 @@ def test_babilong_tasks_use_our_prompt_and_answer_format(tmp_path):
 
 
 def test_missing_test_file_names_the_path_and_the_command(tmp_path):
-    with pytest.raises(FileNotFoundError, match=r"multihop/1hop_0k.jsonl does not exist.*data multihop --out-dir"):
+    with pytest.raises(
+        FileNotFoundError, match=r"multihop/1hop_0k.jsonl does not exist.*data multihop --out-dir"
+    ):
         score(Oracle(str), ["multihop_1hop_0k"], tmp_path)
 
 
 def test_every_task_file_is_indexed():
-    names = {p.stem for p in (REPO / "eval" / "tasks").glob("*.yaml") if not p.stem.startswith("group_")}
+    names = {
+        p.stem for p in (REPO / "eval" / "tasks").glob("*.yaml") if not p.stem.startswith("group_")
+    }
     manager = lm.task_manager(sorted(names))
     assert names <= set(manager.all_tasks)
     assert len(lm.leaf_tasks(manager, ["babilong_avg20"])) == 20

@@ -44,5 +44,7 @@ def test_a_make_that_fails_leaves_nothing_and_the_next_ask_makes_it(tmp_path):
     with pytest.raises(RuntimeError, match="training failed"):
         make_once(folder, broken)
     assert not folder.exists()
-    assert (make_once(folder, lambda f: (f / "weights").write_text("w")) / "weights").read_text() == "w"
+    assert (
+        make_once(folder, lambda f: (f / "weights").write_text("w")) / "weights"
+    ).read_text() == "w"
     assert not (folder / "half").exists()

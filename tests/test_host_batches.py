@@ -80,7 +80,9 @@ def test_a_batch_is_one_pinned_buffer_copied_once(tmp_path, config, overrides):
     tensors = [*inputs.values(), labels]
     # The documents' boundaries (fla's layout) vary in size by batch: a second, small buffer.
     buffers = 2 if "cu_seqlens" in inputs else 1
-    assert len({id(t._base) for t in tensors}) == buffers and all(t._base is not None for t in tensors)
+    assert len({id(t._base) for t in tensors}) == buffers and all(
+        t._base is not None for t in tensors
+    )
     assert all(is_pinned(t) for t in tensors)
     device = torch.device("cpu", 0)
     with Copies() as copies:

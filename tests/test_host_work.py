@@ -41,22 +41,57 @@ pytestmark = pytest.mark.slow
 PARALLEL = {
     # Two gradient-accumulation groups (global batch 8 = 2 x 2 ranks x 2).
     "fsdp": ["--training.global_batch_size", "8"],
-    "tp": ["--parallelism.tensor_parallel_degree", "2", "--parallelism.enable_sequence_parallel", "true"],
-    "pp": ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "1F1B"],
+    "tp": [
+        "--parallelism.tensor_parallel_degree",
+        "2",
+        "--parallelism.enable_sequence_parallel",
+        "true",
+    ],
+    "pp": [
+        "--parallelism.pipeline_parallel_degree",
+        "2",
+        "--parallelism.pipeline_parallel_schedule",
+        "1F1B",
+    ],
     "cp": ["--parallelism.context_parallel_degree", "2"],
-    "cp documents": ["--parallelism.context_parallel_degree", "2", "--dataloader.document_masking", "true"],
-    "pp documents": ["--parallelism.pipeline_parallel_degree", "2",
-                     "--parallelism.pipeline_parallel_schedule", "1F1B",
-                     "--dataloader.document_masking", "true"],
+    "cp documents": [
+        "--parallelism.context_parallel_degree",
+        "2",
+        "--dataloader.document_masking",
+        "true",
+    ],
+    "pp documents": [
+        "--parallelism.pipeline_parallel_degree",
+        "2",
+        "--parallelism.pipeline_parallel_schedule",
+        "1F1B",
+        "--dataloader.document_masking",
+        "true",
+    ],
 }
 VALIDATION = ["--validation.enable", "--validation.every", "2", "--validation.steps", "2"]
 PARALLEL.update({f"{name} validation": [*PARALLEL[name], *VALIDATION] for name in ("fsdp", "pp")})
-CASES = [("llama", "fsdp"), ("llama", "tp"), ("llama", "pp"), ("llama", "cp"),
-         ("llama_canon", "fsdp"), ("llama_canon", "tp"), ("llama_canon", "pp"), ("llama_canon", "cp documents"),
-         ("gla5", "fsdp"), ("gla5", "tp"), ("gla5", "pp"), ("gla5", "pp documents"),
-         ("gdn2", "fsdp"), ("gdn2", "tp"), ("gdn2", "pp"),
-         ("mamba2", "fsdp"), ("mamba2", "pp"),
-         ("llama", "fsdp validation"), ("llama_canon", "pp validation")]
+CASES = [
+    ("llama", "fsdp"),
+    ("llama", "tp"),
+    ("llama", "pp"),
+    ("llama", "cp"),
+    ("llama_canon", "fsdp"),
+    ("llama_canon", "tp"),
+    ("llama_canon", "pp"),
+    ("llama_canon", "cp documents"),
+    ("gla5", "fsdp"),
+    ("gla5", "tp"),
+    ("gla5", "pp"),
+    ("gla5", "pp documents"),
+    ("gdn2", "fsdp"),
+    ("gdn2", "tp"),
+    ("gdn2", "pp"),
+    ("mamba2", "fsdp"),
+    ("mamba2", "pp"),
+    ("llama", "fsdp validation"),
+    ("llama_canon", "pp validation"),
+]
 STEPS = 4
 COUNTED = (2, 3)  # step 1 and the last step are logged
 LAYERS = 4  # every family's debug flavor
@@ -74,8 +109,11 @@ class AllReduces(TorchDispatchMode):
         self.log: list[tuple[bool, int]] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if any(type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter
-               for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)):
+        if any(
+            type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter
+            for t in tree_flatten((args, kwargs))[0]
+            if isinstance(t, torch.Tensor)
+        ):
             return NotImplemented  # a DTensor: its collectives on local tensors come back here
         if func._schema.name.split("::")[-1].strip("_").startswith(("all_reduce", "allreduce")):
             moved = args[0][0] if isinstance(args[0], (list, tuple)) else args[0]
@@ -95,7 +133,9 @@ def host_batches(counter: HostSyncs, batches):
         yield batch
 
 
-def counted(trainer, steps: tuple[int, ...], builds: list[int]) -> dict[int, tuple[list[str], list]]:
+def counted(
+    trainer, steps: tuple[int, ...], builds: list[int]
+) -> dict[int, tuple[list[str], list]]:
     """Run ``trainer``'s steps ``steps`` under ``HostSyncs`` and ``AllReduces``, the batches from its
     data loader on the host (as TorchTitan's loader yields them); returns each counted step's waits and
     all-reduces, and a validation's waits under ``("validation", step)``, its held-out batches on
@@ -105,7 +145,9 @@ def counted(trainer, steps: tuple[int, ...], builds: list[int]) -> dict[int, tup
 
     logs = {}
     train_step = trainer.train_step
-    counter = HostSyncs()  # one for all the steps: a step may read what an earlier one put on the host
+    counter = (
+        HostSyncs()
+    )  # one for all the steps: a step may read what an earlier one put on the host
     build = ContextShards.build.__func__
 
     def build_counted(cls, *args, **kwargs):
@@ -143,8 +185,15 @@ def counted(trainer, steps: tuple[int, ...], builds: list[int]) -> dict[int, tup
 
 
 def _rank(rank, world, port, dump, cases, queue):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+        OMP_NUM_THREADS="1",
+    )
     import torch.distributed as dist
 
     from canon_titan.config import load
@@ -158,11 +207,27 @@ def _rank(rank, world, port, dump, cases, queue):
     results, build = {}, ContextShards.build
     try:
         for family, parallel in cases:
-            run = load(REPO / "train_configs" / f"{family}_debug.toml", [
-                "--training.seq_len", "64", "--training.local_batch_size", "2", "--training.steps", str(STEPS),
-                "--metrics.log_freq", "10", "--checkpoint.enable", "false", "--metrics.enable_tensorboard", "false",
-                "--job.dump_folder", f"{dump}/{family}-{parallel.replace(' ', '-')}", *PARALLEL[parallel]],
-                environment=False)
+            run = load(
+                REPO / "train_configs" / f"{family}_debug.toml",
+                [
+                    "--training.seq_len",
+                    "64",
+                    "--training.local_batch_size",
+                    "2",
+                    "--training.steps",
+                    str(STEPS),
+                    "--metrics.log_freq",
+                    "10",
+                    "--checkpoint.enable",
+                    "false",
+                    "--metrics.enable_tensorboard",
+                    "false",
+                    "--job.dump_folder",
+                    f"{dump}/{family}-{parallel.replace(' ', '-')}",
+                    *PARALLEL[parallel],
+                ],
+                environment=False,
+            )
             trainer = build_trainer_config(run).build()
             shard_layout.cache_clear()  # the trainers share their CP group (torch reuses it): each builds its own
             builds = []
@@ -190,10 +255,26 @@ def resume_reads(dump) -> list[str]:
     from canon_titan.config.build import build_trainer_config
 
     def run(steps):
-        config = build_trainer_config(load(REPO / "train_configs" / "llama_debug.toml", [
-            "--training.seq_len", "64", "--training.local_batch_size", "2", "--training.steps", str(steps),
-            "--checkpoint.interval", "1", "--metrics.enable_tensorboard", "false", "--job.dump_folder",
-            f"{dump}/resume"], environment=False))
+        config = build_trainer_config(
+            load(
+                REPO / "train_configs" / "llama_debug.toml",
+                [
+                    "--training.seq_len",
+                    "64",
+                    "--training.local_batch_size",
+                    "2",
+                    "--training.steps",
+                    str(steps),
+                    "--checkpoint.interval",
+                    "1",
+                    "--metrics.enable_tensorboard",
+                    "false",
+                    "--job.dump_folder",
+                    f"{dump}/resume",
+                ],
+                environment=False,
+            )
+        )
         trainer = config.build()
         try:
             trainer.train()
@@ -208,6 +289,7 @@ def resume_reads(dump) -> list[str]:
         def read(*args, **kwargs):
             reads.append(name)
             return originals[name](*args, **kwargs)
+
         return read
 
     for name in names:
@@ -220,10 +302,14 @@ def resume_reads(dump) -> list[str]:
     return reads
 
 
-def test_steps_do_not_wait_for_the_device_or_rebuild_cp_shards_and_one_rank_reads_a_resume(tmp_path):
+def test_steps_do_not_wait_for_the_device_or_rebuild_cp_shards_and_one_rank_reads_a_resume(
+    tmp_path,
+):
     ctx = mp.get_context("spawn")
     queue, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=_rank, args=(r, 2, port, str(tmp_path), CASES, queue)) for r in range(2)]
+    procs = [
+        ctx.Process(target=_rank, args=(r, 2, port, str(tmp_path), CASES, queue)) for r in range(2)
+    ]
     for p in procs:
         p.start()
     results = [queue.get(timeout=1200) for _ in procs]
@@ -238,9 +324,11 @@ def test_steps_do_not_wait_for_the_device_or_rebuild_cp_shards_and_one_rank_read
         for case, (steps, builds) in cases.items():
             if case.endswith(" validation"):  # validated after step 2 (and 4): one read, its loss
                 validation = steps.pop(("validation", 2))[0]
-                assert len(validation) == 1 and validation[0].startswith("Tensor.tolist at ") \
-                    and "canon_titan/components/validation.py" in validation[0], \
-                    (rank, case, validation)
+                assert (
+                    len(validation) == 1
+                    and validation[0].startswith("Tensor.tolist at ")
+                    and "canon_titan/components/validation.py" in validation[0]
+                ), (rank, case, validation)
             assert sorted(steps) == list(COUNTED), (rank, case, steps)
             waits = {step: step_waits for step, (step_waits, _) in steps.items()}
             assert all(not w for w in waits.values()), (rank, case, waits)
@@ -249,7 +337,12 @@ def test_steps_do_not_wait_for_the_device_or_rebuild_cp_shards_and_one_rank_read
             if parallel == "tp":
                 for step, (_, all_reduces) in steps.items():
                     backward = [n for in_backward, n in all_reduces if in_backward]
-                    assert len(backward) == LAYERS * STATISTICS[family], (rank, case, step, all_reduces)
+                    assert len(backward) == LAYERS * STATISTICS[family], (
+                        rank,
+                        case,
+                        step,
+                        all_reduces,
+                    )
                     if family == "llama_canon":
                         sizes = [n for _, n in all_reduces]
                         assert sizes.count(replicated_llama_canon()) == 1, (rank, step, all_reduces)
@@ -268,8 +361,17 @@ def replicated_llama_canon() -> int:
         return sum(p.numel() for m in modules for p in m.parameters(recurse=False))
 
     blocks = list(model.layers.values())
-    return numel(model.norm) + sum(numel(b.canonA, b.attention.canonB, b.canonC, b.feed_forward.canonD,
-                                         b.attention_norm, b.ffn_norm) for b in blocks)
+    return numel(model.norm) + sum(
+        numel(
+            b.canonA,
+            b.attention.canonB,
+            b.canonC,
+            b.feed_forward.canonD,
+            b.attention_norm,
+            b.ffn_norm,
+        )
+        for b in blocks
+    )
 
 
 def test_the_counter_sees_what_would_wait_on_a_gpu():
@@ -310,9 +412,18 @@ def test_the_counter_sees_what_would_wait_on_a_gpu():
     kinds = [w.split(" at ")[0] for w in counter.waits]
     made_on_device = "torch.tensor on the device (a blocking copy to the device)"
     pageable = "a copy to the device from pageable memory"
-    assert kinds == ["aten._local_scalar_dense.default", "Tensor.tolist", "Tensor.cpu",
-                     "aten.nonzero.default", "a blocking copy to the device",
-                     "a copy from the device", "a blocking copy to the device",
-                     "aten._local_scalar_dense.default",
-                     made_on_device, pageable, pageable, pageable], counter.waits
+    assert kinds == [
+        "aten._local_scalar_dense.default",
+        "Tensor.tolist",
+        "Tensor.cpu",
+        "aten.nonzero.default",
+        "a blocking copy to the device",
+        "a copy from the device",
+        "a blocking copy to the device",
+        "aten._local_scalar_dense.default",
+        made_on_device,
+        pageable,
+        pageable,
+        pageable,
+    ], counter.waits
     assert all("test_host_work.py" in w for w in counter.waits), counter.waits

@@ -21,11 +21,19 @@ def compiled(request, tmp_path_factory) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     if request.param == "3.6.0":
         if not (TRITON_36 / "triton" / "__init__.py").exists():
-            pytest.skip(f"Triton 3.6.0 is not installed in {TRITON_36} (scripts/test.sh installs it)")
+            pytest.skip(
+                f"Triton 3.6.0 is not installed in {TRITON_36} (scripts/test.sh installs it)"
+            )
         env["PYTHONPATH"] = os.pathsep.join([str(TRITON_36), str(REPO), env.get("PYTHONPATH", "")])
     out = tmp_path_factory.mktemp("aot") / "aot.json"
-    proc = subprocess.run([sys.executable, "-m", "canon_titan.kernels.aot", "--json", str(out)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "canon_titan.kernels.aot", "--json", str(out)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(out.read_text())
     if request.param == "3.6.0":
@@ -40,7 +48,12 @@ def test_every_configuration_compiles_without_spills(compiled):
     spilling = [k for k in kernels if k["spills"] or k["registers"] > 255]
     assert not spilling, spilling
     names = {k["kernel"] for k in kernels}
-    assert names == {"_canon_fwd_kernel", "_canon_bwd_kernel", "_canon_swiglu_fwd_kernel", "_canon_swiglu_bwd_kernel"}
+    assert names == {
+        "_canon_fwd_kernel",
+        "_canon_bwd_kernel",
+        "_canon_swiglu_fwd_kernel",
+        "_canon_swiglu_bwd_kernel",
+    }
     forward = {(k["case"], k["config"]) for k in kernels if k["kernel"] == "_canon_fwd_kernel"}
     configs = {f"{c.kwargs['CHUNK']}x{c.kwargs['BLOCK_C']}/{c.num_warps}w" for c in FORWARD_CONFIGS}
     assert {config for _, config in forward} == configs
@@ -49,7 +62,11 @@ def test_every_configuration_compiles_without_spills(compiled):
 def test_no_kernel_waits_at_a_barrier_inside_its_loop(compiled):
     """The backward kernels reduce the weight gradient across rows once per chunk, not on every tile
     and tap (2026-11-26, H200: 3 and 6 barriers an iteration ran them at a twelfth of the bandwidth)."""
-    looping = [(k["kernel"], k["config"], k["loop_barriers"]) for k in compiled["kernels"] if k["loop_barriers"]]
+    looping = [
+        (k["kernel"], k["config"], k["loop_barriers"])
+        for k in compiled["kernels"]
+        if k["loop_barriers"]
+    ]
     assert not looping, looping
 
 
@@ -61,7 +78,11 @@ def test_backward_kernels_load_each_input_row_once(compiled):
     from canon_titan.kernels.aot import ALIGNED_TWIN
     from canon_titan.kernels.canon import BACKWARD_BLOCKS, SWIGLU_BACKWARD_BLOCKS
 
-    loads = {(k["case"], k["kernel"]): k["loop_loads"] for k in compiled["kernels"] if "bwd" in k["kernel"]}
+    loads = {
+        (k["case"], k["kernel"]): k["loop_loads"]
+        for k in compiled["kernels"]
+        if "bwd" in k["kernel"]
+    }
     assert loads[("D 8B, swiglu", "_canon_swiglu_bwd_kernel")] == 3 * SWIGLU_BACKWARD_BLOCKS["U"]
     assert loads[(ALIGNED_TWIN, "_canon_bwd_kernel")] == 2 * BACKWARD_BLOCKS["U"]
 
@@ -84,7 +105,9 @@ $L__BB0_3:
     bar.sync 0;
     ret;
 """
-    assert loop_barriers(ptx) == 2  # the two inside BB0_1's loop (one of them in the nested loop too)
+    assert (
+        loop_barriers(ptx) == 2
+    )  # the two inside BB0_1's loop (one of them in the nested loop too)
     assert loop_loads(ptx) == 1
 
 
@@ -92,8 +115,11 @@ def test_misaligned_rows_load_like_aligned_ones(compiled):
     from canon_titan.kernels.aot import ALIGNED_TWIN, MISALIGNED
 
     def loads(case):
-        return {(k["kernel"], k["config"]): (k["vector_loads"], k["scalar_2byte_loads"])
-                for k in compiled["kernels"] if k["case"] == case}
+        return {
+            (k["kernel"], k["config"]): (k["vector_loads"], k["scalar_2byte_loads"])
+            for k in compiled["kernels"]
+            if k["case"] == case
+        }
 
     misaligned, aligned = loads(MISALIGNED), loads(ALIGNED_TWIN)
     assert misaligned and misaligned == aligned
@@ -119,8 +145,14 @@ def test_the_check_reports_a_spilling_configuration():
     """The no-spill test above can fail: a configuration held to fewer registers than the kernel
     needs is reported spilling."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", _FORCED_TILE], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", _FORCED_TILE],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     (backward,) = json.loads(proc.stdout.strip().splitlines()[-1])
     assert backward["kernel"] == "_canon_swiglu_bwd_kernel" and backward["config"] == "128x64/1w"

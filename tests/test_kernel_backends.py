@@ -30,15 +30,23 @@ from conftest import REPO
 from kernel_paths import DEVICE, ON_GPU, kernel_path
 from test_linear_kernels import assert_match, document_positions, outputs_and_grads
 
-needs_triton = pytest.mark.skipif(not triton_runs_here(), reason="needs a GPU or TRITON_INTERPRET=1")
+needs_triton = pytest.mark.skipif(
+    not triton_runs_here(), reason="needs a GPU or TRITON_INTERPRET=1"
+)
 # scripts/test.sh installs both; a bare pytest without them skips their tests.
-needs_fla = pytest.mark.skipif(importlib.util.find_spec("fla") is None, reason="flash-linear-attention not installed")
-needs_mamba = pytest.mark.skipif(importlib.util.find_spec("mamba_ssm") is None, reason="mamba-ssm not installed")
+needs_fla = pytest.mark.skipif(
+    importlib.util.find_spec("fla") is None, reason="flash-linear-attention not installed"
+)
+needs_mamba = pytest.mark.skipif(
+    importlib.util.find_spec("mamba_ssm") is None, reason="mamba-ssm not installed"
+)
 
 TOL = dict(atol=3e-3, rtol=3e-3) if ON_GPU else dict(atol=1e-4, rtol=1e-4)
-OPS = {"gla": ("fla_chunk_gla", "fla_chunk_gla_backward"),
-       "gated_delta_rule": ("fla_chunk_gated_delta_rule", "fla_chunk_gated_delta_rule_backward"),
-       "ssd": ("mamba_chunk_scan", "mamba_chunk_scan_backward")}
+OPS = {
+    "gla": ("fla_chunk_gla", "fla_chunk_gla_backward"),
+    "gated_delta_rule": ("fla_chunk_gated_delta_rule", "fla_chunk_gated_delta_rule_backward"),
+    "ssd": ("mamba_chunk_scan", "mamba_chunk_scan_backward"),
+}
 # batch, seq (not a multiple of any chunk), heads, key head dim, value head dim
 SHAPES = [(2, 37, 3, 16, 32), (1, 100, 2, 32, 16)]
 
@@ -53,8 +61,12 @@ def _rand(gen, *shape):
 
 def gla_inputs(batch, seq, heads, dk, dv, initial):
     g = torch.Generator().manual_seed(0)
-    inputs = dict(q=_randn(g, batch, seq, heads, dk), k=_randn(g, batch, seq, heads, dk),
-                  v=_randn(g, batch, seq, heads, dv), log_gate=F.logsigmoid(_randn(g, batch, seq, heads, dk) + 2) / 4)
+    inputs = dict(
+        q=_randn(g, batch, seq, heads, dk),
+        k=_randn(g, batch, seq, heads, dk),
+        v=_randn(g, batch, seq, heads, dv),
+        log_gate=F.logsigmoid(_randn(g, batch, seq, heads, dk) + 2) / 4,
+    )
     if initial:
         inputs["initial_state"] = _randn(g, batch, heads, dk, dv)
     return inputs
@@ -62,9 +74,13 @@ def gla_inputs(batch, seq, heads, dk, dv, initial):
 
 def gdn_inputs(batch, seq, heads, dk, dv, initial):
     g = torch.Generator().manual_seed(0)
-    inputs = dict(q=F.normalize(_randn(g, batch, seq, heads, dk), dim=-1),
-                  k=F.normalize(_randn(g, batch, seq, heads, dk), dim=-1), v=_randn(g, batch, seq, heads, dv),
-                  log_decay=F.logsigmoid(_randn(g, batch, seq, heads) + 2), beta=_rand(g, batch, seq, heads))
+    inputs = dict(
+        q=F.normalize(_randn(g, batch, seq, heads, dk), dim=-1),
+        k=F.normalize(_randn(g, batch, seq, heads, dk), dim=-1),
+        v=_randn(g, batch, seq, heads, dv),
+        log_decay=F.logsigmoid(_randn(g, batch, seq, heads) + 2),
+        beta=_rand(g, batch, seq, heads),
+    )
     if initial:
         inputs["initial_state"] = _randn(g, batch, heads, dk, dv)
     return inputs
@@ -72,15 +88,24 @@ def gdn_inputs(batch, seq, heads, dk, dv, initial):
 
 def ssd_inputs(batch, seq, heads, head_dim, state, groups, initial):
     g = torch.Generator().manual_seed(0)
-    inputs = dict(x=_randn(g, batch, seq, heads, head_dim), dt=F.softplus(_randn(g, batch, seq, heads) - 1),
-                  A=-4 * _rand(g, heads), B=_randn(g, batch, seq, groups, state),
-                  C=_randn(g, batch, seq, groups, state), D=_randn(g, heads))
+    inputs = dict(
+        x=_randn(g, batch, seq, heads, head_dim),
+        dt=F.softplus(_randn(g, batch, seq, heads) - 1),
+        A=-4 * _rand(g, heads),
+        B=_randn(g, batch, seq, groups, state),
+        C=_randn(g, batch, seq, groups, state),
+        D=_randn(g, heads),
+    )
     if initial:
         inputs["initial_state"] = _randn(g, batch, heads, head_dim, state)
     return inputs
 
 
-KERNELS = {"gla": (gla, gla_inputs), "gated_delta_rule": (gated_delta_rule, gdn_inputs), "ssd": (ssd, ssd_inputs)}
+KERNELS = {
+    "gla": (gla, gla_inputs),
+    "gated_delta_rule": (gated_delta_rule, gdn_inputs),
+    "ssd": (ssd, ssd_inputs),
+}
 BACKEND = {"gla": "fla", "gated_delta_rule": "fla", "ssd": "mamba_ssm"}
 
 
@@ -95,8 +120,12 @@ def skip_where_known_bad(op: str) -> None:
 def _both(op, inputs, cuda_backend, **kw):
     kernel = KERNELS[op][0]
     with kernel_path(*OPS[op]):
-        got = outputs_and_grads(lambda i: kernel(**i, **kw, output_final_state=True, backend=cuda_backend), inputs)
-    want = outputs_and_grads(lambda i: kernel(**i, **kw, output_final_state=True, backend="torch"), inputs)
+        got = outputs_and_grads(
+            lambda i: kernel(**i, **kw, output_final_state=True, backend=cuda_backend), inputs
+        )
+    want = outputs_and_grads(
+        lambda i: kernel(**i, **kw, output_final_state=True, backend="torch"), inputs
+    )
     return got, want
 
 
@@ -112,7 +141,9 @@ def test_fla_equals_torch(op, shape, initial):
 
 @needs_triton
 @needs_mamba
-@pytest.mark.parametrize("heads, groups, chunk_size, initial", [(3, 1, 16, True), (4, 2, 32, False)])
+@pytest.mark.parametrize(
+    "heads, groups, chunk_size, initial", [(3, 1, 16, True), (4, 2, 32, False)]
+)
 def test_mamba_ssm_equals_torch(heads, groups, chunk_size, initial):
     """mamba_ssm's chunk size is the torch kernel's too; groups of B/C shared by blocks of heads."""
     inputs = ssd_inputs(2, 37, heads, 16, 8, groups, initial)
@@ -124,7 +155,9 @@ def test_mamba_ssm_equals_torch(heads, groups, chunk_size, initial):
 def test_a_fallback_to_torch_fails_the_comparison(monkeypatch):
     """If the fla backend ran the torch kernel instead (here forced), the comparison would pass on its
     own; the kernel-path check is what fails it."""
-    monkeypatch.setattr(importlib.import_module("canon_titan.kernels.gla"), "runs_cuda_kernel", lambda *args: False)
+    monkeypatch.setattr(
+        importlib.import_module("canon_titan.kernels.gla"), "runs_cuda_kernel", lambda *args: False
+    )
     with pytest.raises(AssertionError, match="kernel path not taken: canon_titan::fla_chunk_gla"):
         _both("gla", gla_inputs(1, 20, 2, 16, 16, False), "fla")
 
@@ -132,16 +165,32 @@ def test_a_fallback_to_torch_fails_the_comparison(monkeypatch):
 def _relative_errors(got, want) -> dict:
     from test_linear_kernels import named
 
-    return {name: ((g.float() - w).abs().max() / w.abs().max()).item()
-            for (name, g), w in zip(named(got).items(), named(want).values())}
+    return {
+        name: ((g.float() - w).abs().max() / w.abs().max()).item()
+        for (name, g), w in zip(named(got).items(), named(want).values())
+    }
 
 
-@pytest.mark.skipif(not ON_GPU, reason="real shapes on a GPU only (the interpreter would take hours)")
-@pytest.mark.parametrize("op, backend, shape, kw", [
-    pytest.param("gla", "fla", (1, 4096, 16, 128, 256, False), {}, marks=needs_fla),
-    pytest.param("gated_delta_rule", "fla", (1, 4096, 16, 128, 256, False), {}, marks=needs_fla),
-    pytest.param("ssd", "mamba_ssm", (1, 4096, 16, 256, 128, 1, False), {"chunk_size": 256}, marks=needs_mamba),
-], ids=["gla", "gated_delta_rule", "ssd"])
+@pytest.mark.skipif(
+    not ON_GPU, reason="real shapes on a GPU only (the interpreter would take hours)"
+)
+@pytest.mark.parametrize(
+    "op, backend, shape, kw",
+    [
+        pytest.param("gla", "fla", (1, 4096, 16, 128, 256, False), {}, marks=needs_fla),
+        pytest.param(
+            "gated_delta_rule", "fla", (1, 4096, 16, 128, 256, False), {}, marks=needs_fla
+        ),
+        pytest.param(
+            "ssd",
+            "mamba_ssm",
+            (1, 4096, 16, 256, 128, 1, False),
+            {"chunk_size": 256},
+            marks=needs_mamba,
+        ),
+    ],
+    ids=["gla", "gated_delta_rule", "ssd"],
+)
 def test_real_shapes_in_bfloat16(op, backend, shape, kw):
     """The 1B models' shapes (T 4096; GLA5/GDN2 heads of 128 x 256, Mamba2 heads of 256 with state 128)
     in bfloat16, against the torch kernel in float32 on the same inputs: outputs, final states and
@@ -150,38 +199,72 @@ def test_real_shapes_in_bfloat16(op, backend, shape, kw):
     inputs = {k: v.bfloat16() for k, v in KERNELS[op][1](*shape).items()}
     kernel = KERNELS[op][0]
     with kernel_path(*OPS[op]):
-        got = outputs_and_grads(lambda i: kernel(**i, **kw, output_final_state=True, backend=backend), inputs)
-    want = outputs_and_grads(lambda i: kernel(**i, **kw, output_final_state=True, backend="torch"),
-                             {k: v.float() for k, v in inputs.items()})
+        got = outputs_and_grads(
+            lambda i: kernel(**i, **kw, output_final_state=True, backend=backend), inputs
+        )
+    want = outputs_and_grads(
+        lambda i: kernel(**i, **kw, output_final_state=True, backend="torch"),
+        {k: v.float() for k, v in inputs.items()},
+    )
     errors = _relative_errors(got, want)
     assert max(errors.values()) < 2e-2, errors
 
 
 @needs_triton
-@pytest.mark.parametrize("op, make", [
-    pytest.param("fla_chunk_gla", lambda: (*gla_inputs(1, 20, 2, 16, 16, True).values(), 0.25, True),
-                 marks=needs_fla),
-    pytest.param("fla_chunk_gated_delta_rule",
-                 lambda: (*gdn_inputs(1, 20, 2, 16, 16, False).values(), None, 0.25, False), marks=needs_fla),
-    pytest.param("mamba_chunk_scan", lambda: (*ssd_inputs(1, 20, 2, 16, 8, 1, True).values(), 16, True),
-                 marks=needs_mamba),
-    pytest.param("fla_chunk_gla_documents",
-                 lambda: (*gla_inputs(1, 20, 2, 16, 16, False).values(), 0.25, True,
-                          *_flat_documents()),
-                 marks=needs_fla),
-    pytest.param("fla_chunk_gated_delta_rule_documents",
-                 lambda: (*gdn_inputs(1, 20, 2, 16, 16, False).values(), 0.25, True,
-                          *_flat_documents()[:2]), marks=needs_fla),
-    pytest.param("mamba_chunk_scan_documents",
-                 lambda: (*ssd_inputs(1, 20, 2, 16, 8, 1, False).values(), 16, True,
-                          Documents(document_positions(((5, 15),))).seq_idx()), marks=needs_mamba),
-])
+@pytest.mark.parametrize(
+    "op, make",
+    [
+        pytest.param(
+            "fla_chunk_gla",
+            lambda: (*gla_inputs(1, 20, 2, 16, 16, True).values(), 0.25, True),
+            marks=needs_fla,
+        ),
+        pytest.param(
+            "fla_chunk_gated_delta_rule",
+            lambda: (*gdn_inputs(1, 20, 2, 16, 16, False).values(), None, 0.25, False),
+            marks=needs_fla,
+        ),
+        pytest.param(
+            "mamba_chunk_scan",
+            lambda: (*ssd_inputs(1, 20, 2, 16, 8, 1, True).values(), 16, True),
+            marks=needs_mamba,
+        ),
+        pytest.param(
+            "fla_chunk_gla_documents",
+            lambda: (*gla_inputs(1, 20, 2, 16, 16, False).values(), 0.25, True, *_flat_documents()),
+            marks=needs_fla,
+        ),
+        pytest.param(
+            "fla_chunk_gated_delta_rule_documents",
+            lambda: (
+                *gdn_inputs(1, 20, 2, 16, 16, False).values(),
+                0.25,
+                True,
+                *_flat_documents()[:2],
+            ),
+            marks=needs_fla,
+        ),
+        pytest.param(
+            "mamba_chunk_scan_documents",
+            lambda: (
+                *ssd_inputs(1, 20, 2, 16, 8, 1, False).values(),
+                16,
+                True,
+                Documents(document_positions(((5, 15),))).seq_idx(),
+            ),
+            marks=needs_mamba,
+        ),
+    ],
+)
 def test_custom_op_registration(op, make):
     """torch.library's checks: schema, fake (meta) kernel against the real one, autograd
     registration, AOT dispatch with dynamic shapes."""
     plain = op.removesuffix("_documents")
     skip_where_known_bad(next(name for name, ops in OPS.items() if plain in ops))
-    args = tuple(t.requires_grad_() if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in make())
+    args = tuple(
+        t.requires_grad_() if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+        for t in make()
+    )
     with kernel_path(op, f"{op}_backward"):
         torch.library.opcheck(getattr(torch.ops.canon_titan, op).default, args)
 
@@ -319,8 +402,11 @@ def test_the_document_kernels_never_wait_for_the_device(monkeypatch):
 
 CUDA_BACKEND = {"gla5": "fla", "gdn2": "fla", "mamba2": "mamba_ssm"}
 FAMILY_OP = {"gla5": "gla", "gdn2": "gated_delta_rule", "mamba2": "ssd"}
-FAMILIES = [pytest.param("gla5", marks=needs_fla), pytest.param("gdn2", marks=needs_fla),
-            pytest.param("mamba2", marks=needs_mamba)]
+FAMILIES = [
+    pytest.param("gla5", marks=needs_fla),
+    pytest.param("gdn2", marks=needs_fla),
+    pytest.param("mamba2", marks=needs_mamba),
+]
 
 
 def _model(family, backend, **overrides):
@@ -367,8 +453,12 @@ def test_training_steps_match_the_torch_kernels(family):
                 optimizer.step()
                 optimizer.zero_grad()
                 history[backend].append((loss.item(), norm.item()))
-    for (loss, norm), (want_loss, want_norm) in zip(history[CUDA_BACKEND[family]], history["torch"]):
-        assert loss == pytest.approx(want_loss, rel=TOL["rtol"]) and norm == pytest.approx(want_norm, rel=TOL["rtol"])
+    for (loss, norm), (want_loss, want_norm) in zip(
+        history[CUDA_BACKEND[family]], history["torch"]
+    ):
+        assert loss == pytest.approx(want_loss, rel=TOL["rtol"]) and norm == pytest.approx(
+            want_norm, rel=TOL["rtol"]
+        )
 
 
 MODEL_DOCUMENTS = ((5, 1, 14), (20,))
@@ -382,7 +472,8 @@ def test_packed_documents_equal_each_document_alone_on_the_triton_kernels(family
     boundaries, the document ops; one layer, float32, to 1e-4 of each tensor's largest entry), each
     document alone on the torch kernels (the same weights): the interpreter runs one forward and
     backward."""
-    from test_linear_models import assert_packed_equals_alone, document_positions as positions_of
+    from test_linear_models import assert_packed_equals_alone
+    from test_linear_models import document_positions as positions_of
 
     skip_where_known_bad(FAMILY_OP[family])
     model = _model(family, CUDA_BACKEND[family], n_layers=1, canon_backend=canon_backend)
@@ -412,8 +503,12 @@ def test_packed_documents_equal_each_document_alone_on_the_triton_kernels(family
 # --- which backend runs where --------------------------------------------------------------------
 
 NO_GPU = KernelEnvironment(cuda_capability=None, interpreter=False, triton="3.7.1", tilelang=False)
-INTERPRETER = KernelEnvironment(cuda_capability=None, interpreter=True, triton="3.7.1", tilelang=False)
-H100_TRITON_3_6 = KernelEnvironment(cuda_capability=(9, 0), interpreter=False, triton="3.6.0", tilelang=False)
+INTERPRETER = KernelEnvironment(
+    cuda_capability=None, interpreter=True, triton="3.7.1", tilelang=False
+)
+H100_TRITON_3_6 = KernelEnvironment(
+    cuda_capability=(9, 0), interpreter=False, triton="3.6.0", tilelang=False
+)
 
 
 @pytest.mark.parametrize("op", ["gla", "gated_delta_rule", "ssd"])
@@ -434,39 +529,60 @@ def test_forced_backend_needs_a_gpu_or_the_interpreter():
 def test_known_bad_hopper_and_triton_is_refused_and_auto_falls_back():
     """fla 0.6.0 refuses chunk_gated_delta_rule's backward on Hopper with Triton in [3.4, 3.7.1)
     inside step 1; caught from the environment alone. GLA has no such check in fla 0.6.0."""
-    with pytest.raises(ValueError, match=r"Triton >= 3\.7\.1.*pip install tilelang.*kernel_backend = \"torch\""
-                                         r".*this machine: sm_90 GPU, Triton 3\.6\.0"):
+    with pytest.raises(
+        ValueError,
+        match=r"Triton >= 3\.7\.1.*pip install tilelang.*kernel_backend = \"torch\""
+        r".*this machine: sm_90 GPU, Triton 3\.6\.0",
+    ):
         resolve_backend("fla", op="gated_delta_rule", env=H100_TRITON_3_6)
     backend, why = resolve_backend("auto", op="gated_delta_rule", env=H100_TRITON_3_6)
     assert backend == "torch" and "fla issue #640" in why
     assert resolve_backend("auto", op="gla", env=H100_TRITON_3_6) == ("fla", None)
-    for fine in (KernelEnvironment((9, 0), False, "3.7.1", False), KernelEnvironment((9, 0), False, "3.6.0", True),
-                 KernelEnvironment((8, 0), False, "3.6.0", False)):
+    for fine in (
+        KernelEnvironment((9, 0), False, "3.7.1", False),
+        KernelEnvironment((9, 0), False, "3.6.0", True),
+        KernelEnvironment((8, 0), False, "3.6.0", False),
+    ):
         assert resolve_backend("auto", op="gated_delta_rule", env=fine) == ("fla", None)
 
 
-@pytest.mark.parametrize("op, backend, package, tested", [
-    pytest.param("gla", "fla", "flash-linear-attention", "0.6.0", marks=needs_fla),
-    pytest.param("ssd", "mamba_ssm", "mamba-ssm", "2.3.2.post1", marks=needs_mamba),
-])
-def test_an_untested_package_version_is_skipped_by_auto_and_refused_when_forced(monkeypatch, op, backend, package,
-                                                                                tested):
+@pytest.mark.parametrize(
+    "op, backend, package, tested",
+    [
+        pytest.param("gla", "fla", "flash-linear-attention", "0.6.0", marks=needs_fla),
+        pytest.param("ssd", "mamba_ssm", "mamba-ssm", "2.3.2.post1", marks=needs_mamba),
+    ],
+)
+def test_an_untested_package_version_is_skipped_by_auto_and_refused_when_forced(
+    monkeypatch, op, backend, package, tested
+):
     """The wrappers call the packages' internal halves: another version may fail inside step 1 or
     compute wrong gradients."""
     h100 = KernelEnvironment((9, 0), False, "3.7.1", False)
-    assert resolve_backend("auto", op=op, env=h100) == (backend, None)  # the installed, tested version
+    assert resolve_backend("auto", op=op, env=h100) == (
+        backend,
+        None,
+    )  # the installed, tested version
     monkeypatch.setattr(backends, "installed_version", lambda _: "9.9.9")
     chosen, why = resolve_backend("auto", op=op, env=h100)
-    assert chosen == "torch" and f"{package}, tested with version {tested} only; this machine has 9.9.9" in why
-    with pytest.raises(ValueError, match=rf"{op} backend '{backend}': .*tested with version {tested} only; this "
-                                         rf"machine has 9\.9\.9 .*install {package}=={tested}, or use 'torch'"):
+    assert (
+        chosen == "torch"
+        and f"{package}, tested with version {tested} only; this machine has 9.9.9" in why
+    )
+    with pytest.raises(
+        ValueError,
+        match=rf"{op} backend '{backend}': .*tested with version {tested} only; this "
+        rf"machine has 9\.9\.9 .*install {package}=={tested}, or use 'torch'",
+    ):
         resolve_backend(backend, op=op, env=h100)
 
 
 @needs_fla
 @needs_mamba
 @pytest.mark.parametrize("interpret", ["1", None])
-def test_config_accepts_forced_backends_without_a_gpu_only_with_the_interpreter(interpret, tmp_path):
+def test_config_accepts_forced_backends_without_a_gpu_only_with_the_interpreter(
+    interpret, tmp_path
+):
     """Static validation (a recipe for the GPU cluster) accepts a forced kernel backend anywhere;
     validation for this machine needs a GPU or TRITON_INTERPRET=1, which is read at import, so each
     case runs in a fresh process. There the product code imports mamba-ssm's Triton SSD by itself
@@ -480,17 +596,35 @@ def test_config_accepts_forced_backends_without_a_gpu_only_with_the_interpreter(
     for family, backend in (("gdn2", "fla"), ("mamba2", "mamba_ssm")):
         text = (REPO / "train_configs" / f"{family}_debug.toml").read_text()
         configs.append(tmp_path / f"{family}.toml")
-        configs[-1].write_text(text.replace('flavor = "debug"\n', f'flavor = "debug"\nkernel_backend = "{backend}"\n'))
+        configs[-1].write_text(
+            text.replace('flavor = "debug"\n', f'flavor = "debug"\nkernel_backend = "{backend}"\n')
+        )
 
     def validate(*extra):
-        return subprocess.run([sys.executable, "-m", "canon_titan.cli", "config", "validate", *extra, *map(str, configs)],
-                              env=env, capture_output=True, text=True, timeout=300)
+        return subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "canon_titan.cli",
+                "config",
+                "validate",
+                *extra,
+                *map(str, configs),
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
 
     proc = validate()
     if interpret:
         assert proc.returncode == 0, proc.stderr
     else:
         assert proc.returncode == 2
-        assert "[model] kernel_backend: gated_delta_rule backend 'fla' runs Triton kernels" in proc.stderr
+        assert (
+            "[model] kernel_backend: gated_delta_rule backend 'fla' runs Triton kernels"
+            in proc.stderr
+        )
         assert "[model] kernel_backend: ssd backend 'mamba_ssm' runs Triton kernels" in proc.stderr
         assert validate("--static").returncode == 0

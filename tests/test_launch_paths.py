@@ -25,7 +25,9 @@ def readme_torchrun(dump, *extra):
     words = block.replace("\\\n", " ").split()
     env = dict(word.split("=", 1) for word in words if re.fullmatch(r"[A-Z_]+=\S+", word))
     words = [w for w in words if not re.fullmatch(r"[A-Z_]+=\S+", w)]
-    assert words[0] == ".venv/bin/python" and words[1:3] == ["-m", "canon_titan.launch.torchrun"], words
+    assert words[0] == ".venv/bin/python" and words[1:3] == ["-m", "canon_titan.launch.torchrun"], (
+        words
+    )
     words = [sys.executable, *words[1:]]
     at = words.index("--job.dump_folder")
     words[at + 1] = str(dump)
@@ -33,8 +35,15 @@ def readme_torchrun(dump, *extra):
 
 
 def run_train_sh(dump, *extra):
-    return ["bash", str(REPO / "scripts" / "run_train.sh"), *COMMON, *STEPS, "--job.dump_folder", str(dump), *extra], \
-        {"NGPU": "2"}
+    return [
+        "bash",
+        str(REPO / "scripts" / "run_train.sh"),
+        *COMMON,
+        *STEPS,
+        "--job.dump_folder",
+        str(dump),
+        *extra,
+    ], {"NGPU": "2"}
 
 
 LAUNCHERS = {"run_train.sh": run_train_sh, "torchrun": readme_torchrun}
@@ -44,8 +53,15 @@ def start(cmd_env, merged=False, cwd=REPO):
     """Start a launch command in its own process group; ``merged``: its stderr in its stdout, in order."""
     cmd, env = cmd_env
     env = dict(train_env(), PYTHON=sys.executable, **env)
-    return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, text=True, start_new_session=True,
-                            stderr=subprocess.STDOUT if merged else subprocess.PIPE)
+    return subprocess.Popen(
+        cmd,
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        stderr=subprocess.STDOUT if merged else subprocess.PIPE,
+    )
 
 
 def finish(proc, timeout=300):
@@ -79,9 +95,13 @@ def test_a_stop_signal_under_any_launcher_saves_and_exits_75_in_one_line(tmp_pat
     steps = [int(m) for m in re.findall(r"step:\s+(\d+)", out)]
     assert code == 75, (code, out[-3000:])
     assert "Traceback" not in out and "SignalException" not in out, out[-4000:]
-    assert "Training completed" not in out  # TorchTitan says so however its loop ends; it did not complete
+    assert (
+        "Training completed" not in out
+    )  # TorchTitan says so however its loop ends; it did not complete
     last = out.strip().splitlines()[-1]
-    assert re.search(r"preempted at step (\d+), checkpoint saved, resume with the same command", last), last
+    assert re.search(
+        r"preempted at step (\d+), checkpoint saved, resume with the same command", last
+    ), last
     step = int(re.search(r"preempted at step (\d+)", last).group(1))
     assert step >= max(steps) and (dump / "checkpoint" / f"step-{step}" / ".metadata").is_file()
 
@@ -106,21 +126,29 @@ def finished_run(tmp_path_factory):
     is recorded in its ``records`` folder."""
     here = tmp_path_factory.mktemp("finished")
     (here / "mydata").mkdir()
-    toml = DEBUG_CONFIG.read_text().replace('dump_folder = "./outputs/llama_debug"', 'dump_folder = "outputs/run"')
+    toml = DEBUG_CONFIG.read_text().replace(
+        'dump_folder = "./outputs/llama_debug"', 'dump_folder = "outputs/run"'
+    )
     (here / "mydata" / "x.toml").write_text(toml)
     (here / "site").mkdir()
     (here / "site" / "sitecustomize.py").write_text(RECORD_ALLOC_CONF)
     (here / "records").mkdir()
     cmd, env = run_train_sh(here / "unused", "--training.steps", "2")
-    cmd = cmd[:cmd.index("--job.dump_folder")] + cmd[cmd.index("--job.dump_folder") + 2:]
-    env.update(CONFIG="mydata/x.toml", PYTHONPATH=str(here / "site"), ALLOC_CONF_RECORDS=str(here / "records"))
+    cmd = cmd[: cmd.index("--job.dump_folder")] + cmd[cmd.index("--job.dump_folder") + 2 :]
+    env.update(
+        CONFIG="mydata/x.toml",
+        PYTHONPATH=str(here / "site"),
+        ALLOC_CONF_RECORDS=str(here / "records"),
+    )
     code, out, err = finish(start((cmd, env), cwd=here))
     assert code == 0, (out[-2000:], err[-3000:])
     return here, here / "outputs" / "run"
 
 
 @pytest.mark.slow
-def test_run_train_sh_reads_relative_paths_from_the_current_directory_with_expandable_segments(finished_run):
+def test_run_train_sh_reads_relative_paths_from_the_current_directory_with_expandable_segments(
+    finished_run,
+):
     """CONFIG and the TOML's relative dump folder are read from the current directory, as ``canon-titan
     train`` reads them (at 432670c run_train.sh changed to the checkout and found no config), and every
     training process ran with expandable segments, as TorchTitan's run_train.sh sets (at 432670c no launch
@@ -134,30 +162,44 @@ def test_run_train_sh_reads_relative_paths_from_the_current_directory_with_expan
 def test_run_train_sh_names_the_directory_a_missing_relative_config_is_read_from(tmp_path):
     """One line naming the current directory, exit 2, before torchrun starts."""
     cmd, env = run_train_sh(tmp_path / "run")
-    code, out, err = finish(start((cmd, dict(env, CONFIG="mydata/x.toml")), cwd=tmp_path), timeout=120)
+    code, out, err = finish(
+        start((cmd, dict(env, CONFIG="mydata/x.toml")), cwd=tmp_path), timeout=120
+    )
     assert code == 2, err[-3000:]
-    assert err.strip().splitlines() == [f"canon-titan: config error: mydata/x.toml: config file not found in "
-                                        f"{tmp_path} (a relative path is read from the current directory)"], err
+    assert err.strip().splitlines() == [
+        f"canon-titan: config error: mydata/x.toml: config file not found in "
+        f"{tmp_path} (a relative path is read from the current directory)"
+    ], err
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("launcher", LAUNCHERS)
-def test_a_refusal_under_any_launcher_is_one_line_and_2_before_any_rank_builds(finished_run, launcher):
+def test_a_refusal_under_any_launcher_is_one_line_and_2_before_any_rank_builds(
+    finished_run, launcher
+):
     """A finished run launched again, and an edited model over its dump folder: rank 0 refuses
     before any rank builds the model or loads, in one line, with exit 2, and no other rank is
     left waiting (the job ends in seconds). At 4a7b0a2 the right line came inside a 60-line
     ChildFailedError traceback with exit 1, after every rank had built the model."""
     _, dump = finished_run
-    for extra, expected in [(["--training.steps", "2"], "already holds a finished run"),
-                            (["--training.steps", "4", "--model.dim", "96"], "written by another model")]:
+    for extra, expected in [
+        (["--training.steps", "2"], "already holds a finished run"),
+        (["--training.steps", "4", "--model.dim", "96"], "written by another model"),
+    ]:
         started = time.monotonic()
         code, out, err = finish(start(LAUNCHERS[launcher](dump, *extra)))
-        lines = [line for line in err.splitlines() if re.match(r"(\[rank\d+\]:)?canon-titan:", line)]
+        lines = [
+            line for line in err.splitlines() if re.match(r"(\[rank\d+\]:)?canon-titan:", line)
+        ]
         assert code == 2, (code, out[-2000:], err[-3000:])
         assert len(lines) == 1 and expected in lines[0], err[-3000:]
-        assert err.strip().splitlines()[-1] == lines[0], err[-3000:]  # the diagnosis is the last line
+        assert err.strip().splitlines()[-1] == lines[0], err[
+            -3000:
+        ]  # the diagnosis is the last line
         assert "Traceback" not in out + err and "ChildFailedError" not in out + err, err[-3000:]
-        assert "Building" not in out + err and "Model " not in out, out[-3000:]  # no rank built the model
+        assert "Building" not in out + err and "Model " not in out, out[
+            -3000:
+        ]  # no rank built the model
         assert time.monotonic() - started < 90
 
 
@@ -165,11 +207,18 @@ def test_the_readme_launch_commands_run_in_order_each_in_its_own_dump_folder():
     """Run one after the other as written, the README's three single-node launch commands train
     (the second and third did not: they met the first one's finished run)."""
     guide = (REPO / "docs" / "launching.md").read_text()
-    section = guide[:guide.index("## Multi-node")]
+    section = guide[: guide.index("## Multi-node")]
     folders = re.findall(r"--job\.dump_folder (\S+)", section)
     commands = [c for c in re.findall(r"```bash\n(.*?)```", section, re.S)]
-    assert sum(block.count("canon_titan.train") + block.count("canon-titan train") + block.count("run_train.sh")
-               for block in commands) == 3
+    assert (
+        sum(
+            block.count("canon_titan.train")
+            + block.count("canon-titan train")
+            + block.count("run_train.sh")
+            for block in commands
+        )
+        == 3
+    )
     assert len(folders) == 3 and len(set(folders)) == 3, folders
     assert all(f.startswith("outputs/") for f in folders)  # ignored by git: a clean tree afterwards
 
@@ -179,15 +228,26 @@ def test_a_divergence_stop_under_run_train_sh_ends_on_its_diagnosis(tmp_path):
     """A diverging run (lr 1e3) under run_train.sh: exit 3, and the one line naming the step and the
     last good checkpoint is the last thing on screen. At 4a7b0a2 torchelastic's ``failed (exitcode:
     3)`` and ``no error file defined`` lines followed it (and the exit code was 1)."""
-    proc = start(run_train_sh(tmp_path / "run", "--training.steps", "10", "--optimizer.lr", "1e3",
-                              "--checkpoint.interval", "2"))
+    proc = start(
+        run_train_sh(
+            tmp_path / "run",
+            "--training.steps",
+            "10",
+            "--optimizer.lr",
+            "1e3",
+            "--checkpoint.interval",
+            "2",
+        )
+    )
     code, out, err = finish(proc)
     assert code == 3, err[-3000:]
     # torchrun tails each worker's stdout and stderr apart, so "last" is within the error stream, where
     # torchelastic's own lines go too.
     last = err.strip().splitlines()[-1]
     assert re.match(r"(\[rank0\]:)?canon-titan: .*not finite", last), err[-3000:]
-    assert "exitcode" not in out + err and "no error file" not in err and "Traceback" not in err, err[-3000:]
+    assert "exitcode" not in out + err and "no error file" not in err and "Traceback" not in err, (
+        err[-3000:]
+    )
 
 
 # Rank 1 fails first by torchrun's clock: it writes its error file (as torch's ``record`` does on an
@@ -222,22 +282,46 @@ def test_a_purposeful_stop_stays_last_when_a_stopped_worker_failed_first(tmp_pat
     error file defined`` lines followed it (seen once in 1,234 tests, with two test workers on two cores)."""
     script = tmp_path / "race.py"
     script.write_text(RACE)
-    cmd = [sys.executable, "-m", "canon_titan.launch.torchrun", "--standalone", "--nproc_per_node=2",
-           "--log-dir", str(tmp_path / "logs"), str(script)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "canon_titan.launch.torchrun",
+        "--standalone",
+        "--nproc_per_node=2",
+        "--log-dir",
+        str(tmp_path / "logs"),
+        str(script),
+    ]
     code, out, err = finish(start((cmd, {})), timeout=120)
     assert code == 3, err[-3000:]
     last = err.strip().splitlines()[-1]
     assert re.match(r"(\[rank0\]:)?canon-titan: .*not finite", last), err[-3000:]
-    assert "exitcode" not in out + err and "no error file" not in err and "Traceback" not in err, err[-3000:]
+    assert "exitcode" not in out + err and "no error file" not in err and "Traceback" not in err, (
+        err[-3000:]
+    )
 
 
 @pytest.mark.slow
 def test_sigint_reaches_a_run_started_in_the_background_of_a_script(tmp_path):
     """``canon-titan train ... &`` in a non-interactive script starts with SIGINT ignored (bash does
     that for background jobs); a SIGINT the user sends it still saves and exits 75."""
-    script = ("canon-titan train \"$@\" & echo launcher=$!; wait $!")
-    cmd = ["bash", "-c", script, "bash", "--config", str(DEBUG_CONFIG), "--nproc", "2", *COMMON, *STEPS,
-           "--training.steps", "40", "--job.dump_folder", str(tmp_path / "run")]
+    script = 'canon-titan train "$@" & echo launcher=$!; wait $!'
+    cmd = [
+        "bash",
+        "-c",
+        script,
+        "bash",
+        "--config",
+        str(DEBUG_CONFIG),
+        "--nproc",
+        "2",
+        *COMMON,
+        *STEPS,
+        "--training.steps",
+        "40",
+        "--job.dump_folder",
+        str(tmp_path / "run"),
+    ]
     env = dict(PATH=f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}")
     proc = start((cmd, env), merged=True)
     launcher, lines = None, []
@@ -279,7 +363,9 @@ BEFORE_TRAINING = "canon-titan: SIGTERM before training started: stopped, nothin
 
 @pytest.mark.slow
 @pytest.mark.parametrize("phase", ["importing torch", "building the trainer"])
-def test_a_stop_signal_to_every_process_during_start_up_is_one_line_and_75_on_every_rank(tmp_path, phase):
+def test_a_stop_signal_to_every_process_during_start_up_is_one_line_and_75_on_every_rank(
+    tmp_path, phase
+):
     """SIGTERM to every process of a run_train.sh job while its training processes import torch, or just
     before they build the trainer: every rank stops at once with 75 (nothing had trained), the job exits
     75 (a requeue runs it again) with one line saying so, long before the 90 s grace. At 432670c the
@@ -293,7 +379,9 @@ def test_a_stop_signal_to_every_process_during_start_up_is_one_line_and_75_on_ev
         if phase == "importing torch":
             while len(training_processes(proc.pid)) < 2 and proc.poll() is None:
                 time.sleep(0.05)
-            time.sleep(1.0)  # each has taken the signals (its first lines), and imports torch for seconds more
+            time.sleep(
+                1.0
+            )  # each has taken the signals (its first lines), and imports torch for seconds more
         else:
             for line in proc.stdout:
                 if "Run config" in line:  # the line just before the trainer is built
@@ -306,9 +394,14 @@ def test_a_stop_signal_to_every_process_during_start_up_is_one_line_and_75_on_ev
     assert code == 75, (code, out[-2000:], err[-3000:])
     assert time.monotonic() - sent < 30, time.monotonic() - sent
     lines = [line for line in err.splitlines() if "canon-titan:" in line]
-    assert lines == [BEFORE_TRAINING] and err.strip().splitlines()[-1] == BEFORE_TRAINING, err[-3000:]
+    assert lines == [BEFORE_TRAINING] and err.strip().splitlines()[-1] == BEFORE_TRAINING, err[
+        -3000:
+    ]
     assert "Traceback" not in out + err
-    assert {path.name: path.read_text() for path in exits.glob("rank-*")} == {"rank-0": "75", "rank-1": "75"}
+    assert {path.name: path.read_text() for path in exits.glob("rank-*")} == {
+        "rank-0": "75",
+        "rank-1": "75",
+    }
     assert not (tmp_path / "run" / "checkpoint").exists()
 
 
@@ -319,15 +412,34 @@ def test_a_killed_torchrun_is_one_line_3_and_leaves_no_temporary_folders(tmp_pat
     torchrun's log and exit-report folders gone from the temporary disk. At 432670c it exited 247 with no
     line and left both behind."""
     dump = tmp_path / "run"
-    cmd = [sys.executable, "-m", "canon_titan.cli", "train", "--config", str(DEBUG_CONFIG), "--nproc", "2", *COMMON,
-           *STEPS, "--training.steps", "40", "--checkpoint.interval", "2", "--job.dump_folder", str(dump)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "canon_titan.cli",
+        "train",
+        "--config",
+        str(DEBUG_CONFIG),
+        "--nproc",
+        "2",
+        *COMMON,
+        *STEPS,
+        "--training.steps",
+        "40",
+        "--checkpoint.interval",
+        "2",
+        "--job.dump_folder",
+        str(dump),
+    ]
     proc = start((cmd, {}), merged=True)
     lines = []
     for line in proc.stdout:
         lines.append(line)
         if "step:  3" in line:
-            torchrun = [pid for pid in descendants(proc.pid) if "canon_titan.launch.torchrun" in
-                        open(f"/proc/{pid}/cmdline").read().split("\0")]
+            torchrun = [
+                pid
+                for pid in descendants(proc.pid)
+                if "canon_titan.launch.torchrun" in open(f"/proc/{pid}/cmdline").read().split("\0")
+            ]
             workers = training_processes(proc.pid)
             os.kill(torchrun[0], signal.SIGKILL)
             break
@@ -336,8 +448,12 @@ def test_a_killed_torchrun_is_one_line_3_and_leaves_no_temporary_folders(tmp_pat
     scratch = Path(re.search(r"--log-dir (\S+)/logs", out).group(1))
     assert code == 3, out[-3000:]
     last = out.strip().splitlines()[-1]
-    assert last.startswith("canon-titan: torchrun was killed by SIGKILL, and its training processes with it"), last
-    assert f"the newest complete checkpoint is step 2 ({dump / 'checkpoint' / 'step-2'})" in last, last
+    assert last.startswith(
+        "canon-titan: torchrun was killed by SIGKILL, and its training processes with it"
+    ), last
+    assert f"the newest complete checkpoint is step 2 ({dump / 'checkpoint' / 'step-2'})" in last, (
+        last
+    )
     assert not scratch.exists()
     time.sleep(1)
     assert not [pid for pid in workers if alive(pid)]
@@ -354,12 +470,25 @@ def alive(pid: int) -> bool:
 
 def hostname_not_resolving(command: list[str]) -> list[str]:
     """``command`` in a UTS namespace of its own whose host name resolves nowhere."""
-    return ["unshare", "--uts", "sh", "-c", 'hostname canon-titan-unresolvable && exec "$@"', "sh", *command]
+    return [
+        "unshare",
+        "--uts",
+        "sh",
+        "-c",
+        'hostname canon-titan-unresolvable && exec "$@"',
+        "sh",
+        *command,
+    ]
 
 
 def can_rename_host() -> bool:
     try:
-        return subprocess.run(hostname_not_resolving(["true"]), capture_output=True, timeout=30).returncode == 0
+        return (
+            subprocess.run(
+                hostname_not_resolving(["true"]), capture_output=True, timeout=30
+            ).returncode
+            == 0
+        )
     except (OSError, subprocess.TimeoutExpired):
         return False
 
@@ -370,9 +499,26 @@ def test_a_host_whose_name_does_not_resolve_trains_alone_and_refuses_several_nod
     """On a host whose own name resolves nowhere, ``canon-titan train`` runs on the loopback address and
     trains (at 432670c it waited over 400 s in c10d's connection retries), and a multi-node run_train.sh
     is refused in one line naming the host, within seconds."""
-    cmd = [sys.executable, "-m", "canon_titan.cli", "train", "--config", str(DEBUG_CONFIG), "--nproc", "1",
-           "--training.seq_len", "64", "--training.local_batch_size", "1", "--training.steps", "1",
-           "--checkpoint.enable", "false", "--job.dump_folder", str(tmp_path / "alone")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "canon_titan.cli",
+        "train",
+        "--config",
+        str(DEBUG_CONFIG),
+        "--nproc",
+        "1",
+        "--training.seq_len",
+        "64",
+        "--training.local_batch_size",
+        "1",
+        "--training.steps",
+        "1",
+        "--checkpoint.enable",
+        "false",
+        "--job.dump_folder",
+        str(tmp_path / "alone"),
+    ]
     started = time.monotonic()
     code, out, err = finish(start((hostname_not_resolving(cmd), {})), timeout=400)
     assert code == 0, err[-3000:]
@@ -382,15 +528,21 @@ def test_a_host_whose_name_does_not_resolve_trains_alone_and_refuses_several_nod
     started = time.monotonic()
     code, out, err = finish(start((hostname_not_resolving(cmd), env)), timeout=120)
     assert code == 2 and time.monotonic() - started < 60, err[-3000:]
-    line, = err.strip().splitlines()
-    assert line.startswith("canon-titan: this host's name 'canon-titan-unresolvable' does not resolve"), line
+    (line,) = err.strip().splitlines()
+    assert line.startswith(
+        "canon-titan: this host's name 'canon-titan-unresolvable' does not resolve"
+    ), line
 
 
 def global_rank_of(launcher) -> int | None:
     """The global rank of the (single) training process under ``launcher``, while it runs."""
     for pid in training_processes(launcher.pid):
         try:
-            env = dict(item.split("=", 1) for item in open(f"/proc/{pid}/environ").read().split("\0") if "=" in item)
+            env = dict(
+                item.split("=", 1)
+                for item in open(f"/proc/{pid}/environ").read().split("\0")
+                if "=" in item
+            )
         except OSError:
             continue
         if "RANK" in env:
@@ -411,15 +563,23 @@ def test_node_rank_decides_where_rank_0_runs_and_a_waiting_node_says_for_whom(tm
 
     def node(rank):
         cmd, env = run_train_sh(tmp_path / "run", "--training.steps", "1")
-        env.update(NGPU="1", NNODES="2", NODE_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        env.update(
+            NGPU="1",
+            NNODES="2",
+            NODE_RANK=str(rank),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+        )
         launched.append(start((cmd, env)))
         return launched[-1]
 
     try:
         first = node(1)
         said = next(line for line in first.stderr if "canon-titan:" in line)
-        assert said.startswith(f"canon-titan: node 1 of 2: waiting for node 0 at 127.0.0.1:{port}, which does not "
-                               "answer yet"), said
+        assert said.startswith(
+            f"canon-titan: node 1 of 2: waiting for node 0 at 127.0.0.1:{port}, which does not "
+            "answer yet"
+        ), said
         second = node(0)
         ranks = {}
         while len(ranks) < 2 and first.poll() is None and second.poll() is None:
@@ -436,7 +596,9 @@ def test_node_rank_decides_where_rank_0_runs_and_a_waiting_node_says_for_whom(tm
         assert not re.search(r"^\[rank0\]:", node1, re.M), node1[-2000:]
         for code, out, err in [finish(launcher) for launcher in (node(1), node(0))]:
             lines = [line for line in err.splitlines() if "canon-titan:" in line]
-            assert code == 2 and len(lines) == 1 and "already holds a finished run" in lines[0], err[-3000:]
+            assert code == 2 and len(lines) == 1 and "already holds a finished run" in lines[0], (
+                err[-3000:]
+            )
     finally:
         for launcher in launched:
             kill_tree(launcher.pid)
@@ -447,15 +609,22 @@ def test_a_second_node_left_at_node_rank_0_is_refused_in_one_line(tmp_path):
     has node rank 0 while the master address is another host's (a second node started without its own
     rank) is refused, where it would host a store of its own and wait for nodes that never come."""
     cmd, env = run_train_sh(tmp_path / "run")
-    code, out, err = finish(start((cmd, dict(env, NNODES="2", MASTER_ADDR="127.0.0.1"))), timeout=60)
+    code, out, err = finish(
+        start((cmd, dict(env, NNODES="2", MASTER_ADDR="127.0.0.1"))), timeout=60
+    )
     assert code == 2 and err.strip().splitlines() == [
         "canon-titan: NNODES=2: set NODE_RANK (another on each node, 0 to 1; node 0 holds global rank 0) and "
-        "MASTER_ADDR (node 0's address) on every node"], err
+        "MASTER_ADDR (node 0's address) on every node"
+    ], err
     elsewhere = "192.0.2.1"  # TEST-NET-1: no host's own address
-    code, out, err = finish(start((cmd, dict(env, NNODES="2", NODE_RANK="0", MASTER_ADDR=elsewhere))), timeout=120)
+    code, out, err = finish(
+        start((cmd, dict(env, NNODES="2", NODE_RANK="0", MASTER_ADDR=elsewhere))), timeout=120
+    )
     assert code == 2, err[-3000:]
-    line, = err.strip().splitlines()
-    assert line.startswith(f"canon-titan: this node has node rank 0, so it hosts the rendezvous at '{elsewhere}'"), line
+    (line,) = err.strip().splitlines()
+    assert line.startswith(
+        f"canon-titan: this node has node rank 0, so it hosts the rendezvous at '{elsewhere}'"
+    ), line
 
 
 def _node(tmp_path, rank, nodes=2, **extra):

@@ -13,16 +13,26 @@ from conftest import REPO
 
 sys.path.insert(0, str(REPO / "scripts" / "benchmarks"))
 
-pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                                reason="counted in Triton's interpreter mode")
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="counted in Triton's interpreter mode"
+)
 
-LAUNCHES = {"fla_chunk_gla": 5, "fla_chunk_gla_backward": 7, "mamba_chunk_scan": 5, "mamba_chunk_scan_backward": 14}
+LAUNCHES = {
+    "fla_chunk_gla": 5,
+    "fla_chunk_gla_backward": 7,
+    "mamba_chunk_scan": 5,
+    "mamba_chunk_scan_backward": 14,
+}
 """Triton kernels per call, read from the packages' sources: fla's ``chunk_gla_fwd`` (local cumsum, chunk states,
 two intra-chunk score kernels, output) and ``chunk_gla_bwd`` (cumsum and states again, state gradients, dv, dA,
 intra, inter); mamba-ssm's combined forward (cumsum, chunk states, state passing, C B^T, scan) and backward (the
 forward's first four again, then ten)."""
-PYTHON_CALLS = {"fla_chunk_gla": 240, "fla_chunk_gla_backward": 360, "mamba_chunk_scan": 125,
-                "mamba_chunk_scan_backward": 430}
+PYTHON_CALLS = {
+    "fla_chunk_gla": 240,
+    "fla_chunk_gla_backward": 360,
+    "mamba_chunk_scan": 125,
+    "mamba_chunk_scan_backward": 430,
+}
 """Python calls per call, at most: about 10% over 2026-11-29's counts (220, 328, 113, 392; fla's were 301 and 424
 while its ``input_guard`` wrapped fla's functions afresh on every call)."""
 
@@ -53,11 +63,15 @@ def test_a_layers_host_path(host_paths):
         path = host_paths[family]
         assert path["total"]["custom_op_calls"] <= per_layer_ops, path["ops"]
         assert all(v["triton_launches"] >= 1 for v in path["ops"].values()), path["ops"]
-        assert path["total"]["triton_launches"] == sum(v["calls"] * v["triton_launches"] for v in path["ops"].values())
+        assert path["total"]["triton_launches"] == sum(
+            v["calls"] * v["triton_launches"] for v in path["ops"].values()
+        )
     import linear_host
 
     table = linear_host.table(list(host_paths.values()))
-    assert "| gla5:AbbCD | fla_chunk_gla | 1 | " in table and "| mamba2:AbbCD | **layer** | " in table
+    assert (
+        "| gla5:AbbCD | fla_chunk_gla | 1 | " in table and "| mamba2:AbbCD | **layer** | " in table
+    )
 
 
 def test_the_trainer_table_puts_the_recipes_shape_first():
@@ -66,14 +80,29 @@ def test_the_trainer_table_puts_the_recipes_shape_first():
     import bench_linear
 
     def run(spec, seq, batch, tps):
-        return {"spec": spec, "seq_len": seq, "batch": batch, "tokens_per_s": tps, "mfu_pct": 40.0,
-                "peak_reserved_gib": 40.0, "first_step_s": 55.0, "kernels": ""}
+        return {
+            "spec": spec,
+            "seq_len": seq,
+            "batch": batch,
+            "tokens_per_s": tps,
+            "mfu_pct": 40.0,
+            "peak_reserved_gib": 40.0,
+            "first_step_s": 55.0,
+            "kernels": "",
+        }
 
-    results = [run("llama", 16384, 1, 35000.0), run("gla5:AbbCD", 16384, 1, 56000.0),
-               run("llama", 4096, 2, 46000.0), run("gla5:AbbCD", 4096, 2, 40000.0)]
-    args = SimpleNamespace(trainer_flavor="1B", trainer_compile=True, trainer_warmup=10, trainer_steps=30)
-    rows = bench_linear.trainer_table(results, ["llama", "gla5:AbbCD", "mamba2:AbbCD"], [16384, 4096],
-                                      args).splitlines()[4:]
+    results = [
+        run("llama", 16384, 1, 35000.0),
+        run("gla5:AbbCD", 16384, 1, 56000.0),
+        run("llama", 4096, 2, 46000.0),
+        run("gla5:AbbCD", 4096, 2, 40000.0),
+    ]
+    args = SimpleNamespace(
+        trainer_flavor="1B", trainer_compile=True, trainer_warmup=10, trainer_steps=30
+    )
+    rows = bench_linear.trainer_table(
+        results, ["llama", "gla5:AbbCD", "mamba2:AbbCD"], [16384, 4096], args
+    ).splitlines()[4:]
     assert rows[0].startswith("| 1 x 16384 | llama | - | 35,000 | x1.00 |")
     assert rows[1].startswith("| 1 x 16384 | gla5 | AbbCD | 56,000 | x1.60 ok |")
     assert rows[2] == "| - x 16384 | mamba2 | AbbCD | failed | | | | |"

@@ -5,8 +5,12 @@ import torch
 import torch.nn.functional as F
 
 from canon_titan.kernels import gated_delta_rule, gla, resolve_backend, ssd
-from canon_titan.kernels.documents import (FLA_CHUNK, Documents, document_boundaries,
-                                           one_document_a_row)
+from canon_titan.kernels.documents import (
+    FLA_CHUNK,
+    Documents,
+    document_boundaries,
+    one_document_a_row,
+)
 
 B, H, K, V = 2, 3, 8, 6
 STATE = 5  # SSD state size N
@@ -17,10 +21,13 @@ F64 = dict(atol=1e-11, rtol=1e-10)  # observed: 1.1e-13 absolute
 
 # --- step-by-step references (loops over t); argument names follow the kernels ---------------
 
+
 def recurrent_gla(q, k, v, log_gate, initial_state):
     state, outs = initial_state, []
     for t in range(q.shape[1]):
-        state = log_gate[:, t].exp().unsqueeze(-1) * state + k[:, t].unsqueeze(-1) * v[:, t].unsqueeze(-2)
+        state = log_gate[:, t].exp().unsqueeze(-1) * state + k[:, t].unsqueeze(-1) * v[
+            :, t
+        ].unsqueeze(-2)
         outs.append(q.shape[-1] ** -0.5 * torch.einsum("bhk,bhkv->bhv", q[:, t], state))
     return torch.stack(outs, 1), state
 
@@ -41,13 +48,16 @@ def recurrent_ssd(x, dt, A, B, C, initial_state, D=None):
     state, outs = initial_state, []
     for t in range(x.shape[1]):
         decay = (dt[:, t] * A).exp()[..., None, None]
-        state = decay * state + (dt[:, t].unsqueeze(-1) * x[:, t]).unsqueeze(-1) * B[:, t].unsqueeze(-2)
+        state = decay * state + (dt[:, t].unsqueeze(-1) * x[:, t]).unsqueeze(-1) * B[
+            :, t
+        ].unsqueeze(-2)
         y = torch.einsum("bhpn,bhn->bhp", state, C[:, t])
         outs.append(y if D is None else y + D.unsqueeze(-1) * x[:, t])
     return torch.stack(outs, 1), state
 
 
 # --- inputs (float64) -------------------------------------------------------------------------
+
 
 def _randn(seed):
     gen = torch.Generator().manual_seed(seed)
@@ -56,21 +66,38 @@ def _randn(seed):
 
 def gla_inputs(T, seed=0):
     r = _randn(seed)
-    return dict(q=r(B, T, H, K), k=r(B, T, H, K), v=r(B, T, H, V),
-                log_gate=F.logsigmoid(2 * r(B, T, H, K) + 2), initial_state=r(B, H, K, V))
+    return dict(
+        q=r(B, T, H, K),
+        k=r(B, T, H, K),
+        v=r(B, T, H, V),
+        log_gate=F.logsigmoid(2 * r(B, T, H, K) + 2),
+        initial_state=r(B, H, K, V),
+    )
 
 
 def gdn_inputs(T, seed=0):
     r = _randn(seed)
-    return dict(q=F.normalize(r(B, T, H, K), dim=-1), k=F.normalize(r(B, T, H, K), dim=-1), v=r(B, T, H, V),
-                log_decay=F.logsigmoid(r(B, T, H) + 2), beta=2 * torch.sigmoid(r(B, T, H)),
-                initial_state=r(B, H, K, V))
+    return dict(
+        q=F.normalize(r(B, T, H, K), dim=-1),
+        k=F.normalize(r(B, T, H, K), dim=-1),
+        v=r(B, T, H, V),
+        log_decay=F.logsigmoid(r(B, T, H) + 2),
+        beta=2 * torch.sigmoid(r(B, T, H)),
+        initial_state=r(B, H, K, V),
+    )
 
 
 def ssd_inputs(T, seed=0, heads=H, groups=1):
     r = _randn(seed)
-    return dict(x=r(B, T, heads, V), dt=F.softplus(r(B, T, heads) - 1), A=-4 * torch.sigmoid(r(heads)),
-                B=r(B, T, groups, STATE), C=r(B, T, groups, STATE), D=r(heads), initial_state=r(B, heads, V, STATE))
+    return dict(
+        x=r(B, T, heads, V),
+        dt=F.softplus(r(B, T, heads) - 1),
+        A=-4 * torch.sigmoid(r(heads)),
+        B=r(B, T, groups, STATE),
+        C=r(B, T, groups, STATE),
+        D=r(heads),
+        initial_state=r(B, heads, V, STATE),
+    )
 
 
 OPS = {  # kernel, its step-by-step reference, inputs
@@ -86,8 +113,9 @@ def outputs_and_grads(fn, inputs):
     out, state = fn(leaves)
     gen = torch.Generator().manual_seed(1)
     # Drawn in one dtype: randn's stream depends on it.
-    loss = (out * torch.randn(out.shape, generator=gen, dtype=torch.float64).to(out)).sum() \
-        + (state * torch.randn(state.shape, generator=gen, dtype=torch.float64).to(state)).sum()
+    loss = (out * torch.randn(out.shape, generator=gen, dtype=torch.float64).to(out)).sum() + (
+        state * torch.randn(state.shape, generator=gen, dtype=torch.float64).to(state)
+    ).sum()
     grads = torch.autograd.grad(loss, list(leaves.values()))
     return out.detach(), state.detach(), dict(zip(leaves, grads))
 
@@ -105,6 +133,7 @@ def assert_match(got, want, **tol):
 
 # --- chunked kernels == recurrence ------------------------------------------------------------
 
+
 @pytest.mark.parametrize("T", LENGTHS)
 @pytest.mark.parametrize("op", OPS)
 def test_chunked_matches_recurrence(op, T):
@@ -112,7 +141,9 @@ def test_chunked_matches_recurrence(op, T):
     inputs = make(T)
     want = outputs_and_grads(lambda i: recurrence(**i), inputs)
     for chunk_size in CHUNKS:
-        got = outputs_and_grads(lambda i: kernel(**i, chunk_size=chunk_size, output_final_state=True), inputs)
+        got = outputs_and_grads(
+            lambda i: kernel(**i, chunk_size=chunk_size, output_final_state=True), inputs
+        )
         assert_match(got, want, **F64)
 
 
@@ -132,7 +163,9 @@ def test_without_initial_or_final_state(op):
     h0 = inputs.pop("initial_state")
     out, state = kernel(**inputs, chunk_size=16)
     assert state is None
-    torch.testing.assert_close(out, recurrence(**inputs, initial_state=torch.zeros_like(h0))[0], **F64)
+    torch.testing.assert_close(
+        out, recurrence(**inputs, initial_state=torch.zeros_like(h0))[0], **F64
+    )
 
 
 @pytest.mark.parametrize("op", OPS)
@@ -147,8 +180,10 @@ def test_float32_strong_decay_stays_finite_and_exact(op):
     # SSD's log decay is dt * A with A in (-4, 0).
     inputs[gate] = inputs[gate].masked_fill(strong, 15.0 if op == "ssd" else -30.0)
     want = outputs_and_grads(lambda i: recurrence(**i), inputs)
-    got = outputs_and_grads(lambda i: kernel(**i, output_final_state=True),
-                            {name: t.float() for name, t in inputs.items()})
+    got = outputs_and_grads(
+        lambda i: kernel(**i, output_final_state=True),
+        {name: t.float() for name, t in inputs.items()},
+    )
     # float32 cumulative sums of ~-1000 leave a few 1e-5 relative error in exp(b_i - b_j) (fla's
     # chunked kernels share this), hence the tolerance relative to each tensor's largest entry.
     for name, expected in named(want).items():
@@ -273,25 +308,51 @@ def test_gla_matches_fla_naive():
 
     inputs = {name: t.float() for name, t in gla_inputs(100).items()}
     # naive_recurrent_gla has no scale argument: it always uses K**-0.5, our default.
-    want = outputs_and_grads(lambda i: naive_recurrent_gla(i["q"], i["k"], i["v"], i["log_gate"],
-                                                           i["initial_state"], output_final_state=True), inputs)
+    want = outputs_and_grads(
+        lambda i: naive_recurrent_gla(
+            i["q"], i["k"], i["v"], i["log_gate"], i["initial_state"], output_final_state=True
+        ),
+        inputs,
+    )
     got = outputs_and_grads(lambda i: gla(**i, output_final_state=True), inputs)
     assert_match(got, want, **F32)
 
 
 def test_gated_delta_rule_matches_fla_naive():
     pytest.importorskip("fla")
-    from fla.ops.gated_delta_rule.naive import naive_chunk_gated_delta_rule, naive_recurrent_gated_delta_rule
+    from fla.ops.gated_delta_rule.naive import (
+        naive_chunk_gated_delta_rule,
+        naive_recurrent_gated_delta_rule,
+    )
 
     inputs = {name: t.float() for name, t in gdn_inputs(100).items()}
     got = outputs_and_grads(lambda i: gated_delta_rule(**i, output_final_state=True), inputs)
     # The recurrent reference takes (q, k, v, beta, g), the chunked one (q, k, v, g, beta).
-    recurrent = outputs_and_grads(lambda i: naive_recurrent_gated_delta_rule(
-        i["q"], i["k"], i["v"], i["beta"], i["log_decay"], initial_state=i["initial_state"],
-        output_final_state=True), inputs)
-    chunked = outputs_and_grads(lambda i: naive_chunk_gated_delta_rule(
-        i["q"], i["k"], i["v"], i["log_decay"], i["beta"], chunk_size=32, initial_state=i["initial_state"],
-        output_final_state=True), inputs)
+    recurrent = outputs_and_grads(
+        lambda i: naive_recurrent_gated_delta_rule(
+            i["q"],
+            i["k"],
+            i["v"],
+            i["beta"],
+            i["log_decay"],
+            initial_state=i["initial_state"],
+            output_final_state=True,
+        ),
+        inputs,
+    )
+    chunked = outputs_and_grads(
+        lambda i: naive_chunk_gated_delta_rule(
+            i["q"],
+            i["k"],
+            i["v"],
+            i["log_decay"],
+            i["beta"],
+            chunk_size=32,
+            initial_state=i["initial_state"],
+            output_final_state=True,
+        ),
+        inputs,
+    )
     assert_match(got, recurrent, **F32)
     assert_match(got, chunked, **F32)
 
@@ -308,9 +369,14 @@ def test_ssd_matches_fla_naive_simple_gla():
     def via_simple_gla(i):
         heads = i["x"].shape[2] // i["B"].shape[2]
         o, state = naive_recurrent_simple_gla(
-            i["C"].repeat_interleave(heads, 2), i["B"].repeat_interleave(heads, 2),
-            i["x"] * i["dt"].unsqueeze(-1), i["dt"] * i["A"], scale=1.0,
-            initial_state=i["initial_state"].transpose(-1, -2), output_final_state=True)
+            i["C"].repeat_interleave(heads, 2),
+            i["B"].repeat_interleave(heads, 2),
+            i["x"] * i["dt"].unsqueeze(-1),
+            i["dt"] * i["A"],
+            scale=1.0,
+            initial_state=i["initial_state"].transpose(-1, -2),
+            output_final_state=True,
+        )
         return o + i["D"].unsqueeze(-1) * i["x"], state.transpose(-1, -2)
 
     want = outputs_and_grads(via_simple_gla, inputs)
@@ -319,7 +385,11 @@ def test_ssd_matches_fla_naive_simple_gla():
 
 
 def test_bad_backend_names_the_allowed_ones():
-    with pytest.raises(ValueError, match=r"must be one of 'auto', 'torch', 'fla' for gla, got 'triton'"):
+    with pytest.raises(
+        ValueError, match=r"must be one of 'auto', 'torch', 'fla' for gla, got 'triton'"
+    ):
         resolve_backend("triton", op="gla")
-    with pytest.raises(ValueError, match=r"must be one of 'auto', 'torch', 'mamba_ssm' for ssd, got 'fla'"):
+    with pytest.raises(
+        ValueError, match=r"must be one of 'auto', 'torch', 'mamba_ssm' for ssd, got 'fla'"
+    ):
         resolve_backend("fla", op="ssd")

@@ -30,22 +30,44 @@ def build(name, flavor="debug", device=None, seed=0, **overrides):
 
 # --- sizes ------------------------------------------------------------------------------------
 
+
 def hand_count(name, args):
     """Parameters of the release's modules (spec 5.2-5.4, 5.6b) for canon_set 'AbbCD', kernel 4."""
     d, heads, vocab, hidden = args.dim, args.n_heads, args.vocab_size, args.hidden_dim
     block = 2 * d + 2 * 4 * d + 3 * d * hidden + 4 * 2 * hidden  # norms, Canon-A/C, MLP, Canon-D
-    if name == "gla5":  # q, k d->d; v d->2d; o 2d->d; gk d->16->d (+bias); g d->16->2d (+bias); convs; g_norm
-        block += 6 * d * d + (16 * d + 16 * d + d) + (16 * d + 32 * d + 2 * d) + 4 * (d + d + 2 * d) + 2 * d // heads
+    if (
+        name == "gla5"
+    ):  # q, k d->d; v d->2d; o 2d->d; gk d->16->d (+bias); g d->16->2d (+bias); convs; g_norm
+        block += (
+            6 * d * d
+            + (16 * d + 16 * d + d)
+            + (16 * d + 32 * d + 2 * d)
+            + 4 * (d + d + 2 * d)
+            + 2 * d // heads
+        )
     elif name == "gdn2":  # as GLA5 without gk, plus b/a d->H, A_log, dt_bias
-        block += 6 * d * d + 2 * d * heads + 2 * heads + (16 * d + 32 * d + 2 * d) + 4 * 4 * d + 2 * d // heads
+        block += (
+            6 * d * d
+            + 2 * d * heads
+            + 2 * heads
+            + (16 * d + 32 * d + 2 * d)
+            + 4 * 4 * d
+            + 2 * d // heads
+        )
     else:  # in_proj d->[z|xBC|dt], conv1d (+bias) over xBC, dt_bias/A_log/D, gated norm, out_proj
         n, inner = args.state_size, 2 * d
-        block += d * (2 * inner + 2 * n + heads) + 5 * (inner + 2 * n) + 3 * heads + inner + inner * d
+        block += (
+            d * (2 * inner + 2 * n + heads) + 5 * (inner + 2 * n) + 3 * heads + inner + inner * d
+        )
     return 2 * vocab * d + d + args.n_layers * block
 
 
 # spec 5.5: layers, d, vocab, mixer and MLP parameters per layer in units of d^2
-PARITY = {"1B": (24, 2048, 32000, 6, 6), "3B": (26, 3072, 32000, 6, 6), "8B": (32, 4096, 128256, 6, 7)}
+PARITY = {
+    "1B": (24, 2048, 32000, 6, 6),
+    "3B": (26, 3072, 32000, 6, 6),
+    "8B": (32, 4096, 128256, 6, 7),
+}
 
 
 @pytest.mark.parametrize("flavor", PARITY)
@@ -62,38 +84,71 @@ def test_parameter_counts_match_the_release(name, flavor):
 
 RELEASE_1B_SHAPES = {  # spec 5.6b, ours <- release name; linear [out, in], convolutions [C, 1, 4]
     "gla5": {
-        "mixer_norm.weight": [2048], "canonA.weight": [2048, 1, 4],  # attn_norm, canonA
-        "mixer.q_proj.weight": [2048, 2048], "mixer.k_proj.weight": [2048, 2048],
-        "mixer.v_proj.weight": [4096, 2048], "mixer.o_proj.weight": [2048, 4096],
-        "mixer.g_proj.down.weight": [16, 2048], "mixer.g_proj.up.weight": [4096, 16],  # g_proj.0 / .1
-        "mixer.g_proj.up.bias": [4096], "mixer.gk_proj.down.weight": [16, 2048],
-        "mixer.gk_proj.up.weight": [2048, 16], "mixer.gk_proj.up.bias": [2048],
-        "mixer.q_conv1d.weight": [2048, 1, 4], "mixer.k_conv1d.weight": [2048, 1, 4],
-        "mixer.v_conv1d.weight": [4096, 1, 4], "mixer.g_norm.weight": [256],  # g_norm_swish_gate
-        "ffn_norm.weight": [2048], "canonC.weight": [2048, 1, 4],  # mlp_norm
-        "feed_forward.w1.weight": [4096, 2048], "feed_forward.w3.weight": [4096, 2048],  # gate_proj = [w1; w3]
-        "feed_forward.canonD.weight": [8192, 1, 4], "feed_forward.w2.weight": [2048, 4096],  # down_proj
+        "mixer_norm.weight": [2048],
+        "canonA.weight": [2048, 1, 4],  # attn_norm, canonA
+        "mixer.q_proj.weight": [2048, 2048],
+        "mixer.k_proj.weight": [2048, 2048],
+        "mixer.v_proj.weight": [4096, 2048],
+        "mixer.o_proj.weight": [2048, 4096],
+        "mixer.g_proj.down.weight": [16, 2048],
+        "mixer.g_proj.up.weight": [4096, 16],  # g_proj.0 / .1
+        "mixer.g_proj.up.bias": [4096],
+        "mixer.gk_proj.down.weight": [16, 2048],
+        "mixer.gk_proj.up.weight": [2048, 16],
+        "mixer.gk_proj.up.bias": [2048],
+        "mixer.q_conv1d.weight": [2048, 1, 4],
+        "mixer.k_conv1d.weight": [2048, 1, 4],
+        "mixer.v_conv1d.weight": [4096, 1, 4],
+        "mixer.g_norm.weight": [256],  # g_norm_swish_gate
+        "ffn_norm.weight": [2048],
+        "canonC.weight": [2048, 1, 4],  # mlp_norm
+        "feed_forward.w1.weight": [4096, 2048],
+        "feed_forward.w3.weight": [4096, 2048],  # gate_proj = [w1; w3]
+        "feed_forward.canonD.weight": [8192, 1, 4],
+        "feed_forward.w2.weight": [2048, 4096],  # down_proj
     },
     "gdn2": {
-        "mixer_norm.weight": [2048], "canonA.weight": [2048, 1, 4],
-        "mixer.q_proj.weight": [2048, 2048], "mixer.k_proj.weight": [2048, 2048],
-        "mixer.v_proj.weight": [4096, 2048], "mixer.b_proj.weight": [16, 2048], "mixer.a_proj.weight": [16, 2048],
-        "mixer.A_log": [16], "mixer.dt_bias": [16], "mixer.q_conv1d.weight": [2048, 1, 4],
-        "mixer.k_conv1d.weight": [2048, 1, 4], "mixer.v_conv1d.weight": [4096, 1, 4],
-        "mixer.g_proj.down.weight": [16, 2048], "mixer.g_proj.up.weight": [4096, 16], "mixer.g_proj.up.bias": [4096],
-        "mixer.o_norm.weight": [256], "mixer.o_proj.weight": [2048, 4096],
-        "ffn_norm.weight": [2048], "canonC.weight": [2048, 1, 4],
-        "feed_forward.w1.weight": [4096, 2048], "feed_forward.w3.weight": [4096, 2048],  # both_proj = [w1; w3]
-        "feed_forward.canonD.weight": [8192, 1, 4], "feed_forward.w2.weight": [2048, 4096],
+        "mixer_norm.weight": [2048],
+        "canonA.weight": [2048, 1, 4],
+        "mixer.q_proj.weight": [2048, 2048],
+        "mixer.k_proj.weight": [2048, 2048],
+        "mixer.v_proj.weight": [4096, 2048],
+        "mixer.b_proj.weight": [16, 2048],
+        "mixer.a_proj.weight": [16, 2048],
+        "mixer.A_log": [16],
+        "mixer.dt_bias": [16],
+        "mixer.q_conv1d.weight": [2048, 1, 4],
+        "mixer.k_conv1d.weight": [2048, 1, 4],
+        "mixer.v_conv1d.weight": [4096, 1, 4],
+        "mixer.g_proj.down.weight": [16, 2048],
+        "mixer.g_proj.up.weight": [4096, 16],
+        "mixer.g_proj.up.bias": [4096],
+        "mixer.o_norm.weight": [256],
+        "mixer.o_proj.weight": [2048, 4096],
+        "ffn_norm.weight": [2048],
+        "canonC.weight": [2048, 1, 4],
+        "feed_forward.w1.weight": [4096, 2048],
+        "feed_forward.w3.weight": [4096, 2048],  # both_proj = [w1; w3]
+        "feed_forward.canonD.weight": [8192, 1, 4],
+        "feed_forward.w2.weight": [2048, 4096],
     },
     "mamba2": {
-        "mixer_norm.weight": [2048], "canonA.weight": [2048, 1, 4],  # norm, canonA
-        "mixer.in_proj.weight": [8464, 2048], "mixer.conv1d.weight": [4352, 1, 4], "mixer.conv1d.bias": [4352],
-        "mixer.dt_bias": [16], "mixer.A_log": [16], "mixer.D": [16], "mixer.norm.weight": [4096],
+        "mixer_norm.weight": [2048],
+        "canonA.weight": [2048, 1, 4],  # norm, canonA
+        "mixer.in_proj.weight": [8464, 2048],
+        "mixer.conv1d.weight": [4352, 1, 4],
+        "mixer.conv1d.bias": [4352],
+        "mixer.dt_bias": [16],
+        "mixer.A_log": [16],
+        "mixer.D": [16],
+        "mixer.norm.weight": [4096],
         "mixer.out_proj.weight": [2048, 4096],
-        "ffn_norm.weight": [2048], "canonC.weight": [2048, 1, 4],  # pre_mlp_layernorm
-        "feed_forward.w1.weight": [4096, 2048], "feed_forward.w3.weight": [4096, 2048],  # both_proj = [w1; w3]
-        "feed_forward.canonD.weight": [8192, 1, 4], "feed_forward.w2.weight": [2048, 4096],
+        "ffn_norm.weight": [2048],
+        "canonC.weight": [2048, 1, 4],  # pre_mlp_layernorm
+        "feed_forward.w1.weight": [4096, 2048],
+        "feed_forward.w3.weight": [4096, 2048],  # both_proj = [w1; w3]
+        "feed_forward.canonD.weight": [8192, 1, 4],
+        "feed_forward.w2.weight": [2048, 4096],
     },
 }
 
@@ -104,7 +159,11 @@ def test_1B_tensors_have_the_release_shapes(name):
     layer = {k: list(v.shape) for k, v in model.layers["0"].state_dict().items()}
     assert layer == RELEASE_1B_SHAPES[name]
     top = {k: list(v.shape) for k, v in model.state_dict().items() if not k.startswith("layers.")}
-    assert top == {"tok_embeddings.weight": [32000, 2048], "norm.weight": [2048], "lm_head.weight": [32000, 2048]}
+    assert top == {
+        "tok_embeddings.weight": [32000, 2048],
+        "norm.weight": [2048],
+        "lm_head.weight": [32000, 2048],
+    }
     assert len(model.layers) == 24
 
 
@@ -114,7 +173,9 @@ def test_conv_baseline_has_only_the_short_convolutions():
         names = [k for k, _ in model.named_parameters()]
         assert not any("canon" in k for k in names)
         assert any("conv1d" in k for k in names)
-        names = [k for k, _ in build(name, "debug", device="meta", canon_set="AC").named_parameters()]
+        names = [
+            k for k, _ in build(name, "debug", device="meta", canon_set="AC").named_parameters()
+        ]
         assert not any("conv1d" in k for k in names) and any("canonA" in k for k in names)
 
 
@@ -124,22 +185,30 @@ def test_flops_count_the_recurrence():
         model = spec.model.build()
     n, flops = spec.model.get_nparams_and_flops(model, 4096)
     assert n == sum(p.numel() for p in model.parameters())
-    assert flops == 6 * (n - 32000 * 2048) + 12 * 24 * 16 * 128 * 256  # state: heads x 128 x 256 = 256 d
+    assert (
+        flops == 6 * (n - 32000 * 2048) + 12 * 24 * 16 * 128 * 256
+    )  # state: heads x 128 x 256 = 256 d
 
 
 # --- init -------------------------------------------------------------------------------------
+
 
 def test_init_follows_the_release():
     gla = build("gla5", "debug", n_layers=8, dim=256)
     mixers = [gla.layers[str(i)].mixer for i in range(8)]
     q = torch.cat([m.q_proj.weight.flatten() for m in mixers])
     assert q.std().item() == pytest.approx(0.02, rel=0.03)
-    gate = torch.cat([m.g_proj.down.weight.flatten() for m in mixers] + [m.gk_proj.up.weight.flatten() for m in mixers])
+    gate = torch.cat(
+        [m.g_proj.down.weight.flatten() for m in mixers]
+        + [m.gk_proj.up.weight.flatten() for m in mixers]
+    )
     assert gate.std().item() == pytest.approx(math.sqrt(0.02) / 2, rel=0.03)  # split init, rank 16
     assert torch.all(mixers[0].g_proj.up.bias == 0) and torch.all(mixers[0].g_norm.weight == 1)
     assert mixers[0].q_conv1d.weight.std().item() == pytest.approx(0.02, rel=0.1)  # b: N(0, 0.02)
     canon = gla.layers["0"].feed_forward.canonD.weight  # Canon: PyTorch's default, U(-1/2, 1/2)
-    assert canon.abs().max().item() <= 0.5 and canon.std().item() == pytest.approx(0.5 / math.sqrt(3), rel=0.05)
+    assert canon.abs().max().item() <= 0.5 and canon.std().item() == pytest.approx(
+        0.5 / math.sqrt(3), rel=0.05
+    )
     assert gla.tok_embeddings.weight.std().item() == pytest.approx(0.02, rel=0.02)
 
     gdn = build("gdn2", "debug", n_heads=64, dim=256).layers["0"].mixer
@@ -150,7 +219,9 @@ def test_init_follows_the_release():
 
     mamba = build("mamba2", "debug", dim=256, n_heads=64)
     mixer = mamba.layers["0"].mixer
-    assert 1 <= mixer.A_log.exp().min() and mixer.A_log.exp().max() <= 16 and torch.all(mixer.D == 1)
+    assert (
+        1 <= mixer.A_log.exp().min() and mixer.A_log.exp().max() <= 16 and torch.all(mixer.D == 1)
+    )
     bound = 256**-0.5  # PyTorch's Linear default: U(-1/sqrt(fan_in), 1/sqrt(fan_in))
     assert mixer.in_proj.weight.abs().max().item() <= bound
     assert mixer.in_proj.weight.std().item() == pytest.approx(bound / math.sqrt(3), rel=0.02)
@@ -159,6 +230,7 @@ def test_init_follows_the_release():
 
 
 # --- causality, and every canon_set trains ----------------------------------------------------
+
 
 @pytest.mark.parametrize("canon_set", CANON_SETS)
 @pytest.mark.parametrize("name", FAMILIES)
@@ -301,6 +373,7 @@ def test_loss_decreases_on_a_fixed_batch(name):
 
 # --- one mixer against a token-by-token recurrence (float64) ----------------------------------
 
+
 def conv_loop(x, weight, bias=None):
     """Causal depthwise conv: out[t] = sum_j w[:, 0, j] * x[t - (K-1) + j], zeros before the start."""
     kernel, out = weight.shape[-1], torch.zeros_like(x)
@@ -324,16 +397,18 @@ def rms(x, eps):
 
 
 def slow_gla5(m, x):
-    q, k, v = (short_conv(linear(x, p), c) for p, c in ((m.q_proj, m.q_conv1d), (m.k_proj, m.k_conv1d),
-                                                      (m.v_proj, m.v_conv1d)))
+    q, k, v = (
+        short_conv(linear(x, p), c)
+        for p, c in ((m.q_proj, m.q_conv1d), (m.k_proj, m.k_conv1d), (m.v_proj, m.v_conv1d))
+    )
     gk = F.logsigmoid(linear(linear(x, m.gk_proj.down), m.gk_proj.up)) / 16
     g = linear(linear(x, m.g_proj.down), m.g_proj.up)
     kd, vd = m.head_k_dim, m.head_v_dim
     heads = q.shape[-1] // kd
     outs = []
     for h in range(heads):
-        qs, ks, gs = (t[..., h * kd:(h + 1) * kd] for t in (q, k, gk))
-        vs, gate = v[..., h * vd:(h + 1) * vd], g[..., h * vd:(h + 1) * vd]
+        qs, ks, gs = (t[..., h * kd : (h + 1) * kd] for t in (q, k, gk))
+        vs, gate = v[..., h * vd : (h + 1) * vd], g[..., h * vd : (h + 1) * vd]
         state, o = x.new_zeros(x.shape[0], kd, vd), []
         for t in range(x.shape[1]):
             state = gs[:, t].exp()[:, :, None] * state + ks[:, t, :, None] * vs[:, t, None, :]
@@ -349,16 +424,18 @@ def l2norm(x):
 
 
 def slow_gdn2(m, x):
-    q, k, v = (short_conv(linear(x, p), c) for p, c in ((m.q_proj, m.q_conv1d), (m.k_proj, m.k_conv1d),
-                                                      (m.v_proj, m.v_conv1d)))
+    q, k, v = (
+        short_conv(linear(x, p), c)
+        for p, c in ((m.q_proj, m.q_conv1d), (m.k_proj, m.k_conv1d), (m.v_proj, m.v_conv1d))
+    )
     beta = torch.sigmoid(linear(x, m.b_proj))
     decay = -m.A_log.exp() * F.softplus(linear(x, m.a_proj) + m.dt_bias)
     g = linear(linear(x, m.g_proj.down), m.g_proj.up)
     kd, vd = m.head_dim, m.head_v_dim
     outs = []
     for h in range(q.shape[-1] // kd):
-        qs, ks = (l2norm(t[..., h * kd:(h + 1) * kd]) for t in (q, k))
-        vs, gate = v[..., h * vd:(h + 1) * vd], g[..., h * vd:(h + 1) * vd]
+        qs, ks = (l2norm(t[..., h * kd : (h + 1) * kd]) for t in (q, k))
+        vs, gate = v[..., h * vd : (h + 1) * vd], g[..., h * vd : (h + 1) * vd]
         state, o = x.new_zeros(x.shape[0], kd, vd), []
         for t in range(x.shape[1]):
             state = decay[:, t, h, None, None].exp() * state
@@ -418,26 +495,45 @@ def test_blocks_compile_without_graph_breaks(name):
 
 # --- configuration ----------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("name", FAMILIES)
 def test_debug_configs_resolve(name):
     run = load(REPO / "train_configs" / f"{name}_debug.toml", environment=False)
     assert run["model"]["canon_set"] == "AbbCD" and run["model"]["kernel_backend"] == "auto"
-    assert load(REPO / "train_configs" / f"{name}_debug.toml", ["--model.canon_set", "bb"],
-                environment=False).model_args.canon_set == "bb"
+    assert (
+        load(
+            REPO / "train_configs" / f"{name}_debug.toml",
+            ["--model.canon_set", "bb"],
+            environment=False,
+        ).model_args.canon_set
+        == "bb"
+    )
 
 
-@pytest.mark.parametrize("name, key, value, message", [
-    ("gla5", "canon_set", '"ABCD"', "Canon-B is not available for GLA5"),
-    ("gdn2", "canon_set", '"AAb"', "distinct letters"),
-    ("mamba2", "canon_set", '"bbb"', "distinct letters"),
-    ("gla5", "kernel_backend", '"mamba_ssm"', "must be one of 'auto', 'torch', 'fla' for GLA5"),
-    ("mamba2", "kernel_backend", '"fla"', "must be one of 'auto', 'torch', 'mamba_ssm' for Mamba2"),
-    ("gdn2", "n_heads", "3", "must divide dim (128)"),
-    ("mamba2", "n_heads", "3", "must divide the inner width"),
-])
+@pytest.mark.parametrize(
+    "name, key, value, message",
+    [
+        ("gla5", "canon_set", '"ABCD"', "Canon-B is not available for GLA5"),
+        ("gdn2", "canon_set", '"AAb"', "distinct letters"),
+        ("mamba2", "canon_set", '"bbb"', "distinct letters"),
+        ("gla5", "kernel_backend", '"mamba_ssm"', "must be one of 'auto', 'torch', 'fla' for GLA5"),
+        (
+            "mamba2",
+            "kernel_backend",
+            '"fla"',
+            "must be one of 'auto', 'torch', 'mamba_ssm' for Mamba2",
+        ),
+        ("gdn2", "n_heads", "3", "must divide dim (128)"),
+        ("mamba2", "n_heads", "3", "must divide the inner width"),
+    ],
+)
 def test_invalid_options_are_config_errors(name, key, value, message):
     with pytest.raises(ConfigError) as e:
-        load(REPO / "train_configs" / f"{name}_debug.toml", [f"--model.{key}", value], environment=False)
+        load(
+            REPO / "train_configs" / f"{name}_debug.toml",
+            [f"--model.{key}", value],
+            environment=False,
+        )
     assert e.value.key == f"[model] {key}" and message in e.value.message
 
 

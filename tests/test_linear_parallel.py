@@ -23,7 +23,11 @@ STEPS = ["--training.steps", "6", "--checkpoint.enable", "--checkpoint.interval"
 GLOBAL_BATCH = 4
 # One activation-checkpointing mode per family rides along with its FSDP run (recomputation
 # does not change the numbers).
-AC_MODE = {"gla5": ("none", None), "gdn2": ("selective", "SelectiveAC"), "mamba2": ("full", "FullAC")}
+AC_MODE = {
+    "gla5": ("none", None),
+    "gdn2": ("selective", "SelectiveAC"),
+    "mamba2": ("full", "FullAC"),
+}
 DOCUMENTS = {"gla5": ["--dataloader.document_masking", "true"], "gdn2": [], "mamba2": []}
 """One family's runs keep packed documents apart: its reference and every parallel run alike."""
 
@@ -51,13 +55,27 @@ def family(request, tmp_path_factory):
 
     def make(folder):
         _, seed, _ = make_checkpoint(folder / "seed", [], config=CONFIGS[name])
-        run_training(1, COMMON + STEPS + DOCUMENTS[name] + [
-            "--job.dump_folder", str(start_from(seed, folder / "reference")),
-            "--training.local_batch_size", str(GLOBAL_BATCH)], config=CONFIGS[name])
+        run_training(
+            1,
+            COMMON
+            + STEPS
+            + DOCUMENTS[name]
+            + [
+                "--job.dump_folder",
+                str(start_from(seed, folder / "reference")),
+                "--training.local_batch_size",
+                str(GLOBAL_BATCH),
+            ],
+            config=CONFIGS[name],
+        )
 
     folder = made_once(tmp_path_factory, f"linear_parallel_{name}", make)
     seed, dump = folder / "seed" / "ckpt" / "step-0", folder / "reference"
-    return name, seed, (read_scalars(dump), read_scalars(dump, "grad_norm"), final_weights(name, dump))
+    return (
+        name,
+        seed,
+        (read_scalars(dump), read_scalars(dump, "grad_norm"), final_weights(name, dump)),
+    )
 
 
 def train(family, tmp_path, nproc, args, dp=1):
@@ -108,9 +126,20 @@ def test_fsdp_two_processes(family, tmp_path):
 
 
 def test_pipeline_parallel(family, tmp_path):
-    dump, out = train(family, tmp_path, 2, ["--parallelism.pipeline_parallel_degree", "2",
-                                            "--parallelism.pipeline_parallel_schedule", "1F1B"])
-    assert "PP rank 0 is building stage_idx 0 " in out and "PP rank 1 is building stage_idx 1 " in out
+    dump, out = train(
+        family,
+        tmp_path,
+        2,
+        [
+            "--parallelism.pipeline_parallel_degree",
+            "2",
+            "--parallelism.pipeline_parallel_schedule",
+            "1F1B",
+        ],
+    )
+    assert (
+        "PP rank 0 is building stage_idx 0 " in out and "PP rank 1 is building stage_idx 1 " in out
+    )
     assert_matches(family, dump)
 
 
@@ -119,7 +148,11 @@ def test_pipeline_parallel(family, tmp_path):
 def test_tensor_parallel(family, tmp_path):
     name = family[0]
     sp = "true" if name == "gla5" else "false"  # both layouts, one launch per family
-    dump, out = train(family, tmp_path, 2, ["--parallelism.tensor_parallel_degree", "2",
-                                            "--parallelism.enable_sequence_parallel", sp])
+    dump, out = train(
+        family,
+        tmp_path,
+        2,
+        ["--parallelism.tensor_parallel_degree", "2", "--parallelism.enable_sequence_parallel", sp],
+    )
     assert f"Applied tensor parallelism (degree 2, sequence parallel {sp == 'true'})" in out
     assert_matches(family, dump)

@@ -41,7 +41,12 @@ def test_the_narrowed_searches_keep_the_h200_winners():
         assert 0 < len(kept) < len(timings), name
         best, kept_best = min(timings.values()), min(timings[c] for c in kept)
         recipe_shape = 128 in entry["key"]
-        assert kept_best <= best * (1.01 if recipe_shape else 1.15), (name, entry["key"], kept_best, best)
+        assert kept_best <= best * (1.01 if recipe_shape else 1.15), (
+            name,
+            entry["key"],
+            kept_best,
+            best,
+        )
         checked, at_1b = checked + 1, at_1b + recipe_shape
     assert checked >= 10 and at_1b >= 4
 
@@ -72,9 +77,18 @@ for module_name, kernels in tuning.NARROWED.items():
         out[name] = [len(tuner.configs), len(keep(offered))]
 print(json.dumps(out))
 """
-GLA = ("chunk_local_cumsum_vector_kernel", "chunk_fwd_kernel_h", "chunk_gla_fwd_A_kernel_intra_sub_inter",
-       "chunk_gla_fwd_A_kernel_intra_sub_intra", "chunk_gla_fwd_kernel_o", "chunk_bwd_kernel_dh",
-       "chunk_gla_bwd_kernel_dv", "chunk_gla_bwd_kernel_dA", "chunk_gla_bwd_kernel_intra", "chunk_gla_bwd_kernel_inter")
+GLA = (
+    "chunk_local_cumsum_vector_kernel",
+    "chunk_fwd_kernel_h",
+    "chunk_gla_fwd_A_kernel_intra_sub_inter",
+    "chunk_gla_fwd_A_kernel_intra_sub_intra",
+    "chunk_gla_fwd_kernel_o",
+    "chunk_bwd_kernel_dh",
+    "chunk_gla_bwd_kernel_dv",
+    "chunk_gla_bwd_kernel_dA",
+    "chunk_gla_bwd_kernel_intra",
+    "chunk_gla_bwd_kernel_inter",
+)
 """The autotuned kernels of one GLA forward and backward (as the interpreter test below records them)."""
 
 
@@ -82,13 +96,23 @@ def test_on_hoppers_candidate_lists_gla_times_28_configurations_of_266():
     """fla's candidate lists as it builds them on Hopper, at GLA5-1B's head sizes (key 128, value 256, where
     fla's own pruning of the backward tiles keeps all 36): the forward and backward time 28 configurations instead
     of 266; the gated delta rule's kernels 18 instead of 61 (its output kernel's 3 stay as fla lists them)."""
-    proc = subprocess.run([sys.executable, "-c", HOPPER_LISTS], cwd=REPO, capture_output=True, text=True,
-                          env=dict(os.environ, TRITON_INTERPRET="1"), timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", HOPPER_LISTS],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, TRITON_INTERPRET="1"),
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     counts = json.loads(proc.stdout.strip().splitlines()[-1])
     gla = [counts[name] for name in GLA]
     assert sum(c[0] for c in gla) == 266 and sum(c[1] for c in gla) == 28
-    gdn = [counts[name] for name in counts if name not in GLA and name != "chunk_local_cumsum_vector_kernel"]
+    gdn = [
+        counts[name]
+        for name in counts
+        if name not in GLA and name != "chunk_local_cumsum_vector_kernel"
+    ]
     assert sum(c[0] for c in gdn) == 61 and sum(c[1] for c in gdn) == 18
 
 
@@ -101,8 +125,15 @@ class _Calls(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.namespace == "canon_titan":
-            self.calls.append((func._opname, tuple((tuple(a.shape), a.stride(), a.dtype)
-                                                   if isinstance(a, torch.Tensor) else a for a in args)))
+            self.calls.append(
+                (
+                    func._opname,
+                    tuple(
+                        (tuple(a.shape), a.stride(), a.dtype) if isinstance(a, torch.Tensor) else a
+                        for a in args
+                    ),
+                )
+            )
         return func(*args, **(kwargs or {}))
 
 
@@ -116,8 +147,14 @@ def test_the_tuning_pass_makes_the_first_steps_kernel_calls(family):
         config = model_registry.model_spec(family, "1B", {"n_layers": 1}).model
         meta = torch.device("meta")
         with _Calls() as tuned:
-            linear_tuning.run_mixer(config.args, config.layers[0].mixer.backend, batch=1, seq_len=16384,
-                                    dtype=torch.bfloat16, device=meta)
+            linear_tuning.run_mixer(
+                config.args,
+                config.layers[0].mixer.backend,
+                batch=1,
+                seq_len=16384,
+                dtype=torch.bfloat16,
+                device=meta,
+            )
         with meta:
             model = config.build()
         model.to(torch.bfloat16)
@@ -138,7 +175,10 @@ def test_the_tuning_pass_reports_each_kernel_and_keeps_the_random_state(caplog, 
     from canon_titan.kernels import backends
 
     backends.prepare_kernels("fla")
-    for module_name, kernels in tuning.NARROWED.items():  # earlier tests of this process may have tuned them
+    for (
+        module_name,
+        kernels,
+    ) in tuning.NARROWED.items():  # earlier tests of this process may have tuned them
         for name in kernels:
             tuning.autotuner_of(getattr(sys.modules[module_name], name)).cache.clear()
     args = model_registry.model_spec("gla5", "debug", {"kernel_backend": "fla"}).model.args
@@ -147,7 +187,10 @@ def test_the_tuning_pass_reports_each_kernel_and_keeps_the_random_state(caplog, 
     linear_tuning.tune_mixer(args, "fla", batch=1, seq_len=40, tp=2, dtype=torch.float32)
     assert torch.equal(torch.get_rng_state(), state)
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("kernel tuning: ")]
-    assert "GLA5 mixer on fla, batch 1 x 40, 2 heads, torch.float32: a forward and backward" in lines[0]
+    assert (
+        "GLA5 mixer on fla, batch 1 x 40, 2 heads, torch.float32: a forward and backward"
+        in lines[0]
+    )
     assert "tuned in" in lines[-1]
     tuned = {line.split(": ")[1]: line.split(": ")[2] for line in lines[1:-1]}
     assert set(tuned) == set(GLA)
@@ -178,7 +221,10 @@ def test_the_pretuning_command_refuses_what_it_cannot_tune(capsys):
     assert "[model] name: the kernel tuning is for gla5, gdn2 and mamba2" in capsys.readouterr().err
     gla5 = str(REPO / "train_configs" / "gla5_debug.toml")
     assert pretune.main([gla5, "--model.kernel_backend", "torch"]) == 2
-    assert "its recurrence runs on torch here ('torch'): nothing to tune" in capsys.readouterr().err.strip()
+    assert (
+        "its recurrence runs on torch here ('torch'): nothing to tune"
+        in capsys.readouterr().err.strip()
+    )
 
 
 @pytest.mark.slow
@@ -187,16 +233,40 @@ def test_a_rank_slower_to_tune_than_the_collective_timeout_does_not_end_the_run(
     rank 1 tuning 20 s longer than rank 0 (tests/slow_tuning_rank.py): rank 0 waits for it before the first
     collective and both train. (Without the wait, rank 0's first collective timed out: gloo's "Timed out
     waiting 8000ms".)"""
-    overrides = [*COMMON, "--training.steps", "2", "--training.seq_len", "32", "--training.local_batch_size", "2",
-                 "--model.n_layers", "1", "--model.kernel_backend", "fla", "--checkpoint.enable", "false",
-                 "--comm.init_timeout_seconds", "8", "--comm.train_timeout_seconds", "8",
-                 "--job.dump_folder", str(tmp_path / "run")]
+    overrides = [
+        *COMMON,
+        "--training.steps",
+        "2",
+        "--training.seq_len",
+        "32",
+        "--training.local_batch_size",
+        "2",
+        "--model.n_layers",
+        "1",
+        "--model.kernel_backend",
+        "fla",
+        "--checkpoint.enable",
+        "false",
+        "--comm.init_timeout_seconds",
+        "8",
+        "--comm.train_timeout_seconds",
+        "8",
+        "--job.dump_folder",
+        str(tmp_path / "run"),
+    ]
     cmd = torchrun_cmd(2, REPO / "train_configs" / "gla5_debug.toml", overrides)
-    cmd[cmd.index("-m", cmd.index("--nproc_per_node=2")):cmd.index("canon_titan.train") + 1] = [
-        str(REPO / "tests" / "slow_tuning_rank.py")]
+    cmd[cmd.index("-m", cmd.index("--nproc_per_node=2")) : cmd.index("canon_titan.train") + 1] = [
+        str(REPO / "tests" / "slow_tuning_rank.py")
+    ]
     started = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=REPO, env=dict(train_env(), SLOW_TUNING_S="20", TRITON_INTERPRET="1"),
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        cmd,
+        cwd=REPO,
+        env=dict(train_env(), SLOW_TUNING_S="20", TRITON_INTERPRET="1"),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
     assert time.perf_counter() - started > 20

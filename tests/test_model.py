@@ -28,11 +28,14 @@ def hand_param_count(dim, layers, heads, kv_heads, hidden, vocab, qk_norm):
     return 2 * vocab * dim + dim + layers * (attn + 3 * dim * hidden + norms)
 
 
-@pytest.mark.parametrize("flavor, shape, billions", [
-    ("1B", (2048, 24, 32, 32, 5632, 32000, True), 1.36),
-    ("3B", (3072, 26, 24, 24, 8192, 32000, True), 3.14),
-    ("8B", (4096, 32, 32, 8, 14336, 128256, False), 8.03),
-])
+@pytest.mark.parametrize(
+    "flavor, shape, billions",
+    [
+        ("1B", (2048, 24, 32, 32, 5632, 32000, True), 1.36),
+        ("3B", (3072, 26, 24, 24, 8192, 32000, True), 3.14),
+        ("8B", (4096, 32, 32, 8, 14336, 128256, False), 8.03),
+    ],
+)
 def test_parameter_counts_match_spec(flavor, shape, billions):
     model = build(flavor, device="meta")
     n = sum(p.numel() for p in model.parameters())
@@ -84,7 +87,9 @@ def test_partial_rope_rotates_prefix_with_its_own_frequencies():
     rope = PartialRoPE.Config(rope_dim=4, theta=10000.0, max_seq_len=16).build()
     rq, _ = rope(q, q)
     assert torch.equal(rq[..., 4:], q[..., 4:])
-    torch.testing.assert_close(rq[..., :4], complex_rope_reference(q[..., :4].contiguous(), 10000.0))
+    torch.testing.assert_close(
+        rq[..., :4], complex_rope_reference(q[..., :4].contiguous(), 10000.0)
+    )
     # Explicit positions give the same rotation as the implicit 0..T-1.
     pos = torch.arange(7)[None]
     torch.testing.assert_close(rope(q, q, pos)[0], rq)
@@ -95,7 +100,9 @@ def test_qk_norm_normalises_all_heads_jointly():
     attn = model.layers["0"].attention
     x = torch.randn(2, 5, 128)
     q = attn.wq(x)
-    expected = q / torch.sqrt(q.pow(2).mean(-1, keepdim=True) + 1e-5)  # one statistic over 4 heads x 32
+    expected = q / torch.sqrt(
+        q.pow(2).mean(-1, keepdim=True) + 1e-5
+    )  # one statistic over 4 heads x 32
     torch.testing.assert_close(attn.q_norm(q), expected, rtol=1e-5, atol=1e-6)
     per_head = q.view(2, 5, 4, 32)
     per_head = (per_head / torch.sqrt(per_head.pow(2).mean(-1, keepdim=True) + 1e-5)).flatten(2)
@@ -137,7 +144,8 @@ def test_z_loss_matches_hand_computation():
     assert squared_nll_loss(logits, labels, 1e-4).item() == pytest.approx(expected, rel=1e-6)
     # Ignored labels contribute nothing.
     assert squared_nll_loss(logits, torch.tensor([[0, -100]]), 1e-4).item() == pytest.approx(
-        l0 + 1e-4 * l0**2, rel=1e-6)
+        l0 + 1e-4 * l0**2, rel=1e-6
+    )
 
 
 def test_flops_and_params_reported():
@@ -164,16 +172,25 @@ def test_float8_linears_get_torchaos_float8_tp_styles_with_tensorwise_scaling(re
     from canon_titan.models.common.parallelize import float8_styles
 
     spec = model_registry.model_spec("llama_canon", "debug", {})
-    section = {"recipe_name": recipe, "emulate": True, "filter_fqns": ["lm_head"],
-               "enable_fsdp_float8_all_gather": False}
+    section = {
+        "recipe_name": recipe,
+        "emulate": True,
+        "filter_fqns": ["lm_head"],
+        "enable_fsdp_float8_all_gather": False,
+    }
     model = float8_converter(section, False).convert(copy.deepcopy(spec.model)).build()
     block = model.layers["0"]
-    plan = {"attention.wq": ColwiseParallel(), "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
-            "canonA": ColwiseParallel()}  # not a linear: never float8
+    plan = {
+        "attention.wq": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+        "canonA": ColwiseParallel(),
+    }  # not a linear: never float8
     styled = float8_styles(block, plan)
     assert isinstance(styled["attention.wq"], Float8ColwiseParallel) == expected
     assert isinstance(styled["attention.wo"], Float8RowwiseParallel) == expected
-    assert styled["attention.wo"].output_layouts == (Shard(1),) and styled["attention.wq"].input_layouts == (Replicate(),)
+    assert styled["attention.wo"].output_layouts == (Shard(1),) and styled[
+        "attention.wq"
+    ].input_layouts == (Replicate(),)
     assert type(styled["canonA"]) is ColwiseParallel
 
 
@@ -184,7 +201,7 @@ def test_canon_document_reset_starts_the_canon_layers_at_each_document(canon_bac
     float32); without it (the default, as the release) attention stays inside the documents but the
     Canon layers reach across them, and the log says so."""
     from canon_titan.kernels.backends import triton_runs_here
-    from test_linear_models import assert_packed_equals_alone, document_positions
+    from test_linear_models import assert_packed_equals_alone
 
     if canon_backend == "triton" and not triton_runs_here():
         pytest.skip("needs a GPU or TRITON_INTERPRET=1")
@@ -210,6 +227,7 @@ def test_canon_document_reset_starts_the_canon_layers_at_each_document(canon_bac
             NotImplementedError
         ) as e:  # the Triton Canon op with positions: branch i83-canon-kernels
             pytest.skip(str(e))
-    said = ("their taps reach across document boundaries, as the release's "
-            "(canon_document_reset false)")
+    said = (
+        "their taps reach across document boundaries, as the release's (canon_document_reset false)"
+    )
     assert said in caplog.text

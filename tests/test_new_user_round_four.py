@@ -33,8 +33,11 @@ def test_a_shown_config_given_another_flavor_builds_that_flavor(tmp_path):
     shown = _shown(tmp_path, CONFIGS["llama_canon"])
     one_b = model_registry.family("llama_canon").FLAVORS["1B"]
     run = load(shown, ["--model.flavor", "1B"])
-    assert (run.model_args.dim, run.model_args.n_layers, run.model_args.n_heads) == \
-        (one_b.dim, one_b.n_layers, one_b.n_heads) == (2048, 24, 32)
+    assert (
+        (run.model_args.dim, run.model_args.n_layers, run.model_args.n_heads)
+        == (one_b.dim, one_b.n_layers, one_b.n_heads)
+        == (2048, 24, 32)
+    )
     assert load(shown).sections == load(CONFIGS["llama_canon"]).sections
     pinned = _shown(tmp_path, CONFIGS["llama_canon"], ["--model.n_layers", "3"])
     assert load(pinned, ["--model.flavor", "1B"]).model_args.n_layers == 3
@@ -69,8 +72,12 @@ def test_a_key_is_unset_from_the_command_line(tmp_path, capsys):
     from canon_titan import cli
 
     (tmp_path / "a.jsonl").write_text('{"text": "hello"}\n')
-    files = ["--dataloader.dataset", "files", "--dataloader.dataset_path",
-             str(tmp_path / "*.jsonl")]
+    files = [
+        "--dataloader.dataset",
+        "files",
+        "--dataloader.dataset_path",
+        str(tmp_path / "*.jsonl"),
+    ]
     stream = ["--dataloader.dataset", "stream", "--dataloader.sources", f'["{tmp_path}/*.jsonl"]']
     unset = r"dataset_path: is set.*--dataloader\.dataset_path unset"
     with pytest.raises(ConfigError, match=unset):
@@ -82,8 +89,9 @@ def test_a_key_is_unset_from_the_command_line(tmp_path, capsys):
     assert described["job"]["description"] == "unset"
     dropped = load(DEBUG_CONFIG, ["--job.description", "x", "--job.description", "unset"])
     assert dropped["job"]["description"] == ""
-    debug = load(CONFIGS["llama_canon"], ["--model.ffn_hidden_dim", "100",
-                                          "--model.ffn_hidden_dim", "unset"])
+    debug = load(
+        CONFIGS["llama_canon"], ["--model.ffn_hidden_dim", "100", "--model.ffn_hidden_dim", "unset"]
+    )
     assert debug.model_args.ffn_hidden_dim == 384  # the debug flavor's
     for key in ("name", "flavor"):
         with pytest.raises(ConfigError, match="cannot be unset"):
@@ -96,10 +104,13 @@ def test_a_key_is_unset_from_the_command_line(tmp_path, capsys):
     assert "--section.key unset" in (REPO / "docs" / "configs.md").read_text()
 
 
-@pytest.mark.parametrize("key,value,message", [
-    ("eps", "0.0", "[optimizer] eps: must be > 0, got 0.0"),
-    ("weight_decay", "-0.1", "[optimizer] weight_decay: must be >= 0, got -0.1"),
-])
+@pytest.mark.parametrize(
+    "key,value,message",
+    [
+        ("eps", "0.0", "[optimizer] eps: must be > 0, got 0.0"),
+        ("weight_decay", "-0.1", "[optimizer] weight_decay: must be >= 0, got -0.1"),
+    ],
+)
 def test_each_optimizer_key_states_its_own_rule(key, value, message):
     """Item 24: ``eps = 0`` and ``weight_decay = -0.1`` each get their own key's rule."""
     with pytest.raises(ConfigError) as refused:
@@ -149,8 +160,10 @@ def test_data_tokenize_uses_the_built_in_tokenizer_by_default(tmp_path, capsys):
     assert cli.main([*tokenize, "--out", str(tmp_path / "t"), "--workers", "1"]) == 0
     assert read_index(tmp_path / "t")["tokenizer"]["path"] == str(BUILTIN_TOKENIZER.resolve())
     capsys.readouterr()
-    assert cli.main([*tokenize, "--out", str(tmp_path / "u"),
-                     "--tokenizer-kind", "sentencepiece"]) == 2
+    assert (
+        cli.main([*tokenize, "--out", str(tmp_path / "u"), "--tokenizer-kind", "sentencepiece"])
+        == 2
+    )
     assert "--tokenizer-kind sentencepiece needs --tokenizer" in capsys.readouterr().err
 
 
@@ -163,8 +176,12 @@ def test_a_parquet_file_with_damaged_pages_is_one_line_and_leaves_nothing(tmp_pa
     from canon_titan import cli
 
     path = tmp_path / "bad.parquet"
-    pq.write_table(pa.table({"text": [f"document {i} " * 20 for i in range(2000)]}), path,
-                   compression="snappy", row_group_size=500)
+    pq.write_table(
+        pa.table({"text": [f"document {i} " * 20 for i in range(2000)]}),
+        path,
+        compression="snappy",
+        row_group_size=500,
+    )
     column = pq.ParquetFile(path).metadata.row_group(1).column(0)
     start = column.dictionary_page_offset or column.data_page_offset
     data = bytearray(path.read_bytes())
@@ -172,8 +189,10 @@ def test_a_parquet_file_with_damaged_pages_is_one_line_and_leaves_nothing(tmp_pa
         data[i] ^= 0x5A
     path.write_bytes(bytes(data))
     out = tmp_path / "tokens"
-    assert cli.main(["data", "tokenize", "--input", str(path), "--out", str(out),
-                     "--workers", "1"]) == 2
+    assert (
+        cli.main(["data", "tokenize", "--input", str(path), "--out", str(out), "--workers", "1"])
+        == 2
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and str(path) in err[0] and "damaged Parquet data" in err[0], err
     assert list(out.iterdir()) == []
@@ -192,30 +211,40 @@ def test_a_streamed_mixture_says_its_weights_and_what_each_source_supplied(tmp_p
 
     short, long = tmp_path / "short", tmp_path / "long"
     short.mkdir(), long.mkdir()
-    texts = {short: [f"Mia {i}." for i in range(400)],
-             long: [f"Mia lived in house {i}. " * 12 for i in range(400)]}
+    texts = {
+        short: [f"Mia {i}." for i in range(400)],
+        long: [f"Mia lived in house {i}. " * 12 for i in range(400)],
+    }
     for folder, docs in texts.items():
         (folder / "a.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in docs))
     with caplog.at_level(logging.INFO):
-        loader = stream_loader([short / "*", long / "*"], workers=0, shuffle_buffer=1,
-                               weights=[1.0, 1.0])
+        loader = stream_loader(
+            [short / "*", long / "*"], workers=0, shuffle_buffer=1, weights=[1.0, 1.0]
+        )
     assert any(f"{short}/* 50%, {long}/* 50%" in r.getMessage() for r in caplog.records)
     batches = [batch for _, batch in zip(range(6), loader)]
     assert all(set(inputs) == {"input"} for inputs, _ in batches)  # the counts are taken off
     tokenizer = build_tokenizer("hf", str(ASSET_DIR))
-    read = [sum(len(tokenizer.encode(t, add_bos=True, add_eos=True))
-                for t in texts[folder][:reader.line])
-            for folder, reader in zip((short, long), loader.dataset.readers)]
+    read = [
+        sum(
+            len(tokenizer.encode(t, add_bos=True, add_eos=True))
+            for t in texts[folder][: reader.line]
+        )
+        for folder, reader in zip((short, long), loader.dataset.readers)
+    ]
     metrics, line = loader.mixture()
     shares = [metrics[f"data/source_{i}_token_share"] for i in range(2)]
     assert shares == pytest.approx([n / sum(read) for n in read])
     assert shares[1] > 0.8  # equal weights, long documents: most of the tokens
     assert f"({sum(read):,})" in line and "(weight 50%)" in line
 
-    workers = stream_loader([short / "*", long / "*"], workers=2, batch=2, seq_len=64,
-                            weights=[1.0, 1.0])
-    held = sum(inputs["input"].numel() + labels[:, -1:].numel() for inputs, labels in
-               [batch for _, batch in zip(range(6), workers)])
+    workers = stream_loader(
+        [short / "*", long / "*"], workers=2, batch=2, seq_len=64, weights=[1.0, 1.0]
+    )
+    held = sum(
+        inputs["input"].numel() + labels[:, -1:].numel()
+        for inputs, labels in [batch for _, batch in zip(range(6), workers)]
+    )
     metrics, line = workers.mixture()
     assert sum(metrics.values()) == pytest.approx(1.0)
     assert int(re.search(r"\(([\d,]+)\)", line).group(1).replace(",", "")) >= held
@@ -291,8 +320,14 @@ def test_an_evaluation_outside_a_git_checkout_prints_no_git_error(tmp_path, monk
     monkeypatch.chdir(outside)
     monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path))
     capfd.readouterr()
-    result = evaluate(model, tokenizer, ["tiny_mc"], max_length=64, limit=2,
-                      include_paths=[str(tmp_path / "tasks")])
+    result = evaluate(
+        model,
+        tokenizer,
+        ["tiny_mc"],
+        max_length=64,
+        limit=2,
+        include_paths=[str(tmp_path / "tasks")],
+    )
     assert "tiny_mc" in result["results"]
     assert "not a git repository" not in "".join(capfd.readouterr())
 
@@ -300,8 +335,9 @@ def test_an_evaluation_outside_a_git_checkout_prints_no_git_error(tmp_path, monk
 # ---------------------------------------------------------------------------------- plan --search
 
 
-def _fake_search(monkeypatch, own_s: float, own_fits: bool = True, others_fit: bool = True,
-                 sleep_s: float = 0.0):
+def _fake_search(
+    monkeypatch, own_s: float, own_fits: bool = True, others_fit: bool = True, sleep_s: float = 0.0
+):
     """``plan --search`` of the debug config on 8 GPUs on a simulated clock: the config's own plan
     takes ``own_s`` (and ``sleep_s`` of real time), a probe 1 s, a full plan 60 s."""
     from canon_titan.plan import search as search_module
@@ -328,7 +364,8 @@ SEARCH = [str(CONFIGS["llama"]), "--gpus", "8", "--gpu", "h100", "--search", "--
 
 
 def test_a_search_whose_own_plan_spent_the_budget_says_so_and_writes_the_own_layout(
-        monkeypatch, tmp_path, capsys):
+    monkeypatch, tmp_path, capsys
+):
     """Item 4, the issue's run: the config's own plan takes 533 s of the 580 s budget. The search
     says the budget ran out (what the own plan took of it, the --budget-s to try), not that nothing
     fits; ``--write`` writes the config's own layout, which fits, and the exit status is 0."""
@@ -339,9 +376,12 @@ def test_a_search_whose_own_plan_spent_the_budget_says_so_and_writes_the_own_lay
     assert main([*SEARCH, "--budget-s", "580", "--write", str(out)]) == 0
     printed = capsys.readouterr()
     assert "No layout found that fits" not in printed.out
-    assert re.search(r"The budget ran out before another layout was planned in full \(--budget-s "
-                     r"580, of which the config's own plan took 533 s\); the config's own layout "
-                     r"above fits: raise --budget-s \(--budget-s 1160\)", printed.out), printed.out
+    assert re.search(
+        r"The budget ran out before another layout was planned in full \(--budget-s "
+        r"580, of which the config's own plan took 533 s\); the config's own layout "
+        r"above fits: raise --budget-s \(--budget-s 1160\)",
+        printed.out,
+    ), printed.out
     assert re.search(r"not probed \(budget\)", printed.out)
     assert "wrote the config's own layout" in printed.err
     written = load(out, [], environment=False)
@@ -350,7 +390,8 @@ def test_a_search_whose_own_plan_spent_the_budget_says_so_and_writes_the_own_lay
 
 @pytest.mark.parametrize("own_s,others_fit,code", [(533.0, True, 3), (60.0, False, 1)])
 def test_a_search_exits_3_when_its_budget_ran_out_and_1_when_nothing_fits(
-        monkeypatch, capsys, own_s, others_fit, code):
+    monkeypatch, capsys, own_s, others_fit, code
+):
     """Item 4: the own layout does not fit; the budget runs out before any other is planned (exit
     3: a larger budget may find one), or every layout tried does not fit (exit 1); ``--write``
     writes nothing either way."""
@@ -372,8 +413,17 @@ def test_a_search_says_every_30_s_what_it_still_plans(monkeypatch):
     _fake_search(monkeypatch, 60.0, sleep_s=0.3)
     monkeypatch.setattr(search_module, "HEARTBEAT_S", 0.05)
     said = []
-    search_module.search(str(CONFIGS["llama"]), SEQ, gpus=8, gpu=GPUS["h100"], top=3,
-                         budget_s=200.0, workers=1, pipelines=False, progress=said.append)
+    search_module.search(
+        str(CONFIGS["llama"]),
+        SEQ,
+        gpus=8,
+        gpu=GPUS["h100"],
+        top=3,
+        budget_s=200.0,
+        workers=1,
+        pipelines=False,
+        progress=said.append,
+    )
     beats = [s for s in said if s.startswith("planning the config's own layout:")]
     assert len(beats) >= 2 and all(s.endswith(" s so far") for s in beats), said[:10]
 
@@ -413,19 +463,36 @@ def test_a_search_whose_probes_find_nothing_that_fits_probes_on_into_the_budget(
     clock = _Clock()
 
     def figures(config, overrides, *args):
-        value = {flag: overrides[i + 1] for i, flag in enumerate(overrides)
-                 if flag.startswith("--")}
+        value = {
+            flag: overrides[i + 1] for i, flag in enumerate(overrides) if flag.startswith("--")
+        }
         probe = "--model.n_layers" in value
         clock.now += 10.0 if probe else 60.0
         checkpointed = value.get("--activation_checkpoint.mode", "none") != "none"
         memory = (10 if checkpointed else 100) * 2**30
-        return {"fits": memory < 80 * 2**30, "device_bytes": memory, "live_bytes": memory,
-                "step_s": 1.0, "tokens_per_s_per_gpu": 1e4, "mfu": 0.5, "gpu_hours": 1.0,
-                "accumulation": 1, "seconds": 10.0 if probe else 60.0}
+        return {
+            "fits": memory < 80 * 2**30,
+            "device_bytes": memory,
+            "live_bytes": memory,
+            "step_s": 1.0,
+            "tokens_per_s_per_gpu": 1e4,
+            "mfu": 0.5,
+            "gpu_hours": 1.0,
+            "accumulation": 1,
+            "seconds": 10.0 if probe else 60.0,
+        }
 
     monkeypatch.setattr(search_module, "time", clock)
     monkeypatch.setattr(search_module, "_plan_figures", figures)
-    found = search_module.search(str(CONFIGS["llama"]), SEQ, gpus=8, gpu=GPUS["h100"], top=3,
-                                 budget_s=290.0, workers=1, pipelines=False)
+    found = search_module.search(
+        str(CONFIGS["llama"]),
+        SEQ,
+        gpus=8,
+        gpu=GPUS["h100"],
+        top=3,
+        budget_s=290.0,
+        workers=1,
+        pipelines=False,
+    )
     assert found.tried["probed"] == 8 and found.seconds <= 290.0
     assert [o.layout.ac for o in found.ranked] == ["selective"]

@@ -31,8 +31,13 @@ pytestmark = pytest.mark.slow
 
 BATCH, SEQ = 2, 32
 
-_KINDS = {"all_gather": "all_gather", "allgather": "all_gather", "reduce_scatter": "reduce_scatter",
-          "all_reduce": "all_reduce", "allreduce": "all_reduce"}
+_KINDS = {
+    "all_gather": "all_gather",
+    "allgather": "all_gather",
+    "reduce_scatter": "reduce_scatter",
+    "all_reduce": "all_reduce",
+    "allreduce": "all_reduce",
+}
 
 
 class CollectiveLog(TorchDispatchMode):
@@ -76,7 +81,9 @@ def _block_plan(name):
     from canon_titan.models.gdn2.parallelize import LAYOUT as GDN2
     from canon_titan.models.gla5.parallelize import LAYOUT as GLA5
 
-    return functools.partial(linear_parallelize.parallelize_block, layout={"gla5": GLA5, "gdn2": GDN2}[name])
+    return functools.partial(
+        linear_parallelize.parallelize_block, layout={"gla5": GLA5, "gdn2": GDN2}[name]
+    )
 
 
 def _tp_step(rank, world, name, overrides, sp):
@@ -109,24 +116,33 @@ def _worker(rank, world, port, target, args, queue):
 def run_ranks(world, target, *args):
     ctx = mp.get_context("spawn")
     queue, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, target, args, queue)) for r in range(world)]
+    procs = [
+        ctx.Process(target=_worker, args=(r, world, port, target, args, queue))
+        for r in range(world)
+    ]
     for p in procs:
         p.start()
     results = [queue.get(timeout=300) for _ in range(world)]
-    assert not [r for r in results if isinstance(r[1], str)], results  # (rank, the error) from a failed worker
+    assert not [r for r in results if isinstance(r[1], str)], (
+        results
+    )  # (rank, the error) from a failed worker
     for p in procs:
         p.join(timeout=60)
         assert p.exitcode == 0
     return sorted(results, key=lambda r: r[0])
 
 
-@pytest.mark.parametrize("name, overrides, world, sp", [
-    ("llama_canon", {}, 2, True),
-    ("llama_canon", {}, 2, False),
-    ("llama", {"n_kv_heads": 4}, 4, True),
-    ("gla5", {}, 2, True),
-    ("gdn2", {}, 4, False),
-], ids=["llama_canon-tp2-sp", "llama_canon-tp2", "llama-tp4-sp", "gla5-tp2-sp", "gdn2-tp4"])
+@pytest.mark.parametrize(
+    "name, overrides, world, sp",
+    [
+        ("llama_canon", {}, 2, True),
+        ("llama_canon", {}, 2, False),
+        ("llama", {"n_kv_heads": 4}, 4, True),
+        ("gla5", {}, 2, True),
+        ("gdn2", {}, 4, False),
+    ],
+    ids=["llama_canon-tp2-sp", "llama_canon-tp2", "llama-tp4-sp", "gla5-tp2-sp", "gdn2-tp4"],
+)
 def test_tensor_parallel_moves_each_activation_once(name, overrides, world, sp):
     model = _model(name, overrides)
     layers, dim = model.config.args.n_layers, model.config.args.dim
@@ -135,12 +151,18 @@ def test_tensor_parallel_moves_each_activation_once(name, overrides, world, sp):
     # flat QK-norm's sums of squares, q's and k's in one all-reduce, which carries Canon-B's weight
     # gradient in the backward: tests/test_tp_small_collectives.py) cross the TP group.
     statistics = {BATCH * SEQ, 2 * BATCH * SEQ}
-    small_sizes = {p.numel() for p in model.parameters()} | statistics | {
-        p.numel() + n for p in model.parameters() for n in statistics}
+    small_sizes = (
+        {p.numel() for p in model.parameters()}
+        | statistics
+        | {p.numel() + n for p in model.parameters() for n in statistics}
+    )
     for rank, log in run_ranks(world, _tp_step, name, overrides, sp):
         big = Counter(kind for kind, n in log if n == activation)
         if sp:
-            assert big == {"all_gather": 4 * layers + 2, "reduce_scatter": 4 * layers + 2}, (rank, big)
+            assert big == {"all_gather": 4 * layers + 2, "reduce_scatter": 4 * layers + 2}, (
+                rank,
+                big,
+            )
         else:
             assert big == {"all_reduce": 4 * layers + 2}, (rank, big)
         others = [(kind, n) for kind, n in log if n != activation]
@@ -169,7 +191,9 @@ class AttentionCalls(torch.overrides.TorchFunctionMode):
                 kept = n * (n + 1) // 2
             else:
                 kept = n * m
-            self.calls.append((n, m, kept, isinstance(mask, torch.Tensor) and not isinstance(mask, CausalBias)))
+            self.calls.append(
+                (n, m, kept, isinstance(mask, torch.Tensor) and not isinstance(mask, CausalBias))
+            )
         return func(*args, **kwargs)
 
 
@@ -183,7 +207,9 @@ def _cp_step(rank, world, seq_len):
     tokens = torch.randint(0, 2048, (1, seq_len), generator=torch.Generator().manual_seed(1))
     local, _, extra = context_parallel_inputs({"input": tokens}, tokens.clone(), mesh, "headtail")
     with AttentionCalls() as calls:
-        model(local, positions=extra["positions"], attention_masks=extra["attention_masks"]).float().mean().backward()
+        model(
+            local, positions=extra["positions"], attention_masks=extra["attention_masks"]
+        ).float().mean().backward()
     return rank, calls.calls, extra["attention_masks"].runs
 
 
@@ -199,14 +225,22 @@ def test_context_parallel_attention_computes_the_causal_share(world):
     shares = []
     for rank, calls, runs in results:
         assert len(calls) == layers * len(runs)
-        assert not any(explicit for *_, explicit in calls), "an explicit mask was built for a causal run"
+        assert not any(explicit for *_, explicit in calls), (
+            "an explicit mask was built for a causal run"
+        )
         expected = sum(n * g + n * (n + 1) // 2 for _, g, n in runs)
         assert sum(kept for _, _, kept, _ in calls) == layers * expected
         local = seq_len // world
-        shares.append(expected / (local * seq_len))  # against the score matrix of the gathered design
+        shares.append(
+            expected / (local * seq_len)
+        )  # against the score matrix of the gathered design
     total = sum(n * g + n * (n + 1) // 2 for _, _, runs in results for _, g, n in runs)
-    assert total == seq_len * (seq_len + 1) // 2  # the ranks' runs together: the whole causal matrix once
-    for share in shares:  # every rank the same: the causal matrix's S (S + 1) / 2 over cp ranks' L x S each
+    assert (
+        total == seq_len * (seq_len + 1) // 2
+    )  # the ranks' runs together: the whole causal matrix once
+    for (
+        share
+    ) in shares:  # every rank the same: the causal matrix's S (S + 1) / 2 over cp ranks' L x S each
         assert share == pytest.approx(0.5 + 1 / (2 * seq_len))
 
 
@@ -220,7 +254,10 @@ def test_the_plan_counts_a_lower_right_causal_attention_by_its_share():
 
     queries, keys = 64, 200
     q = torch.randn(1, 2, queries, 16, requires_grad=True)
-    k, v = torch.randn(1, 2, keys, 16, requires_grad=True), torch.randn(1, 2, keys, 16, requires_grad=True)
+    k, v = (
+        torch.randn(1, 2, keys, 16, requires_grad=True),
+        torch.randn(1, 2, keys, 16, requires_grad=True),
+    )
     bias = causal_lower_right(queries, keys)
     with StepRecorder() as recorder:
         torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias).sum().backward()
@@ -249,7 +286,10 @@ def test_the_cp_causal_bias_holds_no_storage_and_attends_as_torchs():
     for mask in (causal_lower_right(queries, keys), bias):
         torch.manual_seed(0)
         q = torch.randn(1, 2, queries, 16, requires_grad=True)
-        k, v = torch.randn(1, 2, keys, 16, requires_grad=True), torch.randn(1, 2, keys, 16, requires_grad=True)
+        k, v = (
+            torch.randn(1, 2, keys, 16, requires_grad=True),
+            torch.randn(1, 2, keys, 16, requires_grad=True),
+        )
         out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         out.square().sum().backward()
         results.append((out, q.grad, k.grad, v.grad))
@@ -264,8 +304,18 @@ def test_the_plan_of_tp_moves_activations_by_gather_and_reduce_scatter():
     from conftest import CONFIGS
     from test_plan import plan_step
 
-    step = plan_step(CONFIGS["llama"], ["--parallelism.tensor_parallel_degree", "2",
-                                        "--parallelism.data_parallel_shard_degree", "1", "--compile.enable", "false"], 2)
+    step = plan_step(
+        CONFIGS["llama"],
+        [
+            "--parallelism.tensor_parallel_degree",
+            "2",
+            "--parallelism.data_parallel_shard_degree",
+            "1",
+            "--compile.enable",
+            "false",
+        ],
+        2,
+    )
     tp = Counter()
     for c in step.trace.collectives:
         if step.group_names.get(tuple(sorted(c.group))) == "tp":

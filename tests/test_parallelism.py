@@ -14,10 +14,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from canon_titan.components.metrics import read_scalars
 import slurm_standin
-from conftest import (COMMON, CONFIGS, REPO, free_port, made_once, run_training, seed_checkpoint, start_from, torchrun_cmd,
-                      train_env)
+from canon_titan.components.metrics import read_scalars
+from conftest import (
+    COMMON,
+    CONFIGS,
+    REPO,
+    free_port,
+    made_once,
+    run_training,
+    seed_checkpoint,
+    start_from,
+    torchrun_cmd,
+    train_env,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -35,9 +45,22 @@ def seed(tmp_path_factory):
 
 def _reference(seed, tmp_path_factory, name, steps):
     """(losses, grad norms) of one process, trained once per session whichever worker asks first."""
-    dump = made_once(tmp_path_factory, f"parallelism_{name}", lambda dump: run_training(
-        1, COMMON + steps + ["--job.dump_folder", str(start_from(seed, dump)), "--training.local_batch_size",
-                             str(GLOBAL_BATCH)], config=CONFIGS["llama_canon"]))
+    dump = made_once(
+        tmp_path_factory,
+        f"parallelism_{name}",
+        lambda dump: run_training(
+            1,
+            COMMON
+            + steps
+            + [
+                "--job.dump_folder",
+                str(start_from(seed, dump)),
+                "--training.local_batch_size",
+                str(GLOBAL_BATCH),
+            ],
+            config=CONFIGS["llama_canon"],
+        ),
+    )
     return read_scalars(dump), read_scalars(dump, "grad_norm")
 
 
@@ -63,9 +86,19 @@ def masked_reference(seed, tmp_path_factory):
 
 def train(seed, tmp_path, nproc, args, dp=1, steps=STEPS):
     dump = start_from(seed, tmp_path / "run")
-    out = run_training(nproc, COMMON + steps + ["--job.dump_folder", str(dump),
-                                                "--training.local_batch_size", str(GLOBAL_BATCH // dp), *args],
-                       config=CONFIGS["llama_canon"])
+    out = run_training(
+        nproc,
+        COMMON
+        + steps
+        + [
+            "--job.dump_folder",
+            str(dump),
+            "--training.local_batch_size",
+            str(GLOBAL_BATCH // dp),
+            *args,
+        ],
+        config=CONFIGS["llama_canon"],
+    )
     return dump, out
 
 
@@ -80,23 +113,48 @@ def assert_matches(reference, dump, loss_rtol=1e-5, grad_rtol=1e-4, steps=6):
 
 @pytest.mark.parametrize("sp", ["true", "false"])
 def test_tensor_parallel(seed, reference, tmp_path, sp):
-    dump, out = train(seed, tmp_path, 2, ["--parallelism.tensor_parallel_degree", "2",
-                                          "--parallelism.enable_sequence_parallel", sp])
+    dump, out = train(
+        seed,
+        tmp_path,
+        2,
+        ["--parallelism.tensor_parallel_degree", "2", "--parallelism.enable_sequence_parallel", sp],
+    )
     assert f"Applied tensor parallelism (degree 2, sequence parallel {sp == 'true'})" in out
     assert_matches(reference, dump)
 
 
-@pytest.mark.parametrize("schedule, extra, stages", [
-    ("1F1B", [], {0: ["0"], 1: ["1"]}),
-    # 4 stages of one layer each (embeddings/output counted with their layer): 2 per rank.
-    ("Interleaved1F1B", ["--parallelism.pipeline_parallel_layers_per_stage", "1",
-                         "--parallelism.pipeline_parallel_first_stage_less_layers", "0",
-                         "--parallelism.pipeline_parallel_last_stage_less_layers", "0"],
-     {0: ["0", "2"], 1: ["1", "3"]}),
-])
+@pytest.mark.parametrize(
+    "schedule, extra, stages",
+    [
+        ("1F1B", [], {0: ["0"], 1: ["1"]}),
+        # 4 stages of one layer each (embeddings/output counted with their layer): 2 per rank.
+        (
+            "Interleaved1F1B",
+            [
+                "--parallelism.pipeline_parallel_layers_per_stage",
+                "1",
+                "--parallelism.pipeline_parallel_first_stage_less_layers",
+                "0",
+                "--parallelism.pipeline_parallel_last_stage_less_layers",
+                "0",
+            ],
+            {0: ["0", "2"], 1: ["1", "3"]},
+        ),
+    ],
+)
 def test_pipeline_parallel(seed, reference, tmp_path, schedule, extra, stages):
-    dump, out = train(seed, tmp_path, 2, ["--parallelism.pipeline_parallel_degree", "2",
-                                          "--parallelism.pipeline_parallel_schedule", schedule, *extra])
+    dump, out = train(
+        seed,
+        tmp_path,
+        2,
+        [
+            "--parallelism.pipeline_parallel_degree",
+            "2",
+            "--parallelism.pipeline_parallel_schedule",
+            schedule,
+            *extra,
+        ],
+    )
     for rank, stage_ids in stages.items():
         for stage in stage_ids:
             assert f"PP rank {rank} is building stage_idx {stage} " in out
@@ -104,15 +162,35 @@ def test_pipeline_parallel(seed, reference, tmp_path, schedule, extra, stages):
 
 
 def test_fsdp_times_tp_on_four_processes(seed, reference, tmp_path):
-    dump, out = train(seed, tmp_path, 4, ["--parallelism.data_parallel_shard_degree", "2",
-                                          "--parallelism.tensor_parallel_degree", "2"], dp=2)
+    dump, out = train(
+        seed,
+        tmp_path,
+        4,
+        [
+            "--parallelism.data_parallel_shard_degree",
+            "2",
+            "--parallelism.tensor_parallel_degree",
+            "2",
+        ],
+        dp=2,
+    )
     assert "dp_shard=2" in out and "tp=2" in out
     assert_matches(reference, dump)
 
 
 def test_hsdp_replicate_by_shard(seed, reference, tmp_path):
-    dump, out = train(seed, tmp_path, 2, ["--parallelism.data_parallel_replicate_degree", "2",
-                                          "--parallelism.data_parallel_shard_degree", "1"], dp=2)
+    dump, out = train(
+        seed,
+        tmp_path,
+        2,
+        [
+            "--parallelism.data_parallel_replicate_degree",
+            "2",
+            "--parallelism.data_parallel_shard_degree",
+            "1",
+        ],
+        dp=2,
+    )
     assert "dp_replicate=2, dp_shard=1" in out
     assert_matches(reference, dump)
 
@@ -140,8 +218,18 @@ def test_compile_with_tensor_parallel(seed, reference, tmp_path, sp):
     """Compiled blocks under TP=2: the embedding's gradient reaches it through the first compiled
     block (torch 2.13 drops the gradient of an AsyncCollectiveTensor block input; see
     ``EmbeddingParallel``). Without that the embedding gets no gradient: grad norm -12% at step 1."""
-    dump, out = train(seed, tmp_path, 2, ["--parallelism.tensor_parallel_degree", "2",
-                                          "--parallelism.enable_sequence_parallel", sp, "--compile.enable"])
+    dump, out = train(
+        seed,
+        tmp_path,
+        2,
+        [
+            "--parallelism.tensor_parallel_degree",
+            "2",
+            "--parallelism.enable_sequence_parallel",
+            sp,
+            "--compile.enable",
+        ],
+    )
     assert "Compiling each TransformerBlock with torch.compile" in out
     assert f"Applied tensor parallelism (degree 2, sequence parallel {sp == 'true'})" in out
     assert_matches(reference, dump, loss_rtol=1e-4, grad_rtol=1e-3)
@@ -155,7 +243,9 @@ def final_weights(dump: Path) -> dict:
     from canon_titan.convert.dcp_io import find_step_dir, load_tensor, model_tensor_metadata
 
     step = find_step_dir(dump / "checkpoint")
-    return {name: load_tensor(step, name, meta) for name, meta in model_tensor_metadata(step).items()}
+    return {
+        name: load_tensor(step, name, meta) for name, meta in model_tensor_metadata(step).items()
+    }
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
@@ -173,17 +263,26 @@ def test_emulated_float8_alone_and_with_tensor_parallel(seed, reference, tmp_pat
     # the loss moved <= 0.5% in 6 steps here. 2% bounds it; equality would mean float8 was off.
     assert all(got[s] == pytest.approx(loss[s], rel=2e-2) for s in loss)
     assert any(got[s] != loss[s] for s in loss)
-    tp, out = train(seed, tmp_path / "tp", 2, float8_args(recipe) + ["--parallelism.tensor_parallel_degree", "2"])
+    tp, out = train(
+        seed,
+        tmp_path / "tp",
+        2,
+        float8_args(recipe) + ["--parallelism.tensor_parallel_degree", "2"],
+    )
     assert "Swapped to Float8Linear layers" in out and "Applied tensor parallelism" in out
     # Each float8 run's grad norm moves from fp32's by rounding, either way: at step 4 of this run on an
     # AMD EPYC, one process -0.7% and TP +2.3% (other steps under 0.5%). The two differ by up to the sum;
     # a TP defect (a missing or doubled reduction) moves it by tens of percent.
     assert_matches((got, read_scalars(one, "grad_norm")), tp, loss_rtol=3e-3, grad_rtol=5e-2)
     tp_loss = read_scalars(tp)
-    assert max(abs(tp_loss[s] - loss[s]) / loss[s] for s in loss) > 1e-4  # not the fp32 run's losses
+    assert (
+        max(abs(tp_loss[s] - loss[s]) / loss[s] for s in loss) > 1e-4
+    )  # not the fp32 run's losses
 
 
-def test_fsdp_times_tp_gathers_float8_weights_in_float8_as_each_rank_would_cast_them(seed, tmp_path):
+def test_fsdp_times_tp_gathers_float8_weights_in_float8_as_each_rank_would_cast_them(
+    seed, tmp_path
+):
     """``[float8] enable_fsdp_float8_all_gather`` with the scales precomputed (which TP requires) on
     FSDP 2 x TP 2: each rank casts its shard of a weight with the amax of the whole weight (all of its
     FSDP and TP shards), from the first step on (the scales are computed after the seed checkpoint
@@ -198,11 +297,27 @@ def test_fsdp_times_tp_gathers_float8_weights_in_float8_as_each_rank_would_cast_
     tensors, whose weights agree. That the gathers move one byte a weight element is
     ``test_plan.py``'s."""
     f8 = float8_args("tensorwise")
-    layout = ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.tensor_parallel_degree", "2"]
+    layout = [
+        "--parallelism.data_parallel_shard_degree",
+        "2",
+        "--parallelism.tensor_parallel_degree",
+        "2",
+    ]
     plain, _ = train(seed, tmp_path / "plain", 4, f8 + layout, dp=2)
-    dump, out = train(seed, tmp_path / "gathered", 4, f8 + layout + [
-        "--float8.enable_fsdp_float8_all_gather", "true", "--float8.precompute_float8_dynamic_scale_for_fsdp", "true"],
-        dp=2)
+    dump, out = train(
+        seed,
+        tmp_path / "gathered",
+        4,
+        f8
+        + layout
+        + [
+            "--float8.enable_fsdp_float8_all_gather",
+            "true",
+            "--float8.precompute_float8_dynamic_scale_for_fsdp",
+            "true",
+        ],
+        dp=2,
+    )
     linears = 7 * 4  # wq, wk, wv, wo, w1, w2, w3 of each of the debug model's 4 blocks
     assert f"float8: FSDP all-gathers the weights of {linears} float8 linears in float8" in out
     assert "dp_shard=2" in out and "tp=2" in out
@@ -221,7 +336,9 @@ def test_context_parallel_training_matches_one_process(seed, reference, tmp_path
     assert_matches(reference, dump)
 
 
-def test_context_parallel_with_document_masking_matches_one_process(seed, masked_reference, tmp_path):
+def test_context_parallel_with_document_masking_matches_one_process(
+    seed, masked_reference, tmp_path
+):
     cp, _ = train(seed, tmp_path, 2, MASKED + ["--parallelism.context_parallel_degree", "2"])
     assert_matches(masked_reference, cp)
 
@@ -233,14 +350,27 @@ def test_context_parallel_times_fsdp_on_four_processes(seed, reference, tmp_path
 
 
 @pytest.mark.parametrize("sp", ["true", "false"])
-def test_context_parallel_times_tensor_parallel_on_four_processes(seed, short_reference, tmp_path, sp):
+def test_context_parallel_times_tensor_parallel_on_four_processes(
+    seed, short_reference, tmp_path, sp
+):
     """CP 2 x TP 2 with and without sequence parallelism, Canon-ABCD and QK-norm: each TP rank's heads gather
     their K and V, and its Canon-B/D channels their halos, over the CP ranks that hold the same
     shard; the TP regions gather the rank's CP share of the sequence. Two steps (the first checks
     the forward and backward on the starting weights, the second the update) against one process."""
-    dump, out = train(seed, tmp_path, 4, ["--parallelism.context_parallel_degree", "2",
-                                          "--parallelism.tensor_parallel_degree", "2",
-                                          "--parallelism.enable_sequence_parallel", sp], steps=SHORT)
+    dump, out = train(
+        seed,
+        tmp_path,
+        4,
+        [
+            "--parallelism.context_parallel_degree",
+            "2",
+            "--parallelism.tensor_parallel_degree",
+            "2",
+            "--parallelism.enable_sequence_parallel",
+            sp,
+        ],
+        steps=SHORT,
+    )
     assert "cp=2" in out and "tp=2" in out
     assert f"Applied tensor parallelism (degree 2, sequence parallel {sp.title()})" in out
     assert_matches(short_reference, dump, steps=2)
@@ -255,10 +385,22 @@ def test_two_launchers_on_loopback_train_together(seed, reference, tmp_path):
     for node in range(2):
         cmd = torchrun_cmd(1, CONFIGS["llama_canon"], args)
         cmd[cmd.index("--standalone")] = "--nnodes=2"
-        cmd[3:3] = [f"--node_rank={node}", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}",
-                    f"--rdzv_id=loopback-{port}"]
-        procs.append(subprocess.Popen(cmd, cwd=REPO, env=train_env(), stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
+        cmd[3:3] = [
+            f"--node_rank={node}",
+            "--rdzv_backend=c10d",
+            f"--rdzv_endpoint=127.0.0.1:{port}",
+            f"--rdzv_id=loopback-{port}",
+        ]
+        procs.append(
+            subprocess.Popen(
+                cmd,
+                cwd=REPO,
+                env=train_env(),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
     outputs = [p.communicate(timeout=600)[0] for p in procs]
     for p, out in zip(procs, outputs):
         assert p.returncode == 0, out[-4000:]
@@ -273,13 +415,34 @@ def test_slurm_template_launches_a_two_node_job(seed, reference, tmp_path):
     bin_dir = slurm_standin.install(tmp_path / "bin")
     dump = start_from(seed, tmp_path / "run")
     port = free_port()
-    env = dict(train_env(), PATH=f"{bin_dir}:{train_env()['PATH']}", SLURM_JOB_NODELIST="node[1-2]",
-               SLURM_NNODES="2", SLURM_JOB_ID=str(port), SLURM_SUBMIT_DIR=str(REPO), GPUS_PER_NODE="1",
-               RDZV_PORT=str(port))
+    env = dict(
+        train_env(),
+        PATH=f"{bin_dir}:{train_env()['PATH']}",
+        SLURM_JOB_NODELIST="node[1-2]",
+        SLURM_NNODES="2",
+        SLURM_JOB_ID=str(port),
+        SLURM_SUBMIT_DIR=str(REPO),
+        GPUS_PER_NODE="1",
+        RDZV_PORT=str(port),
+    )
     proc = subprocess.run(
-        ["bash", str(REPO / "scripts" / "train.slurm"), str(CONFIGS["llama_canon"]), *COMMON, *STEPS,
-         "--job.dump_folder", str(dump), "--training.local_batch_size", "2"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+        [
+            "bash",
+            str(REPO / "scripts" / "train.slurm"),
+            str(CONFIGS["llama_canon"]),
+            *COMMON,
+            *STEPS,
+            "--job.dump_folder",
+            str(dump),
+            "--training.local_batch_size",
+            "2",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     assert_matches(reference, dump)
 
@@ -290,21 +453,48 @@ def test_document_masking_under_tensor_parallel(seed, masked_reference, tmp_path
     assert_matches(masked_reference, dump)
 
 
-@pytest.mark.parametrize("nproc, dp, args, applied", [
-    # No one-process case (each FSDP rank below runs the whole model on its batch, as one process
-    # would) and no PP case (a stage runs the op as the whole model does; PP is checked with torch).
-    (2, 1, ["--parallelism.tensor_parallel_degree", "2", "--parallelism.enable_sequence_parallel", "true"],
-     "Applied tensor parallelism (degree 2, sequence parallel True)"),
-    (2, 2, ["--activation_checkpoint.mode", "full", "--compile.enable"], "Applied FullAC activation checkpointing"),
-], ids=["tp_sp", "fsdp_ac_compile"])
-def test_triton_canon_kernels_train_as_the_torch_ones(seed, short_reference, tmp_path, nproc, dp, args, applied):
+@pytest.mark.parametrize(
+    "nproc, dp, args, applied",
+    [
+        # No one-process case (each FSDP rank below runs the whole model on its batch, as one process
+        # would) and no PP case (a stage runs the op as the whole model does; PP is checked with torch).
+        (
+            2,
+            1,
+            [
+                "--parallelism.tensor_parallel_degree",
+                "2",
+                "--parallelism.enable_sequence_parallel",
+                "true",
+            ],
+            "Applied tensor parallelism (degree 2, sequence parallel True)",
+        ),
+        (
+            2,
+            2,
+            ["--activation_checkpoint.mode", "full", "--compile.enable"],
+            "Applied FullAC activation checkpointing",
+        ),
+    ],
+    ids=["tp_sp", "fsdp_ac_compile"],
+)
+def test_triton_canon_kernels_train_as_the_torch_ones(
+    seed, short_reference, tmp_path, nproc, dp, args, applied
+):
     """canon_backend = "triton" (the custom ops, in Triton's interpreter here) against the torch
     backend's single-process reference: Canon-B/D on TP channel shards, Canon-A/C after the SP
     all-gather, recomputed under activation checkpointing, inside compiled blocks. Two steps
     (``SHORT``): six took 156 and 123 s of the suite."""
-    dump, out = train(seed, tmp_path, nproc, ["--model.canon_backend", "triton", *args], dp=dp, steps=SHORT)
+    dump, out = train(
+        seed, tmp_path, nproc, ["--model.canon_backend", "triton", *args], dp=dp, steps=SHORT
+    )
     assert "backend triton (requested triton)" in out
     assert applied is None or applied in out
     compiled = "--compile.enable" in args
-    assert_matches(short_reference, dump, loss_rtol=1e-4 if compiled else 1e-5,
-                   grad_rtol=1e-3 if compiled else 1e-4, steps=2)
+    assert_matches(
+        short_reference,
+        dump,
+        loss_rtol=1e-4 if compiled else 1e-5,
+        grad_rtol=1e-3 if compiled else 1e-4,
+        steps=2,
+    )

@@ -15,8 +15,18 @@ from canon_titan.plan.gpus import GPUS
 from conftest import REPO
 
 LLAMA_8B = REPO / "train_configs" / "Llama-8B-Nemo-1T-lr0.003.toml"
-LLAMA_405B_SHAPE = ["--model.dim", "16384", "--model.n_heads", "128", "--model.n_kv_heads", "8",
-                    "--model.ffn_hidden_dim", "53248", "--model.rope_theta", "500000"]
+LLAMA_405B_SHAPE = [
+    "--model.dim",
+    "16384",
+    "--model.n_heads",
+    "128",
+    "--model.n_kv_heads",
+    "8",
+    "--model.ffn_hidden_dim",
+    "53248",
+    "--model.rope_theta",
+    "500000",
+]
 """Llama-3.1-405B's shape (its config.json) in the ``llama`` family."""
 
 
@@ -29,16 +39,44 @@ def _whole_model_parameters(config, overrides) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-@pytest.mark.parametrize("layout", [
-    # the issue's repro: 8B cut to 8 layers, TP 2 x PP 2 on 8 GPUs
-    (8, ["--model.n_layers", "8", "--parallelism.tensor_parallel_degree", "2",
-         "--parallelism.pipeline_parallel_degree", "2"]),
-    # Llama-3.1-405B's width on TorchTitan's 3D layout (FSDP 8 x TP 8 x PP 8 on 512 GPUs), one
-    # layer per stage
-    (512, [*LLAMA_405B_SHAPE, "--model.n_layers", "8", "--parallelism.tensor_parallel_degree", "8",
-           "--parallelism.pipeline_parallel_degree", "8", "--training.local_batch_size", "8",
-           "--training.global_batch_size", "64", "--training.seq_len", "1024"]),
-], ids=["8B TP 2 x PP 2", "405B shape TP 8 x PP 8"])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        # the issue's repro: 8B cut to 8 layers, TP 2 x PP 2 on 8 GPUs
+        (
+            8,
+            [
+                "--model.n_layers",
+                "8",
+                "--parallelism.tensor_parallel_degree",
+                "2",
+                "--parallelism.pipeline_parallel_degree",
+                "2",
+            ],
+        ),
+        # Llama-3.1-405B's width on TorchTitan's 3D layout (FSDP 8 x TP 8 x PP 8 on 512 GPUs), one
+        # layer per stage
+        (
+            512,
+            [
+                *LLAMA_405B_SHAPE,
+                "--model.n_layers",
+                "8",
+                "--parallelism.tensor_parallel_degree",
+                "8",
+                "--parallelism.pipeline_parallel_degree",
+                "8",
+                "--training.local_batch_size",
+                "8",
+                "--training.global_batch_size",
+                "64",
+                "--training.seq_len",
+                "1024",
+            ],
+        ),
+    ],
+    ids=["8B TP 2 x PP 2", "405B shape TP 8 x PP 8"],
+)
 def test_pipeline_with_tensor_parallel_plans_every_stage(layout):
     """Every stage of a TP x PP run is planned (the second one failed: DTensor's cached output
     shardings carried the first stage's meshes into the next fake world). The stages hold the
@@ -47,11 +85,19 @@ def test_pipeline_with_tensor_parallel_plans_every_stage(layout):
     from canon_titan.plan.planner import plan
 
     gpus, extra = layout
-    overrides = [*extra, "--parallelism.pipeline_parallel_schedule", "1F1B", "--compile.enable", "false"]
+    overrides = [
+        *extra,
+        "--parallelism.pipeline_parallel_schedule",
+        "1F1B",
+        "--compile.enable",
+        "false",
+    ]
     result = plan(str(LLAMA_8B), overrides, gpus=gpus, gpu=GPUS["h100"], advise=False)
     pp = result.parallel["pp"]
     tp = result.parallel["tp"]
-    assert len(result.kinds) == pp and [k.rank for k in result.kinds] == [s * gpus // pp for s in range(pp)]
+    assert len(result.kinds) == pp and [k.rank for k in result.kinds] == [
+        s * gpus // pp for s in range(pp)
+    ]
     assert result.param_count == _whole_model_parameters(LLAMA_8B, overrides)
     assert result.fits and result.tokens_per_s_per_gpu > 0
     for kind in result.kinds:
@@ -67,16 +113,36 @@ def _trace(ops, events):
     from canon_titan.plan.fake_world import RankStep
     from canon_titan.plan.recorder import StepTrace
 
-    trace = StepTrace(ops=list(ops), memory_events=list(events), marks={"group 0": 0, "optimizer": len(ops)})
-    return RankStep(rank=0, trace=trace, categories={}, state_bytes={}, group_names={}, accumulation=1,
-                    groups_run=1, tokens_per_group=1)
+    trace = StepTrace(
+        ops=list(ops), memory_events=list(events), marks={"group 0": 0, "optimizer": len(ops)}
+    )
+    return RankStep(
+        rank=0,
+        trace=trace,
+        categories={},
+        state_bytes={},
+        group_names={},
+        accumulation=1,
+        groups_run=1,
+        tokens_per_group=1,
+    )
 
 
 def _op(kind, reads=(), read_bytes=(), writes=(), write_bytes=(), phase="forward", name="op"):
     from canon_titan.plan.recorder import Op
 
-    return Op(kind, phase, name, 10**9 if kind == "matmul" else 0, sum(read_bytes) + sum(write_bytes),
-              torch.bfloat16, tuple(reads), tuple(read_bytes), tuple(writes), tuple(write_bytes))
+    return Op(
+        kind,
+        phase,
+        name,
+        10**9 if kind == "matmul" else 0,
+        sum(read_bytes) + sum(write_bytes),
+        torch.bfloat16,
+        tuple(reads),
+        tuple(read_bytes),
+        tuple(writes),
+        tuple(write_bytes),
+    )
 
 
 def _peak(events) -> int:
@@ -96,14 +162,27 @@ def test_compile_keeps_inputs_alive_only_where_that_saves_memory():
     from canon_titan.plan.estimate import compiled_memory_events
 
     mb = 2**20
-    ops = [_op("matmul", (0, 9), (mb, mb), (1,), (16 * mb,)),                    # h = x @ w
-           _op("other", (1,), (16 * mb,), (2,), (mb,)),                            # c = f(h)
-           _op("other", (), (), (3,), (0,), name="empty"),                         # a buffer for later
-           _op("matmul", (0, 9), (mb, mb), (4,), (mb,)),                           # the next block
-           _op("other", (2, 4), (mb, mb), (5,), (mb,), phase="backward"),        # reads c
-           _op("other", (3,), (0,), (6,), (mb,), phase="backward")]              # fills the buffer
-    events = [(0, 0, mb), (0, 9, mb), (1, 1, 16 * mb), (2, 2, mb), (2, 1, -16 * mb), (3, 3, 4 * mb),
-              (4, 4, mb), (5, 5, mb), (5, 2, -mb), (6, 6, mb), (6, 3, -4 * mb)]
+    ops = [
+        _op("matmul", (0, 9), (mb, mb), (1,), (16 * mb,)),  # h = x @ w
+        _op("other", (1,), (16 * mb,), (2,), (mb,)),  # c = f(h)
+        _op("other", (), (), (3,), (0,), name="empty"),  # a buffer for later
+        _op("matmul", (0, 9), (mb, mb), (4,), (mb,)),  # the next block
+        _op("other", (2, 4), (mb, mb), (5,), (mb,), phase="backward"),  # reads c
+        _op("other", (3,), (0,), (6,), (mb,), phase="backward"),
+    ]  # fills the buffer
+    events = [
+        (0, 0, mb),
+        (0, 9, mb),
+        (1, 1, 16 * mb),
+        (2, 2, mb),
+        (2, 1, -16 * mb),
+        (3, 3, 4 * mb),
+        (4, 4, mb),
+        (5, 5, mb),
+        (5, 2, -mb),
+        (6, 6, mb),
+        (6, 3, -4 * mb),
+    ]
     compiled = compiled_memory_events(_trace(ops, events))
     freed_h = [op for op, sid, delta in compiled if sid == 1 and delta < 0]
     assert freed_h == [2]  # where eager frees it
@@ -120,12 +199,25 @@ def test_a_compiled_checkpointed_plan_needs_no_more_memory_than_the_eager_one(mo
     from canon_titan.plan.planner import plan
     from conftest import CONFIGS
 
-    overrides = ["--training.seq_len", "128", "--activation_checkpoint.mode", mode,
-                 "--parallelism.tensor_parallel_degree", "2", "--model.n_layers", "6"]
+    overrides = [
+        "--training.seq_len",
+        "128",
+        "--activation_checkpoint.mode",
+        mode,
+        "--parallelism.tensor_parallel_degree",
+        "2",
+        "--model.n_layers",
+        "6",
+    ]
     peaks = {}
     for compiled in ("false", "true"):
-        result = plan(str(CONFIGS["llama"]), [*overrides, "--compile.enable", compiled], gpus=8,
-                      gpu=GPUS["h100"], advise=False)
+        result = plan(
+            str(CONFIGS["llama"]),
+            [*overrides, "--compile.enable", compiled],
+            gpus=8,
+            gpu=GPUS["h100"],
+            advise=False,
+        )
         peaks[compiled] = result.worst.memory.total
     assert peaks["true"] <= peaks["false"], peaks
 
@@ -166,11 +258,16 @@ def _gemm_share(gpu, fp8=False) -> float:
     return flops / seconds["matmul"] / peak
 
 
-@pytest.mark.parametrize("name,best_bf16,best_fp8", [
-    # the maximum achievable matmul FLOPS measured on each part (Stas Bekman, "Machine Learning
-    # Engineering", compute/accelerator): bf16 and fp8 TFLOPS of the best shape over the peak
-    ("a100", 271.2 / 312, None), ("h100", 794.5 / 989, 1402.6 / 1979), ("b200", 1745.0 / 2250, 3432.5 / 4500),
-])
+@pytest.mark.parametrize(
+    "name,best_bf16,best_fp8",
+    [
+        # the maximum achievable matmul FLOPS measured on each part (Stas Bekman, "Machine Learning
+        # Engineering", compute/accelerator): bf16 and fp8 TFLOPS of the best shape over the peak
+        ("a100", 271.2 / 312, None),
+        ("h100", 794.5 / 989, 1402.6 / 1979),
+        ("b200", 1745.0 / 2250, 3432.5 / 4500),
+    ],
+)
 def test_gemms_run_below_each_parts_measured_best_and_keep_its_ranking(name, best_bf16, best_fp8):
     """A plan's GEMMs run below the best shape measured on that part, by the same share on every
     part (a layer's shapes against the best one): the A100, which holds its boost clock under
@@ -201,10 +298,19 @@ def test_compile_fuses_only_the_compiled_blocks():
     from conftest import CONFIGS
 
     layers = 4
-    overrides = ["--training.seq_len", "128", "--activation_checkpoint.mode", "full", "--model.n_layers", str(layers)]
+    overrides = [
+        "--training.seq_len",
+        "128",
+        "--activation_checkpoint.mode",
+        "full",
+        "--model.n_layers",
+        str(layers),
+    ]
     _, trainer_config = resolve(str(CONFIGS["llama"]), overrides, 2, GPUS["h100"])
     with _quiet(), planned_machine(KernelEnvironment.planned_gpu(GPUS["h100"].capability)):
-        step = fake_rank_step(trainer_config, rank=0, world_size=2, positions=False, compiled_blocks=True)
+        step = fake_rank_step(
+            trainer_config, rank=0, world_size=2, positions=False, compiled_blocks=True
+        )
     ops, inside = step.trace.ops, step.compiled_ops
     forward_mm = [i for i, op in enumerate(ops) if op.kind == "matmul" and op.phase == "forward"]
     assert len(forward_mm) == 7 * layers + 1
@@ -218,7 +324,9 @@ def test_compile_fuses_only_the_compiled_blocks():
     graphs = step.compiled_graphs
     assert set(graphs) == set(inside)
     forward_graphs = [graphs[i] for i in forward_mm[:-1]]
-    assert len(set(forward_graphs)) == layers and all(forward_graphs.count(g) == 7 for g in set(forward_graphs))
+    assert len(set(forward_graphs)) == layers and all(
+        forward_graphs.count(g) == 7 for g in set(forward_graphs)
+    )
     assert sorted(graphs[i] for i in recomputed) == sorted(forward_graphs * 3)
 
 
@@ -247,7 +355,9 @@ def test_a_fused_run_loads_the_tensors_it_reads_even_where_an_op_only_asked_for_
     ops = recorder.trace.ops
     step = RankStep(0, recorder.trace, {}, {}, {}, accumulation=1, groups_run=1, tokens_per_group=t)
     matmul = next(i for i, op in enumerate(ops) if op.kind == "matmul")
-    (start, end, moved), = [r for r in fused_region_bytes(step) if r[1] == matmul]  # the run the matmul ends
+    ((start, end, moved),) = [
+        r for r in fused_region_bytes(step) if r[1] == matmul
+    ]  # the run the matmul ends
     first_read: dict[int, int] = {}
     loaded = set()
     for op in ops[start:end]:
@@ -273,17 +383,44 @@ def test_a_pointwise_result_is_inlined_only_inside_its_compiled_graph():
     mb = 2**20
 
     def op(kind, reads, writes):
-        return Op(kind, "forward", kind, 10**9 if kind == "matmul" else 0, mb * (len(reads) + len(writes)),
-                  torch.bfloat16, tuple(reads), (mb,) * len(reads), tuple(writes), (mb,) * len(writes))
+        return Op(
+            kind,
+            "forward",
+            kind,
+            10**9 if kind == "matmul" else 0,
+            mb * (len(reads) + len(writes)),
+            torch.bfloat16,
+            tuple(reads),
+            (mb,) * len(reads),
+            tuple(writes),
+            (mb,) * len(writes),
+        )
 
-    ops = [op("other", [0], [1]),          # a = f(x)
-           op("matmul", [0, 9], [2]),      # m = x @ w
-           op("other", [1, 2], [3]),       # b = a + m
-           op("matmul", [3, 9], [4])]      # y = b @ w
+    ops = [
+        op("other", [0], [1]),  # a = f(x)
+        op("matmul", [0, 9], [2]),  # m = x @ w
+        op("other", [1, 2], [3]),  # b = a + m
+        op("matmul", [3, 9], [4]),
+    ]  # y = b @ w
     for graphs, expected in (({0: 0, 2: 0}, [0, 3 * mb]), ({0: 0, 2: 1}, [2 * mb, 3 * mb])):
-        trace = StepTrace(ops=list(ops), collectives=[], memory_events=[], marks={"group 0": 0, "optimizer": len(ops)})
-        step = RankStep(0, trace, {}, {}, {}, accumulation=1, groups_run=1, tokens_per_group=1,
-                        compiled_ops=frozenset(graphs), compiled_graphs=graphs)
+        trace = StepTrace(
+            ops=list(ops),
+            collectives=[],
+            memory_events=[],
+            marks={"group 0": 0, "optimizer": len(ops)},
+        )
+        step = RankStep(
+            0,
+            trace,
+            {},
+            {},
+            {},
+            accumulation=1,
+            groups_run=1,
+            tokens_per_group=1,
+            compiled_ops=frozenset(graphs),
+            compiled_graphs=graphs,
+        )
         assert [nbytes for _, _, nbytes in fused_region_bytes(step)] == expected, graphs
 
 
@@ -302,8 +439,13 @@ def test_compiled_bytes_meet_inductors_own_count_for_a_llama_block(ac):
     import sys
 
     script = REPO / "scripts" / "benchmarks" / "inductor_bytes.py"
-    out = subprocess.run([sys.executable, str(script), "--shape", "small", "--tokens", "256", "--ac", ac, "--json"],
-                         capture_output=True, text=True, timeout=600, cwd=REPO)
+    out = subprocess.run(
+        [sys.executable, str(script), "--shape", "small", "--tokens", "256", "--ac", ac, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     phases = json.loads(out.stdout.strip().splitlines()[-1])
     assert set(phases) == {"forward", "backward"}
@@ -334,20 +476,29 @@ def test_every_calibration_point_is_a_valid_run_of_its_published_shape(monkeypat
         overrides = plan_calibration.LLAMA31[point.model] + point.overrides
         monkeypatch.setenv("WORLD_SIZE", str(point.gpus))
         run = load(str(plan_calibration.RECIPE), overrides, environment=False)
-        assert run.data_parallel_size(point.gpus) * run["training"]["local_batch_size"] \
-            == run["training"]["global_batch_size"], point.key
+        assert (
+            run.data_parallel_size(point.gpus) * run["training"]["local_batch_size"]
+            == run["training"]["global_batch_size"]
+        ), point.key
         assert _whole_model_parameters(plan_calibration.RECIPE, overrides) == pytest.approx(
-            parameters[point.model], rel=0.005), point.key
+            parameters[point.model], rel=0.005
+        ), point.key
         assert point.gpu in GPUS
-        if run["float8"]["enable"]:  # TorchTitan's float8 was tensor-wise where a run names no recipe
-            assert run["float8"]["recipe_name"] == ("rowwise" if "rowwise" in point.label else "tensorwise"), point.key
+        if run["float8"][
+            "enable"
+        ]:  # TorchTitan's float8 was tensor-wise where a run names no recipe
+            assert run["float8"]["recipe_name"] == (
+                "rowwise" if "rowwise" in point.label else "tensorwise"
+            ), point.key
             # The H200 runs' command gathers float8 weights in float8, with precomputed scales.
             gathered = point.source == plan_calibration.H200_2025
             assert run["float8"]["enable_fsdp_float8_all_gather"] == gathered, point.key
             assert run["float8"]["precompute_float8_dynamic_scale_for_fsdp"] == gathered, point.key
         # Every point ran torch before 2.10, whose Interleaved1F1B gathered block by block.
-        if run["parallelism"]["pipeline_parallel_schedule"] == "Interleaved1F1B" and \
-                run["parallelism"]["pipeline_parallel_degree"] > 1:
+        if (
+            run["parallelism"]["pipeline_parallel_schedule"] == "Interleaved1F1B"
+            and run["parallelism"]["pipeline_parallel_degree"] > 1
+        ):
             assert point.pipeline_unshard == "layer", point.key
 
 
@@ -425,7 +576,7 @@ def _torchao_gemm_epilogues(recipe: str) -> list[tuple[tuple[int, ...], list[str
     def watched(*args, **kwargs):
         with Ops() as ops:
             out = unwrapped(*args, **kwargs)
-        after = ops.names[ops.names.index("_scaled_mm") + 1:]
+        after = ops.names[ops.names.index("_scaled_mm") + 1 :]
         gemms.append((tuple(out.shape), after))
         return out
 
@@ -460,10 +611,14 @@ def test_float8_gemms_are_followed_by_what_torchao_runs_after_them(recipe):
             product, rescale = added
             assert product.write_bytes == (math.prod(shape) * 4,)
             assert rescale.reads[0] == ops[i].writes[0] and rescale.writes == ops[i].writes
-            assert rescale.read_bytes == (out_bytes, math.prod(shape) * 4) and rescale.write_bytes == (out_bytes,)
+            assert rescale.read_bytes == (
+                out_bytes,
+                math.prod(shape) * 4,
+            ) and rescale.write_bytes == (out_bytes,)
     # the rowwise recipe: the forward GEMM (fast accumulation) runs PyTorch's row-wise kernel as is
-    assert [bool("mul_" in after) for _, after in reference] == ([False, True, True] if recipe == "rowwise"
-                                                                  else [False, False, False])
+    assert [bool("mul_" in after) for _, after in reference] == (
+        [False, True, True] if recipe == "rowwise" else [False, False, False]
+    )
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_with_gw_hp"])
@@ -480,8 +635,10 @@ def test_row_wise_casts_add_their_measured_bytes_to_each_activation_operand(reci
     ops = _recorded_float8_linear(recipe, m, k, n)
     extra = [op for op in ops if op.compiled_only]
     per_gemm = {"tensorwise": 0, "rowwise": 2, "rowwise_with_gw_hp": 1}[recipe]
-    expected = sorted([int(ROWWISE_CAST_BYTES["INPUT"] * m * k)] * per_gemm
-                      + [int(ROWWISE_CAST_BYTES["GRAD_OUTPUT"] * m * n)] * per_gemm)
+    expected = sorted(
+        [int(ROWWISE_CAST_BYTES["INPUT"] * m * k)] * per_gemm
+        + [int(ROWWISE_CAST_BYTES["GRAD_OUTPUT"] * m * n)] * per_gemm
+    )
     assert sorted(op.bytes for op in extra) == expected
     gemms = [i for i, op in enumerate(ops) if op.kind == "matmul"]
     for op in extra:
@@ -509,10 +666,14 @@ def test_linears_sharing_an_input_are_charged_its_row_wise_casts_once():
                 recorder.enter_fp8_linear()
                 outputs.append(model(x))
                 recorder.exit_fp8_linear()
-            sum((y * (i + 2)).sum() for i, y in enumerate(outputs)).backward()  # three output gradients
+            sum(
+                (y * (i + 2)).sum() for i, y in enumerate(outputs)
+            ).backward()  # three output gradients
     charged = sorted(op.bytes for op in recorder.trace.ops if op.compiled_only)
-    assert charged == sorted([int(ROWWISE_CAST_BYTES["INPUT"] * m * k)] * 2
-                             + [int(ROWWISE_CAST_BYTES["GRAD_OUTPUT"] * m * n)] * 6)
+    assert charged == sorted(
+        [int(ROWWISE_CAST_BYTES["INPUT"] * m * k)] * 2
+        + [int(ROWWISE_CAST_BYTES["GRAD_OUTPUT"] * m * n)] * 6
+    )
 
 
 def test_row_wise_casts_cost_compiled_steps_their_bytes_and_eager_steps_nothing(monkeypatch):
@@ -533,9 +694,13 @@ def test_row_wise_casts_cost_compiled_steps_their_bytes_and_eager_steps_nothing(
     monkeypatch.setattr(recorder, "ROWWISE_CAST_BYTES", {"INPUT": 0.0, "GRAD_OUTPUT": 0.0})
     without = fit_rowwise_casts.record_module("rowwise", m, k, n)
     assert extra == 2 * int(charged["INPUT"] * m * k) + 2 * int(charged["GRAD_OUTPUT"] * m * n)
-    for compiled, added in ((True, extra / (GPUS["h100"].hbm_tb_s * 1e12 * EFFICIENCY["memory"])), (False, 0.0)):
-        longer = sum(fit_rowwise_casts.module_seconds(with_casts, compiled=compiled).values()) \
-            - sum(fit_rowwise_casts.module_seconds(without, compiled=compiled).values())
+    for compiled, added in (
+        (True, extra / (GPUS["h100"].hbm_tb_s * 1e12 * EFFICIENCY["memory"])),
+        (False, 0.0),
+    ):
+        longer = sum(
+            fit_rowwise_casts.module_seconds(with_casts, compiled=compiled).values()
+        ) - sum(fit_rowwise_casts.module_seconds(without, compiled=compiled).values())
         assert longer == pytest.approx(added, rel=1e-6, abs=1e-12), compiled
 
 
@@ -554,8 +719,12 @@ def test_the_plan_meets_torchaos_row_wise_float8_table_where_it_was_not_fitted(m
 
     held_out = list(fit_rowwise_casts.rows(8192, "held_out"))
     fitted = {(m, k, n) for m, k, n, _ in fit_rowwise_casts.rows(8192, "fit")}
-    assert len(held_out) == len(fitted) == 54 and not fitted & {(m, k, n) for m, k, n, _ in held_out}
-    errors = {(m, k, n): fit_rowwise_casts.planned_speedup(m, k, n) / s - 1 for m, k, n, s in held_out}
+    assert len(held_out) == len(fitted) == 54 and not fitted & {
+        (m, k, n) for m, k, n, _ in held_out
+    }
+    errors = {
+        (m, k, n): fit_rowwise_casts.planned_speedup(m, k, n) / s - 1 for m, k, n, s in held_out
+    }
     assert max(abs(e) for e in errors.values()) <= 0.30, errors
     assert statistics.median(abs(e) for e in errors.values()) <= 0.10, errors
 
@@ -590,15 +759,20 @@ def test_the_readme_published_table_is_the_calibration_set(monkeypatch):
 
     text = (REPO / "docs" / "benchmarks" / "planner.md").read_text()
     body = text.split(plan_calibration.MARKERS[0], 1)[1].split(plan_calibration.MARKERS[1], 1)[0]
-    rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in body.splitlines()
-            if line.startswith("| `")]
+    rows = [
+        [c.strip() for c in line.strip().strip("|").split("|")]
+        for line in body.splitlines()
+        if line.startswith("| `")
+    ]
     assert len(rows) == len(plan_calibration.POINTS)
     errors = {"tokens/s": [], "memory": []}
     for row, point in zip(rows, plan_calibration.POINTS):
         assert row[0] == f"`{point.source}`" and row[1] == point.label, row[:2]
         assert row[2] == f"{point.gpus} x {GPUS[point.gpu].name}"
         assert float(row[3].replace(",", "")) == pytest.approx(point.tokens_per_s, abs=0.5)
-        assert float(row[5].lstrip("x")) == pytest.approx(float(row[4].replace(",", "")) / point.tokens_per_s, abs=0.006)
+        assert float(row[5].lstrip("x")) == pytest.approx(
+            float(row[4].replace(",", "")) / point.tokens_per_s, abs=0.006
+        )
         errors["tokens/s"].append(abs(float(row[4].replace(",", "")) / point.tokens_per_s - 1))
         if point.memory_gib is None:
             assert row[6] == "not published"
@@ -606,7 +780,9 @@ def test_the_readme_published_table_is_the_calibration_set(monkeypatch):
             assert row[6] == f"{point.memory_gib} GiB"
             errors["memory"].append(abs(float(row[7].split()[0]) / point.memory_gib - 1))
     for name, errs in errors.items():
-        line = re.search(rf"- {re.escape(name)}: median error (\d+)%, worst (\d+)% over (\d+) points", body)
+        line = re.search(
+            rf"- {re.escape(name)}: median error (\d+)%, worst (\d+)% over (\d+) points", body
+        )
         assert line, name
         assert int(line.group(3)) == len(errs)
         assert int(line.group(1)) == pytest.approx(100 * statistics.median(errs), abs=1)
@@ -632,13 +808,29 @@ def test_a_cp_ranks_attention_benchmark_runs_each_implementations_calls(tmp_path
     import sys
 
     out = tmp_path / "cp.json"
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "benchmarks" / "cp_attention_rank.py"), "--tiny",
-                           "--cp", "1,2,4", "--kv-heads", "1", "--json", str(out)], capture_output=True, text=True,
-                          timeout=600, cwd=REPO)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "scripts" / "benchmarks" / "cp_attention_rank.py"),
+            "--tiny",
+            "--cp",
+            "1,2,4",
+            "--kv-heads",
+            "1",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["kv_heads"] == 1 < report["heads"]
-    assert {(c["cp"], c["rank"]) for c in report["checked"]} == {(cp, r) for cp in (1, 2, 4) for r in {0, cp - 1}}
+    assert {(c["cp"], c["rank"]) for c in report["checked"]} == {
+        (cp, r) for cp in (1, 2, 4) for r in {0, cp - 1}
+    }
     length, heads, dim = report["seq_local"], report["heads"], report["head_dim"]
     h = length // 2
     seen = set()
@@ -649,16 +841,27 @@ def test_a_cp_ranks_attention_benchmark_runs_each_implementations_calls(tmp_path
         backward = [tuple(c[1:]) for c in row["calls"] if c[0] == "backward"]
         positions = [*range(r * h, (r + 1) * h), *range((2 * cp - 1 - r) * h, (2 * cp - r) * h)]
         if impl == "ring":
-            expected = [(length, length, True)] + [(length, h, False) if i <= r else (h, length, False)
-                                                   for i in range(1, cp)]
+            expected = [(length, length, True)] + [
+                (length, h, False) if i <= r else (h, length, False) for i in range(1, cp)
+            ]
         else:
-            runs = [(r * h, 2 * h)] if 2 * cp - 1 - r == r + 1 else [(r * h, h), ((2 * cp - 1 - r) * h, h)]
+            runs = (
+                [(r * h, 2 * h)]
+                if 2 * cp - 1 - r == r + 1
+                else [(r * h, h), ((2 * cp - 1 - r) * h, h)]
+            )
             expected = [(n, first + n, True) for first, n in runs]
         assert forward == expected and backward == expected, (cp, r, impl, row["calls"])
-        assert row["forward_flops"] == 4 * heads * dim * sum(p + 1 for p in positions), (cp, r, impl)
+        assert row["forward_flops"] == 4 * heads * dim * sum(p + 1 for p in positions), (
+            cp,
+            r,
+            impl,
+        )
         assert row["forward_backward_ms"] > 0 and row["kernels_ms"] > 0 and row["planned_ms"] > 0
         assert (row["overhead_per_ring_step_ms"] is None) == (impl == "canon" or cp == 1)
-    assert seen == {(cp, r, impl) for cp in (1, 2, 4) for r in {0, cp - 1} for impl in ("ring", "canon")}
+    assert seen == {
+        (cp, r, impl) for cp in (1, 2, 4) for r in {0, cp - 1} for impl in ("ring", "canon")
+    }
     # gpu_check's report shows the table.
     sys.path.insert(0, str(REPO / "scripts" / "benchmarks"))
     from gpu_check_report import markdown

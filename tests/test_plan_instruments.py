@@ -63,12 +63,14 @@ def _planned(fn, make) -> tuple[int, int]:
 
 def _within(planned, reference, forward_tol, backward_tol):
     ratios = [p / r for p, r in zip(planned, reference)]
-    assert abs(ratios[0] - 1) < forward_tol and abs(ratios[1] - 1) < backward_tol, \
+    assert abs(ratios[0] - 1) < forward_tol and abs(ratios[1] - 1) < backward_tol, (
         f"planned / FlopCounterMode on the torch backend: forward {ratios[0]:.3f}, backward {ratios[1]:.3f}"
+    )
     return ratios
 
 
 # ----------------------------------------------------------------------------- Canon
+
 
 def _conv_by_taps(x, weight):
     """The Canon convolution (no bias, no residual, no activation) as one batched matmul per
@@ -86,8 +88,10 @@ def test_canon_formulas_are_what_the_convolution_computes(batch, seq_len, channe
     as matmuls, which gives the torch backend's output and gradients."""
     from canon_titan.kernels.canon import _canon_torch
 
-    x, weight = torch.randn(batch, seq_len, channels, dtype=torch.float64), torch.randn(channels, kernel,
-                                                                                        dtype=torch.float64)
+    x, weight = (
+        torch.randn(batch, seq_len, channels, dtype=torch.float64),
+        torch.randn(channels, kernel, dtype=torch.float64),
+    )
     # The reference computes the torch backend's convolution, and its autograd the same gradients.
     xs, ws = x.clone().requires_grad_(), weight.clone().requires_grad_()
     expected = _canon_torch(xs, ws, None, residual=False, activation=False)
@@ -99,21 +103,29 @@ def test_canon_formulas_are_what_the_convolution_computes(batch, seq_len, channe
     torch.testing.assert_close((xr.grad, wr.grad), (xs.grad, ws.grad))
 
     reference = _forward_backward_flops(_conv_by_taps, [x, weight])
-    planned = _planned(lambda x, w: ops.canon_conv(x, w, None, None, None, False, False),
-                       lambda: [torch.empty(batch, seq_len, channels), torch.empty(channels, kernel)])
+    planned = _planned(
+        lambda x, w: ops.canon_conv(x, w, None, None, None, False, False),
+        lambda: [torch.empty(batch, seq_len, channels), torch.empty(channels, kernel)],
+    )
     _within(planned, reference, 1e-9, 1e-9)
 
     def swiglu(gate, up, w):
         return F.silu(_conv_by_taps(gate, w[:channels])) * _conv_by_taps(up, w[channels:])
 
     reference = _forward_backward_flops(swiglu, [x, x.clone(), torch.cat([weight, weight])])
-    planned = _planned(lambda g, u, w: ops.canon_swiglu(g, u, w, None, False, True),
-                       lambda: [torch.empty(batch, seq_len, channels), torch.empty(batch, seq_len, channels),
-                                torch.empty(2 * channels, kernel)])
+    planned = _planned(
+        lambda g, u, w: ops.canon_swiglu(g, u, w, None, False, True),
+        lambda: [
+            torch.empty(batch, seq_len, channels),
+            torch.empty(batch, seq_len, channels),
+            torch.empty(2 * channels, kernel),
+        ],
+    )
     _within(planned, reference, 1e-9, 1e-9)
 
 
 # ----------------------------------------------------------------------------- the recurrences
+
 
 @pytest.mark.parametrize("heads,dk,dv", [(2, 128, 128), (2, 64, 256)])
 def test_gla_formula_against_its_torch_backend(heads, dk, dv):
@@ -123,10 +135,16 @@ def test_gla_formula_against_its_torch_backend(heads, dk, dv):
     chunk = _fla_chunk_size(seq_len)
 
     def make():
-        return [torch.randn(batch, seq_len, heads, dk), torch.randn(batch, seq_len, heads, dk),
-                torch.randn(batch, seq_len, heads, dv), F.logsigmoid(torch.randn(batch, seq_len, heads, dk)) / 16]
+        return [
+            torch.randn(batch, seq_len, heads, dk),
+            torch.randn(batch, seq_len, heads, dk),
+            torch.randn(batch, seq_len, heads, dv),
+            F.logsigmoid(torch.randn(batch, seq_len, heads, dk)) / 16,
+        ]
 
-    reference = _forward_backward_flops(lambda q, k, v, g: _gla_torch(q, k, v, g, 0.1, chunk, None)[0], make())
+    reference = _forward_backward_flops(
+        lambda q, k, v, g: _gla_torch(q, k, v, g, 0.1, chunk, None)[0], make()
+    )
     planned = _planned(lambda q, k, v, g: ops.fla_chunk_gla(q, k, v, g, None, 0.1, False)[0], make)
     _within(planned, reference, 0.10, 0.20)
 
@@ -138,29 +156,50 @@ def test_gated_delta_rule_formula_against_its_torch_backend(heads, dk, dv):
     batch, seq_len = 1, 512
 
     def make():
-        return [F.normalize(torch.randn(batch, seq_len, heads, dk), dim=-1),
-                F.normalize(torch.randn(batch, seq_len, heads, dk), dim=-1), torch.randn(batch, seq_len, heads, dv),
-                -torch.rand(batch, seq_len, heads), torch.rand(batch, seq_len, heads)]
+        return [
+            F.normalize(torch.randn(batch, seq_len, heads, dk), dim=-1),
+            F.normalize(torch.randn(batch, seq_len, heads, dk), dim=-1),
+            torch.randn(batch, seq_len, heads, dv),
+            -torch.rand(batch, seq_len, heads),
+            torch.rand(batch, seq_len, heads),
+        ]
 
     reference = _forward_backward_flops(
-        lambda q, k, v, g, b: _gated_delta_rule_torch(q, k, v, g, b, 0.1, FLA_CHUNK_SIZE, None)[0], make(), REFERENCE)
-    planned = _planned(lambda q, k, v, g, b: ops.fla_chunk_gated_delta_rule(q, k, v, g, b, None, 0.1, False)[0], make)
+        lambda q, k, v, g, b: _gated_delta_rule_torch(q, k, v, g, b, 0.1, FLA_CHUNK_SIZE, None)[0],
+        make(),
+        REFERENCE,
+    )
+    planned = _planned(
+        lambda q, k, v, g, b: ops.fla_chunk_gated_delta_rule(q, k, v, g, b, None, 0.1, False)[0],
+        make,
+    )
     _within(planned, reference, 0.15, 0.25)
 
 
-@pytest.mark.parametrize("heads,groups,head_dim,state,chunk", [(2, 1, 256, 128, 256), (4, 2, 64, 128, 128)])
+@pytest.mark.parametrize(
+    "heads,groups,head_dim,state,chunk", [(2, 1, 256, 128, 256), (4, 2, 64, 128, 128)]
+)
 def test_ssd_formula_against_its_torch_backend(heads, groups, head_dim, state, chunk):
     from canon_titan.kernels.ssd import _ssd_torch
 
     batch, seq_len = 1, 2 * chunk
 
     def make():
-        return [torch.randn(batch, seq_len, heads, head_dim), torch.rand(batch, seq_len, heads) / 10,
-                -torch.rand(heads), torch.randn(batch, seq_len, groups, state),
-                torch.randn(batch, seq_len, groups, state)]
+        return [
+            torch.randn(batch, seq_len, heads, head_dim),
+            torch.rand(batch, seq_len, heads) / 10,
+            -torch.rand(heads),
+            torch.randn(batch, seq_len, groups, state),
+            torch.randn(batch, seq_len, groups, state),
+        ]
 
-    reference = _forward_backward_flops(lambda x, dt, A, B, C: _ssd_torch(x, dt, A, B, C, None, chunk, None)[0], make())
-    planned = _planned(lambda x, dt, A, B, C: ops.mamba_chunk_scan(x, dt, A, B, C, None, None, chunk, False)[0], make)
+    reference = _forward_backward_flops(
+        lambda x, dt, A, B, C: _ssd_torch(x, dt, A, B, C, None, chunk, None)[0], make()
+    )
+    planned = _planned(
+        lambda x, dt, A, B, C: ops.mamba_chunk_scan(x, dt, A, B, C, None, None, chunk, False)[0],
+        make,
+    )
     _within(planned, reference, 0.02, 0.20)
 
 
@@ -186,21 +225,40 @@ def test_the_document_ops_are_priced_as_the_kernels_they_run():
     def seq_idx():
         return Documents(torch.arange(seq_len).expand(batch, -1)).seq_idx()
 
-    ssd_make = fla((batch, seq_len, heads, dv), (batch, seq_len, heads), (heads,), (batch, seq_len, 1, 32),
-                   (batch, seq_len, 1, 32))
+    ssd_make = fla(
+        (batch, seq_len, heads, dv),
+        (batch, seq_len, heads),
+        (heads,),
+        (batch, seq_len, 1, 32),
+        (batch, seq_len, 1, 32),
+    )
     pairs = [
-        (lambda q, k, v, g: ops.fla_chunk_gla(q, k, v, g, None, 0.1, False)[0], fla(*qkv, qkv[0]),
-         lambda q, k, v, g: ops.fla_chunk_gla_documents(q, k, v, g, 0.1, False, *boundaries())[0],
-         fla(*flat, flat[0])),
-        (lambda q, k, v, g, b: ops.fla_chunk_gated_delta_rule(q, k, v, g, b, None, 0.1, False)[0],
-         fla(*qkv, qkv[0][:3], qkv[0][:3]),
-         lambda q, k, v, g, b: ops.fla_chunk_gated_delta_rule_documents(q, k, v, g, b, 0.1, False,
-                                                                        *boundaries()[:2])[0],
-         fla(*flat, flat[0][:3], flat[0][:3])),
-        (lambda x, dt, A, B, C: ops.mamba_chunk_scan(x, dt, A, B, C, None, None, 64, False)[0], ssd_make,
-         lambda x, dt, A, B, C: ops.mamba_chunk_scan_documents(x, dt, A, B, C, None, 64, False,
-                                                               seq_idx())[0],
-         ssd_make),
+        (
+            lambda q, k, v, g: ops.fla_chunk_gla(q, k, v, g, None, 0.1, False)[0],
+            fla(*qkv, qkv[0]),
+            lambda q, k, v, g: ops.fla_chunk_gla_documents(q, k, v, g, 0.1, False, *boundaries())[
+                0
+            ],
+            fla(*flat, flat[0]),
+        ),
+        (
+            lambda q, k, v, g, b: ops.fla_chunk_gated_delta_rule(q, k, v, g, b, None, 0.1, False)[
+                0
+            ],
+            fla(*qkv, qkv[0][:3], qkv[0][:3]),
+            lambda q, k, v, g, b: ops.fla_chunk_gated_delta_rule_documents(
+                q, k, v, g, b, 0.1, False, *boundaries()[:2]
+            )[0],
+            fla(*flat, flat[0][:3], flat[0][:3]),
+        ),
+        (
+            lambda x, dt, A, B, C: ops.mamba_chunk_scan(x, dt, A, B, C, None, None, 64, False)[0],
+            ssd_make,
+            lambda x, dt, A, B, C: ops.mamba_chunk_scan_documents(
+                x, dt, A, B, C, None, 64, False, seq_idx()
+            )[0],
+            ssd_make,
+        ),
     ]
     for plain, plain_inputs, documents, document_inputs in pairs:
         assert _planned(documents, document_inputs) == _planned(plain, plain_inputs)
@@ -211,19 +269,26 @@ def test_the_document_ops_are_priced_as_the_kernels_they_run():
 
 # ----------------------------------------------------------------------------- what the plan patches
 
+
 def test_the_patches_are_undone():
     """After a pipeline stage's patches and a recorder's, the classes hold torch's own methods again."""
     from torch.distributed.pipelining.stage import PipelineStage
     from torch.distributed.tensor._sharding_prop import ShardingPropagator
 
-    from test_upstream import PATCHED
-
     from canon_titan.plan.fake_world import pipeline_without_peers
     from canon_titan.plan.recorder import StepRecorder
+    from test_upstream import PATCHED
 
-    names = [p[1].split(".")[1] for p in PATCHED if p[1].startswith("PipelineStage.") and p[3] == "plan/fake_world.py"]
+    names = [
+        p[1].split(".")[1]
+        for p in PATCHED
+        if p[1].startswith("PipelineStage.") and p[3] == "plan/fake_world.py"
+    ]
     before = {n: PipelineStage.__dict__[n] for n in names}
-    resize, propagate = torch.UntypedStorage.resize_, ShardingPropagator._propagate_tensor_meta_non_cached
+    resize, propagate = (
+        torch.UntypedStorage.resize_,
+        ShardingPropagator._propagate_tensor_meta_non_cached,
+    )
     recorder = StepRecorder()
     with pipeline_without_peers({}, recorder), recorder:
         assert all(PipelineStage.__dict__[n] is not before[n] for n in names)
@@ -234,6 +299,7 @@ def test_the_patches_are_undone():
 
 
 # ----------------------------------------------------------------------------- CPU attention
+
 
 def test_cpu_flash_attention_formulas_against_attention_as_matmuls():
     """The CPU flash-attention op a plan on CPU tensors dispatches (where a GPU run calls the CUDA
@@ -249,7 +315,9 @@ def test_cpu_flash_attention_formulas_against_attention_as_matmuls():
         return [torch.randn(batch, heads, seq_len, head_dim) for _ in range(3)]
 
     tensors = make()
-    torch.testing.assert_close(F.scaled_dot_product_attention(*tensors), as_matmuls(*tensors), atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(
+        F.scaled_dot_product_attention(*tensors), as_matmuls(*tensors), atol=1e-5, rtol=1e-4
+    )
     reference = _forward_backward_flops(as_matmuls, make())
     planned = _forward_backward_flops(F.scaled_dot_product_attention, make())
     assert planned == (reference[0], reference[1] + reference[0] // 2), (planned, reference)

@@ -69,12 +69,20 @@ def test_a_replayed_step_reserves_its_fragmented_peak_and_keeps_the_state_once()
     allocator holds 190 MiB. A second step reuses the segments (no new reservation), the
     parameters are not allocated twice, and a gathered buffer resized in place to 0 and back
     takes a block of its new size."""
-    events = [(0, 0, 100 * MIB), (1, 1, 40 * MIB), (2, 1, -40 * MIB), (3, 2, 50 * MIB), (4, 2, -50 * MIB)]
+    events = [
+        (0, 0, 100 * MIB),
+        (1, 1, 40 * MIB),
+        (2, 1, -40 * MIB),
+        (3, 2, 50 * MIB),
+        (4, 2, -50 * MIB),
+    ]
     one = replay(events, persistent={0}, steps=1)
     assert one.peak_allocated == 150 * MIB and one.peak_reserved == 190 * MIB
     two = replay(events, persistent={0}, steps=2)
     assert two.peak_reserved == 190 * MIB and two.allocated == 100 * MIB
-    resized = replay([(0, 5, 30 * MIB), (1, 5, -30 * MIB), (2, 5, 30 * MIB), (3, 6, 30 * MIB)], steps=1)
+    resized = replay(
+        [(0, 5, 30 * MIB), (1, 5, -30 * MIB), (2, 5, 30 * MIB), (3, 6, 30 * MIB)], steps=1
+    )
     assert resized.peak_reserved == 60 * MIB and resized.peak_allocated == 60 * MIB
 
 
@@ -87,11 +95,19 @@ def test_at_the_gpus_memory_the_allocator_releases_its_free_segments_or_runs_out
     - 60 MiB allocated and freed, 30 MiB taken from it (split; kept), then 50 MiB: the free 30 MiB
       rest is too small, and the split segment cannot go back: 110 MiB, out of memory.
     Without a capacity the first reserves 130 MiB."""
-    gone = replay([(0, 1, 60 * MIB), (1, 1, -60 * MIB), (2, 2, 70 * MIB)], steps=1, capacity=100 * MIB)
+    gone = replay(
+        [(0, 1, 60 * MIB), (1, 1, -60 * MIB), (2, 2, 70 * MIB)], steps=1, capacity=100 * MIB
+    )
     assert (gone.peak_reserved, gone.reserved, gone.retries) == (70 * MIB, 70 * MIB, 1)
-    assert replay([(0, 1, 60 * MIB), (1, 1, -60 * MIB), (2, 2, 70 * MIB)], steps=1).peak_reserved == 130 * MIB
-    split = replay([(0, 1, 60 * MIB), (1, 1, -60 * MIB), (2, 2, 30 * MIB), (3, 3, 50 * MIB)], steps=1,
-                   capacity=100 * MIB)
+    assert (
+        replay([(0, 1, 60 * MIB), (1, 1, -60 * MIB), (2, 2, 70 * MIB)], steps=1).peak_reserved
+        == 130 * MIB
+    )
+    split = replay(
+        [(0, 1, 60 * MIB), (1, 1, -60 * MIB), (2, 2, 30 * MIB), (3, 3, 50 * MIB)],
+        steps=1,
+        capacity=100 * MIB,
+    )
     assert (split.peak_reserved, split.retries) == (110 * MIB, 1)  # past the 100 MiB: out of memory
     # the released segment is gone from the free pool: a later 60 MiB request reserves anew
     allocator = CachingAllocator(capacity=100 * MIB)
@@ -117,8 +133,13 @@ def test_fsdp_buffers_are_placed_on_their_own_streams():
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(planner, "replay", spy)
-        result = planner.plan(str(CONFIGS["llama"]), ["--training.seq_len", "128", "--model.n_layers", "2"],
-                              gpus=4, gpu=GPUS["h100"], advise=False)
+        result = planner.plan(
+            str(CONFIGS["llama"]),
+            ["--training.seq_len", "128", "--model.n_layers", "2"],
+            gpus=4,
+            gpu=GPUS["h100"],
+            advise=False,
+        )
     assert set(seen["streams"].values()) == {1, 2}
     assert seen["persistent"]
     kind = result.worst
@@ -130,13 +151,33 @@ def test_fsdp_buffers_are_placed_on_their_own_streams():
 
 def _attention_seconds(gpu, backend, head_dim):
     from canon_titan.plan.estimate import compute_seconds
-    from canon_titan.plan.recorder import Op, StepTrace
     from canon_titan.plan.fake_world import RankStep
+    from canon_titan.plan.recorder import Op, StepTrace
 
-    op = Op("attention", "forward", "sdpa", 10**13, 10**6, torch.bfloat16, (0,), (10**6,), (1,), (0,),
-            attended=0.5, head_dim=head_dim)
-    step = RankStep(rank=0, trace=StepTrace(ops=[op]), categories={}, state_bytes={}, group_names={},
-                    accumulation=1, groups_run=1, tokens_per_group=1)
+    op = Op(
+        "attention",
+        "forward",
+        "sdpa",
+        10**13,
+        10**6,
+        torch.bfloat16,
+        (0,),
+        (10**6,),
+        (1,),
+        (0,),
+        attended=0.5,
+        head_dim=head_dim,
+    )
+    step = RankStep(
+        rank=0,
+        trace=StepTrace(ops=[op]),
+        categories={},
+        state_bytes={},
+        group_names={},
+        accumulation=1,
+        groups_run=1,
+        tokens_per_group=1,
+    )
     return compute_seconds(step, gpu, compiled=False, attention=backend)[0]["attention"]
 
 
@@ -157,8 +198,12 @@ def test_attention_is_costed_by_backend_and_head_dim():
 def test_the_default_backend_is_torchs_choice_on_each_part():
     from canon_titan.plan.estimate import default_attention_backend
 
-    assert [default_attention_backend(GPUS[g]) for g in ("h100", "h200", "b200", "a100")] == \
-        ["cudnn", "cudnn", "cudnn", "flash"]
+    assert [default_attention_backend(GPUS[g]) for g in ("h100", "h200", "b200", "a100")] == [
+        "cudnn",
+        "cudnn",
+        "cudnn",
+        "flash",
+    ]
 
 
 def test_the_recorder_takes_the_head_dim_from_the_query():
@@ -202,17 +247,26 @@ def test_a_compiled_loss_is_fused_and_stores_less():
     overrides = ["--training.seq_len", "128", "--model.n_layers", "2"]
     _, trainer_config = resolve(str(CONFIGS["llama"]), overrides, 1, GPUS["h100"])
     with _quiet(), planned_machine(KernelEnvironment.planned_gpu(GPUS["h100"].capability)):
-        step = fake_rank_step(trainer_config, rank=0, world_size=1, positions=False, compiled_loss=True)
+        step = fake_rank_step(
+            trainer_config, rank=0, world_size=1, positions=False, compiled_loss=True
+        )
     ops, inside = step.trace.ops, step.compiled_ops
-    loss_ops = [i for i, op in enumerate(ops) if op.name.startswith(("aten._log_softmax", "aten.nll_loss"))]
+    loss_ops = [
+        i for i, op in enumerate(ops) if op.name.startswith(("aten._log_softmax", "aten.nll_loss"))
+    ]
     assert {ops[i].phase for i in loss_ops} == {"forward", "backward"}
     assert all(i in inside for i in loss_ops)
     assert not any(ops[i].kind == "matmul" for i in inside)
 
     peaks = {}
     for components in ('["model"]', '["model", "loss"]'):
-        result = plan(str(CONFIGS["llama"]), [*overrides, "--compile.enable", "true", "--compile.components",
-                                              components], gpus=1, gpu=GPUS["h100"], advise=False)
+        result = plan(
+            str(CONFIGS["llama"]),
+            [*overrides, "--compile.enable", "true", "--compile.components", components],
+            gpus=1,
+            gpu=GPUS["h100"],
+            advise=False,
+        )
         peaks[components] = result.worst.memory.total
     assert peaks['["model", "loss"]'] < peaks['["model"]']
 

@@ -28,7 +28,10 @@ def test_a_shape_is_probed_at_its_fastest_mode_first_and_interpolated_where_that
     assert probes_needed(SHAPE, probed, CAPACITY) == [_at("none", 1)]
     probed[_at("none", 1)] = (20.0, 1.0, 1)
     assert probes_needed(SHAPE, probed, CAPACITY) == []
-    assert probes_needed(SHAPE, {_at("none", 8): None}, CAPACITY) == [_at("none", 1), _at("selective", 8)]
+    assert probes_needed(SHAPE, {_at("none", 8): None}, CAPACITY) == [
+        _at("none", 1),
+        _at("selective", 8),
+    ]
 
 
 def test_probe_estimates_by_hand():
@@ -36,7 +39,14 @@ def test_probe_estimates_by_hand():
     linear in between: batch 4 is the largest that fits (20 + 3/7 x 80 = 54.3), 1 + 3/7 x 3 = 2.29 s
     a group, 2 groups a step (16 / (4 x 2)). ``selective`` fits at batch 8: 5 s, one group. Fastest
     first."""
-    probed = {_at("none", 8): (100.0, 4.0, 1), _at("none", 1): (20.0, 1.0, 8), _at("selective", 8): (70.0, 5.0, 1)}
+    probed = {
+        _at("none", 8): (100.0, 4.0, 1),
+        _at("none", 1): (20.0, 1.0, 8),
+        _at("selective", 8): (70.0, 5.0, 1),
+    }
     estimates = probe_estimates([SHAPE], probed, CAPACITY, global_batch=16)
-    assert estimates == [(pytest.approx(2 * (1 + 3 / 7 * 3)), _at("none", 4)), (5.0, _at("selective", 8))]
+    assert estimates == [
+        (pytest.approx(2 * (1 + 3 / 7 * 3)), _at("none", 4)),
+        (5.0, _at("selective", 8)),
+    ]
     assert probe_estimates([SHAPE], {_at("none", 8): None}, CAPACITY, 16) == []

@@ -28,9 +28,17 @@ def sp_path(tmp_path_factory):
     import sentencepiece as spm
 
     folder = tmp_path_factory.mktemp("sp")
-    spm.SentencePieceTrainer.train(sentence_iterator=iter(TEXTS), model_prefix=str(folder / "tokenizer"),
-                                   vocab_size=320, model_type="bpe", unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
-                                   minloglevel=2)
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(TEXTS),
+        model_prefix=str(folder / "tokenizer"),
+        vocab_size=320,
+        model_type="bpe",
+        unk_id=0,
+        bos_id=1,
+        eos_id=2,
+        pad_id=-1,
+        minloglevel=2,
+    )
     return folder / "tokenizer.model"
 
 
@@ -38,14 +46,23 @@ def sp_path(tmp_path_factory):
 def tiktoken_path(tmp_path_factory):
     from tiktoken._educational import bpe_train
 
-    ranks = bpe_train(data="\n".join(TEXTS[:80]), vocab_size=300, pat_str=LLAMA3_PATTERN, visualise=None)
+    ranks = bpe_train(
+        data="\n".join(TEXTS[:80]), vocab_size=300, pat_str=LLAMA3_PATTERN, visualise=None
+    )
     path = tmp_path_factory.mktemp("tt") / "tokenizer.model"
-    path.write_text("".join(f"{base64.b64encode(t).decode()} {r}\n" for t, r in sorted(ranks.items(), key=lambda x: x[1])))
+    path.write_text(
+        "".join(
+            f"{base64.b64encode(t).decode()} {r}\n"
+            for t, r in sorted(ranks.items(), key=lambda x: x[1])
+        )
+    )
     return path
 
 
 def test_sentencepiece_ids_specials_round_trip(sp_path):
-    tok = build_tokenizer("sentencepiece", str(sp_path.parent))  # a folder works as well as the file
+    tok = build_tokenizer(
+        "sentencepiece", str(sp_path.parent)
+    )  # a folder works as well as the file
     assert (tok.get_vocab_size(), tok.bos_id, tok.eos_id) == (320, 1, 2)  # Llama-2 layout
     text = "Mia lived in Oakford with a cat called Pip."
     ids = tok.encode(text, add_bos=True, add_eos=True)
@@ -58,7 +75,7 @@ def test_tiktoken_specials_follow_the_ranks(tiktoken_path):
     tok = build_tokenizer("tiktoken", str(tiktoken_path))
     base = 300  # ranks in the file; Llama-3 has 128,000, so BOS 128000 and EOS 128001
     assert (tok.get_vocab_size(), tok.bos_id, tok.eos_id) == (base + 256, base, base + 1)
-    text = "Leo said, \"I found it near the old mill.\" <|end_of_text|> 42"
+    text = 'Leo said, "I found it near the old mill." <|end_of_text|> 42'
     ids = tok.encode(text, add_bos=True, add_eos=True)
     assert ids[0] == base and ids[-1] == base + 1
     assert all(i < base for i in ids[1:-1])  # special-token text inside a document is plain text
@@ -66,13 +83,29 @@ def test_tiktoken_specials_follow_the_ranks(tiktoken_path):
 
 
 def test_model_vocab_follows_tokenizer_kind(sp_path, tiktoken_path):
-    run = load(CONFIGS["llama"], ["--tokenizer.kind", "sentencepiece", "--tokenizer.path", str(sp_path)])
+    run = load(
+        CONFIGS["llama"], ["--tokenizer.kind", "sentencepiece", "--tokenizer.path", str(sp_path)]
+    )
     assert run.model_args.vocab_size == 320
-    run = load(CONFIGS["llama"], ["--tokenizer.kind", "tiktoken", "--tokenizer.path", str(tiktoken_path)])
+    run = load(
+        CONFIGS["llama"], ["--tokenizer.kind", "tiktoken", "--tokenizer.path", str(tiktoken_path)]
+    )
     assert run.model_args.vocab_size == 556
-    with pytest.raises(ConfigError, match=r"\[model\] vocab_size: is 2048 but the sentencepiece tokenizer .* has 320 ids"):
-        load(CONFIGS["llama"], ["--tokenizer.kind", "sentencepiece", "--tokenizer.path", str(sp_path),
-                                "--model.vocab_size", "2048"])
+    with pytest.raises(
+        ConfigError,
+        match=r"\[model\] vocab_size: is 2048 but the sentencepiece tokenizer .* has 320 ids",
+    ):
+        load(
+            CONFIGS["llama"],
+            [
+                "--tokenizer.kind",
+                "sentencepiece",
+                "--tokenizer.path",
+                str(sp_path),
+                "--model.vocab_size",
+                "2048",
+            ],
+        )
     with pytest.raises(ConfigError, match=r"\[tokenizer\] path: cannot load a tiktoken tokenizer"):
         load(CONFIGS["llama"], ["--tokenizer.kind", "tiktoken", "--tokenizer.path", str(sp_path)])
 
@@ -98,7 +131,14 @@ def test_corrupt_inputs_name_file_and_line_and_can_be_skipped(tmp_path):
     import zstandard
 
     bad = tmp_path / "bad.jsonl"
-    bad.write_text(json.dumps({"text": "a"}) + "\n{oops\n" + json.dumps({"body": "b"}) + "\n" + json.dumps({"text": "c"}) + "\n")
+    bad.write_text(
+        json.dumps({"text": "a"})
+        + "\n{oops\n"
+        + json.dumps({"body": "b"})
+        + "\n"
+        + json.dumps({"text": "c"})
+        + "\n"
+    )
     with pytest.raises(DataError, match=r"bad.jsonl:2: not a JSON object.*\[dataloader\] on_error"):
         list(iter_documents(str(bad), skip_hint=DATALOADER_SKIP))  # as the dataloader reads them
     with pytest.raises(DataError, match=r"bad.jsonl:2: not a JSON object") as e:
@@ -106,9 +146,17 @@ def test_corrupt_inputs_name_file_and_line_and_can_be_skipped(tmp_path):
     assert "on_error" not in str(e.value)
     stats = ReadStats()
     assert list(iter_documents(str(bad), on_error="skip", stats=stats)) == ["a", "c"]
-    assert stats.skipped == 2 and "bad.jsonl:3: the 'text' text field is missing; the record's fields: 'body'" in stats.problems[1]
-    frames = [zstandard.ZstdCompressor().compress("".join(json.dumps({"text": t}) + "\n" for t in TEXTS[i : i + 50]).encode())
-              for i in range(0, 200, 50)]
+    assert (
+        stats.skipped == 2
+        and "bad.jsonl:3: the 'text' text field is missing; the record's fields: 'body'"
+        in stats.problems[1]
+    )
+    frames = [
+        zstandard.ZstdCompressor().compress(
+            "".join(json.dumps({"text": t}) + "\n" for t in TEXTS[i : i + 50]).encode()
+        )
+        for i in range(0, 200, 50)
+    ]
     truncated = tmp_path / "cut.jsonl.zst"
     truncated.write_bytes(b"".join(frames)[:-100])  # cut inside the last of 4 frames
     with pytest.raises(DataError, match=r"cut.jsonl.zst:\d+: unreadable data after line \d+"):
@@ -123,7 +171,9 @@ def test_pretokenized_shards_equal_online_tokenization_and_resume(tmp_path):
     src.mkdir()
     paths = write_formats(src, TEXTS[:120])
     out = tmp_path / "tokens"
-    index = tokenize_files(str(src / "*"), out, kind="hf", tokenizer_path=str(ASSET_DIR), workers=2, log=lambda m: None)
+    index = tokenize_files(
+        str(src / "*"), out, kind="hf", tokenizer_path=str(ASSET_DIR), workers=2, log=lambda m: None
+    )
     tok = build_tokenizer("hf", str(ASSET_DIR))
     expected = np.concatenate([tokenize_stream(TEXTS[:120], tok, True, True)] * 3)
     store = open_shards(out, tok)
@@ -135,7 +185,14 @@ def test_pretokenized_shards_equal_online_tokenization_and_resume(tmp_path):
     # Resume: only the shard without its completion marker is redone, with the same result.
     (out / "00001.json").unlink()
     messages = []
-    tokenize_files(str(src / "*"), out, kind="hf", tokenizer_path=str(ASSET_DIR), workers=1, log=messages.append)
+    tokenize_files(
+        str(src / "*"),
+        out,
+        kind="hf",
+        tokenizer_path=str(ASSET_DIR),
+        workers=1,
+        log=messages.append,
+    )
     assert "2 of 3 files already done" in messages[0] and len(messages) == 2
     assert np.array_equal(open_shards(out, tok).slice(0, len(expected)), expected)
 
@@ -144,25 +201,48 @@ def test_token_folder_checks_the_tokenizer(tmp_path, sp_path):
     src = tmp_path / "src"
     src.mkdir()
     write_formats(src, TEXTS[:20])
-    tokenize_files(str(src / "a.jsonl"), tmp_path / "tokens", kind="hf", tokenizer_path=str(ASSET_DIR), log=lambda m: None)
+    tokenize_files(
+        str(src / "a.jsonl"),
+        tmp_path / "tokens",
+        kind="hf",
+        tokenizer_path=str(ASSET_DIR),
+        log=lambda m: None,
+    )
     with pytest.raises(DataError, match="tokenized with a 784-id tokenizer"):
         open_shards(tmp_path / "tokens", build_tokenizer("sentencepiece", str(sp_path)))
     with pytest.raises(DataError, match="holds tokens of another tokenizer"):
-        tokenize_files(str(src / "a.jsonl"), tmp_path / "tokens", kind="sentencepiece", tokenizer_path=str(sp_path),
-                       log=lambda m: None)
+        tokenize_files(
+            str(src / "a.jsonl"),
+            tmp_path / "tokens",
+            kind="sentencepiece",
+            tokenizer_path=str(sp_path),
+            log=lambda m: None,
+        )
 
 
 def test_token_loader_is_layout_independent_and_resumable(tmp_path):
     src = tmp_path / "src"
     src.mkdir()
     write_formats(src, TEXTS)
-    tokenize_files(str(src / "*"), tmp_path / "tokens", kind="hf", tokenizer_path=str(ASSET_DIR), log=lambda m: None)
+    tokenize_files(
+        str(src / "*"),
+        tmp_path / "tokens",
+        kind="hf",
+        tokenizer_path=str(ASSET_DIR),
+        log=lambda m: None,
+    )
     tok = build_tokenizer("hf", str(ASSET_DIR))
 
     def make(rank, world, batch):
         cfg = PackedTextDataLoader.Config(dataset="tokens", dataset_path=str(tmp_path / "tokens"))
-        return PackedTextDataLoader(cfg, dp_world_size=world, dp_rank=rank, tokenizer=tok, seq_len=96,
-                                    local_batch_size=batch)
+        return PackedTextDataLoader(
+            cfg,
+            dp_world_size=world,
+            dp_rank=rank,
+            tokenizer=tok,
+            seq_len=96,
+            local_batch_size=batch,
+        )
 
     single = iter(make(0, 1, 4))
     quads = [iter(make(r, 4, 1)) for r in range(4)]
@@ -194,13 +274,25 @@ def test_packed_loaders_resume_at_another_data_parallel_size(tmp_path, dataset):
         write_formats(src, TEXTS[:120])
         path = str(src / "*")
         if dataset == "tokens":
-            tokenize_files(path, tmp_path / "tokens", kind="hf", tokenizer_path=str(ASSET_DIR), log=lambda m: None)
+            tokenize_files(
+                path,
+                tmp_path / "tokens",
+                kind="hf",
+                tokenizer_path=str(ASSET_DIR),
+                log=lambda m: None,
+            )
             path = str(tmp_path / "tokens")
 
     def make(rank, world, batch):
         cfg = PackedTextDataLoader.Config(dataset=dataset, dataset_path=path)
-        return PackedTextDataLoader(cfg, dp_world_size=world, dp_rank=rank, tokenizer=tok, seq_len=96,
-                                    local_batch_size=batch)
+        return PackedTextDataLoader(
+            cfg,
+            dp_world_size=world,
+            dp_rank=rank,
+            tokenizer=tok,
+            seq_len=96,
+            local_batch_size=batch,
+        )
 
     old = [make(r, 2, 2) for r in range(2)]
     for dl in old:
@@ -219,7 +311,9 @@ def test_packed_loaders_resume_at_another_data_parallel_size(tmp_path, dataset):
             it = iter(resumed)
             for want in expected:
                 got = next(it)
-                assert torch.equal(got[0]["input"], want[0]["input"]) and torch.equal(got[1], want[1])
+                assert torch.equal(got[0]["input"], want[0]["input"]) and torch.equal(
+                    got[1], want[1]
+                )
 
 
 @pytest.mark.slow
@@ -227,13 +321,38 @@ def test_training_on_pretokenized_data_with_sentencepiece(tmp_path, sp_path):
     src = tmp_path / "src"
     src.mkdir()
     write_formats(src, generate_corpus(900, seed=21)[:300])
-    tokenize_files(str(src / "*"), tmp_path / "tokens", kind="sentencepiece", tokenizer_path=str(sp_path),
-                   log=lambda m: None)
+    tokenize_files(
+        str(src / "*"),
+        tmp_path / "tokens",
+        kind="sentencepiece",
+        tokenizer_path=str(sp_path),
+        log=lambda m: None,
+    )
     dump = tmp_path / "run"
-    run_training(2, ["--tokenizer.kind", "sentencepiece", "--tokenizer.path", str(sp_path),
-                     "--dataloader.dataset", "tokens", "--dataloader.dataset_path", str(tmp_path / "tokens"),
-                     "--training.steps", "30", "--training.seq_len", "128", "--metrics.log_freq", "1",
-                     "--checkpoint.enable", "false", "--job.dump_folder", str(dump)], config=CONFIGS["llama_canon"])
+    run_training(
+        2,
+        [
+            "--tokenizer.kind",
+            "sentencepiece",
+            "--tokenizer.path",
+            str(sp_path),
+            "--dataloader.dataset",
+            "tokens",
+            "--dataloader.dataset_path",
+            str(tmp_path / "tokens"),
+            "--training.steps",
+            "30",
+            "--training.seq_len",
+            "128",
+            "--metrics.log_freq",
+            "1",
+            "--checkpoint.enable",
+            "false",
+            "--job.dump_folder",
+            str(dump),
+        ],
+        config=CONFIGS["llama_canon"],
+    )
     losses = read_scalars(dump)
     assert len(losses) == 30 and losses[30] < losses[1] - 1.0
 
@@ -241,9 +360,17 @@ def test_training_on_pretokenized_data_with_sentencepiece(tmp_path, sp_path):
 def stream_loader(sources, rank=0, world=1, workers=2, batch=2, seq_len=64, **kw):
     from canon_titan.data.streaming import StreamingTextDataLoader
 
-    cfg = StreamingTextDataLoader.Config(sources=[str(s) for s in sources], num_workers=workers, **kw)
-    return StreamingTextDataLoader(cfg, dp_world_size=world, dp_rank=rank, tokenizer=build_tokenizer("hf", str(ASSET_DIR)),
-                                   seq_len=seq_len, local_batch_size=batch)
+    cfg = StreamingTextDataLoader.Config(
+        sources=[str(s) for s in sources], num_workers=workers, **kw
+    )
+    return StreamingTextDataLoader(
+        cfg,
+        dp_world_size=world,
+        dp_rank=rank,
+        tokenizer=build_tokenizer("hf", str(ASSET_DIR)),
+        seq_len=seq_len,
+        local_batch_size=batch,
+    )
 
 
 @pytest.mark.parametrize("ranks", [1, 2, 4])
@@ -253,6 +380,7 @@ def test_streaming_units_read_every_document_exactly_once(tmp_path, ranks):
     src = tmp_path / "src"
     src.mkdir()
     files = [str(p) for p in write_formats(src, TEXTS[:101])]  # 3 files x 101 documents
+
     def one_epoch(unit, units):
         reader, docs = SourceReader(files, unit, units, "text", "fail"), []
         while True:
@@ -285,8 +413,10 @@ def test_a_streamed_source_says_when_its_first_reader_starts_it_again(tmp_path, 
             while reader.epoch < 2:
                 reader.next()
     ends = [r.getMessage() for r in caplog.records if "ended" in r.getMessage()]
-    assert ends == [f"streamed data: epoch {e} of data reader 0 over 3 files ended; it reads its share of them again"
-                    for e in (1, 2)], ends
+    assert ends == [
+        f"streamed data: epoch {e} of data reader 0 over 3 files ended; it reads its share of them again"
+        for e in (1, 2)
+    ], ends
 
 
 def test_streaming_resume_with_workers_gives_the_same_batches(tmp_path):
@@ -295,7 +425,9 @@ def test_streaming_resume_with_workers_gives_the_same_batches(tmp_path):
     write_formats(src, TEXTS[:200])
     other = tmp_path / "other"
     other.mkdir()
-    (other / "x.jsonl").write_text("".join(json.dumps({"text": t.upper()}) + "\n" for t in TEXTS[200:260]))
+    (other / "x.jsonl").write_text(
+        "".join(json.dumps({"text": t.upper()}) + "\n" for t in TEXTS[200:260])
+    )
     sources, weights = [src / "*", other / "*.jsonl"], [3.0, 1.0]
     reference = stream_loader(sources, weights=weights, shuffle_buffer=8)
     it = iter(reference)
@@ -334,30 +466,88 @@ def test_kill_and_resume_online_and_pretokenized(tmp_path, dataset):
     src.mkdir()
     write_formats(src, generate_corpus(600, seed=31)[:200])
     if dataset == "stream":
-        data = ["--dataloader.dataset", "stream", "--dataloader.sources", f'["{src}/*"]',
-                "--dataloader.num_workers", "1", "--dataloader.shuffle_buffer", "16"]
+        data = [
+            "--dataloader.dataset",
+            "stream",
+            "--dataloader.sources",
+            f'["{src}/*"]',
+            "--dataloader.num_workers",
+            "1",
+            "--dataloader.shuffle_buffer",
+            "16",
+        ]
     else:
-        tokenize_files(str(src / "*"), tmp_path / "tokens", kind="hf", tokenizer_path=str(ASSET_DIR), log=lambda m: None)
-        data = ["--dataloader.dataset", "tokens", "--dataloader.dataset_path", str(tmp_path / "tokens")]
-    args = COMMON + data + ["--training.steps", "12", "--training.local_batch_size", "2",
-                            "--training.global_batch_size", "4", "--checkpoint.enable", "--checkpoint.interval", "4"]
+        tokenize_files(
+            str(src / "*"),
+            tmp_path / "tokens",
+            kind="hf",
+            tokenizer_path=str(ASSET_DIR),
+            log=lambda m: None,
+        )
+        data = [
+            "--dataloader.dataset",
+            "tokens",
+            "--dataloader.dataset_path",
+            str(tmp_path / "tokens"),
+        ]
+    args = (
+        COMMON
+        + data
+        + [
+            "--training.steps",
+            "12",
+            "--training.local_batch_size",
+            "2",
+            "--training.global_batch_size",
+            "4",
+            "--checkpoint.enable",
+            "--checkpoint.interval",
+            "4",
+        ]
+    )
     ref, interrupted = tmp_path / "ref", tmp_path / "interrupted"
     out = run_training(2, args + ["--job.dump_folder", str(ref)], config=CONFIGS["llama"])
     if dataset == "stream":
-        assert re.search(rf"streamed mixture, tokens drawn on dp rank 0 \([\d,]+\): {src}/\*: "
-                         r"100\.0% \(weight 100%\)", out), out[-3000:]
+        assert re.search(
+            rf"streamed mixture, tokens drawn on dp rank 0 \([\d,]+\): {src}/\*: "
+            r"100\.0% \(weight 100%\)",
+            out,
+        ), out[-3000:]
         shares = read_scalars(ref, "data/source_0_token_share")
         assert shares == {step: 1.0 for step in range(1, 13)}
-    run_training_until(2, args + ["--job.dump_folder", str(interrupted)], stop_marker="step: 10",
-                       config=CONFIGS["llama"])
+    run_training_until(
+        2,
+        args + ["--job.dump_folder", str(interrupted)],
+        stop_marker="step: 10",
+        config=CONFIGS["llama"],
+    )
     resume = args + ["--job.dump_folder", str(interrupted), "--metrics.save_tb_folder", "tb2"]
     if dataset == "stream":
-        refused = subprocess.run([sys.executable, "-m", "canon_titan.cli", "train", "--nproc", "1", "--config",
-                                  str(CONFIGS["llama"]), *resume], cwd=REPO, env=train_env(), capture_output=True,
-                                 text=True, timeout=300)
-        assert refused.returncode == 2 and "canon_titan.launch.torchrun" not in refused.stdout, refused.stderr[-3000:]
-        assert ("was written by a run streaming its data ([dataloader] dataset = 'stream') on 2 data-parallel "
-                "rank(s); this run has 1") in refused.stderr
+        refused = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "canon_titan.cli",
+                "train",
+                "--nproc",
+                "1",
+                "--config",
+                str(CONFIGS["llama"]),
+                *resume,
+            ],
+            cwd=REPO,
+            env=train_env(),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert refused.returncode == 2 and "canon_titan.launch.torchrun" not in refused.stdout, (
+            refused.stderr[-3000:]
+        )
+        assert (
+            "was written by a run streaming its data ([dataloader] dataset = 'stream') on 2 data-parallel "
+            "rank(s); this run has 1"
+        ) in refused.stderr
     out = run_training(2 if dataset == "stream" else 1, resume, config=CONFIGS["llama"])
     assert "Training starts at step 9" in out
     assert "get_last_lr" not in out  # the schedulers' load, without torch's warning (issue 89)
@@ -368,7 +558,9 @@ def test_kill_and_resume_online_and_pretokenized(tmp_path, dataset):
             if dataset == "stream":  # same layout, state restored exactly: bitwise
                 assert value == reference[step], (tag, step)
             else:
-                assert value == pytest.approx(reference[step], rel=1e-5 if tag == LOSS_TAG else 1e-4), (tag, step)
+                assert value == pytest.approx(
+                    reference[step], rel=1e-5 if tag == LOSS_TAG else 1e-4
+                ), (tag, step)
 
 
 def test_document_masking_isolates_packed_documents():
@@ -399,11 +591,14 @@ def test_loaders_emit_document_positions(tmp_path):
     from the packed and the streaming loader (whose batches are collated from windows)."""
     tok = build_tokenizer("hf", str(ASSET_DIR))
     cfg = PackedTextDataLoader.Config(document_masking=True)
-    dl = PackedTextDataLoader(cfg, dp_world_size=1, dp_rank=0, tokenizer=tok, seq_len=256, local_batch_size=2)
+    dl = PackedTextDataLoader(
+        cfg, dp_world_size=1, dp_rank=0, tokenizer=tok, seq_len=256, local_batch_size=2
+    )
     src = tmp_path / "src"
     src.mkdir()
-    stream = stream_loader(write_formats(src, TEXTS[:60])[:1], workers=1, seq_len=256,
-                           document_masking=True)
+    stream = stream_loader(
+        write_formats(src, TEXTS[:60])[:1], workers=1, seq_len=256, document_masking=True
+    )
     for inputs, _ in (next(iter(dl)), next(iter(stream))):
         positions, tokens = inputs["positions"], inputs["input"]
         assert (positions[tokens == tok.bos_id] == 0).all() and (positions[:, 0] == 0).all()
@@ -444,7 +639,9 @@ def test_hub_sources_stream_exactly_once(tmp_path, monkeypatch):
                 return docs
             docs.append(text)
 
-    assert calls == [] and sorted(one_epoch(0, 3) + one_epoch(1, 3) + one_epoch(2, 3)) == sorted(TEXTS[:30])
+    assert calls == [] and sorted(one_epoch(0, 3) + one_epoch(1, 3) + one_epoch(2, 3)) == sorted(
+        TEXTS[:30]
+    )
     assert calls[0] == ("org/corpus", "high", "train", True)
     assert one_epoch(1, 3, line=4) == one_epoch(1, 3)[4:]  # resume skips what was read
 
@@ -454,7 +651,9 @@ def test_export_ships_a_sentencepiece_tokenizer_file(tmp_path, sp_path):
 
     from canon_titan.convert.hf import to_hf
 
-    run = load(CONFIGS["llama"], ["--tokenizer.kind", "sentencepiece", "--tokenizer.path", str(sp_path)])
+    run = load(
+        CONFIGS["llama"], ["--tokenizer.kind", "sentencepiece", "--tokenizer.path", str(sp_path)]
+    )
     model = run.model_spec().model.build()
     model.init_states()
     dcp.save(model.state_dict(), checkpoint_id=str(tmp_path / "ckpt"))
@@ -470,7 +669,9 @@ def test_hf_tokenizer_for_lm_eval_matches_ours(kind, sp_path, tiktoken_path):
     """lm-eval sees the run's tokenizer as a transformers tokenizer: same ids, no BOS/EOS added."""
     from canon_titan.evaluation.lm import hf_tokenizer
 
-    path = {"hf": str(ASSET_DIR), "sentencepiece": str(sp_path), "tiktoken": str(tiktoken_path)}[kind]
+    path = {"hf": str(ASSET_DIR), "sentencepiece": str(sp_path), "tiktoken": str(tiktoken_path)}[
+        kind
+    ]
     ours, theirs = build_tokenizer(kind, path), hf_tokenizer(kind, path)
     for text in TEXTS[:20] + ["Mia lived in Oakford.\n\nAnswer me: Ann was born in the year of "]:
         assert theirs.encode(text, add_special_tokens=False) == ours.encode(text)
@@ -483,19 +684,40 @@ def test_the_data_benchmark_runs_and_the_documented_gpu_need_holds():
     """scripts/benchmarks/bench_data.py prints its three paths with a rate each (a small corpus here), and
     the GPU's need that docs/benchmarks/cpu.md quotes is what its FLOP count gives: 40% of an H100's
     989.5 TFLOP/s over LlamaCanon-1B's FLOPs per token at 4096."""
-    out = subprocess.run([sys.executable, str(REPO / "scripts" / "benchmarks" / "bench_data.py"), "--documents", "300",
-                          "--seq-len", "256", "--batch", "2"], capture_output=True, text=True, timeout=300,
-                         cwd=REPO)
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "scripts" / "benchmarks" / "bench_data.py"),
+            "--documents",
+            "300",
+            "--seq-len",
+            "256",
+            "--batch",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
-    for path in ("online: read .zst + tokenize", "pre-tokenize command (1 worker)", "shard batches (2x256)"):
+    for path in (
+        "online: read .zst + tokenize",
+        "pre-tokenize command (1 worker)",
+        "shard batches (2x256)",
+    ):
         row = re.search(rf"^{re.escape(path)}\s+([\d,]+)\s+([\d.]+)$", out.stdout, re.M)
         assert row and float(row[1].replace(",", "")) > 0, out.stdout
-    spec = importlib.util.spec_from_file_location("bench_data", REPO / "scripts" / "benchmarks" / "bench_data.py")
+    spec = importlib.util.spec_from_file_location(
+        "bench_data", REPO / "scripts" / "benchmarks" / "bench_data.py"
+    )
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     need, flops = bench.required_tokens_per_second("llama_canon", "1B", 4096, 0.4)
     assert need == pytest.approx(0.4 * 989.5e12 / flops)
     documented = (REPO / "docs" / "benchmarks" / "cpu.md").read_text()
-    quoted = re.search(r"consumes ([\d.]+)k tokens/s \(([\d.]+) GFLOP per token at\s+sequence 4096\)", documented)
+    quoted = re.search(
+        r"consumes ([\d.]+)k tokens/s \(([\d.]+) GFLOP per token at\s+sequence 4096\)", documented
+    )
     assert quoted, "docs/benchmarks/cpu.md no longer quotes the GPU's need"
     assert float(quoted[1]) == round(need / 1e3, 1) and float(quoted[2]) == round(flops / 1e9, 1)

@@ -43,11 +43,22 @@ def test_recipe_resolves_to_spec(name):
     size = name.split("-")[1]
     dim, layers, heads, kv, ffn, vocab, theta, qk_norm, z_loss, canon_rope = SHAPES[size]
     run = load(REPO / "train_configs" / f"{name}.toml", environment=False)
-    args, training, opt, sched = run.model_args, run["training"], run["optimizer"], run["lr_scheduler"]
+    args, training, opt, sched = (
+        run.model_args,
+        run["training"],
+        run["optimizer"],
+        run["lr_scheduler"],
+    )
     canon = name.startswith("LlamaCanon")
     assert run["model"]["name"] == ("llama_canon" if canon else "llama")
-    assert (args.dim, args.n_layers, args.n_heads, args.kv_heads, args.hidden_dim, args.vocab_size) == (
-        dim, layers, heads, kv, ffn, vocab)
+    assert (
+        args.dim,
+        args.n_layers,
+        args.n_heads,
+        args.kv_heads,
+        args.hidden_dim,
+        args.vocab_size,
+    ) == (dim, layers, heads, kv, ffn, vocab)
     assert args.rope_theta == theta and args.qk_norm == qk_norm and args.z_loss == z_loss
     assert getattr(args, "canon_set", "") == ("ABCD" if canon else "")
     assert (args.rope_dim or args.head_dim) == (canon_rope if canon else args.head_dim)
@@ -56,7 +67,11 @@ def test_recipe_resolves_to_spec(name):
     assert training["max_norm"] == 1.0 and training["mixed_precision_param"] == "bfloat16"
     assert opt["name"] == "AdamW" and opt["lr"] == lr and opt["weight_decay"] == wd
     assert opt["betas"] == [0.9, 0.95] and opt["eps"] == 1e-8
-    assert sched["warmup_steps"] == warmup and sched["decay_type"] == "cosine" and sched["min_lr_factor"] == 0.01
+    assert (
+        sched["warmup_steps"] == warmup
+        and sched["decay_type"] == "cosine"
+        and sched["min_lr_factor"] == 0.01
+    )
     assert run["compile"]["enable"] and run["activation_checkpoint"]["mode"] == "none"
     assert run["job"]["seed"] == 777
     assert ("llama3" if size == "8B" else "llama2") in run["tokenizer"]["path"]
@@ -66,22 +81,50 @@ def test_recipe_resolves_to_spec(name):
 
 # Linear recipes (spec 5.7). size: (gpus, seq_len, steps, warmup, [(lr, wd), ...], dim, layers, heads, mlp, vocab)
 LINEAR_SIZES = {
-    "1B": (128, 16384, 480000, 12000, [(0.002, 0.01), (0.003, 0.00667), (0.005, 0.004)], 2048, 24, 16, 4096, 32000),
-    "3B": (256, 12288, 320000, 8000, [(0.002, 0.005), (0.003, 0.01), (0.005, 0.006)], 3072, 26, 24, 6144, 32000),
+    "1B": (
+        128,
+        16384,
+        480000,
+        12000,
+        [(0.002, 0.01), (0.003, 0.00667), (0.005, 0.004)],
+        2048,
+        24,
+        16,
+        4096,
+        32000,
+    ),
+    "3B": (
+        256,
+        12288,
+        320000,
+        8000,
+        [(0.002, 0.005), (0.003, 0.01), (0.005, 0.006)],
+        3072,
+        26,
+        24,
+        6144,
+        32000,
+    ),
     "8B": (512, 4096, 480000, 9000, [(0.002, 0.01), (0.003, 0.00667)], 4096, 32, 32, 9472, 128256),
 }
 LINEAR_ARCHS = {"GLA5": "gla5", "GDN2": "gdn2", "Mamba2": "mamba2"}
 LINEAR_VARIANTS = {"Canon": "AbbCD", "Conv": "bb"}
 LINEAR_RECIPES = {
     f"{arch}{variant}-{size}-Nemo-1T-lr{lr}": (arch, variant, size, lr, wd)
-    for arch in LINEAR_ARCHS for variant in LINEAR_VARIANTS
-    for size, spec in LINEAR_SIZES.items() for lr, wd in spec[4]
+    for arch in LINEAR_ARCHS
+    for variant in LINEAR_VARIANTS
+    for size, spec in LINEAR_SIZES.items()
+    for lr, wd in spec[4]
 }
 
 
 def test_all_48_linear_recipes_exist():
     assert len(LINEAR_RECIPES) == 48
-    files = {p.stem for p in (REPO / "train_configs").glob("*-Nemo-*.toml") if not p.stem.startswith("Llama")}
+    files = {
+        p.stem
+        for p in (REPO / "train_configs").glob("*-Nemo-*.toml")
+        if not p.stem.startswith("Llama")
+    }
     assert files == set(LINEAR_RECIPES)
 
 
@@ -90,9 +133,20 @@ def test_linear_recipe_resolves_to_spec(name):
     arch, variant, size, lr, wd = LINEAR_RECIPES[name]
     gpus, seq_len, steps, warmup, _, dim, layers, heads, mlp, vocab = LINEAR_SIZES[size]
     run = load(REPO / "train_configs" / f"{name}.toml", environment=False)
-    args, training, opt, sched = run.model_args, run["training"], run["optimizer"], run["lr_scheduler"]
+    args, training, opt, sched = (
+        run.model_args,
+        run["training"],
+        run["optimizer"],
+        run["lr_scheduler"],
+    )
     assert run["model"]["name"] == LINEAR_ARCHS[arch] and args.canon_set == LINEAR_VARIANTS[variant]
-    assert (args.dim, args.n_layers, args.n_heads, args.hidden_dim, args.vocab_size) == (dim, layers, heads, mlp, vocab)
+    assert (args.dim, args.n_layers, args.n_heads, args.hidden_dim, args.vocab_size) == (
+        dim,
+        layers,
+        heads,
+        mlp,
+        vocab,
+    )
     assert args.norm_eps == 1e-5 and not args.z_loss
     if arch == "Mamba2":
         assert args.state_size == 128 and args.head_dim == 256
@@ -102,7 +156,11 @@ def test_linear_recipe_resolves_to_spec(name):
     assert training["max_norm"] == 1.0 and training["mixed_precision_param"] == "bfloat16"
     assert opt["name"] == "AdamW" and opt["lr"] == lr and opt["weight_decay"] == wd
     assert opt["betas"] == [0.9, 0.95] and opt["eps"] == 1e-8
-    assert sched["warmup_steps"] == warmup and sched["decay_type"] == "cosine" and sched["min_lr_factor"] == 0.01
+    assert (
+        sched["warmup_steps"] == warmup
+        and sched["decay_type"] == "cosine"
+        and sched["min_lr_factor"] == 0.01
+    )
     assert run["compile"]["enable"] and run["job"]["seed"] == 777
     assert not run["dataloader"]["document_masking"] and run["dataloader"]["dataset"] == "tokens"
     assert run["tokenizer"]["kind"] == ("tiktoken" if size == "8B" else "sentencepiece")
@@ -119,12 +177,16 @@ def test_every_config_header_launches_it_through_the_project_s_launcher():
     files = sorted((REPO / "train_configs").rglob("*.toml"))
     assert len(files) > 70
     for path in files:
-        header = "".join(line for line in path.read_text().splitlines(keepends=True) if line.startswith("#"))
+        header = "".join(
+            line for line in path.read_text().splitlines(keepends=True) if line.startswith("#")
+        )
         assert "torchrun" not in header and "-m canon_titan.train" not in header, path
         run = re.search(r"Run: (.*)", header)
         assert run, f"{path}: no 'Run:' line in its header"
         own = str(path.relative_to(REPO))
-        assert (f"canon-titan train --config {own} " in run.group(1)
-                or run.group(1).startswith(f"CONFIG={own} NGPU=8 scripts/run_train.sh")
-                or run.group(1).startswith("scripts/playground.sh")
-                or run.group(1).startswith(f"canon-titan sweep {own}")), (path, run.group(1))
+        assert (
+            f"canon-titan train --config {own} " in run.group(1)
+            or run.group(1).startswith(f"CONFIG={own} NGPU=8 scripts/run_train.sh")
+            or run.group(1).startswith("scripts/playground.sh")
+            or run.group(1).startswith(f"canon-titan sweep {own}")
+        ), (path, run.group(1))

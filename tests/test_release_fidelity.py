@@ -28,31 +28,45 @@ def _export(tmp_path, config, overrides):
 def test_plain_llama_export_carries_rope_theta_for_both_transformers_majors(tmp_path):
     from transformers import LlamaForCausalLM
 
-    run, out, model = _export(tmp_path, CONFIGS["llama"], ["--model.qk_norm", "false", "--model.rope_theta", "500000"])
+    run, out, model = _export(
+        tmp_path, CONFIGS["llama"], ["--model.qk_norm", "false", "--model.rope_theta", "500000"]
+    )
     config = json.loads((out / "config.json").read_text())
     assert config["rope_theta"] == 500000 and config["rope_parameters"]["rope_theta"] == 500000
     assert config["dtype"] == config["torch_dtype"] == "float32"
     with torch.no_grad():
         reference = model(TOKENS)
         logits = LlamaForCausalLM.from_pretrained(out, dtype=torch.float32).eval()(TOKENS).logits
-    torch.testing.assert_close(logits, reference, rtol=1e-5, atol=1e-5 * reference.abs().max().item())
+    torch.testing.assert_close(
+        logits, reference, rtol=1e-5, atol=1e-5 * reference.abs().max().item()
+    )
     if not TRANSFORMERS_4.is_dir():
         pytest.skip("transformers 4.x not installed apart (scripts/test.sh installs it)")
     torch.save({"tokens": TOKENS, "logits": reference}, tmp_path / "expected.pt")
-    check = (f"import torch, transformers\n"
-             f"from transformers import LlamaForCausalLM\n"
-             f"assert transformers.__version__.startswith('4.'), transformers.__version__\n"
-             f"model = LlamaForCausalLM.from_pretrained({str(out)!r}, torch_dtype=torch.float32).eval()\n"
-             f"print('theta', model.config.rope_theta, 'dtype', model.config.torch_dtype)\n"
-             f"expected = torch.load({str(tmp_path / 'expected.pt')!r})\n"
-             f"with torch.no_grad():\n"
-             f"    logits = model(expected['tokens']).logits\n"
-             f"print('error', ((logits - expected['logits']).abs().max() / expected['logits'].abs().max()).item())\n")
-    proc = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": str(TRANSFORMERS_4)})
+    check = (
+        f"import torch, transformers\n"
+        f"from transformers import LlamaForCausalLM\n"
+        f"assert transformers.__version__.startswith('4.'), transformers.__version__\n"
+        f"model = LlamaForCausalLM.from_pretrained({str(out)!r}, torch_dtype=torch.float32).eval()\n"
+        f"print('theta', model.config.rope_theta, 'dtype', model.config.torch_dtype)\n"
+        f"expected = torch.load({str(tmp_path / 'expected.pt')!r})\n"
+        f"with torch.no_grad():\n"
+        f"    logits = model(expected['tokens']).logits\n"
+        f"print('error', ((logits - expected['logits']).abs().max() / expected['logits'].abs().max()).item())\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", check],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(TRANSFORMERS_4)},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     words = proc.stdout.split()
-    assert words[words.index("theta") + 1] == "500000.0" and words[words.index("dtype") + 1] == "torch.float32"
+    assert (
+        words[words.index("theta") + 1] == "500000.0"
+        and words[words.index("dtype") + 1] == "torch.float32"
+    )
     assert float(words[words.index("error") + 1]) < 1e-5
 
 
@@ -75,25 +89,36 @@ def test_from_hf_reads_the_release_full_rope_null(tmp_path):
         from_hf(out, tmp_path / "partial", partial)
 
 
-@pytest.mark.parametrize("config, field, value, found, expected", [
-    ("llama_canon", "canon_residual", False, "False", "True"),
-    ("llama_canon", "canon_activation", True, "True", "False"),
-    ("llama_canon", "canon_kernel", 3, "3", "4"),
-    ("llama_canon", "rope_theta", 500000.0, "500000.0", "10000.0"),
-    ("llama_canon", "rms_norm_eps", 1e-6, "1e-06", "1e-05"),
-    ("llama_canon", "hidden_act", "gelu", "'gelu'", "'silu'"),
-    ("llama", "rope_parameters", {"rope_type": "default", "rope_theta": 123.0}, "123.0", "10000.0"),
-    ("llama", "rms_norm_eps", 1e-6, "1e-06", "1e-05"),
-    ("llama", "attention_bias", True, "True", "False"),
-    ("gla5", "norm_eps", 1e-6, "1e-06", "1e-05"),
-    ("gla5", "canon_residual", False, "False", "True"),
-    ("mamba2", "use_conv_bias", False, "False", "True"),
-])
+@pytest.mark.parametrize(
+    "config, field, value, found, expected",
+    [
+        ("llama_canon", "canon_residual", False, "False", "True"),
+        ("llama_canon", "canon_activation", True, "True", "False"),
+        ("llama_canon", "canon_kernel", 3, "3", "4"),
+        ("llama_canon", "rope_theta", 500000.0, "500000.0", "10000.0"),
+        ("llama_canon", "rms_norm_eps", 1e-6, "1e-06", "1e-05"),
+        ("llama_canon", "hidden_act", "gelu", "'gelu'", "'silu'"),
+        (
+            "llama",
+            "rope_parameters",
+            {"rope_type": "default", "rope_theta": 123.0},
+            "123.0",
+            "10000.0",
+        ),
+        ("llama", "rms_norm_eps", 1e-6, "1e-06", "1e-05"),
+        ("llama", "attention_bias", True, "True", "False"),
+        ("gla5", "norm_eps", 1e-6, "1e-06", "1e-05"),
+        ("gla5", "canon_residual", False, "False", "True"),
+        ("mamba2", "use_conv_bias", False, "False", "True"),
+    ],
+)
 def test_from_hf_names_every_mismatched_field(tmp_path, config, field, value, found, expected):
     """A config.json that describes another model than the run's is refused, naming the field
     and both values (before, these imported silently and gave different logits)."""
     overrides = ["--model.qk_norm", "false"] if config == "llama" else []
-    run, step, _ = make_checkpoint(tmp_path, overrides, config=REPO / "train_configs" / f"{config}_debug.toml")
+    run, step, _ = make_checkpoint(
+        tmp_path, overrides, config=REPO / "train_configs" / f"{config}_debug.toml"
+    )
     out = to_hf(step, tmp_path / "hf", run)
     hf = json.loads((out / "config.json").read_text())
     hf[field] = value
@@ -101,7 +126,9 @@ def test_from_hf_names_every_mismatched_field(tmp_path, config, field, value, fo
         hf.pop("rope_theta")  # a transformers-5 config: theta only inside rope_parameters
     (out / "config.json").write_text(json.dumps(hf))
     name = "rope_theta" if field == "rope_parameters" else field
-    with pytest.raises(ConversionError, match=rf"{name} is {found}, the run config expects {expected}"):
+    with pytest.raises(
+        ConversionError, match=rf"{name} is {found}, the run config expects {expected}"
+    ):
         from_hf(out, tmp_path / "back", run)
     assert not (tmp_path / "back").exists()
 
@@ -124,15 +151,27 @@ def test_depo_defaults_follow_the_release():
 
     from synthetic_data import depo
 
-    assert depo.DepoParams().separator is False and not depo.DEPO1.separator and not depo.DEPO2.separator
+    assert (
+        depo.DepoParams().separator is False
+        and not depo.DEPO1.separator
+        and not depo.DEPO2.separator
+    )
     sample = depo.generate(depo.DEPO1, random.Random(0))
     assert depo.SEPARATOR not in sample.tokens
-    assert depo.SEPARATOR in depo.generate(depo.DepoParams(N=10, separator=True), random.Random(0)).tokens
+    assert (
+        depo.SEPARATOR
+        in depo.generate(depo.DepoParams(N=10, separator=True), random.Random(0)).tokens
+    )
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "canon_titan.cli", "data", "synthetic", *args], capture_output=True,
-                          text=True, timeout=300, cwd=REPO)
+    return subprocess.run(
+        [sys.executable, "-m", "canon_titan.cli", "data", "synthetic", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
 
 
 def test_data_synthetic_writes_the_dataloaders_samples(tmp_path):
@@ -146,26 +185,43 @@ def test_data_synthetic_writes_the_dataloaders_samples(tmp_path):
     proc = _cli("depo1", "--n", "30", "--out", str(out), "--depo.N", "12")
     assert proc.returncode == 0, proc.stderr
     records = [json.loads(line) for line in out.read_text().splitlines()]
-    run = load(REPO / "train_configs" / "llama_debug.toml",
-               ["--training.seq_len", "2048", "--dataloader.dataset", "depo1", "--depo.N", "12",
-                "--dataloader.answer_only_loss", "true"])
-    loader = SyntheticDataLoader(loader_config(run), dp_world_size=1, dp_rank=0, seq_len=2048, local_batch_size=1)
+    run = load(
+        REPO / "train_configs" / "llama_debug.toml",
+        [
+            "--training.seq_len",
+            "2048",
+            "--dataloader.dataset",
+            "depo1",
+            "--depo.N",
+            "12",
+            "--dataloader.answer_only_loss",
+            "true",
+        ],
+    )
+    loader = SyntheticDataLoader(
+        loader_config(run), dp_world_size=1, dp_rank=0, seq_len=2048, local_batch_size=1
+    )
     expected = [s for _, s in zip(range(30), loader.samples())]
     assert len(records) == 30
     for record, (window, sample, tokens, flags) in zip(records, expected):
-        assert (record["window"], tuple(record["sample"]), record["tokens"], record["loss_mask"]) == \
-               (window, sample, tokens, flags)
+        assert (
+            record["window"],
+            tuple(record["sample"]),
+            record["tokens"],
+            record["loss_mask"],
+        ) == (window, sample, tokens, flags)
         assert record["answer_mask"] == flags  # answer-only loss trains exactly on the answers
 
     test = tmp_path / "test.jsonl"
     assert _cli("mano", "--test", "--n", "3", "--out", str(test)).returncode == 0
     items = [json.loads(line) for line in test.read_text().splitlines()]
+    from canon_titan.evaluation.synthetic import DEFAULT_TEST_SEED
     from synthetic_data.tasks import make_task
 
-    from canon_titan.evaluation.synthetic import DEFAULT_TEST_SEED
-
     want = make_task("mano").test_items(DEFAULT_TEST_SEED, 3)
-    assert [(i["group"], i["prompt"], i["answer"]) for i in items] == [(w.group, w.prompt, w.answer) for w in want]
+    assert [(i["group"], i["prompt"], i["answer"]) for i in items] == [
+        (w.group, w.prompt, w.answer) for w in want
+    ]
 
     bad = _cli("depo1", "--n", "3", "--out", str(tmp_path / "x.jsonl"), "--depo.M", "3")
     assert bad.returncode == 2 and "[depo] M: unknown key" in bad.stderr

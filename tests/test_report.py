@@ -16,7 +16,9 @@ def write_run(folder, description, losses, evals, tokens_per_step):
     from torch.utils.tensorboard import SummaryWriter
 
     (folder / "tb" / "20260101-0000").mkdir(parents=True)
-    (folder / "run_config.toml").write_text(f'[job]\ndescription = "{description}"\n\n[metrics]\nsave_tb_folder = "tb"\n')
+    (folder / "run_config.toml").write_text(
+        f'[job]\ndescription = "{description}"\n\n[metrics]\nsave_tb_folder = "tb"\n'
+    )
     writer = SummaryWriter(str(folder / "tb" / "20260101-0000"))
     for step, loss in losses.items():
         writer.add_scalar("loss_metrics/global_avg_loss", loss, step)
@@ -30,11 +32,24 @@ def write_run(folder, description, losses, evals, tokens_per_step):
 @pytest.fixture
 def runs(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
-    write_run(a, "Llama", {s: 6 - 0.4 * s for s in range(1, 11)},
-              {("eval/depo1/accuracy", 5): 0.1, ("eval/depo1/accuracy", 10): 0.2}, 1000)
-    write_run(b, "LlamaCanon", {s: 6 - 0.5 * s for s in range(1, 11)},
-              {("eval/depo1/accuracy", 5): 0.3, ("eval/depo1/accuracy", 10): 0.9,
-               ("eval/tiny_ppl/bits_per_byte", 10): 4.5}, 2000)
+    write_run(
+        a,
+        "Llama",
+        {s: 6 - 0.4 * s for s in range(1, 11)},
+        {("eval/depo1/accuracy", 5): 0.1, ("eval/depo1/accuracy", 10): 0.2},
+        1000,
+    )
+    write_run(
+        b,
+        "LlamaCanon",
+        {s: 6 - 0.5 * s for s in range(1, 11)},
+        {
+            ("eval/depo1/accuracy", 5): 0.3,
+            ("eval/depo1/accuracy", 10): 0.9,
+            ("eval/tiny_ppl/bits_per_byte", 10): 4.5,
+        },
+        2000,
+    )
     return a, b
 
 
@@ -71,9 +86,16 @@ def test_a_run_that_logged_once_is_drawn_and_dated(tmp_path):
     image = np.asarray(Image.open(png).convert("RGB")).astype(int)
     width = image.shape[1]
     loss_panel = image[:, : width // 2]
-    assert (np.abs(loss_panel - (0x1F, 0x77, 0xB4)).sum(-1) < 30).sum() > 10  # the marker, in the run's colour
+    assert (
+        np.abs(loss_panel - (0x1F, 0x77, 0xB4)).sum(-1) < 30
+    ).sum() > 10  # the marker, in the run's colour
     header, rows = last_values([read_run(one)])
-    assert header[:3] == ["run", "last step", "tokens"] and rows[0][:4] == ["short", "30", "30,000", "7 (step 1)"]
+    assert header[:3] == ["run", "last step", "tokens"] and rows[0][:4] == [
+        "short",
+        "30",
+        "30,000",
+        "7 (step 1)",
+    ]
 
 
 def test_tokens_axis_and_panels(runs):
@@ -86,7 +108,9 @@ def test_bad_inputs(tmp_path, runs, capsys):
     (tmp_path / "empty").mkdir()
     assert main(["report", str(tmp_path / "empty"), "--out", str(tmp_path / "x.png")]) == 2
     assert "empty: no TensorBoard event files" in capsys.readouterr().err
-    assert main(["report", *map(str, runs), "--labels", "one", "--out", str(tmp_path / "x.png")]) == 2
+    assert (
+        main(["report", *map(str, runs), "--labels", "one", "--out", str(tmp_path / "x.png")]) == 2
+    )
     assert "--labels has 1 names for 2 runs" in capsys.readouterr().err
     assert not (tmp_path / "x.png").exists()
 
@@ -104,16 +128,30 @@ def test_validation_curves_of_two_runs_against_tokens_seen(tmp_path):
     from canon_titan.evaluation.report import figure, last_values
 
     a, b = tmp_path / "a", tmp_path / "b"
-    write_run(a, "Llama", {s: 6 - 0.4 * s for s in range(1, 11)},
-              {("validation/loss", 5): 4.5, ("validation/loss", 10): 4.25}, 1000)
-    write_run(b, "LlamaCanon", {s: 6 - 0.5 * s for s in range(1, 11)},
-              {("validation/loss", 4): 4.0, ("validation/loss", 8): 3.5}, 2000)
+    write_run(
+        a,
+        "Llama",
+        {s: 6 - 0.4 * s for s in range(1, 11)},
+        {("validation/loss", 5): 4.5, ("validation/loss", 10): 4.25},
+        1000,
+    )
+    write_run(
+        b,
+        "LlamaCanon",
+        {s: 6 - 0.5 * s for s in range(1, 11)},
+        {("validation/loss", 4): 4.0, ("validation/loss", 8): 3.5},
+        2000,
+    )
     runs = [read_run(a), read_run(b)]
     fig = figure(runs)
     assert [ax.get_title() for ax in fig.axes[:2]] == ["training loss", "validation loss"]
-    curves = {line.get_label(): (list(line.get_xdata()), list(line.get_ydata()))
-              for line in fig.axes[1].get_lines()}
-    assert curves == {"Llama": ([5000.0, 10000.0], [4.5, 4.25]),
-                      "LlamaCanon": ([8000.0, 16000.0], [4.0, 3.5])}
+    curves = {
+        line.get_label(): (list(line.get_xdata()), list(line.get_ydata()))
+        for line in fig.axes[1].get_lines()
+    }
+    assert curves == {
+        "Llama": ([5000.0, 10000.0], [4.5, 4.25]),
+        "LlamaCanon": ([8000.0, 16000.0], [4.0, 3.5]),
+    }
     header, rows = last_values(runs)
     assert header[3:5] == ["loss", "validation loss"] and rows[1][4] == "3.5 (step 8)"

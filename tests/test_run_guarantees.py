@@ -87,8 +87,14 @@ def test_a_lease_goes_when_its_process_ends_by_os_exit(tmp_path):
     from canon_titan.launch.ownership import LEASE_FILE
 
     dump = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-c", HOLD_THEN_RUN_OUT_OF_GRACE, str(dump)], cwd=REPO, env=train_env(),
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", HOLD_THEN_RUN_OUT_OF_GRACE, str(dump)],
+        cwd=REPO,
+        env=train_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 3 and "holding" in proc.stdout, proc.stderr[-3000:]
     assert "no checkpoint saved within" in proc.stderr
     assert not (dump / LEASE_FILE).exists()
@@ -101,7 +107,9 @@ def _write_lease(path, age=0.0, **holder):
     os.utime(path, (then, then))
 
 
-def test_a_lease_of_a_run_that_is_over_is_taken_over_and_a_live_one_refused(tmp_path, ownership, monkeypatch):
+def test_a_lease_of_a_run_that_is_over_is_taken_over_and_a_live_one_refused(
+    tmp_path, ownership, monkeypatch
+):
     """A lease from another host cannot be checked by pid. It is over when an earlier run of this
     SLURM job wrote it (the job was requeued, on another node) or when its holder stopped refreshing
     it; then the run takes it over. Otherwise, and for a lease that never said it would be refreshed,
@@ -112,8 +120,14 @@ def test_a_lease_of_a_run_that_is_over_is_taken_over_and_a_live_one_refused(tmp_
     monkeypatch.setenv("SLURM_STEP_ID", "0")
     fresh = {"refresh_s": ownership.LEASE_REFRESH_S}
     cases = [  # (the lease, whether it is taken over)
-        ({**fresh, "slurm_job": "777", "slurm_restart": 0, "slurm_step": "0"}, True),  # requeued job
-        ({**fresh, "slurm_job": "777", "slurm_restart": 1, "slurm_step": "1"}, False),  # another step, now
+        (
+            {**fresh, "slurm_job": "777", "slurm_restart": 0, "slurm_step": "0"},
+            True,
+        ),  # requeued job
+        (
+            {**fresh, "slurm_job": "777", "slurm_restart": 1, "slurm_step": "1"},
+            False,
+        ),  # another step, now
         ({**fresh, "slurm_job": "778", "slurm_restart": 0}, False),  # another job
         ({**fresh, "age": ownership.LEASE_EXPIRY_S + 60}, True),  # no longer refreshed
         ({**fresh, "age": ownership.LEASE_REFRESH_S * 2}, False),  # refreshed a moment ago
@@ -146,7 +160,9 @@ def test_async_checkpointing_is_refused_naming_the_key_and_the_allowed_value(tmp
         assert "[checkpoint] async_mode" in message and f"is '{mode}'" in message, message
         assert "only 'disabled' is supported" in message
     config = tmp_path / "async.toml"
-    config.write_text(DEBUG_CONFIG.read_text().replace("[checkpoint]", '[checkpoint]\nasync_mode = "async"', 1))
+    config.write_text(
+        DEBUG_CONFIG.read_text().replace("[checkpoint]", '[checkpoint]\nasync_mode = "async"', 1)
+    )
     with pytest.raises(ConfigError, match=f"^{config}: \\[checkpoint\\] async_mode"):
         load(config, [], environment=False)
     load(DEBUG_CONFIG, ["--checkpoint.async_mode", "disabled"], environment=False)
@@ -164,12 +180,22 @@ def test_fsdp_symmetric_memory_reaches_torchtitans_fsdp(monkeypatch):
     monkeypatch.setattr(parallelize, "apply_fsdp_to_decoder", lambda *a, **k: calls.append((a, k)))
     for wanted in (True, False):
         parallelize.apply_ac_compile_fsdp(
-            torch.nn.Linear(2, 2), parallel_dims=types.SimpleNamespace(dp_replicate_enabled=False, pp_enabled=False,
-                                                                        get_mesh=lambda names: None),
-            training=types.SimpleNamespace(mixed_precision_param="float32", mixed_precision_reduce="float32",
-                                           enable_cpu_offload=False),
-            parallelism=types.SimpleNamespace(fsdp_reshard_after_forward="default", enable_fsdp_symm_mem=wanted),
-            compile_config=types.SimpleNamespace(enable=False, components=[]), ac_config=None, dump_folder="")
+            torch.nn.Linear(2, 2),
+            parallel_dims=types.SimpleNamespace(
+                dp_replicate_enabled=False, pp_enabled=False, get_mesh=lambda names: None
+            ),
+            training=types.SimpleNamespace(
+                mixed_precision_param="float32",
+                mixed_precision_reduce="float32",
+                enable_cpu_offload=False,
+            ),
+            parallelism=types.SimpleNamespace(
+                fsdp_reshard_after_forward="default", enable_fsdp_symm_mem=wanted
+            ),
+            compile_config=types.SimpleNamespace(enable=False, components=[]),
+            ac_config=None,
+            dump_folder="",
+        )
         args, kwargs = calls.pop()
         assert kwargs["enable_symm_mem"] is wanted
         inspect.signature(real).bind(*args, **kwargs)  # what TorchTitan's function takes
@@ -189,21 +215,32 @@ class HostSyncs(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def checkpointer_over(params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer | None = None):
+def checkpointer_over(
+    params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer | None = None
+):
     """A CanonCheckpointer's checks over ``params`` (and ``optimizer``'s state), without a run."""
     from canon_titan.components.checkpointer import CanonCheckpointer
 
     checkpointer = CanonCheckpointer.__new__(CanonCheckpointer)
-    checkpointer.enable, checkpointer.folder, checkpointer.checked, checkpointer.damaged = True, "nowhere", set(), set()
+    checkpointer.enable, checkpointer.folder, checkpointer.checked, checkpointer.damaged = (
+        True,
+        "nowhere",
+        set(),
+        set(),
+    )
     checkpointer.stager = None  # what TorchTitan's close (from __del__) reads of a built one
-    checkpointer.states = {"model": types.SimpleNamespace(model=[torch.nn.ParameterList(params)]),
-                           "optimizer": [optimizer] if optimizer is not None else []}
+    checkpointer.states = {
+        "model": types.SimpleNamespace(model=[torch.nn.ParameterList(params)]),
+        "optimizer": [optimizer] if optimizer is not None else [],
+    }
     return checkpointer
 
 
 @pytest.mark.parametrize("where", ["parameters", "optimizer state"])
 @pytest.mark.parametrize("broken", [None, math.nan, math.inf])
-def test_the_finiteness_check_covers_the_optimizer_state_and_syncs_with_the_host_once(broken, where):
+def test_the_finiteness_check_covers_the_optimizer_state_and_syncs_with_the_host_once(
+    broken, where
+):
     """Before a save, whether every parameter and every optimizer state tensor is finite costs one host
     sync, whatever their number (at 4a7b0a2: one per parameter, 30 here, and the optimizer state
     was not checked at all), and still finds a NaN or inf in the last one (naming which of the two
@@ -218,7 +255,9 @@ def test_the_finiteness_check_covers_the_optimizer_state_and_syncs_with_the_host
     with torch.no_grad():
         params[0][0, 0] = 3e38  # finite: its square is not
         if broken is not None:
-            target = params[-1] if where == "parameters" else optimizer.state[params[-1]]["exp_avg_sq"]
+            target = (
+                params[-1] if where == "parameters" else optimizer.state[params[-1]]["exp_avg_sq"]
+            )
             target[2, 4] = broken
     checkpointer = checkpointer_over(params, optimizer)
     with HostSyncs() as syncs:
@@ -226,7 +265,9 @@ def test_the_finiteness_check_covers_the_optimizer_state_and_syncs_with_the_host
             checkpointer._check_finite(7)
         else:
             verb = "are" if where == "parameters" else "is"
-            with pytest.raises(NonFiniteParameters, match=f"the {where} at step 7 {verb} not finite"):
+            with pytest.raises(
+                NonFiniteParameters, match=f"the {where} at step 7 {verb} not finite"
+            ):
                 checkpointer._check_finite(7)
     assert syncs.count == (1 if broken is None else 2)
 
@@ -239,8 +280,13 @@ def _decide_on_two_ranks(rank: int, port: int, results) -> None:
     from canon_titan.tools.collectives import rank_zero_decides
     from canon_titan.trainer import RESUME_REFUSALS
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=2,
+        timeout=datetime.timedelta(seconds=60),
+    )
 
     def decide():
         raise PermissionError(errno.EACCES, "Permission denied", "/runs/x/checkpoint")
@@ -262,7 +308,9 @@ def test_a_failure_of_rank_zeros_resume_decision_stops_every_rank():
 
     ctx = multiprocessing.get_context("spawn")
     results, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=_decide_on_two_ranks, args=(rank, port, results)) for rank in range(2)]
+    procs = [
+        ctx.Process(target=_decide_on_two_ranks, args=(rank, port, results)) for rank in range(2)
+    ]
     started = time.monotonic()
     for p in procs:
         p.start()
@@ -270,7 +318,9 @@ def test_a_failure_of_rank_zeros_resume_decision_stops_every_rank():
     for p in procs:
         p.join(timeout=30)
     assert outcome[0].startswith("PermissionError: [Errno 13] Permission denied"), outcome
-    assert outcome[1] == ("RankZeroFailed: rank 0 could not decide where to resume: "
-                          "PermissionError: [Errno 13] Permission denied: "
-                          "'/runs/x/checkpoint'"), outcome
+    assert outcome[1] == (
+        "RankZeroFailed: rank 0 could not decide where to resume: "
+        "PermissionError: [Errno 13] Permission denied: "
+        "'/runs/x/checkpoint'"
+    ), outcome
     assert time.monotonic() - started < 60

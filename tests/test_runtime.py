@@ -24,7 +24,9 @@ def test_shims_match_this_machine():
     from torch.distributed.pipelining import schedules
 
     for cls in (schedules.PipelineScheduleSingle, schedules.PipelineScheduleMulti):
-        assert "arg_mbs" in inspect.signature(cls.step).parameters or getattr(cls.step, "_canon_titan_shim", False)
+        assert "arg_mbs" in inspect.signature(cls.step).parameters or getattr(
+            cls.step, "_canon_titan_shim", False
+        )
     assert runtime.apply() == applied  # idempotent
 
 
@@ -63,7 +65,9 @@ def test_ranks_leave_training_together_without_torchtitans_sleep(tmp_path):
     context = mp.get_context("spawn")
     queue = context.Queue()
     init = f"file://{tmp_path / 'store'}"
-    mp.start_processes(_end_barrier_worker, args=(2, init, queue), nprocs=2, join=True, start_method="spawn")
+    mp.start_processes(
+        _end_barrier_worker, args=(2, init, queue), nprocs=2, join=True, start_method="spawn"
+    )
     waited = dict(queue.get(timeout=5) for _ in range(2))
     assert waited[0] >= 1.0 and waited[1] < 1.0
 
@@ -76,10 +80,14 @@ def _foreach_on_dtensors(count: int, strided: bool, rows: int):
 
     mesh = init_device_mesh("cpu", (1,))
     placement = _StridedShard(0, split_factor=2) if strided else Shard(0)
-    tensors = [DTensor.from_local(torch.full((rows, 3), float(i)), mesh, [placement]) for i in range(count)]
+    tensors = [
+        DTensor.from_local(torch.full((rows, 3), float(i)), mesh, [placement]) for i in range(count)
+    ]
     out = torch._foreach_add(tensors, tensors)
     assert all(torch.equal(o.to_local(), 2 * t.to_local()) for o, t in zip(out, tensors))
-    return [(o.placements, o._spec.use_strided_shard_as_shard_order, o._spec.shard_order) for o in out]
+    return [
+        (o.placements, o._spec.use_strided_shard_as_shard_order, o._spec.shard_order) for o in out
+    ]
 
 
 def test_the_strided_shard_scan_runs_once_per_op_not_once_per_tensor(monkeypatch, tmp_path):
@@ -105,7 +113,9 @@ def test_the_strided_shard_scan_runs_once_per_op_not_once_per_tensor(monkeypatch
 
     started = not dist.is_initialized()
     if started:
-        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+        dist.init_process_group(
+            "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+        )
     try:
         placements, counts = {}, {}
         for shimmed in (True, False):
@@ -115,12 +125,19 @@ def test_the_strided_shard_scan_runs_once_per_op_not_once_per_tensor(monkeypatch
                 monkeypatch.setattr(sharding_prop, "_propagate_use_strided_shard_flag", counted)
             for strided in (False, True):
                 calls.clear()
-                placements[shimmed, strided] = _foreach_on_dtensors(24, strided, rows=4 + 2 * len(counts))
+                placements[shimmed, strided] = _foreach_on_dtensors(
+                    24, strided, rows=4 + 2 * len(counts)
+                )
                 counts[shimmed, strided] = list(calls)
     finally:
         if started:
             dist.destroy_process_group()
-    assert counts == {(False, False): [48] * 24, (False, True): [48] * 24, (True, False): [], (True, True): [1] * 24}
+    assert counts == {
+        (False, False): [48] * 24,
+        (False, True): [48] * 24,
+        (True, False): [],
+        (True, True): [1] * 24,
+    }
     for strided in (False, True):
         assert placements[True, strided] == placements[False, strided]
 
@@ -152,15 +169,26 @@ def test_importing_canon_titan_changes_nothing_process_wide_and_its_programs_do(
 
     from conftest import REPO
 
-    probe = ("import atexit, gc, logging\n"
-             "atexit.register(lambda: print('frozen at exit:', gc.get_freeze_count()))\n"
-             "import canon_titan.cli, canon_titan.trainer, canon_titan.plan.planner\n"
-             "{program}"
-             "print('filters:', len(logging.getLogger('torchao').filters))\n")
+    probe = (
+        "import atexit, gc, logging\n"
+        "atexit.register(lambda: print('frozen at exit:', gc.get_freeze_count()))\n"
+        "import canon_titan.cli, canon_titan.trainer, canon_titan.plan.planner\n"
+        "{program}"
+        "print('filters:', len(logging.getLogger('torchao').filters))\n"
+    )
     counts = {}
     for name, program in (("library", ""), ("program", "canon_titan.cli.main(['--help'])\n")):
-        out = subprocess.run([sys.executable, "-c", probe.format(program=program)], capture_output=True, text=True,
-                             timeout=300, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)}).stdout
-        counts[name] = (int(out.split("filters:")[1].split()[0]), int(out.split("frozen at exit:")[1].split()[0]))
+        out = subprocess.run(
+            [sys.executable, "-c", probe.format(program=program)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=tmp_path,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+        ).stdout
+        counts[name] = (
+            int(out.split("filters:")[1].split()[0]),
+            int(out.split("frozen at exit:")[1].split()[0]),
+        )
     assert counts["library"] == (0, 0), counts
     assert counts["program"][0] == 1 and counts["program"][1] > 1000, counts

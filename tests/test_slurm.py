@@ -23,9 +23,21 @@ case "$*" in *canon_titan.launch.torchrun*) exit "${!node_exit:-${FAKE_TORCHRUN_
 
 def slurm_env(tmp_path, submit, **extra):
     bin_dir = slurm_standin.install(tmp_path / "bin")
-    env = dict(train_env(), PATH=f"{bin_dir}:{train_env()['PATH']}", SLURM_JOB_NODELIST="node[1-2]",
-               SLURM_NNODES="2", SLURM_SUBMIT_DIR=str(submit), **extra)
-    for name in ("GPUS_PER_NODE", "OMP_NUM_THREADS", "SLURM_GPUS_ON_NODE", "SLURM_GPUS_PER_NODE", "SLURM_CPUS_PER_TASK"):
+    env = dict(
+        train_env(),
+        PATH=f"{bin_dir}:{train_env()['PATH']}",
+        SLURM_JOB_NODELIST="node[1-2]",
+        SLURM_NNODES="2",
+        SLURM_SUBMIT_DIR=str(submit),
+        **extra,
+    )
+    for name in (
+        "GPUS_PER_NODE",
+        "OMP_NUM_THREADS",
+        "SLURM_GPUS_ON_NODE",
+        "SLURM_GPUS_PER_NODE",
+        "SLURM_CPUS_PER_TASK",
+    ):
         if name not in extra:
             env.pop(name, None)
     return env
@@ -41,45 +53,78 @@ def fake_submit_dir(tmp_path):
     return submit
 
 
-@pytest.mark.parametrize("given, gpus, threads", [
-    ({"SLURM_GPUS_ON_NODE": "4", "SLURM_CPUS_PER_TASK": "48"}, 4, 12),
-    ({"SLURM_GPUS_PER_NODE": "h100:2", "SLURM_CPUS_PER_TASK": "16"}, 2, 8),
-    ({"GPUS_PER_NODE": "3", "SLURM_GPUS_ON_NODE": "4", "SLURM_CPUS_PER_TASK": "2"}, 3, 1),
-    ({"SLURM_GPUS_ON_NODE": "2", "OMP_NUM_THREADS": "5"}, 2, 5),
-], ids=["gpus_on_node", "typed_gpus_per_node", "override", "threads_given"])
+@pytest.mark.parametrize(
+    "given, gpus, threads",
+    [
+        ({"SLURM_GPUS_ON_NODE": "4", "SLURM_CPUS_PER_TASK": "48"}, 4, 12),
+        ({"SLURM_GPUS_PER_NODE": "h100:2", "SLURM_CPUS_PER_TASK": "16"}, 2, 8),
+        ({"GPUS_PER_NODE": "3", "SLURM_GPUS_ON_NODE": "4", "SLURM_CPUS_PER_TASK": "2"}, 3, 1),
+        ({"SLURM_GPUS_ON_NODE": "2", "OMP_NUM_THREADS": "5"}, 2, 5),
+    ],
+    ids=["gpus_on_node", "typed_gpus_per_node", "override", "threads_given"],
+)
 def test_the_processes_per_node_follow_the_gpus_slurm_gives(tmp_path, given, gpus, threads):
     """One process per GPU that SLURM gave each node (its type stripped), its share of the task's CPUs as
     threads. At 432670c it was 8 whatever the allocation."""
     submit = fake_submit_dir(tmp_path)
     env = slurm_env(tmp_path, submit, SLURM_JOB_ID="11", FAKE_LOG=str(tmp_path / "calls"), **given)
-    proc = subprocess.run(["bash", str(TEMPLATE), "run.toml", "--training.steps", "3"], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        ["bash", str(TEMPLATE), "run.toml", "--training.steps", "3"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr
-    node0, node1 = (tmp_path / "calls").read_text().splitlines()  # the wrapper checks the config at 2 x gpus
+    node0, node1 = (
+        (tmp_path / "calls").read_text().splitlines()
+    )  # the wrapper checks the config at 2 x gpus
     for node in (node0, node1):
         assert node.startswith(f"OMP_NUM_THREADS={threads} ")
-        assert f"--nnodes 2 --nproc_per_node {gpus} " in node and node.endswith("--training.steps 3")
+        assert f"--nnodes 2 --nproc_per_node {gpus} " in node and node.endswith(
+            "--training.steps 3"
+        )
 
 
 def test_without_a_gpu_count_the_template_says_what_to_set(tmp_path):
     submit = fake_submit_dir(tmp_path)
     env = slurm_env(tmp_path, submit, SLURM_JOB_ID="11", FAKE_LOG=str(tmp_path / "calls"))
-    proc = subprocess.run(["bash", str(TEMPLATE), "run.toml"], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=60)
+    proc = subprocess.run(
+        ["bash", str(TEMPLATE), "run.toml"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2 and not (tmp_path / "calls").exists()
     assert proc.stderr.strip().splitlines() == [
         "canon-titan: cannot tell the GPUs per node (SLURM_GPUS_ON_NODE and SLURM_GPUS_PER_NODE are not set): "
-        "keep '#SBATCH --gpus-per-node', or set GPUS_PER_NODE"]
+        "keep '#SBATCH --gpus-per-node', or set GPUS_PER_NODE"
+    ]
 
 
 def run_fake_job(tmp_path, job: str, timeout: int = 60, **extra):
     """The template on two fake nodes of one GPU each (``fake_submit_dir``), as job ``job``."""
     submit = fake_submit_dir(tmp_path)
-    env = slurm_env(tmp_path, submit, SLURM_JOB_ID=job, SLURM_GPUS_ON_NODE="1",
-                    FAKE_LOG=str(tmp_path / "calls"), **extra)
+    env = slurm_env(
+        tmp_path,
+        submit,
+        SLURM_JOB_ID=job,
+        SLURM_GPUS_ON_NODE="1",
+        FAKE_LOG=str(tmp_path / "calls"),
+        **extra,
+    )
     env.pop("TRITON_CACHE_DIR", None)
-    return subprocess.run(["bash", str(TEMPLATE), "run.toml"], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=timeout), submit
+    return subprocess.run(
+        ["bash", str(TEMPLATE), "run.toml"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    ), submit
 
 
 def test_a_failure_is_not_requeued(tmp_path):
@@ -96,8 +141,14 @@ def test_a_stop_is_requeued_on_sruns_code_decided_on_the_first_node(tmp_path, no
     the checkpoint the first saved (NFS) and exited 3. At 381a133 srun (--kill-on-bad-exit) killed
     the slower node and reported 143, and the job requeued only on a marker file, which a node may
     not see seconds after another node made it."""
-    proc, submit = run_fake_job(tmp_path, "13", timeout=120, FAKE_TORCHRUN_EXIT_NODE0="75",
-                                FAKE_TORCHRUN_EXIT_NODE1=node1, SRUN_SLOW_NODE_S="3")
+    proc, submit = run_fake_job(
+        tmp_path,
+        "13",
+        timeout=120,
+        FAKE_TORCHRUN_EXIT_NODE0="75",
+        FAKE_TORCHRUN_EXIT_NODE1=node1,
+        SRUN_SLOW_NODE_S="3",
+    )
     assert proc.returncode == 75, proc.stderr
     assert "requeueing job 13 to resume from it" in proc.stderr
     assert (tmp_path / "bin" / "requeued").read_text() == "13\n"
@@ -123,12 +174,38 @@ def test_a_preemption_whose_nodes_end_apart_is_requeued(tmp_path):
     (submit / ".venv").symlink_to(REPO / ".venv")
     port = free_port()
     dump = tmp_path / "run"
-    env = slurm_env(tmp_path, submit, SLURM_JOB_ID=str(port), SLURM_GPUS_ON_NODE="1", SLURM_CPUS_PER_TASK="1",
-                    RDZV_PORT=str(port), SRUN_SLOW_NODE_S="3")
+    env = slurm_env(
+        tmp_path,
+        submit,
+        SLURM_JOB_ID=str(port),
+        SLURM_GPUS_ON_NODE="1",
+        SLURM_CPUS_PER_TASK="1",
+        RDZV_PORT=str(port),
+        SRUN_SLOW_NODE_S="3",
+    )
     proc = subprocess.Popen(
-        ["bash", str(TEMPLATE), str(DEBUG_CONFIG), *COMMON, "--training.steps", "500", "--training.local_batch_size",
-         "2", "--checkpoint.enable", "--checkpoint.interval", "100", "--job.dump_folder", str(dump)],
-        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        [
+            "bash",
+            str(TEMPLATE),
+            str(DEBUG_CONFIG),
+            *COMMON,
+            "--training.steps",
+            "500",
+            "--training.local_batch_size",
+            "2",
+            "--checkpoint.enable",
+            "--checkpoint.interval",
+            "100",
+            "--job.dump_folder",
+            str(dump),
+        ],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     lines = []
     try:
         for line in proc.stdout:

@@ -11,15 +11,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import slurm_standin
-from conftest import REPO, free_port, train_env
 
+import slurm_standin
 from canon_titan.config import load
 from canon_titan.sweep import budget as budgets
 from canon_titan.sweep import plots, results
 from canon_titan.sweep.cells import Task, task_label
 from canon_titan.sweep.scores import SyntheticEval
 from canon_titan.sweep.spec import Arm, SweepError, read_spec
+from conftest import REPO, free_port, train_env
 
 DEPO = REPO / "train_configs" / "playground" / "depo.toml"
 TINY = {
@@ -231,19 +231,35 @@ def test_flops_and_gpu_hours_budgets_are_the_planners(tmp_path, monkeypatch):
 
     real_plan = planner.plan
     monkeypatch.setattr(planner, "plan", plan_once)
-    fixed = {**TINY, "training.seq_len": 256, "training.local_batch_size": 8,
-             "training.global_batch_size": 8}
+    fixed = {
+        **TINY,
+        "training.seq_len": 256,
+        "training.local_batch_size": 8,
+        "training.global_batch_size": 8,
+    }
     args = budgets.override_args(list(fixed.items()))
-    planned = {c: plan_once(str(DEPO), [*args, f"--model.canon_set={json.dumps(c)}"], gpus=1,
-                            gpu=find_gpu("h100"), advise=False) for c in ("", "ABCD")}
+    planned = {
+        c: plan_once(
+            str(DEPO),
+            [*args, f"--model.canon_set={json.dumps(c)}"],
+            gpus=1,
+            gpu=find_gpu("h100"),
+            advise=False,
+        )
+        for c in ("", "ABCD")
+    }
     flops = {c: p.kinds[0].model_flops for c, p in planned.items()}
     assert flops["ABCD"] > flops[""]
     hours = {c: p.step_s / 3600 for c, p in planned.items()}
     for match, per_step in (("flops", flops), ("gpu_hours", hours)):
         budget = per_step[""] * 1000
-        spec = write_spec(tmp_path / f"{match}.toml", tmp_path / "out",
-                          axes={"model.canon_set": ["", "ABCD"]}, fixed=fixed,
-                          budget=[f'match = "{match}"', f"{match} = {budget!r}", 'gpu = "h100"'])
+        spec = write_spec(
+            tmp_path / f"{match}.toml",
+            tmp_path / "out",
+            axes={"model.canon_set": ["", "ABCD"]},
+            fixed=fixed,
+            budget=[f'match = "{match}"', f"{match} = {budget!r}", 'gpu = "h100"'],
+        )
         arm_runs, _ = budgets.plan_sweep(read_spec(spec))
         assert [a.steps for a in arm_runs] == [1000, round(budget / per_step["ABCD"])]
     assert len(plans) == 2 and arm_runs[1].steps < 1000
@@ -273,12 +289,22 @@ def brevo_tables(folder: Path, count: int = 10):
     raw = {**summarize(task, items, [[] for _ in items]), "test_set": task.test_set(count)}
     (folder / "eval_synthetic.json").write_text(json.dumps(raw))
     record = SyntheticEval(count).write_scores(folder, 12.0)
-    arm = budgets.ArmRun(Task("x.toml", "playground/brevo", "brevo1 with N=10"),
-                         Arm((("model.name", "llama"),)), None, 512, 512, steps=60)
-    result = results.collect([arm], {("playground/brevo", "llama", 777): record},
-                             SyntheticEval(count))
-    budget = budgets.Budget("tokens", {"playground/brevo": 30720.0},
-                            {"playground/brevo": "what llama spends in 60 steps"})
+    arm = budgets.ArmRun(
+        Task("x.toml", "playground/brevo", "brevo1 with N=10"),
+        Arm((("model.name", "llama"),)),
+        None,
+        512,
+        512,
+        steps=60,
+    )
+    result = results.collect(
+        [arm], {("playground/brevo", "llama", 777): record}, SyntheticEval(count)
+    )
+    budget = budgets.Budget(
+        "tokens",
+        {"playground/brevo": 30720.0},
+        {"playground/brevo": "what llama spends in 60 steps"},
+    )
     return record, result, budget
 
 
@@ -290,14 +316,21 @@ def test_the_header_says_what_was_drawn_and_how_it_was_grouped(tmp_path):
     sizes = {name: g["total"] for name, g in record["groups"].items() if name != "all"}
     assert len(set(sizes.values())) > 1 and sum(sizes.values()) == 40  # not 10 each
     listed = ", ".join(f"{name} {n}" for name, n in sizes.items())
-    assert f"Test set: 40 graphs of 10 nodes, grouped by the query's depth (items per group: " \
+    assert (
+        f"Test set: 40 graphs of 10 nodes, grouped by the query's depth (items per group: "
         f"{listed})." in text
+    )
     assert "### playground/brevo (brevo1 with N=10)" in text
 
 
 def playground(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "scripts/playground.py", *map(str, args)], cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "scripts/playground.py", *map(str, args)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_a_group_at_zero_is_drawn_and_printed_inside_its_bounds(tmp_path):
@@ -314,8 +347,10 @@ def test_a_group_at_zero_is_drawn_and_printed_inside_its_bounds(tmp_path):
     assert replot.returncode == 0 and (tmp_path / "again" / "accuracy.png").is_file(), replot.stderr
     del table["tasks"]["playground/brevo"]["arms"]["llama"]["seeds"]
     (tmp_path / "broken.json").write_text(json.dumps(table))
-    for path, message in ((tmp_path / "broken.json", "no 'seeds' in arm 'llama' of "),
-                          (tmp_path / "none.json", "cannot be read (No such file or directory)")):
+    for path, message in (
+        (tmp_path / "broken.json", "no 'seeds' in arm 'llama' of "),
+        (tmp_path / "none.json", "cannot be read (No such file or directory)"),
+    ):
         replot = playground("--replot", path, "--out", tmp_path)
         assert replot.returncode == 1 and message in replot.stderr, replot.stderr
 
@@ -447,8 +482,10 @@ def test_a_tiny_sweep_end_to_end_and_again_after_an_interruption(tmp_path):
                 cell = task["arms"][arm]["seeds"][str(seed)]["groups"][group]
                 assert cell["correct"] / cell["total"] == expected["values"][[1, 2].index(seed)]
                 low, high = 100 * interval.low, 100 * interval.high
-                assert results.seed_cell(cell, SyntheticEval(6)) == \
-                    f"{100 * cell['value']:.1f} ({low:.0f}-{high:.0f})"
+                assert (
+                    results.seed_cell(cell, SyntheticEval(6))
+                    == f"{100 * cell['value']:.1f} ({low:.0f}-{high:.0f})"
+                )
     import test_sweep_stats as reference
 
     for comparison in task["comparisons"]:
@@ -606,11 +643,11 @@ def test_report_of_a_sweep_draws_its_cells_one_colour_per_arm(tmp_path):
     of an arm share its colour, and a cell that has not started is left out. The last logged loss
     is what ``[eval] kind = "loss"`` scores."""
     from PIL import Image
-    from test_report import write_run
 
     from canon_titan.cli import main
     from canon_titan.evaluation.report import sweep_cells
     from canon_titan.sweep.scores import LossEval
+    from test_report import write_run
 
     cells = []
     for arm, slope in (("llama", 0.3), ("llama_canon", 0.5)):
@@ -621,8 +658,12 @@ def test_report_of_a_sweep_draws_its_cells_one_colour_per_arm(tmp_path):
     cells.append({"folder": str(tmp_path / "cells" / "later"), "task": "t", "arm": "D", "seed": 1})
     (tmp_path / "sweep.json").write_text(json.dumps({"spec": "s.toml", "cells": cells}))
     runs = sweep_cells(tmp_path)
-    assert [r.label for r in runs] == ["llama seed 1", "llama seed 2", "llama_canon seed 1",
-                                       "llama_canon seed 2"]
+    assert [r.label for r in runs] == [
+        "llama seed 1",
+        "llama seed 2",
+        "llama_canon seed 1",
+        "llama_canon seed 2",
+    ]
     assert [r.colour_key for r in runs] == ["llama", "llama", "llama_canon", "llama_canon"]
     assert main(["report", str(tmp_path), "--out", str(tmp_path / "curves.png")]) == 0
     image = np.asarray(Image.open(tmp_path / "curves.png").convert("RGB")).astype(int)
@@ -638,16 +679,28 @@ def test_lm_eval_scores_are_read_as_accuracies_out_of_their_items(tmp_path):
     the items lm-eval scored, which gives it a Wilson interval; a group's aggregate is left out."""
     from canon_titan.sweep.scores import LmEval
 
-    record = {"results": {"hellaswag": {"alias": "hellaswag", "acc,none": 0.25,
-                                        "acc_stderr,none": 0.1, "acc_norm,none": 0.3},
-                          "tiny_gen": {"exact_match,none": 0.5},
-                          "canon_avg10": {"acc,none": 0.4}},
-              "n-samples": {"hellaswag": {"original": 10042, "effective": 40},
-                            "tiny_gen": {"original": 6, "effective": 6}}}
+    record = {
+        "results": {
+            "hellaswag": {
+                "alias": "hellaswag",
+                "acc,none": 0.25,
+                "acc_stderr,none": 0.1,
+                "acc_norm,none": 0.3,
+            },
+            "tiny_gen": {"exact_match,none": 0.5},
+            "canon_avg10": {"acc,none": 0.4},
+        },
+        "n-samples": {
+            "hellaswag": {"original": 10042, "effective": 40},
+            "tiny_gen": {"original": 6, "effective": 6},
+        },
+    }
     (tmp_path / "eval_lm.json").write_text(json.dumps(record))
     groups = LmEval(["hellaswag", "tiny_gen"], 40).groups(tmp_path)
-    assert groups == {"hellaswag": {"value": 0.25, "correct": 10, "total": 40},
-                      "tiny_gen": {"value": 0.5, "correct": 3, "total": 6}}
+    assert groups == {
+        "hellaswag": {"value": 0.25, "correct": 10, "total": 40},
+        "tiny_gen": {"value": 0.5, "correct": 3, "total": 6},
+    }
     assert results.seed_cell(groups["hellaswag"], LmEval([], None)) == "25.0 (14-40)"
 
 
@@ -661,9 +714,14 @@ def test_every_shipped_spec_resolves_every_arm():
         spec = read_spec(path)
         arm_runs, budget = budgets.plan_sweep(spec)
         arms[path.stem] = [(a.arm.label, a.steps) for a in arm_runs]
-        assert budget.kind == "tokens" and len(budgets.cells_of(spec, arm_runs)) == \
-            len(arm_runs) * len(spec.seeds)
+        assert budget.kind == "tokens" and len(budgets.cells_of(spec, arm_runs)) == len(
+            arm_runs
+        ) * len(spec.seeds)
     assert arms["quickstart"] == [("llama", 300), ("llama_canon", 300)]
     assert [label for label, _ in arms["canon_placements"]] == ['""', "A", "B", "C", "D", "ABCD"]
-    assert [label for label, _ in arms["linear_canon"]] == ['gla5 ""', "gla5 AbCD", "mamba2 b",
-                                                            "mamba2 AbCD"]
+    assert [label for label, _ in arms["linear_canon"]] == [
+        'gla5 ""',
+        "gla5 AbCD",
+        "mamba2 b",
+        "mamba2 AbCD",
+    ]

@@ -9,7 +9,9 @@ from synthetic_data import brevo, depo, mano
 from synthetic_data.common import BOS, sample_rng, sample_size, split_words
 
 
-@pytest.mark.parametrize("params", [depo.DEPO1, depo.DEPO2, depo.DepoParams(N=20, K=4, separator=False)])
+@pytest.mark.parametrize(
+    "params", [depo.DEPO1, depo.DEPO2, depo.DepoParams(N=20, K=4, separator=False)]
+)
 def test_depo_answers_are_kth_successors(params):
     for index in range(30):
         sample = depo.generate(params, sample_rng(1, 0, index), test=index % 3 == 0)
@@ -17,13 +19,21 @@ def test_depo_answers_are_kth_successors(params):
         nxt = depo.successor_map(sample.tokens, params)
         assert len(nxt) == sample.meta["n"]
         # Read each query back from the tokens: [9000+k] source [9500] answer.
-        rest = sample.tokens[sample.tokens.index(next(t for t in sample.tokens if depo.HOP_BASE <= t < depo.ANSWER)):]
+        rest = sample.tokens[
+            sample.tokens.index(
+                next(t for t in sample.tokens if depo.HOP_BASE <= t < depo.ANSWER)
+            ) :
+        ]
         answered = 0
         while rest:
             k = rest[0] - depo.HOP_BASE
             answer_at = rest.index(depo.ANSWER)
             (source,) = split_words(rest[1:answer_at], params.mini_vocab)
-            following = [i for i, t in enumerate(rest[answer_at + 1 :], answer_at + 1) if depo.HOP_BASE <= t < depo.ANSWER]
+            following = [
+                i
+                for i, t in enumerate(rest[answer_at + 1 :], answer_at + 1)
+                if depo.HOP_BASE <= t < depo.ANSWER
+            ]
             end = following[0] if following else len(rest)
             (answer,) = split_words(rest[answer_at + 1 : end], params.mini_vocab)
             node = source
@@ -42,7 +52,9 @@ def test_depo_test_hops_and_sizes():
     assert depo.test_hops(12) == [1, 2, 4, 8, 12]
     rng = random.Random(0)
     sizes = [sample_size(rng, 100) for _ in range(5000)]
-    assert min(sizes) >= 3 and max(sizes) <= 100 and sizes.count(3) > sizes.count(100) * 3  # favours small n
+    assert (
+        min(sizes) >= 3 and max(sizes) <= 100 and sizes.count(3) > sizes.count(100) * 3
+    )  # favours small n
     sample = depo.generate(depo.DEPO1, sample_rng(0, 0, 0), test=True, hops=8)
     assert sample.meta["n"] == 300 and {q["hops"] for q in sample.meta["queries"]} == {8}
 
@@ -84,17 +96,23 @@ def test_same_seed_same_samples_and_ranks_differ():
     assert b != brevo.generate(brevo.BREVO2, sample_rng(5, 1, 7)).tokens
 
 
-@pytest.mark.parametrize("params", [mano.MANO, mano.ManoParams(L=6, operators="+-*/", knowledge_augment=False)])
+@pytest.mark.parametrize(
+    "params", [mano.MANO, mano.ManoParams(L=6, operators="+-*/", knowledge_augment=False)]
+)
 def test_mano_answers_equal_the_expression_mod_23(params):
     lengths = set()
     for index in range(300):
         sample = mano.generate(params, sample_rng(4, 0, index), test=index % 10 == 0)
         tokens = sample.tokens
         length = (tokens[1] - tokens[1] % 10) // 10
-        assert tokens[0] in (9999, 9998) and tokens[-2] // 10 == length and tokens[-2] % 10 in (4, 5)
+        assert (
+            tokens[0] in (9999, 9998) and tokens[-2] // 10 == length and tokens[-2] % 10 in (4, 5)
+        )
         expression = tokens[2:-2]
         assert sum(1 for t in expression if t < mano.LEAF_BASE) == length  # l operators
-        assert mano.evaluate_prefix(expression) == tokens[-1] - mano.LEAF_BASE == sample.meta["answer"]
+        assert (
+            mano.evaluate_prefix(expression) == tokens[-1] - mano.LEAF_BASE == sample.meta["answer"]
+        )
         assert sample.labels == [0] * (len(tokens) - 1) + [1]
         lengths.add(length)
     assert lengths == set(range(1, params.L + 1))
@@ -111,12 +129,23 @@ def test_mano_hand_example():
 from synthetic_data import lano  # noqa: E402
 
 # A hand-written grammar in the reference layout: root -> A B | B A ; A -> 1 2 | 2 2 2 ; B -> 3 1
-TINY = {"depth": 2, "sizes": [1, 2, 3], "idx": [[6], [4, 5], [1, 2, 3]], "all": [
-    [{"name": "S", "id": 6, "children": [[0, 1], [1, 0]]}],
-    [{"name": "A", "id": 4, "children": [[0, 1], [1, 1, 1]]}, {"name": "B", "id": 5, "children": [[2, 0]]}],
-    [{"name": "t1", "id": 1, "children": []}, {"name": "t2", "id": 2, "children": []},
-     {"name": "t3", "id": 3, "children": []}],
-]}
+TINY = {
+    "depth": 2,
+    "sizes": [1, 2, 3],
+    "idx": [[6], [4, 5], [1, 2, 3]],
+    "all": [
+        [{"name": "S", "id": 6, "children": [[0, 1], [1, 0]]}],
+        [
+            {"name": "A", "id": 4, "children": [[0, 1], [1, 1, 1]]},
+            {"name": "B", "id": 5, "children": [[2, 0]]},
+        ],
+        [
+            {"name": "t1", "id": 1, "children": []},
+            {"name": "t2", "id": 2, "children": []},
+            {"name": "t3", "id": 3, "children": []},
+        ],
+    ],
+}
 
 
 def test_lano_membership_on_a_hand_grammar():
@@ -127,13 +156,23 @@ def test_lano_membership_on_a_hand_grammar():
         assert not g.accepts(sentence), sentence
     assert lano.Grammar.from_json(g.to_json()) == g
     with pytest.raises(ValueError, match="points outside level 2"):
-        lano.Grammar.from_json({**TINY, "all": [TINY["all"][0], [{"name": "A", "children": [[0, 7]]}, TINY["all"][1][1]],
-                                               TINY["all"][2]]})
+        lano.Grammar.from_json(
+            {
+                **TINY,
+                "all": [
+                    TINY["all"][0],
+                    [{"name": "A", "children": [[0, 7]]}, TINY["all"][1][1]],
+                    TINY["all"][2],
+                ],
+            }
+        )
 
 
 def test_lano_generated_sentences_are_accepted_and_edits_mostly_rejected():
     rng = random.Random(0)
-    grammar = lano.sample_grammar(rng, [1, 3, 3, 3, 3, 3])  # depth 5, 3 symbols per level (like cfg3)
+    grammar = lano.sample_grammar(
+        rng, [1, 3, 3, 3, 3, 3]
+    )  # depth 5, 3 symbols per level (like cfg3)
     rejected = total = 0
     for index in range(40):
         sentence = grammar.generate(sample_rng(6, 0, index))
@@ -159,22 +198,34 @@ from synthetic_data.tasks import PRESETS, make_task, summarize  # noqa: E402
 
 
 def test_capo_lists_meet_the_spec_sizes():
-    sizes = {"first_names": 400, "middle_names": 400, "last_names": 1000, "cities": 200, "companies": 263,
-             "fields": 100, "universities": 300}
+    sizes = {
+        "first_names": 400,
+        "middle_names": 400,
+        "last_names": 1000,
+        "cities": 200,
+        "companies": 263,
+        "fields": 100,
+        "universities": 300,
+    }
     for name, minimum in sizes.items():
         entries = capo.word_list(name)
         assert len(entries) >= minimum and len(set(entries)) == len(entries), name
     assert all(len(c.split(";")) == 2 for c in capo.word_list("companies"))
     for attribute in capo.ATTRIBUTES:
         lines = capo.templates(attribute)
-        assert len(lines) >= 46 and all(t.startswith("{subject} ") and t.count("{value}") == 1 for t in lines)
+        assert len(lines) >= 46 and all(
+            t.startswith("{subject} ") and t.count("{value}") == 1 for t in lines
+        )
 
 
 def test_capo_names_unique_and_each_bio_states_each_attribute_once():
     params = capo.CapoParams(individuals=3000, population_seed=3)
     people = capo.population(params)
     assert len({p.name for p in people}) == len(people) == 3000
-    assert capo.population(params) == people and capo.population(capo.CapoParams(individuals=3000)) != people
+    assert (
+        capo.population(params) == people
+        and capo.population(capo.CapoParams(individuals=3000)) != people
+    )
     rng = random.Random(0)
     orders = set()
     for person in people[:200]:
@@ -191,12 +242,19 @@ def test_capo_names_unique_and_each_bio_states_each_attribute_once():
         for attribute, value in values.items():
             if any(value in other and value != other for other in values.values()):
                 continue  # e.g. a field name inside another value: counted below through that one
-            assert bio.text.count(value) == sum(v == value for v in values.values()), (attribute, bio.text)
+            assert bio.text.count(value) == sum(v == value for v in values.values()), (
+                attribute,
+                bio.text,
+            )
         orders.add(tuple(sorted(bio.spans, key=lambda a: bio.spans[a][0])))
-        assert "." not in bio.text[: bio.spans[first][0]]  # the full-name sentence states the first attribute
+        assert (
+            "." not in bio.text[: bio.spans[first][0]]
+        )  # the full-name sentence states the first attribute
     assert len(orders) > 50  # permutation augmentation
-    fixed = {tuple(sorted(b.spans, key=lambda a: b.spans[a][0]))
-             for b in (capo.bio_s(p, rng, permute=False) for p in people[:20])}
+    fixed = {
+        tuple(sorted(b.spans, key=lambda a: b.spans[a][0]))
+        for b in (capo.bio_s(p, rng, permute=False) for p in people[:20])
+    }
     assert fixed == {capo.ATTRIBUTES}
 
 
@@ -207,10 +265,16 @@ def test_capo_multiplicity_and_permuted_free_text(tmp_path):
     assert len(bios) == 2
     fresh = capo.CapoParams(individuals=10, multiplicity=0)
     assert len({capo.person_bio(fresh, person, random.Random(i)) for i in range(40)}) > 30
-    text = f"{person.name} was born in Ohio. {person.pronoun} liked maps. {person.pronoun} moved West."
+    text = (
+        f"{person.name} was born in Ohio. {person.pronoun} liked maps. {person.pronoun} moved West."
+    )
     for seed in range(10):
         out = capo.permute_text(text, person, random.Random(seed))
-        assert out.startswith(person.name + " ") and out.count(person.name) == 1 and len(out.split(". ")) == 3
+        assert (
+            out.startswith(person.name + " ")
+            and out.count(person.name) == 1
+            and len(out.split(". ")) == 3
+        )
     path = tmp_path / "bior.jsonl"
     path.write_text('{"id": 3, "text": "x"}\n{"id": 99, "text": "y"}\n')
     with pytest.raises(ValueError, match=r"bior.jsonl:2: id 99 outside"):
@@ -218,8 +282,15 @@ def test_capo_multiplicity_and_permuted_free_text(tmp_path):
 
 
 # ------------------------------------------------------------------------------- scorers
-SMALL = {"depo1": {"N": 12, "K": 4}, "depo2": {"N": 8, "K": 4}, "brevo1": {"N": 12}, "brevo2": {"N": 8},
-         "mano": {"L": 4}, "lano": {"sizes": [1, 3, 3, 3, 3]}, "capo_bios": {"individuals": 50}}
+SMALL = {
+    "depo1": {"N": 12, "K": 4},
+    "depo2": {"N": 8, "K": 4},
+    "brevo1": {"N": 12},
+    "brevo2": {"N": 8},
+    "mano": {"L": 4},
+    "lano": {"sizes": [1, 3, 3, 3, 3]},
+    "capo_bios": {"individuals": 50},
+}
 
 
 def _corrupt(task, item, answer):
@@ -236,7 +307,11 @@ def _corrupt(task, item, answer):
         word = task.word
         return answer[word:]  # drops the first (a parent-less) node of the ancestor set
     position = random.Random(len(answer)).randrange(len(answer) - 1)
-    return answer[:position] + [answer[position] % task.grammar.num_terminals + 1] + answer[position + 1:]
+    return (
+        answer[:position]
+        + [answer[position] % task.grammar.num_terminals + 1]
+        + answer[position + 1 :]
+    )
 
 
 @pytest.mark.parametrize("dataset", list(PRESETS))
@@ -248,7 +323,10 @@ def test_scorers_accept_ground_truth_and_reject_corruptions(dataset):
     assert truth["overall"]["accuracy"] == 1.0 and len(truth["groups"]) >= 2
     wrong = summarize(task, items, [_corrupt(task, item, item.answer) for item in items])
     assert wrong["overall"]["accuracy"] < 0.5, wrong
-    assert summarize(task, items, [[] if not task.text else "" for _ in items])["overall"]["correct"] == 0
+    assert (
+        summarize(task, items, [[] if not task.text else "" for _ in items])["overall"]["correct"]
+        == 0
+    )
 
 
 def test_brevo_scorer_accepts_any_valid_order():
@@ -257,12 +335,18 @@ def test_brevo_scorer_accepts_any_valid_order():
     for item in task.test_items(5, 10):
         parents, query, _ = brevo.parse(item.prompt + item.answer, task.params)
         answer = list(item.answer[:-1])
-        for seed in range(5):  # shuffle within "ready" sets: Kahn's algorithm again with other choices
+        for seed in range(
+            5
+        ):  # shuffle within "ready" sets: Kahn's algorithm again with other choices
             rng = random.Random(seed)
             waiting = {v: {p[0] for p in parents[(v,)] if p[0] in answer} for v in answer}
             order = []
             while waiting:
-                ready = sorted(v for v, ps in waiting.items() if not ps and (v != query[0] or len(waiting) == 1))
+                ready = sorted(
+                    v
+                    for v, ps in waiting.items()
+                    if not ps and (v != query[0] or len(waiting) == 1)
+                )
                 chosen = rng.choice(ready)
                 order.append(chosen)
                 del waiting[chosen]

@@ -7,29 +7,47 @@ import sys
 
 import pytest
 import torch
+from torchtitan.components.loss import IGNORE_INDEX
 
 from canon_titan.config import ConfigError, load
 from canon_titan.data.builtin import ASSET_DIR
 from canon_titan.data.synthetic import SyntheticDataLoader
 from canon_titan.data.tokenizers import build_tokenizer
 from canon_titan.evaluation.synthetic import format_table, greedy_continuation
+from conftest import REPO
 from synthetic_data import brevo, depo, mano
 from synthetic_data.common import BOS
 from synthetic_data.tasks import PAD, make_task, summarize
-from torchtitan.components.loss import IGNORE_INDEX
-
-from conftest import REPO
 
 PLAYGROUND = REPO / "train_configs" / "playground"
 DEPO = {"N": 10, "K": 4, "mini_vocab": 8}
 
 
-def loader(dataset="depo1", task=None, rank=0, world=1, batch=4, seq_len=128, answer_only=True, seed=5,
-           tokenizer=None):
-    config = SyntheticDataLoader.Config(dataset=dataset, task=dict(DEPO if task is None else task), seed=seed,
-                                        answer_only_loss=answer_only)
-    return SyntheticDataLoader(config, dp_world_size=world, dp_rank=rank, seq_len=seq_len,
-                               local_batch_size=batch, tokenizer=tokenizer)
+def loader(
+    dataset="depo1",
+    task=None,
+    rank=0,
+    world=1,
+    batch=4,
+    seq_len=128,
+    answer_only=True,
+    seed=5,
+    tokenizer=None,
+):
+    config = SyntheticDataLoader.Config(
+        dataset=dataset,
+        task=dict(DEPO if task is None else task),
+        seed=seed,
+        answer_only_loss=answer_only,
+    )
+    return SyntheticDataLoader(
+        config,
+        dp_world_size=world,
+        dp_rank=rank,
+        seq_len=seq_len,
+        local_batch_size=batch,
+        tokenizer=tokenizer,
+    )
 
 
 def segments(row_input, row_positions):
@@ -46,7 +64,9 @@ def test_windows_hold_whole_valid_samples_and_answer_only_targets():
     checked = 0
     for row in range(4):
         x, pos, y = inputs["input"][row], inputs["positions"][row], targets[row]
-        assert torch.equal(y[:-1][y[:-1] != IGNORE_INDEX], x[1:][y[:-1] != IGNORE_INDEX])  # targets = next token
+        assert torch.equal(
+            y[:-1][y[:-1] != IGNORE_INDEX], x[1:][y[:-1] != IGNORE_INDEX]
+        )  # targets = next token
         for sample in segments(x, pos):
             if sample[0] == PAD:
                 assert set(sample) == {PAD}
@@ -74,7 +94,9 @@ def test_all_tokens_loss_and_pad_and_sample_starts_are_ignored():
     dl = loader(answer_only=False)
     inputs, targets = dl.batch(0)
     x, pos, y = inputs["input"], inputs["positions"], targets
-    nxt_is_start = torch.cat([pos[:, 1:] == 0, torch.ones_like(pos[:, :1], dtype=torch.bool)], dim=1)
+    nxt_is_start = torch.cat(
+        [pos[:, 1:] == 0, torch.ones_like(pos[:, :1], dtype=torch.bool)], dim=1
+    )
     nxt_is_pad = torch.cat([x[:, 1:] == PAD, torch.zeros_like(x[:, :1], dtype=torch.bool)], dim=1)
     interior = ~nxt_is_start & ~nxt_is_pad
     assert torch.equal(y[:, :-1] != IGNORE_INDEX, interior[:, :-1])
@@ -95,7 +117,9 @@ def test_same_seed_same_batches_ranks_disjoint_and_layout_independent():
         for _ in range(5):
             x = next(it)[0]
             for row in range(2):
-                seen[r].update(tuple(s) for s in segments(x["input"][row], x["positions"][row]) if s[0] == BOS)
+                seen[r].update(
+                    tuple(s) for s in segments(x["input"][row], x["positions"][row]) if s[0] == BOS
+                )
     assert seen[0] and seen[1] and not seen[0] & seen[1]
 
 
@@ -133,7 +157,10 @@ def test_resume_at_another_data_parallel_size_sees_the_batches_of_that_size(worl
         for it in iters:
             next(it)
     saved = checkpoint_of(old)
-    assert {k for k in saved if k.startswith("carries_dp_rank_")} == {"carries_dp_rank_0", "carries_dp_rank_1"}
+    assert {k for k in saved if k.startswith("carries_dp_rank_")} == {
+        "carries_dp_rank_0",
+        "carries_dp_rank_1",
+    }
     for rank in range(world):
         straight = iter(loader(rank=rank, world=world, batch=batch))
         expected = [next(straight) for _ in range(6)][3:]
@@ -152,8 +179,10 @@ def test_resume_at_another_data_parallel_size_sees_the_batches_of_that_size(worl
         assert len(packed) == 3 * batch  # its own windows only: no replay of the windows before
 
 
-@pytest.mark.parametrize("dataset,task,seq", [("brevo2", {"N": 10}, 256), ("mano", {"L": 6}, 64),
-                                              ("lano", {"sizes": [1, 3, 3, 3, 3]}, 128)])
+@pytest.mark.parametrize(
+    "dataset,task,seq",
+    [("brevo2", {"N": 10}, 256), ("mano", {"L": 6}, 64), ("lano", {"sizes": [1, 3, 3, 3, 3]}, 128)],
+)
 def test_other_integer_tasks_pack_valid_samples(dataset, task, seq):
     dl = loader(dataset, task, seq_len=seq)
     inputs, targets = dl.batch(3)
@@ -174,7 +203,9 @@ def test_other_integer_tasks_pack_valid_samples(dataset, task, seq):
 
 def test_capo_windows_are_tokenized_biographies():
     tokenizer = build_tokenizer("hf", str(ASSET_DIR))
-    dl = loader("capo_bios", {"individuals": 20}, answer_only=False, seq_len=256, tokenizer=tokenizer)
+    dl = loader(
+        "capo_bios", {"individuals": 20}, answer_only=False, seq_len=256, tokenizer=tokenizer
+    )
     inputs, targets = dl.batch(0)
     names = {p.name for p in dl.task.people}
     bios = 0
@@ -187,7 +218,9 @@ def test_capo_windows_are_tokenized_biographies():
     assert bios >= 4
     with pytest.raises(ValueError, match="answer_only_loss"):
         loader("capo_bios", {"individuals": 20}, answer_only=True, tokenizer=tokenizer)
-    with pytest.raises(ValueError, match=r"more than a window of seq_len \+ 1 = 65: raise \[training\] seq_len"):
+    with pytest.raises(
+        ValueError, match=r"more than a window of seq_len \+ 1 = 65: raise \[training\] seq_len"
+    ):
         loader("capo_bios", {"individuals": 20}, answer_only=False, seq_len=64, tokenizer=tokenizer)
     with pytest.raises(ValueError, match="100 samples in a row were too long"):
         loader("lano", {"sizes": [1, 3, 3, 3, 3]}, seq_len=8)
@@ -198,18 +231,37 @@ def test_capo_windows_are_tokenized_biographies():
 
 def test_playground_configs_resolve_with_task_vocab_and_sections(tmp_path):
     run = load(PLAYGROUND / "depo.toml", [], environment=True)
-    assert run["model"]["vocab_size"] == 10000 and run["depo"]["N"] == 8 and run["depo"]["separator"] is True
+    assert (
+        run["model"]["vocab_size"] == 10000
+        and run["depo"]["N"] == 8
+        and run["depo"]["separator"] is True
+    )
     assert "brevo" not in run.sections and "capo" not in run.sections
     config = tmp_path / "depo2.toml"
-    config.write_text('[model]\nname = "llama"\nflavor = "debug"\n[training]\nseq_len = 512\n'
-                      '[dataloader]\ndataset = "depo2"\n[depo]\nN = 6\n')
+    config.write_text(
+        '[model]\nname = "llama"\nflavor = "debug"\n[training]\nseq_len = 512\n'
+        '[dataloader]\ndataset = "depo2"\n[depo]\nN = 6\n'
+    )
     run = load(config, [])
-    assert (run["depo"]["N"], run["depo"]["K"], run["depo"]["mini_vocab"]) == (6, 16, 3)  # depo2's preset
+    assert (run["depo"]["N"], run["depo"]["K"], run["depo"]["mini_vocab"]) == (
+        6,
+        16,
+        3,
+    )  # depo2's preset
     assert run["depo"]["separator"] is False  # the release's default; the playground sets its own
 
 
-@pytest.mark.parametrize("dataset,answer_only", [("depo1", True), ("brevo2", True), ("mano", True), ("lano", True),
-                                                  ("capo_bios", False), ("builtin", False)])
+@pytest.mark.parametrize(
+    "dataset,answer_only",
+    [
+        ("depo1", True),
+        ("brevo2", True),
+        ("mano", True),
+        ("lano", True),
+        ("capo_bios", False),
+        ("builtin", False),
+    ],
+)
 def test_answer_only_loss_follows_the_reference_unless_set(dataset, answer_only):
     """Unset, the integer-token tasks train on their answer tokens only, as the reference does ("we
     pretrain only on those answer tokens"); text keeps the loss on every token."""
@@ -221,27 +273,83 @@ def test_answer_only_loss_follows_the_reference_unless_set(dataset, answer_only)
         assert full["dataloader"]["answer_only_loss"] is False
 
 
-@pytest.mark.parametrize("config,overrides,key,message", [
-    ("depo", ["--depo.hops", "3"], "[depo] hops", "unknown key"),
-    ("depo", ["--brevo.N", "9"], "[brevo] N", "reads [depo]"),
-    ("depo", ["--depo.N", "60", "--depo.max_word_len", "2", "--depo.separator", "false"], "[training] seq_len",
-     "seq_len >= 300"),
-    ("depo", ["--model.vocab_size", "5000"], "[model] vocab_size", ">= 10000"),
-    ("text", ["--dataloader.dataset", "capo_bios", "--dataloader.answer_only_loss", "true"],
-     "[dataloader] answer_only_loss", "whole biographies"),
-    ("text", ["--dataloader.answer_only_loss", "true"], "[dataloader] answer_only_loss", "not dataset = 'builtin'"),
-    ("text", ["--mano.L", "3"], "[mano] L", "is not a synthetic task"),
-    ("text", ["--dataloader.dataset", "lano", "--lano.grammar", "/nope.json"], "[lano] grammar", "nope.json"),
-    ("text", ["--dataloader.dataset", "mano", "--mano.operators", "+%"], "[mano] operators", "subset of"),
-    ("depo", ["--depo.mini_vocab", "2", "--depo.max_word_len", "1"], "[depo] N", "only 2 distinct words"),
-    ("depo", ["--depo.K", "600"], "[depo] K", "1 <= K < 500"),
-    ("depo", ["--depo.min_word_len", "3", "--depo.max_word_len", "2"], "[depo] max_word_len", "below min_word_len"),
-    ("text", ["--dataloader.dataset", "lano", "--lano.sizes", "[1, 1]", "--lano.rule_lengths", "[2, 2]"],
-     "[lano] rules_per_symbol", "only 1 distinct rules"),
-    ("text", ["--dataloader.dataset", "lano", "--lano.grammar", "BAD_GRAMMAR"], "[lano] grammar", "reference JSON layout"),
-])
+@pytest.mark.parametrize(
+    "config,overrides,key,message",
+    [
+        ("depo", ["--depo.hops", "3"], "[depo] hops", "unknown key"),
+        ("depo", ["--brevo.N", "9"], "[brevo] N", "reads [depo]"),
+        (
+            "depo",
+            ["--depo.N", "60", "--depo.max_word_len", "2", "--depo.separator", "false"],
+            "[training] seq_len",
+            "seq_len >= 300",
+        ),
+        ("depo", ["--model.vocab_size", "5000"], "[model] vocab_size", ">= 10000"),
+        (
+            "text",
+            ["--dataloader.dataset", "capo_bios", "--dataloader.answer_only_loss", "true"],
+            "[dataloader] answer_only_loss",
+            "whole biographies",
+        ),
+        (
+            "text",
+            ["--dataloader.answer_only_loss", "true"],
+            "[dataloader] answer_only_loss",
+            "not dataset = 'builtin'",
+        ),
+        ("text", ["--mano.L", "3"], "[mano] L", "is not a synthetic task"),
+        (
+            "text",
+            ["--dataloader.dataset", "lano", "--lano.grammar", "/nope.json"],
+            "[lano] grammar",
+            "nope.json",
+        ),
+        (
+            "text",
+            ["--dataloader.dataset", "mano", "--mano.operators", "+%"],
+            "[mano] operators",
+            "subset of",
+        ),
+        (
+            "depo",
+            ["--depo.mini_vocab", "2", "--depo.max_word_len", "1"],
+            "[depo] N",
+            "only 2 distinct words",
+        ),
+        ("depo", ["--depo.K", "600"], "[depo] K", "1 <= K < 500"),
+        (
+            "depo",
+            ["--depo.min_word_len", "3", "--depo.max_word_len", "2"],
+            "[depo] max_word_len",
+            "below min_word_len",
+        ),
+        (
+            "text",
+            [
+                "--dataloader.dataset",
+                "lano",
+                "--lano.sizes",
+                "[1, 1]",
+                "--lano.rule_lengths",
+                "[2, 2]",
+            ],
+            "[lano] rules_per_symbol",
+            "only 1 distinct rules",
+        ),
+        (
+            "text",
+            ["--dataloader.dataset", "lano", "--lano.grammar", "BAD_GRAMMAR"],
+            "[lano] grammar",
+            "reference JSON layout",
+        ),
+    ],
+)
 def test_task_config_errors_name_the_key(config, overrides, key, message, tmp_path):
-    path = PLAYGROUND / "depo.toml" if config == "depo" else REPO / "train_configs" / "llama_debug.toml"
+    path = (
+        PLAYGROUND / "depo.toml"
+        if config == "depo"
+        else REPO / "train_configs" / "llama_debug.toml"
+    )
     bad = tmp_path / "bad.json"
     bad.write_text('{"depth": 1}')
     overrides = [str(bad) if o == "BAD_GRAMMAR" else o for o in overrides]
@@ -275,6 +383,7 @@ def depo_oracle(params):
         for _ in range(ids[hop_at] - depo.HOP_BASE):
             node = depo.successor_map(ids, params)[node]
         return node[len(ids) - at - 1]
+
     return solve
 
 
@@ -288,29 +397,67 @@ def test_greedy_generation_with_an_oracle_scores_100_and_a_constant_model_near_0
     assert summarize(task, items, constant)["overall"]["accuracy"] < 0.3
     mano_task = make_task("mano", L=4)
     mano_items = mano_task.test_items(3, 10)
-    solved = [greedy_continuation(Oracle(lambda ids: 5000 + mano.evaluate_prefix(ids[2:-1])), i) for i in mano_items]
+    solved = [
+        greedy_continuation(Oracle(lambda ids: 5000 + mano.evaluate_prefix(ids[2:-1])), i)
+        for i in mano_items
+    ]
     result = summarize(mano_task, mano_items, solved)
-    assert result["overall"]["accuracy"] == 1.0 and list(result["groups"]) == ["L=1", "L=2", "L=3", "L=4"]
-    table = format_table({**result, "dataset": "mano", "model": "oracle",
-                          "test_set": mano_task.test_set(10)})
+    assert result["overall"]["accuracy"] == 1.0 and list(result["groups"]) == [
+        "L=1",
+        "L=2",
+        "L=3",
+        "L=4",
+    ]
+    table = format_table(
+        {**result, "dataset": "mano", "model": "oracle", "test_set": mano_task.test_set(10)}
+    )
     assert "L=4" in table and "100.0%" in table
     assert "(10 expressions per number of operators L)" in table
 
 
 def test_eval_cli_reports_a_missing_checkpoint(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "canon_titan.cli", "eval", "synthetic", "--config",
-                           str(PLAYGROUND / "depo.toml"), "--checkpoint", str(tmp_path / "none")],
-                          cwd=REPO, capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "canon_titan.cli",
+            "eval",
+            "synthetic",
+            "--config",
+            str(PLAYGROUND / "depo.toml"),
+            "--checkpoint",
+            str(tmp_path / "none"),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 2 and "eval error" in proc.stderr and "does not exist" in proc.stderr
 
 
 def test_capo_people_export_and_bior_training_texts(tmp_path):
     config = tmp_path / "capo.toml"
-    config.write_text('[model]\nname = "llama"\nflavor = "debug"\n[dataloader]\ndataset = "capo_bios"\n'
-                      '[capo]\nindividuals = 12\npopulation_seed = 4\n')
+    config.write_text(
+        '[model]\nname = "llama"\nflavor = "debug"\n[dataloader]\ndataset = "capo_bios"\n'
+        "[capo]\nindividuals = 12\npopulation_seed = 4\n"
+    )
     people_file = tmp_path / "people.jsonl"
-    proc = subprocess.run([sys.executable, "-m", "canon_titan.cli", "data", "capo-people", "--config", str(config),
-                           "--out", str(people_file)], cwd=REPO, capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "canon_titan.cli",
+            "data",
+            "capo-people",
+            "--config",
+            str(config),
+            "--out",
+            str(people_file),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0, proc.stderr
     people = [json.loads(line) for line in people_file.read_text().splitlines()]
     task = make_task("capo_bios", individuals=12, population_seed=4)
@@ -318,12 +465,24 @@ def test_capo_people_export_and_bior_training_texts(tmp_path):
     assert all(p["university"] in p["prompt"] and p["birthday"] in p["prompt"] for p in people)
     # bioR: free texts about these people, sentence order permuted per sample, name first.
     bior = tmp_path / "bior.jsonl"
-    bior.write_text("".join(json.dumps({"id": p["id"], "text": f"{p['name']} grew up in {p['birth_city']}. "
-                                        f"{p['pronoun']} studied {p['field']}. {p['pronoun']} likes tea."}) + "\n"
-                            for p in people))
+    bior.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "id": p["id"],
+                    "text": f"{p['name']} grew up in {p['birth_city']}. "
+                    f"{p['pronoun']} studied {p['field']}. {p['pronoun']} likes tea.",
+                }
+            )
+            + "\n"
+            for p in people
+        )
+    )
     task = make_task("capo_bios", individuals=12, population_seed=4, bior_path=str(bior))
     texts = [task.train_sample(random.Random(i)) for i in range(30)]
-    assert len(set(texts)) > 12 and all(any(t.startswith(p["name"] + " ") for p in people) for t in texts)
+    assert len(set(texts)) > 12 and all(
+        any(t.startswith(p["name"] + " ") for p in people) for t in texts
+    )
     run = load(config, ["--capo.bior_path", str(bior)])
     assert run["capo"]["bior_path"] == str(bior)
 
@@ -349,19 +508,36 @@ def test_capo_recall_through_real_tokenizers(kind, tmp_path):
         import sentencepiece as spm
 
         bios = [task.train_sample(random.Random(i)) for i in range(400)]
-        spm.SentencePieceTrainer.train(sentence_iterator=iter(bios), model_prefix=str(tmp_path / "tokenizer"),
-                                       vocab_size=400, model_type="bpe", unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
-                                       character_coverage=1.0, minloglevel=2)
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=iter(bios),
+            model_prefix=str(tmp_path / "tokenizer"),
+            vocab_size=400,
+            model_type="bpe",
+            unk_id=0,
+            bos_id=1,
+            eos_id=2,
+            pad_id=-1,
+            character_coverage=1.0,
+            minloglevel=2,
+        )
         tokenizer = build_tokenizer("sentencepiece", str(tmp_path / "tokenizer.model"))
     items = task.test_items(2, 5)
     continuations = []
     for item in items:
         full = tokenizer.encode(item.prompt + item.answer, add_bos=True, add_eos=False)
-        model = Oracle(lambda ids, full=full: full[len(ids)] if len(ids) < len(full) else tokenizer.eos_id)
+        model = Oracle(
+            lambda ids, full=full: full[len(ids)] if len(ids) < len(full) else tokenizer.eos_id
+        )
         continuations.append(greedy_continuation(model, item, tokenizer))
     assert summarize(task, items, continuations)["overall"]["accuracy"] == 1.0, continuations[:3]
-    other = [greedy_continuation(Oracle(lambda ids: tokenizer.encode(" Boston.", add_bos=False, add_eos=False)[0]),
-                                 item, tokenizer) for item in items[:6]]
+    other = [
+        greedy_continuation(
+            Oracle(lambda ids: tokenizer.encode(" Boston.", add_bos=False, add_eos=False)[0]),
+            item,
+            tokenizer,
+        )
+        for item in items[:6]
+    ]
     assert summarize(task, items[:6], other)["overall"]["correct"] == 0
 
 
@@ -389,8 +565,11 @@ def _reference_packing(dl, windows):
 
     def tokens(sample):
         generated = dl.task.train_sample(sample_stream(5, *sample))
-        return generated.tokens if hasattr(generated, "tokens") else dl.tokenizer.encode(generated, add_bos=True,
-                                                                                           add_eos=True)
+        return (
+            generated.tokens
+            if hasattr(generated, "tokens")
+            else dl.tokenizer.encode(generated, add_bos=True, add_eos=True)
+        )
 
     carries, expected = {}, []
     for w in range(windows):
@@ -421,7 +600,7 @@ def test_windows_hold_every_drawn_sample_once_in_order(dataset):
     expected, tokens = _reference_packing(dl, len(got))
     for window, content in zip(got, expected):
         flat = [t for sample in content for t in tokens(sample)]
-        assert window[: len(flat)] == flat and set(window[len(flat):]) <= {PAD}
+        assert window[: len(flat)] == flat and set(window[len(flat) :]) <= {PAD}
 
 
 @pytest.mark.parametrize("dataset", PRESETS)

@@ -45,7 +45,9 @@ def test_a_canon_block_adds_one_small_collective_each_way_and_the_step_one(sp):
     layers, activation = args.n_layers, BATCH * SEQ * args.dim
     block = model.layers["0"]
     assert block.attention.q_norm is not None and all(
-        c is not None for c in (block.canonA, block.attention.canonB, block.canonC, block.feed_forward.canonD))
+        c is not None
+        for c in (block.canonA, block.attention.canonB, block.canonC, block.feed_forward.canonD)
+    )
 
     def numel(*modules):
         return sum(p.numel() for m in modules for p in m.parameters(recurse=False))
@@ -61,7 +63,10 @@ def test_a_canon_block_adds_one_small_collective_each_way_and_the_step_one(sp):
     for rank, forward, backward, step in run_ranks(2, _phases, "llama_canon", sp):
         small_forward = sorted(n for kind, n in forward if n != activation)
         small_backward = sorted(n for kind, n in backward if n != activation)
-        assert all(kind == "all_reduce" for kind, n in forward + backward if n != activation), (forward, backward)
+        assert all(kind == "all_reduce" for kind, n in forward + backward if n != activation), (
+            forward,
+            backward,
+        )
         assert small_forward == [statistics] * layers, (rank, small_forward)
         assert small_backward == [statistics] * layers, (rank, small_backward)
         assert step == [("all_reduce", replicated)], (rank, step)

@@ -21,40 +21,84 @@ BASES = {
 
 # (section, key, bad TOML value): each is wrong for every base above.
 MUTATIONS = [
-    ("training", "steps", "0"), ("training", "steps", "-5"), ("training", "steps", "100000000000000000000"),
-    ("training", "seq_len", "0"), ("training", "seq_len", "1000000000"), ("training", "local_batch_size", "0"),
-    ("training", "max_norm", "nan"), ("training", "max_norm", "inf"), ("training", "max_norm", "-1.0"),
-    ("training", "gc_freq", "0"), ("training", "global_batch_size", "-5"), ("training", "global_batch_size", "7"),
+    ("training", "steps", "0"),
+    ("training", "steps", "-5"),
+    ("training", "steps", "100000000000000000000"),
+    ("training", "seq_len", "0"),
+    ("training", "seq_len", "1000000000"),
+    ("training", "local_batch_size", "0"),
+    ("training", "max_norm", "nan"),
+    ("training", "max_norm", "inf"),
+    ("training", "max_norm", "-1.0"),
+    ("training", "gc_freq", "0"),
+    ("training", "global_batch_size", "-5"),
+    ("training", "global_batch_size", "7"),
     ("training", "dtype", '"float64"'),
-    ("optimizer", "lr", "nan"), ("optimizer", "lr", "inf"), ("optimizer", "lr", "-0.001"),
-    ("optimizer", "weight_decay", "nan"), ("optimizer", "weight_decay", "-1.0"), ("optimizer", "eps", "0.0"),
-    ("optimizer", "betas", "[0.9]"), ("optimizer", "betas", "[1.5, 0.9]"), ("optimizer", "name", '"SGD"'),
-    ("lr_scheduler", "warmup_steps", "-1"), ("lr_scheduler", "min_lr_factor", "2.0"),
-    ("lr_scheduler", "decay_ratio", "1.5"), ("lr_scheduler", "decay_type", '"exp"'),
-    ("model", "rope_theta", "0.0"), ("model", "rope_theta", "nan"), ("model", "dim", "0"), ("model", "n_layers", "-1"),
-    ("model", "n_heads", "7"), ("model", "ffn_hidden_dim", "-64"), ("model", "norm_eps", "0.0"),
-    ("model", "norm_eps", "inf"), ("model", "vocab_size", "10"), ("model", "flavor", '"13B"'), ("model", "name", '"gpt"'),
+    ("optimizer", "lr", "nan"),
+    ("optimizer", "lr", "inf"),
+    ("optimizer", "lr", "-0.001"),
+    ("optimizer", "weight_decay", "nan"),
+    ("optimizer", "weight_decay", "-1.0"),
+    ("optimizer", "eps", "0.0"),
+    ("optimizer", "betas", "[0.9]"),
+    ("optimizer", "betas", "[1.5, 0.9]"),
+    ("optimizer", "name", '"SGD"'),
+    ("lr_scheduler", "warmup_steps", "-1"),
+    ("lr_scheduler", "min_lr_factor", "2.0"),
+    ("lr_scheduler", "decay_ratio", "1.5"),
+    ("lr_scheduler", "decay_type", '"exp"'),
+    ("model", "rope_theta", "0.0"),
+    ("model", "rope_theta", "nan"),
+    ("model", "dim", "0"),
+    ("model", "n_layers", "-1"),
+    ("model", "n_heads", "7"),
+    ("model", "ffn_hidden_dim", "-64"),
+    ("model", "norm_eps", "0.0"),
+    ("model", "norm_eps", "inf"),
+    ("model", "vocab_size", "10"),
+    ("model", "flavor", '"13B"'),
+    ("model", "name", '"gpt"'),
     ("model", "canon_kernel", "9"),
-    ("checkpoint", "interval", "0"), ("checkpoint", "keep_latest_k", "-1"), ("checkpoint", "keep_latest_k", "1"),
-    ("checkpoint", "folder", '" "'), ("checkpoint", "initial_load_path", '"/nonexistent/canon-titan-ckpt"'),
-    ("checkpoint", "load_step", "-5"), ("checkpoint", "async_mode", '"fast"'), ("checkpoint", "export_dtype", '"int8"'),
-    ("metrics", "log_freq", "0"), ("metrics", "wandb_mode", '"cloud"'),
-    ("comm", "init_timeout_seconds", "-1"), ("comm", "train_timeout_seconds", "0"),
-    ("dataloader", "dataset", '"c4"'), ("dataloader", "on_error", '"ignore"'), ("dataloader", "seed", '"x"'),
-    ("dataloader", "sources", '["*.jsonl"]'), ("dataloader", "shuffle_buffer", "8"),
+    ("checkpoint", "interval", "0"),
+    ("checkpoint", "keep_latest_k", "-1"),
+    ("checkpoint", "keep_latest_k", "1"),
+    ("checkpoint", "folder", '" "'),
+    ("checkpoint", "initial_load_path", '"/nonexistent/canon-titan-ckpt"'),
+    ("checkpoint", "load_step", "-5"),
+    ("checkpoint", "async_mode", '"fast"'),
+    ("checkpoint", "export_dtype", '"int8"'),
+    ("metrics", "log_freq", "0"),
+    ("metrics", "wandb_mode", '"cloud"'),
+    ("comm", "init_timeout_seconds", "-1"),
+    ("comm", "train_timeout_seconds", "0"),
+    ("dataloader", "dataset", '"c4"'),
+    ("dataloader", "on_error", '"ignore"'),
+    ("dataloader", "seed", '"x"'),
+    ("dataloader", "sources", '["*.jsonl"]'),
+    ("dataloader", "shuffle_buffer", "8"),
     ("dataloader", "dataset_path", '"data/*.jsonl"'),
-    ("parallelism", "tensor_parallel_degree", "0"), ("parallelism", "data_parallel_shard_degree", "0"),
-    ("parallelism", "pipeline_parallel_degree", "-1"), ("parallelism", "pipeline_parallel_microbatch_size", "0"),
-    ("activation_checkpoint", "mode", '"partial"'), ("compile", "components", '["optimizer"]'),
+    ("parallelism", "tensor_parallel_degree", "0"),
+    ("parallelism", "data_parallel_shard_degree", "0"),
+    ("parallelism", "pipeline_parallel_degree", "-1"),
+    ("parallelism", "pipeline_parallel_microbatch_size", "0"),
+    ("activation_checkpoint", "mode", '"partial"'),
+    ("compile", "components", '["optimizer"]'),
     ("float8", "recipe_name", '"fp4"'),
-    ("eval", "every", "-1"), ("eval", "limit", "-1"), ("eval", "max_seconds", "nan"), ("eval", "max_seconds", "-1.0"),
-    ("job", "seed", '"abc"'), ("job", "dump_folder", "123"),
-    ("tokenizer", "kind", '"bpe"'), ("tokenizer", "path", '"/nonexistent/tokenizer.json"'),
+    ("eval", "every", "-1"),
+    ("eval", "limit", "-1"),
+    ("eval", "max_seconds", "nan"),
+    ("eval", "max_seconds", "-1.0"),
+    ("job", "seed", '"abc"'),
+    ("job", "dump_folder", "123"),
+    ("tokenizer", "kind", '"bpe"'),
+    ("tokenizer", "path", '"/nonexistent/tokenizer.json"'),
 ]
 # Right for some bases only: where a base already sets the value, the case would be void.
-WHERE = {("tokenizer", "path"): ("llama", "llama_canon", "gla5", "mamba2"),
-         ("dataloader", "sources"): ("llama", "llama_canon", "gla5", "mamba2", "depo"),
-         ("model", "canon_kernel"): ("llama_canon", "gla5", "mamba2")}
+WHERE = {
+    ("tokenizer", "path"): ("llama", "llama_canon", "gla5", "mamba2"),
+    ("dataloader", "sources"): ("llama", "llama_canon", "gla5", "mamba2", "depo"),
+    ("model", "canon_kernel"): ("llama_canon", "gla5", "mamba2"),
+}
 
 
 def cases():
@@ -106,13 +150,21 @@ def test_shipped_configs_are_accepted(capsys):
     assert code == 0, err
 
 
-@pytest.mark.parametrize("content, message", [
-    (b'[model]\nname = "llama"\nflavor = "debug"\n# caf\xe9\n', "not UTF-8"),
-    (b'[model]\nname = "llama"\nflavor = "debug"\n[training]\nsteps = 1\nsteps = 2\n', "not valid TOML"),
-    (b'model = 3\n', "must be a table [model]"),
-    (b'[trainer]\nsteps = 3\n', "unknown section"),
-])
-def test_unreadable_files_are_refused_and_the_others_still_checked(tmp_path, capsys, content, message):
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (b'[model]\nname = "llama"\nflavor = "debug"\n# caf\xe9\n', "not UTF-8"),
+        (
+            b'[model]\nname = "llama"\nflavor = "debug"\n[training]\nsteps = 1\nsteps = 2\n',
+            "not valid TOML",
+        ),
+        (b"model = 3\n", "must be a table [model]"),
+        (b"[trainer]\nsteps = 3\n", "unknown section"),
+    ],
+)
+def test_unreadable_files_are_refused_and_the_others_still_checked(
+    tmp_path, capsys, content, message
+):
     bad = tmp_path / "bad.toml"
     bad.write_bytes(content)
     code, out, err = validate(capsys, bad, BASES["llama"])
@@ -120,15 +172,28 @@ def test_unreadable_files_are_refused_and_the_others_still_checked(tmp_path, cap
     assert f"ok      {BASES['llama']}" in out  # the next file was still validated
 
 
-@pytest.mark.parametrize("index, message", [("{not json", "not a readable token index"),
-                                            ('{"format": "other"}', "unknown format")])
+@pytest.mark.parametrize(
+    "index, message",
+    [("{not json", "not a readable token index"), ('{"format": "other"}', "unknown format")],
+)
 def test_a_broken_token_folder_is_a_config_error(tmp_path, capsys, index, message):
     folder = tmp_path / "tokens"
     folder.mkdir()
     (folder / "index.json").write_text(index)
-    code, out, err = validate(capsys, BASES["llama"], "--dataloader.dataset", "tokens", "--dataloader.dataset_path",
-                              str(folder))
-    assert code == 2 and "[dataloader] dataset_path" in err and message in err and "Traceback" not in err
+    code, out, err = validate(
+        capsys,
+        BASES["llama"],
+        "--dataloader.dataset",
+        "tokens",
+        "--dataloader.dataset_path",
+        str(folder),
+    )
+    assert (
+        code == 2
+        and "[dataloader] dataset_path" in err
+        and message in err
+        and "Traceback" not in err
+    )
 
 
 @pytest.mark.parametrize("size", ["0", "-2"])
@@ -144,17 +209,57 @@ def test_world_size_below_one_is_refused(capsys, size):
 VARIANTS = {
     "one-process": (1, []),
     "fsdp2-compile": (2, ["--compile.enable"]),
-    "tp2-sp": (2, ["--parallelism.tensor_parallel_degree", "2", "--parallelism.enable_sequence_parallel", "true"]),
+    "tp2-sp": (
+        2,
+        [
+            "--parallelism.tensor_parallel_degree",
+            "2",
+            "--parallelism.enable_sequence_parallel",
+            "true",
+        ],
+    ),
     "tp3": (3, ["--parallelism.tensor_parallel_degree", "3"]),
-    "pp2": (2, ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "1F1B"]),
-    "pp2-odd-microbatch": (2, ["--parallelism.pipeline_parallel_degree", "2",
-                               "--parallelism.pipeline_parallel_microbatch_size", "3"]),
+    "pp2": (
+        2,
+        [
+            "--parallelism.pipeline_parallel_degree",
+            "2",
+            "--parallelism.pipeline_parallel_schedule",
+            "1F1B",
+        ],
+    ),
+    "pp2-odd-microbatch": (
+        2,
+        [
+            "--parallelism.pipeline_parallel_degree",
+            "2",
+            "--parallelism.pipeline_parallel_microbatch_size",
+            "3",
+        ],
+    ),
     "cp2": (2, ["--parallelism.context_parallel_degree", "2"]),
-    "hsdp2x2-full-ac": (4, ["--parallelism.data_parallel_replicate_degree", "2", "--activation_checkpoint.mode",
-                            "full"]),
-    "float8-emulated-tp2": (2, ["--float8.enable", "--float8.emulate", "--parallelism.tensor_parallel_degree", "2"]),
-    "selective-ac-last-hf": (1, ["--activation_checkpoint.mode", "selective", "--checkpoint.enable",
-                                 "--checkpoint.last_save_in_hf"]),
+    "hsdp2x2-full-ac": (
+        4,
+        [
+            "--parallelism.data_parallel_replicate_degree",
+            "2",
+            "--activation_checkpoint.mode",
+            "full",
+        ],
+    ),
+    "float8-emulated-tp2": (
+        2,
+        ["--float8.enable", "--float8.emulate", "--parallelism.tensor_parallel_degree", "2"],
+    ),
+    "selective-ac-last-hf": (
+        1,
+        [
+            "--activation_checkpoint.mode",
+            "selective",
+            "--checkpoint.enable",
+            "--checkpoint.last_save_in_hf",
+        ],
+    ),
 }
 
 

@@ -10,10 +10,12 @@ from pathlib import Path
 
 from canon_titan.config.loader import DTYPE_SPELLINGS
 
-OVERRIDES = ("Any further --section.key value argument overrides that key of the TOML, e.g. --training.steps 10 "
-             "or --model.flavor 1B (values are TOML literals; a bare --section.flag means true); "
-             "--section.key unset drops a key the TOML sets, which then takes its default "
-             "(the flavor's, in [model]).")
+OVERRIDES = (
+    "Any further --section.key value argument overrides that key of the TOML, e.g. --training.steps 10 "
+    "or --model.flavor 1B (values are TOML literals; a bare --section.flag means true); "
+    "--section.key unset drops a key the TOML sets, which then takes its default "
+    "(the flavor's, in [model])."
+)
 BUILTIN_TOKENIZER = Path(__file__).resolve().parent.parent / "assets" / "builtin"
 
 
@@ -21,8 +23,10 @@ def dtype_arg(text: str) -> str:
     """A ``--dtype`` value as its short name, whichever spelling was typed."""
     short = {long: short for short, long in DTYPE_SPELLINGS.items()}.get(text, text)
     if short not in DTYPE_SPELLINGS:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a dtype; one of "
-                                         + ", ".join(f"{s} ({long})" for s, long in DTYPE_SPELLINGS.items()))
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a dtype; one of "
+            + ", ".join(f"{s} ({long})" for s, long in DTYPE_SPELLINGS.items())
+        )
     return short
 
 
@@ -31,14 +35,24 @@ def parse_with_overrides(parser: argparse.ArgumentParser, argv: list[str]):
     option of another spelling (``--gpus_per_node``, ``--nprocs``) is an error that names the option
     meant, not a malformed override."""
     args, rest = parser.parse_known_args(argv)
-    options = sorted({o for p in _parsers(parser) for a in p._actions for o in a.option_strings if o.startswith("--")})
+    options = sorted(
+        {
+            o
+            for p in _parsers(parser)
+            for a in p._actions
+            for o in a.option_strings
+            if o.startswith("--")
+        }
+    )
     for arg in rest:
         name = arg.split("=")[0]
         if name.startswith("--") and "." not in name:
             same = [o for o in options if o.replace("_", "-") == name.replace("_", "-")]
             close = same or difflib.get_close_matches(name, options, n=1, cutoff=0.75)
-            parser.error(f"unknown option {name}" + (f"; did you mean {close[0]}?" if close else
-                                                     f"; options: {', '.join(options)}"))
+            parser.error(
+                f"unknown option {name}"
+                + (f"; did you mean {close[0]}?" if close else f"; options: {', '.join(options)}")
+            )
     return args, rest
 
 

@@ -21,23 +21,34 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="canon-titan sweep",
         description="Train every cell of a spec (base configs x axes x seeds) with a matched "
-                    "budget, score them, and write the table of means, intervals and verdicts "
-                    "(docs/experiments.md).")
+        "budget, score them, and write the table of means, intervals and verdicts "
+        "(docs/experiments.md).",
+    )
     parser.add_argument("spec", help="the sweep's TOML (train_configs/sweeps/)")
     parser.add_argument("--out", type=Path, help="its folder (default: [sweep] out)")
-    parser.add_argument("--jobs", type=int,
-                        help="cells trained side by side here (default: cores // nproc)")
+    parser.add_argument(
+        "--jobs", type=int, help="cells trained side by side here (default: cores // nproc)"
+    )
     mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--dry-run", action="store_true",
-                      help="print the budget and the cells; train nothing")
-    mode.add_argument("--slurm", action="store_true",
-                      help="write a manifest and an sbatch --array script (one cell a task) "
-                           "instead of training here")
-    mode.add_argument("--collect", action="store_true",
-                      help="only gather the cells that have finished")
-    parser.add_argument("--check", type=guard.parse_check, metavar="WINNER>LOSER:GROUP:POINTS",
-                        help="exit 1 unless arm WINNER beats arm LOSER on GROUP by POINTS "
-                             "(percentage points for accuracies) in every base config")
+    mode.add_argument(
+        "--dry-run", action="store_true", help="print the budget and the cells; train nothing"
+    )
+    mode.add_argument(
+        "--slurm",
+        action="store_true",
+        help="write a manifest and an sbatch --array script (one cell a task) "
+        "instead of training here",
+    )
+    mode.add_argument(
+        "--collect", action="store_true", help="only gather the cells that have finished"
+    )
+    parser.add_argument(
+        "--check",
+        type=guard.parse_check,
+        metavar="WINNER>LOSER:GROUP:POINTS",
+        help="exit 1 unless arm WINNER beats arm LOSER on GROUP by POINTS "
+        "(percentage points for accuracies) in every base config",
+    )
     args = parser.parse_args(argv)
     if args.jobs is not None and args.jobs < 1:
         parser.error("--jobs must be >= 1")
@@ -76,23 +87,30 @@ def _sweep(args) -> int:
     if args.slurm:
         script = slurm.write(spec, cells, evaluation)
         again = f" --out {spec.out}" if args.out else ""
-        print(f"[sweep] {len(cells)} cells, one array task each: {slurm.manifest_of(spec)}"
-              f"\n[sweep] submit from {os.getcwd()}: sbatch {script}"
-              f"\n[sweep] then: canon-titan sweep {spec.path} --collect{again}")
+        print(
+            f"[sweep] {len(cells)} cells, one array task each: {slurm.manifest_of(spec)}"
+            f"\n[sweep] submit from {os.getcwd()}: sbatch {script}"
+            f"\n[sweep] then: canon-titan sweep {spec.path} --collect{again}"
+        )
         return 0
     if args.collect:
         scores = [evaluation.read_scores(cell.folder) for cell in cells]
         print(f"[sweep] {sum(s is not None for s in scores)} of {len(cells)} cells have finished")
     else:
         jobs = args.jobs or local.default_jobs(len(cells), spec.nproc)
-        print(f"[sweep] {len(cells)} cells, {jobs} at a time, {spec.nproc} process(es) each",
-              flush=True)
+        print(
+            f"[sweep] {len(cells)} cells, {jobs} at a time, {spec.nproc} process(es) each",
+            flush=True,
+        )
         note = local.load_note(jobs, spec.nproc)
         if note:
             print(f"[sweep] {note}", flush=True)
         scores = local.run_local(cells, evaluation, jobs)
-    scored = {(c.task.label, c.arm.label, c.seed): s for c, s in zip(cells, scores, strict=True)
-              if s is not None}
+    scored = {
+        (c.task.label, c.arm.label, c.seed): s
+        for c, s in zip(cells, scores, strict=True)
+        if s is not None
+    }
     tasks = results.collect(arm_runs, scored, evaluation)
     report = results.markdown(tasks, budget, evaluation, spec.seeds)
     table = results.as_json(tasks, budget, evaluation, str(spec.path))
@@ -100,8 +118,10 @@ def _sweep(args) -> int:
     write_atomic(spec.out / "results.json", json.dumps(table, indent=2) + "\n")
     figures = plots.draw(table, spec.out) if any(s is not None for s in scores) else []
     print("\n" + report)
-    print(f"[sweep] {spec.out / 'results.md'}, {spec.out / 'results.json'}"
-          + "".join(f", {path}" for path in figures))
+    print(
+        f"[sweep] {spec.out / 'results.md'}, {spec.out / 'results.json'}"
+        + "".join(f", {path}" for path in figures)
+    )
     if args.check:
         failed = guard.failures(args.check, tasks, evaluation)
         if failed:

@@ -32,13 +32,19 @@ import torch.distributed.checkpoint as dcp
 import tyro
 from torch import nn
 from torch.distributed.checkpoint import DefaultLoadPlanner
-
 from torchtitan.components.checkpointer import CheckpointManager
 from torchtitan.tools.logging import logger
 
 from canon_titan.components.resume_checks import GLOBAL_BATCH_KEY
-from canon_titan.convert.dcp_io import (CheckpointDamaged, FileNamingReader, NoLoadableCheckpoint, checkpoint_problem,
-                                        inner_failure, model_only, step_dirs)
+from canon_titan.convert.dcp_io import (
+    CheckpointDamaged,
+    FileNamingReader,
+    NoLoadableCheckpoint,
+    checkpoint_problem,
+    inner_failure,
+    model_only,
+    step_dirs,
+)
 from canon_titan.tools.collectives import rank_zero_decides
 
 
@@ -64,18 +70,26 @@ def _rank0() -> bool:
     return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
 
 
-def newest_checkpoint_hint(folder: str | Path, before: int, checked: set[int] = frozenset(),
-                           damaged: set[int] = frozenset()) -> str:
+def newest_checkpoint_hint(
+    folder: str | Path,
+    before: int,
+    checked: set[int] = frozenset(),
+    damaged: set[int] = frozenset(),
+) -> str:
     """The newest intact checkpoint below step ``before`` and how to resume from it. Only one of
     ``checked`` (saved or loaded by this process, its values finite) is called good."""
     for step, path in step_dirs(folder):
         if step < before and step not in damaged and checkpoint_problem(path) is None:
-            resume = (f"resume from it with --checkpoint.load_step {step} (a lower learning rate, [divergence] "
-                      "spike_factor, or other data may avoid the divergence)")
+            resume = (
+                f"resume from it with --checkpoint.load_step {step} (a lower learning rate, [divergence] "
+                "spike_factor, or other data may avoid the divergence)"
+            )
             if step in checked:
                 return f"the last good checkpoint is {path}; {resume}"
-            return (f"the newest checkpoint before it is {path}, which this run neither saved nor loaded (a resume "
-                    f"checks its values as it loads it); {resume}")
+            return (
+                f"the newest checkpoint before it is {path}, which this run neither saved nor loaded (a resume "
+                f"checks its values as it loads it); {resume}"
+            )
     return "there is no earlier checkpoint: start again with a lower learning rate"
 
 
@@ -119,22 +133,34 @@ def _room_advice(step_dir: Path, free: int, keep_latest_k: int, purge_before_sav
     partial = folder_bytes(step_dir) if step_dir.is_dir() else 0
     available = free + partial
     fits = (available + sum(sizes)) // size
-    advice = (f"A checkpoint of this run takes {size / 2**20:,.1f} MiB: free at least "
-              f"{max(size - available, 0) / 2**20:,.1f} MiB there")
+    advice = (
+        f"A checkpoint of this run takes {size / 2**20:,.1f} MiB: free at least "
+        f"{max(size - available, 0) / 2**20:,.1f} MiB there"
+    )
     keep = min(fits, keep_latest_k) if keep_latest_k else fits
     if fits >= 2 and not (purge_before_save and keep == keep_latest_k):
-        advice += (f", or keep at most {keep} checkpoints and delete the oldest before each save "
-                   f"(--checkpoint.keep_latest_k {keep} --checkpoint.purge_before_save true; keep_latest_k alone "
-                   "deletes only after a save succeeds, which a full disk never lets happen)")
+        advice += (
+            f", or keep at most {keep} checkpoints and delete the oldest before each save "
+            f"(--checkpoint.keep_latest_k {keep} --checkpoint.purge_before_save true; keep_latest_k alone "
+            "deletes only after a save succeeds, which a full disk never lets happen)"
+        )
     return advice + ", and run the same command to resume"
 
 
-def save_failure(step: int, step_dir: Path, exc: BaseException, *, keep_latest_k: int = 0,
-                 purge_before_save: bool = False) -> str:
+def save_failure(
+    step: int,
+    step_dir: Path,
+    exc: BaseException,
+    *,
+    keep_latest_k: int = 0,
+    purge_before_save: bool = False,
+) -> str:
     """The one line for a failed save: what failed, how much room its filesystem has left, and for
     a full disk what makes the next save fit."""
     error, free = inner_failure(exc, OSError), free_bytes(step_dir)
-    full = (error is not None and error.errno == errno.ENOSPC) or (free is not None and free < FULL_BELOW)
+    full = (error is not None and error.errno == errno.ENOSPC) or (
+        free is not None and free < FULL_BELOW
+    )
     if full:
         what = "the disk is full"
     elif error is not None:
@@ -143,11 +169,20 @@ def save_failure(step: int, step_dir: Path, exc: BaseException, *, keep_latest_k
         cause = _first_failure(exc)
         lines = str(cause).strip().splitlines()
         what = f"{type(cause).__name__}: {lines[0] if lines else ''}"
-    room = f"{free / 2**20:,.1f} MiB free on its filesystem" if free is not None else "its filesystem cannot be read"
-    advice = (_room_advice(step_dir, free, keep_latest_k, purge_before_save) if full and free is not None
-              else "Run the same command to resume once that is fixed")
-    return (f"saving checkpoint step {step} to {step_dir} failed: {what} ({room}); the partial folder is removed "
-            f"and earlier checkpoints are intact. {advice}")
+    room = (
+        f"{free / 2**20:,.1f} MiB free on its filesystem"
+        if free is not None
+        else "its filesystem cannot be read"
+    )
+    advice = (
+        _room_advice(step_dir, free, keep_latest_k, purge_before_save)
+        if full and free is not None
+        else "Run the same command to resume once that is fixed"
+    )
+    return (
+        f"saving checkpoint step {step} to {step_dir} failed: {what} ({room}); the partial folder is removed "
+        f"and earlier checkpoints are intact. {advice}"
+    )
 
 
 def _first_failure(exc: BaseException) -> BaseException:
@@ -228,8 +263,9 @@ class CanonCheckpointer(CheckpointManager):
         return newest_checkpoint_hint(self.folder, before, self.checked, self.damaged)
 
     def _should_save(self, curr_step: int, last_step: bool = False) -> bool:
-        return (self.force_next_save and self.enable and not self.load_only) or super()._should_save(
-            curr_step, last_step)
+        return (
+            self.force_next_save and self.enable and not self.load_only
+        ) or super()._should_save(curr_step, last_step)
 
     def _save(self, curr_step: int, last_step: bool = False) -> bool:
         if not self._should_save(curr_step, last_step):
@@ -244,9 +280,15 @@ class CanonCheckpointer(CheckpointManager):
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as e:  # DCP's CheckpointException is a BaseException, raised on every rank
-            def failure() -> str:  # free space before the partial folder goes; every rank says it
-                message = save_failure(curr_step, step_dir, e, keep_latest_k=self.keep_latest_k,
-                                       purge_before_save=self.purge_before_save)
+
+            def failure(error: BaseException = e) -> str:  # free space first; every rank says it
+                message = save_failure(
+                    curr_step,
+                    step_dir,
+                    error,
+                    keep_latest_k=self.keep_latest_k,
+                    purge_before_save=self.purge_before_save,
+                )
                 shutil.rmtree(step_dir, ignore_errors=True)
                 return message
 
@@ -269,11 +311,16 @@ class CanonCheckpointer(CheckpointManager):
                 logger.warning(f"removing the damaged {step_dir} before saving step {step} again")
                 shutil.rmtree(step_dir, ignore_errors=True)
             folder = Path(self.folder)
-            older = sorted(int(m.group(1)) for p in (folder.iterdir() if purge and folder.is_dir() else ())
-                           if (m := re.fullmatch(r"step-(\d+)", p.name)) and int(m.group(1)) < step)
+            older = sorted(
+                int(m.group(1))
+                for p in (folder.iterdir() if purge and folder.is_dir() else ())
+                if (m := re.fullmatch(r"step-(\d+)", p.name)) and int(m.group(1)) < step
+            )
             for old in older[: max(0, len(older) - (self.keep_latest_k - 1))]:
-                logger.info(f"deleting {folder / f'step-{old}'} before the save of step {step} "
-                            "([checkpoint] purge_before_save)")
+                logger.info(
+                    f"deleting {folder / f'step-{old}'} before the save of step {step} "
+                    "([checkpoint] purge_before_save)"
+                )
                 shutil.rmtree(folder / f"step-{old}", ignore_errors=True)
         if torch.distributed.is_initialized():
             torch.distributed.barrier()
@@ -281,8 +328,17 @@ class CanonCheckpointer(CheckpointManager):
     def _trained_tensors(self, optimizer: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """This rank's shards of the weights, and of the optimizer state when ``optimizer``."""
         params = [_local(p) for part in self.states["model"].model for p in part.parameters()]
-        states = [_local(v) for opt in self.states["optimizer"] for state in opt.state.values()
-                  for v in state.values() if torch.is_tensor(v) and v.is_floating_point()] if optimizer else []
+        states = (
+            [
+                _local(v)
+                for opt in self.states["optimizer"]
+                for state in opt.state.values()
+                for v in state.values()
+                if torch.is_tensor(v) and v.is_floating_point()
+            ]
+            if optimizer
+            else []
+        )
         return params, states
 
     def _nonfinite(self, optimizer: bool) -> str:
@@ -306,9 +362,11 @@ class CanonCheckpointer(CheckpointManager):
         """Every rank's parameters and optimizer state finite, agreed across ranks, before any of them writes."""
         what = self._nonfinite(optimizer=True)
         if what:
-            raise NonFiniteParameters(f"the {what} at step {step} {'is' if what == 'optimizer state' else 'are'} not "
-                                      f"finite (NaN or inf), so its checkpoint is not written; "
-                                      f"{self.resume_hint(step)}")
+            raise NonFiniteParameters(
+                f"the {what} at step {step} {'is' if what == 'optimizer state' else 'are'} not "
+                f"finite (NaN or inf), so its checkpoint is not written; "
+                f"{self.resume_hint(step)}"
+            )
 
     def dcp_load(self, state_dict, checkpoint_id, from_hf, from_quantized) -> None:
         """TorchTitan's load, naming the file whose bytes do not load, then the values checked finite."""
@@ -316,8 +374,12 @@ class CanonCheckpointer(CheckpointManager):
             if from_hf:
                 super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
             else:
-                dcp.load(state_dict, checkpoint_id=checkpoint_id, planner=_EarlierTrainState(),
-                         storage_reader=FileNamingReader(checkpoint_id))
+                dcp.load(
+                    state_dict,
+                    checkpoint_id=checkpoint_id,
+                    planner=_EarlierTrainState(),
+                    storage_reader=FileNamingReader(checkpoint_id),
+                )
                 self.states["model"].load_state_dict(state_dict)
         except (KeyboardInterrupt, SystemExit):
             raise
@@ -325,11 +387,15 @@ class CanonCheckpointer(CheckpointManager):
             damaged = inner_failure(e, CheckpointDamaged)
             if damaged is None:
                 raise
-            raise CheckpointDamaged(f"checkpoint {checkpoint_id} cannot be loaded: {damaged}") from None
+            raise CheckpointDamaged(
+                f"checkpoint {checkpoint_id} cannot be loaded: {damaged}"
+            ) from None
         what = self._nonfinite(optimizer="optimizer" in state_dict)
         if what:
-            raise CheckpointDamaged(f"checkpoint {checkpoint_id} holds values that are not finite (NaN or inf) "
-                                    f"in its {what}")
+            raise CheckpointDamaged(
+                f"checkpoint {checkpoint_id} holds values that are not finite (NaN or inf) "
+                f"in its {what}"
+            )
 
     def _load(self, step: int = -1) -> bool:
         """TorchTitan's load; a checkpoint of this run's folder that is damaged (``dcp_load``) is named,
@@ -343,14 +409,24 @@ class CanonCheckpointer(CheckpointManager):
             self.damaged.add(target)
             previous = self._previous_full(target)
             if target == self.pinned_step:
-                before = (f"; the newest complete checkpoint before it is step {previous}: --checkpoint.load_step "
-                          f"{previous}" if previous is not None else "; there is no complete checkpoint before it")
-                raise NoLoadableCheckpoint(f"[checkpoint] load_step = {target}: {e}{before}") from None
+                before = (
+                    f"; the newest complete checkpoint before it is step {previous}: --checkpoint.load_step "
+                    f"{previous}"
+                    if previous is not None
+                    else "; there is no complete checkpoint before it"
+                )
+                raise NoLoadableCheckpoint(
+                    f"[checkpoint] load_step = {target}: {e}{before}"
+                ) from None
             if previous is None:
-                raise NoLoadableCheckpoint(f"{e}, and there is no complete checkpoint before step {target} to fall "
-                                           f"back to (move {self._create_checkpoint_id(target)} away to start "
-                                           "afresh)") from None
-            logger.warning(f"{e}: resuming from step {previous} instead, the newest complete checkpoint before it")
+                raise NoLoadableCheckpoint(
+                    f"{e}, and there is no complete checkpoint before step {target} to fall "
+                    f"back to (move {self._create_checkpoint_id(target)} away to start "
+                    "afresh)"
+                ) from None
+            logger.warning(
+                f"{e}: resuming from step {previous} instead, the newest complete checkpoint before it"
+            )
             if self.before_fallback is not None:
                 self.before_fallback(Path(self._create_checkpoint_id(previous)))
             return self._load(previous)

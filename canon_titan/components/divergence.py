@@ -76,7 +76,9 @@ class LossGuard:
         self.in_a_row = torch.zeros((), device=device)
         self.stopped = torch.zeros((), dtype=torch.bool, device=device)
 
-    def judge(self, loss: torch.Tensor, nonfinite_gradients: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def judge(
+        self, loss: torch.Tensor, nonfinite_gradients: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(the step's skip flag, 1.0 or 0.0; its record) from its loss and whether any gradient
         was not finite (both 0-dim, the same on every rank), by device ops alone."""
         section = self.section
@@ -94,16 +96,26 @@ class LossGuard:
         applied = ~(nonfinite | spike)
         self.nonfinite += nonfinite
         self.in_a_row = torch.where(applied, 0.0, self.in_a_row + 1)
-        stop = torch.where(nonfinite & (self.nonfinite >= section.max_nonfinite_steps), NONFINITE_LIMIT,
-                           torch.where(spike & (section.on_spike == "stop"), SPIKE_STOP,
-                                       torch.where(self.in_a_row >= section.max_consecutive_skips, SKIPS_IN_A_ROW,
-                                                   GO_ON)))
+        stop = torch.where(
+            nonfinite & (self.nonfinite >= section.max_nonfinite_steps),
+            NONFINITE_LIMIT,
+            torch.where(
+                spike & (section.on_spike == "stop"),
+                SPIKE_STOP,
+                torch.where(self.in_a_row >= section.max_consecutive_skips, SKIPS_IN_A_ROW, GO_ON),
+            ),
+        )
         self.stopped |= stop != GO_ON
         slot = (self.kept % window).view(1)
-        self.recent.index_copy_(0, slot, torch.where(applied, loss, self.recent.index_select(0, slot)))
+        self.recent.index_copy_(
+            0, slot, torch.where(applied, loss, self.recent.index_select(0, slot))
+        )
         self.kept += applied
-        kind = torch.where(~finite, NONFINITE_LOSS,
-                           torch.where(spike, SPIKE, torch.where(bad_gradients, NONFINITE_GRADIENTS, APPLIED)))
+        kind = torch.where(
+            ~finite,
+            NONFINITE_LOSS,
+            torch.where(spike, SPIKE, torch.where(bad_gradients, NONFINITE_GRADIENTS, APPLIED)),
+        )
         kept = self.kept.float()
         record = torch.stack([loss, mean, kind.float(), self.in_a_row, kept, stop.float()])
         return (~applied | self.stopped).float(), record
@@ -116,12 +128,22 @@ class LossGuard:
         if kind == NONFINITE_LOSS:
             problem = f"the loss at step {step} is not finite ({loss})"
         elif kind == SPIKE:
-            problem = (f"the loss at step {step} ({loss:.4g}) is a spike, above {self.section.spike_factor} x its "
-                       f"running mean {mean:.4g} ([divergence] spike_factor)")
+            problem = (
+                f"the loss at step {step} ({loss:.4g}) is a spike, above {self.section.spike_factor} x its "
+                f"running mean {mean:.4g} ([divergence] spike_factor)"
+            )
         elif kind == NONFINITE_GRADIENTS:
             problem = f"the gradients at step {step} are not finite (its loss was finite)"
         if stop == SKIPS_IN_A_ROW:
-            problem += (f"; {in_a_row} steps in a row were skipped (steps {step - in_a_row + 1}-{step}, [divergence] "
-                        "max_consecutive_skips), so the run trains nothing")
-        return StepVerdict(step=step, skipped=kind != APPLIED, stop=stop != GO_ON, problem=problem,
-                           in_a_row=in_a_row, applied=applied)
+            problem += (
+                f"; {in_a_row} steps in a row were skipped (steps {step - in_a_row + 1}-{step}, [divergence] "
+                "max_consecutive_skips), so the run trains nothing"
+            )
+        return StepVerdict(
+            step=step,
+            skipped=kind != APPLIED,
+            stop=stop != GO_ON,
+            problem=problem,
+            in_a_row=in_a_row,
+            applied=applied,
+        )

@@ -58,7 +58,9 @@ def take_stop_signals(act: Callable[[int], None]) -> None:
         read, write = os.pipe()
         os.set_blocking(write, False)  # the C handler must never block on a full pipe
         signal.set_wakeup_fd(write, warn_on_full_buffer=False)
-        _watching.append(threading.Thread(target=_watch, args=(read,), name="stop-signals", daemon=True))
+        _watching.append(
+            threading.Thread(target=_watch, args=(read,), name="stop-signals", daemon=True)
+        )
         _watching[0].start()
 
 
@@ -80,8 +82,11 @@ def stop_at_once_until_started(what: str) -> None:
     KeyboardInterrupt traceback or a silent death by signal, even inside a C call."""
 
     def stop(signum):
-        os.write(2, f"canon-titan: {signal.Signals(signum).name} {what}: stopped, nothing to save; run the same "
-                    f"command again\n".encode())
+        os.write(
+            2,
+            f"canon-titan: {signal.Signals(signum).name} {what}: stopped, nothing to save; run the same "
+            f"command again\n".encode(),
+        )
         exit_now(PREEMPTED)  # its cleanups too (a lease rank 0 already took)
 
     take_stop_signals(stop)
@@ -94,8 +99,10 @@ def stop_before_training() -> None:
     building the model, loading a checkpoint): none is left waiting for one that has gone."""
 
     def stop(signum):
-        say_once(f"{signal.Signals(signum).name} before training started: stopped, nothing to save; run the same "
-                 "command again")
+        say_once(
+            f"{signal.Signals(signum).name} before training started: stopped, nothing to save; run the same "
+            "command again"
+        )
         exit_now(PREEMPTED)
 
     take_stop_signals(stop)

@@ -41,17 +41,22 @@ class Float8Converter(Float8LinearConverter):
         if fsdp_float8_all_gather:
             torchao_config = dataclasses.replace(torchao_config, enable_fsdp_float8_all_gather=True)
         self.torchao_config = torchao_config
-        logger.info(f"float8: recipe {config.recipe_name}, {'emulated' if config.emulate else 'hardware'} matmuls"
-                    + (", FSDP all-gathers the weights in float8" if fsdp_float8_all_gather else ""))
+        logger.info(
+            f"float8: recipe {config.recipe_name}, {'emulated' if config.emulate else 'hardware'} matmuls"
+            + (", FSDP all-gathers the weights in float8" if fsdp_float8_all_gather else "")
+        )
 
 
 def float8_converter(section: dict, model_compiled: bool) -> Float8Converter:
-    return Float8Converter(Float8LinearConverter.Config(
-        recipe_name=section["recipe_name"],
-        emulate=section["emulate"],
-        filter_fqns=list(section["filter_fqns"]),
-        model_compile_enabled=model_compiled,
-    ), fsdp_float8_all_gather=section["enable_fsdp_float8_all_gather"])
+    return Float8Converter(
+        Float8LinearConverter.Config(
+            recipe_name=section["recipe_name"],
+            emulate=section["emulate"],
+            filter_fqns=list(section["filter_fqns"]),
+            model_compile_enabled=model_compiled,
+        ),
+        fsdp_float8_all_gather=section["enable_fsdp_float8_all_gather"],
+    )
 
 
 def precompute_float8_scales(model_parts: list[nn.Module]) -> None:

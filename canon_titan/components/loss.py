@@ -5,7 +5,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Shard
-
 from torchtitan.components.loss import IGNORE_INDEX, BaseLoss, _LossParallelCrossEntropy
 from torchtitan.config import CompileConfig
 
@@ -17,11 +16,17 @@ def token_nll(pred: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         if tuple(pred.placements) != (Shard(pred.ndim - 1),):
             raise ValueError(f"expected logits sharded on the vocabulary, got {pred.placements}")
         return _LossParallelCrossEntropy.apply(
-            pred.to_local().flatten(0, 1).float(), labels.flatten(0, 1),
-            pred.device_mesh.get_group(), pred.shape[-1], "none",
+            pred.to_local().flatten(0, 1).float(),
+            labels.flatten(0, 1),
+            pred.device_mesh.get_group(),
+            pred.shape[-1],
+            "none",
         )
     return F.cross_entropy(
-        pred.flatten(0, 1).float(), labels.flatten(0, 1), reduction="none", ignore_index=IGNORE_INDEX
+        pred.flatten(0, 1).float(),
+        labels.flatten(0, 1),
+        reduction="none",
+        ignore_index=IGNORE_INDEX,
     )
 
 

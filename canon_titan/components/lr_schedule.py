@@ -24,8 +24,9 @@ class ResumableSchedulers(LRSchedulersContainer):
     class Config(LRSchedulersContainer.Config):
         def build(self, *, optimizers, training_steps) -> ResumableSchedulers:
             # TorchTitan's build makes its own class: its schedule, in this one
-            built = LRSchedulersContainer.Config.build(self, optimizers=optimizers,
-                                                       training_steps=training_steps)
+            built = LRSchedulersContainer.Config.build(
+                self, optimizers=optimizers, training_steps=training_steps
+            )
             return ResumableSchedulers(optimizers, built.schedulers[0].lr_lambdas[0])
 
     def load_state_dict(self, state_dict) -> None:

@@ -18,8 +18,12 @@ def read_all_scalars(dump_folder: str, tb_folder: str = "tb") -> dict[str, dict[
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     series: dict[str, dict[int, float]] = {}
-    for path in sorted(glob.glob(os.path.join(dump_folder, tb_folder, "**", "events.out.tfevents.*"), recursive=True),
-                       key=os.path.getmtime):
+    for path in sorted(
+        glob.glob(
+            os.path.join(dump_folder, tb_folder, "**", "events.out.tfevents.*"), recursive=True
+        ),
+        key=os.path.getmtime,
+    ):
         acc = EventAccumulator(path, size_guidance={"scalars": 0})
         acc.Reload()
         for tag in acc.Tags()["scalars"]:
@@ -35,16 +39,21 @@ def read_scalars(dump_folder: str, tag: str = LOSS_TAG, tb_folder: str = "tb") -
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Summarise the training loss of a run.")
     parser.add_argument("dump_folder")
-    parser.add_argument("--require-decrease", action="store_true",
-                        help="exit 1 unless the last logged loss is below the first")
+    parser.add_argument(
+        "--require-decrease",
+        action="store_true",
+        help="exit 1 unless the last logged loss is below the first",
+    )
     args = parser.parse_args(argv)
     losses = read_scalars(args.dump_folder)
     if not losses:
         print(f"no loss scalars under {args.dump_folder}/tb", file=sys.stderr)
         return 1
     steps = list(losses)
-    print(f"loss: step {steps[0]} {losses[steps[0]]:.4f} -> step {steps[-1]} {losses[steps[-1]]:.4f} "
-          f"({len(steps)} logged steps)")
+    print(
+        f"loss: step {steps[0]} {losses[steps[0]]:.4f} -> step {steps[-1]} {losses[steps[-1]]:.4f} "
+        f"({len(steps)} logged steps)"
+    )
     if args.require_decrease and not losses[steps[-1]] < losses[steps[0]]:
         print("the loss did not fall", file=sys.stderr)
         return 1

@@ -26,8 +26,13 @@ from collections.abc import Callable
 
 from torchtitan.tools.logging import logger
 
-from canon_titan.components.exit_codes import (DUPLICATE_WINDOW_S, STOPPED, exit_now, report_training,
-                                               take_stop_signals)
+from canon_titan.components.exit_codes import (
+    DUPLICATE_WINDOW_S,
+    STOPPED,
+    exit_now,
+    report_training,
+    take_stop_signals,
+)
 
 
 class Preempted(RuntimeError):
@@ -66,13 +71,17 @@ class StopSignals:
             timer = threading.Timer(self.grace_seconds, self._out_of_time)
             timer.daemon = True
             timer.start()
-            logger.warning(f"{name} received: finishing this step and saving a checkpoint (at most "
-                           f"{self.grace_seconds} s, [job] stop_grace_seconds; a second signal exits at once)")
+            logger.warning(
+                f"{name} received: finishing this step and saving a checkpoint (at most "
+                f"{self.grace_seconds} s, [job] stop_grace_seconds; a second signal exits at once)"
+            )
         elif now - self.received_at > DUPLICATE_WINDOW_S:
             logger.error(f"second {name}: exiting without saving this step; {self.on_disk()}")
             exit_now(STOPPED)  # not PREEMPTED: the step reached is not on disk
 
     def _out_of_time(self) -> None:
-        logger.error(f"no checkpoint saved within [job] stop_grace_seconds = {self.grace_seconds}: exiting; "
-                     f"{self.on_disk()}")
+        logger.error(
+            f"no checkpoint saved within [job] stop_grace_seconds = {self.grace_seconds}: exiting; "
+            f"{self.on_disk()}"
+        )
         exit_now(STOPPED)

@@ -40,5 +40,7 @@ class Progress:
             eta = duration((now - first_ended) / (step - first) * (self.total - step))
         else:
             eta = f"? (estimated from step {first + 1} on, past the first step's compile, tuning)"
-        return (f"progress: step {step}/{self.total} ({100 * step / self.total:.0f}%), "
-                f"elapsed {duration(now - self.started)}, ETA {eta}")
+        return (
+            f"progress: step {step}/{self.total} ({100 * step / self.total:.0f}%), "
+            f"elapsed {duration(now - self.started)}, ETA {eta}"
+        )

@@ -31,7 +31,10 @@ from torchtitan.tools.logging import logger
 from canon_titan.components.divergence import NonFiniteLoss
 from canon_titan.tools.host_memory import host_value, to_device
 
-MIRRORED = {"Trainer.train_step": "911f8077fc175e7f", "Trainer.pp_forward_backward_step": "cabc5cbf434ef4f0"}
+MIRRORED = {
+    "Trainer.train_step": "911f8077fc175e7f",
+    "Trainer.pp_forward_backward_step": "cabc5cbf434ef4f0",
+}
 """TorchTitan 0.3.0's methods whose work ``QueuedCopies`` does, by the first 16 hex digits of the SHA-256
 of their source (held by tests/test_upstream.py)."""
 
@@ -60,8 +63,11 @@ class QueuedCopies:
             groups.append(group)
         sl.log_trace_scalar({"local_valid_tokens": int(local_tokens)})
         local_on_device = local_tokens.to(self.device, non_blocking=True)
-        global_tokens = (dist_utils.dist_sum_tensor(local_on_device, dims.get_mesh("batch")) if dims.dp_enabled
-                         else local_on_device)
+        global_tokens = (
+            dist_utils.dist_sum_tensor(local_on_device, dims.get_mesh("batch"))
+            if dims.dp_enabled
+            else local_on_device
+        )
 
         accumulated = None
         for group in groups:
@@ -73,15 +79,21 @@ class QueuedCopies:
             del group[:]  # the host's copies go as soon as they are queued
             if not dims.pp_enabled:
                 inputs, labels = inputs[0], labels[0]
-            loss = self.forward_backward_step(input_dict=inputs, labels=labels, global_valid_tokens=global_tokens)
+            loss = self.forward_backward_step(
+                input_dict=inputs, labels=labels, global_valid_tokens=global_tokens
+            )
             if should_log:
                 loss = loss.detach()
                 accumulated = loss.clone() if accumulated is None else accumulated.add_(loss)
 
         with sl.log_trace_span("optim"):
             grad_norm = dist_utils.clip_grad_norm_(
-                [p for part in self.model_parts for p in part.parameters()], self.config.training.max_norm,
-                foreach=True, pp_mesh=dims.get_optional_mesh("pp"), ep_enabled=dims.ep_enabled)
+                [p for part in self.model_parts for p in part.parameters()],
+                self.config.training.max_norm,
+                foreach=True,
+                pp_mesh=dims.get_optional_mesh("pp"),
+                ep_enabled=dims.ep_enabled,
+            )
             self.checkpointer.maybe_wait_for_staging()
             self.optimizers.step()
             self.lr_schedulers.step()
@@ -99,18 +111,27 @@ class QueuedCopies:
                 # ``accumulated`` is this rank's loss sum over the global token count: their sum over
                 # ranks is the average, and times global / local tokens each rank's own average.
                 seen = host_value(self.ntokens_seen, torch.int64).to(self.device, non_blocking=True)
-                average, largest, tokens_seen = (dist_utils.dist_sum(accumulated, mesh),
-                                                 dist_utils.dist_max(accumulated * global_tokens / local_tokens, mesh),
-                                                 dist_utils.dist_sum(seen, mesh))
+                average, largest, tokens_seen = (
+                    dist_utils.dist_sum(accumulated, mesh),
+                    dist_utils.dist_max(accumulated * global_tokens / local_tokens, mesh),
+                    dist_utils.dist_sum(seen, mesh),
+                )
             else:
                 average = largest = float(accumulated.item())
                 tokens_seen = self.ntokens_seen
         if not math.isfinite(average):
             raise NonFiniteLoss(f"the loss at step {self.step} is not finite ({average})")
-        self.metrics_processor.log(self.step, average, largest, float(grad_norm.item()),
-                                   extra_metrics={"n_tokens_seen": tokens_seen, **lr_metrics})
+        self.metrics_processor.log(
+            self.step,
+            average,
+            largest,
+            float(grad_norm.item()),
+            extra_metrics={"n_tokens_seen": tokens_seen, **lr_metrics},
+        )
 
-    def pp_forward_backward_step(self, *, input_dict_mbs, label_mbs, global_valid_tokens) -> torch.Tensor:
+    def pp_forward_backward_step(
+        self, *, input_dict_mbs, label_mbs, global_valid_tokens
+    ) -> torch.Tensor:
         """One pipeline schedule over the group's microbatches; the last stage returns the sum of their
         losses, the others a placeholder made on the device (no copy)."""
         args, kwargs, targets = [], [], [] if self.pp_has_last_stage else None
@@ -123,9 +144,14 @@ class QueuedCopies:
                 targets.append(labels)
         losses = [] if self.pp_has_last_stage else None
         with self.train_context():
-            self.pp_schedule.step(arg_mbs=args if self.pp_has_first_stage else None, kwarg_mbs=kwargs,
-                                  target_mbs=targets, losses=losses,
-                                  loss_kwargs={"global_valid_tokens": global_valid_tokens}, return_outputs=False)
+            self.pp_schedule.step(
+                arg_mbs=args if self.pp_has_first_stage else None,
+                kwarg_mbs=kwargs,
+                target_mbs=targets,
+                losses=losses,
+                loss_kwargs={"global_valid_tokens": global_valid_tokens},
+                return_outputs=False,
+            )
         if self.pp_has_last_stage:
             loss = torch.stack(losses).sum()
             if loss.device.type != self.device.type:
@@ -139,5 +165,7 @@ class QueuedCopies:
 
 @functools.cache
 def _say_loss_on(where: str, device: str) -> None:
-    logger.warning(f"the pipeline schedule returned the loss on {where}, not {device}: a copy from "
-                   "the device inside the schedule and one back, every step")
+    logger.warning(
+        f"the pipeline schedule returned the loss on {where}, not {device}: a copy from "
+        "the device inside the schedule and one back, every step"
+    )

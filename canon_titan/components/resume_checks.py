@@ -32,7 +32,11 @@ class ResumeVerdict:
 def saved_loader_keys(step_dir: str | Path) -> list[str]:
     """The data loader's entries in a DCP checkpoint (names below ``dataloader.``)."""
     prefix = "dataloader."
-    return sorted(k[len(prefix):] for k in read_metadata(Path(step_dir)).state_dict_metadata if k.startswith(prefix))
+    return sorted(
+        k[len(prefix) :]
+        for k in read_metadata(Path(step_dir)).state_dict_metadata
+        if k.startswith(prefix)
+    )
 
 
 def saved_value(step_dir: str | Path, key: str):
@@ -63,37 +67,58 @@ def layout_problem(step_dir: str | Path, keys: list[str], dp_size: int) -> str |
     ranks = [k for k in keys if re.fullmatch(r"dp_rank_\d+", k)]
     if not ranks or len(ranks) == dp_size:
         return None
-    return (f"checkpoint {step_dir} was written by a run streaming its data ([dataloader] dataset = 'stream') on "
-            f"{len(ranks)} data-parallel rank(s); this run has {dp_size}. Each rank's stream position (its "
-            f"share of the files, buffer and shuffle state) cannot be re-split: resume with {len(ranks)} "
-            "data-parallel rank(s), or train from a token folder (canon-titan data tokenize, dataset = 'tokens'), "
-            "whose runs resume at any data-parallel size")
+    return (
+        f"checkpoint {step_dir} was written by a run streaming its data ([dataloader] dataset = 'stream') on "
+        f"{len(ranks)} data-parallel rank(s); this run has {dp_size}. Each rank's stream position (its "
+        f"share of the files, buffer and shuffle state) cannot be re-split: resume with {len(ranks)} "
+        "data-parallel rank(s), or train from a token folder (canon-titan data tokenize, dataset = 'tokens'), "
+        "whose runs resume at any data-parallel size"
+    )
 
 
-def check_resume(step_dir: str | Path, *, shapes: dict[str, torch.Size], model: str, fingerprint: str,
-                 allow_changed_data: bool, dp_size: int, global_batch: int, batch_explicit: bool) -> ResumeVerdict:
+def check_resume(
+    step_dir: str | Path,
+    *,
+    shapes: dict[str, torch.Size],
+    model: str,
+    fingerprint: str,
+    allow_changed_data: bool,
+    dp_size: int,
+    global_batch: int,
+    batch_explicit: bool,
+) -> ResumeVerdict:
     """Raise ResumeRefused naming the first reason ``step_dir`` cannot continue this run; else the
     warnings to show and whether the loader starts a new pass."""
     step_dir = Path(step_dir)
     problem = model_mismatch(step_dir, shapes, model)
     if problem:
-        raise ResumeRefused(f"{problem}. The checkpoint was written by another model (shape or family): resume "
-                            "with the model it was trained with, or use another [job] dump_folder for this one")
+        raise ResumeRefused(
+            f"{problem}. The checkpoint was written by another model (shape or family): resume "
+            "with the model it was trained with, or use another [job] dump_folder for this one"
+        )
     verdict = ResumeVerdict()
     if loads_model_only(step_dir):
         return verdict  # nothing else of it is loaded, so nothing else of it has to match
     keys = saved_loader_keys(step_dir)
     saved_data = saved_value(step_dir, f"dataloader.{FINGERPRINT_KEY}")
-    changes = fingerprint_changes(saved_data, fingerprint) if saved_data is not None and fingerprint else ""
+    changes = (
+        fingerprint_changes(saved_data, fingerprint)
+        if saved_data is not None and fingerprint
+        else ""
+    )
     if changes and not allow_changed_data:
-        raise ResumeRefused(f"the data differs from the one checkpoint {step_dir} was trained on: {changes}. Its "
-                            "data loader position would select other windows, repeating some and skipping others. "
-                            "Restore the data to resume, or pass --dataloader.allow_changed_data true to start a "
-                            "new pass over the new data on purpose")
+        raise ResumeRefused(
+            f"the data differs from the one checkpoint {step_dir} was trained on: {changes}. Its "
+            "data loader position would select other windows, repeating some and skipping others. "
+            "Restore the data to resume, or pass --dataloader.allow_changed_data true to start a "
+            "new pass over the new data on purpose"
+        )
     if changes:
         verdict.new_data_pass = True
-        verdict.warnings.append(f"the data differs from the checkpoint's ({changes}); [dataloader] "
-                                "allow_changed_data: the data loader starts a new pass over the new data")
+        verdict.warnings.append(
+            f"the data differs from the checkpoint's ({changes}); [dataloader] "
+            "allow_changed_data: the data loader starts a new pass over the new data"
+        )
     else:
         problem = layout_problem(step_dir, keys, dp_size)
         if problem:
@@ -102,10 +127,14 @@ def check_resume(step_dir: str | Path, *, shapes: dict[str, torch.Size], model: 
     if saved_batch is not None and saved_batch != global_batch:
         change = f"the global batch changes from {saved_batch} to {global_batch} sequences"
         if not batch_explicit:
-            raise ResumeRefused(f"{change}: [training] global_batch_size = -1 takes local_batch_size x the "
-                                f"data-parallel ranks, and those changed since checkpoint {step_dir}. Pass "
-                                f"--training.global_batch_size {saved_batch} to keep the recipe (gradient "
-                                f"accumulation makes up the difference), or --training.global_batch_size "
-                                f"{global_batch} to change it on purpose")
-        verdict.warnings.append(f"{change} ([training] global_batch_size) since checkpoint {step_dir}")
+            raise ResumeRefused(
+                f"{change}: [training] global_batch_size = -1 takes local_batch_size x the "
+                f"data-parallel ranks, and those changed since checkpoint {step_dir}. Pass "
+                f"--training.global_batch_size {saved_batch} to keep the recipe (gradient "
+                f"accumulation makes up the difference), or --training.global_batch_size "
+                f"{global_batch} to change it on purpose"
+            )
+        verdict.warnings.append(
+            f"{change} ([training] global_batch_size) since checkpoint {step_dir}"
+        )
     return verdict

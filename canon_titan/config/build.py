@@ -39,7 +39,9 @@ def _model_spec(run: RunConfig):
     if not f8["enable"]:
         return spec
     compiled = run["compile"]["enable"] and "model" in run["compile"]["components"]
-    return dataclasses.replace(spec, model=float8_converter(f8, compiled).convert(copy.deepcopy(spec.model)))
+    return dataclasses.replace(
+        spec, model=float8_converter(f8, compiled).convert(copy.deepcopy(spec.model))
+    )
 
 
 def _activation_checkpoint(section: dict):
@@ -55,14 +57,24 @@ def _dataloader(run: RunConfig):
     section = run["dataloader"]
     if section["dataset"] in SYNTHETIC:
         return loader_config(run)
-    common = ("dataset", "text_key", "on_error", "seed", "add_bos", "add_eos", "document_masking",
-              "num_workers", "pin_memory")
+    common = (
+        "dataset",
+        "text_key",
+        "on_error",
+        "seed",
+        "add_bos",
+        "add_eos",
+        "document_masking",
+        "num_workers",
+        "pin_memory",
+    )
     if section["dataset"] in STREAM:
         keys = common + ("sources", "weights", "shuffle_buffer")
         return StreamingTextDataLoader.Config(**{k: section[k] for k in keys})
     keys = common + ("dataset_path", "shuffle", "infinite")
-    return PackedTextDataLoader.Config(**{k: section[k] for k in keys},
-                                       held_out_fraction=run["validation"]["held_out_fraction"])
+    return PackedTextDataLoader.Config(
+        **{k: section[k] for k in keys}, held_out_fraction=run["validation"]["held_out_fraction"]
+    )
 
 
 def _eval_settings(run: RunConfig, tokenizer_path: str):
@@ -70,28 +82,53 @@ def _eval_settings(run: RunConfig, tokenizer_path: str):
     if not section["every"]:
         return None
     dataset = run["dataloader"]["dataset"]
-    task = {k: v for k, v in run[SECTION[dataset]].items() if v is not None} if dataset in SECTION else {}
-    return EvalSettings(**{**section, "limit": section["limit"] or None}, adapter=run.state_dict_adapter(),
-                        tokenizer_kind=run["tokenizer"]["kind"], tokenizer_path=tokenizer_path,
-                        seq_len=run["training"]["seq_len"], dataset=dataset, task_params=task,
-                        test_seed=DEFAULT_TEST_SEED, dump_folder=run["job"]["dump_folder"])
+    task = (
+        {k: v for k, v in run[SECTION[dataset]].items() if v is not None}
+        if dataset in SECTION
+        else {}
+    )
+    return EvalSettings(
+        **{**section, "limit": section["limit"] or None},
+        adapter=run.state_dict_adapter(),
+        tokenizer_kind=run["tokenizer"]["kind"],
+        tokenizer_path=tokenizer_path,
+        seq_len=run["training"]["seq_len"],
+        dataset=dataset,
+        task_params=task,
+        test_seed=DEFAULT_TEST_SEED,
+        dump_folder=run["job"]["dump_folder"],
+    )
 
 
 def _validator(run: RunConfig):
     section = run["validation"]
     if not section["enable"]:
         return HeldOutValidator.Config()  # off: TorchTitan's trainer builds no validator
-    return HeldOutValidator.Config(enable=True, freq=section["every"], steps=section["steps"] or -1,
-                                   tokens=section["tokens"], dataloader=validation_loader(run),
-                                   last_step=run["training"]["steps"])
+    return HeldOutValidator.Config(
+        enable=True,
+        freq=section["every"],
+        steps=section["steps"] or -1,
+        tokens=section["tokens"],
+        dataloader=validation_loader(run),
+        last_step=run["training"]["steps"],
+    )
 
 
 # Keys holding paths (or globs of them), made absolute in the run_config.toml a run writes, so the
 # resolved copy works from any directory (eval, convert and report read it later from elsewhere).
-PATH_KEYS = {("job", "dump_folder"), ("tokenizer", "path"), ("dataloader", "dataset_path"), ("dataloader", "sources"),
-             ("checkpoint", "initial_load_path"), ("eval", "data_dir"), ("eval", "include_path"),
-             ("lano", "grammar"), ("capo", "bior_path"), ("validation", "dataset_path"),
-             ("validation", "sources")}
+PATH_KEYS = {
+    ("job", "dump_folder"),
+    ("tokenizer", "path"),
+    ("dataloader", "dataset_path"),
+    ("dataloader", "sources"),
+    ("checkpoint", "initial_load_path"),
+    ("eval", "data_dir"),
+    ("eval", "include_path"),
+    ("lano", "grammar"),
+    ("capo", "bior_path"),
+    ("validation", "dataset_path"),
+    ("validation", "sources"),
+}
 
 
 def absolute_paths(sections: dict) -> dict:
@@ -102,8 +139,13 @@ def absolute_paths(sections: dict) -> dict:
             return value
         return os.path.abspath(os.path.expanduser(value))
 
-    return {name: {key: absolute(value) if (name, key) in PATH_KEYS else value for key, value in body.items()}
-            for name, body in sections.items()}
+    return {
+        name: {
+            key: absolute(value) if (name, key) in PATH_KEYS else value
+            for key, value in body.items()
+        }
+        for name, body in sections.items()
+    }
 
 
 def _set_wandb_env(metrics: dict) -> None:
@@ -124,8 +166,11 @@ def build_trainer_config(run: RunConfig):
     _set_wandb_env(metrics)
     sections = titan_sections(run)
     spec = _model_spec(run)
-    loss = (ZLossCrossEntropy.Config() if run.model_args.z_loss
-            else CrossEntropyLoss.Config(global_vocab_size=run.model_args.vocab_size))
+    loss = (
+        ZLossCrossEntropy.Config()
+        if run.model_args.z_loss
+        else CrossEntropyLoss.Config(global_vocab_size=run.model_args.vocab_size)
+    )
     try:
         config = CanonTrainer.Config(
             model_spec=spec,
@@ -135,13 +180,25 @@ def build_trainer_config(run: RunConfig):
             tokenizer=tokenizer_config(run["tokenizer"]["kind"]),
             dataloader=_dataloader(run),
             activation_checkpoint=_activation_checkpoint(run["activation_checkpoint"]),
-            metrics=CanonMetrics.Config(**{
-                k: metrics[k] for k in ("log_freq", "enable_tensorboard", "save_tb_folder",
-                                        "save_for_all_ranks", "enable_wandb")
-            }, disable_color_printing=metrics["disable_color_printing"] or not colour_output(),
-               last_step=run["training"]["steps"]),
-            debug=DebugConfig(seed=job["seed"], deterministic=job["deterministic"],
-                              print_config=job["print_config"]),
+            metrics=CanonMetrics.Config(
+                **{
+                    k: metrics[k]
+                    for k in (
+                        "log_freq",
+                        "enable_tensorboard",
+                        "save_tb_folder",
+                        "save_for_all_ranks",
+                        "enable_wandb",
+                    )
+                },
+                disable_color_printing=metrics["disable_color_printing"] or not colour_output(),
+                last_step=run["training"]["steps"],
+            ),
+            debug=DebugConfig(
+                seed=job["seed"],
+                deterministic=job["deterministic"],
+                print_config=job["print_config"],
+            ),
             model_seed=run.model_args.seed,
             loss=loss,
             run_toml=run_toml(run, absolute_paths(run.sections), record=True),

@@ -52,7 +52,9 @@ def _task_parameters(run: RunConfig, environment: bool) -> None:
         for key, value in run[name].items():
             if value is not None:
                 reads = f"reads [{own}]" if own else "is not a synthetic task"
-                raise run.error(name, key, f"is set, but [dataloader] dataset = {dataset!r} {reads}")
+                raise run.error(
+                    name, key, f"is set, but [dataloader] dataset = {dataset!r} {reads}"
+                )
         del run.sections[name]
     if own is None:
         return
@@ -64,7 +66,9 @@ def _task_parameters(run: RunConfig, environment: bool) -> None:
     except TaskParamError as e:
         raise run.error(own, e.key, str(e)) from None
     except OSError as e:
-        raise run.error(own, "bior_path", f"cannot read {overrides.get('bior_path')}: {e.strerror or e}") from None
+        raise run.error(
+            own, "bior_path", f"cannot read {overrides.get('bior_path')}: {e.strerror or e}"
+        ) from None
     except ValueError as e:  # a bad bioR file: its path and line are in the message
         raise run.error(own, "bior_path", str(e)) from None
     run[own].update(dataclasses.asdict(task.params))
@@ -80,4 +84,6 @@ def _tokenizer_vocab(run: RunConfig) -> int | None:
     except (FileNotFoundError, OSError):
         return None
     except Exception as e:  # a corrupt or wrong-kind tokenizer file
-        raise run.error("tokenizer", "path", f"cannot load a {kind} tokenizer from {path}: {e}") from None
+        raise run.error(
+            "tokenizer", "path", f"cannot load a {kind} tokenizer from {path}: {e}"
+        ) from None

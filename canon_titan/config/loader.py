@@ -42,12 +42,17 @@ def _type_name(tp) -> str:
     if origin is list:
         (inner,) = typing.get_args(tp)
         return f"a list of {_type_name(inner)}"
-    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}.get(tp, str(tp))
+    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}.get(
+        tp, str(tp)
+    )
 
 
 DTYPE_SPELLINGS = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 """A dtype takes either spelling, in a TOML key and on the command line: the short names and TorchTitan's long ones."""
-_OTHER_DTYPE_SPELLING = {**DTYPE_SPELLINGS, **{long: short for short, long in DTYPE_SPELLINGS.items()}}
+_OTHER_DTYPE_SPELLING = {
+    **DTYPE_SPELLINGS,
+    **{long: short for short, long in DTYPE_SPELLINGS.items()},
+}
 
 
 def coerce(value, tp):
@@ -56,7 +61,9 @@ def coerce(value, tp):
     if origin is Literal:
         if value in typing.get_args(tp):
             return value
-        if _OTHER_DTYPE_SPELLING.get(value) in typing.get_args(tp):  # "bf16" where TorchTitan says "bfloat16", ...
+        if _OTHER_DTYPE_SPELLING.get(value) in typing.get_args(
+            tp
+        ):  # "bf16" where TorchTitan says "bfloat16", ...
             return _OTHER_DTYPE_SPELLING[value]
         raise TypeError
     if origin in (typing.Union, types.UnionType):
@@ -108,8 +115,12 @@ def load_toml(path: str | os.PathLike) -> dict:
         raise ConfigError(str(path), "", f"not valid TOML: {e}") from e
     except UnicodeDecodeError as e:
         line = path.read_bytes()[: e.start].count(b"\n") + 1
-        raise ConfigError(str(path), "", f"not UTF-8 (line {line}: byte {e.object[e.start:e.start + 1]!r}); "
-                                         "TOML files must be UTF-8") from None
+        raise ConfigError(
+            str(path),
+            "",
+            f"not UTF-8 (line {line}: byte {e.object[e.start : e.start + 1]!r}); "
+            "TOML files must be UTF-8",
+        ) from None
     except OSError as e:
         raise ConfigError(str(path), "", f"cannot be read ({e.strerror or e})") from None
 
@@ -170,7 +181,9 @@ def _check_sections(raw: dict, source: str) -> None:
     allowed = ", ".join(["model", *SECTIONS])
     for section, body in raw.items():
         if section != "model" and section not in SECTIONS:
-            raise ConfigError(source, f"[{section}]", f"unknown section; allowed sections: {allowed}")
+            raise ConfigError(
+                source, f"[{section}]", f"unknown section; allowed sections: {allowed}"
+            )
         if not isinstance(body, dict):
             raise ConfigError(source, section, f"must be a table [{section}], not a value")
 
@@ -210,8 +223,12 @@ def _model_schema(name: str, flavor: str, sources: dict[str, str]) -> tuple[Any,
     return args_cls, schema
 
 
-def resolve(path: str | os.PathLike, overrides: list[tuple[str, str, Any]] = (),
-            environment: bool = True, weights_vocab: int | None = None) -> RunConfig:
+def resolve(
+    path: str | os.PathLike,
+    overrides: list[tuple[str, str, Any]] = (),
+    environment: bool = True,
+    weights_vocab: int | None = None,
+) -> RunConfig:
     """``environment=False`` checks the config alone: not data paths, tokenizer files or the
     hardware (float8, CUDA kernels). A world size given in WORLD_SIZE is checked either way.
     ``weights_vocab``: see ``RunConfig.weights_vocab``."""
@@ -221,7 +238,8 @@ def resolve(path: str | os.PathLike, overrides: list[tuple[str, str, Any]] = (),
     for section, key, _ in overrides:
         if section != "model" and section not in SECTIONS:
             raise ConfigError(
-                CLI, f"--{section}.{key}",
+                CLI,
+                f"--{section}.{key}",
                 f"unknown section [{section}]; allowed sections: {', '.join(['model', *SECTIONS])}",
             )
 
@@ -242,14 +260,21 @@ def resolve(path: str | os.PathLike, overrides: list[tuple[str, str, Any]] = (),
         if key not in model_raw:
             raise ConfigError(source, _where("model", key), "required (a string)")
         if not isinstance(model_raw[key], str):
-            raise ConfigError(model_sources[key], _where("model", key), f"expected a string, got {model_raw[key]!r}")
+            raise ConfigError(
+                model_sources[key],
+                _where("model", key),
+                f"expected a string, got {model_raw[key]!r}",
+            )
     args_cls, model_schema = _model_schema(model_raw["name"], model_raw["flavor"], model_sources)
     for key in unset:
         if key not in model_schema:
-            raise ConfigError(CLI, _where("model", key),
-                              f"unknown key; allowed keys: {', '.join(model_schema)}")
+            raise ConfigError(
+                CLI, _where("model", key), f"unknown key; allowed keys: {', '.join(model_schema)}"
+            )
 
-    sections: dict[str, dict[str, Any]] = {"model": {"name": model_raw["name"], "flavor": model_raw["flavor"]}}
+    sections: dict[str, dict[str, Any]] = {
+        "model": {"name": model_raw["name"], "flavor": model_raw["flavor"]}
+    }
     origins: dict[tuple[str, str], str] = {}
     for key, value in model_raw.items():
         _set_key(sections, origins, model_schema, "model", key, value, model_sources[key])
@@ -267,13 +292,24 @@ def resolve(path: str | os.PathLike, overrides: list[tuple[str, str, Any]] = (),
     derive(run, environment)
     model = sections["model"]
     run.model_args = model_registry.model_args(
-        model["name"], model["flavor"], {k: v for k, v in model.items() if k not in ("name", "flavor")})
+        model["name"],
+        model["flavor"],
+        {k: v for k, v in model.items() if k not in ("name", "flavor")},
+    )
     # Show the flavor's full shape in the resolved config, not just the overridden keys.
-    sections["model"] = {"name": model["name"], "flavor": model["flavor"], **dataclasses.asdict(run.model_args)}
+    sections["model"] = {
+        "name": model["name"],
+        "flavor": model["flavor"],
+        **dataclasses.asdict(run.model_args),
+    }
     check_run(run, environment)
     return run
 
 
-def load(path: str | os.PathLike, argv: list[str] = (), environment: bool = True,
-         weights_vocab: int | None = None) -> RunConfig:
+def load(
+    path: str | os.PathLike,
+    argv: list[str] = (),
+    environment: bool = True,
+    weights_vocab: int | None = None,
+) -> RunConfig:
     return resolve(path, parse_overrides(list(argv)), environment, weights_vocab)

@@ -35,7 +35,9 @@ class RunConfig:
 
     def error(self, section: str, key: str, message: str) -> ConfigError:
         """A problem with ``[section] key``, attributed to where the key was set."""
-        return ConfigError(self.origins.get((section, key), self.source), f"[{section}] {key}", message)
+        return ConfigError(
+            self.origins.get((section, key), self.source), f"[{section}] {key}", message
+        )
 
     @functools.cached_property
     def _spec(self):
@@ -48,7 +50,9 @@ class RunConfig:
 
     def label(self) -> str:
         """The config file and its model, for messages: ``FILE (NAME FLAVOR)``."""
-        return f"{self.source} ({self.sections['model']['name']} {self.sections['model']['flavor']})"
+        return (
+            f"{self.source} ({self.sections['model']['name']} {self.sections['model']['flavor']})"
+        )
 
     def state_dict_adapter(self, rope_layout: str = "lingua"):
         """The model family's Hugging Face format for this run's model."""
@@ -61,8 +65,12 @@ class RunConfig:
         par = self.sections["parallelism"]
         shard = par["data_parallel_shard_degree"]
         if shard == -1:
-            others = (par["data_parallel_replicate_degree"] * par["tensor_parallel_degree"]
-                      * par["pipeline_parallel_degree"] * par["context_parallel_degree"])
+            others = (
+                par["data_parallel_replicate_degree"]
+                * par["tensor_parallel_degree"]
+                * par["pipeline_parallel_degree"]
+                * par["context_parallel_degree"]
+            )
             shard = max(1, world_size // others)
         return shard * par["data_parallel_replicate_degree"]
 
@@ -72,4 +80,6 @@ class RunConfig:
         dataset = self.sections["dataloader"]["dataset"]
         if dataset not in SECTION:
             return None
-        return make_task(dataset, **{k: v for k, v in self.sections[SECTION[dataset]].items() if v is not None})
+        return make_task(
+            dataset, **{k: v for k, v in self.sections[SECTION[dataset]].items() if v is not None}
+        )

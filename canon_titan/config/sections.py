@@ -199,7 +199,10 @@ def _task_section(params_cls: type) -> type:
     hints = typing.get_type_hints(params_cls)
     return dataclasses.make_dataclass(
         params_cls.__name__.replace("Params", "Section"),
-        [(f.name, hints[f.name] | None, field(default=None)) for f in dataclasses.fields(params_cls)],
+        [
+            (f.name, hints[f.name] | None, field(default=None))
+            for f in dataclasses.fields(params_cls)
+        ],
         kw_only=True,
     )
 
@@ -222,7 +225,12 @@ SECTIONS: dict[str, Section] = {
     "training": Section(
         TrainingConfig,
         # CUDA graphs are new in TorchTitan 0.3 and do not support PP; the reference has none.
-        defaults={"disable_cuda_graphs": True, "steps": 1000, "local_batch_size": 8, "seq_len": 4096},
+        defaults={
+            "disable_cuda_graphs": True,
+            "steps": 1000,
+            "local_batch_size": 8,
+            "seq_len": 4096,
+        },
     ),
     "optimizer": Section(OptimizerSection),
     "lr_scheduler": Section(
@@ -248,7 +256,10 @@ SECTIONS: dict[str, Section] = {
     "divergence": Section(DivergenceSection),
     "eval": Section(EvalSection),
     "validation": Section(ValidationSection),
-    "comm": Section(CommConfig, hidden=("mode", "trace_buf_size", "save_traces_folder", "save_traces_file_prefix")),
+    "comm": Section(
+        CommConfig,
+        hidden=("mode", "trace_buf_size", "save_traces_folder", "save_traces_file_prefix"),
+    ),
     # TorchTitan's profiler: torch.profiler traces (and CUDA memory snapshots) under the dump folder.
     "profiling": Section(Profiler.Config, hidden=("trace_post_processor",)),
     **{name: Section(cls) for name, cls in TASK_SECTIONS.items()},

@@ -9,7 +9,6 @@ and the data libraries are not, and ``config validate`` answers without them.
 from __future__ import annotations
 
 import torch
-
 from torchtitan.components.optimizer.optimizer import ParamGroupConfig
 from torchtitan.config.configs import CommConfig, CompileConfig, ParallelismConfig, TrainingConfig
 from torchtitan.tools.logging import logger
@@ -28,7 +27,9 @@ def titan_sections(run: RunConfig) -> dict:
     opt = run["optimizer"]
     ckpt = dict(run["checkpoint"])
     # TorchTitan warns on every run that model-only has no effect without an initial load path.
-    ckpt["initial_load_model_only"] = ckpt["initial_load_model_only"] and bool(ckpt["initial_load_path"])
+    ckpt["initial_load_model_only"] = ckpt["initial_load_model_only"] and bool(
+        ckpt["initial_load_path"]
+    )
     float8 = run["float8"]
     # The scales are set after every change of the weights: the load that starts training, each
     # update.
@@ -38,12 +39,18 @@ def titan_sections(run: RunConfig) -> dict:
         "compile": lambda: CompileConfig(**run["compile"]),
         "checkpoint": lambda: CanonCheckpointer.Config(**ckpt, precompute_float8_scales=precompute),
         "optimizer": lambda: GuardedOptimizers.Config(
-            param_groups=[ParamGroupConfig(
-                pattern=r".*",
-                optimizer_name=opt["name"],
-                optimizer_kwargs={"lr": opt["lr"], "betas": tuple(opt["betas"]), "eps": opt["eps"],
-                                  "weight_decay": opt["weight_decay"]},
-            )],
+            param_groups=[
+                ParamGroupConfig(
+                    pattern=r".*",
+                    optimizer_name=opt["name"],
+                    optimizer_kwargs={
+                        "lr": opt["lr"],
+                        "betas": tuple(opt["betas"]),
+                        "eps": opt["eps"],
+                        "weight_decay": opt["weight_decay"],
+                    },
+                )
+            ],
             implementation=opt["implementation"],
             precompute_float8_scales=precompute,
         ),
@@ -51,7 +58,9 @@ def titan_sections(run: RunConfig) -> dict:
         "training": lambda: TrainingConfig(**run["training"]),
         "profiler": lambda: Profiler.Config(**run["profiling"]),
         # NCCL's flight recorder (and its comm_traces/ folder) only exist with CUDA.
-        "comm": lambda: CommConfig(**run["comm"], **({} if torch.cuda.is_available() else {"trace_buf_size": 0})),
+        "comm": lambda: CommConfig(
+            **run["comm"], **({} if torch.cuda.is_available() else {"trace_buf_size": 0})
+        ),
     }
     built = {}
     for section, build in builders.items():
@@ -69,8 +78,10 @@ def _lr_schedule(run: RunConfig) -> ResumableSchedulers.Config:
     schedule = dict(run["lr_scheduler"])
     total = schedule["total_steps"] or run["training"]["steps"]
     if schedule["warmup_steps"] > total:
-        logger.warning(f"[lr_scheduler] warmup_steps ({schedule['warmup_steps']}) is longer than "
-                       f"the schedule's {total} steps: the learning rate warms up over all {total}")
+        logger.warning(
+            f"[lr_scheduler] warmup_steps ({schedule['warmup_steps']}) is longer than "
+            f"the schedule's {total} steps: the learning rate warms up over all {total}"
+        )
         schedule["warmup_steps"] = total
     return ResumableSchedulers.Config(**schedule)
 

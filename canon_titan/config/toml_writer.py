@@ -50,8 +50,11 @@ def run_toml(run, sections: dict[str, dict] | None = None, *, record: bool = Fal
     keys = ("name", "flavor", "vocab_size") if record else ("name", "flavor")
     pinned = {k: v for k, v in model.items() if k in keys or ("model", k) in run.origins}
     rules = getattr(run.model_args, "unset_values", {})
-    follows = {k: getattr(run.model_args, rules[k]) if v is None and k in rules else v
-               for k, v in model.items() if k not in pinned}
+    follows = {
+        k: getattr(run.model_args, rules[k]) if v is None and k in rules else v
+        for k, v in model.items()
+        if k not in pinned
+    }
     vocab = " (vocab_size from the tokenizer or task)" if "vocab_size" in follows else ""
     heading = f"from flavor {model['flavor']!r}{vocab}; set a key above to pin it:"
     return dumps({**sections, "model": pinned}, {"model": (heading, follows)})

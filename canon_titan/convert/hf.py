@@ -28,7 +28,6 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-
 from torchtitan.tools.logging import logger
 
 from canon_titan.convert.dcp_io import (
@@ -43,11 +42,21 @@ from canon_titan.convert.dcp_io import (
 from canon_titan.data.builtin import ASSET_DIR
 from canon_titan.data.tokenizers import build_tokenizer
 from canon_titan.hf import DTYPES
-from canon_titan.models.common.state_dict_adapter import CANON_BIAS_NOTE, CanonStateDictAdapter, HFFormatError, HFTensor
+from canon_titan.models.common.state_dict_adapter import (
+    CANON_BIAS_NOTE,
+    CanonStateDictAdapter,
+    HFFormatError,
+    HFTensor,
+)
 from canon_titan.tools.processes import pid_alive
 
 HF_MODELING_DIR = Path(__file__).resolve().parent.parent / "hf"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+)
 
 
 OWNER_FILE = ".owner"
@@ -67,7 +76,9 @@ def _remove_stale_partials(out_dir: Path) -> None:
         if owner is not None and owner.get("host") == host and pid_alive(owner.get("pid")):
             continue  # a conversion into the same folder is running now
         if owner is not None and owner.get("host") != host:
-            logger.warning(f"{partial}: left by a conversion on {owner.get('host')}; remove it if that one is done")
+            logger.warning(
+                f"{partial}: left by a conversion on {owner.get('host')}; remove it if that one is done"
+            )
             continue
         shutil.rmtree(partial, ignore_errors=True)
         logger.info(f"removed {partial}, left by an interrupted conversion")
@@ -90,7 +101,9 @@ def atomic_output_dir(out_dir: Path):
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o777 & ~umask)
-        (tmp / OWNER_FILE).write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
+        (tmp / OWNER_FILE).write_text(
+            json.dumps({"pid": os.getpid(), "host": socket.gethostname()})
+        )
         yield tmp
         (tmp / OWNER_FILE).unlink()
         # Writers that use private modes (safetensors: 600) get the user's umask like any other file.
@@ -129,11 +142,20 @@ def writing(out_dir: Path):
         text = str(error or e).strip().splitlines()
         no_room = error is not None and error.errno == errno.ENOSPC
         full = no_room or (free is not None and free < FULL_BELOW)
-        what = "the disk is full" if full else f"{type(error or e).__name__}: {text[0] if text else ''}"
-        room = f"{free / 2**20:,.1f} MiB free on its filesystem" if free is not None else "its filesystem unreadable"
+        what = (
+            "the disk is full"
+            if full
+            else f"{type(error or e).__name__}: {text[0] if text else ''}"
+        )
+        room = (
+            f"{free / 2**20:,.1f} MiB free on its filesystem"
+            if free is not None
+            else "its filesystem unreadable"
+        )
         again = ": free space and run the same command" if full else ""
-        raise ConversionError(f"writing {out_dir} failed: {what} ({room}); nothing of it is left "
-                              f"behind{again}") from e  # the cause kept for a traceback; the CLI prints one line
+        raise ConversionError(
+            f"writing {out_dir} failed: {what} ({room}); nothing of it is left behind{again}"
+        ) from e  # the cause kept for a traceback; the CLI prints one line
 
 
 def file_checksum(path: Path) -> str:
@@ -147,7 +169,9 @@ def file_checksum(path: Path) -> str:
 def _verify_checksums(hf_dir: Path, files: Iterable[Path]) -> None:
     manifest = hf_dir / CHECKSUMS
     if not manifest.is_file():
-        logger.info(f"{hf_dir} has no {CHECKSUMS} (not a canon-titan export): its files are read unverified")
+        logger.info(
+            f"{hf_dir} has no {CHECKSUMS} (not a canon-titan export): its files are read unverified"
+        )
         return
     try:
         expected = json.loads(manifest.read_text())
@@ -155,7 +179,9 @@ def _verify_checksums(hf_dir: Path, files: Iterable[Path]) -> None:
         raise ConversionError(f"{manifest}: not readable JSON ({e})") from None
     for path in sorted(set(files)):
         if path.name in expected and file_checksum(path) != expected[path.name]:
-            raise ConversionError(f"{path}: its contents changed since the export (checksum mismatch with {CHECKSUMS})")
+            raise ConversionError(
+                f"{path}: its contents changed since the export (checksum mismatch with {CHECKSUMS})"
+            )
 
 
 def tokenizer_info(kind: str, path: str | None) -> tuple[list[Path], dict]:
@@ -165,12 +191,20 @@ def tokenizer_info(kind: str, path: str | None) -> tuple[list[Path], dict]:
         tok = build_tokenizer(kind, str(path))
     except (FileNotFoundError, OSError):
         return [], {}
-    files = [path] if path.is_file() else [path / n for n in TOKENIZER_FILES if (path / n).is_file()]
+    files = (
+        [path] if path.is_file() else [path / n for n in TOKENIZER_FILES if (path / n).is_file()]
+    )
     return files, {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id}
 
 
-def write_hf_files(folder: Path, adapter: CanonStateDictAdapter, *, dtype: str, max_seq_len: int,
-                   tokenizer: tuple[list[Path], dict]) -> dict:
+def write_hf_files(
+    folder: Path,
+    adapter: CanonStateDictAdapter,
+    *,
+    dtype: str,
+    max_seq_len: int,
+    tokenizer: tuple[list[Path], dict],
+) -> dict:
     """Everything of an export besides its weights, into ``folder``: config.json,
     generation_config.json, the modeling code, the tokenizer files, and the checksums of the
     safetensors files already there. Returns the config."""
@@ -179,8 +213,11 @@ def write_hf_files(folder: Path, adapter: CanonStateDictAdapter, *, dtype: str, 
         logger.warning(f"{folder}: {CANON_BIAS_NOTE} (also noted in its config.json)")
     config = adapter.hf_config(dtype=dtype, max_seq_len=max_seq_len, tokenizer_ids=ids)
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    generation = {"bos_token_id": ids.get("bos_token_id"), "eos_token_id": ids.get("eos_token_id"),
-                  "pad_token_id": ids.get("eos_token_id")}
+    generation = {
+        "bos_token_id": ids.get("bos_token_id"),
+        "eos_token_id": ids.get("eos_token_id"),
+        "pad_token_id": ids.get("eos_token_id"),
+    }
     (folder / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     classes = adapter.hf_model
     for name in classes.files if classes is not None else ():
@@ -210,13 +247,21 @@ def _plan_shards(sizes: dict[str, int], max_shard_bytes: int) -> list[list[str]]
     return shards + ([current] if current else [])
 
 
-def hf_tensor(spec: HFTensor, read: Callable[[str], torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+def hf_tensor(
+    spec: HFTensor, read: Callable[[str], torch.Tensor], dtype: torch.dtype
+) -> torch.Tensor:
     """One tensor of the HF model from canon-titan tensors that ``read(name)`` returns."""
     return spec.join([read(name) for name in spec.sources]).to(dtype).contiguous()
 
 
-def hf_model_in_memory(adapter: CanonStateDictAdapter, read: Callable[[str], torch.Tensor], *, dtype: str,
-                       max_seq_len: int, tokenizer_ids: dict) -> torch.nn.Module:
+def hf_model_in_memory(
+    adapter: CanonStateDictAdapter,
+    read: Callable[[str], torch.Tensor],
+    *,
+    dtype: str,
+    max_seq_len: int,
+    tokenizer_ids: dict,
+) -> torch.nn.Module:
     """The transformers model ``to-hf`` would export, built in memory from tensors that
     ``read(name)`` returns (a DCP checkpoint or live training weights), in eval mode."""
     from transformers.initialization import no_init_weights
@@ -224,12 +269,16 @@ def hf_model_in_memory(adapter: CanonStateDictAdapter, read: Callable[[str], tor
     classes = adapter.hf_model
     config = adapter.hf_config(dtype=dtype, max_seq_len=max_seq_len, tokenizer_ids=tokenizer_ids)
     if classes is None:
-        from transformers import LlamaConfig as config_cls, LlamaForCausalLM as model_cls
+        from transformers import LlamaConfig as config_cls
+        from transformers import LlamaForCausalLM as model_cls
     else:
         config_cls, model_cls = classes.classes()
     with no_init_weights():
         model = model_cls(config_cls(**config))
-    state = {hf_name: hf_tensor(spec, read, DTYPES[dtype]) for hf_name, spec in adapter.layout(adapter.shapes).items()}
+    state = {
+        hf_name: hf_tensor(spec, read, DTYPES[dtype])
+        for hf_name, spec in adapter.layout(adapter.shapes).items()
+    }
     model.load_state_dict(state, strict=True)
     return model.to(DTYPES[dtype]).eval()
 
@@ -237,8 +286,9 @@ def hf_model_in_memory(adapter: CanonStateDictAdapter, read: Callable[[str], tor
 def _checked_step(ckpt_dir, run, adapter: CanonStateDictAdapter):
     step_dir = find_step_dir(ckpt_dir)
     found = model_tensor_metadata(step_dir)
-    check_against_model({k: m.size for k, m in found.items()}, adapter.shapes, str(step_dir),
-                        run.label())
+    check_against_model(
+        {k: m.size for k, m in found.items()}, adapter.shapes, str(step_dir), run.label()
+    )
     return step_dir, lambda name: load_tensor(step_dir, name, found[name])
 
 
@@ -247,11 +297,20 @@ def dcp_to_hf_model(ckpt_dir, run, dtype: str = "fp32") -> torch.nn.Module:
     adapter = run.state_dict_adapter()
     _, read = _checked_step(ckpt_dir, run, adapter)
     _, ids = tokenizer_info(run["tokenizer"]["kind"], run["tokenizer"]["path"])
-    return hf_model_in_memory(adapter, read, dtype=dtype, max_seq_len=run["training"]["seq_len"], tokenizer_ids=ids)
+    return hf_model_in_memory(
+        adapter, read, dtype=dtype, max_seq_len=run["training"]["seq_len"], tokenizer_ids=ids
+    )
 
 
-def to_hf(ckpt_dir, out_dir, run, *, dtype: str = "fp32", rope_layout: str = "lingua",
-          max_shard_size: int = 5 * 2**30) -> Path:
+def to_hf(
+    ckpt_dir,
+    out_dir,
+    run,
+    *,
+    dtype: str = "fp32",
+    rope_layout: str = "lingua",
+    max_shard_size: int = 5 * 2**30,
+) -> Path:
     from safetensors.torch import save_file
 
     start = time.perf_counter()
@@ -273,12 +332,24 @@ def to_hf(ckpt_dir, out_dir, run, *, dtype: str = "fp32", rope_layout: str = "li
             save_file(tensors, str(tmp / filename), metadata={"format": "pt"})
             del tensors
             logger.info(f"wrote {filename} ({len(names)} tensors)")
-        (tmp / "model.safetensors.index.json").write_text(json.dumps(
-            {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}, indent=2) + "\n")
-        config = write_hf_files(tmp, adapter, dtype=dtype, max_seq_len=run["training"]["seq_len"],
-                                tokenizer=tokenizer_info(run["tokenizer"]["kind"], run["tokenizer"]["path"]))
-    logger.info(f"Exported {step_dir} to {out_dir} as {config['architectures'][0]} "
-                f"({len(layout)} tensors, {dtype}, {time.perf_counter() - start:.1f}s)")
+        (tmp / "model.safetensors.index.json").write_text(
+            json.dumps(
+                {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map},
+                indent=2,
+            )
+            + "\n"
+        )
+        config = write_hf_files(
+            tmp,
+            adapter,
+            dtype=dtype,
+            max_seq_len=run["training"]["seq_len"],
+            tokenizer=tokenizer_info(run["tokenizer"]["kind"], run["tokenizer"]["path"]),
+        )
+    logger.info(
+        f"Exported {step_dir} to {out_dir} as {config['architectures'][0]} "
+        f"({len(layout)} tensors, {dtype}, {time.perf_counter() - start:.1f}s)"
+    )
     return Path(out_dir)
 
 
@@ -299,7 +370,9 @@ def _read_hf_index(hf_dir: Path) -> dict[str, str]:
         return weight_map
     single = hf_dir / "model.safetensors"
     if not single.is_file():
-        raise ConversionError(f"{hf_dir} has neither model.safetensors.index.json nor model.safetensors")
+        raise ConversionError(
+            f"{hf_dir} has neither model.safetensors.index.json nor model.safetensors"
+        )
     from safetensors import safe_open
 
     with _open_safetensors(single, safe_open) as f:
@@ -338,8 +411,7 @@ def checked_hf_folder(hf_dir: Path, run) -> tuple[CanonStateDictAdapter, dict[st
     for hf_name, path in files.items():
         with _open_safetensors(path, safe_open) as f:
             shapes[hf_name] = tuple(f.get_slice(hf_name).get_shape())
-    check_against_model(shapes, adapter.hf_shapes(), str(hf_dir),
-                        run.label())
+    check_against_model(shapes, adapter.hf_shapes(), str(hf_dir), run.label())
     return adapter, files
 
 
@@ -358,12 +430,18 @@ def from_hf(hf_dir, out_dir, run) -> Path:
             try:
                 tensor = f.get_tensor(hf_name)
             except Exception as e:
-                raise ConversionError(f"{files[hf_name]}: cannot read tensor {hf_name!r} ({e})") from e
+                raise ConversionError(
+                    f"{files[hf_name]}: cannot read tensor {hf_name!r} ({e})"
+                ) from e
         parts = dict(zip(spec.sources, spec.split(tensor, adapter.rows(spec))))
         return parts[name].to(torch.float32)
 
     with writing(Path(out_dir)), atomic_output_dir(Path(out_dir)) as tmp:
-        save_lazily(tmp, {name: (shape, torch.float32) for name, shape in adapter.shapes.items()}, produce)
-    logger.info(f"Imported {hf_dir} into DCP {out_dir} ({len(adapter.shapes)} tensors, "
-                f"{time.perf_counter() - start:.1f}s)")
+        save_lazily(
+            tmp, {name: (shape, torch.float32) for name, shape in adapter.shapes.items()}, produce
+        )
+    logger.info(
+        f"Imported {hf_dir} into DCP {out_dir} ({len(adapter.shapes)} tensors, "
+        f"{time.perf_counter() - start:.1f}s)"
+    )
     return Path(out_dir)

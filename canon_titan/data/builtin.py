@@ -27,17 +27,74 @@ NUM_STORIES = 3000
 NUM_HELD_OUT = 300
 SEED = 20261121
 
-NAMES = ["Ada", "Ben", "Cleo", "Dov", "Esme", "Finn", "Gia", "Hugo", "Iris", "Jon", "Kaia",
-         "Leo", "Mia", "Nils", "Olga", "Pia", "Quin", "Rosa", "Sami", "Tess", "Umar", "Vera",
-         "Wes", "Xena", "Yuri", "Zoe"]
-TOWNS = ["Oakford", "Riverton", "Stonebridge", "Millbrook", "Ashwick", "Brightwater",
-         "Cedarvale", "Dunmore", "Elmstead", "Foxhollow", "Greenhill", "Harborview"]
+NAMES = [
+    "Ada",
+    "Ben",
+    "Cleo",
+    "Dov",
+    "Esme",
+    "Finn",
+    "Gia",
+    "Hugo",
+    "Iris",
+    "Jon",
+    "Kaia",
+    "Leo",
+    "Mia",
+    "Nils",
+    "Olga",
+    "Pia",
+    "Quin",
+    "Rosa",
+    "Sami",
+    "Tess",
+    "Umar",
+    "Vera",
+    "Wes",
+    "Xena",
+    "Yuri",
+    "Zoe",
+]
+TOWNS = [
+    "Oakford",
+    "Riverton",
+    "Stonebridge",
+    "Millbrook",
+    "Ashwick",
+    "Brightwater",
+    "Cedarvale",
+    "Dunmore",
+    "Elmstead",
+    "Foxhollow",
+    "Greenhill",
+    "Harborview",
+]
 PETS = ["cat", "dog", "parrot", "rabbit", "turtle", "goat", "hamster", "pony"]
 PET_NAMES = ["Pip", "Biscuit", "Mochi", "Rusty", "Luna", "Pepper", "Ziggy", "Clover"]
-OBJECTS = ["red kite", "old map", "blue lantern", "silver key", "wooden boat", "small drum",
-           "green umbrella", "yellow ball", "paper crown", "brass compass"]
-PLACES = ["the market", "the river", "the forest", "the library", "the hill", "the bakery",
-          "the harbor", "the garden", "the school", "the old mill"]
+OBJECTS = [
+    "red kite",
+    "old map",
+    "blue lantern",
+    "silver key",
+    "wooden boat",
+    "small drum",
+    "green umbrella",
+    "yellow ball",
+    "paper crown",
+    "brass compass",
+]
+PLACES = [
+    "the market",
+    "the river",
+    "the forest",
+    "the library",
+    "the hill",
+    "the bakery",
+    "the harbor",
+    "the garden",
+    "the school",
+    "the old mill",
+]
 FEELINGS = ["happy", "curious", "tired", "brave", "worried", "excited", "calm", "proud"]
 WEATHER = ["sunny", "rainy", "windy", "cold", "warm", "foggy", "snowy", "bright"]
 FOODS = ["apples", "bread", "soup", "cherries", "pancakes", "carrots", "cheese", "plums"]
@@ -54,21 +111,29 @@ def _story(rng: random.Random) -> str:
     ]
     for _ in range(rng.randint(2, 6)):
         place, food = rng.choice(PLACES), rng.choice(FOODS)
-        lines.append(rng.choice([
-            f"{name} and {pet_name} walked to {place}.",
-            f"At {place}, {name} met {friend}, who was {rng.choice(FEELINGS)}.",
-            f"{friend} asked, \"Where did you get the {obj}?\"",
-            f"{name} said, \"I found it near {place}, and I will keep it safe.\"",
-            f"They shared some {food} and talked about {town}.",
-            f"The {pet} was {rng.choice(FEELINGS)} and ran in circles.",
-            f"{name} counted {rng.randint(2, 12)} {food} and gave {rng.randint(1, 2)} to {friend}.",
-            f"It became {rng.choice(WEATHER)}, so {name} held the {obj} close.",
-        ]))
-    lines.append(rng.choice([
-        f"In the evening, {name} went home to {town} with {pet_name} and the {obj}.",
-        f"At night, {pet_name} the {pet} slept next to the {obj}, and {name} felt {rng.choice(FEELINGS)}.",
-        f"{name} told everyone in {town} about the {obj}.",
-    ]))
+        lines.append(
+            rng.choice(
+                [
+                    f"{name} and {pet_name} walked to {place}.",
+                    f"At {place}, {name} met {friend}, who was {rng.choice(FEELINGS)}.",
+                    f'{friend} asked, "Where did you get the {obj}?"',
+                    f'{name} said, "I found it near {place}, and I will keep it safe."',
+                    f"They shared some {food} and talked about {town}.",
+                    f"The {pet} was {rng.choice(FEELINGS)} and ran in circles.",
+                    f"{name} counted {rng.randint(2, 12)} {food} and gave {rng.randint(1, 2)} to {friend}.",
+                    f"It became {rng.choice(WEATHER)}, so {name} held the {obj} close.",
+                ]
+            )
+        )
+    lines.append(
+        rng.choice(
+            [
+                f"In the evening, {name} went home to {town} with {pet_name} and the {obj}.",
+                f"At night, {pet_name} the {pet} slept next to the {obj}, and {name} felt {rng.choice(FEELINGS)}.",
+                f"{name} told everyone in {town} about the {obj}.",
+            ]
+        )
+    )
     return " ".join(lines)
 
 

@@ -96,14 +96,22 @@ def _json_records(path: str) -> Iterator[tuple[int, object]]:
         except StopIteration:
             return
         except Exception as e:  # a truncated or corrupt zstd stream ends the file
-            yield line_no + 1, DataError(f"{path}:{line_no + 1}: unreadable data after line {line_no} ({e})")
+            yield (
+                line_no + 1,
+                DataError(f"{path}:{line_no + 1}: unreadable data after line {line_no} ({e})"),
+            )
             return
         line_no += 1
         try:
             line = raw.decode("utf-8")
         except UnicodeDecodeError as e:
-            yield line_no, DataError(f"{path}:{line_no}: not UTF-8 (byte {e.start + 1} of the line: "
-                                     f"{raw[e.start:e.start + 1]!r})")
+            yield (
+                line_no,
+                DataError(
+                    f"{path}:{line_no}: not UTF-8 (byte {e.start + 1} of the line: "
+                    f"{raw[e.start : e.start + 1]!r})"
+                ),
+            )
             continue
         if not line.strip():
             continue
@@ -113,7 +121,9 @@ def _json_records(path: str) -> Iterator[tuple[int, object]]:
             yield line_no, DataError(f"{path}:{line_no}: not a JSON object ({e.msg})")
 
 
-def _parquet_records(path: str, text_key: str, key_hint: str | None) -> Iterator[tuple[int, object]]:
+def _parquet_records(
+    path: str, text_key: str, key_hint: str | None
+) -> Iterator[tuple[int, object]]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -124,9 +134,18 @@ def _parquet_records(path: str, text_key: str, key_hint: str | None) -> Iterator
         return
     schema = table_file.schema_arrow
     if text_key not in schema.names:
-        texts = [f.name for f in schema if pa.types.is_string(f.type) or pa.types.is_large_string(f.type)]
-        hint = f"; set {key_hint.format(texts[0])} if its text is there" if texts and key_hint else ""
-        yield 1, MissingTextColumn(f"{path}: no column {text_key!r} (columns: {', '.join(schema.names)}){hint}")
+        texts = [
+            f.name for f in schema if pa.types.is_string(f.type) or pa.types.is_large_string(f.type)
+        ]
+        hint = (
+            f"; set {key_hint.format(texts[0])} if its text is there" if texts and key_hint else ""
+        )
+        yield (
+            1,
+            MissingTextColumn(
+                f"{path}: no column {text_key!r} (columns: {', '.join(schema.names)}){hint}"
+            ),
+        )
         return
     row = 0
     batches = table_file.iter_batches(columns=[text_key])
@@ -134,8 +153,12 @@ def _parquet_records(path: str, text_key: str, key_hint: str | None) -> Iterator
         try:
             batch = next(batches, None)
         except (OSError, pa.ArrowException) as e:  # a damaged data page under an intact footer
-            yield row + 1, DataError(f"{path}: rows from {row + 1} on cannot be read: damaged "
-                                     f"Parquet data ({e})")
+            yield (
+                row + 1,
+                DataError(
+                    f"{path}: rows from {row + 1} on cannot be read: damaged Parquet data ({e})"
+                ),
+            )
             return
         if batch is None:
             return
@@ -154,24 +177,38 @@ def missing_text(where: str, record: dict, text_key: str, key_hint: str | None) 
     """A record without a string ``text_key``: its fields, and the one its text is likely in (the
     longest string) in the caller's spelling ``key_hint`` (a format of the field's name)."""
     fields = list(record)
-    shown = ", ".join(map(repr, fields[:12])) + (f" (and {len(fields) - 12} more)" if len(fields) > 12 else "")
+    shown = ", ".join(map(repr, fields[:12])) + (
+        f" (and {len(fields) - 12} more)" if len(fields) > 12 else ""
+    )
     strings = {k: len(v) for k, v in record.items() if isinstance(v, str) and k != text_key}
     what = "not a string" if text_key in record else "missing"
-    problem = f"{where}: the {text_key!r} text field is {what}; the record's fields: {shown or 'none'}"
+    problem = (
+        f"{where}: the {text_key!r} text field is {what}; the record's fields: {shown or 'none'}"
+    )
     if strings and key_hint:
         problem += f"; set {key_hint.format(max(strings, key=strings.get))} if its text is there"
     return problem
 
 
-def iter_documents(path: str, text_key: str = "text", on_error: str = "fail", stats: ReadStats | None = None,
-                   skip_hint: str | None = None, key_hint: str | None = None) -> Iterator[str]:
+def iter_documents(
+    path: str,
+    text_key: str = "text",
+    on_error: str = "fail",
+    stats: ReadStats | None = None,
+    skip_hint: str | None = None,
+    key_hint: str | None = None,
+) -> Iterator[str]:
     """The texts of one file, in order; bad records raise DataError (saying how to skip them,
     ``skip_hint``, where the caller has a way) or are skipped (counted). A record without the text
     field names the fields it has, and the one to use in the caller's spelling (``key_hint``, a format
     of the field's name); skipping is offered only once some record had the field (otherwise the
     field is the wrong one, and skipping would skip every record)."""
     stats = stats if stats is not None else ReadStats()
-    records = _parquet_records(path, text_key, key_hint) if path.endswith(".parquet") else _json_records(path)
+    records = (
+        _parquet_records(path, text_key, key_hint)
+        if path.endswith(".parquet")
+        else _json_records(path)
+    )
     for line_no, record in records:
         problem, wrong_key = None, False
         if isinstance(record, DataError):
@@ -188,7 +225,9 @@ def iter_documents(path: str, text_key: str = "text", on_error: str = "fail", st
             continue
         if on_error == "fail":
             offer = skip_hint and not wrong_key
-            raise DataError(f"{problem} (use {skip_hint} to skip bad records)" if offer else problem)
+            raise DataError(
+                f"{problem} (use {skip_hint} to skip bad records)" if offer else problem
+            )
         stats.skipped += 1
         if len(stats.problems) < 10:
             stats.problems.append(problem)
@@ -200,4 +239,6 @@ def file_kind(path: str) -> str:
     for suffix in (".jsonl.zst", ".json.zst", ".zst", ".jsonl", ".json", ".parquet"):
         if name.endswith(suffix):
             return suffix
-    raise DataError(f"{path}: unknown format (expected .jsonl, .json, .jsonl.zst, .zst or .parquet)")
+    raise DataError(
+        f"{path}: unknown format (expected .jsonl, .json, .jsonl.zst, .zst or .parquet)"
+    )

@@ -16,8 +16,9 @@ from pathlib import Path
 FINGERPRINT_KEY = "fingerprint"
 
 
-def data_fingerprint(dataset: str, dataset_path: str | None, sources: list[str],
-                     held_out_fraction: float = 0.0) -> str:
+def data_fingerprint(
+    dataset: str, dataset_path: str | None, sources: list[str], held_out_fraction: float = 0.0
+) -> str:
     """A JSON object: input name -> its description (a token shard that ``held_out_fraction``
     holds out for validation says so). Synthetic tasks (generated from the config, whose changes
     are reported with the config's) have none: ""."""
@@ -33,8 +34,9 @@ def data_fingerprint(dataset: str, dataset_path: str | None, sources: list[str],
         held_out = held_out_shards(dataset_path, held_out_fraction)
         for shard in read_index(dataset_path)["shards"]:
             name = str(Path(dataset_path) / shard["shard"])
-            inputs[name] = (f"{shard['tokens']} tokens, blake2b {shard['blake2b']}"
-                            + (", held out for validation" if name in held_out else ""))
+            inputs[name] = f"{shard['tokens']} tokens, blake2b {shard['blake2b']}" + (
+                ", held out for validation" if name in held_out else ""
+            )
     elif dataset in STREAM:
         for source in sources:
             if source.startswith("hf:"):
@@ -50,9 +52,14 @@ def data_fingerprint(dataset: str, dataset_path: str | None, sources: list[str],
 def fingerprint_changes(saved: str, current: str, shown: int = 3) -> str:
     """What differs between two fingerprints, in words ("" when nothing does)."""
     old, new = (json.loads(x) if x else {} for x in (saved, current))
-    changes = ([f"{name} is new" for name in sorted(set(new) - set(old))]
-               + [f"{name} is gone" for name in sorted(set(old) - set(new))]
-               + [f"{name} changed ({old[name]} -> {new[name]})" for name in sorted(set(old) & set(new))
-                  if old[name] != new[name]])
+    changes = (
+        [f"{name} is new" for name in sorted(set(new) - set(old))]
+        + [f"{name} is gone" for name in sorted(set(old) - set(new))]
+        + [
+            f"{name} changed ({old[name]} -> {new[name]})"
+            for name in sorted(set(old) & set(new))
+            if old[name] != new[name]
+        ]
+    )
     more = f" (and {len(changes) - shown} more)" if len(changes) > shown else ""
     return "; ".join(changes[:shown]) + more

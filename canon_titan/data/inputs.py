@@ -16,7 +16,9 @@ def resolve_paths(dataset: str, dataset_path: str | None) -> list[str]:
         return [str(ASSET_DIR / CORPUS_FILE)]
     if dataset in ("files", "tokens"):
         if not dataset_path:
-            raise DataConfigError(f"dataloader.dataset_path is required when dataloader.dataset = {dataset!r}")
+            raise DataConfigError(
+                f"dataloader.dataset_path is required when dataloader.dataset = {dataset!r}"
+            )
         if dataset == "tokens":
             read_index(dataset_path)
             return [dataset_path]
@@ -27,4 +29,6 @@ def resolve_paths(dataset: str, dataset_path: str | None) -> list[str]:
         for path in paths:
             file_kind(path)
         return paths
-    raise DataConfigError(f"unknown dataloader.dataset {dataset!r}; available: builtin, files, tokens")
+    raise DataConfigError(
+        f"unknown dataloader.dataset {dataset!r}; available: builtin, files, tokens"
+    )

@@ -16,13 +16,17 @@ from typing import Literal
 
 import numpy as np
 import torch
-
 from torch.utils.data import IterableDataset, get_worker_info
-
 from torchtitan.components.dataloader import ParallelAwareDataloader
 from torchtitan.tools.logging import logger
 
-from canon_titan.data.documents import DATALOADER_KEY, DATALOADER_SKIP, DataError, ReadStats, iter_documents
+from canon_titan.data.documents import (
+    DATALOADER_KEY,
+    DATALOADER_SKIP,
+    DataError,
+    ReadStats,
+    iter_documents,
+)
 from canon_titan.data.fingerprint import FINGERPRINT_KEY, data_fingerprint
 from canon_titan.data.held_out import held_out_shards, shard_part
 from canon_titan.data.inputs import DataConfigError, resolve_paths
@@ -43,7 +47,10 @@ def document_positions(tokens: torch.Tensor, bos_id: int) -> torch.Tensor:
 
 def tokenize_stream(texts, tokenizer, add_bos: bool, add_eos: bool) -> np.ndarray:
     dtype = np.uint16 if tokenizer.get_vocab_size() <= np.iinfo(np.uint16).max + 1 else np.uint32
-    chunks = [np.asarray(tokenizer.encode(t, add_bos=add_bos, add_eos=add_eos), dtype=dtype) for t in texts]
+    chunks = [
+        np.asarray(tokenizer.encode(t, add_bos=add_bos, add_eos=add_eos), dtype=dtype)
+        for t in texts
+    ]
     return np.concatenate(chunks) if chunks else np.zeros(0, dtype=dtype)
 
 
@@ -52,16 +59,25 @@ def load_token_store(config, tokenizer) -> TokenStore:
         store = open_shards(config.dataset_path, tokenizer)
         if not config.held_out_fraction:
             return store
-        return shard_part(store, held_out_shards(config.dataset_path, config.held_out_fraction),
-                          config.read_held_out)
+        return shard_part(
+            store,
+            held_out_shards(config.dataset_path, config.held_out_fraction),
+            config.read_held_out,
+        )
     stats = ReadStats()
-    texts = (text for path in resolve_paths(config.dataset, config.dataset_path)
-             for text in iter_documents(path, config.text_key, config.on_error, stats, DATALOADER_SKIP,
-                                        DATALOADER_KEY))
+    texts = (
+        text
+        for path in resolve_paths(config.dataset, config.dataset_path)
+        for text in iter_documents(
+            path, config.text_key, config.on_error, stats, DATALOADER_SKIP, DATALOADER_KEY
+        )
+    )
     store = TokenStore([tokenize_stream(texts, tokenizer, config.add_bos, config.add_eos)])
     if stats.skipped and not stats.documents:
-        raise DataError(f"every record was skipped ({stats.skipped}, [dataloader] on_error = \"skip\"), so there is "
-                        f"no text to train on; the first: {stats.problems[0]}")
+        raise DataError(
+            f'every record was skipped ({stats.skipped}, [dataloader] on_error = "skip"), so there is '
+            f"no text to train on; the first: {stats.problems[0]}"
+        )
     if stats.skipped:
         logger.warning(f"skipped {stats.skipped} bad records ({stats.documents} documents read)")
     return store
@@ -82,8 +98,9 @@ def batch_buffer(rows: list[np.ndarray], bos_id: int | None, *, pin: bool) -> to
     return flat
 
 
-def batch_views(flat: torch.Tensor, batch: int,
-                seq_len: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+def batch_views(
+    flat: torch.Tensor, batch: int, seq_len: int
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """The inputs (and positions, when the buffer holds them) and labels in ``batch_buffer``'s
     buffer: views of it, so the step copies the buffer once (``tools/host_memory.to_device``).
     With positions, the documents' boundaries too (``with_boundaries``)."""
@@ -115,8 +132,17 @@ class PackedWindows(IterableDataset):
     buffer (``batch_buffer``); in loader worker ``w`` of ``W``, the batches ``w``, ``w + W``, ...,
     which the DataLoader hands over in order."""
 
-    def __init__(self, config, tokens: TokenStore, *, dp_rank: int, dp_world_size: int,
-                 seq_len: int, local_batch_size: int, bos_id: int | None):
+    def __init__(
+        self,
+        config,
+        tokens: TokenStore,
+        *,
+        dp_rank: int,
+        dp_world_size: int,
+        seq_len: int,
+        local_batch_size: int,
+        bos_id: int | None,
+    ):
         self.config, self.tokens = config, tokens
         self.dp_rank, self.seq_len, self.local_batch_size = dp_rank, seq_len, local_batch_size
         self.global_batch = local_batch_size * dp_world_size
@@ -137,8 +163,10 @@ class PackedWindows(IterableDataset):
     def buffer(self, first_sample: int, *, pin: bool) -> torch.Tensor:
         """The local batch whose global batch starts at ``first_sample``, in one buffer."""
         start = first_sample + self.dp_rank * self.local_batch_size
-        rows = [self.tokens.slice(s, s + self.seq_len + 1)
-                for s in (self._window_start(start + j) for j in range(self.local_batch_size))]
+        rows = [
+            self.tokens.slice(s, s + self.seq_len + 1)
+            for s in (self._window_start(start + j) for j in range(self.local_batch_size))
+        ]
         return batch_buffer(rows, self.bos_id, pin=pin)
 
     def __iter__(self):
@@ -207,18 +235,32 @@ class PackedTextDataLoader(ParallelAwareDataloader):
         bos_id = tokenizer.bos_id if config.document_masking else None
         if config.document_masking and bos_id is None:
             raise DataConfigError("dataloader.document_masking needs a tokenizer with a BOS token")
-        windows = PackedWindows(config, tokens, dp_rank=dp_rank, dp_world_size=dp_world_size,
-                                seq_len=seq_len, local_batch_size=local_batch_size, bos_id=bos_id)
+        windows = PackedWindows(
+            config,
+            tokens,
+            dp_rank=dp_rank,
+            dp_world_size=dp_world_size,
+            seq_len=seq_len,
+            local_batch_size=local_batch_size,
+            bos_id=bos_id,
+        )
         workers = config.num_workers
         pinned_by_loader = config.pin_memory and workers > 0 and torch.cuda.is_available()
-        super().__init__(windows, dp_rank=dp_rank, dp_world_size=dp_world_size, batch_size=None,
-                         num_workers=workers, prefetch_factor=config.prefetch_factor,
-                         pin_memory=pinned_by_loader)
+        super().__init__(
+            windows,
+            dp_rank=dp_rank,
+            dp_world_size=dp_world_size,
+            batch_size=None,
+            num_workers=workers,
+            prefetch_factor=config.prefetch_factor,
+            pin_memory=pinned_by_loader,
+        )
         self.tokens, self.num_windows = tokens, num_windows
         self.next_sample = 0
         """The first global sample of the next batch the step gets (the checkpointed position)."""
-        self.fingerprint = data_fingerprint(config.dataset, config.dataset_path, [],
-                                            held_out_fraction=config.held_out_fraction)
+        self.fingerprint = data_fingerprint(
+            config.dataset, config.dataset_path, [], held_out_fraction=config.held_out_fraction
+        )
         self._fingerprint_saved = True
         logger.info(
             f"Packed dataset {config.dataset!r}: {len(tokens):,} tokens, "
@@ -245,14 +287,17 @@ class PackedTextDataLoader(ParallelAwareDataloader):
         """On rank 0, once per epoch: that the batch of global samples [first, after) starts another
         pass over the data, with the tokens trained on so far (a corpus smaller than the run repeats)."""
         ended = (after - 1) // self.num_windows  # the epochs done before the batch's last sample
-        if ended == max(first - 1, 0) // self.num_windows or (torch.distributed.is_initialized()
-                                                   and torch.distributed.get_rank() != 0):
+        if ended == max(first - 1, 0) // self.num_windows or (
+            torch.distributed.is_initialized() and torch.distributed.get_rank() != 0
+        ):
             return
         seen = ended * self.num_windows * self.seq_len
         reshuffled = "reshuffled" if self.config.shuffle else "in the same order"
-        logger.info(f"dataset {self.config.dataset!r}: epoch {ended} ended ({self.num_windows:,} windows of "
-                    f"{self.seq_len} tokens each, {seen:,} tokens seen in all); epoch {ended + 1} reads the same "
-                    f"data again, {reshuffled}")
+        logger.info(
+            f"dataset {self.config.dataset!r}: epoch {ended} ended ({self.num_windows:,} windows of "
+            f"{self.seq_len} tokens each, {seen:,} tokens seen in all); epoch {ended + 1} reads the same "
+            f"data again, {reshuffled}"
+        )
 
     def expect_checkpoint(self, keys: list[str]) -> None:
         """Before a load: a checkpoint from before fingerprints holds none to fill in."""

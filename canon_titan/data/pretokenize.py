@@ -23,7 +23,13 @@ from pathlib import Path
 
 import numpy as np
 
-from canon_titan.data.documents import DataError, ReadStats, expand_inputs, file_kind, iter_documents
+from canon_titan.data.documents import (
+    DataError,
+    ReadStats,
+    expand_inputs,
+    file_kind,
+    iter_documents,
+)
 from canon_titan.data.token_store import TokenShard, TokenStore
 from canon_titan.data.tokenizers import build_tokenizer
 from canon_titan.tools.fileio import write_atomic
@@ -54,8 +60,14 @@ def _tokenize_file(job: tuple) -> dict:
     tokens, max_id, digest = 0, -1, hashlib.blake2b(digest_size=16)
     try:
         with os.fdopen(fd, "wb") as f:
-            for text in iter_documents(source, text_key, on_error, stats,
-                                       skip_hint="--on-error skip", key_hint="--text-key {}"):
+            for text in iter_documents(
+                source,
+                text_key,
+                on_error,
+                stats,
+                skip_hint="--on-error skip",
+                key_hint="--text-key {}",
+            ):
                 ids = np.asarray(tok.encode(text, add_bos=True, add_eos=True), dtype=dtype)
                 data = ids.tobytes()
                 f.write(data)
@@ -67,28 +79,54 @@ def _tokenize_file(job: tuple) -> dict:
         raise
     os.chmod(tmp, 0o644)
     os.replace(tmp, out_dir / f"{index:05d}.bin")
-    info = {"shard": f"{index:05d}.bin", "source": source, "tokens": tokens, "max_id": max_id,
-            "blake2b": digest.hexdigest(), "documents": stats.documents, "skipped": stats.skipped,
-            "problems": stats.problems}
+    info = {
+        "shard": f"{index:05d}.bin",
+        "source": source,
+        "tokens": tokens,
+        "max_id": max_id,
+        "blake2b": digest.hexdigest(),
+        "documents": stats.documents,
+        "skipped": stats.skipped,
+        "problems": stats.problems,
+    }
     write_atomic(out_dir / f"{index:05d}.json", (json.dumps(info, indent=1) + "\n").encode())
     return info
 
 
-def tokenize_files(inputs: list[str] | str, out_dir: str | Path, *, kind: str, tokenizer_path: str,
-                   workers: int = 1, text_key: str = "text", on_error: str = "fail", log=print) -> dict:
+def tokenize_files(
+    inputs: list[str] | str,
+    out_dir: str | Path,
+    *,
+    kind: str,
+    tokenizer_path: str,
+    workers: int = 1,
+    text_key: str = "text",
+    on_error: str = "fail",
+    log=print,
+) -> dict:
     sources = expand_inputs(inputs)
     for source in sources:
         file_kind(source)
     tok = build_tokenizer(kind, tokenizer_path)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer_info = {"kind": kind, "path": str(Path(tokenizer_path).resolve()), "vocab_size": tok.get_vocab_size(),
-                      "bos_id": tok.bos_id, "eos_id": tok.eos_id}
+    tokenizer_info = {
+        "kind": kind,
+        "path": str(Path(tokenizer_path).resolve()),
+        "vocab_size": tok.get_vocab_size(),
+        "bos_id": tok.bos_id,
+        "eos_id": tok.eos_id,
+    }
     previous = out_dir / INDEX
     if previous.is_file():
         old = json.loads(previous.read_text())
-        if old["tokenizer"]["vocab_size"] != tokenizer_info["vocab_size"] or old["tokenizer"]["kind"] != kind:
-            raise DataError(f"{out_dir} holds tokens of another tokenizer ({old['tokenizer']}); use a new --out")
+        if (
+            old["tokenizer"]["vocab_size"] != tokenizer_info["vocab_size"]
+            or old["tokenizer"]["kind"] != kind
+        ):
+            raise DataError(
+                f"{out_dir} holds tokens of another tokenizer ({old['tokenizer']}); use a new --out"
+            )
     done, jobs = {}, []
     itemsize = token_dtype(tok.get_vocab_size()).itemsize
     for index, source in enumerate(sources):
@@ -105,17 +143,26 @@ def tokenize_files(inputs: list[str] | str, out_dir: str | Path, *, kind: str, t
         log(f"[tokenize] {len(done)} of {len(sources)} files already done, resuming")
     start, total_tokens = time.perf_counter(), 0
     context = get_context("spawn")
-    with context.Pool(max(1, min(workers, len(jobs) or 1)), initializer=_init_worker,
-                      initargs=(kind, tokenizer_path)) as pool:
+    with context.Pool(
+        max(1, min(workers, len(jobs) or 1)),
+        initializer=_init_worker,
+        initargs=(kind, tokenizer_path),
+    ) as pool:
         for n, info in enumerate(pool.imap_unordered(_tokenize_file, jobs), 1):
             done[int(info["shard"][:5])] = info
             total_tokens += info["tokens"]
             elapsed = time.perf_counter() - start
             eta = elapsed / n * (len(jobs) - n)
-            log(f"[tokenize] {len(done)}/{len(sources)} files, {total_tokens:,} tokens, "
-                f"{total_tokens / elapsed:,.0f} tokens/s, ETA {eta:.0f}s ({info['source']})")
-    index = {"format": FORMAT, "tokenizer": tokenizer_info, "dtype": str(token_dtype(tok.get_vocab_size())),
-             "shards": [done[i] for i in range(len(sources))]}
+            log(
+                f"[tokenize] {len(done)}/{len(sources)} files, {total_tokens:,} tokens, "
+                f"{total_tokens / elapsed:,.0f} tokens/s, ETA {eta:.0f}s ({info['source']})"
+            )
+    index = {
+        "format": FORMAT,
+        "tokenizer": tokenizer_info,
+        "dtype": str(token_dtype(tok.get_vocab_size())),
+        "shards": [done[i] for i in range(len(sources))],
+    }
     write_atomic(out_dir / INDEX, (json.dumps(index, indent=1) + "\n").encode())
     return index
 
@@ -127,18 +174,23 @@ def _read_sidecar(path: Path) -> dict | None:
         return None  # a damaged sidecar: the shard is made again
 
 
-def shard_problem(path: Path, info: dict, itemsize: int, *, checksum: bool = False,
-                  vocab_size: int | None = None) -> str | None:
+def shard_problem(
+    path: Path, info: dict, itemsize: int, *, checksum: bool = False, vocab_size: int | None = None
+) -> str | None:
     """What is wrong with a finished shard against its record (missing, wrong size, ids outside
     the vocabulary, with ``checksum`` also changed bytes), or None."""
     if not path.is_file():
         return f"{path} is missing"
     size, expected = path.stat().st_size, info["tokens"] * itemsize
     if size != expected:
-        return f"{path} has {size} bytes, its record says {info['tokens']} tokens ({expected} bytes)"
+        return (
+            f"{path} has {size} bytes, its record says {info['tokens']} tokens ({expected} bytes)"
+        )
     if vocab_size is not None and info.get("max_id", -1) >= vocab_size:
-        return (f"{path} holds token id {info['max_id']}, outside the training vocabulary of {vocab_size} ids "
-                "(tokenized with another tokenizer?)")
+        return (
+            f"{path} holds token id {info['max_id']}, outside the training vocabulary of {vocab_size} ids "
+            "(tokenized with another tokenizer?)"
+        )
     if checksum and "blake2b" in info:
         digest = hashlib.blake2b(digest_size=16)
         with open(path, "rb") as f:
@@ -152,13 +204,17 @@ def shard_problem(path: Path, info: dict, itemsize: int, *, checksum: bool = Fal
 def read_index(folder: str | Path) -> dict:
     path = Path(folder) / INDEX
     if not path.is_file():
-        raise DataError(f"{folder} has no {INDEX}: not a token folder written by `canon-titan data tokenize`")
+        raise DataError(
+            f"{folder} has no {INDEX}: not a token folder written by `canon-titan data tokenize`"
+        )
     try:
         index = json.loads(path.read_text())
     except (ValueError, OSError) as e:
         raise DataError(f"{path}: not a readable token index ({e})") from None
     if not isinstance(index, dict) or index.get("format") != FORMAT:
-        raise DataError(f"{path}: unknown format {index.get('format') if isinstance(index, dict) else None!r}")
+        raise DataError(
+            f"{path}: unknown format {index.get('format') if isinstance(index, dict) else None!r}"
+        )
     return index
 
 
@@ -166,10 +222,14 @@ def open_shards(folder: str | Path, tokenizer=None):
     """The shards as one TokenStore read from disk, checked against the training tokenizer."""
     index = read_index(folder)
     if tokenizer is not None and tokenizer.get_vocab_size() != index["tokenizer"]["vocab_size"]:
-        raise DataError(f"{folder} was tokenized with a {index['tokenizer']['vocab_size']}-id tokenizer "
-                        f"({index['tokenizer']['path']}), training uses {tokenizer.get_vocab_size()} ids")
+        raise DataError(
+            f"{folder} was tokenized with a {index['tokenizer']['vocab_size']}-id tokenizer "
+            f"({index['tokenizer']['path']}), training uses {tokenizer.get_vocab_size()} ids"
+        )
     dtype = np.dtype(index["dtype"])
-    vocab = tokenizer.get_vocab_size() if tokenizer is not None else index["tokenizer"]["vocab_size"]
+    vocab = (
+        tokenizer.get_vocab_size() if tokenizer is not None else index["tokenizer"]["vocab_size"]
+    )
     arrays, names = [], []
     for shard in index["shards"]:
         path = Path(folder) / shard["shard"]

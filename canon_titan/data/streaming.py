@@ -28,15 +28,23 @@ from typing import Literal
 import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
-
 from torchtitan.components.dataloader import ParallelAwareDataloader
 from torchtitan.tools.logging import logger
 
-from canon_titan.data.documents import (DATALOADER_KEY, DATALOADER_SKIP, DataError, ReadStats, expand_inputs, file_kind,
-                                        iter_documents, missing_text)
+from canon_titan.data.documents import (
+    DATALOADER_KEY,
+    DATALOADER_SKIP,
+    DataError,
+    ReadStats,
+    expand_inputs,
+    file_kind,
+    iter_documents,
+    missing_text,
+)
 from canon_titan.data.fingerprint import FINGERPRINT_KEY, data_fingerprint
 from canon_titan.data.packed import batch_buffer, batch_views
 from canon_titan.tools.host_memory import pinned
+
 
 def unit_slices(files: list[str], unit: int, units: int) -> list[tuple[str, int, int]]:
     """The (file, slice, slices) pieces of a source that ``unit`` of ``units`` reads."""
@@ -68,7 +76,9 @@ class SourceReader:
         found_in_epoch = self.line > 0
         while self.pieces:
             path, index, slices = self.pieces[self.piece]
-            documents = iter_documents(path, self.text_key, self.on_error, self.stats, DATALOADER_SKIP, DATALOADER_KEY)
+            documents = iter_documents(
+                path, self.text_key, self.on_error, self.stats, DATALOADER_SKIP, DATALOADER_KEY
+            )
             for n, text in enumerate(documents):
                 if n % slices != index or n // slices < self.line:
                     continue
@@ -86,8 +96,10 @@ class SourceReader:
         """Once per pass, by the first reader (rank 0's first): that its share of a source starts again
         (a source smaller than the run repeats)."""
         if self.unit == 0:
-            logger.info(f"streamed data: epoch {self.epoch} of data reader 0 over {self.source} ended; it reads its "
-                        "share of them again")
+            logger.info(
+                f"streamed data: epoch {self.epoch} of data reader 0 over {self.source} ended; it reads its "
+                "share of them again"
+            )
 
     def next(self) -> str | None:
         if self._iter is None:
@@ -101,7 +113,7 @@ class HubSourceReader(SourceReader):
     unit's documents already read (skipped on resume)."""
 
     def __init__(self, spec, unit, units, text_key, on_error):
-        parts = spec[len("hf:"):].split(":")
+        parts = spec[len("hf:") :].split(":")
         self.name, self.subset = parts[0], parts[1] if len(parts) > 1 and parts[1] else None
         self.split = parts[2] if len(parts) > 2 else "train"
         self.unit, self.units, self.source = unit, units, spec
@@ -119,8 +131,10 @@ class HubSourceReader(SourceReader):
             try:
                 dataset = load_dataset(self.name, self.subset, split=self.split, streaming=True)
             except Exception as e:
-                raise DataError(f"cannot stream Hugging Face dataset {self.name!r} "
-                                f"(config {self.subset}, split {self.split}): {e}") from e
+                raise DataError(
+                    f"cannot stream Hugging Face dataset {self.name!r} "
+                    f"(config {self.subset}, split {self.split}): {e}"
+                ) from e
             dataset = split_dataset_by_node(dataset, rank=self.unit, world_size=self.units)
             # Resume by reading past this unit's consumed records: datasets' skip() after a node
             # split counts records of the whole stream, not of this node's share.
@@ -129,9 +143,16 @@ class HubSourceReader(SourceReader):
             for record in records:
                 text = record.get(self.text_key) if isinstance(record, dict) else None
                 if not isinstance(text, str):
-                    problem = (missing_text(f"{self.name}[{self.split}] document {self.line}", record, self.text_key,
-                                            DATALOADER_KEY) if isinstance(record, dict)
-                               else f"{self.name}[{self.split}] document {self.line}: not a record of fields")
+                    problem = (
+                        missing_text(
+                            f"{self.name}[{self.split}] document {self.line}",
+                            record,
+                            self.text_key,
+                            DATALOADER_KEY,
+                        )
+                        if isinstance(record, dict)
+                        else f"{self.name}[{self.split}] document {self.line}: not a record of fields"
+                    )
                     if self.on_error == "fail":
                         raise DataError(problem)
                     self.stats.skipped += 1
@@ -156,7 +177,10 @@ class StreamingTextDataset(IterableDataset):
     def __init__(self, config, *, tokenizer, seq_len, dp_rank, dp_world_size):
         self.config, self.tokenizer, self.seq_len = config, tokenizer, seq_len
         self.dp_rank, self.dp_world_size = dp_rank, dp_world_size
-        self.sources = [None if pattern.startswith("hf:") else expand_inputs(pattern) for pattern in config.sources]
+        self.sources = [
+            None if pattern.startswith("hf:") else expand_inputs(pattern)
+            for pattern in config.sources
+        ]
         for files in self.sources:
             for path in files or []:
                 file_kind(path)
@@ -168,8 +192,10 @@ class StreamingTextDataset(IterableDataset):
         workers, worker = (info.num_workers, info.id) if info else (1, 0)
         unit, units = self.dp_rank * workers + worker, self.dp_world_size * workers
         cfg = self.config
-        self.readers = [make_reader(source, files, unit, units, cfg.text_key, cfg.on_error)
-                        for source, files in zip(cfg.sources, self.sources)]
+        self.readers = [
+            make_reader(source, files, unit, units, cfg.text_key, cfg.on_error)
+            for source, files in zip(cfg.sources, self.sources)
+        ]
         self.mixture_rng = random.Random(f"{cfg.seed}-mix-{unit}")
         self.shuffle_rng = random.Random(f"{cfg.seed}-shuffle-{unit}")
         self.buffer = np.zeros(0, dtype=np.int64)
@@ -187,7 +213,9 @@ class StreamingTextDataset(IterableDataset):
             text = self.readers[source].next()
             if text is None:
                 raise RuntimeError("a data source has no documents for this rank/worker")
-            ids = self.tokenizer.encode(text, add_bos=self.config.add_bos, add_eos=self.config.add_eos)
+            ids = self.tokenizer.encode(
+                text, add_bos=self.config.add_bos, add_eos=self.config.add_eos
+            )
             self.buffer = np.concatenate([self.buffer, np.asarray(ids, dtype=np.int64)])
             self.drawn[source] += len(ids)
         window, self.buffer = self.buffer[:need], self.buffer[need:]
@@ -243,8 +271,11 @@ def _collated(items: list[tuple], *, bos_id: int | None, pin: bool) -> tuple:
     the tokens its unit had drawn per source by its last window, and the unit."""
     windows = [window for window, _, _ in items]
     _, drawn, unit = items[-1]
-    return batch_buffer(windows, bos_id, pin=pin and get_worker_info() is None), \
-        torch.from_numpy(drawn), unit
+    return (
+        batch_buffer(windows, bos_id, pin=pin and get_worker_info() is None),
+        torch.from_numpy(drawn),
+        unit,
+    )
 
 
 def _as_rng_state(state):
@@ -271,16 +302,36 @@ class StreamingTextDataLoader(ParallelAwareDataloader):
         pin_memory: bool = True
         """Pin each batch in host memory where CUDA is available."""
 
-    def __init__(self, config: Config, *, dp_world_size, dp_rank, tokenizer, seq_len, local_batch_size, **kwargs):
-        dataset = StreamingTextDataset(config, tokenizer=tokenizer, seq_len=seq_len, dp_rank=dp_rank,
-                                       dp_world_size=dp_world_size)
+    def __init__(
+        self,
+        config: Config,
+        *,
+        dp_world_size,
+        dp_rank,
+        tokenizer,
+        seq_len,
+        local_batch_size,
+        **kwargs,
+    ):
+        dataset = StreamingTextDataset(
+            config,
+            tokenizer=tokenizer,
+            seq_len=seq_len,
+            dp_rank=dp_rank,
+            dp_world_size=dp_world_size,
+        )
         bos_id = tokenizer.bos_id if config.document_masking else None
         workers = config.num_workers
         collate = functools.partial(_collated, bos_id=bos_id, pin=config.pin_memory)
         pinned_by_loader = config.pin_memory and workers > 0 and torch.cuda.is_available()
-        loader_kwargs = {"batch_size": local_batch_size, "num_workers": workers,
-                         "persistent_workers": config.persistent_workers, "collate_fn": collate,
-                         "pin_memory": pinned_by_loader, "prefetch_factor": config.prefetch_factor}
+        loader_kwargs = {
+            "batch_size": local_batch_size,
+            "num_workers": workers,
+            "persistent_workers": config.persistent_workers,
+            "collate_fn": collate,
+            "pin_memory": pinned_by_loader,
+            "prefetch_factor": config.prefetch_factor,
+        }
         if kwargs.get("snapshot_every_n_steps") is not None:
             loader_kwargs["snapshot_every_n_steps"] = kwargs["snapshot_every_n_steps"]
         super().__init__(dataset, dp_rank=dp_rank, dp_world_size=dp_world_size, **loader_kwargs)
@@ -289,14 +340,20 @@ class StreamingTextDataLoader(ParallelAwareDataloader):
         self.fingerprint = data_fingerprint("stream", None, config.sources)
         self._fingerprint_saved = True
         self.sources = list(config.sources)
-        self.weights = [w / sum(config.weights) for w in config.weights] if config.weights else \
-            [1 / len(config.sources)] * len(config.sources)
+        self.weights = (
+            [w / sum(config.weights) for w in config.weights]
+            if config.weights
+            else [1 / len(config.sources)] * len(config.sources)
+        )
         self._drawn: dict[int, np.ndarray] = {}
-        mixture = ", ".join(f"{source} {100 * w:.0f}%"
-                            for source, w in zip(self.sources, self.weights))
-        logger.info(f"Streaming {len(config.sources)} source(s) with {config.num_workers} worker(s) "
-                    f"on dp rank {dp_rank}/{dp_world_size}; the documents drawn by weight: "
-                    f"{mixture}")
+        mixture = ", ".join(
+            f"{source} {100 * w:.0f}%" for source, w in zip(self.sources, self.weights)
+        )
+        logger.info(
+            f"Streaming {len(config.sources)} source(s) with {config.num_workers} worker(s) "
+            f"on dp rank {dp_rank}/{dp_world_size}; the documents drawn by weight: "
+            f"{mixture}"
+        )
 
     def mixture(self) -> tuple[dict[str, float], str]:
         """The tokens this rank's readers drew from each source so far (its batches reach training
@@ -304,10 +361,13 @@ class StreamingTextDataLoader(ParallelAwareDataloader):
         drawn = sum(self._drawn.values(), np.zeros(len(self.sources), dtype=np.int64))
         total = int(drawn.sum()) or 1
         metrics = {f"data/source_{i}_token_share": int(n) / total for i, n in enumerate(drawn)}
-        line = "; ".join(f"{source}: {100 * n / total:.1f}% (weight {100 * w:.0f}%)"
-                         for source, n, w in zip(self.sources, drawn.tolist(), self.weights))
-        return metrics, (f"streamed mixture, tokens drawn on dp rank {self.dp_rank} ({total:,}): "
-                         f"{line}")
+        line = "; ".join(
+            f"{source}: {100 * n / total:.1f}% (weight {100 * w:.0f}%)"
+            for source, n, w in zip(self.sources, drawn.tolist(), self.weights)
+        )
+        return metrics, (
+            f"streamed mixture, tokens drawn on dp rank {self.dp_rank} ({total:,}): {line}"
+        )
 
     def __iter__(self):
         for buffer, drawn, unit in super().__iter__():

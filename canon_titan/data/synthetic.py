@@ -34,7 +34,6 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 from torch.utils.data import IterableDataset
-
 from torchtitan.components.dataloader import ParallelAwareDataloader
 from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.tools.logging import logger
@@ -44,7 +43,6 @@ from canon_titan.data.packed import with_boundaries
 from canon_titan.tools.host_memory import host_buffer
 from synthetic_data.common import Sample
 from synthetic_data.tasks import PAD, SECTION, make_task
-
 
 MAX_REDRAWS = 100
 
@@ -87,10 +85,20 @@ class SyntheticDataLoader(ParallelAwareDataloader):
         pin_memory: bool = True
         """Build each batch in pinned host memory where CUDA is available."""
 
-    def __init__(self, config: Config, *, dp_world_size: int, dp_rank: int, tokenizer=None,
-                 seq_len: int, local_batch_size: int, **kwargs):
-        super().__init__(_Batches(self), dp_rank=dp_rank, dp_world_size=dp_world_size,
-                         batch_size=None)
+    def __init__(
+        self,
+        config: Config,
+        *,
+        dp_world_size: int,
+        dp_rank: int,
+        tokenizer=None,
+        seq_len: int,
+        local_batch_size: int,
+        **kwargs,
+    ):
+        super().__init__(
+            _Batches(self), dp_rank=dp_rank, dp_world_size=dp_world_size, batch_size=None
+        )
         self.config = config
         self.seq_len, self.local_batch_size = seq_len, local_batch_size
         self.stride = config.windows_per_step or local_batch_size * dp_world_size
@@ -101,7 +109,9 @@ class SyntheticDataLoader(ParallelAwareDataloader):
         if self.task.text and tokenizer is None:
             raise DataConfigError(f"{config.dataset} is text: it needs the run's tokenizer")
         if self.task.text and config.answer_only_loss:
-            raise DataConfigError(f"{config.dataset} has no answer tokens: answer_only_loss must be false")
+            raise DataConfigError(
+                f"{config.dataset} has no answer tokens: answer_only_loss must be false"
+            )
         self.tokenizer = tokenizer
         self.next_sample = 0
         self._carries: dict[int, SampleId] = {}
@@ -113,9 +123,11 @@ class SyntheticDataLoader(ParallelAwareDataloader):
         probe = [self.window(w) for w in range(4)]
         fill = np.mean([(p[2] != IGNORE_INDEX).sum() / seq_len for p in probe])
         samples = np.mean([int(((p[1] == 0) & (p[0] != PAD)).sum()) for p in probe])
-        logger.info(f"Synthetic dataset {config.dataset!r} ({self.task.params}): ~{samples:.1f} samples per "
-                    f"window of {seq_len}, {100 * fill:.1f}% of positions in the loss "
-                    f"(dp rank {dp_rank}/{dp_world_size})")
+        logger.info(
+            f"Synthetic dataset {config.dataset!r} ({self.task.params}): ~{samples:.1f} samples per "
+            f"window of {seq_len}, {100 * fill:.1f}% of positions in the loss "
+            f"(dp rank {dp_rank}/{dp_world_size})"
+        )
 
     def stream(self, sample: SampleId) -> random.Random:
         return sample_stream(self.config.seed, *sample)
@@ -124,12 +136,18 @@ class SyntheticDataLoader(ParallelAwareDataloader):
         """Token ids and per-token loss flags of one sample."""
         generated = self.task.train_sample(self.stream(sample))
         if isinstance(generated, Sample):
-            labels = generated.labels if self.config.answer_only_loss else [0] + [1] * (len(generated.tokens) - 1)
+            labels = (
+                generated.labels
+                if self.config.answer_only_loss
+                else [0] + [1] * (len(generated.tokens) - 1)
+            )
             return generated.tokens, labels
         tokens = self.tokenizer.encode(generated, add_bos=True, add_eos=True)
         return tokens, [0] + [1] * (len(tokens) - 1)
 
-    def pack(self, index: int, carried: SampleId | None) -> tuple[list[tuple[SampleId, list[int], list[int]]], SampleId]:
+    def pack(
+        self, index: int, carried: SampleId | None
+    ) -> tuple[list[tuple[SampleId, list[int], list[int]]], SampleId]:
         """Window ``index``'s samples in order, ``carried`` first, as (id, tokens, loss flags); and the
         misfit it carries on."""
         limit, used, draws, redraws = self.seq_len + 1, 0, 0, 0
@@ -147,7 +165,12 @@ class SyntheticDataLoader(ParallelAwareDataloader):
                     raise DataConfigError(
                         f"a {self.config.dataset} sample has {len(tokens)} tokens (with the run's tokenizer), "
                         f"more than a window of seq_len + 1 = {limit}: raise [training] seq_len"
-                        + (f" ({MAX_REDRAWS} samples in a row were too long)" if redraws > 1 else ""))
+                        + (
+                            f" ({MAX_REDRAWS} samples in a row were too long)"
+                            if redraws > 1
+                            else ""
+                        )
+                    )
                 continue
             if used + len(tokens) > limit:
                 return packed, sample
@@ -175,7 +198,9 @@ class SyntheticDataLoader(ParallelAwareDataloader):
             for sample, tokens, flags in packed:
                 yield index, sample, tokens, flags
 
-    def arrays(self, packed: list[tuple[SampleId, list[int], list[int]]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def arrays(
+        self, packed: list[tuple[SampleId, list[int], list[int]]]
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(input ids, positions, targets) of a window holding ``packed``."""
         tokens, flags, positions = [], [], []
         for _, sample_tokens, sample_flags in packed:
@@ -190,7 +215,9 @@ class SyntheticDataLoader(ParallelAwareDataloader):
         targets = np.where(np.asarray(flags[1:], dtype=bool), tokens_np[1:], IGNORE_INDEX)
         return tokens_np[:-1], np.asarray(positions[:-1], dtype=np.int64), targets
 
-    def window(self, index: int, carried: SampleId | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def window(
+        self, index: int, carried: SampleId | None = None
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(input ids, positions, targets) of global window ``index`` starting with ``carried``."""
         return self.arrays(self.pack(index, carried)[0])
 
@@ -223,7 +250,10 @@ class SyntheticDataLoader(ParallelAwareDataloader):
 
     def reads(self, index: int) -> bool:
         """Whether this rank reads global window ``index``."""
-        return index % (self.local_batch_size * self.dp_world_size) // self.local_batch_size == self.dp_rank
+        return (
+            index % (self.local_batch_size * self.dp_world_size) // self.local_batch_size
+            == self.dp_rank
+        )
 
     def expect_checkpoint(self, keys: list[str]) -> None:
         """Before a checkpoint load: the loader entries the checkpoint holds (names below
@@ -235,8 +265,11 @@ class SyntheticDataLoader(ParallelAwareDataloader):
         if self._checkpoint_keys is not None:
             return {key: None for key in self._checkpoint_keys}
         # next_sample is the same on every rank (one copy in the checkpoint); the carries differ.
-        return {"next_sample": self.next_sample, "windows_per_step": self.stride,
-                f"{CARRIES}{self.dp_rank}": sorted(self._carries.items())}
+        return {
+            "next_sample": self.next_sample,
+            "windows_per_step": self.stride,
+            f"{CARRIES}{self.dp_rank}": sorted(self._carries.items()),
+        }
 
     def load_state_dict(self, state_dict: dict) -> None:
         self._checkpoint_keys = None
@@ -247,24 +280,38 @@ class SyntheticDataLoader(ParallelAwareDataloader):
         if not saved:  # a checkpoint from before the carries: recompute them
             logger.info(f"Synthetic dataloader resumes at global window {self.next_sample:,}")
             return
-        carries = {int(dest): tuple(sample) for key in saved for dest, sample in state_dict[key] or []}
+        carries = {
+            int(dest): tuple(sample) for key in saved for dest, sample in state_dict[key] or []
+        }
         self._carries = {dest: sample for dest, sample in carries.items() if self.reads(dest)}
         self._replay = False
         stride = int(state_dict.get("windows_per_step", self.stride))
-        layout = f"{len(saved)} data-parallel rank(s) to {self.dp_world_size}" if len(saved) != self.dp_world_size else ""
+        layout = (
+            f"{len(saved)} data-parallel rank(s) to {self.dp_world_size}"
+            if len(saved) != self.dp_world_size
+            else ""
+        )
         if stride != self.stride:
-            logger.warning(f"Synthetic dataloader: the global batch changed from {stride} to {self.stride} windows; "
-                           "every drawn sample is still trained on once, but from here the windows differ from "
-                           "those of a run that had this global batch from the start")
-        logger.info(f"Synthetic dataloader resumes at global window {self.next_sample:,}"
-                    + (f" (resharded from {layout})" if layout else ""))
+            logger.warning(
+                f"Synthetic dataloader: the global batch changed from {stride} to {self.stride} windows; "
+                "every drawn sample is still trained on once, but from here the windows differ from "
+                "those of a run that had this global batch from the start"
+            )
+        logger.info(
+            f"Synthetic dataloader resumes at global window {self.next_sample:,}"
+            + (f" (resharded from {layout})" if layout else "")
+        )
 
 
 def loader_config(run) -> SyntheticDataLoader.Config:
     """The loader of a resolved run whose dataset is a synthetic task."""
     section = run["dataloader"]
     task = {k: v for k, v in run[SECTION[section["dataset"]]].items() if v is not None}
-    return SyntheticDataLoader.Config(dataset=section["dataset"], task=task, seed=section["seed"],
-                                      answer_only_loss=section["answer_only_loss"],
-                                      windows_per_step=max(run["training"]["global_batch_size"], 0),
-                                      pin_memory=section["pin_memory"])
+    return SyntheticDataLoader.Config(
+        dataset=section["dataset"],
+        task=task,
+        seed=section["seed"],
+        answer_only_loss=section["answer_only_loss"],
+        windows_per_step=max(run["training"]["global_batch_size"], 0),
+        pin_memory=section["pin_memory"],
+    )

@@ -26,14 +26,18 @@ class TokenShard:
     def __getitem__(self, index: slice) -> np.ndarray:
         start, stop, step = index.indices(self.tokens)
         if step != 1:
-            raise ValueError(f"{self.path}: a shard is read in contiguous ranges, not with step {step}")
+            raise ValueError(
+                f"{self.path}: a shard is read in contiguous ranges, not with step {step}"
+            )
         count = max(0, stop - start) * self.dtype.itemsize
         data = os.pread(self._fd, count, start * self.dtype.itemsize)
         if len(data) < count:
-            raise DataError(f"{self.path} is {os.fstat(self._fd).st_size:,} bytes now, "
-                            f"{self.tokens * self.dtype.itemsize:,} when the run opened it: the shard was truncated or "
-                            "replaced while training read it. Restore it (or tokenize into a new folder) and run the "
-                            "same command to resume from the last checkpoint")
+            raise DataError(
+                f"{self.path} is {os.fstat(self._fd).st_size:,} bytes now, "
+                f"{self.tokens * self.dtype.itemsize:,} when the run opened it: the shard was truncated or "
+                "replaced while training read it. Restore it (or tokenize into a new folder) and run the "
+                "same command to resume from the last checkpoint"
+            )
         return np.frombuffer(data, dtype=self.dtype)
 
     def __del__(self):
@@ -47,8 +51,12 @@ class TokenStore:
     ``vocab_size``, every slice read is checked to lie inside the vocabulary, and a bad id is
     reported by shard name and offset (a damaged shard file)."""
 
-    def __init__(self, arrays: list[np.ndarray | TokenShard], names: list[str] | None = None,
-                 vocab_size: int | None = None):
+    def __init__(
+        self,
+        arrays: list[np.ndarray | TokenShard],
+        names: list[str] | None = None,
+        vocab_size: int | None = None,
+    ):
         keep = [i for i, a in enumerate(arrays) if len(a)]
         self.arrays = [arrays[i] for i in keep]
         self.names = [names[i] for i in keep] if names is not None else None
@@ -70,8 +78,10 @@ class TokenStore:
             if self.vocab_size is not None and len(piece) and piece.max() >= self.vocab_size:
                 bad = int(np.argmax(piece >= self.vocab_size))
                 where = self.names[index] if self.names else f"token array {index}"
-                raise DataError(f"{where}: token id {int(piece[bad])} at offset {local + bad} is outside the "
-                                f"vocabulary of {self.vocab_size} ids (a damaged shard?)")
+                raise DataError(
+                    f"{where}: token id {int(piece[bad])} at offset {local + bad} is outside the "
+                    f"vocabulary of {self.vocab_size} ids (a damaged shard?)"
+                )
             pieces.append(piece)
             position += take
         return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)

@@ -64,7 +64,9 @@ class SentencePieceTokenizer(_AddSpecials, BaseTokenizer):
         super().__init__()
         from sentencepiece import SentencePieceProcessor
 
-        self.model = SentencePieceProcessor(model_file=str(_find_file(tokenizer_path, ("tokenizer.model",))))
+        self.model = SentencePieceProcessor(
+            model_file=str(_find_file(tokenizer_path, ("tokenizer.model",)))
+        )
         self.bos_id = self.model.bos_id() if self.model.bos_id() >= 0 else None
         self.eos_id = self.model.eos_id() if self.model.eos_id() >= 0 else None
 
@@ -91,16 +93,22 @@ class TiktokenTokenizer(_AddSpecials, BaseTokenizer):
         path = _find_file(tokenizer_path, ("tokenizer.model", "tokenizer.tiktoken"))
         ranks = load_tiktoken_bpe(str(path))
         specials = tiktoken_special_tokens(len(ranks))
-        self.encoding = tiktoken.Encoding(name=path.stem, pat_str=LLAMA3_PATTERN,
-                                          mergeable_ranks=ranks, special_tokens=specials)
+        self.encoding = tiktoken.Encoding(
+            name=path.stem, pat_str=LLAMA3_PATTERN, mergeable_ranks=ranks, special_tokens=specials
+        )
         self.bos_id, self.eos_id = specials["<|begin_of_text|>"], specials["<|end_of_text|>"]
 
     def encode(self, text: str, add_bos: bool = False, add_eos: bool = False) -> list[int]:
         ids: list[int] = []
         for start in range(0, len(text), TIKTOKEN_CHUNK_CHARS):
             # Special-token strings inside documents are ordinary text.
-            ids.extend(self.encoding.encode(text[start : start + TIKTOKEN_CHUNK_CHARS],
-                                            allowed_special=set(), disallowed_special=()))
+            ids.extend(
+                self.encoding.encode(
+                    text[start : start + TIKTOKEN_CHUNK_CHARS],
+                    allowed_special=set(),
+                    disallowed_special=(),
+                )
+            )
         return self._wrap(ids, add_bos, add_eos)
 
     def decode(self, ids) -> str:
@@ -111,8 +119,11 @@ class TiktokenTokenizer(_AddSpecials, BaseTokenizer):
 
 
 def tokenizer_config(kind: str) -> BaseTokenizer.Config:
-    return {"hf": HuggingFaceTokenizer.Config, "sentencepiece": SentencePieceTokenizer.Config,
-            "tiktoken": TiktokenTokenizer.Config}[kind]()
+    return {
+        "hf": HuggingFaceTokenizer.Config,
+        "sentencepiece": SentencePieceTokenizer.Config,
+        "tiktoken": TiktokenTokenizer.Config,
+    }[kind]()
 
 
 def build_tokenizer(kind: str, path: str) -> BaseTokenizer:

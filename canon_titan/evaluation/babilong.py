@@ -31,48 +31,88 @@ FORMATS = {
         "The text below follows several people as they move between places. Answer the question "
         "about where a person is at the end, using the sentence: The most recent location of "
         "<person> is <place>.",
-        (("Anna went to the garden. Tom moved to the office. Anna travelled to the hallway.",
-          "Where is Anna?", "The most recent location of Anna is hallway."),
-         ("Tom journeyed to the kitchen. Lena went back to the bedroom.",
-          "Where is Tom?", "The most recent location of Tom is kitchen.")),
+        (
+            (
+                "Anna went to the garden. Tom moved to the office. Anna travelled to the hallway.",
+                "Where is Anna?",
+                "The most recent location of Anna is hallway.",
+            ),
+            (
+                "Tom journeyed to the kitchen. Lena went back to the bedroom.",
+                "Where is Tom?",
+                "The most recent location of Tom is kitchen.",
+            ),
+        ),
         re.compile(r"most recent location of \w+ is (?:the )?(\w+)", re.I),
     ),
     "qa2": Format(
         "The text below tells where people go and which objects they pick up or put down. An "
         "object is wherever the person holding it is. Answer with the sentence: The <object> is "
         "in <place>.",
-        (("Tom picked up the ball there. Tom went to the garden. Anna moved to the office.",
-          "Where is the ball?", "The ball is in garden."),
-         ("Lena took the cup. Lena journeyed to the kitchen. Lena left the cup. Lena went to the hallway.",
-          "Where is the cup?", "The cup is in kitchen.")),
+        (
+            (
+                "Tom picked up the ball there. Tom went to the garden. Anna moved to the office.",
+                "Where is the ball?",
+                "The ball is in garden.",
+            ),
+            (
+                "Lena took the cup. Lena journeyed to the kitchen. Lena left the cup. Lena went to the hallway.",
+                "Where is the cup?",
+                "The cup is in kitchen.",
+            ),
+        ),
         re.compile(r"The \w+ is in (?:the )?(\w+)", re.I),
     ),
     "qa3": Format(
         "The text below tells where people carry objects. Answer where the object was just before "
         "it reached the given place, with the sentence: Before the <place> the <object> was in "
         "the <earlier place>.",
-        (("Anna took the apple. Anna went to the office. Anna moved to the kitchen. Anna dropped the apple.",
-          "Where was the apple before the kitchen?", "Before the kitchen the apple was in the office."),
-         ("Tom grabbed the book in the garden. Tom went to the hallway. Tom travelled to the bedroom.",
-          "Where was the book before the hallway?", "Before the hallway the book was in the garden.")),
+        (
+            (
+                "Anna took the apple. Anna went to the office. Anna moved to the kitchen. Anna dropped the apple.",
+                "Where was the apple before the kitchen?",
+                "Before the kitchen the apple was in the office.",
+            ),
+            (
+                "Tom grabbed the book in the garden. Tom went to the hallway. Tom travelled to the bedroom.",
+                "Where was the book before the hallway?",
+                "Before the hallway the book was in the garden.",
+            ),
+        ),
         re.compile(r"Before the \w+ the \w+ was in (?:the )?(\w+)", re.I),
     ),
     "qa4": Format(
         "The text below says how rooms are placed relative to each other. Answer the question "
         "with a single word: the name of a room.",
-        (("The kitchen is north of the office. The garden is west of the office.",
-          "What is north of the office?", "kitchen"),
-         ("The bedroom is south of the hallway. The bathroom is east of the hallway.",
-          "What is the hallway south of?", "bedroom")),
+        (
+            (
+                "The kitchen is north of the office. The garden is west of the office.",
+                "What is north of the office?",
+                "kitchen",
+            ),
+            (
+                "The bedroom is south of the hallway. The bathroom is east of the hallway.",
+                "What is the hallway south of?",
+                "bedroom",
+            ),
+        ),
         None,
     ),
     "qa5": Format(
         "The text below tells who gives objects to whom. Answer the question with a single word: "
         "a name or an object.",
-        (("Anna picked up the milk. Anna handed the milk to Tom. Tom passed the milk to Lena.",
-          "Who gave the milk to Lena?", "Tom"),
-         ("Lena took the apple there. Lena gave the apple to Anna.",
-          "What did Lena give to Anna?", "apple")),
+        (
+            (
+                "Anna picked up the milk. Anna handed the milk to Tom. Tom passed the milk to Lena.",
+                "Who gave the milk to Lena?",
+                "Tom",
+            ),
+            (
+                "Lena took the apple there. Lena gave the apple to Anna.",
+                "What did Lena give to Anna?",
+                "apple",
+            ),
+        ),
         None,
     ),
 }
@@ -88,8 +128,11 @@ def format_prompt(task: str, context: str, question: str) -> str:
         raise KeyError(f"unknown Babilong task {task!r}; available: {', '.join(FORMATS)}")
     spec = FORMATS[task]
     examples = "\n\n".join(format_example(*e) for e in spec.examples)
-    return (f"{spec.instruction}\n\n{examples}\n\n" + f"<context>\n{context}\n</context>\n\nQuestion: {question}"
-            + "\nAnswer: ").strip()
+    return (
+        f"{spec.instruction}\n\n{examples}\n\n"
+        + f"<context>\n{context}\n</context>\n\nQuestion: {question}"
+        + "\nAnswer: "
+    ).strip()
 
 
 def parse_answer(task: str, continuation: str) -> str | None:
@@ -117,5 +160,7 @@ def read_samples(path) -> list[dict]:
             record = json.loads(line)
             samples.append({k: str(record[k]) for k in ("input", "question", "target")})
         except (ValueError, KeyError, TypeError):
-            raise ValueError(f"{path}:{number}: expected a JSON object with input, question and target") from None
+            raise ValueError(
+                f"{path}:{number}: expected a JSON object with input, question and target"
+            ) from None
     return samples

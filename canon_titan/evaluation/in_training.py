@@ -40,7 +40,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor
-
 from torchtitan.tools.logging import logger
 
 from canon_titan.convert.hf import hf_model_in_memory
@@ -117,7 +116,9 @@ def _whole(value) -> torch.Tensor:
 
 
 class InTrainingEval:
-    def __init__(self, settings: EvalSettings, parallel_dims, device: torch.device, total_steps: int):
+    def __init__(
+        self, settings: EvalSettings, parallel_dims, device: torch.device, total_steps: int
+    ):
         self.settings, self.parallel_dims, self.device = settings, parallel_dims, device
         self.total_steps = total_steps
         self.distributed = dist.is_available() and dist.is_initialized()
@@ -238,16 +239,24 @@ class InTrainingEval:
             return {}
         result = summarize(self._task, [items[i] for i, _ in done], [c for _, c in done])
         name = self._task.name
-        metrics = {f"eval/{name}/accuracy": result["overall"]["accuracy"],
-                   f"eval/{name}/items": len(done)}
-        metrics.update({f"eval/{name}/{group}": g["accuracy"] for group, g in result["groups"].items()})
+        metrics = {
+            f"eval/{name}/accuracy": result["overall"]["accuracy"],
+            f"eval/{name}/items": len(done),
+        }
+        metrics.update(
+            {f"eval/{name}/{group}": g["accuracy"] for group, g in result["groups"].items()}
+        )
         if len(done) < len(items) and not stopped:
-            logger.warning(f"[eval] {name}: time limit reached after {len(done)}/{len(items)} test items")
+            logger.warning(
+                f"[eval] {name}: time limit reached after {len(done)}/{len(items)} test items"
+            )
         return metrics
 
     def _text_tokenizer(self):
         if self._tokenizer is None:
-            self._tokenizer = build_tokenizer(self.settings.tokenizer_kind, self.settings.tokenizer_path)
+            self._tokenizer = build_tokenizer(
+                self.settings.tokenizer_kind, self.settings.tokenizer_path
+            )
         return self._tokenizer
 
     def _lm_eval(self, state, deadline: float, stop: Callable[[], bool]) -> dict[str, float]:
@@ -256,8 +265,9 @@ class InTrainingEval:
             self._hf_tokenizer = lm.hf_tokenizer(s.tokenizer_kind, s.tokenizer_path)
         tokenizer = self._hf_tokenizer
         ids = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
-        model = hf_model_in_memory(s.adapter, state.__getitem__, dtype=s.dtype, max_seq_len=s.seq_len,
-                                   tokenizer_ids=ids).to(self.device)
+        model = hf_model_in_memory(
+            s.adapter, state.__getitem__, dtype=s.dtype, max_seq_len=s.seq_len, tokenizer_ids=ids
+        ).to(self.device)
 
         def stop_here(module, args):
             if stop():
@@ -270,9 +280,15 @@ class InTrainingEval:
                 logger.warning(f"[eval] time limit reached: lm-eval task {task} skipped")
                 continue
             try:
-                result = lm.evaluate(model, tokenizer, [task], limit=s.limit,
-                                     max_length=lm.default_max_length(s.seq_len),
-                                     batch_size=s.batch_size, manager=self._task_manager)
+                result = lm.evaluate(
+                    model,
+                    tokenizer,
+                    [task],
+                    limit=s.limit,
+                    max_length=lm.default_max_length(s.seq_len),
+                    batch_size=s.batch_size,
+                    manager=self._task_manager,
+                )
             except EvalStopped:
                 self.cut_short = True
                 break
@@ -281,8 +297,9 @@ class InTrainingEval:
 
     # ------------------------------------------------------------------ entry points
 
-    def run(self, model_parts, step: int,
-            stop: Callable[[], bool] = lambda: False) -> dict[str, float]:
+    def run(
+        self, model_parts, step: int, stop: Callable[[], bool] = lambda: False
+    ) -> dict[str, float]:
         """Evaluate the current weights as those of ``step`` (call on every rank); returns the
         metrics on every rank. ``stop()`` says whether a stop signal has come: the evaluation then
         ends at its next item or model call, and ``cut_short`` holds."""
@@ -304,8 +321,9 @@ class InTrainingEval:
         if self.rank == 0:
             metrics["eval/seconds"] = time.monotonic() - start
             metrics["eval/cut_short"] = float(self.cut_short)
-        metrics = rank_zero_decides(lambda: self._close(metrics, step), "eval-result",
-                                    timeout=self.timeout)
+        metrics = rank_zero_decides(
+            lambda: self._close(metrics, step), "eval-result", timeout=self.timeout
+        )
         self.cut_short = bool(metrics["eval/cut_short"])
         return metrics
 
@@ -322,8 +340,10 @@ class InTrainingEval:
                 record.unlink(missing_ok=True)
         shown = ", ".join(f"{k.removeprefix('eval/')} {v:.4g}" for k, v in metrics.items())
         if metrics["eval/cut_short"]:
-            logger.warning(f"[eval] step {step}: cut short by a stop signal ({shown}); the step is "
-                           "saved, and the resumed run evaluates it before its first step")
+            logger.warning(
+                f"[eval] step {step}: cut short by a stop signal ({shown}); the step is "
+                "saved, and the resumed run evaluates it before its first step"
+            )
         else:
             logger.info(f"[eval] step {step}: {shown}")
         return metrics
@@ -345,8 +365,10 @@ class InTrainingEval:
                 return None
             record.unlink(missing_ok=True)
             if cut != step:
-                logger.warning(f"[eval] the evaluation of step {cut} was cut short by a stop "
-                               f"signal and this run resumes from step {step}: it stays cut short")
+                logger.warning(
+                    f"[eval] the evaluation of step {cut} was cut short by a stop "
+                    f"signal and this run resumes from step {step}: it stays cut short"
+                )
             return cut
 
         return rank_zero_decides(read, "eval-cut-short-before") == step

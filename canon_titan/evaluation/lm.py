@@ -18,7 +18,12 @@ from unittest.mock import patch
 
 from torchtitan.tools.logging import logger
 
-from canon_titan.data.tokenizers import LLAMA3_PATTERN, _find_file, build_tokenizer, tiktoken_special_tokens
+from canon_titan.data.tokenizers import (
+    LLAMA3_PATTERN,
+    _find_file,
+    build_tokenizer,
+    tiktoken_special_tokens,
+)
 from canon_titan.evaluation.lm_tasks import MissingTestFile
 from canon_titan.hf import DTYPES
 from canon_titan.tools.fileio import write_atomic
@@ -69,8 +74,10 @@ def require_lm_eval() -> None:
     try:
         import lm_eval  # noqa: F401
     except ImportError as e:
-        raise LMEvalError("lm-eval is not installed: install canon-titan's eval extra "
-                          "(scripts/setup.sh dev,eval, or pip install -e '.[eval]')") from e
+        raise LMEvalError(
+            "lm-eval is not installed: install canon-titan's eval extra "
+            "(scripts/setup.sh dev,eval, or pip install -e '.[eval]')"
+        ) from e
 
 
 def task_manager(tasks: list[str], data_dir: str | None = None, include_paths: list[str] = ()):
@@ -79,8 +86,10 @@ def task_manager(tasks: list[str], data_dir: str | None = None, include_paths: l
     from lm_eval.tasks import TaskManager
 
     if not EVAL_DIR.is_dir():
-        raise LMEvalError(f"the task folder {EVAL_DIR} is missing: install canon-titan from its "
-                          "repository in editable mode (scripts/setup.sh)")
+        raise LMEvalError(
+            f"the task folder {EVAL_DIR} is missing: install canon-titan from its "
+            "repository in editable mode (scripts/setup.sh)"
+        )
     metadata = {"data_dir": data_dir or os.environ.get(DATA_DIR_ENV) or "eval_data"}
     paths = [str(EVAL_DIR), *map(str, include_paths)]
     ours = TaskManager(include_path=paths, include_defaults=False, metadata=metadata)
@@ -89,8 +98,10 @@ def task_manager(tasks: list[str], data_dir: str | None = None, include_paths: l
     manager = TaskManager(include_path=paths, metadata=metadata)
     unknown = [t for t in tasks if t not in manager.all_tasks]
     if unknown:
-        raise LMEvalError(f"unknown lm-eval task or group {unknown[0]!r}; suites: {', '.join(SUITES)}; "
-                          f"tasks are lm-eval's (lm_eval ls tasks) and those in {EVAL_DIR}")
+        raise LMEvalError(
+            f"unknown lm-eval task or group {unknown[0]!r}; suites: {', '.join(SUITES)}; "
+            f"tasks are lm-eval's (lm_eval ls tasks) and those in {EVAL_DIR}"
+        )
     return manager
 
 
@@ -143,8 +154,11 @@ def missing_datasets(manager, names: list[str]) -> tuple[list[str], list[str]]:
             hub.setdefault(dataset or str(e).splitlines()[0], []).append(name)
 
     def named(found: dict[str, list[str]]) -> list[str]:
-        return [f"{what} (task{'s' if len(tasks) > 1 else ''} {', '.join(tasks[:3])}"
-                f"{f' and {len(tasks) - 3} more' if len(tasks) > 3 else ''})" for what, tasks in found.items()]
+        return [
+            f"{what} (task{'s' if len(tasks) > 1 else ''} {', '.join(tasks[:3])}"
+            f"{f' and {len(tasks) - 3} more' if len(tasks) > 3 else ''})"
+            for what, tasks in found.items()
+        ]
 
     return named(hub), named(local)
 
@@ -154,10 +168,12 @@ def check_datasets(manager, tasks: list[str]) -> None:
     if local:
         raise LMEvalError(f"local test files are missing: {'; '.join(local)}")
     if hub:
-        raise LMEvalError("running offline (HF_DATASETS_OFFLINE=1), and the data of these tasks is not in the "
-                          f"local Hugging Face cache ({datasets_cache()}): {'; '.join(hub)}. "
-                          "Download them once with network access (e.g. python -c \"import datasets; "
-                          "datasets.load_dataset('NAME', 'CONFIG')\") or drop those tasks.")
+        raise LMEvalError(
+            "running offline (HF_DATASETS_OFFLINE=1), and the data of these tasks is not in the "
+            f"local Hugging Face cache ({datasets_cache()}): {'; '.join(hub)}. "
+            'Download them once with network access (e.g. python -c "import datasets; '
+            "datasets.load_dataset('NAME', 'CONFIG')\") or drop those tasks."
+        )
 
 
 def datasets_cache() -> str:
@@ -183,9 +199,15 @@ def hf_tokenizer(kind: str, path: str):
         # from sentencepiece's BPE; this backend calls sentencepiece itself.
         from transformers.tokenization_utils_sentencepiece import SentencePieceBackend
 
-        pieces = {name: ours.model.id_to_piece(i) for name, i in
-                  (("bos_token", ours.bos_id), ("eos_token", ours.eos_id), ("unk_token", ours.model.unk_id()))
-                  if i is not None and i >= 0}
+        pieces = {
+            name: ours.model.id_to_piece(i)
+            for name, i in (
+                ("bos_token", ours.bos_id),
+                ("eos_token", ours.eos_id),
+                ("unk_token", ours.model.unk_id()),
+            )
+            if i is not None and i >= 0
+        }
         tok = SentencePieceBackend(vocab_file=str(_find_file(path, ("tokenizer.model",))), **pieces)
     else:
         from transformers.convert_slow_tokenizer import TikTokenConverter
@@ -194,8 +216,9 @@ def hf_tokenizer(kind: str, path: str):
         from tiktoken.load import load_tiktoken_bpe
 
         names = list(tiktoken_special_tokens(len(load_tiktoken_bpe(str(file)))))
-        converted = TikTokenConverter(vocab_file=str(file), pattern=LLAMA3_PATTERN,
-                                      extra_special_tokens=names).converted()
+        converted = TikTokenConverter(
+            vocab_file=str(file), pattern=LLAMA3_PATTERN, extra_special_tokens=names
+        ).converted()
         tok = PreTrainedTokenizerFast(tokenizer_object=converted)
     for attr, token_id in (("bos_token", ours.bos_id), ("eos_token", ours.eos_id)):
         if token_id is not None and getattr(tok, attr) is None:
@@ -210,7 +233,9 @@ def load_hf_folder(folder: Path, dtype: str):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     register_with_transformers()
-    hf = AutoModelForCausalLM.from_pretrained(str(folder), trust_remote_code=True, dtype=DTYPES[dtype]).eval()
+    hf = AutoModelForCausalLM.from_pretrained(
+        str(folder), trust_remote_code=True, dtype=DTYPES[dtype]
+    ).eval()
     tok = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=True)
     return hf, tok, hf.config.max_position_embeddings
 
@@ -240,10 +265,13 @@ class _Drop(logging.Filter):
 
 _NOISE = {
     # a model object is how canon-titan always hands lm-eval its model
-    "lm_eval.models.huggingface": _Drop("`pretrained` model kwarg is not of type `str`",
-                                        "Passed an already-initialized model",
-                                        # per batch and without the task: CountingHFLM counts them per task
-                                        "Left truncation applied", "Combined length of context"),
+    "lm_eval.models.huggingface": _Drop(
+        "`pretrained` model kwarg is not of type `str`",
+        "Passed an already-initialized model",
+        # per batch and without the task: CountingHFLM counts them per task
+        "Left truncation applied",
+        "Combined length of context",
+    ),
     # every eval/ task reads its files through a custom dataset, whose kwargs canon-titan passes
     "lm_eval.api.task": _Drop("Custom kwargs can be passed to `--metadata`"),
 }
@@ -261,9 +289,18 @@ def quiet_lm_eval() -> None:
         logging.getLogger(name).propagate = False
 
 
-def evaluate(hf_model, tokenizer, tasks: list[str], *, max_length: int, limit: float | None = None,
-             batch_size: int = 1, data_dir: str | None = None, include_paths: list[str] = (),
-             manager=None) -> dict:
+def evaluate(
+    hf_model,
+    tokenizer,
+    tasks: list[str],
+    *,
+    max_length: int,
+    limit: float | None = None,
+    batch_size: int = 1,
+    data_dir: str | None = None,
+    include_paths: list[str] = (),
+    manager=None,
+) -> dict:
     """lm-eval results for ``tasks`` (names, suites expanded) on a transformers model, reading at
     most ``max_length`` tokens of each input. What lm-eval cut from the left of longer inputs is
     said once per task and returned under ``truncated``."""
@@ -279,32 +316,63 @@ def evaluate(hf_model, tokenizer, tasks: list[str], *, max_length: int, limit: f
     # transformers warns of any input past the tokenizer's model_max_length (an export's training
     # length, or a fixed 4096) as if the model could not read it; the limit here is max_length
     tokenizer.model_max_length = max_length
-    lm = CountingHFLM(pretrained=hf_model, tokenizer=tokenizer, backend="causal", add_bos_token=False,
-                      max_length=max_length, batch_size=batch_size, device=str(next(hf_model.parameters()).device))
+    lm = CountingHFLM(
+        pretrained=hf_model,
+        tokenizer=tokenizer,
+        backend="causal",
+        add_bos_token=False,
+        max_length=max_length,
+        batch_size=batch_size,
+        device=str(next(hf_model.parameters()).device),
+    )
     try:
         # lm-eval records "your repo's" commit (`git describe` in the current directory) in results
         # this function drops; outside a checkout git prints "fatal: not a git repository"
         # (tests/test_upstream.py pins the name)
         with patch("lm_eval.evaluator.get_git_commit_hash", lambda: None):
-            out = lm_eval.simple_evaluate(model=lm, tasks=tasks, limit=limit, task_manager=manager,
-                                          log_samples=False, bootstrap_iters=BOOTSTRAP_ITERS,
-                                          verbosity="WARNING")
+            out = lm_eval.simple_evaluate(
+                model=lm,
+                tasks=tasks,
+                limit=limit,
+                task_manager=manager,
+                log_samples=False,
+                bootstrap_iters=BOOTSTRAP_ITERS,
+                verbosity="WARNING",
+            )
     except ConnectionError as e:
         raise LMEvalError(f"a dataset could not be downloaded: {e}") from e
-    truncated = {task: {"inputs": cut.inputs, "of": lm.inputs[task], "longest_tokens": cut.longest,
-                        "limit_tokens": cut.limit} for task, cut in sorted(lm.cut.items())}
+    truncated = {
+        task: {
+            "inputs": cut.inputs,
+            "of": lm.inputs[task],
+            "longest_tokens": cut.longest,
+            "limit_tokens": cut.limit,
+        }
+        for task, cut in sorted(lm.cut.items())
+    }
     for task, cut in truncated.items():
-        logger.warning(f"[eval] {task}: {cut['inputs']:,} of {cut['of']:,} inputs are longer than the "
-                       f"{cut['limit_tokens']:,} tokens the model reads (max_length {max_length:,}"
-                       f"{', less the tokens to generate' if cut['limit_tokens'] < max_length else ''}); the "
-                       f"longest has {cut['longest_tokens']:,}; lm-eval kept the last {cut['limit_tokens']:,} "
-                       "tokens of each")
+        logger.warning(
+            f"[eval] {task}: {cut['inputs']:,} of {cut['of']:,} inputs are longer than the "
+            f"{cut['limit_tokens']:,} tokens the model reads (max_length {max_length:,}"
+            f"{', less the tokens to generate' if cut['limit_tokens'] < max_length else ''}); the "
+            f"longest has {cut['longest_tokens']:,}; lm-eval kept the last {cut['limit_tokens']:,} "
+            "tokens of each"
+        )
     # What lm-eval's own table (lm_eval.utils.make_table) reads, without the run's full configs.
-    return {"results": out["results"], "groups": out.get("groups", {}), "n-samples": out.get("n-samples", {}),
-            "versions": out.get("versions", {}), "n-shot": out.get("n-shot", {}),
-            "higher_is_better": out.get("higher_is_better", {}), "group_subtasks": out.get("group_subtasks", {}),
-            "configs": {k: {"num_fewshot": v.get("num_fewshot")} for k, v in out.get("configs", {}).items()},
-            "max_length": max_length, "truncated": truncated}
+    return {
+        "results": out["results"],
+        "groups": out.get("groups", {}),
+        "n-samples": out.get("n-samples", {}),
+        "versions": out.get("versions", {}),
+        "n-shot": out.get("n-shot", {}),
+        "higher_is_better": out.get("higher_is_better", {}),
+        "group_subtasks": out.get("group_subtasks", {}),
+        "configs": {
+            k: {"num_fewshot": v.get("num_fewshot")} for k, v in out.get("configs", {}).items()
+        },
+        "max_length": max_length,
+        "truncated": truncated,
+    }
 
 
 BOOTSTRAP_ITERS = 1000
@@ -346,14 +414,28 @@ def table(result: dict) -> tuple[dict[str, float | None], str]:
     shown = [label for label, v in values.items() if v is not None]
     if not shown:
         return values, ""
-    return values, "\n".join(["  ".join(f"{label:>6}" for label in shown),
-                              "  ".join(f"{values[label]:6.1f}" for label in shown)])
+    return values, "\n".join(
+        [
+            "  ".join(f"{label:>6}" for label in shown),
+            "  ".join(f"{values[label]:6.1f}" for label in shown),
+        ]
+    )
 
 
-def evaluation_record(result: dict, *, model: str, dtype: str, limit, tasks: list[str], training_length: int) -> dict:
+def evaluation_record(
+    result: dict, *, model: str, dtype: str, limit, tasks: list[str], training_length: int
+) -> dict:
     values, _ = table(result)
-    return {"model": str(model), "dtype": dtype, "limit": limit, "tasks": tasks, "training_length": training_length,
-            "columns": values, "metrics": {c.label: c.metric for c in COLUMNS}, **result}
+    return {
+        "model": str(model),
+        "dtype": dtype,
+        "limit": limit,
+        "tasks": tasks,
+        "training_length": training_length,
+        "columns": values,
+        "metrics": {c.label: c.metric for c in COLUMNS},
+        **result,
+    }
 
 
 def write_json(record: dict, path: str | Path) -> None:

@@ -15,7 +15,16 @@ from pathlib import Path
 
 from canon_titan.evaluation import babilong
 
-MULTIHOP_CONTEXTS = {"0k": 0, "0.5k": 512, "1k": 1024, "2k": 2048, "3k": 3072, "4k": 4096, "5k": 5120, "6k": 6144}
+MULTIHOP_CONTEXTS = {
+    "0k": 0,
+    "0.5k": 512,
+    "1k": 1024,
+    "2k": 2048,
+    "3k": 3072,
+    "4k": 4096,
+    "5k": 5120,
+    "6k": 6144,
+}
 """The reference's multi-hop context columns, in tokens (k = 1024)."""
 MULTIHOP_HOPS = {"1hop": (5, 1), "2hop": (3, 2)}
 """(people per group N, hops k) of the two reference settings."""
@@ -33,15 +42,24 @@ def local_jsonl(data_dir: str = "eval_data", file: str = "", qa: str | None = No
 
     path = Path(data_dir) / file
     if not path.is_file():
-        hint = ("canon-titan data multihop --out-dir" if file.startswith("multihop")
-                else "export the public Babilong release as JSON lines of input, question and target; "
-                     "docs/evaluation.md, section Babilong")
-        raise MissingTestFile(f"test file {path} does not exist (data dir {data_dir!r}: pass "
-                              f"--data-dir or set CANON_EVAL_DATA; to make it: {hint})")
+        hint = (
+            "canon-titan data multihop --out-dir"
+            if file.startswith("multihop")
+            else "export the public Babilong release as JSON lines of input, question and target; "
+            "docs/evaluation.md, section Babilong"
+        )
+        raise MissingTestFile(
+            f"test file {path} does not exist (data dir {data_dir!r}: pass "
+            f"--data-dir or set CANON_EVAL_DATA; to make it: {hint})"
+        )
     if qa is not None:
         rows = [{**row, "task": qa} for row in babilong.read_samples(path)]
     else:
-        rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        rows = [
+            json.loads(line)
+            for line in path.read_text(encoding="utf-8").splitlines()
+            if line.strip()
+        ]
     return datasets.DatasetDict({"test": datasets.Dataset.from_list(rows)})
 
 

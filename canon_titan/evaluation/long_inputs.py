@@ -55,14 +55,20 @@ class CountingHFLM(HFLM):
             if key is not None:  # None: a perplexity task's window, max_length long by construction
                 # the model reads every token but the continuation's last
                 self._note(key, len(context) + len(continuation) - 1, self.max_length)
-        return super()._loglikelihood_tokens(requests, disable_tqdm=disable_tqdm, override_bs=override_bs)
+        return super()._loglikelihood_tokens(
+            requests, disable_tqdm=disable_tqdm, override_bs=override_bs
+        )
 
     def generate_until(self, requests, disable_tqdm: bool = False):
         self._index(requests, key=lambda r: r.args[0])
         return super().generate_until(requests, disable_tqdm=disable_tqdm)
 
-    def tok_batch_encode(self, strings, padding_side="left", left_truncate_len=None, truncation=False):
-        ids, mask = super().tok_batch_encode(strings, padding_side=padding_side, truncation=truncation)
+    def tok_batch_encode(
+        self, strings, padding_side="left", left_truncate_len=None, truncation=False
+    ):
+        ids, mask = super().tok_batch_encode(
+            strings, padding_side=padding_side, truncation=truncation
+        )
         if left_truncate_len:
             for text, length in zip(strings, mask.sum(1).tolist()):
                 self._note(text, length, left_truncate_len)

@@ -28,9 +28,13 @@ INSTRUCTION = (
     "as another. Use them to answer the question that follows.\n\n"
 )
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z\"'(])")
-_STATED = re.compile(r"([A-Z][A-Za-z]+ [A-Z][A-Za-z]+ [A-Z][A-Za-z]+) was born in the year of (\d{4})\.")
-_LINKED = re.compile(r"([A-Z][A-Za-z]+ [A-Z][A-Za-z]+ [A-Z][A-Za-z]+) was born in the same year as "
-                     r"([A-Z][A-Za-z]+ [A-Z][A-Za-z]+ [A-Z][A-Za-z]+)\.")
+_STATED = re.compile(
+    r"([A-Z][A-Za-z]+ [A-Z][A-Za-z]+ [A-Z][A-Za-z]+) was born in the year of (\d{4})\."
+)
+_LINKED = re.compile(
+    r"([A-Z][A-Za-z]+ [A-Z][A-Za-z]+ [A-Z][A-Za-z]+) was born in the same year as "
+    r"([A-Z][A-Za-z]+ [A-Z][A-Za-z]+ [A-Z][A-Za-z]+)\."
+)
 
 
 @dataclass
@@ -78,8 +82,14 @@ def read_background(path: str | Path, text_key: str = "text") -> list[str]:
     return sentences
 
 
-def make_prompt(rng: random.Random, problem: Problem, background: list[str], context_tokens: int,
-                count_tokens: Callable[[str], int], hops: int) -> tuple[str, int]:
+def make_prompt(
+    rng: random.Random,
+    problem: Problem,
+    background: list[str],
+    context_tokens: int,
+    count_tokens: Callable[[str], int],
+    hops: int,
+) -> tuple[str, int]:
     """The prompt and the number of background tokens in it (< context_tokens, or 0)."""
     chosen, used = [], 0
     if context_tokens > 0 and background:
@@ -101,15 +111,30 @@ def make_prompt(rng: random.Random, problem: Problem, background: list[str], con
     return INSTRUCTION + "<context>" + body + "</context>" + question, used
 
 
-def generate(n: int, k: int, context_tokens: int, count: int, seed: int, background: list[str],
-             count_tokens: Callable[[str], int]) -> list[dict]:
+def generate(
+    n: int,
+    k: int,
+    context_tokens: int,
+    count: int,
+    seed: int,
+    background: list[str],
+    count_tokens: Callable[[str], int],
+) -> list[dict]:
     rng = random.Random(seed)
     records = []
     for _ in range(count):
         problem = make_problem(rng, n, k)
         prompt, used = make_prompt(rng, problem, background, context_tokens, count_tokens, k)
-        records.append({"prompt": prompt, "answer": problem.answer, "n": n, "k": k,
-                        "context_tokens": context_tokens, "background_tokens": used})
+        records.append(
+            {
+                "prompt": prompt,
+                "answer": problem.answer,
+                "n": n,
+                "k": k,
+                "context_tokens": context_tokens,
+                "background_tokens": used,
+            }
+        )
     return records
 
 

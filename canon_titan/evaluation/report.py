@@ -62,7 +62,10 @@ class RunCurves:
             return [float(s) for s in steps]
         xs, ys = [0] + [s for s, _ in known], [0.0] + [t for _, t in known]
         per_step = ys[-1] / xs[-1] if xs[-1] else 1.0
-        return [float(np.interp(s, xs, ys)) if s <= xs[-1] else ys[-1] + (s - xs[-1]) * per_step for s in steps]
+        return [
+            float(np.interp(s, xs, ys)) if s <= xs[-1] else ys[-1] + (s - xs[-1]) * per_step
+            for s in steps
+        ]
 
 
 def read_run(run_dir: str | Path, label: str | None = None) -> RunCurves:
@@ -72,8 +75,10 @@ def read_run(run_dir: str | Path, label: str | None = None) -> RunCurves:
     tb = config.get("metrics", {}).get("save_tb_folder", "tb")
     series = read_all_scalars(str(run_dir), tb)
     if not series:
-        raise ReportError(f"{run_dir}: no TensorBoard event files under {run_dir / tb} "
-                          "(was [metrics] enable_tensorboard on?)")
+        raise ReportError(
+            f"{run_dir}: no TensorBoard event files under {run_dir / tb} "
+            "(was [metrics] enable_tensorboard on?)"
+        )
     label = label or config.get("job", {}).get("description") or run_dir.name
     return RunCurves(label, run_dir, series, series.pop(TOKENS_TAG, {}))
 
@@ -81,7 +86,14 @@ def read_run(run_dir: str | Path, label: str | None = None) -> RunCurves:
 def panels(runs: list[RunCurves]) -> list[str]:
     """The training and validation losses, then every eval metric any run logged (first
     MAX_PANELS)."""
-    tags = sorted({t for r in runs for t in r.series if t.startswith("eval/") and not any(x in t for x in _NOT_PLOTTED)})
+    tags = sorted(
+        {
+            t
+            for r in runs
+            for t in r.series
+            if t.startswith("eval/") and not any(x in t for x in _NOT_PLOTTED)
+        }
+    )
     losses = [tag for tag in LOSSES if any(tag in r.series for r in runs)]
     return losses + tags[: MAX_PANELS - len(losses)]
 
@@ -120,15 +132,21 @@ def figure(runs: list[RunCurves], smooth: float = 0.0):
             # Markers wherever points are few: a run that logged its loss once is still visible.
             marker = "o" if tag != LOSS_TAG or len(points) <= 30 else None
             colour = colours[keys.index(run.colour_key or run.label) % len(colours)]
-            ax.plot(run.tokens_at(list(steps)), [shown_value(tag, v) for v in values], color=colour,
-                    marker=marker, markersize=3, label=run.label)
+            ax.plot(
+                run.tokens_at(list(steps)),
+                [shown_value(tag, v) for v in values],
+                color=colour,
+                marker=marker,
+                markersize=3,
+                label=run.label,
+            )
         name = tag.removeprefix("eval/")
         ax.set_title(LOSSES.get(tag, name), fontsize=10)
         ax.set_xlabel("tokens")
         unit = f"{name.rsplit('/', 1)[-1]}{' (%)' if is_percent(tag) else ''}"
         ax.set_ylabel("loss" if tag in LOSSES else unit)
         ax.grid(alpha=0.3)
-    for ax in list(axes.flat)[len(tags):]:
+    for ax in list(axes.flat)[len(tags) :]:
         ax.axis("off")
     axes.flat[0].legend(fontsize=8)
     fig.tight_layout()
@@ -149,15 +167,23 @@ def last_values(runs: list[RunCurves]) -> tuple[list[str], list[list[str]]]:
                 row.append("")
                 continue
             step = max(points)
-            row.append(f"{shown_value(tag, points[step]):.4g}" + (f" (step {step:,})" if step != last_step else ""))
+            row.append(
+                f"{shown_value(tag, points[step]):.4g}"
+                + (f" (step {step:,})" if step != last_step else "")
+            )
         rows.append(row)
     names = [t.removeprefix("eval/") + (" (%)" if is_percent(t) else "") for t in tags]
     columns = {LOSS_TAG: "loss", VALIDATION_TAG: "validation loss"}
     return ["run", "last step", "tokens", *(columns.get(n, n) for n in names)], rows
 
 
-def write_report(run_dirs: list[str], out_png: str | Path, html_path: str | Path | None = None,
-                 labels: list[str] | None = None, smooth: float = 0.0) -> list[RunCurves]:
+def write_report(
+    run_dirs: list[str],
+    out_png: str | Path,
+    html_path: str | Path | None = None,
+    labels: list[str] | None = None,
+    smooth: float = 0.0,
+) -> list[RunCurves]:
     if labels is not None and len(labels) != len(run_dirs):
         raise ReportError(f"--labels has {len(labels)} names for {len(run_dirs)} runs")
     runs = []
@@ -180,8 +206,13 @@ def write_report(run_dirs: list[str], out_png: str | Path, html_path: str | Path
     if html_path:
         header, rows = last_values(runs)
         cells = "".join(f"<th>{html.escape(h)}</th>" for h in header)
-        body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in rows)
-        folders = "".join(f"<li>{html.escape(r.label)}: <code>{html.escape(str(r.folder))}</code></li>" for r in runs)
+        body = "".join(
+            "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in rows
+        )
+        folders = "".join(
+            f"<li>{html.escape(r.label)}: <code>{html.escape(str(r.folder))}</code></li>"
+            for r in runs
+        )
         page = (
             "<!doctype html><html><head><meta charset='utf-8'><title>canon-titan report</title>"
             "<style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}"

@@ -43,7 +43,9 @@ class HFModel:
     @property
     def files(self) -> tuple[str, ...]:
         """The files to ship next to the weights."""
-        return tuple(f"{m}.py" for m in (self.config.split(".")[0], self.model.split(".")[0], *self.shared))
+        return tuple(
+            f"{m}.py" for m in (self.config.split(".")[0], self.model.split(".")[0], *self.shared)
+        )
 
     def classes(self) -> tuple[type, type]:
         """(config class, causal-LM class)."""

@@ -48,7 +48,9 @@ class GatedDeltaNetCanonConfig(PretrainedConfig):
 
     def __post_init__(self, **kwargs):
         if self.intermediate_size is None:
-            self.intermediate_size = 256 * -(-int(self.hidden_size * (self.hidden_ratio or 4) * 2 / 3) // 256)
+            self.intermediate_size = 256 * -(
+                -int(self.hidden_size * (self.hidden_ratio or 4) * 2 / 3) // 256
+            )
         unsupported = {
             "use_gate": not self.use_gate,
             "attn": self.attn is not None,
@@ -57,6 +59,8 @@ class GatedDeltaNetCanonConfig(PretrainedConfig):
         }
         for name, bad in unsupported.items():
             if bad:
-                raise ValueError(f"GatedDeltaNetCanonConfig: {name}={getattr(self, name)!r} is not supported "
-                                 "by this code")
+                raise ValueError(
+                    f"GatedDeltaNetCanonConfig: {name}={getattr(self, name)!r} is not supported "
+                    "by this code"
+                )
         super().__post_init__(**kwargs)

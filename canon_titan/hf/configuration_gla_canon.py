@@ -51,7 +51,9 @@ class GLACanonConfig(PretrainedConfig):
 
     def __post_init__(self, **kwargs):
         if self.intermediate_size is None:
-            self.intermediate_size = 256 * -(-int(self.hidden_size * (self.hidden_ratio or 4) * 2 / 3) // 256)
+            self.intermediate_size = 256 * -(
+                -int(self.hidden_size * (self.hidden_ratio or 4) * 2 / 3) // 256
+            )
         unsupported = {
             "feature_map": self.feature_map is not None,
             "num_kv_heads": self.num_kv_heads not in (None, self.num_heads),
@@ -64,5 +66,7 @@ class GLACanonConfig(PretrainedConfig):
         }
         for name, bad in unsupported.items():
             if bad:
-                raise ValueError(f"GLACanonConfig: {name}={getattr(self, name)!r} is not supported by this code")
+                raise ValueError(
+                    f"GLACanonConfig: {name}={getattr(self, name)!r} is not supported by this code"
+                )
         super().__post_init__(**kwargs)

@@ -47,9 +47,13 @@ class LlamaCanonConfig(PretrainedConfig):
             self.rope_dim = int(self.head_dim * factor)
         self.partial_rotary_factor = self.rope_dim / self.head_dim
         if self.rope_version not in ("lingua", "huggingface"):
-            raise ValueError(f"rope_version must be 'lingua' or 'huggingface', got {self.rope_version!r}")
+            raise ValueError(
+                f"rope_version must be 'lingua' or 'huggingface', got {self.rope_version!r}"
+            )
         if any(c not in "ABCD" for c in self.canon_set):
             raise ValueError(f"canon_set must be letters from 'ABCD', got {self.canon_set!r}")
         if self.rope_dim % 2 or not 0 < self.rope_dim <= self.head_dim:
-            raise ValueError(f"rope_dim must be even and in [2, head_dim={self.head_dim}], got {self.rope_dim}")
+            raise ValueError(
+                f"rope_dim must be even and in [2, head_dim={self.head_dim}], got {self.rope_dim}"
+            )
         super().__post_init__(**kwargs)

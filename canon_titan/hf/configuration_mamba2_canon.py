@@ -60,8 +60,12 @@ class Mamba2CanonConfig(PretrainedConfig):
         }
         for name, bad in unsupported.items():
             if bad:
-                raise ValueError(f"Mamba2CanonConfig: {name}={getattr(self, name)!r} is not supported by this code")
+                raise ValueError(
+                    f"Mamba2CanonConfig: {name}={getattr(self, name)!r} is not supported by this code"
+                )
         if self.expand * self.hidden_size != self.num_heads * self.head_dim:
-            raise ValueError(f"Mamba2CanonConfig: expand * hidden_size ({self.expand * self.hidden_size}) must "
-                             f"equal num_heads * head_dim ({self.num_heads * self.head_dim})")
+            raise ValueError(
+                f"Mamba2CanonConfig: expand * hidden_size ({self.expand * self.hidden_size}) must "
+                f"equal num_heads * head_dim ({self.num_heads * self.head_dim})"
+            )
         super().__post_init__(**kwargs)

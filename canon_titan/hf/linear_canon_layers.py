@@ -65,7 +65,9 @@ class CausalConv(nn.Module):
     def __init__(self, channels, kernel_size, *, residual, activation, bias, builtin=False):
         super().__init__()
         self.kernel_size, self.residual, self.activation = kernel_size, residual, activation
-        self.builtin = builtin  # a short convolution b (initialised as the family does), not a Canon layer
+        self.builtin = (
+            builtin  # a short convolution b (initialised as the family does), not a Canon layer
+        )
         self.weight = nn.Parameter(torch.empty(channels, 1, kernel_size))
         self.bias = nn.Parameter(torch.empty(channels)) if bias else None
 
@@ -79,16 +81,16 @@ class CausalConv(nn.Module):
     def forward(self, x, cache=None, key=None, mask=None):
         """x: [batch, seq, channels]; ``cache`` keeps the previous K-1 inputs under ``key``."""
         if mask is not None:
-            x = x * mask[:, -x.shape[1]:, None].to(x.dtype)
+            x = x * mask[:, -x.shape[1] :, None].to(x.dtype)
         k, seq_len = self.kernel_size, x.shape[1]
         previous = cache.conv_states.get(key) if cache is not None else None
         if previous is None:
             previous = x.new_zeros(x.shape[0], k - 1, x.shape[2])
         window = torch.cat([previous, x], dim=1)
         if cache is not None:
-            cache.conv_states[key] = window[:, -(k - 1):].detach()
+            cache.conv_states[key] = window[:, -(k - 1) :].detach()
         weight = self.weight.squeeze(1)
-        y = window[:, k - 1:] * weight[:, k - 1]
+        y = window[:, k - 1 :] * weight[:, k - 1]
         for j in range(k - 1):
             y = y + window[:, j : j + seq_len] * weight[:, j]
         if self.bias is not None:
@@ -102,18 +104,27 @@ def canon(config, letter, channels):
     """The Canon layer at position ``letter`` (A, C or D) of ``config.canon_set``, or None."""
     if letter not in config.canon_set:
         return None
-    return CausalConv(channels, config.canon_kernel, residual=config.canon_residual,
-                      activation=config.canon_activation, bias=config.canon_bias)
+    return CausalConv(
+        channels,
+        config.canon_kernel,
+        residual=config.canon_residual,
+        activation=config.canon_activation,
+        bias=config.canon_bias,
+    )
 
 
 def short_conv(channels, kernel_size, bias=False):
     """A built-in short convolution (Canon-b): SiLU, no residual."""
-    return CausalConv(channels, kernel_size, residual=False, activation=True, bias=bias, builtin=True)
+    return CausalConv(
+        channels, kernel_size, residual=False, activation=True, bias=bias, builtin=True
+    )
 
 
 def low_rank(in_features, rank, out_features):
     """The release's rank-r projection ``nn.Sequential(down, up)``; tensors ``.0`` and ``.1`` (biased)."""
-    projection = nn.Sequential(nn.Linear(in_features, rank, bias=False), nn.Linear(rank, out_features, bias=True))
+    projection = nn.Sequential(
+        nn.Linear(in_features, rank, bias=False), nn.Linear(rank, out_features, bias=True)
+    )
     for factor in projection:
         factor.split_init_rank = rank
     return projection
@@ -244,20 +255,37 @@ class LinearCanonCausalLM:
     def _supports_default_dynamic_cache(cls):
         return False
 
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
-                inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, cache_params=None, **kwargs):
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        past_key_values=None,
+        inputs_embeds=None,
+        labels=None,
+        use_cache=None,
+        logits_to_keep=0,
+        cache_params=None,
+        **kwargs,
+    ):
         # position_ids: unused (no positional encoding). cache_params: the name generate() uses for
         # models whose class name contains "mamba".
         kwargs.pop("return_dict", None)
         backbone = getattr(self, self.base_model_prefix)
-        out = backbone(input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
-                       past_key_values=past_key_values if past_key_values is not None else cache_params,
-                       use_cache=use_cache)
+        out = backbone(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            inputs_embeds=inputs_embeds,
+            past_key_values=past_key_values if past_key_values is not None else cache_params,
+            use_cache=use_cache,
+        )
         hidden = out.last_hidden_state
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:]
         logits = self.lm_head(hidden)
         loss = None
         if labels is not None:
-            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+            loss = self.loss_function(
+                logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs
+            )
         return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=out.past_key_values)

@@ -22,8 +22,21 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from .configuration_gated_deltanet_canon import GatedDeltaNetCanonConfig
-from .linear_canon_layers import (GatedRMSNorm, LinearCanonCausalLM, RMSNorm, SwiGLU, canon, causal_decay,
-                                  init_gla_style, l2norm, low_rank, residual_block, run_layers, short_conv, upcast)
+from .linear_canon_layers import (
+    GatedRMSNorm,
+    LinearCanonCausalLM,
+    RMSNorm,
+    SwiGLU,
+    canon,
+    causal_decay,
+    init_gla_style,
+    l2norm,
+    low_rank,
+    residual_block,
+    run_layers,
+    short_conv,
+    upcast,
+)
 
 
 def chunk_gated_delta_rule(q, k, v, log_decay, beta, state=None, chunk_size=64):
@@ -36,23 +49,30 @@ def chunk_gated_delta_rule(q, k, v, log_decay, beta, state=None, chunk_size=64):
     ``u_i + beta_i sum_{j<i} exp(b_i - b_j) (k_i . k_j) u_j = beta_i (v_i - exp(b_i) S0^T k_i)``.
     """
     out_dtype, dtype = q.dtype, torch.promote_types(q.dtype, torch.float32)
-    q, k, v, g, beta = (t.transpose(1, 2).to(dtype) for t in (q, k, v, log_decay, beta))  # [B, H, T, *]
+    q, k, v, g, beta = (
+        t.transpose(1, 2).to(dtype) for t in (q, k, v, log_decay, beta)
+    )  # [B, H, T, *]
     q = q * q.shape[-1] ** -0.5
     if state is None:
         state = q.new_zeros(*q.shape[:2], k.shape[-1], v.shape[-1])
     state = state.to(dtype)
     outputs = []
     for start in range(0, q.shape[2], chunk_size):
-        qc, kc, vc, gc, bc = (t[:, :, start:start + chunk_size] for t in (q, k, v, g, beta))
+        qc, kc, vc, gc, bc = (t[:, :, start : start + chunk_size] for t in (q, k, v, g, beta))
         b = gc.cumsum(-1)
         decay = causal_decay(b)  # [B, H, i, j]
         strictly_lower = (bc.unsqueeze(-1) * (kc @ kc.transpose(-1, -2)) * decay).tril(-1)
         rhs = bc.unsqueeze(-1) * (vc - (kc * b.exp().unsqueeze(-1)) @ state)
         # unitriangular: the zero diagonal of strictly_lower is read as ones.
         u = torch.linalg.solve_triangular(strictly_lower, rhs, upper=False, unitriangular=True)
-        outputs.append((qc * b.exp().unsqueeze(-1)) @ state + ((qc @ kc.transpose(-1, -2)) * decay) @ u)
+        outputs.append(
+            (qc * b.exp().unsqueeze(-1)) @ state + ((qc @ kc.transpose(-1, -2)) * decay) @ u
+        )
         last = b[..., -1:]
-        state = last.exp().unsqueeze(-1) * state + (kc * (last - b).exp().unsqueeze(-1)).transpose(-1, -2) @ u
+        state = (
+            last.exp().unsqueeze(-1) * state
+            + (kc * (last - b).exp().unsqueeze(-1)).transpose(-1, -2) @ u
+        )
     return torch.cat(outputs, dim=2).transpose(1, 2).to(out_dtype), state
 
 
@@ -86,7 +106,12 @@ class GatedDeltaNetCanon(nn.Module):
     def reset_decay(self):
         """A = U(0, 16); dt_bias = softplus^-1(dt), dt log-uniform in [0.001, 0.1] floored at 1e-4."""
         self.A_log.copy_(torch.empty_like(self.A_log).uniform_(0, 16).log())
-        dt = torch.empty_like(self.dt_bias).uniform_(math.log(0.001), math.log(0.1)).exp().clamp(min=1e-4)
+        dt = (
+            torch.empty_like(self.dt_bias)
+            .uniform_(math.log(0.001), math.log(0.1))
+            .exp()
+            .clamp(min=1e-4)
+        )
         self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
 
     def forward(self, x, cache, mask):
@@ -100,9 +125,11 @@ class GatedDeltaNetCanon(nn.Module):
         q, k = (l2norm(t.unflatten(-1, (-1, self.head_dim))) for t in (q, k))
         v = v.unflatten(-1, (-1, self.head_v_dim))
         beta = self.b_proj(x).sigmoid()
-        log_decay = -upcast(self.A_log).exp() * F.softplus(upcast(self.a_proj(x)) + upcast(self.dt_bias))
+        log_decay = -upcast(self.A_log).exp() * F.softplus(
+            upcast(self.a_proj(x)) + upcast(self.dt_bias)
+        )
         if mask is not None:  # padded positions neither decay nor write the state
-            keep = mask[:, -x.shape[1]:, None]
+            keep = mask[:, -x.shape[1] :, None]
             beta, log_decay = beta * keep.to(beta.dtype), log_decay * keep.to(log_decay.dtype)
         state = cache.recurrent_states.get(self.layer_idx) if cache is not None else None
         o, state = chunk_gated_delta_rule(q, k, v, log_decay, beta, state)
@@ -123,11 +150,23 @@ class GatedDeltaNetCanonBlock(nn.Module):
         self.canonC = canon(config, "C", config.hidden_size)
         # The release fuses [gate | up] into one projection only when Canon-D reads it.
         fused = "both_proj" if "D" in config.canon_set else None
-        self.mlp = SwiGLU(config, config.hidden_size, config.intermediate_size, layer_idx, fused=fused)
+        self.mlp = SwiGLU(
+            config, config.hidden_size, config.intermediate_size, layer_idx, fused=fused
+        )
 
     def forward(self, x, cache, mask):
-        return residual_block(x, cache, mask, self.layer_idx, self.attn_norm, self.canonA, self.attn,
-                              self.mlp_norm, self.canonC, self.mlp)
+        return residual_block(
+            x,
+            cache,
+            mask,
+            self.layer_idx,
+            self.attn_norm,
+            self.canonA,
+            self.attn,
+            self.mlp_norm,
+            self.canonC,
+            self.mlp,
+        )
 
 
 class GatedDeltaNetCanonPreTrainedModel(PreTrainedModel):
@@ -147,17 +186,30 @@ class GatedDeltaNetCanonModel(GatedDeltaNetCanonPreTrainedModel):
     def __init__(self, config):
         super().__init__(config)
         self.embeddings = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
-        self.layers = nn.ModuleList(GatedDeltaNetCanonBlock(config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            GatedDeltaNetCanonBlock(config, i) for i in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.norm_eps)
         self.post_init()
 
-    def forward(self, input_ids=None, attention_mask=None, past_key_values=None, inputs_embeds=None,
-                use_cache=None, **kwargs):
-        h, cache = run_layers(self, input_ids, inputs_embeds, attention_mask, past_key_values, use_cache)
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        past_key_values=None,
+        inputs_embeds=None,
+        use_cache=None,
+        **kwargs,
+    ):
+        h, cache = run_layers(
+            self, input_ids, inputs_embeds, attention_mask, past_key_values, use_cache
+        )
         return BaseModelOutputWithPast(last_hidden_state=self.norm(h), past_key_values=cache)
 
 
-class GatedDeltaNetCanonForCausalLM(LinearCanonCausalLM, GatedDeltaNetCanonPreTrainedModel, GenerationMixin):
+class GatedDeltaNetCanonForCausalLM(
+    LinearCanonCausalLM, GatedDeltaNetCanonPreTrainedModel, GenerationMixin
+):
     def __init__(self, config):
         super().__init__(config)
         self.model = GatedDeltaNetCanonModel(config)

@@ -18,8 +18,19 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from .configuration_gla_canon import GLACanonConfig
-from .linear_canon_layers import (GatedRMSNorm, LinearCanonCausalLM, RMSNorm, SwiGLU, canon, init_gla_style, low_rank,
-                                  residual_block, run_layers, short_conv, upcast)
+from .linear_canon_layers import (
+    GatedRMSNorm,
+    LinearCanonCausalLM,
+    RMSNorm,
+    SwiGLU,
+    canon,
+    init_gla_style,
+    low_rank,
+    residual_block,
+    run_layers,
+    short_conv,
+    upcast,
+)
 
 GATE_LOW_RANK_DIM = 16
 GATE_LOGIT_NORMALIZER = 16
@@ -42,15 +53,19 @@ def chunk_gla(q, k, v, log_gate, state=None, chunk_size=16):
     state = state.to(dtype)
     outputs = []
     for start in range(0, q.shape[2], chunk_size):
-        qc, kc, vc, gc = (t[:, :, start:start + chunk_size] for t in (q, k, v, g))
+        qc, kc, vc, gc = (t[:, :, start : start + chunk_size] for t in (q, k, v, g))
         b = gc.cumsum(2)
         n = b.shape[2]
         causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril().unsqueeze(-1)
-        pair_decay = (b.unsqueeze(3) - b.unsqueeze(2)).masked_fill(~causal, float("-inf")).exp()  # [B, H, i, j, K]
+        pair_decay = (
+            (b.unsqueeze(3) - b.unsqueeze(2)).masked_fill(~causal, float("-inf")).exp()
+        )  # [B, H, i, j, K]
         scores = (qc.unsqueeze(3) * kc.unsqueeze(2) * pair_decay).sum(-1)
         outputs.append((qc * b.exp()) @ state + scores @ vc)
         last = b[:, :, -1:]
-        state = last.transpose(-1, -2).exp() * state + (kc * (last - b).exp()).transpose(-1, -2) @ vc
+        state = (
+            last.transpose(-1, -2).exp() * state + (kc * (last - b).exp()).transpose(-1, -2) @ vc
+        )
     return torch.cat(outputs, dim=2).transpose(1, 2).to(out_dtype), state
 
 
@@ -60,7 +75,10 @@ class GatedCanonLinearAttention(nn.Module):
         self.layer_idx = layer_idx
         d = config.hidden_size
         key_dim, value_dim = int(d * config.expand_k), int(d * config.expand_v)
-        self.head_k_dim, self.head_v_dim = key_dim // config.num_heads, value_dim // config.num_heads
+        self.head_k_dim, self.head_v_dim = (
+            key_dim // config.num_heads,
+            value_dim // config.num_heads,
+        )
         self.clamp_min = config.clamp_min
         self.q_proj = nn.Linear(d, key_dim, bias=False)
         self.k_proj = nn.Linear(d, key_dim, bias=False)
@@ -93,7 +111,7 @@ class GatedCanonLinearAttention(nn.Module):
         if self.clamp_min is not None:
             log_gate = log_gate.clamp_min(self.clamp_min)
         if mask is not None:  # padded positions add nothing to the state
-            v = v * mask[:, -v.shape[1]:, None].to(v.dtype)
+            v = v * mask[:, -v.shape[1] :, None].to(v.dtype)
         q, k, log_gate = (t.unflatten(-1, (-1, self.head_k_dim)) for t in (q, k, log_gate))
         v = v.unflatten(-1, (-1, self.head_v_dim))
         state = cache.recurrent_states.get(self.layer_idx) if cache is not None else None
@@ -113,11 +131,23 @@ class GLABlock(nn.Module):
         self.attn = GatedCanonLinearAttention(config, layer_idx)
         self.mlp_norm = RMSNorm(config.hidden_size, config.norm_eps)
         self.canonC = canon(config, "C", config.hidden_size)
-        self.mlp = SwiGLU(config, config.hidden_size, config.intermediate_size, layer_idx, fused="gate_proj")
+        self.mlp = SwiGLU(
+            config, config.hidden_size, config.intermediate_size, layer_idx, fused="gate_proj"
+        )
 
     def forward(self, x, cache, mask):
-        return residual_block(x, cache, mask, self.layer_idx, self.attn_norm, self.canonA, self.attn,
-                              self.mlp_norm, self.canonC, self.mlp)
+        return residual_block(
+            x,
+            cache,
+            mask,
+            self.layer_idx,
+            self.attn_norm,
+            self.canonA,
+            self.attn,
+            self.mlp_norm,
+            self.canonC,
+            self.mlp,
+        )
 
 
 class GLACanonPreTrainedModel(PreTrainedModel):
@@ -139,9 +169,18 @@ class GLACanonModel(GLACanonPreTrainedModel):
         self.norm = RMSNorm(config.hidden_size, config.norm_eps)
         self.post_init()
 
-    def forward(self, input_ids=None, attention_mask=None, past_key_values=None, inputs_embeds=None,
-                use_cache=None, **kwargs):
-        h, cache = run_layers(self, input_ids, inputs_embeds, attention_mask, past_key_values, use_cache)
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        past_key_values=None,
+        inputs_embeds=None,
+        use_cache=None,
+        **kwargs,
+    ):
+        h, cache = run_layers(
+            self, input_ids, inputs_embeds, attention_mask, past_key_values, use_cache
+        )
         return BaseModelOutputWithPast(last_hidden_state=self.norm(h), past_key_values=cache)
 
 

@@ -50,7 +50,7 @@ class LlamaCanonConv(nn.Module):
     def forward(self, x, cache=None, key=None, mask=None):
         """x: [batch, seq, channels]; ``cache`` (with ``key``) holds the previous K-1 inputs."""
         if mask is not None:
-            x = x * mask[:, -x.shape[1]:, None].to(x.dtype)
+            x = x * mask[:, -x.shape[1] :, None].to(x.dtype)
         k, seq_len = self.kernel_size, x.shape[1]
         states = getattr(cache, "canon_states", None) if cache is not None else None
         previous = states.get(key) if states is not None else None
@@ -60,9 +60,9 @@ class LlamaCanonConv(nn.Module):
         if cache is not None:
             if states is None:
                 states = cache.canon_states = {}
-            states[key] = window[:, -(k - 1):].detach()
+            states[key] = window[:, -(k - 1) :].detach()
         weight = self.weight.squeeze(1)
-        y = window[:, k - 1:] * weight[:, k - 1]
+        y = window[:, k - 1 :] * weight[:, k - 1]
         for j in range(k - 1):
             y = y + window[:, j : j + seq_len] * weight[:, j]
         if self.bias is not None:
@@ -79,8 +79,10 @@ def _canon(config, letter, channels):
 def apply_partial_rope(x, positions, config):
     """Rotate the first ``rope_dim`` channels of each head of x [batch, seq, heads, head_dim]."""
     rope_dim = config.rope_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float32,
-                                                         device=x.device) / rope_dim))
+    inv_freq = 1.0 / (
+        config.rope_theta
+        ** (torch.arange(0, rope_dim, 2, dtype=torch.float32, device=x.device) / rope_dim)
+    )
     angles = positions.to(torch.float32)[..., None] * inv_freq  # [batch, seq, rope_dim/2]
     cos, sin = angles.cos()[:, :, None, :], angles.sin()[:, :, None, :]
     rot, keep = x[..., :rope_dim].float(), x[..., rope_dim:]
@@ -88,7 +90,7 @@ def apply_partial_rope(x, positions, config):
         x0, x1 = rot[..., 0::2], rot[..., 1::2]
         rotated = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
     else:
-        x0, x1 = rot[..., : rope_dim // 2], rot[..., rope_dim // 2:]
+        x0, x1 = rot[..., : rope_dim // 2], rot[..., rope_dim // 2 :]
         rotated = torch.cat((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
     return torch.cat((rotated.type_as(x), keep), dim=-1)
 
@@ -119,7 +121,11 @@ class LlamaCanonAttention(nn.Module):
             q, k, v = qkv.split(sizes, dim=-1)
         q = apply_partial_rope(q.view(batch, seq_len, -1, self.head_dim), positions, self.config)
         k = apply_partial_rope(k.view(batch, seq_len, -1, self.head_dim), positions, self.config)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.view(batch, seq_len, -1, self.head_dim).transpose(1, 2)
+        q, k, v = (
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.view(batch, seq_len, -1, self.head_dim).transpose(1, 2),
+        )
         past = cache.get_seq_length(self.layer_idx) if cache is not None else 0
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)
@@ -131,9 +137,17 @@ class LlamaCanonAttention(nn.Module):
             attn_mask = key_pos <= query_pos
             if mask2d is not None:
                 # A padding query keeps its own key, so no row is empty (an empty row gives NaN).
-                attn_mask = (attn_mask & mask2d[:, None, None, -total:].bool()) | (key_pos == query_pos)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=causal and seq_len > 1,
-                                             enable_gqa=q.shape[1] != k.shape[1])
+                attn_mask = (attn_mask & mask2d[:, None, None, -total:].bool()) | (
+                    key_pos == query_pos
+                )
+        out = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=attn_mask,
+            is_causal=causal and seq_len > 1,
+            enable_gqa=q.shape[1] != k.shape[1],
+        )
         return self.o_proj(out.transpose(1, 2).flatten(2))
 
 
@@ -149,7 +163,9 @@ class LlamaCanonMLP(nn.Module):
     def forward(self, x, cache, mask2d):
         gate, up = self.gate_proj(x), self.up_proj(x)
         if self.canonD is not None:
-            gate, up = self.canonD(torch.cat((gate, up), dim=-1), cache, (self.layer_idx, "D"), mask2d).chunk(2, dim=-1)
+            gate, up = self.canonD(
+                torch.cat((gate, up), dim=-1), cache, (self.layer_idx, "D"), mask2d
+            ).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -202,12 +218,22 @@ class LlamaCanonModel(LlamaCanonPreTrainedModel):
     def __init__(self, config):
         super().__init__(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
-        self.layers = nn.ModuleList(LlamaCanonDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            LlamaCanonDecoderLayer(config, i) for i in range(config.num_hidden_layers)
+        )
         self.norm = LlamaCanonRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_init()
 
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
-                inputs_embeds=None, use_cache=None, **kwargs):
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        past_key_values=None,
+        inputs_embeds=None,
+        use_cache=None,
+        **kwargs,
+    ):
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
         h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
@@ -217,8 +243,14 @@ class LlamaCanonModel(LlamaCanonPreTrainedModel):
         cache = past_key_values if use_cache else None
         if position_ids is None:
             past = cache.get_seq_length() if cache is not None else 0
-            position_ids = torch.arange(past, past + h.shape[1], device=h.device)[None].expand(h.shape[0], -1)
-        mask2d = attention_mask if attention_mask is not None and not bool(attention_mask.all()) else None
+            position_ids = torch.arange(past, past + h.shape[1], device=h.device)[None].expand(
+                h.shape[0], -1
+            )
+        mask2d = (
+            attention_mask
+            if attention_mask is not None and not bool(attention_mask.all())
+            else None
+        )
         for layer in self.layers:
             h = layer(h, position_ids, cache, mask2d)
         return BaseModelOutputWithPast(last_hidden_state=self.norm(h), past_key_values=cache)
@@ -231,16 +263,34 @@ class LlamaCanonForCausalLM(LlamaCanonPreTrainedModel, GenerationMixin):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
-                inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, **kwargs):
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        past_key_values=None,
+        inputs_embeds=None,
+        labels=None,
+        use_cache=None,
+        logits_to_keep=0,
+        **kwargs,
+    ):
         kwargs.pop("return_dict", None)
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache)
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+        )
         hidden = out.last_hidden_state
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:]
         logits = self.lm_head(hidden)
         loss = None
         if labels is not None:
-            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+            loss = self.loss_function(
+                logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs
+            )
         return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=out.past_key_values)

@@ -22,8 +22,19 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from .configuration_mamba2_canon import Mamba2CanonConfig
-from .linear_canon_layers import (CausalConv, GatedRMSNorm, LinearCanonCausalLM, RMSNorm, SwiGLU, canon,
-                                  causal_decay, residual_block, run_layers, short_conv, upcast)
+from .linear_canon_layers import (
+    CausalConv,
+    GatedRMSNorm,
+    LinearCanonCausalLM,
+    RMSNorm,
+    SwiGLU,
+    canon,
+    causal_decay,
+    residual_block,
+    run_layers,
+    short_conv,
+    upcast,
+)
 
 
 def chunk_ssd(x, dt, A, B, C, D, state=None, chunk_size=256):
@@ -40,14 +51,17 @@ def chunk_ssd(x, dt, A, B, C, D, state=None, chunk_size=256):
     state = state.to(dtype)
     outputs = []
     for start in range(0, x.shape[2], chunk_size):
-        xc, dtc, Bc, Cc = (t[:, :, start:start + chunk_size] for t in (x, dt, B, C))
+        xc, dtc, Bc, Cc = (t[:, :, start : start + chunk_size] for t in (x, dt, B, C))
         a = (dtc * A[:, None]).cumsum(-1)  # log decay from the chunk start
         dx = xc * dtc.unsqueeze(-1)
         scores = (Cc @ Bc.transpose(-1, -2)) * causal_decay(a)
         entering = (Cc @ state.transpose(-1, -2)) * a.exp().unsqueeze(-1)
         outputs.append(scores @ dx + entering + D[:, None, None] * xc)
         last = a[..., -1:]
-        state = last.exp().unsqueeze(-1) * state + (dx * (last - a).exp().unsqueeze(-1)).transpose(-1, -2) @ Bc
+        state = (
+            last.exp().unsqueeze(-1) * state
+            + (dx * (last - a).exp().unsqueeze(-1)).transpose(-1, -2) @ Bc
+        )
     return torch.cat(outputs, dim=2).transpose(1, 2).to(out_dtype), state
 
 
@@ -55,13 +69,20 @@ class Mamba2CanonMixer(nn.Module):
     def __init__(self, config, layer_idx):
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads, self.head_dim, self.n_groups = config.num_heads, config.head_dim, config.n_groups
+        self.num_heads, self.head_dim, self.n_groups = (
+            config.num_heads,
+            config.head_dim,
+            config.n_groups,
+        )
         self.state_size, self.chunk_size = config.state_size, config.chunk_size
         self.time_step_limit = tuple(config.time_step_limit)
         self.intermediate_size = config.expand * config.hidden_size
         conv_dim = self.intermediate_size + 2 * self.n_groups * self.state_size
-        self.in_proj = nn.Linear(config.hidden_size, self.intermediate_size + conv_dim + self.num_heads,
-                                 bias=config.use_bias)
+        self.in_proj = nn.Linear(
+            config.hidden_size,
+            self.intermediate_size + conv_dim + self.num_heads,
+            bias=config.use_bias,
+        )
         self.noconv1d = config.noconv1d
         self.conv1d = short_conv(conv_dim, config.conv_kernel, bias=config.use_conv_bias)
         if self.noconv1d:
@@ -70,7 +91,9 @@ class Mamba2CanonMixer(nn.Module):
         self.dt_bias = nn.Parameter(torch.ones(self.num_heads))
         self.A_log = nn.Parameter(torch.zeros(self.num_heads))
         self.D = nn.Parameter(torch.ones(self.num_heads))
-        self.norm = GatedRMSNorm(self.intermediate_size, config.layer_norm_epsilon, norm_before_gate=False)
+        self.norm = GatedRMSNorm(
+            self.intermediate_size, config.layer_norm_epsilon, norm_before_gate=False
+        )
         self.out_proj = nn.Linear(self.intermediate_size, config.hidden_size, bias=config.use_bias)
 
     @torch.no_grad()
@@ -79,28 +102,43 @@ class Mamba2CanonMixer(nn.Module):
         at 1e-4; without b the identity kernel [0, ..., 0, 1]."""
         self.A_log.copy_(torch.empty_like(self.A_log).uniform_(1, 16).log())
         self.D.fill_(1.0)
-        dt = torch.empty_like(self.dt_bias).uniform_(math.log(0.001), math.log(0.1)).exp().clamp(min=1e-4)
+        dt = (
+            torch.empty_like(self.dt_bias)
+            .uniform_(math.log(0.001), math.log(0.1))
+            .exp()
+            .clamp(min=1e-4)
+        )
         self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
         if self.noconv1d:
             self.conv1d.weight.zero_()[:, :, -1] = 1.0
 
     def forward(self, x, cache, mask):
         if mask is not None:
-            x = x * mask[:, -x.shape[1]:, None].to(x.dtype)
+            x = x * mask[:, -x.shape[1] :, None].to(x.dtype)
         n, heads = self.n_groups * self.state_size, self.num_heads
-        z, xbc, dt = self.in_proj(x).split([self.intermediate_size, self.intermediate_size + 2 * n, heads], dim=-1)
+        z, xbc, dt = self.in_proj(x).split(
+            [self.intermediate_size, self.intermediate_size + 2 * n, heads], dim=-1
+        )
         if not self.noconv1d:
             xbc = self.conv1d(xbc, cache, (self.layer_idx, "conv1d"), mask)
             if mask is not None:
-                xbc = xbc * mask[:, -xbc.shape[1]:, None].to(xbc.dtype)
+                xbc = xbc * mask[:, -xbc.shape[1] :, None].to(xbc.dtype)
         xs, B, C = xbc.split([self.intermediate_size, n, n], dim=-1)
         dt = F.softplus(upcast(dt) + upcast(self.dt_bias))
         if self.time_step_limit != (0.0, float("inf")):
             dt = dt.clamp(*self.time_step_limit)
         A = -upcast(self.A_log).exp()
         state = cache.recurrent_states.get(self.layer_idx) if cache is not None else None
-        y, state = chunk_ssd(xs.unflatten(-1, (heads, self.head_dim)), dt, A, B.unflatten(-1, (self.n_groups, -1)),
-                             C.unflatten(-1, (self.n_groups, -1)), self.D, state, self.chunk_size)
+        y, state = chunk_ssd(
+            xs.unflatten(-1, (heads, self.head_dim)),
+            dt,
+            A,
+            B.unflatten(-1, (self.n_groups, -1)),
+            C.unflatten(-1, (self.n_groups, -1)),
+            self.D,
+            state,
+            self.chunk_size,
+        )
         if cache is not None:
             cache.recurrent_states[self.layer_idx] = state.detach()
         return self.out_proj(self.norm(y.flatten(-2), z))
@@ -115,11 +153,23 @@ class Mamba2CanonBlock(nn.Module):
         self.mixer = Mamba2CanonMixer(config, layer_idx)
         self.pre_mlp_layernorm = RMSNorm(config.hidden_size, config.layer_norm_epsilon)
         self.canonC = canon(config, "C", config.hidden_size)
-        self.mlp = SwiGLU(config, config.hidden_size, config.intermediate_size, layer_idx, fused="both_proj")
+        self.mlp = SwiGLU(
+            config, config.hidden_size, config.intermediate_size, layer_idx, fused="both_proj"
+        )
 
     def forward(self, x, cache, mask):
-        return residual_block(x, cache, mask, self.layer_idx, self.norm, self.canonA, self.mixer,
-                              self.pre_mlp_layernorm, self.canonC, self.mlp)
+        return residual_block(
+            x,
+            cache,
+            mask,
+            self.layer_idx,
+            self.norm,
+            self.canonA,
+            self.mixer,
+            self.pre_mlp_layernorm,
+            self.canonC,
+            self.mlp,
+        )
 
 
 class Mamba2CanonPreTrainedModel(PreTrainedModel):
@@ -151,13 +201,24 @@ class Mamba2CanonModel(Mamba2CanonPreTrainedModel):
     def __init__(self, config):
         super().__init__(config)
         self.embeddings = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
-        self.layers = nn.ModuleList(Mamba2CanonBlock(config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            Mamba2CanonBlock(config, i) for i in range(config.num_hidden_layers)
+        )
         self.norm_f = RMSNorm(config.hidden_size, config.layer_norm_epsilon)
         self.post_init()
 
-    def forward(self, input_ids=None, attention_mask=None, past_key_values=None, inputs_embeds=None,
-                use_cache=None, **kwargs):
-        h, cache = run_layers(self, input_ids, inputs_embeds, attention_mask, past_key_values, use_cache)
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        past_key_values=None,
+        inputs_embeds=None,
+        use_cache=None,
+        **kwargs,
+    ):
+        h, cache = run_layers(
+            self, input_ids, inputs_embeds, attention_mask, past_key_values, use_cache
+        )
         return BaseModelOutputWithPast(last_hidden_state=self.norm_f(h), past_key_values=cache)
 
 

@@ -33,6 +33,7 @@ from canon_titan.kernels import canon, sass
 from canon_titan.kernels.backends import INTERPRETED
 from canon_titan.kernels.sass import SM90
 from canon_titan.tools.fileio import write_atomic
+
 SEQ_LEN = 4096
 MISALIGNED = "b Mamba2-3B, bias+SiLU, row stride 12568"
 ALIGNED_TWIN = "b twin, row stride 12576"
@@ -83,17 +84,21 @@ def model_cases(seq_len: int = SEQ_LEN) -> dict:
                 canon.conv_weight_grads(y, x, weight, bias, row_scale, col_scale, residual)
             else:
                 canon.conv_backward(y, x, weight, bias, row_scale, col_scale, residual, activation)
+
         return run
 
     def swiglu(gate, up, weight):
         def run():
             y = canon.swiglu_forward(gate, up, weight, None, True, False)
             canon.swiglu_backward(y, gate, up, weight, None, True, False)
+
         return run
 
     return {
         # Canon-A/C (and Canon-B on q, k) with the RMSNorm before them fused: LlamaCanon-1B's width.
-        "A/C 1B, fused norm": conv(_meta(1, t, 2048), _meta(2048, 4), None, *scale, residual=True, activation=False),
+        "A/C 1B, fused norm": conv(
+            _meta(1, t, 2048), _meta(2048, 4), None, *scale, residual=True, activation=False
+        ),
         # Canon-B on v: no norm before it, the input's gradient in the kernel.
         "B v 1B": conv(_meta(1, t, 2048), _meta(2048, 4), residual=True, activation=False),
         # Canon-D and the SwiGLU after it: LlamaCanon-8B's hidden width.
@@ -101,10 +106,20 @@ def model_cases(seq_len: int = SEQ_LEN) -> dict:
         # The linear models' short convolution b; Mamba2-3B's reads a slice of in_proj's output, row
         # stride 2*6144 + 2*128 + 24 = 12568, a multiple of 8 but not of 16 (which Triton alone
         # recognises); its twin with a row stride of 12576 shows what an aligned one compiles to.
-        MISALIGNED: conv(_meta(1, t, 6400, width=12568), _meta(6400, 4), _meta(6400), residual=False,
-                         activation=True),
-        ALIGNED_TWIN: conv(_meta(1, t, 6400, width=12576), _meta(6400, 4), _meta(6400), residual=False,
-                           activation=True),
+        MISALIGNED: conv(
+            _meta(1, t, 6400, width=12568),
+            _meta(6400, 4),
+            _meta(6400),
+            residual=False,
+            activation=True,
+        ),
+        ALIGNED_TWIN: conv(
+            _meta(1, t, 6400, width=12576),
+            _meta(6400, 4),
+            _meta(6400),
+            residual=False,
+            activation=True,
+        ),
     }
 
 
@@ -130,16 +145,22 @@ def compile_case(case: str, run, target: GPUTarget = SM90) -> list[Compiled]:
             compiled = sass.compile_launch(launch, config, target)
             ptx = compiled.asm["ptx"]
             shown = config.kwargs
-            results.append(Compiled(
-                case=case, kernel=launch.name,
-                config=f"{shown['CHUNK']}x{shown['BLOCK_C']}/{shown.get('num_warps', 4)}w",
-                registers=compiled.registers, stack_bytes=compiled.stack_bytes,
-                spill_store_bytes=compiled.spill_store_bytes,
-                spill_load_bytes=compiled.spill_load_bytes,
-                vector_loads=len(re.findall(r"ld\.global(?:\.\w+)*\.v\d", ptx)),
-                scalar_2byte_loads=len(re.findall(r"ld\.global(?:\.[a-z]+)*\.[bu]16\b", ptx)),
-                loop_barriers=loop_barriers(ptx), loop_loads=loop_loads(ptx),
-                seconds=compiled.seconds))
+            results.append(
+                Compiled(
+                    case=case,
+                    kernel=launch.name,
+                    config=f"{shown['CHUNK']}x{shown['BLOCK_C']}/{shown.get('num_warps', 4)}w",
+                    registers=compiled.registers,
+                    stack_bytes=compiled.stack_bytes,
+                    spill_store_bytes=compiled.spill_store_bytes,
+                    spill_load_bytes=compiled.spill_load_bytes,
+                    vector_loads=len(re.findall(r"ld\.global(?:\.\w+)*\.v\d", ptx)),
+                    scalar_2byte_loads=len(re.findall(r"ld\.global(?:\.[a-z]+)*\.[bu]16\b", ptx)),
+                    loop_barriers=loop_barriers(ptx),
+                    loop_loads=loop_loads(ptx),
+                    seconds=compiled.seconds,
+                )
+            )
     return results
 
 
@@ -152,9 +173,16 @@ def _in_loops(ptx: str, pattern: str) -> int:
     line between them counts once (however deep the nesting)."""
     lines = ptx.splitlines()
     labels = {m.group(1): i for i, line in enumerate(lines) if (m := _LABEL.match(line.strip()))}
-    loops = [(labels[m.group(1)], i) for i, line in enumerate(lines)
-             if (m := _BRANCH.search(line)) and labels.get(m.group(1), len(lines)) < i]
-    return sum(1 for i, line in enumerate(lines) if re.search(pattern, line) and any(a <= i <= b for a, b in loops))
+    loops = [
+        (labels[m.group(1)], i)
+        for i, line in enumerate(lines)
+        if (m := _BRANCH.search(line)) and labels.get(m.group(1), len(lines)) < i
+    ]
+    return sum(
+        1
+        for i, line in enumerate(lines)
+        if re.search(pattern, line) and any(a <= i <= b for a, b in loops)
+    )
 
 
 def loop_barriers(ptx: str) -> int:
@@ -167,7 +195,9 @@ def loop_loads(ptx: str) -> int:
     return _in_loops(ptx, r"ld\.global")
 
 
-def compile_all(target: GPUTarget = SM90, cases: dict | None = None, progress=None) -> list[Compiled]:
+def compile_all(
+    target: GPUTarget = SM90, cases: dict | None = None, progress=None
+) -> list[Compiled]:
     results = []
     for case, run in (cases or model_cases()).items():
         if progress:
@@ -177,33 +207,51 @@ def compile_all(target: GPUTarget = SM90, cases: dict | None = None, progress=No
 
 
 def table(results: list[Compiled], target: GPUTarget = SM90) -> str:
-    lines = [f"Triton {triton.__version__}, sm_{target.arch}: registers per thread, spills (bytes stored/loaded), "
-             "global loads in the PTX (vectors / 2-byte scalars; those inside loops), barriers inside loops, compile "
-             "seconds on this machine", "",
-             "| case | kernel | config | registers | spills | vector / scalar loads | loads in loops | loop barriers "
-             "| compile s |",
-             "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"Triton {triton.__version__}, sm_{target.arch}: registers per thread, spills (bytes stored/loaded), "
+        "global loads in the PTX (vectors / 2-byte scalars; those inside loops), barriers inside loops, compile "
+        "seconds on this machine",
+        "",
+        "| case | kernel | config | registers | spills | vector / scalar loads | loads in loops | loop barriers "
+        "| compile s |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in results:
         spills = f"{r.spill_store_bytes}/{r.spill_load_bytes}" if r.spills else "0"
-        lines.append(f"| {r.case} | {r.kernel} | {r.config} | {r.registers} | {spills} | "
-                     f"{r.vector_loads} / {r.scalar_2byte_loads} | {r.loop_loads} | {r.loop_barriers} | "
-                     f"{r.seconds:.1f} |")
+        lines.append(
+            f"| {r.case} | {r.kernel} | {r.config} | {r.registers} | {spills} | "
+            f"{r.vector_loads} / {r.scalar_2byte_loads} | {r.loop_loads} | {r.loop_barriers} | "
+            f"{r.seconds:.1f} |"
+        )
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args(argv)
     if INTERPRETED:
-        print("canon_titan.kernels.aot: unset TRITON_INTERPRET (it compiles the kernels for a GPU)", file=sys.stderr)
+        print(
+            "canon_titan.kernels.aot: unset TRITON_INTERPRET (it compiles the kernels for a GPU)",
+            file=sys.stderr,
+        )
         return 2
     results = compile_all(progress=lambda msg: print(f"[aot] {msg}", file=sys.stderr, flush=True))
     print(table(results))
     if args.json:
-        write_atomic(args.json, json.dumps({"triton": triton.__version__, "target": f"sm_{SM90.arch}",
-                                            "kernels": [{**asdict(r), "spills": r.spills} for r in results]},
-                                           indent=2))
+        write_atomic(
+            args.json,
+            json.dumps(
+                {
+                    "triton": triton.__version__,
+                    "target": f"sm_{SM90.arch}",
+                    "kernels": [{**asdict(r), "spills": r.spills} for r in results],
+                },
+                indent=2,
+            ),
+        )
     return 0
 
 

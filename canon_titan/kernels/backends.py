@@ -33,7 +33,11 @@ from packaging.version import Version
 
 CUDA_BACKENDS = {"canon": "triton", "gla": "fla", "gated_delta_rule": "fla", "ssd": "mamba_ssm"}
 """Each op's CUDA backend; every op also has ``torch``."""
-_CUDA_MODULES = {"triton": "triton", "fla": "fla.ops", "mamba_ssm": "mamba_ssm.ops.triton.ssd_combined"}
+_CUDA_MODULES = {
+    "triton": "triton",
+    "fla": "fla.ops",
+    "mamba_ssm": "mamba_ssm.ops.triton.ssd_combined",
+}
 _PACKAGES = {"triton": "triton", "fla": "flash-linear-attention", "mamba_ssm": "mamba-ssm"}
 TESTED_VERSIONS = {"fla": "0.6.0", "mamba_ssm": "2.3.2.post1"}
 """The versions of the packages whose internal functions the wrappers call (pyproject's ``gpu`` extra)."""
@@ -97,9 +101,11 @@ def version_problem(backend: str) -> str | None:
     tested, installed = TESTED_VERSIONS.get(backend), installed_version(backend)
     if tested is None or installed == tested:
         return None
-    return (f"canon-titan calls internal functions of {_PACKAGES[backend]}, tested with version {tested} only; "
-            f"this machine has {installed or 'an unknown version'} (another version may fail inside step 1 or "
-            f"compute wrong gradients): install {_PACKAGES[backend]}=={tested}")
+    return (
+        f"canon-titan calls internal functions of {_PACKAGES[backend]}, tested with version {tested} only; "
+        f"this machine has {installed or 'an unknown version'} (another version may fail inside step 1 or "
+        f"compute wrong gradients): install {_PACKAGES[backend]}=={tested}"
+    )
 
 
 @functools.cache
@@ -135,7 +141,12 @@ class KernelEnvironment:
     @functools.cache
     def _this_machine(cls) -> KernelEnvironment:
         capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
-        return cls(capability, INTERPRETED, triton.__version__, importlib.util.find_spec("tilelang") is not None)
+        return cls(
+            capability,
+            INTERPRETED,
+            triton.__version__,
+            importlib.util.find_spec("tilelang") is not None,
+        )
 
     @classmethod
     def current(cls) -> KernelEnvironment:
@@ -148,7 +159,11 @@ class KernelEnvironment:
         return cls(capability, False, triton.__version__, False, planned=True)
 
     def describe(self) -> str:
-        gpu = f"sm_{self.cuda_capability[0]}{self.cuda_capability[1]} GPU" if self.cuda_capability else "no GPU"
+        gpu = (
+            f"sm_{self.cuda_capability[0]}{self.cuda_capability[1]} GPU"
+            if self.cuda_capability
+            else "no GPU"
+        )
         return f"{gpu}, Triton {self.triton}"
 
 
@@ -168,8 +183,12 @@ def planned_machine(env: KernelEnvironment):
 
 
 def _hopper_triton_3_4_to_3_7(env: KernelEnvironment) -> bool:
-    return (env.cuda_capability is not None and env.cuda_capability[0] == 9
-            and Version("3.4.0") <= Version(env.triton) < Version("3.7.1") and not env.tilelang)
+    return (
+        env.cuda_capability is not None
+        and env.cuda_capability[0] == 9
+        and Version("3.4.0") <= Version(env.triton) < Version("3.7.1")
+        and not env.tilelang
+    )
 
 
 KNOWN_BAD = {
@@ -179,7 +198,8 @@ KNOWN_BAD = {
         "flash-linear-attention 0.6.0 refuses the backward of chunk_gated_delta_rule on Hopper GPUs with "
         "Triton >= 3.4 and < 3.7.1 (it computes wrong gradients there; fla issue #640), so training would stop "
         "inside step 1. Fix: install Triton >= 3.7.1 (a release your torch build supports), or `pip install "
-        "tilelang` (fla then runs that kernel in TileLang), or set [model] kernel_backend = \"torch\""),
+        'tilelang` (fla then runs that kernel in TileLang), or set [model] kernel_backend = "torch"',
+    ),
 }
 
 
@@ -187,12 +207,16 @@ def backend_problem(backend: str, op: str, env: KernelEnvironment | None = None)
     """Why ``backend`` cannot run ``op`` here (a sentence with the fix), or None."""
     env = env or KernelEnvironment.current()
     if env.cuda_capability is None and not env.interpreter:
-        return (f"{op} backend {backend!r} runs Triton kernels, which need a CUDA GPU; without one, set "
-                "TRITON_INTERPRET=1 to run them on the CPU (slow, for testing), or use 'torch' or 'auto'")
+        return (
+            f"{op} backend {backend!r} runs Triton kernels, which need a CUDA GPU; without one, set "
+            "TRITON_INTERPRET=1 to run them on the CPU (slow, for testing), or use 'torch' or 'auto'"
+        )
     problem = None if env.planned else import_problem(backend)
     if problem:
-        return (f"{op} backend {backend!r} needs the {_PACKAGES[backend]} package, which does not import here "
-                f"({problem}); use 'torch' or 'auto'")
+        return (
+            f"{op} backend {backend!r} needs the {_PACKAGES[backend]} package, which does not import here "
+            f"({problem}); use 'torch' or 'auto'"
+        )
     problem = None if env.planned else version_problem(backend)
     if problem:
         return f"{op} backend {backend!r}: {problem}, or use 'torch' or 'auto'"
@@ -202,15 +226,18 @@ def backend_problem(backend: str, op: str, env: KernelEnvironment | None = None)
     return None
 
 
-def resolve_backend(requested: str, *, op: str, env: KernelEnvironment | None = None,
-                    check: bool = True) -> tuple[str, str | None]:
+def resolve_backend(
+    requested: str, *, op: str, env: KernelEnvironment | None = None, check: bool = True
+) -> tuple[str, str | None]:
     """The backend that runs ``op`` (one of ``CUDA_BACKENDS``) here, and why ``auto`` did not pick
     the CUDA kernel (None otherwise). A forced CUDA backend that cannot run is a ValueError, unless
     ``check`` is off (a model built for another machine: its config checks judge the backend there)."""
     cuda_backend = CUDA_BACKENDS[op]
     allowed = ("auto", "torch", cuda_backend)
     if requested not in allowed:
-        raise ValueError(f"must be one of {', '.join(map(repr, allowed))} for {op}, got {requested!r}")
+        raise ValueError(
+            f"must be one of {', '.join(map(repr, allowed))} for {op}, got {requested!r}"
+        )
     if requested == "torch":
         return "torch", None
     env = env or KernelEnvironment.current()
@@ -268,13 +295,16 @@ def decay_matrix(log_decay_cumsum: torch.Tensor) -> torch.Tensor:
     return (b.unsqueeze(-1) - b.unsqueeze(-2)).masked_fill(~causal, float("-inf")).exp()
 
 
-def scan_states(decay: torch.Tensor, updates: torch.Tensor,
-                initial: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def scan_states(
+    decay: torch.Tensor, updates: torch.Tensor, initial: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """S_n = decay_n * S_{n-1} + updates_n along dim 2 (the chunk index).
 
     Returns the state entering each chunk, stacked on dim 2, and the state after the last chunk.
     """
-    state = updates.new_zeros(updates[:, :, 0].shape) if initial is None else initial.to(updates.dtype)
+    state = (
+        updates.new_zeros(updates[:, :, 0].shape) if initial is None else initial.to(updates.dtype)
+    )
     entering = []
     # unbind, not indexing: the backward of each index would write a whole zero tensor.
     for decay_n, update_n in zip(decay.unbind(2), updates.unbind(2)):

@@ -27,12 +27,17 @@ import math
 
 import torch
 import torch.nn.functional as F
+import triton
 from torch.utils._pytree import tree_map
 
-import triton
-
-from canon_titan.kernels.backends import (compute_dtype, from_chunks, prepare_kernels, runs_cuda_kernel, scan_states,
-                                          to_chunks)
+from canon_titan.kernels.backends import (
+    compute_dtype,
+    from_chunks,
+    prepare_kernels,
+    runs_cuda_kernel,
+    scan_states,
+    to_chunks,
+)
 from canon_titan.kernels.documents import FLA_CHUNK, Documents, kept, separate
 
 SUB_CHUNK = 16
@@ -64,7 +69,9 @@ def gla(
     if runs_cuda_kernel(backend, q):
         # fla keeps the state in float32.
         h0 = None if initial_state is None else initial_state.float()
-        o, final_state, _ = torch.ops.canon_titan.fla_chunk_gla(q, k, v, log_gate, h0, scale, output_final_state)
+        o, final_state, _ = torch.ops.canon_titan.fla_chunk_gla(
+            q, k, v, log_gate, h0, scale, output_final_state
+        )
         return o, final_state if output_final_state else None
     o, final_state = _gla_torch(q, k, v, log_gate, scale, chunk_size, initial_state, documents)
     return o, final_state if output_final_state else None
@@ -107,14 +114,28 @@ def _unwritten(seq_len: int, chunk_size: int, device: torch.device) -> torch.Ten
 
 
 @torch.library.custom_op("canon_titan::fla_chunk_gla", mutates_args=())
-def _fla_chunk_gla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                   initial_state: torch.Tensor | None, scale: float, output_final_state: bool
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _fla_chunk_gla(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    initial_state: torch.Tensor | None,
+    scale: float,
+    output_final_state: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """o, the final state (empty unless asked for) and fla's intra-chunk scores A (for the backward)."""
     chunk_size = _fla_chunk_size(q.shape[1])
     _, A, _, final_state, o = _fla_halves()[0](
-        q=q, k=k, v=v, g=g, g_cumsum=None, scale=scale, initial_state=initial_state,
-        output_final_state=output_final_state, chunk_size=chunk_size)
+        q=q,
+        k=k,
+        v=v,
+        g=g,
+        g_cumsum=None,
+        scale=scale,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        chunk_size=chunk_size,
+    )
     # fla writes A [B, T, H, chunk] only where key j <= query t within the chunk; an op's outputs
     # must not carry uninitialised memory (compiled and eager runs would differ there).
     A.masked_fill_(_unwritten(q.shape[1], chunk_size, A.device), 0.0)
@@ -125,28 +146,59 @@ def _fla_chunk_gla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
 @_fla_chunk_gla.register_fake
 def _(q, k, v, g, initial_state, scale, output_final_state):
     batch, seq_len, heads, dk = q.shape
-    final = (q.new_empty(batch, heads, dk, v.shape[-1], dtype=torch.float32) if output_final_state
-             else q.new_empty(0, dtype=torch.float32))
+    final = (
+        q.new_empty(batch, heads, dk, v.shape[-1], dtype=torch.float32)
+        if output_final_state
+        else q.new_empty(0, dtype=torch.float32)
+    )
     A = q.new_empty(batch, seq_len, heads, _fla_chunk_size(seq_len), dtype=torch.float32)
     return q.new_empty(*q.shape[:3], v.shape[-1]), final, A
 
 
 @torch.library.custom_op("canon_titan::fla_chunk_gla_backward", mutates_args=())
-def _fla_chunk_gla_backward(do: torch.Tensor, d_final: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor,
-                            v: torch.Tensor, g: torch.Tensor, initial_state: torch.Tensor | None, A: torch.Tensor,
-                            scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _fla_chunk_gla_backward(
+    do: torch.Tensor,
+    d_final: torch.Tensor | None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    initial_state: torch.Tensor | None,
+    A: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     dq, dk, dv, dg, dh0 = _fla_halves()[1](
-        q=q, k=k, v=v, g=g, g_cumsum=None, scale=scale, initial_state=initial_state, h=None, A=A, do=do, dht=d_final,
-        chunk_size=_fla_chunk_size(q.shape[1]))
+        q=q,
+        k=k,
+        v=v,
+        g=g,
+        g_cumsum=None,
+        scale=scale,
+        initial_state=initial_state,
+        h=None,
+        A=A,
+        do=do,
+        dht=d_final,
+        chunk_size=_fla_chunk_size(q.shape[1]),
+    )
     dh0 = dh0 if initial_state is not None else q.new_empty(0, dtype=torch.float32)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), dh0
 
 
 @_fla_chunk_gla_backward.register_fake
 def _(do, d_final, q, k, v, g, initial_state, A, scale):
-    dh0 = initial_state.new_empty(initial_state.shape) if initial_state is not None else q.new_empty(0,
-                                                                                                     dtype=torch.float32)
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), g.new_empty(g.shape), dh0
+    dh0 = (
+        initial_state.new_empty(initial_state.shape)
+        if initial_state is not None
+        else q.new_empty(0, dtype=torch.float32)
+    )
+    return (
+        q.new_empty(q.shape),
+        k.new_empty(k.shape),
+        v.new_empty(v.shape),
+        g.new_empty(g.shape),
+        dh0,
+    )
 
 
 def _fla_chunk_gla_setup(ctx, inputs, output):
@@ -158,8 +210,9 @@ def _fla_chunk_gla_setup(ctx, inputs, output):
 def _fla_chunk_gla_grad(ctx, do, d_final, _dA):
     q, k, v, g, initial_state, A = ctx.saved_tensors
     d_final = d_final if ctx.output_final_state else None
-    dq, dk, dv, dg, dh0 = torch.ops.canon_titan.fla_chunk_gla_backward(do, d_final, q, k, v, g, initial_state, A,
-                                                                       ctx.scale)
+    dq, dk, dv, dg, dh0 = torch.ops.canon_titan.fla_chunk_gla_backward(
+        do, d_final, q, k, v, g, initial_state, A, ctx.scale
+    )
     return dq, dk, dv, dg, dh0 if initial_state is not None else None, None, None
 
 
@@ -235,8 +288,9 @@ def _gate_cumsum(g, cu_seqlens, chunk_indices):
     from fla.ops.utils.constant import RCP_LN2
     from fla.ops.utils.cumsum import chunk_local_cumsum
 
-    return chunk_local_cumsum(g, FLA_CHUNK, scale=RCP_LN2, cu_seqlens=cu_seqlens,
-                              chunk_indices=chunk_indices)
+    return chunk_local_cumsum(
+        g, FLA_CHUNK, scale=RCP_LN2, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices
+    )
 
 
 def gla_documents_forward(
@@ -303,15 +357,19 @@ def _fla_chunk_gla_documents(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``fla_chunk_gla`` on one flattened row of documents (``positions``: each token's place in its
     document); the final states are the documents'."""
-    return gla_documents_forward(q, k, v, g, scale, output_final_state, cu_seqlens, chunk_indices,
-                                 positions)
+    return gla_documents_forward(
+        q, k, v, g, scale, output_final_state, cu_seqlens, chunk_indices, positions
+    )
 
 
 @_fla_chunk_gla_documents.register_fake
 def _(q, k, v, g, scale, output_final_state, cu_seqlens, chunk_indices, positions):
     _, seq_len, heads, dk = q.shape
-    final = (q.new_empty(cu_seqlens.shape[0] - 1, heads, dk, v.shape[-1], dtype=torch.float32)
-             if output_final_state else q.new_empty(0, dtype=torch.float32))
+    final = (
+        q.new_empty(cu_seqlens.shape[0] - 1, heads, dk, v.shape[-1], dtype=torch.float32)
+        if output_final_state
+        else q.new_empty(0, dtype=torch.float32)
+    )
     A = q.new_empty(1, seq_len, heads, FLA_CHUNK, dtype=torch.float32)
     return q.new_empty(*q.shape[:3], v.shape[-1]), final, A
 
@@ -377,14 +435,19 @@ def _within_chunks(q, k, v, b, same=None):
     chunk_size = q.shape[-2]
     sub = math.gcd(chunk_size, SUB_CHUNK)
     n_sub = chunk_size // sub
-    qs, ks, vs, bs = (t.unflatten(-2, (n_sub, sub)) for t in (q, k, v, b))  # [B, H, N, n_sub, sub, *]
+    qs, ks, vs, bs = (
+        t.unflatten(-2, (n_sub, sub)) for t in (q, k, v, b)
+    )  # [B, H, N, n_sub, sub, *]
 
     # Earlier sub-chunks, through r = log decay just before each sub-chunk (0 before the first).
     r = F.pad(bs[..., :-1, -1, :], (0, 0, 1, 0)).unsqueeze(-2)  # [B, H, N, n_sub, 1, K]
     q_r = qs * (bs - r).exp()
     start = torch.arange(n_sub, device=q.device).unsqueeze(-1) * sub
     earlier = torch.arange(chunk_size, device=q.device) < start  # [n_sub, C]
-    k_r = k.unsqueeze(-3) * (r - b.unsqueeze(-3)).masked_fill(~earlier.unsqueeze(-1), float("-inf")).exp()
+    k_r = (
+        k.unsqueeze(-3)
+        * (r - b.unsqueeze(-3)).masked_fill(~earlier.unsqueeze(-1), float("-inf")).exp()
+    )
     earlier_scores = q_r @ k_r.transpose(-1, -2)  # [B, H, N, n_sub, sub, C]
     if same is not None:
         same = same.unflatten(-2, (n_sub, sub))  # [B, 1, N, n_sub, sub, C]

@@ -40,7 +40,9 @@ def _interpreter_range(*args):
 def _no_autotuning_benchmark() -> None:
     import triton.runtime.autotuner as autotuner
 
-    autotuner.Autotuner.do_bench = property(lambda self: lambda fn, quantiles=None, **kw: [1.0, 1.0, 1.0])
+    autotuner.Autotuner.do_bench = property(
+        lambda self: lambda fn, quantiles=None, **kw: [1.0, 1.0, 1.0]
+    )
 
 
 @functools.cache
@@ -48,8 +50,12 @@ def _neutral_cuda_device() -> None:
     if torch.cuda.is_available():
         return
     cuda_device = torch.cuda.device
-    torch.cuda.device = lambda index: contextlib.nullcontext() if index is None else cuda_device(index)
-    torch.cuda.get_device_properties = lambda *a, **k: types.SimpleNamespace(multi_processor_count=1)
+    torch.cuda.device = lambda index: (
+        contextlib.nullcontext() if index is None else cuda_device(index)
+    )
+    torch.cuda.get_device_properties = lambda *a, **k: types.SimpleNamespace(
+        multi_processor_count=1
+    )
 
 
 @functools.cache

@@ -20,8 +20,15 @@ import functools
 
 import torch
 
-from canon_titan.kernels.backends import (compute_dtype, decay_matrix, from_chunks, prepare_kernels, runs_cuda_kernel,
-                                          scan_states, to_chunks)
+from canon_titan.kernels.backends import (
+    compute_dtype,
+    decay_matrix,
+    from_chunks,
+    prepare_kernels,
+    runs_cuda_kernel,
+    scan_states,
+    to_chunks,
+)
 from canon_titan.kernels.documents import Documents, kept, separate
 
 
@@ -53,8 +60,9 @@ def ssd(
         )
         return y, final_state if output_final_state else None
     if runs_cuda_kernel(backend, x):
-        y, final_state = torch.ops.canon_titan.mamba_chunk_scan(x, dt, A, B, C, D, initial_state, chunk_size,
-                                                                 output_final_state)
+        y, final_state = torch.ops.canon_titan.mamba_chunk_scan(
+            x, dt, A, B, C, D, initial_state, chunk_size, output_final_state
+        )
         return y, final_state if output_final_state else None
     y, final_state = _ssd_torch(x, dt, A, B, C, D, chunk_size, initial_state, documents)
     return y, final_state if output_final_state else None
@@ -64,48 +72,97 @@ def ssd(
 def _mamba_halves():
     """mamba-ssm's forward and backward halves of ``MambaChunkScanCombinedFn``, imported once."""
     prepare_kernels("mamba_ssm")
-    from mamba_ssm.ops.triton.ssd_combined import _mamba_chunk_scan_combined_bwd, _mamba_chunk_scan_combined_fwd
+    from mamba_ssm.ops.triton.ssd_combined import (
+        _mamba_chunk_scan_combined_bwd,
+        _mamba_chunk_scan_combined_fwd,
+    )
 
     return _mamba_chunk_scan_combined_fwd, _mamba_chunk_scan_combined_bwd
 
 
 @torch.library.custom_op("canon_titan::mamba_chunk_scan", mutates_args=())
-def _mamba_chunk_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
-                      D: torch.Tensor | None, initial_state: torch.Tensor | None, chunk_size: int,
-                      output_final_state: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _mamba_chunk_scan(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None,
+    initial_state: torch.Tensor | None,
+    chunk_size: int,
+    output_final_state: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """y and the final state (empty unless asked for)."""
-    y, _, _, _, _, final_state, *_ = _mamba_halves()[0](x, dt, A, B, C, chunk_size, D=D, initial_states=initial_state)
+    y, _, _, _, _, final_state, *_ = _mamba_halves()[0](
+        x, dt, A, B, C, chunk_size, D=D, initial_states=initial_state
+    )
     return y.to(x.dtype), final_state if output_final_state else x.new_empty(0, dtype=torch.float32)
 
 
 @_mamba_chunk_scan.register_fake
 def _(x, dt, A, B, C, D, initial_state, chunk_size, output_final_state):
     batch, _, heads, head_dim = x.shape
-    final = (x.new_empty(batch, heads, head_dim, B.shape[-1], dtype=torch.float32) if output_final_state
-             else x.new_empty(0, dtype=torch.float32))
+    final = (
+        x.new_empty(batch, heads, head_dim, B.shape[-1], dtype=torch.float32)
+        if output_final_state
+        else x.new_empty(0, dtype=torch.float32)
+    )
     return x.new_empty(x.shape), final
 
 
 @torch.library.custom_op("canon_titan::mamba_chunk_scan_backward", mutates_args=())
 def _mamba_chunk_scan_backward(
-        dy: torch.Tensor, d_final: torch.Tensor | None, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,
-        B: torch.Tensor, C: torch.Tensor, D: torch.Tensor | None, initial_state: torch.Tensor | None, y: torch.Tensor,
-        chunk_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                  torch.Tensor]:
+    dy: torch.Tensor,
+    d_final: torch.Tensor | None,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None,
+    initial_state: torch.Tensor | None,
+    y: torch.Tensor,
+    chunk_size: int,
+) -> tuple[
+    torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor
+]:
     dx, ddt, dA, dB, dC, dD, _, _, dh0 = _mamba_halves()[1](
-        dy.contiguous(), x, dt, A, B, C, y, chunk_size, D=D, initial_states=initial_state,
-        dfinal_states=d_final.contiguous() if d_final is not None else None)
+        dy.contiguous(),
+        x,
+        dt,
+        A,
+        B,
+        C,
+        y,
+        chunk_size,
+        D=D,
+        initial_states=initial_state,
+        dfinal_states=d_final.contiguous() if d_final is not None else None,
+    )
     empty = x.new_empty(0, dtype=torch.float32)
-    return (dx.to(x.dtype), ddt.to(dt.dtype), dA.to(A.dtype), dB.to(B.dtype), dC.to(C.dtype),
-            dD.to(D.dtype) if D is not None else empty, dh0 if initial_state is not None else empty)
+    return (
+        dx.to(x.dtype),
+        ddt.to(dt.dtype),
+        dA.to(A.dtype),
+        dB.to(B.dtype),
+        dC.to(C.dtype),
+        dD.to(D.dtype) if D is not None else empty,
+        dh0 if initial_state is not None else empty,
+    )
 
 
 @_mamba_chunk_scan_backward.register_fake
 def _(dy, d_final, x, dt, A, B, C, D, initial_state, y, chunk_size):
     empty = x.new_empty(0, dtype=torch.float32)
-    return (x.new_empty(x.shape), dt.new_empty(dt.shape), A.new_empty(A.shape), B.new_empty(B.shape),
-            C.new_empty(C.shape), D.new_empty(D.shape) if D is not None else empty,
-            initial_state.new_empty(initial_state.shape) if initial_state is not None else empty)
+    return (
+        x.new_empty(x.shape),
+        dt.new_empty(dt.shape),
+        A.new_empty(A.shape),
+        B.new_empty(B.shape),
+        C.new_empty(C.shape),
+        D.new_empty(D.shape) if D is not None else empty,
+        initial_state.new_empty(initial_state.shape) if initial_state is not None else empty,
+    )
 
 
 def _mamba_setup(ctx, inputs, output):
@@ -117,9 +174,19 @@ def _mamba_grad(ctx, dy, d_final):
     x, dt, A, B, C, D, initial_state, y = ctx.saved_tensors
     d_final = d_final if ctx.output_final_state else None
     dx, ddt, dA, dB, dC, dD, dh0 = torch.ops.canon_titan.mamba_chunk_scan_backward(
-        dy, d_final, x, dt, A, B, C, D, initial_state, y, ctx.chunk_size)
-    return (dx, ddt, dA, dB, dC, dD if D is not None else None, dh0 if initial_state is not None else None, None,
-            None)
+        dy, d_final, x, dt, A, B, C, D, initial_state, y, ctx.chunk_size
+    )
+    return (
+        dx,
+        ddt,
+        dA,
+        dB,
+        dC,
+        dD if D is not None else None,
+        dh0 if initial_state is not None else None,
+        None,
+        None,
+    )
 
 
 _mamba_chunk_scan.register_autograd(_mamba_grad, setup_context=_mamba_setup)
@@ -137,10 +204,26 @@ def ssd_documents_forward(x, dt, A, B, C, D, chunk_size, output_final_state, seq
 def ssd_documents_backward(dy, d_final, x, dt, A, B, C, D, y, chunk_size, seq_idx):
     """The body of ``canon_titan::mamba_chunk_scan_documents_backward``."""
     dx, ddt, dA, dB, dC, dD, _, _, _ = _mamba_halves()[1](
-        dy.contiguous(), x, dt, A, B, C, y, chunk_size, D=D, seq_idx=seq_idx,
-        dfinal_states=d_final.contiguous() if d_final is not None else None)
-    return (dx.to(x.dtype), ddt.to(dt.dtype), dA.to(A.dtype), dB.to(B.dtype), dC.to(C.dtype),
-            dD.to(D.dtype) if D is not None else x.new_empty(0, dtype=torch.float32))
+        dy.contiguous(),
+        x,
+        dt,
+        A,
+        B,
+        C,
+        y,
+        chunk_size,
+        D=D,
+        seq_idx=seq_idx,
+        dfinal_states=d_final.contiguous() if d_final is not None else None,
+    )
+    return (
+        dx.to(x.dtype),
+        ddt.to(dt.dtype),
+        dA.to(A.dtype),
+        dB.to(B.dtype),
+        dC.to(C.dtype),
+        dD.to(D.dtype) if D is not None else x.new_empty(0, dtype=torch.float32),
+    )
 
 
 @torch.library.custom_op("canon_titan::mamba_chunk_scan_documents", mutates_args=())
@@ -209,12 +292,14 @@ def _mamba_documents_grad(ctx, dy, d_final):
     x, dt, A, B, C, D, y, seq_idx = ctx.saved_tensors
     d_final = d_final if ctx.output_final_state else None
     dx, ddt, dA, dB, dC, dD = torch.ops.canon_titan.mamba_chunk_scan_documents_backward(
-        dy, d_final, x, dt, A, B, C, D, y, ctx.chunk_size, seq_idx)
+        dy, d_final, x, dt, A, B, C, D, y, ctx.chunk_size, seq_idx
+    )
     return dx, ddt, dA, dB, dC, dD if D is not None else None, None, None, None
 
 
-_mamba_chunk_scan_documents.register_autograd(_mamba_documents_grad,
-                                              setup_context=_mamba_documents_setup)
+_mamba_chunk_scan_documents.register_autograd(
+    _mamba_documents_grad, setup_context=_mamba_documents_setup
+)
 
 
 def _ssd_torch(x, dt, A, B, C, D, chunk_size, initial_state, documents=None):

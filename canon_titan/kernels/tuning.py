@@ -42,7 +42,6 @@ import torch
 import torch.distributed as dist
 import triton.runtime.autotuner as autotuner
 from torch.distributed import DistStoreError
-
 from torchtitan.tools.logging import logger
 
 from canon_titan.tools.collectives import rank_zero_decides, store_barrier
@@ -90,7 +89,10 @@ winners of ``chunk_gla_fwd_A_kernel_intra_sub_intra`` and ``chunk_local_cumsum_v
 at 1B."""
 
 NARROWED: dict[str, dict[str, Keep]] = {
-    "fla.ops.utils.cumsum": {"chunk_local_cumsum_vector_kernel": CHUNK, "chunk_local_cumsum_scalar_kernel": CHUNK},
+    "fla.ops.utils.cumsum": {
+        "chunk_local_cumsum_vector_kernel": CHUNK,
+        "chunk_local_cumsum_scalar_kernel": CHUNK,
+    },
     "fla.ops.common.chunk_h": {"chunk_fwd_kernel_h": STATE, "chunk_bwd_kernel_dh": STATE},
     "fla.ops.gla.chunk": {
         "chunk_gla_fwd_A_kernel_intra_sub_inter": Keep(num_warps=(4, 8), num_stages=(3,)),
@@ -101,21 +103,36 @@ NARROWED: dict[str, dict[str, Keep]] = {
         "chunk_gla_bwd_kernel_dv": CHUNK_TILED,
         "chunk_gla_bwd_kernel_inter": CHUNK_TILED,
     },
-    "fla.ops.common.chunk_delta_h": {"chunk_gated_delta_rule_fwd_kernel_h_blockdim64": STATE,
-                                     "chunk_gated_delta_rule_bwd_kernel_dhu_blockdim64": STATE},
+    "fla.ops.common.chunk_delta_h": {
+        "chunk_gated_delta_rule_fwd_kernel_h_blockdim64": STATE,
+        "chunk_gated_delta_rule_bwd_kernel_dhu_blockdim64": STATE,
+    },
     "fla.ops.common.chunk_o": {"chunk_bwd_kernel_dv_local": CHUNK, "chunk_bwd_kernel_dqkwg": CHUNK},
-    "fla.ops.gated_delta_rule.wy_fast": {"recompute_w_u_fwd_kernel": CHUNK, "prepare_wy_repr_bwd_kernel": CHUNK},
+    "fla.ops.gated_delta_rule.wy_fast": {
+        "recompute_w_u_fwd_kernel": CHUNK,
+        "prepare_wy_repr_bwd_kernel": CHUNK,
+    },
     "fla.ops.gated_delta_rule.chunk_fwd": {"chunk_gated_delta_rule_fwd_kkt_solve_kernel": CHUNK},
 }
 """Defining module -> kernel -> the configurations its autotuner times. fla's other autotuned kernels on these
 paths offer 3 configurations or fewer."""
-UNMEASURED = frozenset({
-    "chunk_local_cumsum_scalar_kernel", "chunk_bwd_kernel_dh", "chunk_gla_bwd_kernel_dA",
-    "chunk_gla_bwd_kernel_intra", "chunk_gla_bwd_kernel_dv", "chunk_gla_bwd_kernel_inter",
-    "chunk_gated_delta_rule_fwd_kernel_h_blockdim64",
-    "chunk_gated_delta_rule_bwd_kernel_dhu_blockdim64", "chunk_bwd_kernel_dv_local",
-    "chunk_bwd_kernel_dqkwg", "recompute_w_u_fwd_kernel", "prepare_wy_repr_bwd_kernel",
-    "chunk_gated_delta_rule_fwd_kkt_solve_kernel"})
+UNMEASURED = frozenset(
+    {
+        "chunk_local_cumsum_scalar_kernel",
+        "chunk_bwd_kernel_dh",
+        "chunk_gla_bwd_kernel_dA",
+        "chunk_gla_bwd_kernel_intra",
+        "chunk_gla_bwd_kernel_dv",
+        "chunk_gla_bwd_kernel_inter",
+        "chunk_gated_delta_rule_fwd_kernel_h_blockdim64",
+        "chunk_gated_delta_rule_bwd_kernel_dhu_blockdim64",
+        "chunk_bwd_kernel_dv_local",
+        "chunk_bwd_kernel_dqkwg",
+        "recompute_w_u_fwd_kernel",
+        "prepare_wy_repr_bwd_kernel",
+        "chunk_gated_delta_rule_fwd_kkt_solve_kernel",
+    }
+)
 """The kernels of ``NARROWED`` whose rule no lease has timed (no entry of theirs in
 ``scripts/benchmarks/gpu_check_tuned.json``): a rule by analogy with the forward kernel of its
 class. A lease checks one with ``CANON_TITAN_FULL_AUTOTUNE=1`` (``docs/benchmarks/tuning.md``)."""
@@ -174,8 +191,10 @@ def watch(package: str) -> None:
             module = importlib.import_module(module_name)
             missing = [k for k in kernels if autotuner_of(getattr(module, k, None)) is None]
             if missing:
-                raise RuntimeError(f"canon_titan.kernels.tuning: {module_name} has no autotuned kernel "
-                                   f"{', '.join(missing)} (another flash-linear-attention version?)")
+                raise RuntimeError(
+                    f"canon_titan.kernels.tuning: {module_name} has no autotuned kernel "
+                    f"{', '.join(missing)} (another flash-linear-attention version?)"
+                )
     root, seen = KERNEL_PACKAGES[package], set()
     for module_name in [n for n in sys.modules if n == root or n.startswith(root + ".")]:
         for obj in list(vars(sys.modules[module_name]).values()):
@@ -204,8 +223,10 @@ def wait_for_every_rank(what: str) -> None:
     try:
         store_barrier("kernel-tuning-done", TUNING_WAIT)
     except DistStoreError:
-        raise RuntimeError(f"rank {dist.get_rank()} waited {TUNING_WAIT.seconds} s for the other "
-                           f"ranks to finish tuning their kernels ({what})") from None
+        raise RuntimeError(
+            f"rank {dist.get_rank()} waited {TUNING_WAIT.seconds} s for the other "
+            f"ranks to finish tuning their kernels ({what})"
+        ) from None
     waited = time.perf_counter() - started
     if waited >= 1.0:
         logger.info(f"kernel tuning: every rank done after {waited:.1f} s of waiting")
@@ -218,8 +239,9 @@ def _name(tuner: autotuner.Autotuner) -> str:
 def choices(tuners: list[autotuner.Autotuner]) -> dict[str, dict[tuple, str]]:
     """The configuration each autotuner chose for each tuning key it has seen, by kernel and key
     (as Triton writes the configuration: the same text names the same one of its list anywhere)."""
-    return {_name(t): {key: str(config) for key, config in t.cache.items()}
-            for t in tuners if t.cache}
+    return {
+        _name(t): {key: str(config) for key, config in t.cache.items()} for t in tuners if t.cache
+    }
 
 
 def pin(tuners: list[autotuner.Autotuner], chosen: dict[str, dict[tuple, str]]) -> int:
@@ -234,13 +256,16 @@ def pin(tuners: list[autotuner.Autotuner], chosen: dict[str, dict[tuple, str]]) 
                 tuner.cache[key] = own[text]
                 pinned += 1
             else:
-                logger.warning(f"kernel tuning: rank 0 chose a configuration that {_name(tuner)} "
-                               f"does not offer here ({text}); this rank tunes it itself")
+                logger.warning(
+                    f"kernel tuning: rank 0 chose a configuration that {_name(tuner)} "
+                    f"does not offer here ({text}); this rank tunes it itself"
+                )
     return pinned
 
 
-def tuned_on_rank_zero(run: Callable[[], None], what: str,
-                       tuners: list[autotuner.Autotuner] | None = None) -> None:
+def tuned_on_rank_zero(
+    run: Callable[[], None], what: str, tuners: list[autotuner.Autotuner] | None = None
+) -> None:
     """``run()`` (a call of the kernels at the first step's shapes) tunes them on rank 0; every
     other rank pins rank 0's choices (``pin``), then runs it, compiling without timing; then every
     rank waits for the others (``wait_for_every_rank``). So every rank runs the same configuration
@@ -260,4 +285,8 @@ def tuned_on_rank_zero(run: Callable[[], None], what: str,
 
 def device_for_kernels() -> torch.device:
     """Where this process's Triton kernels run: its current GPU, or the CPU under Triton's interpreter."""
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    return (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
+        else torch.device("cpu")
+    )

@@ -74,8 +74,12 @@ class DumpFolderUnusable(RuntimeError):
     pass
 
 
-def lock_dump_folder(dump_folder: str | os.PathLike, *, hold: bool = True,
-                     on_lost: Callable[[str], None] | None = None) -> None:
+def lock_dump_folder(
+    dump_folder: str | os.PathLike,
+    *,
+    hold: bool = True,
+    on_lost: Callable[[str], None] | None = None,
+) -> None:
     """Take the dump folder's run lock and lease (kept for the process's life when ``hold``; else only
     checked), or raise DumpFolderInUse naming the live run that has them, or DumpFolderUnusable when
     the lock file cannot be opened. ``on_lost(line)`` is called (from the refreshing thread) if
@@ -86,16 +90,22 @@ def lock_dump_folder(dump_folder: str | os.PathLike, *, hold: bool = True,
     try:
         handle = open(path, "a+")
     except OSError as e:
-        raise DumpFolderUnusable(f"cannot open the lock file {path}: {e.strerror or e} (another user's folder, or "
-                                 "read-only?); use a [job] dump_folder this user can write") from None
+        raise DumpFolderUnusable(
+            f"cannot open the lock file {path}: {e.strerror or e} (another user's folder, or "
+            "read-only?); use a [job] dump_folder this user can write"
+        ) from None
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:
         handle.close()
         if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-            raise DumpFolderInUse(f"dump folder {folder} is in use by a live run ({_describe_holder(folder)}); "
-                                  "wait for it to end or stop it, or use another [job] dump_folder") from None
-        handle = None  # no working flock here, whatever it says: the lease alone keeps other runs out
+            raise DumpFolderInUse(
+                f"dump folder {folder} is in use by a live run ({_describe_holder(folder)}); "
+                "wait for it to end or stop it, or use another [job] dump_folder"
+            ) from None
+        handle = (
+            None  # no working flock here, whatever it says: the lease alone keeps other runs out
+        )
     try:
         _take_lease(folder, hold, on_lost)
     except BaseException:
@@ -124,8 +134,16 @@ LEASE_EXPIRY_S = 150
 """A refreshed lease untouched for this long, held from another host by a run that SLURM does not
 say is still running, belongs to a run that is over (five refreshes missed; the margin also covers
 clocks of different hosts that disagree by a minute)."""
-SLURM_LIVE_STATES = {"RUNNING", "SUSPENDED", "STOPPED", "COMPLETING", "CONFIGURING", "SIGNALING", "RESIZING",
-                     "STAGE_OUT"}
+SLURM_LIVE_STATES = {
+    "RUNNING",
+    "SUSPENDED",
+    "STOPPED",
+    "COMPLETING",
+    "CONFIGURING",
+    "SIGNALING",
+    "RESIZING",
+    "STAGE_OUT",
+}
 """squeue's states of a job that may still have processes: its lease is never taken, however long it
 went unrefreshed (a suspended job refreshes nothing)."""
 
@@ -141,11 +159,17 @@ def _process_start(pid) -> int | None:
 
 def _lease_holder() -> dict:
     """What a lease records: the process, and the SLURM job and requeue count it belongs to."""
-    return {"pid": os.getpid(), "pid_start": _process_start(os.getpid()), "host": socket.gethostname(),
-            "started": datetime.datetime.now().isoformat(timespec="seconds"), "refresh_s": LEASE_REFRESH_S,
-            "token": os.urandom(8).hex(), "slurm_job": os.environ.get("SLURM_JOB_ID"),
-            "slurm_step": os.environ.get("SLURM_STEP_ID"),
-            "slurm_restart": int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)}
+    return {
+        "pid": os.getpid(),
+        "pid_start": _process_start(os.getpid()),
+        "host": socket.gethostname(),
+        "started": datetime.datetime.now().isoformat(timespec="seconds"),
+        "refresh_s": LEASE_REFRESH_S,
+        "token": os.urandom(8).hex(),
+        "slurm_job": os.environ.get("SLURM_JOB_ID"),
+        "slurm_step": os.environ.get("SLURM_STEP_ID"),
+        "slurm_restart": int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0),
+    }
 
 
 def _alive_here(holder: dict) -> bool:
@@ -159,8 +183,12 @@ def _slurm_state(job: str) -> str | None:
     if shutil.which("squeue") is None:
         return None
     try:
-        out = subprocess.run(["squeue", "--noheader", "--jobs", str(job), "--format", "%T"], capture_output=True,
-                             text=True, timeout=30)
+        out = subprocess.run(
+            ["squeue", "--noheader", "--jobs", str(job), "--format", "%T"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
     except (OSError, subprocess.TimeoutExpired):
         return None
     states = out.stdout.split() if out.returncode == 0 else []
@@ -181,19 +209,33 @@ def _judge(holder: dict | None, age: float) -> tuple[bool, str]:
     if job and holder.get("slurm_job") == job:
         restart = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
         if int(holder.get("slurm_restart") or 0) < restart:
-            return True, (f"it was written before SLURM requeued job {job} "
-                          f"(requeue {holder.get('slurm_restart')} < {restart})")
+            return True, (
+                f"it was written before SLURM requeued job {job} "
+                f"(requeue {holder.get('slurm_restart')} < {restart})"
+            )
         if holder.get("slurm_step") == os.environ.get("SLURM_STEP_ID"):
-            return True, f"it was written on another node of this job step (SLURM job {job}), not by another run"
+            return (
+                True,
+                f"it was written on another node of this job step (SLURM job {job}), not by another run",
+            )
     if not holder.get("refresh_s"):
         return False, "it does not say that it is refreshed, so its age tells nothing"
     if age <= LEASE_EXPIRY_S:
-        return False, f"refreshed {age:.0f} s ago; another host's lease is over once unrefreshed for {LEASE_EXPIRY_S} s"
+        return (
+            False,
+            f"refreshed {age:.0f} s ago; another host's lease is over once unrefreshed for {LEASE_EXPIRY_S} s",
+        )
     other_job = holder.get("slurm_job")
     state = _slurm_state(other_job) if other_job and other_job != job else None
     if state in SLURM_LIVE_STATES:
-        return False, f"its SLURM job {other_job} is {state}, though the lease went unrefreshed for {age:.0f} s"
-    return True, f"it has not been refreshed for {age:.0f} s (its holder refreshes it every {holder['refresh_s']} s)"
+        return (
+            False,
+            f"its SLURM job {other_job} is {state}, though the lease went unrefreshed for {age:.0f} s",
+        )
+    return (
+        True,
+        f"it has not been refreshed for {age:.0f} s (its holder refreshes it every {holder['refresh_s']} s)",
+    )
 
 
 def _read_lease(lease: Path) -> tuple[str, float] | None:
@@ -204,8 +246,10 @@ def _read_lease(lease: Path) -> tuple[str, float] | None:
     except FileNotFoundError:
         return None
     except OSError as e:
-        raise DumpFolderUnusable(f"cannot read the lease file {lease}: {e.strerror or e}; use a [job] dump_folder "
-                                 "this user can write") from None
+        raise DumpFolderUnusable(
+            f"cannot read the lease file {lease}: {e.strerror or e}; use a [job] dump_folder "
+            "this user can write"
+        ) from None
 
 
 def _parse(text: str) -> dict | None:
@@ -231,9 +275,10 @@ def _create_exclusive(lease: Path, text: str) -> bool:
     except FileExistsError:
         return os.stat(tmp).st_nlink == 2
     except OSError as e:  # a full disk, or a filesystem without hard links (some FUSE mounts)
-        raise DumpFolderUnusable(f"cannot create the lease file {lease}: {e.strerror or e}; use a [job] dump_folder "
-                                 "with free space, on a POSIX filesystem (NFS, Lustre, GPFS, BeeGFS, a local disk)"
-                                 ) from None
+        raise DumpFolderUnusable(
+            f"cannot create the lease file {lease}: {e.strerror or e}; use a [job] dump_folder "
+            "with free space, on a POSIX filesystem (NFS, Lustre, GPFS, BeeGFS, a local disk)"
+        ) from None
     finally:
         tmp.unlink(missing_ok=True)
 
@@ -278,7 +323,9 @@ def _take_lease(folder: Path, hold: bool, on_lost: Callable[[str], None] | None 
                 raise DumpFolderInUse(
                     f"dump folder {folder} is in use by a run (pid {holder.get('pid')} on {holder.get('host')}, "
                     f"started {holder.get('started')}, from its lease file {lease}: {why}); wait for it to end or "
-                    "stop it, or use another [job] dump_folder" + ("" if here else f"; delete {lease} if it is over"))
+                    "stop it, or use another [job] dump_folder"
+                    + ("" if here else f"; delete {lease} if it is over")
+                )
             if not hold:
                 return
             if not _remove_if_unchanged(lease, text):
@@ -290,8 +337,10 @@ def _take_lease(folder: Path, hold: bool, on_lost: Callable[[str], None] | None 
         if _create_exclusive(lease, text):
             _hold_lease(lease, text, on_lost)
             return
-    raise DumpFolderInUse(f"dump folder {folder}: another process keeps taking its lease file {lease}; "
-                          "is another run starting there?")
+    raise DumpFolderInUse(
+        f"dump folder {folder}: another process keeps taking its lease file {lease}; "
+        "is another run starting there?"
+    )
 
 
 def _hold_lease(lease: Path, text: str, on_lost: Callable[[str], None] | None) -> None:
@@ -317,10 +366,12 @@ def _hold_lease(lease: Path, text: str, on_lost: Callable[[str], None] | None) -
             except OSError:
                 return
         if not released.is_set():
-            line = (f"the lease {lease} is no longer this run's ({_describe_holder(lease.parent)} "
-                    "holds it, or it was deleted): another run may write into the same dump "
-                    "folder; this run stops before its next save, so that the two do not write "
-                    "checkpoints side by side")
+            line = (
+                f"the lease {lease} is no longer this run's ({_describe_holder(lease.parent)} "
+                "holds it, or it was deleted): another run may write into the same dump "
+                "folder; this run stops before its next save, so that the two do not write "
+                "checkpoints side by side"
+            )
             logger.error(line)
             if on_lost is not None:
                 on_lost(line)
@@ -333,7 +384,11 @@ def held_lease_token(dump_folder: str | os.PathLike) -> str | None:
     """The token of the lease this process holds on ``dump_folder``, or None."""
     found = _read_lease(Path(dump_folder) / LEASE_FILE)
     holder = _parse(found[0]) if found else None
-    if holder is None or holder.get("host") != socket.gethostname() or holder.get("pid") != os.getpid():
+    if (
+        holder is None
+        or holder.get("host") != socket.gethostname()
+        or holder.get("pid") != os.getpid()
+    ):
         return None
     return holder.get("token")
 
@@ -366,10 +421,12 @@ def check_shared(store, dump_folder: str | os.PathLike, token: str) -> str | Non
     if not unseen:
         return None
     first = store.get(first_blind).decode()
-    return (f"dump folder {dump_folder} is not shared by every node: {unseen} of {nodes} nodes "
-            f"(the first: {first}) do not see the lease file {LEASE_FILE} that rank 0 wrote in "
-            "it; put [job] dump_folder on a filesystem every node mounts at the same path (NFS, "
-            "Lustre, GPFS, ...)")
+    return (
+        f"dump folder {dump_folder} is not shared by every node: {unseen} of {nodes} nodes "
+        f"(the first: {first}) do not see the lease file {LEASE_FILE} that rank 0 wrote in "
+        "it; put [job] dump_folder on a filesystem every node mounts at the same path (NFS, "
+        "Lustre, GPFS, ...)"
+    )
 
 
 def _sees(lease: Path, token: str) -> bool:

@@ -14,14 +14,19 @@ from pathlib import Path
 
 from torch.distributed import DistStoreError
 
+from canon_titan.components.checkpointer import refuse_saves
+from canon_titan.components.resume_checks import ResumeRefused, check_resume
 from canon_titan.config import run_toml
 from canon_titan.config.build import absolute_paths
 from canon_titan.convert.dcp_io import NoLoadableCheckpoint
 from canon_titan.data.fingerprint import data_fingerprint
-from canon_titan.launch.ownership import (DumpFolderInUse, DumpFolderUnusable, check_shared, held_lease_token,
-                                         lock_dump_folder)
-from canon_titan.components.checkpointer import refuse_saves
-from canon_titan.components.resume_checks import ResumeRefused, check_resume
+from canon_titan.launch.ownership import (
+    DumpFolderInUse,
+    DumpFolderUnusable,
+    check_shared,
+    held_lease_token,
+    lock_dump_folder,
+)
 from canon_titan.tools.collectives import rank_zero_decides, store_barrier
 from canon_titan.trainer import RUN_CONFIG_FILE, FinishedRun, config_changes, resume_point
 
@@ -42,7 +47,9 @@ class Verdict:
         self.warnings = warnings or []
 
 
-def check_launch(run, world_size: int, *, lock: str = "check", compare_config: bool = True) -> Verdict:
+def check_launch(
+    run, world_size: int, *, lock: str = "check", compare_config: bool = True
+) -> Verdict:
     """Every check that needs only the run config and the files on disk. ``lock``: "check" that no
     live run holds the dump folder, "hold" its lock for this process (the training process of rank
     0), or "skip" it (another rank of the same job holds it)."""
@@ -54,17 +61,27 @@ def check_launch(run, world_size: int, *, lock: str = "check", compare_config: b
         ckpt = run["checkpoint"]
         if ckpt["enable"]:
             folder = Path(dump) / ckpt["folder"]
-            step, skipped = resume_point(str(folder), ckpt["load_step"], run["training"]["steps"], dump)
+            step, skipped = resume_point(
+                str(folder), ckpt["load_step"], run["training"]["steps"], dump
+            )
             warnings += skipped
             if step >= 0 and not ckpt["load_only"]:
                 warnings += _resume_warnings(run, folder / f"step-{step}", world_size)
-    except (DumpFolderInUse, DumpFolderUnusable, NoLoadableCheckpoint, FinishedRun, ResumeRefused) as e:
+    except (
+        DumpFolderInUse,
+        DumpFolderUnusable,
+        NoLoadableCheckpoint,
+        FinishedRun,
+        ResumeRefused,
+    ) as e:
         return Verdict(str(e), warnings)
     if compare_config:
         written = run_toml(run, absolute_paths(run.sections), record=True)
         changes = config_changes(os.path.join(dump, RUN_CONFIG_FILE), written)
         if changes:
-            warnings.append(f"the config differs from the one of the run already in {dump}: {changes}")
+            warnings.append(
+                f"the config differs from the one of the run already in {dump}: {changes}"
+            )
     return Verdict(None, warnings)
 
 
@@ -76,10 +93,16 @@ def _resume_warnings(run, step_dir: Path, world_size: int) -> list[str]:
     global_batch = training["global_batch_size"]
     if global_batch <= 0:
         global_batch = training["local_batch_size"] * dp_size
-    verdict = check_resume(step_dir, shapes=run.state_dict_adapter().shapes, model=run.label(),
-                           fingerprint=data_fingerprint(data["dataset"], data["dataset_path"], data["sources"]),
-                           allow_changed_data=data["allow_changed_data"], dp_size=dp_size, global_batch=global_batch,
-                           batch_explicit=training["global_batch_size"] > 0)
+    verdict = check_resume(
+        step_dir,
+        shapes=run.state_dict_adapter().shapes,
+        model=run.label(),
+        fingerprint=data_fingerprint(data["dataset"], data["dataset_path"], data["sources"]),
+        allow_changed_data=data["allow_changed_data"],
+        dp_size=dp_size,
+        global_batch=global_batch,
+        batch_explicit=training["global_batch_size"] > 0,
+    )
     return verdict.warnings
 
 
@@ -91,7 +114,9 @@ def agreed_verdict(run) -> Verdict:
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     store = _launcher_store() if world_size > 1 else None
-    if store is None:  # one process, or started without torchrun's agent: each rank checks for itself
+    if (
+        store is None
+    ):  # one process, or started without torchrun's agent: each rank checks for itself
         verdict = _decide(run, world_size, lock="hold" if rank == 0 else "skip")
         return verdict if rank == 0 else Verdict(verdict.problem)
     dump = run["job"]["dump_folder"]
@@ -101,8 +126,9 @@ def agreed_verdict(run) -> Verdict:
         token = None if verdict.problem else held_lease_token(dump)
         return verdict.problem, verdict.warnings, token
 
-    problem, warnings, token = rank_zero_decides(decide, "launch-verdict", timeout=VERDICT_WAIT,
-                                                 store=store)
+    problem, warnings, token = rank_zero_decides(
+        decide, "launch-verdict", timeout=VERDICT_WAIT, store=store
+    )
     verdict = Verdict(problem, warnings if rank == 0 else [])
     if verdict.problem is None:
         verdict.problem = check_shared(store, dump, token)
@@ -122,7 +148,9 @@ def _until_every_rank_has_it(store) -> None:
 
 
 def _decide(run, world_size: int, lock: str = "hold") -> Verdict:
-    if os.environ.get(CHECKED_ENV) == "1":  # the launcher checked and warned; only the lock is left to take
+    if (
+        os.environ.get(CHECKED_ENV) == "1"
+    ):  # the launcher checked and warned; only the lock is left to take
         try:
             if lock == "hold":
                 lock_dump_folder(run["job"]["dump_folder"], on_lost=refuse_saves)
@@ -140,5 +168,9 @@ def _launcher_store():
         return None
     from torch.distributed import TCPStore
 
-    return TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                    timeout=VERDICT_WAIT)
+    return TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        is_master=False,
+        timeout=VERDICT_WAIT,
+    )

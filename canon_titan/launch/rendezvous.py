@@ -50,9 +50,11 @@ def port_taken(port: int) -> bool:
 
 def _store_port_problem(host: str, port: int) -> str | None:
     if _this_host(host) and port_taken(port):
-        return (f"port {port} on {host} (--master_port, MASTER_PORT) is taken by another process, "
-                "so the rendezvous store cannot start there: pick a free port "
-                "(scripts/run_train.sh: MASTER_PORT=...) for every node")
+        return (
+            f"port {port} on {host} (--master_port, MASTER_PORT) is taken by another process, "
+            "so the rendezvous store cannot start there: pick a free port "
+            "(scripts/run_train.sh: MASTER_PORT=...) for every node"
+        )
     return None
 
 
@@ -66,9 +68,11 @@ def problem(launch, nodes: int) -> str | None:
         return None
     rank, port = launch.node_rank, launch.master_port or 29500  # torchrun's default port
     if not 0 <= rank < nodes:
-        return (f"node rank {rank} (--node_rank, NODE_RANK) is outside 0 to {nodes - 1} for "
-                f"{nodes} nodes (--nnodes, NNODES): give each node its own rank, node 0 the one "
-                "at MASTER_ADDR")
+        return (
+            f"node rank {rank} (--node_rank, NODE_RANK) is outside 0 to {nodes - 1} for "
+            f"{nodes} nodes (--nnodes, NNODES): give each node its own rank, node 0 the one "
+            "at MASTER_ADDR"
+        )
     if rank == 0:
         return _store_port_problem(launch.master_addr, port)
     return _claim(launch.master_addr, port, rank)
@@ -87,10 +91,14 @@ def _claim(host: str, port: int, rank: int) -> str | None:
     try:
         store = TCPStore(host, port, is_master=False, timeout=CLAIM_WAIT)
     except DistError:
-        return (f"node 0 did not answer at {host}:{port} (MASTER_ADDR, MASTER_PORT) within "
-                f"{CLAIM_WAIT.seconds} s: start it, or give every node its address and port")
+        return (
+            f"node 0 did not answer at {host}:{port} (MASTER_ADDR, MASTER_PORT) within "
+            f"{CLAIM_WAIT.seconds} s: start it, or give every node its address and port"
+        )
     holder = store.compare_set(claim_key(rank), "", me).decode()
     if holder != me:
-        return (f"node rank {rank} (--node_rank, NODE_RANK) is taken by {holder}, which joined "
-                "first: give each node its own rank from 0 to NNODES - 1")
+        return (
+            f"node rank {rank} (--node_rank, NODE_RANK) is taken by {holder}, which joined "
+            "first: give each node its own rank from 0 to NNODES - 1"
+        )
     return None

@@ -49,9 +49,22 @@ import threading
 import time
 from pathlib import Path
 
-from canon_titan.components.exit_codes import (DUPLICATE_WINDOW_S, OUTCOME_DIR_ENV, PREEMPTED, REFUSED, STOPPED,
-                                               STOPPED_EXIT_CODES, before_exit, exit_now, reported_exits,
-                                               reported_lines, saved_checkpoints, take_stop_signals, trained, watching)
+from canon_titan.components.exit_codes import (
+    DUPLICATE_WINDOW_S,
+    OUTCOME_DIR_ENV,
+    PREEMPTED,
+    REFUSED,
+    STOPPED,
+    STOPPED_EXIT_CODES,
+    before_exit,
+    exit_now,
+    reported_exits,
+    reported_lines,
+    saved_checkpoints,
+    take_stop_signals,
+    trained,
+    watching,
+)
 
 TRAINING_MODULE = "canon_titan.train"
 SHUTDOWN_MARGIN_S = 30
@@ -67,14 +80,18 @@ def _terminate_once(signum, frame) -> None:
     if _first_signal_at and now - _first_signal_at[0] <= DUPLICATE_WINDOW_S:
         return
     _first_signal_at[:] = [now]
-    raise SignalException(f"Process {os.getpid()} got signal: {signal.Signals(signum)}",
-                          sigval=signal.Signals(signum))
+    raise SignalException(
+        f"Process {os.getpid()} got signal: {signal.Signals(signum)}", sigval=signal.Signals(signum)
+    )
 
 
 def _stop_before_start(signum) -> None:
     """A stop signal before torchrun has its own handlers: no worker has started."""
-    os.write(2, f"canon-titan: {signal.Signals(signum).name} before the training processes started: stopped, "
-                "nothing to save; run the same command again\n".encode())
+    os.write(
+        2,
+        f"canon-titan: {signal.Signals(signum).name} before the training processes started: stopped, "
+        "nothing to save; run the same command again\n".encode(),
+    )
     exit_now(PREEMPTED)
 
 
@@ -133,7 +150,11 @@ class _PurposefulStops(logging.Filter):
         message = record.msg if isinstance(record.msg, str) else ""
         if message.startswith(("Sending process %s closing signal", "Received %s death signal")):
             return False
-        if message.startswith("failed (exitcode: %s)") and record.args and self._stopped_on_purpose(record.args[0]):
+        if (
+            message.startswith("failed (exitcode: %s)")
+            and record.args
+            and self._stopped_on_purpose(record.args[0])
+        ):
             self.seen = True
             return False
         return not (self.seen and message.startswith("no error file defined"))
@@ -144,10 +165,14 @@ def with_defaults(argv: list[str], grace: int | None) -> tuple[list[str], str | 
     when known) and ``--signals-to-handle`` added where they are not given and the job runs
     ``canon_titan.train``; and the log folder made here (None if none)."""
     try:
-        module = next(i for i in range(1, len(argv)) if argv[i] == TRAINING_MODULE and argv[i - 1] in ("-m", "--module"))
+        module = next(
+            i
+            for i in range(1, len(argv))
+            if argv[i] == TRAINING_MODULE and argv[i - 1] in ("-m", "--module")
+        )
     except StopIteration:
         return argv, None
-    launcher, training = argv[:module - 1], argv[module - 1:]
+    launcher, training = argv[: module - 1], argv[module - 1 :]
     given = {arg.split("=")[0].replace("_", "-") for arg in launcher if arg.startswith("--")}
     added, own_log_dir = [], None
     if "--log-dir" not in given:
@@ -171,16 +196,17 @@ def _checked_run(launch) -> tuple[int | None, str | None]:
     """For a job of ``canon_titan.train``: its run's ``[job] stop_grace_seconds`` (None when unknown), and
     what ``config validate`` finds wrong with its config at the job's world size (None: nothing, or
     ``canon-titan train`` has checked it already)."""
+    from torch.distributed.run import determine_local_world_size, parse_min_max_nnodes
+
     from canon_titan.config import ConfigError, load
     from canon_titan.config.titan_sections import load_or_report
     from canon_titan.launch.prelaunch import CHECKED_ENV
-    from torch.distributed.run import determine_local_world_size, parse_min_max_nnodes
 
     args = launch.training_script_args
     if "--config" not in args[:-1]:
         return None, None  # the workers say what is missing
     at = args.index("--config")
-    path, overrides = args[at + 1], args[:at] + args[at + 2:]
+    path, overrides = args[at + 1], args[:at] + args[at + 2 :]
     if os.environ.get(CHECKED_ENV) == "1":
         try:
             return load(path, overrides, environment=False)["job"]["stop_grace_seconds"], None
@@ -190,7 +216,9 @@ def _checked_run(launch) -> tuple[int | None, str | None]:
     min_nodes, max_nodes = parse_min_max_nnodes(launch.nnodes)
     try:
         if min_nodes == max_nodes:
-            os.environ["WORLD_SIZE"] = str(max_nodes * determine_local_world_size(launch.nproc_per_node))
+            os.environ["WORLD_SIZE"] = str(
+                max_nodes * determine_local_world_size(launch.nproc_per_node)
+            )
     except ValueError:
         pass  # "gpu" on a machine without one: torchrun says so
     try:
@@ -226,14 +254,18 @@ def _local_address(launch) -> tuple[list[str], str | None]:
         reason = e.strerror or str(e)
     if _single_node(launch):
         return ["--local-addr", "127.0.0.1"], None
-    return [], (f"this host's name {name!r} does not resolve ({reason}), and the other nodes (and gloo) find a "
-                "node by its name: add it to /etc/hosts or DNS, or give torchrun --local-addr with an address the "
-                "other nodes reach (scripts/run_train.sh: PET_LOCAL_ADDR=ADDR)")
+    return [], (
+        f"this host's name {name!r} does not resolve ({reason}), and the other nodes (and gloo) find a "
+        "node by its name: add it to /etc/hosts or DNS, or give torchrun --local-addr with an address the "
+        "other nodes reach (scripts/run_train.sh: PET_LOCAL_ADDR=ADDR)"
+    )
 
 
 def _endpoint(launch) -> str:
     """Where the rendezvous is: ``--rdzv_endpoint``, or the static one's master address and port."""
-    return launch.rdzv_endpoint or f"{launch.master_addr}:{launch.master_port or 29500}"  # torchrun's default port
+    return (
+        launch.rdzv_endpoint or f"{launch.master_addr}:{launch.master_port or 29500}"
+    )  # torchrun's default port
 
 
 def _store_host(launch) -> str | None:
@@ -254,9 +286,11 @@ def _store_host(launch) -> str | None:
             return None
         except OSError:
             continue
-    return (f"this node has node rank 0, so it hosts the rendezvous at {host!r} (--master_addr, MASTER_ADDR), "
-            "which is not one of its addresses: give every other node its own node rank (--node_rank, "
-            "NODE_RANK: 1 to nodes - 1) and node 0's address")
+    return (
+        f"this node has node rank 0, so it hosts the rendezvous at {host!r} (--master_addr, MASTER_ADDR), "
+        "which is not one of its addresses: give every other node its own node rank (--node_rank, "
+        "NODE_RANK: 1 to nodes - 1) and node 0's address"
+    )
 
 
 WAIT_REPORT_S = 30
@@ -272,13 +306,17 @@ def _waiting_for(launch) -> str:
     others = "node 1" if nodes == 2 else f"nodes 1-{nodes - 1}"
     if launch.rdzv_backend != "static":
         answers = "answers" if _answers(endpoint) else "does not answer yet"
-        return (f"waiting for {nodes} nodes to join the {launch.rdzv_backend} rendezvous {launch.rdzv_id!r} at "
-                f"{endpoint} (which {answers})")
+        return (
+            f"waiting for {nodes} nodes to join the {launch.rdzv_backend} rendezvous {launch.rdzv_id!r} at "
+            f"{endpoint} (which {answers})"
+        )
     if launch.node_rank == 0:
         return f"node 0 of {nodes}: waiting for {others} to join at {endpoint} (the store on this node)"
     if not _answers(endpoint):
-        return (f"node {launch.node_rank} of {nodes}: waiting for node 0 at {endpoint}, which does not answer yet "
-                "(node 0 starts the store there)")
+        return (
+            f"node {launch.node_rank} of {nodes}: waiting for node 0 at {endpoint}, which does not answer yet "
+            "(node 0 starts the store there)"
+        )
     return f"node {launch.node_rank} of {nodes}: node 0 answers at {endpoint}; waiting for the other nodes to join"
 
 
@@ -299,8 +337,11 @@ def _say_while_waiting(launch) -> None:
         time.sleep(WAIT_REPORT_S)
         if not watching(signal.SIGTERM):
             return
-        print(f"canon-titan: {_waiting_for(launch)}, {time.monotonic() - began:.0f} s so far", file=sys.stderr,
-              flush=True)
+        print(
+            f"canon-titan: {_waiting_for(launch)}, {time.monotonic() - began:.0f} s so far",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -319,13 +360,17 @@ def main(argv: list[str] | None = None) -> int:
 
     argv = sys.argv[1:] if argv is None else argv
     launch = parse_args(argv)  # torchrun's own reading of its arguments
-    grace, problem = _checked_run(launch) if launch.module and launch.training_script == TRAINING_MODULE \
+    grace, problem = (
+        _checked_run(launch)
+        if launch.module and launch.training_script == TRAINING_MODULE
         else (None, None)
+    )
     local, problem = ([], problem) if problem else _local_address(launch)
     problem = problem or _store_host(launch)
     if not problem and not _single_node(launch):
-        threading.Thread(target=_say_while_waiting, args=(launch,), name="waiting",
-                         daemon=True).start()
+        threading.Thread(
+            target=_say_while_waiting, args=(launch,), name="waiting", daemon=True
+        ).start()
         problem = rendezvous.problem(launch, parse_min_max_nnodes(launch.nnodes)[1])
     seeded, seed_problem = seeded_from_environment() if not problem else (None, None)
     problem = problem or seed_problem
@@ -345,26 +390,39 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault(LINE_PREFIX_ENV, LINE_PREFIX)
     outcomes = os.environ.get(OUTCOME_DIR_ENV)
     if outcomes is None:
-        outcomes = os.environ[OUTCOME_DIR_ENV] = tempfile.mkdtemp(prefix="canon-titan-exits-")  # the workers inherit it
+        outcomes = os.environ[OUTCOME_DIR_ENV] = tempfile.mkdtemp(
+            prefix="canon-titan-exits-"
+        )  # the workers inherit it
         made.append(outcomes)
     before_exit(lambda: [shutil.rmtree(folder, ignore_errors=True) for folder in made])
     quiet = _PurposefulStops(outcomes)
-    for name in ("torch.distributed.elastic.multiprocessing.api", "torch.distributed.elastic.agent.server.api",
-                 "torch.distributed.elastic.multiprocessing.errors.error_handler"):
+    for name in (
+        "torch.distributed.elastic.multiprocessing.api",
+        "torch.distributed.elastic.agent.server.api",
+        "torch.distributed.elastic.multiprocessing.errors.error_handler",
+    ):
         logging.getLogger(name).addFilter(quiet)
     code = None
     try:
         torchrun_main(argv)
         code = 0
-    except SignalException as e:  # its workers got the signal too, and saved, finished or ran out of time
+    except (
+        SignalException
+    ) as e:  # its workers got the signal too, and saved, finished or ran out of time
         reported, training = reported_exits(outcomes), trained(outcomes)
         code = after_stop_signal(reported, saved_checkpoints(outcomes), training)
         if not training and not reported_lines(outcomes):  # workers ended before they could say so
-            print(f"canon-titan: {signal.Signals(e.sigval).name} before training started: stopped, nothing to save; "
-                  "run the same command again", file=sys.stderr)
+            print(
+                f"canon-titan: {signal.Signals(e.sigval).name} before training started: stopped, nothing to save; "
+                "run the same command again",
+                file=sys.stderr,
+            )
         elif not reported:
-            print("canon-titan: the training processes were stopped before they could save the step they reached; "
-                  "the same command resumes from the newest complete checkpoint", file=sys.stderr)
+            print(
+                "canon-titan: the training processes were stopped before they could save the step they reached; "
+                "the same command resumes from the newest complete checkpoint",
+                file=sys.stderr,
+            )
     except ChildFailedError as e:
         codes = {failure.exitcode for failure in e.failures.values()}
         # Once one worker exits, torchrun stops the others with SIGTERM (or SIGKILL, late ones).

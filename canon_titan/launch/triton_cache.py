@@ -48,13 +48,17 @@ def seeded_from_environment() -> tuple[str | None, str | None]:
     if not seed:
         return None, None
     if not Path(seed).is_dir():
-        return None, (f"{SEED_ENV}={seed} is not a folder: give it the TRITON_CACHE_DIR a "
-                      "pre-tuning run wrote (python -m canon_titan.launch.pretune), "
-                      "or unset it")
+        return None, (
+            f"{SEED_ENV}={seed} is not a folder: give it the TRITON_CACHE_DIR a "
+            "pre-tuning run wrote (python -m canon_titan.launch.pretune), "
+            "or unset it"
+        )
     cache = cache_dir()
     try:
         copied = seed_cache(Path(seed), cache)
     except OSError as e:
-        return None, (f"cannot copy the pre-tuned Triton cache {seed} into {cache} "
-                      f"(TRITON_CACHE_DIR): {e.strerror or e}")
+        return None, (
+            f"cannot copy the pre-tuned Triton cache {seed} into {cache} "
+            f"(TRITON_CACHE_DIR): {e.strerror or e}"
+        )
     return f"Triton cache {cache}: {copied} files copied from {seed} ({SEED_ENV})", None

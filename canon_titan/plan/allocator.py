@@ -129,7 +129,9 @@ class CachingAllocator:
             self.peak_reserved = max(self.peak_reserved, self.reserved)
         rest = block.size - size
         if rest >= MIN_BLOCK if small else rest > SMALL_SIZE:
-            remaining = Block(block.segment, block.offset + size, rest, stream, small, prev=block, next=block.next)
+            remaining = Block(
+                block.segment, block.offset + size, rest, stream, small, prev=block, next=block.next
+            )
             if block.next is not None:
                 block.next.prev = remaining
             block.next = remaining
@@ -149,7 +151,9 @@ class CachingAllocator:
             whole = [entry for entry in pool if entry[1].prev is None and entry[1].next is None]
             for entry in whole:
                 self.reserved -= entry[1].size
-            self._free[key] = [entry for entry in pool if entry[1].prev is not None or entry[1].next is not None]
+            self._free[key] = [
+                entry for entry in pool if entry[1].prev is not None or entry[1].next is not None
+            ]
 
     def free(self, block: Block) -> None:
         block.allocated = False
@@ -178,8 +182,16 @@ def _absorb(block: Block, neighbour: Block) -> None:
 
 def _split(block: Block, size: int) -> Block:
     """Cut ``block`` to ``size`` bytes; the rest becomes the next block (unallocated, mapped alike)."""
-    rest = Block(block.segment, block.offset + size, block.size - size, block.stream, block.small,
-                 mapped=block.mapped, prev=block, next=block.next)
+    rest = Block(
+        block.segment,
+        block.offset + size,
+        block.size - size,
+        block.stream,
+        block.small,
+        mapped=block.mapped,
+        prev=block,
+        next=block.next,
+    )
     if block.next is not None:
         block.next.prev = rest
     block.next = rest
@@ -206,7 +218,9 @@ class ExpandingAllocator(CachingAllocator):
 
     def _blocks(self, stream: int, small: bool):
         if (stream, small) not in self._heads:
-            self._heads[(stream, small)] = Block(self._segments, 0, ADDRESS_SPACE, stream, small, mapped=False)
+            self._heads[(stream, small)] = Block(
+                self._segments, 0, ADDRESS_SPACE, stream, small, mapped=False
+            )
             self._segments += 1
         block = self._heads[(stream, small)]
         while block is not None:
@@ -240,7 +254,9 @@ class ExpandingAllocator(CachingAllocator):
             return None
 
         def reach(block: Block) -> int:
-            return block.size + (block.next.size if block.next is not None and not block.next.mapped else 0)
+            return block.size + (
+                block.next.size if block.next is not None and not block.next.mapped else 0
+            )
 
         while i + 1 < len(pool) and reach(pool[i + 1][1]) < reach(pool[i][1]):
             i += 1
@@ -315,8 +331,15 @@ class ExpandingAllocator(CachingAllocator):
         self._settle(block)
 
 
-def replay(events, *, streams: dict[int, int] | None = None, persistent: set[int] = frozenset(),
-           steps: int = 2, capacity: int | None = None, expandable: bool = False) -> CachingAllocator:
+def replay(
+    events,
+    *,
+    streams: dict[int, int] | None = None,
+    persistent: set[int] = frozenset(),
+    steps: int = 2,
+    capacity: int | None = None,
+    expandable: bool = False,
+) -> CachingAllocator:
     """Replay a step's ``(op index, storage id, change in bytes)`` events ``steps`` times through
     the allocator. ``streams``: storage id -> the stream that allocates it (0, the compute stream,
     for the others). ``persistent``: storages that outlive a step (parameters, buffers, optimizer

@@ -35,8 +35,9 @@ class ModelKind:
     torch_kernels: bool = False
 
     def describe(self) -> str:
-        return (f"{self.model}, {f'float8 {self.float8}' if self.float8 else 'bf16'}"
-                + (", torch kernels" if self.torch_kernels else ""))
+        return f"{self.model}, {f'float8 {self.float8}' if self.float8 else 'bf16'}" + (
+            ", torch kernels" if self.torch_kernels else ""
+        )
 
 
 def kind_of(run, float8: str | None = None) -> ModelKind:
@@ -85,8 +86,16 @@ class Point:
 
 
 def _shape(local_batch: int, seq_len: int = 4096) -> tuple[str, ...]:
-    return ("--training.local_batch_size", str(local_batch), "--training.global_batch_size", str(local_batch),
-            "--training.seq_len", str(seq_len), "--model.vocab_size", "784")
+    return (
+        "--training.local_batch_size",
+        str(local_batch),
+        "--training.global_batch_size",
+        str(local_batch),
+        "--training.seq_len",
+        str(seq_len),
+        "--model.vocab_size",
+        "784",
+    )
 
 
 BF16 = ("--training.dtype", "bfloat16", "--training.mixed_precision_param", "bfloat16")
@@ -94,60 +103,211 @@ BF16 = ("--training.dtype", "bfloat16", "--training.mixed_precision_param", "bfl
 TRITON = ("--model.canon_backend", "triton")
 TENSORWISE = ("--float8.enable", "true", "--float8.recipe_name", "tensorwise")
 ROWWISE = ("--float8.enable", "true", "--float8.recipe_name", "rowwise")
-LLAMA, CANON, MAMBA2 = "Llama-1B-Nemo-1T-lr0.003", "LlamaCanon-1B-Nemo-1T-lr0.003", "Mamba2Canon-1B-Nemo-1T-lr0.003"
+LLAMA, CANON, MAMBA2 = (
+    "Llama-1B-Nemo-1T-lr0.003",
+    "LlamaCanon-1B-Nemo-1T-lr0.003",
+    "Mamba2Canon-1B-Nemo-1T-lr0.003",
+)
 MAMBA_SSM = ("--model.kernel_backend", "mamba_ssm")
 
 POINTS = (
     # the offline GPU kit's table (shared/gpu/README.md), the recipe's fp32 weights
-    Point("Llama-1B", LLAMA, _shape(2), "h100", ModelKind("llama"), 45_200, 33.4, "2026-11-22, H100, torch 2.11"),
-    Point("LlamaCanon-1B, torch Canon backend", CANON, (*_shape(2), "--model.canon_backend", "torch"), "h100",
-          ModelKind("llama_canon", torch_kernels=True), 33_400, 46.3, "2026-11-22, H100, torch 2.11"),
+    Point(
+        "Llama-1B",
+        LLAMA,
+        _shape(2),
+        "h100",
+        ModelKind("llama"),
+        45_200,
+        33.4,
+        "2026-11-22, H100, torch 2.11",
+    ),
+    Point(
+        "LlamaCanon-1B, torch Canon backend",
+        CANON,
+        (*_shape(2), "--model.canon_backend", "torch"),
+        "h100",
+        ModelKind("llama_canon", torch_kernels=True),
+        33_400,
+        46.3,
+        "2026-11-22, H100, torch 2.11",
+    ),
     # scripts/gpu_check.sh on one H200, the Canon backward kernels before their rewrite
-    Point("Llama-1B, bf16 weights", LLAMA, (*_shape(2), *BF16), "h200", ModelKind("llama"), 48_527, 25.5,
-          "2026-11-26, H200, torch 2.11"),
-    Point("LlamaCanon-1B, Triton Canon op, bf16 weights", CANON, (*_shape(2), *TRITON, *BF16), "h200",
-          ModelKind("llama_canon"), 33_402, 26.3, "2026-11-26, H200, torch 2.11"),
-    Point("LlamaCanon-1B, Triton Canon op, bf16 weights, float8 tensorwise", CANON,
-          (*_shape(2), *TRITON, *BF16, *TENSORWISE), "h200", ModelKind("llama_canon", "tensorwise"), 32_111, 25.1,
-          "2026-11-26, H200, torch 2.11"),
-    Point("LlamaCanon-1B, Triton Canon op, bf16 weights, float8 rowwise", CANON,
-          (*_shape(2), *TRITON, *BF16, *ROWWISE), "h200", ModelKind("llama_canon", "rowwise"), 25_056, 25.1,
-          "2026-11-26, H200, torch 2.11"),
+    Point(
+        "Llama-1B, bf16 weights",
+        LLAMA,
+        (*_shape(2), *BF16),
+        "h200",
+        ModelKind("llama"),
+        48_527,
+        25.5,
+        "2026-11-26, H200, torch 2.11",
+    ),
+    Point(
+        "LlamaCanon-1B, Triton Canon op, bf16 weights",
+        CANON,
+        (*_shape(2), *TRITON, *BF16),
+        "h200",
+        ModelKind("llama_canon"),
+        33_402,
+        26.3,
+        "2026-11-26, H200, torch 2.11",
+    ),
+    Point(
+        "LlamaCanon-1B, Triton Canon op, bf16 weights, float8 tensorwise",
+        CANON,
+        (*_shape(2), *TRITON, *BF16, *TENSORWISE),
+        "h200",
+        ModelKind("llama_canon", "tensorwise"),
+        32_111,
+        25.1,
+        "2026-11-26, H200, torch 2.11",
+    ),
+    Point(
+        "LlamaCanon-1B, Triton Canon op, bf16 weights, float8 rowwise",
+        CANON,
+        (*_shape(2), *TRITON, *BF16, *ROWWISE),
+        "h200",
+        ModelKind("llama_canon", "rowwise"),
+        25_056,
+        25.1,
+        "2026-11-26, H200, torch 2.11",
+    ),
     # the same, the Canon backward kernels rewritten; leftover processes of an earlier step shared the
     # host (docs/benchmarks/gpu.md). The linear recipes train at 16384: measured, and planned, at 4096.
-    Point("Llama-1B, bf16 weights", LLAMA, (*_shape(2), *BF16), "h200", ModelKind("llama"), 42_158, 25.5,
-          "2026-11-27, H200, torch 2.11"),
-    Point("LlamaCanon-1B, Triton Canon op, bf16 weights", CANON, (*_shape(2), *TRITON, *BF16), "h200",
-          ModelKind("llama_canon"), 35_580, 26.3, "2026-11-27, H200, torch 2.11"),
-    Point("Mamba2Canon-1B, mamba-ssm SSD kernel, bf16 weights", MAMBA2, (*_shape(2), *MAMBA_SSM, *BF16), "h200",
-          ModelKind("mamba2"), 32_683, 27.4, "2026-11-27, H200, torch 2.11"),
-    Point("GDN2Canon-1B, torch recurrence kernel, bf16 weights", "GDN2Canon-1B-Nemo-1T-lr0.003",
-          (*_shape(2), "--model.kernel_backend", "torch", *BF16), "h200", ModelKind("gdn2", torch_kernels=True),
-          9_091, 63.0, "2026-11-27, H200, torch 2.11"),
+    Point(
+        "Llama-1B, bf16 weights",
+        LLAMA,
+        (*_shape(2), *BF16),
+        "h200",
+        ModelKind("llama"),
+        42_158,
+        25.5,
+        "2026-11-27, H200, torch 2.11",
+    ),
+    Point(
+        "LlamaCanon-1B, Triton Canon op, bf16 weights",
+        CANON,
+        (*_shape(2), *TRITON, *BF16),
+        "h200",
+        ModelKind("llama_canon"),
+        35_580,
+        26.3,
+        "2026-11-27, H200, torch 2.11",
+    ),
+    Point(
+        "Mamba2Canon-1B, mamba-ssm SSD kernel, bf16 weights",
+        MAMBA2,
+        (*_shape(2), *MAMBA_SSM, *BF16),
+        "h200",
+        ModelKind("mamba2"),
+        32_683,
+        27.4,
+        "2026-11-27, H200, torch 2.11",
+    ),
+    Point(
+        "GDN2Canon-1B, torch recurrence kernel, bf16 weights",
+        "GDN2Canon-1B-Nemo-1T-lr0.003",
+        (*_shape(2), "--model.kernel_backend", "torch", *BF16),
+        "h200",
+        ModelKind("gdn2", torch_kernels=True),
+        9_091,
+        63.0,
+        "2026-11-27, H200, torch 2.11",
+    ),
     # scripts/gpu_lease.sh (one gpu_check.sh run across the lease's two calls): the same kit and kernels,
     # a host of its own; the 16k runs at batch 1
-    Point("Llama-1B, bf16 weights", LLAMA, (*_shape(2), *BF16), "h200", ModelKind("llama"), 45_904, 25.5,
-          "2026-11-28, H200, torch 2.11"),
-    Point("LlamaCanon-1B, Triton Canon op, bf16 weights", CANON, (*_shape(2), *TRITON, *BF16), "h200",
-          ModelKind("llama_canon"), 38_004, 26.2, "2026-11-28, H200, torch 2.11"),
-    Point("LlamaCanon-1B, Triton Canon op, bf16 weights, float8 tensorwise", CANON,
-          (*_shape(2), *TRITON, *BF16, *TENSORWISE), "h200", ModelKind("llama_canon", "tensorwise"), 31_422, 25.1,
-          "2026-11-28, H200, torch 2.11"),
-    Point("LlamaCanon-1B, Triton Canon op, bf16 weights, float8 rowwise", CANON,
-          (*_shape(2), *TRITON, *BF16, *ROWWISE), "h200", ModelKind("llama_canon", "rowwise"), 32_922, 25.1,
-          "2026-11-28, H200, torch 2.11"),
-    Point("Mamba2Canon-1B, mamba-ssm SSD kernel, bf16 weights", MAMBA2, (*_shape(2), *MAMBA_SSM, *BF16), "h200",
-          ModelKind("mamba2"), 19_189, 27.4, "2026-11-28, H200, torch 2.11"),
-    Point("Llama-1B at 16384, batch 1, bf16 weights", LLAMA, (*_shape(1, 16384), *BF16), "h200", ModelKind("llama"),
-          35_294, 39.6, "2026-11-28, H200, torch 2.11"),
-    Point("Mamba2Canon-1B at 16384, batch 1, mamba-ssm SSD kernel, bf16 weights", MAMBA2,
-          (*_shape(1, 16384), *MAMBA_SSM, *BF16), "h200", ModelKind("mamba2"), 42_759, 43.7,
-          "2026-11-28, H200, torch 2.11"),
+    Point(
+        "Llama-1B, bf16 weights",
+        LLAMA,
+        (*_shape(2), *BF16),
+        "h200",
+        ModelKind("llama"),
+        45_904,
+        25.5,
+        "2026-11-28, H200, torch 2.11",
+    ),
+    Point(
+        "LlamaCanon-1B, Triton Canon op, bf16 weights",
+        CANON,
+        (*_shape(2), *TRITON, *BF16),
+        "h200",
+        ModelKind("llama_canon"),
+        38_004,
+        26.2,
+        "2026-11-28, H200, torch 2.11",
+    ),
+    Point(
+        "LlamaCanon-1B, Triton Canon op, bf16 weights, float8 tensorwise",
+        CANON,
+        (*_shape(2), *TRITON, *BF16, *TENSORWISE),
+        "h200",
+        ModelKind("llama_canon", "tensorwise"),
+        31_422,
+        25.1,
+        "2026-11-28, H200, torch 2.11",
+    ),
+    Point(
+        "LlamaCanon-1B, Triton Canon op, bf16 weights, float8 rowwise",
+        CANON,
+        (*_shape(2), *TRITON, *BF16, *ROWWISE),
+        "h200",
+        ModelKind("llama_canon", "rowwise"),
+        32_922,
+        25.1,
+        "2026-11-28, H200, torch 2.11",
+    ),
+    Point(
+        "Mamba2Canon-1B, mamba-ssm SSD kernel, bf16 weights",
+        MAMBA2,
+        (*_shape(2), *MAMBA_SSM, *BF16),
+        "h200",
+        ModelKind("mamba2"),
+        19_189,
+        27.4,
+        "2026-11-28, H200, torch 2.11",
+    ),
+    Point(
+        "Llama-1B at 16384, batch 1, bf16 weights",
+        LLAMA,
+        (*_shape(1, 16384), *BF16),
+        "h200",
+        ModelKind("llama"),
+        35_294,
+        39.6,
+        "2026-11-28, H200, torch 2.11",
+    ),
+    Point(
+        "Mamba2Canon-1B at 16384, batch 1, mamba-ssm SSD kernel, bf16 weights",
+        MAMBA2,
+        (*_shape(1, 16384), *MAMBA_SSM, *BF16),
+        "h200",
+        ModelKind("mamba2"),
+        42_759,
+        43.7,
+        "2026-11-28, H200, torch 2.11",
+    ),
     # the second lease of 2026-11-28: the 1B recipes' own local batch (issue 79)
-    Point("Llama-1B at 8 x 4096, bf16 weights", LLAMA, (*_shape(8), *BF16), "h200", ModelKind("llama"), 56_733, 67.6,
-          "2026-11-28, H200, torch 2.11"),
-    Point("LlamaCanon-1B at 8 x 4096, Triton Canon op, bf16 weights", CANON, (*_shape(8), *TRITON, *BF16), "h200",
-          ModelKind("llama_canon"), 48_786, 71.0, "2026-11-28, H200, torch 2.11"),
+    Point(
+        "Llama-1B at 8 x 4096, bf16 weights",
+        LLAMA,
+        (*_shape(8), *BF16),
+        "h200",
+        ModelKind("llama"),
+        56_733,
+        67.6,
+        "2026-11-28, H200, torch 2.11",
+    ),
+    Point(
+        "LlamaCanon-1B at 8 x 4096, Triton Canon op, bf16 weights",
+        CANON,
+        (*_shape(8), *TRITON, *BF16),
+        "h200",
+        ModelKind("llama_canon"),
+        48_786,
+        71.0,
+        "2026-11-28, H200, torch 2.11",
+    ),
 )
 
 

@@ -219,7 +219,9 @@ def _op_seconds(gpu: GPU, kind: str, op, nbytes: int, attention: str = "flash") 
     return max(t_flops, t_mem, MIN_KERNEL_S)
 
 
-def _fused_regions(ops, compiled_ops=None, graphs: dict[int, int] | None = None) -> list[tuple[int, int]]:
+def _fused_regions(
+    ops, compiled_ops=None, graphs: dict[int, int] | None = None
+) -> list[tuple[int, int]]:
     """Runs [start, end) of consecutive ``other`` (elementwise, reduction, copy) ops within one phase
     and one compiled graph (``graphs``: op index -> graph; None: one graph), of the ops inside the
     compiled blocks (``compiled_ops``; None: any)."""
@@ -227,8 +229,9 @@ def _fused_regions(ops, compiled_ops=None, graphs: dict[int, int] | None = None)
     regions, start = [], None
     for i, op in enumerate(ops):
         fusible = op.kind == "other" and (compiled_ops is None or i in compiled_ops)
-        if start is not None and (not fusible or op.phase != ops[start].phase
-                                  or graphs.get(i) != graphs.get(start)):
+        if start is not None and (
+            not fusible or op.phase != ops[start].phase or graphs.get(i) != graphs.get(start)
+        ):
             regions.append((start, i))
             start = None
         if fusible and start is None:
@@ -238,8 +241,14 @@ def _fused_regions(ops, compiled_ops=None, graphs: dict[int, int] | None = None)
     return regions
 
 
-def _region_bytes(ops, start: int, end: int, readers: dict[int, list[int]], born: dict[int, int],
-                  inlined: dict[int, tuple[tuple[int, int], ...]] | None = None) -> int:
+def _region_bytes(
+    ops,
+    start: int,
+    end: int,
+    readers: dict[int, list[int]],
+    born: dict[int, int],
+    inlined: dict[int, tuple[tuple[int, int], ...]] | None = None,
+) -> int:
     """What a fused region moves: the tensors it reads from outside it, and the tensors it writes
     that are used outside it or outlive it. A tensor in ``inlined`` (``_inlined``) is never stored:
     a region that reads it reads the stored tensors it is computed from instead, and a region that
@@ -273,7 +282,9 @@ def _region_bytes(ops, start: int, end: int, readers: dict[int, list[int]], born
         for sid, nbytes in zip(op.writes, op.write_bytes):
             if nbytes == 0:
                 continue
-            exported = born.get(sid, -1) < start or any(r >= end or r < start for r in readers.get(sid, ()))
+            exported = born.get(sid, -1) < start or any(
+                r >= end or r < start for r in readers.get(sid, ())
+            )
             if (exported or not readers.get(sid)) and sid not in inlined:
                 stored += nbytes
             written_inside.add(sid)
@@ -281,8 +292,14 @@ def _region_bytes(ops, start: int, end: int, readers: dict[int, list[int]], born
     return charged + (moved + stored if stored else 0)
 
 
-def _inlined(ops, regions: list[tuple[int, int]], readers: dict[int, list[int]], born: dict[int, int],
-             kept: set[int], graphs: dict[int, int] | None = None) -> dict[int, tuple[tuple[int, int], ...]]:
+def _inlined(
+    ops,
+    regions: list[tuple[int, int]],
+    readers: dict[int, list[int]],
+    born: dict[int, int],
+    kept: set[int],
+    graphs: dict[int, int] | None = None,
+) -> dict[int, tuple[tuple[int, int], ...]]:
     """The tensors a compiled step never stores, with (storage, bytes) of what each is computed
     from. Inductor inlines a pointwise result into the kernels that use it (it realizes a buffer
     for a reduction's result, for a matmul's, attention's or custom kernel's input, and for what
@@ -305,12 +322,18 @@ def _inlined(ops, regions: list[tuple[int, int]], readers: dict[int, list[int]],
                 if not nbytes or sid in kept or born.get(sid) != i:
                     continue
                 later = [r for r in readers.get(sid, ()) if r >= b]
-                if not later or any(region_of.get(r) is None or ops[r].phase != op.phase
-                                    or graphs.get(r) != graphs.get(i) for r in later):
+                if not later or any(
+                    region_of.get(r) is None
+                    or ops[r].phase != op.phase
+                    or graphs.get(r) != graphs.get(i)
+                    for r in later
+                ):
                     continue
                 if any(r < a for r in readers.get(sid, ())):
                     continue
-                inlined[sid] = tuple((src, n) for src, n in zip(op.reads, op.read_bytes) if n and src != sid)
+                inlined[sid] = tuple(
+                    (src, n) for src, n in zip(op.reads, op.read_bytes) if n and src != sid
+                )
     return inlined
 
 
@@ -353,7 +376,9 @@ def _compiled_placement(step: RankStep) -> tuple[set[int], dict[int, int]]:
         phase = ops[start].phase
         if phase == "optimizer":
             continue
-        inputs = {sid for i in range(start, end) for sid in ops[i].reads if born.get(sid, -1) < start}
+        inputs = {
+            sid for i in range(start, end) for sid in ops[i].reads if born.get(sid, -1) < start
+        }
         saved: dict[int, int] = {}  # storage -> the last backward op that reads it
         for i in range(start, end):
             for sid in ops[i].writes:
@@ -371,7 +396,9 @@ def _compiled_placement(step: RankStep) -> tuple[set[int], dict[int, int]]:
         if not saved:
             continue
         until = max(saved.values())
-        extended = sum(size.get(sid, 0) for sid in inputs if sid not in kept and freed.get(sid, until) < until)
+        extended = sum(
+            size.get(sid, 0) for sid in inputs if sid not in kept and freed.get(sid, until) < until
+        )
         if extended <= sum(size.get(sid, 0) for sid in saved):
             away.update(saved)
             for source in inputs:
@@ -411,20 +438,29 @@ def fused_region_bytes(step: RankStep) -> list[tuple[int, int, int]]:
     from. ``scripts/benchmarks/inductor_bytes.py`` holds it to Inductor's own count."""
     ops = step.trace.ops
     readers, born = _readers_and_births(ops)
-    regions = [(a, b) for a, b in _fused_regions(ops, step.compiled_ops, step.compiled_graphs)
-               if ops[a].phase != "optimizer"]
+    regions = [
+        (a, b)
+        for a, b in _fused_regions(ops, step.compiled_ops, step.compiled_graphs)
+        if ops[a].phase != "optimizer"
+    ]
     kept = set(step.trace.collective_buffers) | set(step.categories)
     inlined = _inlined(ops, regions, readers, born, kept, step.compiled_graphs)
     for sid in _compiled_placement(step)[0]:
         if sid in born and sid not in inlined:
             producer = ops[born[sid]]
-            inlined[sid] = tuple((src, n) for src, n in zip(producer.reads, producer.read_bytes) if n and src != sid)
+            inlined[sid] = tuple(
+                (src, n) for src, n in zip(producer.reads, producer.read_bytes) if n and src != sid
+            )
     return [(a, b, _region_bytes(ops, a, b, readers, born, inlined)) for a, b in regions]
 
 
-def compute_seconds(step: RankStep, gpu: GPU, compiled: bool, attention: str = "flash",
-                    kernels_s: dict[int, float] | None = None
-                    ) -> tuple[dict[str, float], dict[str, int], int]:
+def compute_seconds(
+    step: RankStep,
+    gpu: GPU,
+    compiled: bool,
+    attention: str = "flash",
+    kernels_s: dict[int, float] | None = None,
+) -> tuple[dict[str, float], dict[str, int], int]:
     """Seconds and executed FLOPs per op kind for the whole step, and the kernels launched
     (attention on the SDPA backend ``attention``; the ops in ``kernels_s``, op index -> seconds, at
     those: ``kernel_seconds``)."""
@@ -433,7 +469,11 @@ def compute_seconds(step: RankStep, gpu: GPU, compiled: bool, attention: str = "
     seconds: dict[str, float] = defaultdict(float)
     flops: dict[str, int] = defaultdict(int)
     kernels = 0
-    fused_at = {start: (end, nbytes) for start, end, nbytes in fused_region_bytes(step)} if compiled else {}
+    fused_at = (
+        {start: (end, nbytes) for start, end, nbytes in fused_region_bytes(step)}
+        if compiled
+        else {}
+    )
     i = 0
     while i < len(ops):
         op = ops[i]
@@ -442,7 +482,9 @@ def compute_seconds(step: RankStep, gpu: GPU, compiled: bool, attention: str = "
             end, nbytes = fused_at[i]
             region_flops = sum(o.flops for o in ops[i:end])
             if nbytes or region_flops:
-                seconds["other"] += scale * max(nbytes / (gpu.hbm_tb_s * 1e12 * EFFICIENCY["memory"]), MIN_KERNEL_S)
+                seconds["other"] += scale * max(
+                    nbytes / (gpu.hbm_tb_s * 1e12 * EFFICIENCY["memory"]), MIN_KERNEL_S
+                )
                 kernels += int(scale)
             flops["other"] += int(scale * region_flops)
             i = end
@@ -471,19 +513,28 @@ def collective_latency(kind: str, n: int, nodes: int) -> float:
     if kind in ("send", "recv", "send/recv"):
         return COLLECTIVE_START_S + RING_HOP_S["network" if nodes > 1 else "nvlink"]
     steps, between = (2 * (n - 1), 2 * (nodes - 1)) if kind == "all_reduce" else (n - 1, nodes - 1)
-    ring = COLLECTIVE_START_S + (steps - between) * RING_HOP_S["nvlink"] + between * RING_HOP_S["network"]
+    ring = (
+        COLLECTIVE_START_S
+        + (steps - between) * RING_HOP_S["nvlink"]
+        + between * RING_HOP_S["network"]
+    )
     if kind != "all_reduce":
         return ring
-    tree = COLLECTIVE_START_S + 2 * ((n // nodes - 1) * TREE_HOP_S["nvlink"]
-                                     + (nodes.bit_length() - 1) * TREE_HOP_S["network"])
+    tree = COLLECTIVE_START_S + 2 * (
+        (n // nodes - 1) * TREE_HOP_S["nvlink"] + (nodes.bit_length() - 1) * TREE_HOP_S["network"]
+    )
     return min(ring, tree)
 
 
-def collective_seconds(kind: str, nbytes: int, n: int, link: str, gpu: GPU, nodes: int = 1) -> float:
+def collective_seconds(
+    kind: str, nbytes: int, n: int, link: str, gpu: GPU, nodes: int = 1
+) -> float:
     if n <= 1:
         return 0.0
     bandwidth = (gpu.network_gb_s if link == "network" else gpu.collective_nvlink_gb_s) * 1e9
-    factor = {"all_reduce": 2 * (n - 1) / n, "send": 1.0, "recv": 0.0, "send/recv": 1.0}.get(kind, (n - 1) / n)
+    factor = {"all_reduce": 2 * (n - 1) / n, "send": 1.0, "recv": 0.0, "send/recv": 1.0}.get(
+        kind, (n - 1) / n
+    )
     return collective_latency(kind, n, nodes) + nbytes * factor / bandwidth
 
 
@@ -518,8 +569,9 @@ def collectives(step: RankStep, gpu: GPU, gpus_per_node: int):
     return sorted(grouped.values(), key=lambda c: -c.seconds), overlappable, units, exposed
 
 
-def _phase_share(step: RankStep, gpu: GPU, attention: str,
-                 kernels_s: dict[int, float]) -> dict[str, float]:
+def _phase_share(
+    step: RankStep, gpu: GPU, attention: str, kernels_s: dict[int, float]
+) -> dict[str, float]:
     """Each phase's share (forward, backward, optimizer) of the step's eager op time."""
     per_phase: dict[str, float] = defaultdict(float)
     for i, op in enumerate(step.trace.ops):
@@ -538,7 +590,9 @@ def bubble_slots(schedule: str, ranks: int, stages_per_rank: int) -> float:
     return (ranks - 1) / stages_per_rank
 
 
-def rank_time(step: RankStep, gpu: GPU, *, compiled: bool, gpus_per_node: int, attention: str = "flash") -> RankTime:
+def rank_time(
+    step: RankStep, gpu: GPU, *, compiled: bool, gpus_per_node: int, attention: str = "flash"
+) -> RankTime:
     """This rank's step without the pipeline bubble (which the slowest stage sets: ``plan``)."""
     kernels_s, unpriced = kernel_seconds(step, gpu)
     compute, flops, kernels = compute_seconds(step, gpu, compiled, attention, kernels_s)
@@ -553,5 +607,13 @@ def rank_time(step: RankStep, gpu: GPU, *, compiled: bool, gpus_per_node: int, a
         phase_compute = total_compute * share.get(phase, 0.0)
         # The first all-gather of a phase (or its last reduce-scatter) waits alone.
         exposed_s += comm / units[phase] + max(0.0, comm - phase_compute)
-    return RankTime(compute, costs, exposed_s, total_compute + exposed_s, flops, kernels,
-                    share.get("optimizer", 0.0), unpriced)
+    return RankTime(
+        compute,
+        costs,
+        exposed_s,
+        total_compute + exposed_s,
+        flops,
+        kernels,
+        share.get("optimizer", 0.0),
+        unpriced,
+    )

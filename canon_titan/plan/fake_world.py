@@ -212,8 +212,12 @@ class RecordedGroups:
         loss = super().forward_backward_step(**kwargs)
         marks.done += 1
         if marks.done == marks.groups:
-            marks.grads.extend(_local(p.grad) for m in self.model_parts for p in m.parameters()
-                               if p.grad is not None)
+            marks.grads.extend(
+                _local(p.grad)
+                for m in self.model_parts
+                for p in m.parameters()
+                if p.grad is not None
+            )
             registered = marks.recorder.register(marks.grads)
             marks.categories.update({sid: "gradients" for sid in registered})
             marks.recorder.mark("optimizer")
@@ -256,14 +260,22 @@ def record_step(
         rank=dist.get_rank() if dist.is_initialized() else 0,
         trace=recorder.trace,
         categories=categories,
-        state_bytes={"parameters": _bytes(params), "gradients": _bytes(grads),
-                     "optimizer state": _bytes(optimizer_state)},
+        state_bytes={
+            "parameters": _bytes(params),
+            "gradients": _bytes(grads),
+            "optimizer state": _bytes(optimizer_state),
+        },
         group_names=_group_names(dims),
         accumulation=accumulation,
         groups_run=groups,
         tokens_per_group=tokens,
-        parallel={"dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "cp": dims.cp, "tp": dims.tp,
-                  "pp": dims.pp},
+        parallel={
+            "dp_replicate": dims.dp_replicate,
+            "dp_shard": dims.dp_shard,
+            "cp": dims.cp,
+            "tp": dims.tp,
+            "pp": dims.pp,
+        },
         pp_stage=dims.get_mesh("pp").get_local_rank() if dims.pp_enabled else 0,
         pp_microbatches=getattr(trainer, "num_pipeline_parallel_microbatches", 1),
         param_count=sum(p.numel() for m in trainer.model_parts for p in m.parameters()),
@@ -310,8 +322,12 @@ def layer_by_layer_unshard():
     def compute_only(actions, max_active_stages=3):
         return [action for action in actions if action is not None]
 
-    with patch.object(schedules, "_add_unshard_reshard", compute_only), \
-            patch.object(schedules._PipelineScheduleRuntime, "_assert_unsharded", lambda self, stage: None):
+    with (
+        patch.object(schedules, "_add_unshard_reshard", compute_only),
+        patch.object(
+            schedules._PipelineScheduleRuntime, "_assert_unsharded", lambda self, stage: None
+        ),
+    ):
         yield
 
 
@@ -321,21 +337,36 @@ def pipeline_without_peers(sent: dict, recorder: StepRecorder):
     learn them, then the shapes) is answered in this process. ``sent`` carries what earlier
     stages sent to later ones."""
     from torch.distributed.pipelining import stage as pipeline_stage
+
     try:
-        from torch.distributed.pipelining._utils import InferenceMode, _derive_grad_metas, _StageBackwardMeta
+        from torch.distributed.pipelining._utils import (
+            InferenceMode,
+            _derive_grad_metas,
+            _StageBackwardMeta,
+        )
     except ImportError as e:  # torch 2.11 (the offline GPU kit's) has another stage start-up
-        raise RuntimeError(f"planning pipeline parallelism needs torch >= 2.13, whose pipeline stages this planner "
-                           f"answers (this torch: {torch.__version__}: {e})") from None
+        raise RuntimeError(
+            f"planning pipeline parallelism needs torch >= 2.13, whose pipeline stages this planner "
+            f"answers (this torch: {torch.__version__}: {e})"
+        ) from None
 
     cls = pipeline_stage.PipelineStage
-    names = ("_warmup_forward_vote", "_warmup_backward_result", "_recv_meta", "_send_meta",
-             "_forward_metadata_inference", "_backward_metadata_inference")
+    names = (
+        "_warmup_forward_vote",
+        "_warmup_backward_result",
+        "_recv_meta",
+        "_send_meta",
+        "_forward_metadata_inference",
+        "_backward_metadata_inference",
+    )
     saved = {name: getattr(cls, name) for name in names}
 
     def vote(self, has_backward, received_acc=None):
         with unset_fake_temporarily():
-            self._plan_vote = torch.tensor([0 if InferenceMode.needs_dynamic(self._user_meta, has_backward) else 1],
-                                           dtype=torch.int32)
+            self._plan_vote = torch.tensor(
+                [0 if InferenceMode.needs_dynamic(self._user_meta, has_backward) else 1],
+                dtype=torch.int32,
+            )
         return self._plan_vote
 
     def result(self, received_result=None):
@@ -352,14 +383,17 @@ def pipeline_without_peers(sent: dict, recorder: StepRecorder):
         # A looped schedule's later stage on an early rank: its source is planned after it. Every
         # boundary of a decoder carries the same hidden states, so an earlier boundary's shapes do.
         if not sent:
-            raise RuntimeError(f"stage {self.stage_index} takes its input from stage {src_stage}, and no stage "
-                               "boundary has been planned before it")
+            raise RuntimeError(
+                f"stage {self.stage_index} takes its input from stage {src_stage}, and no stage "
+                "boundary has been planned before it"
+            )
         return sent[min(sent)]
 
     def unrecorded(method):
         def run(self, *args, **kwargs):
             with recorder.paused():
                 return method(self, *args, **kwargs)
+
         return run
 
     cls._warmup_forward_vote, cls._warmup_backward_result = vote, result
@@ -421,19 +455,31 @@ def materialized_as_fake(fake_mode: FakeTensorMode):
         tt_utils.get_local_device = local_device
 
 
-def fake_rank_step(config, *, rank: int, world_size: int, positions: bool, fp8_linears: bool = False,
-                   pipeline_sent: dict | None = None, compiled_blocks: bool = False,
-                   compiled_loss: bool = False, pipeline_unshard: str = "stage") -> RankStep:
+def fake_rank_step(
+    config,
+    *,
+    rank: int,
+    world_size: int,
+    positions: bool,
+    fp8_linears: bool = False,
+    pipeline_sent: dict | None = None,
+    compiled_blocks: bool = False,
+    compiled_loss: bool = False,
+    pipeline_unshard: str = "stage",
+) -> RankStep:
     """Build ``config`` (a ``CanonTrainer.Config`` from ``build_trainer_config``) as rank ``rank`` of
     ``world_size`` on fake tensors and record one step. Under pipeline parallelism the stages
     before this rank's must have been stepped first with the same ``pipeline_sent``; a looped
     schedule gathers a stage's parameters as ``pipeline_unshard`` says (``PIPELINE_UNSHARD``)."""
     if pipeline_unshard not in PIPELINE_UNSHARD:
-        raise ValueError(f"pipeline_unshard {pipeline_unshard!r}: expected one of {', '.join(PIPELINE_UNSHARD)}")
+        raise ValueError(
+            f"pipeline_unshard {pipeline_unshard!r}: expected one of {', '.join(PIPELINE_UNSHARD)}"
+        )
+    from torchtitan.distributed import ParallelDims
+
     from canon_titan.plan.strided_scan import strided_shard_scan_once_per_op
     from canon_titan.tools import runtime
     from canon_titan.trainer import CanonTrainer
-    from torchtitan.distributed import ParallelDims
 
     runtime.apply(cpu=True)
     strided_shard_scan_once_per_op()
@@ -447,10 +493,12 @@ def fake_rank_step(config, *, rank: int, world_size: int, positions: bool, fp8_l
         def init_distributed(self):
             return ParallelDims.from_config(self.config.parallelism, world_size)
 
-    with tempfile.TemporaryDirectory(prefix="canon-titan-plan-") as dump_folder, \
-            patch.dict(os.environ, RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE=str(world_size)), \
-            fake_process_group(rank, world_size), \
-            (layer_by_layer_unshard() if pipeline_unshard == "layer" else contextlib.nullcontext()):
+    with (
+        tempfile.TemporaryDirectory(prefix="canon-titan-plan-") as dump_folder,
+        patch.dict(os.environ, RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE=str(world_size)),
+        fake_process_group(rank, world_size),
+        layer_by_layer_unshard() if pipeline_unshard == "layer" else contextlib.nullcontext(),
+    ):
         for_fake_world(config, positions=positions, dump_folder=dump_folder)
         with materialized_as_fake(fake_mode):
             trainer = FakeRankTrainer(config)
@@ -458,18 +506,28 @@ def fake_rank_step(config, *, rank: int, world_size: int, positions: bool, fp8_l
         if fp8_linears:
             _mark_fp8_linears(trainer, recorder)
         compiled = compiled_blocks or compiled_loss
-        blocks = CompiledBlocks(trainer, recorder, blocks=compiled_blocks, loss=compiled_loss) if compiled \
+        blocks = (
+            CompiledBlocks(trainer, recorder, blocks=compiled_blocks, loss=compiled_loss)
+            if compiled
             else contextlib.nullcontext()
+        )
         # Only pipeline stages exchange shapes at start-up (and only torch >= 2.13's are answered here).
-        peers = pipeline_without_peers({} if pipeline_sent is None else pipeline_sent, recorder) \
-            if config.parallelism.pipeline_parallel_degree > 1 else contextlib.nullcontext()
+        peers = (
+            pipeline_without_peers({} if pipeline_sent is None else pipeline_sent, recorder)
+            if config.parallelism.pipeline_parallel_degree > 1
+            else contextlib.nullcontext()
+        )
         modes = (fake_mode, FakeScalars(), peers, blocks)
         step = record_step(trainer, recorder, modes=modes)
         if compiled:
             # the steps the recorder adds after an op (a float8 GEMM's rescale) run where it runs
             graphs = blocks.graph_of
-            step.compiled_graphs = {**graphs, **{i: graphs[op.after] for i, op in enumerate(step.trace.ops)
-                                                 if op.after in graphs}}
+            step.compiled_graphs = {
+                **graphs,
+                **{
+                    i: graphs[op.after] for i, op in enumerate(step.trace.ops) if op.after in graphs
+                },
+            }
             step.compiled_ops = frozenset(step.compiled_graphs)
         trainer.close()
         return step
@@ -497,8 +555,9 @@ class CompiledBlocks(TorchDispatchMode):
         self._loss = None
         for part in trainer.model_parts if blocks else ():
             layers = getattr(part, "layers", None)
-            for block in (layers.values() if isinstance(layers, torch.nn.ModuleDict)
-                          else layers or ()):
+            for block in (
+                layers.values() if isinstance(layers, torch.nn.ModuleDict) else layers or ()
+            ):
                 self._handles.append(block.register_forward_pre_hook(self._enter))
                 self._handles.append(block.register_forward_hook(self._exit, prepend=True))
         if loss and callable(getattr(trainer.loss_fn, "fn", None)):

@@ -10,7 +10,11 @@ from __future__ import annotations
 import math
 
 import torch
-from torch.utils.flop_counter import register_flop_formula, sdpa_backward_flop_count, sdpa_flop_count
+from torch.utils.flop_counter import (
+    register_flop_formula,
+    sdpa_backward_flop_count,
+    sdpa_flop_count,
+)
 
 import canon_titan.kernels.canon  # noqa: F401  (the kernel modules define the custom ops)
 import canon_titan.kernels.delta_rule  # noqa: F401
@@ -20,21 +24,42 @@ import canon_titan.kernels.ssd  # noqa: F401
 aten, ops = torch.ops.aten, torch.ops.canon_titan
 
 MATMULS = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten._scaled_mm}
-ATTENTION = {aten._scaled_dot_product_flash_attention, aten._scaled_dot_product_flash_attention_backward,
-             aten._scaled_dot_product_efficient_attention, aten._scaled_dot_product_efficient_attention_backward,
-             aten._scaled_dot_product_cudnn_attention, aten._scaled_dot_product_cudnn_attention_backward,
-             aten._scaled_dot_product_flash_attention_for_cpu,
-             aten._scaled_dot_product_flash_attention_for_cpu_backward,
-             aten._flash_attention_forward, aten._flash_attention_backward}
-CANON = {ops.canon_conv, ops.canon_conv_backward, ops.canon_conv_weight_grads, ops.canon_swiglu,
-         ops.canon_swiglu_backward}
-RECURRENCES = {ops.fla_chunk_gla, ops.fla_chunk_gla_backward, ops.fla_chunk_gated_delta_rule,
-               ops.fla_chunk_gated_delta_rule_backward, ops.mamba_chunk_scan, ops.mamba_chunk_scan_backward}
+ATTENTION = {
+    aten._scaled_dot_product_flash_attention,
+    aten._scaled_dot_product_flash_attention_backward,
+    aten._scaled_dot_product_efficient_attention,
+    aten._scaled_dot_product_efficient_attention_backward,
+    aten._scaled_dot_product_cudnn_attention,
+    aten._scaled_dot_product_cudnn_attention_backward,
+    aten._scaled_dot_product_flash_attention_for_cpu,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward,
+    aten._flash_attention_forward,
+    aten._flash_attention_backward,
+}
+CANON = {
+    ops.canon_conv,
+    ops.canon_conv_backward,
+    ops.canon_conv_weight_grads,
+    ops.canon_swiglu,
+    ops.canon_swiglu_backward,
+}
+RECURRENCES = {
+    ops.fla_chunk_gla,
+    ops.fla_chunk_gla_backward,
+    ops.fla_chunk_gated_delta_rule,
+    ops.fla_chunk_gated_delta_rule_backward,
+    ops.mamba_chunk_scan,
+    ops.mamba_chunk_scan_backward,
+}
 # With document boundaries (kernels/documents.py): the same kernels, the same work.
-RECURRENCES |= {ops.fla_chunk_gla_documents, ops.fla_chunk_gla_documents_backward,
-                ops.fla_chunk_gated_delta_rule_documents,
-                ops.fla_chunk_gated_delta_rule_documents_backward, ops.mamba_chunk_scan_documents,
-                ops.mamba_chunk_scan_documents_backward}
+RECURRENCES |= {
+    ops.fla_chunk_gla_documents,
+    ops.fla_chunk_gla_documents_backward,
+    ops.fla_chunk_gated_delta_rule_documents,
+    ops.fla_chunk_gated_delta_rule_documents_backward,
+    ops.mamba_chunk_scan_documents,
+    ops.mamba_chunk_scan_documents_backward,
+}
 
 
 def op_kind(packet) -> str:
@@ -58,7 +83,9 @@ def _cpu_sdpa(query_shape, key_shape, value_shape, *args, out_shape=None, **kwar
 
 
 @register_flop_formula(aten._scaled_dot_product_flash_attention_for_cpu_backward)
-def _cpu_sdpa_backward(grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+def _cpu_sdpa_backward(
+    grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs
+) -> int:
     return sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
 
 
@@ -86,7 +113,9 @@ def _canon_swiglu(gate_shape, up_shape, weight_shape, *args, out_shape=None, **k
 
 
 @register_flop_formula(ops.canon_swiglu_backward)
-def _canon_swiglu_backward(dy_shape, gate_shape, up_shape, weight_shape, *args, out_shape=None, **kwargs) -> int:
+def _canon_swiglu_backward(
+    dy_shape, gate_shape, up_shape, weight_shape, *args, out_shape=None, **kwargs
+) -> int:
     return 4 * 2 * math.prod(gate_shape) * weight_shape[-1]
 
 
@@ -110,10 +139,15 @@ def _gla(q_shape, k_shape, v_shape, *args, out_shape=None, **kwargs) -> int:
 
 
 @register_flop_formula(ops.fla_chunk_gla_backward)
-def _gla_backward(do_shape, d_final_shape, q_shape, k_shape, v_shape, *args, out_shape=None, **kwargs) -> int:
+def _gla_backward(
+    do_shape, d_final_shape, q_shape, k_shape, v_shape, *args, out_shape=None, **kwargs
+) -> int:
     # The gradients of every product above (twice the forward), plus the states recomputed.
     batch, seq_len, heads, dk = q_shape
-    return 2 * _gla_forward(q_shape, v_shape, _gla_chunk(seq_len)) + 2 * batch * heads * seq_len * dk * v_shape[-1]
+    return (
+        2 * _gla_forward(q_shape, v_shape, _gla_chunk(seq_len))
+        + 2 * batch * heads * seq_len * dk * v_shape[-1]
+    )
 
 
 def _delta_rule_forward(q_shape, v_shape) -> int:
@@ -132,10 +166,13 @@ def _delta_rule(q_shape, k_shape, v_shape, *args, out_shape=None, **kwargs) -> i
 
 
 @register_flop_formula(ops.fla_chunk_gated_delta_rule_backward)
-def _delta_rule_backward(do_shape, d_final_shape, q_shape, k_shape, v_shape, *args, out_shape=None,
-                         **kwargs) -> int:
+def _delta_rule_backward(
+    do_shape, d_final_shape, q_shape, k_shape, v_shape, *args, out_shape=None, **kwargs
+) -> int:
     batch, seq_len, heads, dk = q_shape
-    return 2 * _delta_rule_forward(q_shape, v_shape) + 2 * batch * heads * seq_len * dk * v_shape[-1]
+    return (
+        2 * _delta_rule_forward(q_shape, v_shape) + 2 * batch * heads * seq_len * dk * v_shape[-1]
+    )
 
 
 def _ssd_forward(x_shape, b_shape, chunk: int) -> int:
@@ -143,20 +180,53 @@ def _ssd_forward(x_shape, b_shape, chunk: int) -> int:
     states x^T B and their contribution C h to the outputs."""
     batch, seq_len, heads, head_dim = x_shape
     groups, state = b_shape[2], b_shape[3]
-    return 2 * batch * seq_len * (groups * chunk * state + heads * (chunk * head_dim + 2 * head_dim * state))
+    return (
+        2
+        * batch
+        * seq_len
+        * (groups * chunk * state + heads * (chunk * head_dim + 2 * head_dim * state))
+    )
 
 
 @register_flop_formula(ops.mamba_chunk_scan)
-def _ssd(x_shape, dt_shape, a_shape, b_shape, c_shape, d_shape, h0_shape, chunk_size, *args, out_shape=None,
-         **kwargs) -> int:
+def _ssd(
+    x_shape,
+    dt_shape,
+    a_shape,
+    b_shape,
+    c_shape,
+    d_shape,
+    h0_shape,
+    chunk_size,
+    *args,
+    out_shape=None,
+    **kwargs,
+) -> int:
     return _ssd_forward(x_shape, b_shape, chunk_size)
 
 
 @register_flop_formula(ops.mamba_chunk_scan_backward)
-def _ssd_backward(dy_shape, d_final_shape, x_shape, dt_shape, a_shape, b_shape, c_shape, d_shape, h0_shape, y_shape,
-                  chunk_size, *args, out_shape=None, **kwargs) -> int:
+def _ssd_backward(
+    dy_shape,
+    d_final_shape,
+    x_shape,
+    dt_shape,
+    a_shape,
+    b_shape,
+    c_shape,
+    d_shape,
+    h0_shape,
+    y_shape,
+    chunk_size,
+    *args,
+    out_shape=None,
+    **kwargs,
+) -> int:
     batch, seq_len, heads, head_dim = x_shape
-    return 2 * _ssd_forward(x_shape, b_shape, chunk_size) + 2 * batch * seq_len * heads * head_dim * b_shape[3]
+    return (
+        2 * _ssd_forward(x_shape, b_shape, chunk_size)
+        + 2 * batch * seq_len * heads * head_dim * b_shape[3]
+    )
 
 
 # With document boundaries the kernels run over the same chunks of the same tokens (the batch
@@ -170,8 +240,9 @@ def _gla_documents(q_shape, k_shape, v_shape, *args, out_shape=None, **kwargs) -
 
 
 @register_flop_formula(ops.fla_chunk_gla_documents_backward)
-def _gla_documents_backward(do_shape, d_final_shape, q_shape, k_shape, v_shape, *args,
-                            out_shape=None, **kwargs) -> int:
+def _gla_documents_backward(
+    do_shape, d_final_shape, q_shape, k_shape, v_shape, *args, out_shape=None, **kwargs
+) -> int:
     from canon_titan.kernels.documents import FLA_CHUNK
 
     batch, seq_len, heads, dk = q_shape
@@ -185,20 +256,44 @@ def _delta_rule_documents(q_shape, k_shape, v_shape, *args, out_shape=None, **kw
 
 
 @register_flop_formula(ops.fla_chunk_gated_delta_rule_documents_backward)
-def _delta_rule_documents_backward(do_shape, d_final_shape, q_shape, k_shape, v_shape, *args,
-                                   out_shape=None, **kwargs) -> int:
+def _delta_rule_documents_backward(
+    do_shape, d_final_shape, q_shape, k_shape, v_shape, *args, out_shape=None, **kwargs
+) -> int:
     return _delta_rule_backward(do_shape, d_final_shape, q_shape, k_shape, v_shape)
 
 
 @register_flop_formula(ops.mamba_chunk_scan_documents)
-def _ssd_documents(x_shape, dt_shape, a_shape, b_shape, c_shape, d_shape, chunk_size, *args,
-                   out_shape=None, **kwargs) -> int:
+def _ssd_documents(
+    x_shape,
+    dt_shape,
+    a_shape,
+    b_shape,
+    c_shape,
+    d_shape,
+    chunk_size,
+    *args,
+    out_shape=None,
+    **kwargs,
+) -> int:
     return _ssd_forward(x_shape, b_shape, chunk_size)
 
 
 @register_flop_formula(ops.mamba_chunk_scan_documents_backward)
-def _ssd_documents_backward(dy_shape, d_final_shape, x_shape, dt_shape, a_shape, b_shape, c_shape,
-                            d_shape, y_shape, chunk_size, *args, out_shape=None, **kwargs) -> int:
+def _ssd_documents_backward(
+    dy_shape,
+    d_final_shape,
+    x_shape,
+    dt_shape,
+    a_shape,
+    b_shape,
+    c_shape,
+    d_shape,
+    y_shape,
+    chunk_size,
+    *args,
+    out_shape=None,
+    **kwargs,
+) -> int:
     batch, seq_len, heads, head_dim = x_shape
     states = 2 * batch * seq_len * heads * head_dim * b_shape[3]
     return 2 * _ssd_forward(x_shape, b_shape, chunk_size) + states

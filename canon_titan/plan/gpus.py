@@ -83,40 +83,106 @@ GPUS: dict[str, GPU] = {
     # achievable matmul FLOPS table of Stas Bekman's "Machine Learning Engineering"
     # (compute/accelerator), which the efficiencies of every part below come from too.
     # 132 SMs at 1.98 GHz (67 TFLOPS fp32 = 132 x 128 x 2 x 1.98e9).
-    "h100": GPU("H100 SXM 80GB", 79.6, 989.0, 1979.0, 3.35, 450.0, 50.0, (9, 0), fp32_tflops=67.0,
-                matmul_efficiency=0.803, fp8_matmul_efficiency=0.709, nccl_nvlink_gb_s=370.0,
-                sm_count=132, sm_clock_ghz=1.98),
+    "h100": GPU(
+        "H100 SXM 80GB",
+        79.6,
+        989.0,
+        1979.0,
+        3.35,
+        450.0,
+        50.0,
+        (9, 0),
+        fp32_tflops=67.0,
+        matmul_efficiency=0.803,
+        fp8_matmul_efficiency=0.709,
+        nccl_nvlink_gb_s=370.0,
+        sm_count=132,
+        sm_clock_ghz=1.98,
+    ),
     # The H100 of TorchTitan's published runs (benchmarks/llama3_h100_202412_torchtitan.md, Meta's
     # Grand Teton): 96 GB HBM2e at 2.4 TB/s, a 500 W power limit, NVLink with NVSwitch and 400 Gb/s
     # RDMA per GPU. Its peak is "between SXM and NVL" (that file's footnote 2), which no datasheet
     # gives: the midpoint of the H100 SXM datasheet's 989 bf16 / 1,979 fp8 / 67 fp32 and the H100
     # NVL datasheet's 835 / 1,671 / 60 (dense). Memory: 96 GiB of HBM, of which the driver shows
     # the same share as the 80 GB part's 81,559 of 81,920 MiB.
-    "h100-hbm2e": GPU("H100 96GB HBM2e 500W", 95.5, 912.0, 1825.0, 2.4, 450.0, 50.0, (9, 0),
-                      fp32_tflops=63.5, matmul_efficiency=0.803, fp8_matmul_efficiency=0.709,
-                      nccl_nvlink_gb_s=370.0),
+    "h100-hbm2e": GPU(
+        "H100 96GB HBM2e 500W",
+        95.5,
+        912.0,
+        1825.0,
+        2.4,
+        450.0,
+        50.0,
+        (9, 0),
+        fp32_tflops=63.5,
+        matmul_efficiency=0.803,
+        fp8_matmul_efficiency=0.709,
+        nccl_nvlink_gb_s=370.0,
+    ),
     # NVIDIA H200 Tensor Core GPU datasheet, SXM column: the H100's compute, 4.8 TB/s HBM3e, 141 GB
     # (nvidia-smi: 143,771 MiB), NVLink 900 GB/s; HGX H200 with 400 Gb/s NDR per GPU.
     # Best-shape GEMMs: bf16 as the H100 ("H200 is the same"), 1,453.4 of 1,979 fp8 (73.4%).
     # The H100's 132 SMs at 1.98 GHz.
-    "h200": GPU("H200 SXM 141GB", 140.4, 989.0, 1979.0, 4.8, 450.0, 50.0, (9, 0), fp32_tflops=67.0,
-                matmul_efficiency=0.803, fp8_matmul_efficiency=0.734, nccl_nvlink_gb_s=370.0,
-                sm_count=132, sm_clock_ghz=1.98),
+    "h200": GPU(
+        "H200 SXM 141GB",
+        140.4,
+        989.0,
+        1979.0,
+        4.8,
+        450.0,
+        50.0,
+        (9, 0),
+        fp32_tflops=67.0,
+        matmul_efficiency=0.803,
+        fp8_matmul_efficiency=0.734,
+        nccl_nvlink_gb_s=370.0,
+        sm_count=132,
+        sm_clock_ghz=1.98,
+    ),
     # NVIDIA A100 Tensor Core GPU datasheet, 80GB SXM column: 312 TFLOPS bf16, no fp8, 19.5 fp32,
     # 2,039 GB/s HBM2e, NVLink 600 GB/s; DGX A100: one 200 Gb/s HDR per GPU (25 GB/s).
     # Best-shape GEMMs: 271.2 of 312 bf16 (86.9%): the A100 holds its 1,410 MHz boost clock.
-    "a100": GPU("A100 SXM 80GB", 80.0, 312.0, 0.0, 2.039, 300.0, 25.0, (8, 0), fp32_tflops=19.5,
-                matmul_efficiency=0.869, nccl_nvlink_gb_s=240.0),
+    "a100": GPU(
+        "A100 SXM 80GB",
+        80.0,
+        312.0,
+        0.0,
+        2.039,
+        300.0,
+        25.0,
+        (8, 0),
+        fp32_tflops=19.5,
+        matmul_efficiency=0.869,
+        nccl_nvlink_gb_s=240.0,
+    ),
     # NVIDIA DGX B200 / HGX B200 datasheet, per GPU: 2.25 PFLOPS bf16 and 4.5 fp8 dense, 75 TFLOPS
     # fp32, 180 GB HBM3e at 8 TB/s, fifth-generation NVLink 1.8 TB/s; 400 Gb/s ConnectX-7 per GPU.
     # Best-shape GEMMs: 1,745 of 2,250 bf16 (77.6%), 3,432.5 of 4,500 fp8 (76.3%).
-    "b200": GPU("B200 180GB", 180.0, 2250.0, 4500.0, 8.0, 900.0, 50.0, (10, 0), fp32_tflops=75.0,
-                matmul_efficiency=0.776, fp8_matmul_efficiency=0.763, nccl_nvlink_gb_s=720.0),
+    "b200": GPU(
+        "B200 180GB",
+        180.0,
+        2250.0,
+        4500.0,
+        8.0,
+        900.0,
+        50.0,
+        (10, 0),
+        fp32_tflops=75.0,
+        matmul_efficiency=0.776,
+        fp8_matmul_efficiency=0.763,
+        nccl_nvlink_gb_s=720.0,
+    ),
 }
 
 _FIELDS = {f.name: f.type for f in dataclasses.fields(GPU)}
-_OPTIONAL = {"capability", "matmul_efficiency", "fp8_matmul_efficiency", "nccl_nvlink_gb_s",
-             "sm_count", "sm_clock_ghz"}
+_OPTIONAL = {
+    "capability",
+    "matmul_efficiency",
+    "fp8_matmul_efficiency",
+    "nccl_nvlink_gb_s",
+    "sm_count",
+    "sm_clock_ghz",
+}
 BOUNDS: dict[str, tuple[float, float, str]] = {
     "memory_gib": (1, 4096, "GiB"),
     "bf16_tflops": (1, 100_000, "TFLOP/s"),
@@ -145,8 +211,10 @@ def gpu_count_problem(gpus: int, gpus_per_node: int) -> str | None:
         if value < 1:
             return f"{flag} must be >= 1, got {value}"
         if value > MAX_GPUS:
-            return (f"{flag} is {value:,}; a plan is made for at most {MAX_GPUS:,} GPUs (it builds the run's FSDP and "
-                    "process groups for every rank on this CPU, in time that grows with the count: minutes past this)")
+            return (
+                f"{flag} is {value:,}; a plan is made for at most {MAX_GPUS:,} GPUs (it builds the run's FSDP and "
+                "process groups for every rank on this CPU, in time that grows with the count: minutes past this)"
+            )
     return None
 
 
@@ -165,30 +233,53 @@ def gpu_from_file(path: Path) -> GPU:
     unknown = sorted(set(raw) - set(_FIELDS))
     missing = sorted(set(_FIELDS) - set(raw) - _OPTIONAL)
     if unknown or missing:
-        raise UnknownGPU(f"--gpu {path}: " + "; ".join(
-            ([f"unknown keys {', '.join(unknown)}"] if unknown else [])
-            + ([f"missing keys {', '.join(missing)}"] if missing else []))
-            + f" (keys: {', '.join(_FIELDS)})")
+        raise UnknownGPU(
+            f"--gpu {path}: "
+            + "; ".join(
+                ([f"unknown keys {', '.join(unknown)}"] if unknown else [])
+                + ([f"missing keys {', '.join(missing)}"] if missing else [])
+            )
+            + f" (keys: {', '.join(_FIELDS)})"
+        )
     values = dict(raw)
     for key, value in values.items():
         if key == "name":
             if not isinstance(value, str):
                 raise UnknownGPU(f"--gpu {path}: name must be a string")
         elif key == "capability":
-            if not (isinstance(value, list) and len(value) == 2 and all(isinstance(v, int) for v in value)
-                    and value[0] >= 1 and value[1] >= 0):
-                raise UnknownGPU(f"--gpu {path}: capability must be [major, minor] with major >= 1 and minor >= 0, "
-                                 f"got {value!r}")
+            if not (
+                isinstance(value, list)
+                and len(value) == 2
+                and all(isinstance(v, int) for v in value)
+                and value[0] >= 1
+                and value[1] >= 0
+            ):
+                raise UnknownGPU(
+                    f"--gpu {path}: capability must be [major, minor] with major >= 1 and minor >= 0, "
+                    f"got {value!r}"
+                )
             values[key] = tuple(value)
-        elif not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) \
-                or value < 0 or (value == 0 and key != "fp8_tflops"):
-            raise UnknownGPU(f"--gpu {path}: {key} must be a finite positive number"
-                             f"{' (0 for none)' if key == 'fp8_tflops' else ''}, got {value!r}")
-        elif not (key == "fp8_tflops" and value == 0) and not BOUNDS[key][0] <= value <= BOUNDS[key][1]:
+        elif (
+            not isinstance(value, (int, float))
+            or isinstance(value, bool)
+            or not math.isfinite(value)
+            or value < 0
+            or (value == 0 and key != "fp8_tflops")
+        ):
+            raise UnknownGPU(
+                f"--gpu {path}: {key} must be a finite positive number"
+                f"{' (0 for none)' if key == 'fp8_tflops' else ''}, got {value!r}"
+            )
+        elif (
+            not (key == "fp8_tflops" and value == 0)
+            and not BOUNDS[key][0] <= value <= BOUNDS[key][1]
+        ):
             low, high, unit = BOUNDS[key]
-            raise UnknownGPU(f"--gpu {path}: {key} = {value!r} is outside {low:g} to {high:,g} {unit}"
-                             f"{' (0 for none)' if key == 'fp8_tflops' else ''}, far beyond any GPU (the "
-                             f"{GPUS['h100'].name} has {getattr(GPUS['h100'], key)}): a typo, or another unit?")
+            raise UnknownGPU(
+                f"--gpu {path}: {key} = {value!r} is outside {low:g} to {high:,g} {unit}"
+                f"{' (0 for none)' if key == 'fp8_tflops' else ''}, far beyond any GPU (the "
+                f"{GPUS['h100'].name} has {getattr(GPUS['h100'], key)}): a typo, or another unit?"
+            )
         elif key == "sm_count":
             if value != int(value):
                 raise UnknownGPU(f"--gpu {path}: sm_count must be a whole number, got {value!r}")
@@ -209,5 +300,7 @@ def find_gpu(name: str) -> GPU:
     named = [gpu for short, gpu in GPUS.items() if short in key.replace(" ", "").replace("-", "")]
     if len(named) == 1:  # a device name as torch reports it, e.g. "NVIDIA H100 80GB HBM3"
         return named[0]
-    raise UnknownGPU(f"--gpu: unknown GPU {name!r}; known: {', '.join(GPUS)}, or a TOML file describing one "
-                     f"(keys: {', '.join(_FIELDS)})")
+    raise UnknownGPU(
+        f"--gpu: unknown GPU {name!r}; known: {', '.join(GPUS)}, or a TOML file describing one "
+        f"(keys: {', '.join(_FIELDS)})"
+    )

@@ -18,10 +18,18 @@ from unittest.mock import patch
 from canon_titan.config import ConfigError, load
 from canon_titan.data.kinds import SYNTHETIC
 from canon_titan.kernels.backends import KernelEnvironment, planned_machine
-from canon_titan.plan.estimate import (ATTENTION_BACKENDS, DATA_PARALLEL_GROUPS, RankTime, bubble_slots,
-                                      compiled_memory_events, default_attention_backend, rank_time, repeats)
 from canon_titan.plan.allocator import replay
 from canon_titan.plan.calibration import ModelKind, kind_of
+from canon_titan.plan.estimate import (
+    ATTENTION_BACKENDS,
+    DATA_PARALLEL_GROUPS,
+    RankTime,
+    bubble_slots,
+    compiled_memory_events,
+    default_attention_backend,
+    rank_time,
+    repeats,
+)
 from canon_titan.plan.fake_world import PIPELINE_UNSHARD, RankStep, fake_rank_step
 from canon_titan.plan.gpus import GIB, GPU
 from canon_titan.plan.recorder import MemoryPeak, memory_peak
@@ -31,7 +39,13 @@ OUTSIDE_PYTORCH_GIB = 1.5
 """GPU memory PyTorch's allocator does not see: the CUDA context, NCCL's buffers, library
 workspaces."""
 REST = ("buffers", "gathered parameters", "communication buffers")
-LOOPED_SCHEDULES = {"Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"}
+LOOPED_SCHEDULES = {
+    "Interleaved1F1B",
+    "LoopedBFS",
+    "InterleavedZeroBubble",
+    "ZBVZeroBubble",
+    "DualPipeV",
+}
 """Pipeline schedules with several stages per rank."""
 
 
@@ -66,9 +80,13 @@ class RankKind:
         (buffers, FSDP's gathered parameters and collective buffers, the allocator's slack)."""
         by = self.memory.by_category
         rest = sum(by.get(k, 0) for k in REST) + self.reserved_bytes - self.memory.total
-        return {"parameters": by.get("parameters", 0), "gradients": by.get("gradients", 0),
-                "optimizer state": by.get("optimizer state", 0), "activations": by.get("activations", 0),
-                "rest": rest}
+        return {
+            "parameters": by.get("parameters", 0),
+            "gradients": by.get("gradients", 0),
+            "optimizer state": by.get("optimizer state", 0),
+            "activations": by.get("activations", 0),
+            "rest": rest,
+        }
 
 
 @dataclass
@@ -153,7 +171,9 @@ reduce-scatter stream, where HSDP's all-reduce runs too); 0 is the compute strea
 STATE_CATEGORIES = ("buffers", "parameters", "optimizer state")
 
 
-def reserved_peak(step: RankStep, events=None, capacity: int | None = None, expandable: bool | None = None):
+def reserved_peak(
+    step: RankStep, events=None, capacity: int | None = None, expandable: bool | None = None
+):
     """The step's ``max_memory_reserved``: its allocations and frees (``events``, or the trace's)
     replayed twice through the caching allocator (on ``capacity`` bytes; with expandable segments if
     ``expandable``, by default unless this environment's ``PYTORCH_ALLOC_CONF`` turns them off, as the
@@ -161,19 +181,28 @@ def reserved_peak(step: RankStep, events=None, capacity: int | None = None, expa
     buffers on FSDP2's streams, the parameters, buffers and optimizer state allocated once. Returns
     the allocator after the replay."""
     trace = step.trace
-    streams = {sid: COLLECTIVE_STREAMS.get(trace.collective_buffer_kinds.get(sid, ""), 0)
-               for sid, ranks in trace.collective_buffers.items()
-               if step.group_names.get(tuple(sorted(ranks))) in DATA_PARALLEL_GROUPS}
+    streams = {
+        sid: COLLECTIVE_STREAMS.get(trace.collective_buffer_kinds.get(sid, ""), 0)
+        for sid, ranks in trace.collective_buffers.items()
+        if step.group_names.get(tuple(sorted(ranks))) in DATA_PARALLEL_GROUPS
+    }
     persistent = {sid for sid, category in step.categories.items() if category in STATE_CATEGORIES}
-    return replay(trace.memory_events if events is None else events, streams=streams,
-                  persistent=persistent, capacity=capacity,
-                  expandable=expandable_segments() if expandable is None else expandable)
+    return replay(
+        trace.memory_events if events is None else events,
+        streams=streams,
+        persistent=persistent,
+        capacity=capacity,
+        expandable=expandable_segments() if expandable is None else expandable,
+    )
 
 
 def _model_flops(step: RankStep) -> int:
     """3x the forward's counted FLOPs, over the whole step's accumulation groups."""
-    return sum(3 * op.flops * repeats(step, i) for i, op in enumerate(step.trace.ops)
-               if op.phase == "forward" and op.flops)
+    return sum(
+        3 * op.flops * repeats(step, i)
+        for i, op in enumerate(step.trace.ops)
+        if op.phase == "forward" and op.flops
+    )
 
 
 @contextlib.contextmanager
@@ -200,17 +229,25 @@ def resolve(config: str, overrides: list[str], gpus: int, gpu: GPU):
     on ``gpu`` (not this machine: its data paths, tokenizer files and hardware are not checked)."""
     from canon_titan.config.build import build_trainer_config
 
-    with patch.dict(os.environ, WORLD_SIZE=str(gpus)), planned_machine(KernelEnvironment.planned_gpu(gpu.capability)):
+    with (
+        patch.dict(os.environ, WORLD_SIZE=str(gpus)),
+        planned_machine(KernelEnvironment.planned_gpu(gpu.capability)),
+    ):
         run = load(config, overrides, environment=False)
         built = run
         if run["float8"]["enable"]:
             if not gpu.fp8_tflops:
-                raise PlanError(f"{config}: [float8] enable: the {gpu.name} has no float8 tensor cores")
+                raise PlanError(
+                    f"{config}: [float8] enable: the {gpu.name} has no float8 tensor cores"
+                )
             # This machine has none either: the plan builds torchao's emulation of the float8
             # linears (eager, as the fake step is anyway) and counts their matmuls at the
             # GPU's fp8 rate.
-            built = load(config, [*overrides, "--float8.emulate", "true", "--compile.enable", "false"],
-                         environment=False)
+            built = load(
+                config,
+                [*overrides, "--float8.emulate", "true", "--compile.enable", "false"],
+                environment=False,
+            )
         return run, build_trainer_config(built)
 
 
@@ -222,9 +259,19 @@ def _stage_roles(pp: int, looped: bool) -> list[str]:
     return ["first stage"] + [f"stage {s}" for s in range(1, pp - 1)] + ["last stage"]
 
 
-def plan(config: str, overrides: list[str], *, gpus: int, gpu: GPU, gpus_per_node: int = 8,
-         progress=None, advise: bool = True, attention: str | None = None,
-         pipeline_unshard: str = "stage", expandable: bool | None = None) -> Plan:
+def plan(
+    config: str,
+    overrides: list[str],
+    *,
+    gpus: int,
+    gpu: GPU,
+    gpus_per_node: int = 8,
+    progress=None,
+    advise: bool = True,
+    attention: str | None = None,
+    pipeline_unshard: str = "stage",
+    expandable: bool | None = None,
+) -> Plan:
     """Plan ``config`` (with ``--section.key value`` ``overrides``) on ``gpus`` GPUs of kind ``gpu``,
     attention on the SDPA backend ``attention`` (default: the one torch picks on that GPU), a looped
     pipeline schedule gathering each stage's parameters as ``pipeline_unshard`` says (``stage``: as
@@ -234,9 +281,13 @@ def plan(config: str, overrides: list[str], *, gpus: int, gpu: GPU, gpus_per_nod
     started = time.perf_counter()
     attention = attention or default_attention_backend(gpu)
     if attention not in ATTENTION_BACKENDS:
-        raise PlanError(f"attention backend {attention!r}: expected one of {', '.join(ATTENTION_BACKENDS)}")
+        raise PlanError(
+            f"attention backend {attention!r}: expected one of {', '.join(ATTENTION_BACKENDS)}"
+        )
     if pipeline_unshard not in PIPELINE_UNSHARD:
-        raise PlanError(f"pipeline unshard {pipeline_unshard!r}: expected one of {', '.join(PIPELINE_UNSHARD)}")
+        raise PlanError(
+            f"pipeline unshard {pipeline_unshard!r}: expected one of {', '.join(PIPELINE_UNSHARD)}"
+        )
     run, _ = resolve(config, overrides, gpus, gpu)
     par = run["parallelism"]
     pp = par["pipeline_parallel_degree"]
@@ -255,24 +306,46 @@ def plan(config: str, overrides: list[str], *, gpus: int, gpu: GPU, gpus_per_nod
         _, trainer_config = resolve(config, overrides, gpus, gpu)
         try:
             with _quiet(), planned_machine(KernelEnvironment.planned_gpu(gpu.capability)):
-                step = fake_rank_step(trainer_config, rank=rank, world_size=gpus, positions=positions,
-                                      fp8_linears=run["float8"]["enable"], pipeline_sent=sent,
-                                      compiled_blocks=compiled_blocks, compiled_loss=compiled_loss,
-                                      pipeline_unshard=pipeline_unshard)
+                step = fake_rank_step(
+                    trainer_config,
+                    rank=rank,
+                    world_size=gpus,
+                    positions=positions,
+                    fp8_linears=run["float8"]["enable"],
+                    pipeline_sent=sent,
+                    compiled_blocks=compiled_blocks,
+                    compiled_loss=compiled_loss,
+                    pipeline_unshard=pipeline_unshard,
+                )
         except (ValueError, RuntimeError, AssertionError) as e:
-            raise PlanError(f"{config}: the run fails to build on {gpus} GPUs (rank {rank}): "
-                            f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}") from e
+            raise PlanError(
+                f"{config}: the run fails to build on {gpus} GPUs (rank {rank}): "
+                f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+            ) from e
         steps.append((role, step))
     kinds = []
     for role, step in steps:
         events = compiled_memory_events(step) if compiled else None
-        allocator = reserved_peak(step, events, capacity=gpu.memory_bytes - int(OUTSIDE_PYTORCH_GIB * GIB),
-                                  expandable=expandable)
-        kinds.append(RankKind(role, step.rank, memory_peak(step.trace, _categories(step), events=events),
-                              rank_time(step, gpu, compiled=compiled, gpus_per_node=gpus_per_node,
-                                        attention=attention),
-                              step.state_bytes, _model_flops(step), allocator.peak_reserved,
-                              allocator.retries))
+        allocator = reserved_peak(
+            step,
+            events,
+            capacity=gpu.memory_bytes - int(OUTSIDE_PYTORCH_GIB * GIB),
+            expandable=expandable,
+        )
+        kinds.append(
+            RankKind(
+                role,
+                step.rank,
+                memory_peak(step.trace, _categories(step), events=events),
+                rank_time(
+                    step, gpu, compiled=compiled, gpus_per_node=gpus_per_node, attention=attention
+                ),
+                step.state_bytes,
+                _model_flops(step),
+                allocator.peak_reserved,
+                allocator.retries,
+            )
+        )
     first = steps[0][1]
     dp = run.data_parallel_size(gpus)
     local_batch = run["training"]["local_batch_size"]
@@ -282,25 +355,56 @@ def plan(config: str, overrides: list[str], *, gpus: int, gpu: GPU, gpus_per_nod
     if pp > 1:
         microbatches = first.pp_microbatches * accumulation
         stages_per_rank = first.stages_per_rank
-        per_microbatch = slowest.time.compute_total_s * (1 - slowest.time.optimizer_share) / microbatches
-        bubble = bubble_slots(par["pipeline_parallel_schedule"], pp, stages_per_rank) \
-            * per_microbatch * accumulation
+        per_microbatch = (
+            slowest.time.compute_total_s * (1 - slowest.time.optimizer_share) / microbatches
+        )
+        bubble = (
+            bubble_slots(par["pipeline_parallel_schedule"], pp, stages_per_rank)
+            * per_microbatch
+            * accumulation
+        )
     result = Plan(
-        config=config, model=f"{run['model']['name']} {run['model']['flavor']}", overrides=list(overrides), gpu=gpu,
-        gpus=gpus, gpus_per_node=gpus_per_node,
-        parallel={"dp_replicate": first.parallel["dp_replicate"], "dp_shard": first.parallel["dp_shard"],
-                  "cp": first.parallel["cp"], "tp": first.parallel["tp"], "pp": pp},
-        local_batch=local_batch, seq_len=run["training"]["seq_len"], accumulation=accumulation,
-        global_batch=local_batch * dp * accumulation, steps=run["training"]["steps"], compiled=compiled,
-        activation_checkpoint=run["activation_checkpoint"]["mode"], kinds=kinds,
-        step_s=slowest.time.step_s + bubble, bubble_s=bubble, flops_per_token=first.flops_per_token,
-        param_count=_param_count(steps, pp), model_kind=kind_of(run), attention=attention,
+        config=config,
+        model=f"{run['model']['name']} {run['model']['flavor']}",
+        overrides=list(overrides),
+        gpu=gpu,
+        gpus=gpus,
+        gpus_per_node=gpus_per_node,
+        parallel={
+            "dp_replicate": first.parallel["dp_replicate"],
+            "dp_shard": first.parallel["dp_shard"],
+            "cp": first.parallel["cp"],
+            "tp": first.parallel["tp"],
+            "pp": pp,
+        },
+        local_batch=local_batch,
+        seq_len=run["training"]["seq_len"],
+        accumulation=accumulation,
+        global_batch=local_batch * dp * accumulation,
+        steps=run["training"]["steps"],
+        compiled=compiled,
+        activation_checkpoint=run["activation_checkpoint"]["mode"],
+        kinds=kinds,
+        step_s=slowest.time.step_s + bubble,
+        bubble_s=bubble,
+        flops_per_token=first.flops_per_token,
+        param_count=_param_count(steps, pp),
+        model_kind=kind_of(run),
+        attention=attention,
         pipeline_unshard=pipeline_unshard,
     )
     result.notes = _notes(run, result)
     if advise and not result.fits:
-        result.advice = _advice(config, overrides, run, gpus=gpus, gpu=gpu, gpus_per_node=gpus_per_node,
-                                progress=progress, attention=attention)
+        result.advice = _advice(
+            config,
+            overrides,
+            run,
+            gpus=gpus,
+            gpu=gpu,
+            gpus_per_node=gpus_per_node,
+            progress=progress,
+            attention=attention,
+        )
     result.planner_s = time.perf_counter() - started
     return result
 
@@ -315,49 +419,78 @@ def _param_count(steps, pp: int) -> int:
 def _notes(run, result: Plan) -> list[str]:
     notes = []
     if result.compiled:
-        parts = " and ".join(name for key, name in (("model", "blocks"), ("loss", "loss"))
-                             if key in run["compile"]["components"])
-        eager = "the embedding, output, " + ("" if "loss" in run["compile"]["components"] else "loss, ")
-        notes.append(f"compile: planned from the eager ops; inside the compiled {parts} each run of elementwise ops "
-                     "between matmuls, attention and custom kernels is one fused kernel; what only it uses is not "
-                     "stored, what only the backward reads is recomputed from the run's inputs where that keeps "
-                     f"fewer bytes; {eager}FSDP's copies and the optimizer stay eager")
+        parts = " and ".join(
+            name
+            for key, name in (("model", "blocks"), ("loss", "loss"))
+            if key in run["compile"]["components"]
+        )
+        eager = "the embedding, output, " + (
+            "" if "loss" in run["compile"]["components"] else "loss, "
+        )
+        notes.append(
+            f"compile: planned from the eager ops; inside the compiled {parts} each run of elementwise ops "
+            "between matmuls, attention and custom kernels is one fused kernel; what only it uses is not "
+            "stored, what only the backward reads is recomputed from the run's inputs where that keeps "
+            f"fewer bytes; {eager}FSDP's copies and the optimizer stay eager"
+        )
     else:
         notes.append("compile off: every op is its own kernel")
     notes.append(f"attention on the {result.attention} SDPA backend (--attention-backend)")
-    unpriced = next((k.time.kernels_unpriced for k in result.kinds if k.time.kernels_unpriced),
-                    None)
+    unpriced = next(
+        (k.time.kernels_unpriced for k in result.kinds if k.time.kernels_unpriced), None
+    )
     if unpriced:
-        notes.append(f"Canon and recurrence kernels at their bytes and FLOPs (the roofline): "
-                     f"{unpriced}")
+        notes.append(
+            f"Canon and recurrence kernels at their bytes and FLOPs (the roofline): {unpriced}"
+        )
     elif any(k.time.compute_s.get(kind) for k in result.kinds for kind in ("canon", "recurrence")):
-        notes.append("Canon and recurrence kernels priced from their sm_90 SASS "
-                     "(canon_titan.plan.kernel_cost): each launch the longest of its bytes, its "
-                     "instructions' issue and its tensor-core work")
-    if run["parallelism"]["pipeline_parallel_degree"] > 1 and \
-            run["parallelism"]["pipeline_parallel_schedule"] in LOOPED_SCHEDULES:
-        notes.append("pipeline: each stage's parameters gathered all at once before its first compute (torch's "
-                     "schedule runtime, from 2.10)" if result.pipeline_unshard == "stage" else
-                     "pipeline: each block's parameters gathered by its FSDP hook as it runs (Interleaved1F1B "
-                     "before torch 2.10)")
+        notes.append(
+            "Canon and recurrence kernels priced from their sm_90 SASS "
+            "(canon_titan.plan.kernel_cost): each launch the longest of its bytes, its "
+            "instructions' issue and its tensor-core work"
+        )
+    if (
+        run["parallelism"]["pipeline_parallel_degree"] > 1
+        and run["parallelism"]["pipeline_parallel_schedule"] in LOOPED_SCHEDULES
+    ):
+        notes.append(
+            "pipeline: each stage's parameters gathered all at once before its first compute (torch's "
+            "schedule runtime, from 2.10)"
+            if result.pipeline_unshard == "stage"
+            else "pipeline: each block's parameters gathered by its FSDP hook as it runs (Interleaved1F1B "
+            "before torch 2.10)"
+        )
     if run["float8"]["enable"]:
         rowwise = run["float8"]["recipe_name"].startswith("rowwise")
-        notes.append(f"float8 {run['float8']['recipe_name']}: the float8 linears' matmuls at the fp8 peak"
-                     + ("; under compile their row-wise casts cost what torchao's published microbenchmark "
-                        "measured (recorder.ROWWISE_CAST_BYTES)" if rowwise else "")
-                     + "; with TP, activations and their gradients cross the TP group in high precision (the TP "
-                       "regions gather before their linears cast; TorchTitan's llama3 sends a tensorwise input in "
-                       "float8)"
-                     + ("; FSDP gathers their weights in float8 ([float8] enable_fsdp_float8_all_gather)"
-                        if run["float8"]["enable_fsdp_float8_all_gather"] else ""))
+        notes.append(
+            f"float8 {run['float8']['recipe_name']}: the float8 linears' matmuls at the fp8 peak"
+            + (
+                "; under compile their row-wise casts cost what torchao's published microbenchmark "
+                "measured (recorder.ROWWISE_CAST_BYTES)"
+                if rowwise
+                else ""
+            )
+            + "; with TP, activations and their gradients cross the TP group in high precision (the TP "
+            "regions gather before their linears cast; TorchTitan's llama3 sends a tensorwise input in "
+            "float8)"
+            + (
+                "; FSDP gathers their weights in float8 ([float8] enable_fsdp_float8_all_gather)"
+                if run["float8"]["enable_fsdp_float8_all_gather"]
+                else ""
+            )
+        )
     if result.accumulation > 2:
-        notes.append(f"gradient accumulation: 2 of {result.accumulation} groups were stepped; the others repeat the "
-                     "second")
+        notes.append(
+            f"gradient accumulation: 2 of {result.accumulation} groups were stepped; the others repeat the "
+            "second"
+        )
     retries = max(k.allocator_retries for k in result.kinds)
     if retries and result.fits:
-        notes.append(f"allocator: reaches the GPU's memory {retries} time(s) in two replayed steps and releases its "
-                     "cached free segments to go on (a device synchronize each: TorchTitan logs them as "
-                     "num_alloc_retries; the step time does not include them)")
+        notes.append(
+            f"allocator: reaches the GPU's memory {retries} time(s) in two replayed steps and releases its "
+            "cached free segments to go on (a device synchronize each: TorchTitan logs them as "
+            "num_alloc_retries; the step time does not include them)"
+        )
     return notes
 
 
@@ -370,11 +503,19 @@ def _candidates(run, gpus: int, gpus_per_node: int) -> list[tuple[str, list[str]
             out.append((f"activation checkpointing {mode}", ["--activation_checkpoint.mode", mode]))
     local = run["training"]["local_batch_size"]
     gbs = run["training"]["global_batch_size"]
-    keep = [] if gbs > 0 else ["--training.global_batch_size", str(local * run.data_parallel_size(gpus))]
+    keep = (
+        []
+        if gbs > 0
+        else ["--training.global_batch_size", str(local * run.data_parallel_size(gpus))]
+    )
     size = local // 2
     while size >= 1:
-        out.append((f"local batch {size} (same global batch, more accumulation)",
-                    ["--training.local_batch_size", str(size), *keep]))
+        out.append(
+            (
+                f"local batch {size} (same global batch, more accumulation)",
+                ["--training.local_batch_size", str(size), *keep],
+            )
+        )
         size //= 2
     par = run["parallelism"]
     for tp in (2, 4, 8):
@@ -382,12 +523,23 @@ def _candidates(run, gpus: int, gpus_per_node: int) -> list[tuple[str, list[str]
             out.append((f"tensor parallel {tp}", ["--parallelism.tensor_parallel_degree", str(tp)]))
     for pp in (2, 4):
         if pp > par["pipeline_parallel_degree"] and gpus % pp == 0 and local >= pp:
-            out.append((f"pipeline parallel {pp}", ["--parallelism.pipeline_parallel_degree", str(pp),
-                                                    "--parallelism.pipeline_parallel_microbatch_size", "1"]))
+            out.append(
+                (
+                    f"pipeline parallel {pp}",
+                    [
+                        "--parallelism.pipeline_parallel_degree",
+                        str(pp),
+                        "--parallelism.pipeline_parallel_microbatch_size",
+                        "1",
+                    ],
+                )
+            )
     return out
 
 
-def _advice(config, overrides, run, *, gpus, gpu, gpus_per_node, progress, attention, tries: int = 6):
+def _advice(
+    config, overrides, run, *, gpus, gpu, gpus_per_node, progress, attention, tries: int = 6
+):
     """The first change of each kind (AC, local batch, TP, PP) that makes the run fit, each planned;
     at most ``tries`` plans."""
     found, kinds_done = [], set()
@@ -401,8 +553,16 @@ def _advice(config, overrides, run, *, gpus, gpu, gpus_per_node, progress, atten
         if progress:
             progress(f"does it fit with {label}?")
         try:
-            candidate = plan(config, [*overrides, *extra], gpus=gpus, gpu=gpu, gpus_per_node=gpus_per_node,
-                             progress=None, advise=False, attention=attention)
+            candidate = plan(
+                config,
+                [*overrides, *extra],
+                gpus=gpus,
+                gpu=gpu,
+                gpus_per_node=gpus_per_node,
+                progress=None,
+                advise=False,
+                attention=attention,
+            )
         except (ConfigError, PlanError):
             continue
         if candidate.fits:
@@ -416,7 +576,10 @@ def progress_printer(stream=None):
     started = time.perf_counter()
 
     def show(message: str) -> None:
-        print(f"[plan {time.perf_counter() - started:5.1f} s] {message}", file=stream or sys.stderr,
-              flush=True)
+        print(
+            f"[plan {time.perf_counter() - started:5.1f} s] {message}",
+            file=stream or sys.stderr,
+            flush=True,
+        )
 
     return show

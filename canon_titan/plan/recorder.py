@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.distributed._tools.fake_collectives import CollectiveOp, collective_ops, sync_ops
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._sharding_prop import ShardingPropagator
-from torch.distributed._tools.fake_collectives import CollectiveOp, collective_ops, sync_ops
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
@@ -39,13 +39,29 @@ their measured cost"); ``scripts/benchmarks/fit_rowwise_casts.py`` refits them f
 model as it stands (``estimate.fused_region_bytes``). In eager mode every recorded cast op is its
 own kernel and is counted in full instead."""
 
-_FACTORIES = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default,
-              torch.ops.aten.empty_like.default, torch.ops.aten.new_empty.default,
-              torch.ops.aten.new_empty_strided.default}
-_COLLECTIVE_NAMES = {"allgather": "all_gather", "all_gather": "all_gather", "reduce_scatter": "reduce_scatter",
-                     "allreduce": "all_reduce", "all_reduce": "all_reduce", "broadcast": "broadcast",
-                     "alltoall": "all_to_all", "all_to_all": "all_to_all", "send": "send", "recv": "recv",
-                     "isend": "send", "irecv": "recv", "batch_p2p": "send/recv", "shard_dim_alltoall": "all_to_all"}
+_FACTORIES = {
+    torch.ops.aten.empty.memory_format,
+    torch.ops.aten.empty_strided.default,
+    torch.ops.aten.empty_like.default,
+    torch.ops.aten.new_empty.default,
+    torch.ops.aten.new_empty_strided.default,
+}
+_COLLECTIVE_NAMES = {
+    "allgather": "all_gather",
+    "all_gather": "all_gather",
+    "reduce_scatter": "reduce_scatter",
+    "allreduce": "all_reduce",
+    "all_reduce": "all_reduce",
+    "broadcast": "broadcast",
+    "alltoall": "all_to_all",
+    "all_to_all": "all_to_all",
+    "send": "send",
+    "recv": "recv",
+    "isend": "send",
+    "irecv": "recv",
+    "batch_p2p": "send/recv",
+    "shard_dim_alltoall": "all_to_all",
+}
 
 
 def collective_kind(func) -> str:
@@ -75,7 +91,9 @@ def causal_share(queries: int, keys: int, diagonal: int = 0) -> float:
     a = diagonal + 1  # query i sees min(max(i + a, 0), keys) keys
     none_until = min(max(1 - a, 0), queries)
     all_from = max(min(max(keys - a, 0), queries), none_until)
-    growing = (all_from - 1 + none_until) * (all_from - none_until) // 2 + a * (all_from - none_until)
+    growing = (all_from - 1 + none_until) * (all_from - none_until) // 2 + a * (
+        all_from - none_until
+    )
     return (growing + (queries - all_from) * keys) / (queries * keys)
 
 
@@ -240,7 +258,12 @@ class StepRecorder(TorchDispatchMode):
         packet = func._overloadpacket
         if packet is torch.ops.aten.ones and writes:
             self._ones.add(writes[0])
-        elif packet is torch.ops.aten.tril and outputs and outputs[0].dtype == torch.bool and outputs[0].dim() == 2:
+        elif (
+            packet is torch.ops.aten.tril
+            and outputs
+            and outputs[0].dtype == torch.bool
+            and outputs[0].dim() == 2
+        ):
             source = self.storage_id(inputs[0])
             if source in self._ones:
                 queries, keys = outputs[0].shape
@@ -248,7 +271,12 @@ class StepRecorder(TorchDispatchMode):
                 self._causal_masks[writes[0]] = causal_share(queries, keys, diagonal)
                 self._unaccounted(source)
                 self._unaccounted(writes[0])
-        elif packet is torch.ops.aten.where and inputs and writes and self.storage_id(inputs[0]) in self._causal_masks:
+        elif (
+            packet is torch.ops.aten.where
+            and inputs
+            and writes
+            and self.storage_id(inputs[0]) in self._causal_masks
+        ):
             self._causal_masks[writes[0]] = self._causal_masks[self.storage_id(inputs[0])]
             self._unaccounted(writes[0])
 
@@ -343,31 +371,60 @@ class StepRecorder(TorchDispatchMode):
         formula = flop_registry.get(packet)
         flops = formula(*args, **kwargs, out_val=out) if formula is not None else 0
         mutated = _mutated(func, args, kwargs)
-        if mutated and not outputs:  # in place, returning nothing (foreach ops, the fused optimizers)
+        if (
+            mutated and not outputs
+        ):  # in place, returning nothing (foreach ops, the fused optimizers)
             outputs = mutated
             writes = tuple(self.storage_id(t) for t in outputs)
-        if func in _FACTORIES or (not mutated and (not outputs or all(sid in reads for sid in writes))):
+        if func in _FACTORIES or (
+            not mutated and (not outputs or all(sid in reads for sid in writes))
+        ):
             # An allocation, a view, or an op returning no tensor (a size, a device): no data moves.
             read_bytes, write_bytes = (0,) * len(inputs), (0,) * len(outputs)
         else:
             read_bytes = tuple(tensor_bytes(t) for t in inputs)
             write_bytes = tuple(tensor_bytes(t) for t in outputs)
         kind = op_kind(packet)
-        if kind == "other" and len(writes) == 1 and reads and outputs[0].numel() > 1 \
-                and outputs[0].numel() == inputs[0].numel() and writes[0] != reads[0] \
-                and (self._fp8_context > 0 or _in_float8_backward()):  # a float8 cast's own ops
+        if (
+            kind == "other"
+            and len(writes) == 1
+            and reads
+            and outputs[0].numel() > 1
+            and outputs[0].numel() == inputs[0].numel()
+            and writes[0] != reads[0]
+            and (self._fp8_context > 0 or _in_float8_backward())
+        ):  # a float8 cast's own ops
             self._sources[writes[0]] = self._sources.get(reads[0], reads[0])
         dtype = inputs[0].dtype if inputs else (outputs[0].dtype if outputs else None)
-        fp8 = kind == "matmul" and (self._fp8_context > 0 or _in_float8_backward() or any(
-            t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) for t in inputs))
+        fp8 = kind == "matmul" and (
+            self._fp8_context > 0
+            or _in_float8_backward()
+            or any(t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) for t in inputs)
+        )
         self._causal_mask(func, args, inputs, writes, outputs)
         attended = self._attended(func, args, kwargs) if kind == "attention" else 1.0
         head_dim = _head_dim(func, args, kwargs) if kind == "attention" else 0
         tf32 = kind == "recurrence" or (kind in ("matmul", "attention") and self._tf32)
         call = (func._schema.name, spec(list(args))) if kind in ("canon", "recurrence") else None
-        self.trace.ops.append(Op(kind, self.phase(), str(packet).split("::")[-1], int(flops),
-                                 sum(read_bytes) + sum(write_bytes), dtype, reads, read_bytes, writes, write_bytes,
-                                 fp8, attended, head_dim, tf32, call=call))
+        self.trace.ops.append(
+            Op(
+                kind,
+                self.phase(),
+                str(packet).split("::")[-1],
+                int(flops),
+                sum(read_bytes) + sum(write_bytes),
+                dtype,
+                reads,
+                read_bytes,
+                writes,
+                write_bytes,
+                fp8,
+                attended,
+                head_dim,
+                tf32,
+                call=call,
+            )
+        )
         gemm = len(self.trace.ops) - 1
         if fp8 and len(outputs) == 1 and _rescaled_after_gemm(inputs):
             self._rescale(inputs, outputs[0])
@@ -387,7 +444,12 @@ class StepRecorder(TorchDispatchMode):
         for t in inputs:
             inner = _inner(t)
             role = getattr(getattr(t, "_gemm_input_role", None), "name", None)
-            if not inner or len(inner) < 2 or inner[1].numel() <= 1 or role not in ROWWISE_CAST_BYTES:
+            if (
+                not inner
+                or len(inner) < 2
+                or inner[1].numel() <= 1
+                or role not in ROWWISE_CAST_BYTES
+            ):
                 continue
             data = self.storage_id(inner[0])
             cast = (self._sources.get(data, data), role, tuple(inner[1].shape), self.phase())
@@ -399,9 +461,22 @@ class StepRecorder(TorchDispatchMode):
                 continue
             source = self._next_id
             self._next_id += 1
-            self.trace.ops.append(Op("other", self.phase(), f"float8 row-wise cast of the {role.lower()} (Inductor)",
-                                     0, extra, t.dtype, (source,), (extra,), (), (), after=gemm,
-                                     compiled_only=True))
+            self.trace.ops.append(
+                Op(
+                    "other",
+                    self.phase(),
+                    f"float8 row-wise cast of the {role.lower()} (Inductor)",
+                    0,
+                    extra,
+                    t.dtype,
+                    (source,),
+                    (extra,),
+                    (),
+                    (),
+                    after=gemm,
+                    compiled_only=True,
+                )
+            )
 
     def _rescale(self, inputs: list[torch.Tensor], output: torch.Tensor) -> None:
         """What torchao's ``addmm_float8_unwrapped`` runs after a GEMM of row-wise scaled operands
@@ -418,12 +493,36 @@ class StepRecorder(TorchDispatchMode):
         self._next_id += 1
         phase, gemm = self.phase(), len(self.trace.ops) - 1
         self.trace.memory_events.append((len(self.trace.ops), product_id, product_bytes))
-        self.trace.ops.append(Op("other", phase, "float8 rowwise scales outer product", output.numel(),
-                                 sum(scale_bytes) + product_bytes, torch.float32, scale_ids, scale_bytes,
-                                 (product_id,), (product_bytes,), after=gemm))
-        self.trace.ops.append(Op("other", phase, "float8 rowwise output rescale", output.numel(),
-                                 2 * out_bytes + product_bytes, output.dtype, (out_id, product_id),
-                                 (out_bytes, product_bytes), (out_id,), (out_bytes,), after=gemm))
+        self.trace.ops.append(
+            Op(
+                "other",
+                phase,
+                "float8 rowwise scales outer product",
+                output.numel(),
+                sum(scale_bytes) + product_bytes,
+                torch.float32,
+                scale_ids,
+                scale_bytes,
+                (product_id,),
+                (product_bytes,),
+                after=gemm,
+            )
+        )
+        self.trace.ops.append(
+            Op(
+                "other",
+                phase,
+                "float8 rowwise output rescale",
+                output.numel(),
+                2 * out_bytes + product_bytes,
+                output.dtype,
+                (out_id, product_id),
+                (out_bytes, product_bytes),
+                (out_id,),
+                (out_bytes,),
+                after=gemm,
+            )
+        )
         self.trace.memory_events.append((len(self.trace.ops), product_id, -product_bytes))
 
     def _collective(self, func, out, args, kwargs) -> None:
@@ -437,7 +536,9 @@ class StepRecorder(TorchDispatchMode):
         except TypeError:
             nbytes = 0
         kind = collective_kind(func)
-        self.trace.collectives.append(Collective(kind, ranks, nbytes, self.phase(), len(self.trace.ops)))
+        self.trace.collectives.append(
+            Collective(kind, ranks, nbytes, self.phase(), len(self.trace.ops))
+        )
         for t in (a for a in tree_flatten((args, out))[0] if isinstance(a, torch.Tensor)):
             sid = self.storage_id(t)
             self.trace.collective_buffers.setdefault(sid, ranks)
@@ -476,8 +577,9 @@ def _rescaled_after_gemm(inputs: list[torch.Tensor]) -> bool:
     from torchao.float8.float8_ops import choose_scaled_mm_config
 
     a, b = operands
-    config = choose_scaled_mm_config(a._gemm_input_role, a._linear_mm_config, b._gemm_input_role,
-                                     b._linear_mm_config)
+    config = choose_scaled_mm_config(
+        a._gemm_input_role, a._linear_mm_config, b._gemm_input_role, b._linear_mm_config
+    )
     return not config.use_fast_accum
 
 
@@ -499,8 +601,12 @@ class MemoryPeak:
     by_category: dict[str, int]
 
 
-def memory_peak(trace: StepTrace, categories: dict[int, str], default: str = "activations",
-                events: list[tuple[int, int, int]] | None = None) -> MemoryPeak:
+def memory_peak(
+    trace: StepTrace,
+    categories: dict[int, str],
+    default: str = "activations",
+    events: list[tuple[int, int, int]] | None = None,
+) -> MemoryPeak:
     """The highest total of live storages over the trace (or over ``events``, the trace's
     allocations and frees rearranged), and what was alive then by category (``categories``:
     storage id -> name; others count as ``default``)."""
@@ -515,7 +621,7 @@ def memory_peak(trace: StepTrace, categories: dict[int, str], default: str = "ac
         if total > best:
             best, best_at = total, i
     live = defaultdict(int)
-    for op_index, sid, delta in events[:best_at + 1]:
+    for op_index, sid, delta in events[: best_at + 1]:
         live[sid] += delta
     by_category: dict[str, int] = defaultdict(int)
     for sid, size in live.items():

@@ -81,26 +81,45 @@ class Layout:
 
     def overrides(self, global_batch: int) -> list[str]:
         """The ``--section.key value`` arguments that make a run of this layout."""
-        out = ["--parallelism.data_parallel_replicate_degree", str(self.dp_replicate),
-               "--parallelism.data_parallel_shard_degree", str(self.dp_shard),
-               "--parallelism.tensor_parallel_degree", str(self.tp),
-               "--parallelism.pipeline_parallel_degree", str(self.pp),
-               "--parallelism.context_parallel_degree", str(self.cp),
-               "--training.local_batch_size", str(self.local_batch),
-               "--training.global_batch_size", str(global_batch),
-               "--activation_checkpoint.mode", self.ac,
-               "--parallelism.fsdp_reshard_after_forward", self.reshard]
+        out = [
+            "--parallelism.data_parallel_replicate_degree",
+            str(self.dp_replicate),
+            "--parallelism.data_parallel_shard_degree",
+            str(self.dp_shard),
+            "--parallelism.tensor_parallel_degree",
+            str(self.tp),
+            "--parallelism.pipeline_parallel_degree",
+            str(self.pp),
+            "--parallelism.context_parallel_degree",
+            str(self.cp),
+            "--training.local_batch_size",
+            str(self.local_batch),
+            "--training.global_batch_size",
+            str(global_batch),
+            "--activation_checkpoint.mode",
+            self.ac,
+            "--parallelism.fsdp_reshard_after_forward",
+            self.reshard,
+        ]
         if self.pp > 1:
-            out += ["--parallelism.pipeline_parallel_schedule", self.schedule,
-                    "--parallelism.pipeline_parallel_microbatch_size", "1"]
+            out += [
+                "--parallelism.pipeline_parallel_schedule",
+                self.schedule,
+                "--parallelism.pipeline_parallel_microbatch_size",
+                "1",
+            ]
         out += ["--float8.enable", "true" if self.float8 else "false"]
         if self.float8:
             out += ["--float8.recipe_name", self.float8]
         if self.float8 and self.float8 != "tensorwise":
             # FSDP's float8 all-gather is tensor-wise: a row-wise layout of a config that gathers in
             # float8 gathers in the param dtype (a tensor-wise layout keeps the config's choice).
-            out += ["--float8.enable_fsdp_float8_all_gather", "false",
-                    "--float8.precompute_float8_dynamic_scale_for_fsdp", "false"]
+            out += [
+                "--float8.enable_fsdp_float8_all_gather",
+                "false",
+                "--float8.precompute_float8_dynamic_scale_for_fsdp",
+                "false",
+            ]
         return out
 
     @property
@@ -135,12 +154,18 @@ class Layout:
         return cls(**fields)
 
     def describe(self, global_batch: int) -> str:
-        parts = [f"HSDP {self.dp_replicate}x{self.dp_shard}" if self.dp_replicate > 1 else f"FSDP {self.dp_shard}"]
+        parts = [
+            f"HSDP {self.dp_replicate}x{self.dp_shard}"
+            if self.dp_replicate > 1
+            else f"FSDP {self.dp_shard}"
+        ]
         parts += [f"TP {self.tp}"] if self.tp > 1 else []
         parts += [f"PP {self.pp} {self.schedule}"] if self.pp > 1 else []
         parts += [f"CP {self.cp}"] if self.cp > 1 else []
         accumulation = global_batch // (self.local_batch * self.dp)
-        parts.append(f"local {self.local_batch}" + (f" x {accumulation} accum" if accumulation > 1 else ""))
+        parts.append(
+            f"local {self.local_batch}" + (f" x {accumulation} accum" if accumulation > 1 else "")
+        )
         parts.append(f"AC {self.ac}")
         if self.reshard == "never":
             parts.append("keep gathered weights")
@@ -152,6 +177,7 @@ class Layout:
 @dataclass
 class Outcome:
     """A full plan's figures for a layout."""
+
     layout: Layout
     fits: bool
     device_bytes: int
@@ -221,8 +247,14 @@ def structures(gpus: int, gpus_per_node: int, layers: int, global_batch: int, cp
 def hsdp_shard(layout: Layout, gpus_per_node: int) -> int:
     """The shard degree of HSDP with one node's worth of data-parallel ranks per shard group (0: none:
     under PP the node holds pipeline ranks too, or the shard would be all of the data parallelism)."""
-    per_node = gpus_per_node // (layout.tp * layout.cp) if gpus_per_node % (layout.tp * layout.cp) == 0 else 0
-    return per_node if layout.pp == 1 and 1 < per_node < layout.dp and layout.dp % per_node == 0 else 0
+    per_node = (
+        gpus_per_node // (layout.tp * layout.cp)
+        if gpus_per_node % (layout.tp * layout.cp) == 0
+        else 0
+    )
+    return (
+        per_node if layout.pp == 1 and 1 < per_node < layout.dp and layout.dp % per_node == 0 else 0
+    )
 
 
 PP_MAX_MICROBATCHES_PER_STAGE = 2
@@ -237,8 +269,11 @@ def local_batches(per_rank: int, pp: int) -> list[int]:
     """The local batches (sequences per step per data-parallel rank) that divide its share of the
     global batch, largest first; under PP at least one microbatch per stage and at most
     ``PP_MAX_MICROBATCHES_PER_STAGE``."""
-    return [b for b in reversed(_divisors(per_rank))
-            if pp == 1 or pp <= b <= PP_MAX_MICROBATCHES_PER_STAGE * pp]
+    return [
+        b
+        for b in reversed(_divisors(per_rank))
+        if pp == 1 or pp <= b <= PP_MAX_MICROBATCHES_PER_STAGE * pp
+    ]
 
 
 # ------------------------------------------------------------------------------------ workers
@@ -251,15 +286,28 @@ def _plan_figures(config, overrides, gpus, gpu, gpus_per_node, attention):
 
     began = time.perf_counter()
     try:
-        result = plan(config, overrides, gpus=gpus, gpu=gpu, gpus_per_node=gpus_per_node, advise=False,
-                      attention=attention)
+        result = plan(
+            config,
+            overrides,
+            gpus=gpus,
+            gpu=gpu,
+            gpus_per_node=gpus_per_node,
+            advise=False,
+            attention=attention,
+        )
     except (ConfigError, PlanError) as e:
         return {"error": str(e).splitlines()[0][:300], "seconds": time.perf_counter() - began}
-    return {"fits": result.fits, "device_bytes": result.worst.device_bytes,
-            "live_bytes": result.worst.memory.total, "step_s": result.step_s,
-            "tokens_per_s_per_gpu": result.tokens_per_s_per_gpu, "mfu": result.mfu,
-            "gpu_hours": result.gpu_hours, "accumulation": result.accumulation,
-            "seconds": time.perf_counter() - began}
+    return {
+        "fits": result.fits,
+        "device_bytes": result.worst.device_bytes,
+        "live_bytes": result.worst.memory.total,
+        "step_s": result.step_s,
+        "tokens_per_s_per_gpu": result.tokens_per_s_per_gpu,
+        "mfu": result.mfu,
+        "gpu_hours": result.gpu_hours,
+        "accumulation": result.accumulation,
+        "seconds": time.perf_counter() - began,
+    }
 
 
 def extrapolate(pair: list[dict], layers: int) -> tuple[float, float, int] | None:
@@ -312,9 +360,11 @@ class _Pool:
 
         self.say = say
         spawn = multiprocessing.get_context("spawn")
-        self._pool = (futures.ProcessPoolExecutor(workers, mp_context=spawn,
-                                                  initializer=process_setup)
-                      if workers > 1 else None)
+        self._pool = (
+            futures.ProcessPoolExecutor(workers, mp_context=spawn, initializer=process_setup)
+            if workers > 1
+            else None
+        )
 
     def map(self, calls: list[tuple], what: str = "planning") -> list[dict]:
         with saying_every(self.say, f"{what} ({len(calls)} plans)"):
@@ -354,8 +404,16 @@ class SearchSpace:
     parameters: int
 
     @classmethod
-    def resolve(cls, config: str, base_overrides: list[str], *, gpus: int, gpu, gpus_per_node: int,
-                attention: str | None) -> SearchSpace:
+    def resolve(
+        cls,
+        config: str,
+        base_overrides: list[str],
+        *,
+        gpus: int,
+        gpu,
+        gpus_per_node: int,
+        attention: str | None,
+    ) -> SearchSpace:
         """ConfigError (the caller's to report) where the config is not a run on these GPUs."""
         from unittest.mock import patch
 
@@ -367,11 +425,24 @@ class SearchSpace:
             run = load(config, base_overrides, environment=False)
         training = run["training"]
         dp_recipe = run.data_parallel_size(gpus) if training["global_batch_size"] == -1 else 1
-        global_batch = training["global_batch_size"] if training["global_batch_size"] != -1 \
+        global_batch = (
+            training["global_batch_size"]
+            if training["global_batch_size"] != -1
             else training["local_batch_size"] * dp_recipe
+        )
         with torch.device("meta"):
             parameters = sum(p.numel() for p in run.model_spec().model.build().parameters())
-        return cls(config, list(base_overrides), gpus, gpu, gpus_per_node, attention, run, global_batch, parameters)
+        return cls(
+            config,
+            list(base_overrides),
+            gpus,
+            gpu,
+            gpus_per_node,
+            attention,
+            run,
+            global_batch,
+            parameters,
+        )
 
     @property
     def layers(self) -> int:
@@ -398,34 +469,56 @@ class SearchSpace:
 
         with patch.dict(os.environ, WORLD_SIZE=str(self.gpus)):
             try:
-                load(self.config, [*self.base_overrides, *layout.overrides(self.global_batch)], environment=False)
+                load(
+                    self.config,
+                    [*self.base_overrides, *layout.overrides(self.global_batch)],
+                    environment=False,
+                )
             except ConfigError:
                 return False
         return True
 
     def call(self, layout: Layout, extra=()) -> tuple:
         """``_plan_figures``'s arguments for ``layout`` (``extra``: more overrides)."""
-        return (self.config, [*self.base_overrides, *layout.overrides(self.global_batch), *extra], self.gpus, self.gpu,
-                self.gpus_per_node, self.attention)
+        return (
+            self.config,
+            [*self.base_overrides, *layout.overrides(self.global_batch), *extra],
+            self.gpus,
+            self.gpu,
+            self.gpus_per_node,
+            self.attention,
+        )
 
     def outcome(self, layout: Layout, figures: dict) -> Outcome:
         if "error" in figures:
             return Outcome(layout, False, 0, 0.0, 0.0, 0.0, 0.0, figures["error"])
         # what the search offers leaves MARGIN of the GPU free: the plan's memory is within 8% of the
         # published runs' (README), not exact
-        return Outcome(layout, figures["fits"] and figures["device_bytes"] <= self.capacity,
-                       figures["device_bytes"], figures["tokens_per_s_per_gpu"], figures["mfu"], figures["step_s"],
-                       figures["gpu_hours"])
+        return Outcome(
+            layout,
+            figures["fits"] and figures["device_bytes"] <= self.capacity,
+            figures["device_bytes"],
+            figures["tokens_per_s_per_gpu"],
+            figures["mfu"],
+            figures["step_s"],
+            figures["gpu_hours"],
+        )
 
     def own_layout(self) -> Layout:
         """The config's own layout on these GPUs."""
         par, training, run = self.run["parallelism"], self.run["training"], self.run
-        return Layout(par["data_parallel_replicate_degree"],
-                      run.data_parallel_size(self.gpus) // par["data_parallel_replicate_degree"],
-                      par["tensor_parallel_degree"], par["pipeline_parallel_degree"], par["context_parallel_degree"],
-                      training["local_batch_size"], run["activation_checkpoint"]["mode"],
-                      str(par["fsdp_reshard_after_forward"]), par["pipeline_parallel_schedule"],
-                      run["float8"]["recipe_name"] if run["float8"]["enable"] else "")
+        return Layout(
+            par["data_parallel_replicate_degree"],
+            run.data_parallel_size(self.gpus) // par["data_parallel_replicate_degree"],
+            par["tensor_parallel_degree"],
+            par["pipeline_parallel_degree"],
+            par["context_parallel_degree"],
+            training["local_batch_size"],
+            run["activation_checkpoint"]["mode"],
+            str(par["fsdp_reshard_after_forward"]),
+            par["pipeline_parallel_schedule"],
+            run["float8"]["recipe_name"] if run["float8"]["enable"] else "",
+        )
 
 
 Shape = tuple[Layout, list[int], list[str]]
@@ -439,8 +532,9 @@ def bounded_shapes(space: SearchSpace, tried: dict[str, int]) -> list[Shape]:
     exceeds the GPU or whose every checkpointing mode the config checks refuse; ``tried`` counts
     each."""
     shapes: list[Shape] = []
-    for tp, pp, cp in structures(space.gpus, space.gpus_per_node, space.layers, space.global_batch,
-                                 space.cp_allowed):
+    for tp, pp, cp in structures(
+        space.gpus, space.gpus_per_node, space.layers, space.global_batch, space.cp_allowed
+    ):
         tried["structures"] += 1
         dp = space.gpus // (tp * pp * cp)
         batches = local_batches(space.global_batch // dp, pp)
@@ -456,7 +550,11 @@ def bounded_shapes(space: SearchSpace, tried: dict[str, int]) -> list[Shape]:
         fsdp = Layout(1, dp, tp, pp, cp, batches[0], "none")
         forms = [fsdp]
         shard = hsdp_shard(fsdp, space.gpus_per_node)
-        if shard and space.parameters * space.state_per_param / (shard * tp * pp) <= space.gpu.memory_bytes:
+        if (
+            shard
+            and space.parameters * space.state_per_param / (shard * tp * pp)
+            <= space.gpu.memory_bytes
+        ):
             forms.append(replace(fsdp, dp_replicate=dp // shard, dp_shard=shard))
         for form in forms:
             modes = []
@@ -495,8 +593,9 @@ def probes_needed(shape: Shape, probed: dict[Layout, Probe], capacity: float) ->
     return out
 
 
-def probe_estimates(shapes: list[Shape], probed: dict[Layout, Probe], capacity: float,
-                    global_batch: int) -> list[tuple[float, Layout]]:
+def probe_estimates(
+    shapes: list[Shape], probed: dict[Layout, Probe], capacity: float, global_batch: int
+) -> list[tuple[float, Layout]]:
     """(seconds per step, layout) of each checkpointing mode of each shape that fits by its probes,
     fastest first: at the largest local batch where that fits, else at the largest batch that fits
     with memory and the time per accumulation group linear in the local batch between the smallest
@@ -516,7 +615,12 @@ def probe_estimates(shapes: list[Shape], probed: dict[Layout, Probe], capacity: 
                 share = (b - b0) / (b1 - b0)
                 if small[0] + share * (big[0] - small[0]) <= capacity:
                     group_s = small[1] + share * (big[1] - small[1])
-                    estimates.append((group_s * (global_batch // (b * shape.dp)), replace(shape, ac=ac, local_batch=b)))
+                    estimates.append(
+                        (
+                            group_s * (global_batch // (b * shape.dp)),
+                            replace(shape, ac=ac, local_batch=b),
+                        )
+                    )
                     break
     estimates.sort(key=lambda e: e[0])
     return estimates
@@ -530,7 +634,13 @@ class Prober:
     rest of the budget."""
 
     def __init__(self, space: SearchSpace, pool: _Pool, workers: int, started: float, say):
-        self.space, self.pool, self.workers, self.started, self.say = space, pool, workers, started, say
+        self.space, self.pool, self.workers, self.started, self.say = (
+            space,
+            pool,
+            workers,
+            started,
+            say,
+        )
         self.probed: dict[Layout, Probe] = {}
         self.plan_seconds: dict[Layout, float] = {}
         """A full plan's wall time, from the probes' own in the layers."""
@@ -551,22 +661,29 @@ class Prober:
             if time.perf_counter() - self.started > deadline:
                 self.say("probe budget spent: ranking what was probed")
                 return len(todo)
-            self.say(f"probing {len(todo)} layouts ({2 * len(todo)} few-layer plans on {self.workers} worker(s))")
+            self.say(
+                f"probing {len(todo)} layouts ({2 * len(todo)} few-layer plans on {self.workers} worker(s))"
+            )
             for i in range(0, len(todo), 2 * self.workers):
                 if i and time.perf_counter() - self.started > deadline:
                     # checked between chunks too: a round of probes of an 8B model on a loaded
                     # machine takes minutes, and what is left of the budget is for full plans
-                    self.say(f"probe budget spent after {len(self.probed)} layouts: ranking what was probed")
+                    self.say(
+                        f"probe budget spent after {len(self.probed)} layouts: ranking what was probed"
+                    )
                     return len(todo) - i
-                chunk, began = todo[i:i + 2 * self.workers], time.perf_counter()
-                figures = self.pool.map([c for lay in chunk for c in self._calls(lay)],
-                                        f"probing {len(chunk)} layouts")
+                chunk, began = todo[i : i + 2 * self.workers], time.perf_counter()
+                figures = self.pool.map(
+                    [c for lay in chunk for c in self._calls(lay)], f"probing {len(chunk)} layouts"
+                )
                 self.chunk_s = max(self.chunk_s, time.perf_counter() - began)
                 for n, lay in enumerate(chunk):
-                    self.probed[lay] = extrapolate(figures[2 * n:2 * n + 2], layers // lay.pp)
-                    one, two = (f.get("seconds", 0.0) for f in figures[2 * n:2 * n + 2])
+                    self.probed[lay] = extrapolate(figures[2 * n : 2 * n + 2], layers // lay.pp)
+                    one, two = (f.get("seconds", 0.0) for f in figures[2 * n : 2 * n + 2])
                     self.plan_seconds[lay] = one + (layers // lay.pp - 1) * max(two - one, 0.0)
-                self.say(f"probed {len(self.probed)} layouts, {time.perf_counter() - self.started:.0f} s")
+                self.say(
+                    f"probed {len(self.probed)} layouts, {time.perf_counter() - self.started:.0f} s"
+                )
 
     def fits(self) -> bool:
         """Whether any layout probed so far fits."""
@@ -578,9 +695,25 @@ class FullPlans:
     when it is expected to end within the budget (``round_s``); ``planned`` holds their outcomes,
     ``budget_cut`` what the budget left out."""
 
-    def __init__(self, space: SearchSpace, pool: _Pool, workers: int, started: float, budget_s: float,
-                 plan_seconds: dict[Layout, float], float8: bool, tried: dict[str, int], say):
-        self.space, self.pool, self.workers, self.started, self.budget_s = space, pool, workers, started, budget_s
+    def __init__(
+        self,
+        space: SearchSpace,
+        pool: _Pool,
+        workers: int,
+        started: float,
+        budget_s: float,
+        plan_seconds: dict[Layout, float],
+        float8: bool,
+        tried: dict[str, int],
+        say,
+    ):
+        self.space, self.pool, self.workers, self.started, self.budget_s = (
+            space,
+            pool,
+            workers,
+            started,
+            budget_s,
+        )
         self.plan_seconds, self.float8, self.tried, self.say = plan_seconds, float8, tried, say
         self.planned: dict[Layout, Outcome] = {}
         self.budget_cut: list[Layout] = []
@@ -601,24 +734,36 @@ class FullPlans:
         slowest round so far."""
         guesses = []
         for lay in chunk:
-            same = [t for p, t in self.plan_seconds.items() if (p.tp, p.pp, p.cp) == (lay.tp, lay.pp, lay.cp)]
+            same = [
+                t
+                for p, t in self.plan_seconds.items()
+                if (p.tp, p.pp, p.cp) == (lay.tp, lay.pp, lay.cp)
+            ]
             guesses.append(max(same or self.plan_seconds.values() or [0.0]))
         return max(guesses) * self.slowdown if max(guesses) > 0 else self.slowest_round
 
     def plan_all(self, layouts: list[Layout]) -> None:
-        todo = [lay for lay in dict.fromkeys(layouts) if lay not in self.planned and lay not in self.budget_cut]
+        todo = [
+            lay
+            for lay in dict.fromkeys(layouts)
+            if lay not in self.planned and lay not in self.budget_cut
+        ]
         if not todo:
             return
-        chunks = [todo[i:i + self.workers] for i in range(0, len(todo), self.workers)]
+        chunks = [todo[i : i + self.workers] for i in range(0, len(todo), self.workers)]
         if not self.budget_cut:
-            self.say(f"planning {len(todo)} layouts in full ({time.perf_counter() - self.started:.0f} s so far)")
+            self.say(
+                f"planning {len(todo)} layouts in full ({time.perf_counter() - self.started:.0f} s so far)"
+            )
         for n, chunk in enumerate(chunks):
             expected = self.round_s(chunk)
             if self.budget_cut or time.perf_counter() - self.started + expected > self.budget_s:
                 if not self.budget_cut:
-                    self.say(f"budget: the rest not planned in full (the next {len(chunk)} would take about "
-                             f"{expected:.0f} s; {self.budget_s - (time.perf_counter() - self.started):.0f} s of "
-                             "--budget-s left)")
+                    self.say(
+                        f"budget: the rest not planned in full (the next {len(chunk)} would take about "
+                        f"{expected:.0f} s; {self.budget_s - (time.perf_counter() - self.started):.0f} s of "
+                        "--budget-s left)"
+                    )
                 self.budget_cut.extend(lay for rest in chunks[n:] for lay in rest)
                 return
             began = time.perf_counter()
@@ -631,9 +776,11 @@ class FullPlans:
             if expected > 0 and self.plan_seconds:
                 self.slowdown = max(self.slowdown, took * self.slowdown / expected)
             self.tried["planned in full"] = len(self.planned)
-            left = sum(self.round_s(rest) for rest in chunks[n + 1:])
-            self.say(f"planned {len(self.planned)} layouts in full, {time.perf_counter() - self.started:.0f} s"
-                     + (f"; these {len(todo)} done in about {left:.0f} s" if left else ""))
+            left = sum(self.round_s(rest) for rest in chunks[n + 1 :])
+            self.say(
+                f"planned {len(self.planned)} layouts in full, {time.perf_counter() - self.started:.0f} s"
+                + (f"; these {len(todo)} done in about {left:.0f} s" if left else "")
+            )
 
     def retry(self, chosen: list[Layout]) -> None:
         """A best-guess batch that did not fit, one step smaller."""
@@ -641,14 +788,19 @@ class FullPlans:
         for layout in chosen:
             outcome = self.planned.get(layout)
             if outcome is not None and not outcome.fits and not outcome.error:
-                batches = [b for b in local_batches(self.space.global_batch // layout.dp, layout.pp)
-                           if b < layout.local_batch]
+                batches = [
+                    b
+                    for b in local_batches(self.space.global_batch // layout.dp, layout.pp)
+                    if b < layout.local_batch
+                ]
                 smaller += [replace(layout, local_batch=batches[0])] if batches else []
         self.plan_all(smaller)
 
     def ranked(self, with_float8: bool) -> list[Outcome]:
-        return sorted((o for o in self.planned.values() if o.fits and bool(o.layout.float8) == with_float8),
-                      key=lambda o: -o.tokens_per_s_per_gpu)
+        return sorted(
+            (o for o in self.planned.values() if o.fits and bool(o.layout.float8) == with_float8),
+            key=lambda o: -o.tokens_per_s_per_gpu,
+        )
 
     def variants(self, layouts: list[Layout]) -> list[Layout]:
         """Keeping the gathered weights, HSDP with one node's shard, the other pipeline schedule:
@@ -662,15 +814,23 @@ class FullPlans:
                 out.append(replace(lay, dp_replicate=lay.dp // shard, dp_shard=shard))
             if lay.pp > 1:
                 other = [s for s in PP_SCHEDULES if s != lay.schedule]
-                out += [replace(lay, schedule=s) for s in other
-                        if self.space.layers % (lay.pp * (2 if s in LOOPED else 1)) == 0]
+                out += [
+                    replace(lay, schedule=s)
+                    for s in other
+                    if self.space.layers % (lay.pp * (2 if s in LOOPED else 1)) == 0
+                ]
         return [v for v in out if self.space.valid(v)]
 
     def with_float8(self, layouts: list[Layout]) -> list[Layout]:
         if not (self.float8 and self.space.gpu.fp8_tflops):
             return []
-        return [t for t in (replace(lay, float8=name) for lay in layouts for name in ("tensorwise", "rowwise"))
-                if self.space.valid(t)]
+        return [
+            t
+            for t in (
+                replace(lay, float8=name) for lay in layouts for name in ("tensorwise", "rowwise")
+            )
+            if self.space.valid(t)
+        ]
 
     def best(self, count: int) -> list[Layout]:
         return [o.layout for o in self.ranked(False)[:count]]
@@ -690,12 +850,12 @@ class FullPlans:
         one's variants and float8 (filling the rounds); then the same for the best as planned, if
         another; then the rest of ``top`` and the other candidates, the next two's variants, float8
         of the second, and the variants of the best FSDP and the best HSDP layout planned."""
-        first = [layout for _, layout in estimates[:min(top, 3)]]
+        first = [layout for _, layout in estimates[: min(top, 3)]]
         self.plan_all(first + self.variants(first[:1]) + self.with_float8(first[:1]))
         self.retry(first)
         self.plan_all(self.variants(self.best(1)))
         self.plan_all(self.with_float8(self.best(1)))
-        more = [layout for _, layout in estimates[min(top, 3):max(2 * top, 6)]]
+        more = [layout for _, layout in estimates[min(top, 3) : max(2 * top, 6)]]
         self.plan_all(more)
         self.retry(more)
         self.plan_all(self.variants(self.best(3)))
@@ -703,19 +863,38 @@ class FullPlans:
         self.plan_all(self.variants(self.best_of_each_form()))
 
 
-def search(config: str, base_overrides: list[str], *, gpus: int, gpu, gpus_per_node: int = 8, top: int = 5,
-           budget_s: float = 580.0, workers: int | None = None, attention: str | None = None,
-           float8: bool = True, pipelines: bool | None = None, progress=None) -> SearchResult:
+def search(
+    config: str,
+    base_overrides: list[str],
+    *,
+    gpus: int,
+    gpu,
+    gpus_per_node: int = 8,
+    top: int = 5,
+    budget_s: float = 580.0,
+    workers: int | None = None,
+    attention: str | None = None,
+    float8: bool = True,
+    pipelines: bool | None = None,
+    progress=None,
+) -> SearchResult:
     """Search the layouts of ``config`` (with ``base_overrides``) on ``gpus`` GPUs of kind ``gpu``.
     ``pipelines``: probe pipeline layouts always (True), only when no layout without PP fits (False),
     or as the budget decides (None: always from ``PP_PROBE_BUDGET_S``)."""
     started = time.perf_counter()
     say = progress or (lambda message: None)
-    space = SearchSpace.resolve(config, base_overrides, gpus=gpus, gpu=gpu, gpus_per_node=gpus_per_node,
-                                attention=attention)
+    space = SearchSpace.resolve(
+        config, base_overrides, gpus=gpus, gpu=gpu, gpus_per_node=gpus_per_node, attention=attention
+    )
     run, training = space.run, space.run["training"]
-    tried = {"structures": 0, "HSDP forms": 0, "refused by the config checks": 0,
-             "over memory by their state alone": 0, "probed": 0, "planned in full": 0}
+    tried = {
+        "structures": 0,
+        "HSDP forms": 0,
+        "refused by the config checks": 0,
+        "over memory by their state alone": 0,
+        "probed": 0,
+        "planned in full": 0,
+    }
     workers = max(1, min(workers or os.cpu_count() or 1, MAX_WORKERS))
     pool = _Pool(workers, say)
     try:
@@ -723,20 +902,32 @@ def search(config: str, base_overrides: list[str], *, gpus: int, gpu, gpus_per_n
         say("planning the config's own layout")
         began = time.perf_counter()
         with saying_every(say, "planning the config's own layout"):
-            recipe_figures = _plan_figures(config, list(base_overrides), gpus, gpu, gpus_per_node,
-                                           attention)
+            recipe_figures = _plan_figures(
+                config, list(base_overrides), gpus, gpu, gpus_per_node, attention
+            )
         own_plan_s = time.perf_counter() - began
         recipe_s = 0.0 if "error" in recipe_figures else own_plan_s
-        recipe = None if "error" in recipe_figures else Outcome(
-            space.own_layout(), recipe_figures["fits"], recipe_figures["device_bytes"],
-            recipe_figures["tokens_per_s_per_gpu"], recipe_figures["mfu"], recipe_figures["step_s"],
-            recipe_figures["gpu_hours"])
+        recipe = (
+            None
+            if "error" in recipe_figures
+            else Outcome(
+                space.own_layout(),
+                recipe_figures["fits"],
+                recipe_figures["device_bytes"],
+                recipe_figures["tokens_per_s_per_gpu"],
+                recipe_figures["mfu"],
+                recipe_figures["step_s"],
+                recipe_figures["gpu_hours"],
+            )
+        )
 
         shapes = bounded_shapes(space, tried)
-        say(f"{len(shapes)} parallel layouts to probe ({tried['structures']} factorizations, "
+        say(
+            f"{len(shapes)} parallel layouts to probe ({tried['structures']} factorizations, "
             f"{tried['HSDP forms']} of them also as HSDP; "
             f"{tried['over memory by their state alone']} over memory by their state alone, "
-            f"{tried['refused by the config checks']} refused by the config checks)")
+            f"{tried['refused by the config checks']} refused by the config checks)"
+        )
 
         # Pipeline layouts cost far more to plan (every microbatch of every stage is recorded: a
         # minute for an 8B model on 8 stages) and pay a bubble: they are probed when nothing else
@@ -762,7 +953,9 @@ def search(config: str, base_overrides: list[str], *, gpus: int, gpu, gpus_per_n
         estimates = probe_estimates(shapes, prober.probed, space.capacity, space.global_batch)
         say(f"{len(estimates)} layouts fit by the probes; planning the best in full")
 
-        full = FullPlans(space, pool, workers, started, budget_s, prober.plan_seconds, float8, tried, say)
+        full = FullPlans(
+            space, pool, workers, started, budget_s, prober.plan_seconds, float8, tried, say
+        )
         full.expect_from_own_plan(recipe.layout if recipe is not None else None, recipe_s)
         full.in_order_of_value(estimates, top)
         if full.budget_cut:
@@ -772,10 +965,22 @@ def search(config: str, base_overrides: list[str], *, gpus: int, gpu, gpus_per_n
         pool.terminate()
         raise
     pool.close()
-    return SearchResult(config, gpus, gpu.name, space.global_batch, training["seq_len"], training["steps"], recipe,
-                        fitting, float8_outcomes, tried, time.perf_counter() - started,
-                        model_kind=kind_of(run, float8=""), budget_s=budget_s,
-                        own_plan_s=own_plan_s)
+    return SearchResult(
+        config,
+        gpus,
+        gpu.name,
+        space.global_batch,
+        training["seq_len"],
+        training["steps"],
+        recipe,
+        fitting,
+        float8_outcomes,
+        tried,
+        time.perf_counter() - started,
+        model_kind=kind_of(run, float8=""),
+        budget_s=budget_s,
+        own_plan_s=own_plan_s,
+    )
 
 
 # ------------------------------------------------------------------------------------- output
@@ -793,18 +998,25 @@ def text(result: SearchResult, top: int) -> str:
     from canon_titan.plan.report import band_lines, banded, carried_band
 
     b = result.global_batch
-    out = [f"Search: {result.config} on {result.gpus} x {result.gpu_name}, global batch {b} x {result.seq_len} "
-           f"tokens, {result.steps:,} steps",
-           "Tried: " + ", ".join(f"{n} {what}" for what, n in result.tried.items()) + f", in {result.seconds:.0f} s", ""]
+    out = [
+        f"Search: {result.config} on {result.gpus} x {result.gpu_name}, global batch {b} x {result.seq_len} "
+        f"tokens, {result.steps:,} steps",
+        "Tried: "
+        + ", ".join(f"{n} {what}" for what, n in result.tried.items())
+        + f", in {result.seconds:.0f} s",
+        "",
+    ]
 
     def row(rank: str, o: Outcome) -> list[str]:
         band = carried_band(_row_kind(result, o))
-        return [f"{rank} {o.layout.describe(b)}",
-                f"    {_gib(o.device_bytes)}, {o.tokens_per_s_per_gpu:,.0f} tokens/s per GPU"
-                f"{banded(o.tokens_per_s_per_gpu, band, lambda v: f'{v:,.0f}', per_time=True)}, MFU "
-                f"{100 * o.mfu:.1f}%, {o.gpu_hours:,.0f} GPU-hours for the run"
-                f"{banded(o.gpu_hours, band, lambda v: f'{v:,.0f}')}",
-                "    overrides: " + " ".join(o.layout.overrides(b))]
+        return [
+            f"{rank} {o.layout.describe(b)}",
+            f"    {_gib(o.device_bytes)}, {o.tokens_per_s_per_gpu:,.0f} tokens/s per GPU"
+            f"{banded(o.tokens_per_s_per_gpu, band, lambda v: f'{v:,.0f}', per_time=True)}, MFU "
+            f"{100 * o.mfu:.1f}%, {o.gpu_hours:,.0f} GPU-hours for the run"
+            f"{banded(o.gpu_hours, band, lambda v: f'{v:,.0f}')}",
+            "    overrides: " + " ".join(o.layout.overrides(b)),
+        ]
 
     if result.recipe is not None:
         verdict = "fits" if result.recipe.fits else "DOES NOT FIT"
@@ -813,33 +1025,46 @@ def text(result: SearchResult, top: int) -> str:
         out += ["The config's own layout: not a valid run on these GPUs", ""]
     if not result.ranked and result.budget_ran_out:
         fits = result.recipe is not None and result.recipe.fits
-        out.append(f"The budget ran out before another layout was planned in full (--budget-s "
-                   f"{result.budget_s:.0f}, of which the config's own plan took "
-                   f"{result.own_plan_s:.0f} s)"
-                   + ("; the config's own layout above fits" if fits else "")
-                   + f": raise --budget-s (--budget-s {2 * result.budget_s:.0f}) to search further")
+        out.append(
+            f"The budget ran out before another layout was planned in full (--budget-s "
+            f"{result.budget_s:.0f}, of which the config's own plan took "
+            f"{result.own_plan_s:.0f} s)"
+            + ("; the config's own layout above fits" if fits else "")
+            + f": raise --budget-s (--budget-s {2 * result.budget_s:.0f}) to search further"
+        )
     elif not result.ranked:
         out.append("No layout found that fits (more GPUs, or a smaller model)")
     else:
-        out.append(f"Fastest layouts that fit with {100 * MARGIN:.0f}% of the memory spare (bf16, the recipe's "
-                   f"numerics; top {min(top, len(result.ranked))}):")
+        out.append(
+            f"Fastest layouts that fit with {100 * MARGIN:.0f}% of the memory spare (bf16, the recipe's "
+            f"numerics; top {min(top, len(result.ranked))}):"
+        )
         for i, o in enumerate(result.ranked[:top], 1):
             out += row(f"{i:>3}.", o)
         unplanned = result.tried.get("not planned in full (budget)", 0)
         if len(result.ranked) < top:
-            out.append(f"  Only {len(result.ranked)} of --top {top}: "
-                       + (f"{unplanned} more layout(s) were not planned in full within --budget-s "
-                          f"{result.budget_s:.0f}; a larger --budget-s plans them" if unplanned else
-                          "no other layout tried fits"))
+            out.append(
+                f"  Only {len(result.ranked)} of --top {top}: "
+                + (
+                    f"{unplanned} more layout(s) were not planned in full within --budget-s "
+                    f"{result.budget_s:.0f}; a larger --budget-s plans them"
+                    if unplanned
+                    else "no other layout tried fits"
+                )
+            )
         if result.recipe is not None and result.recipe.fits:
             best = result.ranked[0]
-            out.append(f"Best against the config's own layout: x{best.tokens_per_s_per_gpu / result.recipe.tokens_per_s_per_gpu:.2f} "
-                       f"tokens/s, {result.recipe.gpu_hours - best.gpu_hours:,.0f} GPU-hours saved")
+            out.append(
+                f"Best against the config's own layout: x{best.tokens_per_s_per_gpu / result.recipe.tokens_per_s_per_gpu:.2f} "
+                f"tokens/s, {result.recipe.gpu_hours - best.gpu_hours:,.0f} GPU-hours saved"
+            )
     if result.float8:
         out += ["", "With float8 (changes the numerics: not a drop-in for the recipe):"]
         for i, o in enumerate(result.float8[:top], 1):
             out += row(f"{i:>3}.", o)
-    shown = [o for o in (result.recipe, *result.ranked[:top], *result.float8[:top]) if o is not None]
+    shown = [
+        o for o in (result.recipe, *result.ranked[:top], *result.float8[:top]) if o is not None
+    ]
     out.append("")
     for kind in dict.fromkeys(_row_kind(result, o) for o in shown):
         out += band_lines(kind)
@@ -851,18 +1076,39 @@ def as_dict(result: SearchResult) -> dict:
 
     def one(o: Outcome) -> dict:
         band = carried_band(_row_kind(result, o))
-        return {"layout": o.layout.describe(result.global_batch), "overrides": o.layout.overrides(result.global_batch),
-                "fits": o.fits, "device_bytes": o.device_bytes, "tokens_per_second_per_gpu": o.tokens_per_s_per_gpu,
-                "tokens_per_second_per_gpu_measured_band": band_range(o.tokens_per_s_per_gpu, band, per_time=True),
-                "mfu": o.mfu, "step_seconds": o.step_s, "step_seconds_measured_band": band_range(o.step_s, band),
-                "gpu_hours": o.gpu_hours, "gpu_hours_measured_band": band_range(o.gpu_hours, band),
-                "plan_error": band_dict(_row_kind(result, o))}
+        return {
+            "layout": o.layout.describe(result.global_batch),
+            "overrides": o.layout.overrides(result.global_batch),
+            "fits": o.fits,
+            "device_bytes": o.device_bytes,
+            "tokens_per_second_per_gpu": o.tokens_per_s_per_gpu,
+            "tokens_per_second_per_gpu_measured_band": band_range(
+                o.tokens_per_s_per_gpu, band, per_time=True
+            ),
+            "mfu": o.mfu,
+            "step_seconds": o.step_s,
+            "step_seconds_measured_band": band_range(o.step_s, band),
+            "gpu_hours": o.gpu_hours,
+            "gpu_hours_measured_band": band_range(o.gpu_hours, band),
+            "plan_error": band_dict(_row_kind(result, o)),
+        }
 
-    return {"config": result.config, "gpus": result.gpus, "gpu": result.gpu_name, "global_batch": result.global_batch,
-            "seq_len": result.seq_len, "steps": result.steps, "recipe": one(result.recipe) if result.recipe else None,
-            "ranked": [one(o) for o in result.ranked], "float8": [one(o) for o in result.float8],
-            "tried": result.tried, "seconds": result.seconds, "budget_seconds": result.budget_s,
-            "budget_ran_out": result.budget_ran_out, "own_plan_seconds": result.own_plan_s}
+    return {
+        "config": result.config,
+        "gpus": result.gpus,
+        "gpu": result.gpu_name,
+        "global_batch": result.global_batch,
+        "seq_len": result.seq_len,
+        "steps": result.steps,
+        "recipe": one(result.recipe) if result.recipe else None,
+        "ranked": [one(o) for o in result.ranked],
+        "float8": [one(o) for o in result.float8],
+        "tried": result.tried,
+        "seconds": result.seconds,
+        "budget_seconds": result.budget_s,
+        "budget_ran_out": result.budget_ran_out,
+        "own_plan_seconds": result.own_plan_s,
+    }
 
 
 def write_toml(result: SearchResult, config: str, base_overrides: list[str], path: str) -> None:
@@ -879,7 +1125,10 @@ def write_toml(result: SearchResult, config: str, base_overrides: list[str], pat
     with patch.dict(os.environ, WORLD_SIZE=str(result.gpus)):
         run = load(config, overrides, environment=False)
     what = "the config's own layout (no other layout planned fits)" if own else "winner"
-    header = (f"# canon-titan plan --search {what} for {result.gpus} x {result.gpu_name}: "
-              f"{best.layout.describe(result.global_batch)}\n# resolved from {config}"
-              + (f" with {' '.join(overrides)}" if overrides else "") + "\n")
+    header = (
+        f"# canon-titan plan --search {what} for {result.gpus} x {result.gpu_name}: "
+        f"{best.layout.describe(result.global_batch)}\n# resolved from {config}"
+        + (f" with {' '.join(overrides)}" if overrides else "")
+        + "\n"
+    )
     write_atomic(path, header + run_toml(run))

@@ -56,7 +56,11 @@ def strided_shard_scan_once_per_op() -> None:
     last = threading.local()  # (schema, its argument tuple, its stand-in) of this thread's last op
 
     def stand_in(op_schema):
-        strided = [spec for spec in op_schema.args_spec if any(isinstance(p, _StridedShard) for p in spec.placements)]
+        strided = [
+            spec
+            for spec in op_schema.args_spec
+            if any(isinstance(p, _StridedShard) for p in spec.placements)
+        ]
         flags = [spec.use_strided_shard_as_shard_order for spec in strided]
         if not strided:
             return None

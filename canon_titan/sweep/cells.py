@@ -130,8 +130,17 @@ def trained_step(folder: Path, steps: int) -> Path | None:
 
 
 def write_sweep_file(spec: Spec, cells: list[Cell]) -> None:
-    cells_record = [{"folder": str(c.folder.resolve()), "task": c.task.label, "arm": c.arm.label,
-                     "seed": c.seed} for c in cells]
+    cells_record = [
+        {
+            "folder": str(c.folder.resolve()),
+            "task": c.task.label,
+            "arm": c.arm.label,
+            "seed": c.seed,
+        }
+        for c in cells
+    ]
     write_atomic(spec.out / "spec.toml", spec.path.read_text())
-    write_atomic(spec.out / SWEEP_FILE,
-                 json.dumps({"spec": str(spec.path), "cells": cells_record}, indent=2) + "\n")
+    write_atomic(
+        spec.out / SWEEP_FILE,
+        json.dumps({"spec": str(spec.path), "cells": cells_record}, indent=2) + "\n",
+    )

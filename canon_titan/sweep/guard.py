@@ -30,7 +30,8 @@ def parse_check(text: str) -> Check:
     except ValueError:
         pass
     raise argparse.ArgumentTypeError(
-        f"expected WINNER>LOSER:GROUP:POINTS such as llama_canon>llama:k=1:40, got {text!r}")
+        f"expected WINNER>LOSER:GROUP:POINTS such as llama_canon>llama:k=1:40, got {text!r}"
+    )
 
 
 def groups_before_training(arm_run: ArmRun, evaluation: Evaluation, spec: Spec) -> list[str]:
@@ -52,8 +53,10 @@ def check_names(check: Check, arm_runs: list[ArmRun], evaluation: Evaluation, sp
     for arm_run in arm_runs:
         groups = groups_before_training(arm_run, evaluation, spec)
         if check.group not in groups:
-            raise SweepError(f"--check: {arm_run.task.label} has no group {check.group!r}; "
-                             f"its groups: {', '.join(groups)}")
+            raise SweepError(
+                f"--check: {arm_run.task.label} has no group {check.group!r}; "
+                f"its groups: {', '.join(groups)}"
+            )
 
 
 def failures(check: Check, tasks, evaluation: Evaluation) -> list[str]:
@@ -65,15 +68,20 @@ def failures(check: Check, tasks, evaluation: Evaluation) -> list[str]:
         arms = {arm.label: arm for arm in task.arms}
         spreads = [arms[name].spread(check.group) for name in (check.winner, check.loser)]
         if None in spreads:
-            out.append(f"{task.label}: {check.winner} or {check.loser} has no score on "
-                       f"{check.group}")
+            out.append(
+                f"{task.label}: {check.winner} or {check.loser} has no score on {check.group}"
+            )
             continue
         a, b = (scale * s.mean for s in spreads)
         margin = a - b if evaluation.higher_is_better else b - a
-        print(f"[sweep] check {task.label} {check.group}: {check.winner} {a:.1f} - {check.loser} "
-              f"{b:.1f} = {margin:+.1f} (need >= {check.points:g}): "
-              + ("ok" if margin >= check.points else "FAILED"))
+        print(
+            f"[sweep] check {task.label} {check.group}: {check.winner} {a:.1f} - {check.loser} "
+            f"{b:.1f} = {margin:+.1f} (need >= {check.points:g}): "
+            + ("ok" if margin >= check.points else "FAILED")
+        )
         if margin < check.points:
-            out.append(f"{task.label}: {check.winner} beats {check.loser} on {check.group} by "
-                       f"{margin:+.1f}, not the {check.points:g} required")
+            out.append(
+                f"{task.label}: {check.winner} beats {check.loser} on {check.group} by "
+                f"{margin:+.1f}, not the {check.points:g} required"
+            )
     return out

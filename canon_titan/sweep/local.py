@@ -138,8 +138,10 @@ def run_local(cells: list[Cell], evaluation: Evaluation, jobs: int) -> list[dict
                 if left and finished >= jobs
                 else ""
             )
-            say(f"[sweep] finished {finished}/{len(cells)}: {cell.name} "
-                f"(elapsed {elapsed / 60:.1f} min{eta})")
+            say(
+                f"[sweep] finished {finished}/{len(cells)}: {cell.name} "
+                f"(elapsed {elapsed / 60:.1f} min{eta})"
+            )
         return result
 
     with ThreadPoolExecutor(jobs) as pool:

@@ -86,19 +86,27 @@ class TaskResult:
 
 
 def differ_in_one_axis(a: ArmRun, b: ArmRun) -> str | None:
-    differing = [axis for (axis, x), (_, y) in zip(a.arm.values, b.arm.values, strict=True)
-                 if x != y]
+    differing = [
+        axis for (axis, x), (_, y) in zip(a.arm.values, b.arm.values, strict=True) if x != y
+    ]
     return differing[0] if len(differing) == 1 else None
 
 
-def collect(arm_runs: list[ArmRun], scores: dict[tuple[str, str, int], dict],
-            evaluation: Evaluation) -> list[TaskResult]:
+def collect(
+    arm_runs: list[ArmRun], scores: dict[tuple[str, str, int], dict], evaluation: Evaluation
+) -> list[TaskResult]:
     """The results of every base config from the cells' ``scores`` ((config label, arm label,
     seed) -> scores; cells that have not finished are absent)."""
     tasks: dict[str, TaskResult] = {}
     for run in arm_runs:
-        arm = ArmResult(run, {seed: record for (task, label, seed), record in scores.items()
-                              if task == run.task.label and label == run.arm.label})
+        arm = ArmResult(
+            run,
+            {
+                seed: record
+                for (task, label, seed), record in scores.items()
+                if task == run.task.label and label == run.arm.label
+            },
+        )
         tasks.setdefault(run.task.label, TaskResult(run.task.label, run.task.description, []))
         tasks[run.task.label].arms.append(arm)
     for task in tasks.values():
@@ -110,17 +118,27 @@ def collect(arm_runs: list[ArmRun], scores: dict[tuple[str, str, int], dict],
     return list(tasks.values())
 
 
-def compare(a: ArmResult, b: ArmResult, axis: str, groups: list[str],
-            evaluation: Evaluation) -> list[Comparison]:
+def compare(
+    a: ArmResult, b: ArmResult, axis: str, groups: list[str], evaluation: Evaluation
+) -> list[Comparison]:
     out = []
     for group in groups:
         # item by item when both were scored on the same test set and kept each item's score
         same = a.run.test_set == b.run.test_set and all(
-            "scores" in s["groups"].get(group, {}) for arm in (a, b) for s in arm.seeds.values())
+            "scores" in s["groups"].get(group, {}) for arm in (a, b) for s in arm.seeds.values()
+        )
         d = stats.paired_difference(a.items(group), b.items(group), same_items=same)
         if d is not None:
-            out.append(Comparison(a.label, b.label, axis, group, d,
-                                  verdict(d, a.label, b.label, group, evaluation)))
+            out.append(
+                Comparison(
+                    a.label,
+                    b.label,
+                    axis,
+                    group,
+                    d,
+                    verdict(d, a.label, b.label, group, evaluation),
+                )
+            )
     return out
 
 

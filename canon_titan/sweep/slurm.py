@@ -25,39 +25,54 @@ _OWN = ("--job-name", "--nodes", "--output", "--gpus-per-node", "--array")
 
 
 def manifest_line(cell: Cell, evaluation: Evaluation) -> str:
-    return json.dumps({"folder": str(cell.folder), "name": cell.name, "steps": cell.steps,
-                       "record": cell.record(), "config": cell.task.config,
-                       "train": cell.train_args(), "eval": evaluation.settings()})
+    return json.dumps(
+        {
+            "folder": str(cell.folder),
+            "name": cell.name,
+            "steps": cell.steps,
+            "record": cell.record(),
+            "config": cell.task.config,
+            "train": cell.train_args(),
+            "eval": evaluation.settings(),
+        }
+    )
 
 
 def array_script(spec: Spec, manifest: Path, count: int) -> str:
     """train.slurm's options (one task a node, its stop signal and requeue), the spec's nodes and
     GPUs, an array of ``count`` tasks, each running its cell."""
     if not TRAIN_SLURM.is_file():
-        raise SweepError(f"--slurm: no {TRAIN_SLURM} (the array tasks run it): install canon-titan "
-                         "from its repository (pip install -e .)")
-    kept = [line for line in TRAIN_SLURM.read_text().splitlines()
-            if line.startswith("#SBATCH") and line.split()[1].split("=")[0] not in _OWN]
+        raise SweepError(
+            f"--slurm: no {TRAIN_SLURM} (the array tasks run it): install canon-titan "
+            "from its repository (pip install -e .)"
+        )
+    kept = [
+        line
+        for line in TRAIN_SLURM.read_text().splitlines()
+        if line.startswith("#SBATCH") and line.split()[1].split("=")[0] not in _OWN
+    ]
     logs = manifest.parent
-    return "\n".join([
-        "#!/bin/bash",
-        f"# canon-titan sweep {spec.name} ({spec.path}): a cell a task, listed in {manifest}.",
-        "# Each task trains its cell with scripts/train.slurm (a preemption saves the step reached",
-        "# and requeues the task, which resumes), then scores it. Submit from the folder the sweep",
-        f"# was made in: sbatch {logs / 'sweep.sbatch'}; then canon-titan sweep ... --collect",
-        f"#SBATCH --job-name=sweep-{spec.name}",
-        f"#SBATCH --nodes={spec.slurm_nodes}",
-        f"#SBATCH --gpus-per-node={spec.slurm_gpus_per_node}",
-        *kept,
-        f"#SBATCH --array=0-{count - 1}",
-        f"#SBATCH --output={logs}/%A_%a.out",
-        "set -euo pipefail",
-        'cd "${SLURM_SUBMIT_DIR}"',
-        'TASK=${SLURM_ARRAY_TASK_ID:?"not an array task: sbatch --array sets SLURM_ARRAY_TASK_ID"}',
-        'exec "${PYTHON:-.venv/bin/python}" -m canon_titan.sweep.slurm '
-        f'{shlex.quote(str(manifest))} "$TASK"',
-        "",
-    ])
+    return "\n".join(
+        [
+            "#!/bin/bash",
+            f"# canon-titan sweep {spec.name} ({spec.path}): a cell a task, listed in {manifest}.",
+            "# Each task trains its cell with scripts/train.slurm (a preemption saves the step reached",
+            "# and requeues the task, which resumes), then scores it. Submit from the folder the sweep",
+            f"# was made in: sbatch {logs / 'sweep.sbatch'}; then canon-titan sweep ... --collect",
+            f"#SBATCH --job-name=sweep-{spec.name}",
+            f"#SBATCH --nodes={spec.slurm_nodes}",
+            f"#SBATCH --gpus-per-node={spec.slurm_gpus_per_node}",
+            *kept,
+            f"#SBATCH --array=0-{count - 1}",
+            f"#SBATCH --output={logs}/%A_%a.out",
+            "set -euo pipefail",
+            'cd "${SLURM_SUBMIT_DIR}"',
+            'TASK=${SLURM_ARRAY_TASK_ID:?"not an array task: sbatch --array sets SLURM_ARRAY_TASK_ID"}',
+            'exec "${PYTHON:-.venv/bin/python}" -m canon_titan.sweep.slurm '
+            f'{shlex.quote(str(manifest))} "$TASK"',
+            "",
+        ]
+    )
 
 
 def manifest_of(spec: Spec) -> Path:
@@ -88,8 +103,11 @@ def run_task(entry: dict) -> int:
             return code
     step_dir = trained_step(folder, entry["steps"])
     if step_dir is None:
-        print(f"canon-titan sweep: {name}: training ended without a checkpoint at step "
-              f"{entry['steps']} in {folder}", file=sys.stderr)
+        print(
+            f"canon-titan sweep: {name}: training ended without a checkpoint at step "
+            f"{entry['steps']} in {folder}",
+            file=sys.stderr,
+        )
         return 1
     command = evaluation.command(folder, step_dir)
     if command is not None:

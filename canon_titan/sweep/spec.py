@@ -104,8 +104,10 @@ class Spec:
 
     def arms(self) -> list[Arm]:
         names = list(self.axes)
-        arms = [Arm(tuple(zip(names, combo, strict=True)))
-                for combo in itertools.product(*self.axes.values())]
+        arms = [
+            Arm(tuple(zip(names, combo, strict=True)))
+            for combo in itertools.product(*self.axes.values())
+        ]
         return [arm for arm in arms if not any(_matches(arm, rule) for rule in self.exclude)]
 
     def fixed_overrides(self) -> list[tuple[str, Any]]:

@@ -43,8 +43,9 @@ def job_key(name: str) -> str:
     return f"canon-titan/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{name}/{_calls[name]}"
 
 
-def store_barrier(name: str, timeout: timedelta, *, parties: int | None = None,
-                  arrives: bool = True, store=None) -> int:
+def store_barrier(
+    name: str, timeout: timedelta, *, parties: int | None = None, arrives: bool = True, store=None
+) -> int:
     """Return once ``parties`` ranks (every rank of the job by default) have arrived at ``name``;
     how many had arrived when this one did. Each arrival is one ``add``; the last to arrive sets
     the key the others wait for. A rank that only waits for the others (``arrives=False``) is not
@@ -66,9 +67,14 @@ class RankZeroFailed(RuntimeError):
     """What the other ranks raise when rank 0 failed while deciding (rank 0 raises its own)."""
 
 
-def rank_zero_decides(decide: Callable[[], T], name: str, *,
-                      refusals: tuple[type[Exception], ...] = (),
-                      timeout: timedelta | None = None, store=None) -> T:
+def rank_zero_decides(
+    decide: Callable[[], T],
+    name: str,
+    *,
+    refusals: tuple[type[Exception], ...] = (),
+    timeout: timedelta | None = None,
+    store=None,
+) -> T:
     """``decide()`` run by rank 0 alone, and its result for every rank, or the refusal it raised
     (one of ``refusals``) raised on every rank: one rank reads a folder, tunes or evaluates, and
     every rank acts alike, none left waiting for a rank that stopped. Any other error stops every

@@ -21,7 +21,6 @@ import types
 
 import torch
 import torch.distributed as dist
-
 from torchtitan.tools.logging import logger
 
 _applied: list[str] = []
@@ -69,8 +68,12 @@ class CpuDeviceModule:
         peak = _peak_rss_bytes()
         if peak is None:
             return {}
-        return {"active_bytes.all.peak": peak, "reserved_bytes.all.peak": peak, "num_alloc_retries": 0,
-                "num_ooms": 0}
+        return {
+            "active_bytes.all.peak": peak,
+            "reserved_bytes.all.peak": peak,
+            "num_alloc_retries": 0,
+            "num_ooms": 0,
+        }
 
     def reset_peak_memory_stats(self, *args, **kwargs) -> None:
         try:
@@ -115,8 +118,11 @@ def _quiet_cpu_log() -> None:
     tt_utils.get_peak_flops = get_peak_flops
     noise = ("ENV[TORCH_NCCL_ASYNC_ERROR_HANDLING]", "Peak FLOPS used for computing MFU")
     logging.getLogger().addFilter(lambda record: not record.getMessage().startswith(noise))
-    warnings.filterwarnings("ignore", message="DTensor (random operators|manual_seed\\(\\)) may not have complete "
-                                              "support on cpu device mesh")
+    warnings.filterwarnings(
+        "ignore",
+        message="DTensor (random operators|manual_seed\\(\\)) may not have complete "
+        "support on cpu device mesh",
+    )
     _applied.append("quiet-cpu-log")
 
 
@@ -209,18 +215,34 @@ def _pipeline_step_with_microbatches() -> None:
             continue
 
         @functools.wraps(original)
-        def step(self, *args, arg_mbs=None, kwarg_mbs=None, target_mbs=None,
-                 losses=None, return_outputs=True, loss_kwargs=None,
-                 _original=original, **kwargs):
+        def step(
+            self,
+            *args,
+            arg_mbs=None,
+            kwarg_mbs=None,
+            target_mbs=None,
+            losses=None,
+            return_outputs=True,
+            loss_kwargs=None,
+            _original=original,
+            **kwargs,
+        ):
             if arg_mbs is None and kwarg_mbs is None and target_mbs is None:
-                return _original(self, *args, losses=losses, return_outputs=return_outputs,
-                                 loss_kwargs=loss_kwargs, **kwargs)
+                return _original(
+                    self,
+                    *args,
+                    losses=losses,
+                    return_outputs=return_outputs,
+                    loss_kwargs=loss_kwargs,
+                    **kwargs,
+                )
             stages = getattr(self, "_stages", None) or [self._stage]
             for stage in stages:
                 stage.has_backward = self._has_backward
                 stage.clear_runtime_states()
-            self._step_microbatches(arg_mbs, kwarg_mbs, target_mbs, losses,
-                                    return_outputs, loss_kwargs=loss_kwargs)
+            self._step_microbatches(
+                arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs, loss_kwargs=loss_kwargs
+            )
             return None
 
         step._canon_titan_shim = True
@@ -256,15 +278,22 @@ def _end_barrier_not_sleep() -> None:
 
     import torchtitan.trainer as tt_trainer
 
-    if _accelerator() or "end-barrier" in _applied or isinstance(getattr(tt_trainer, "time", None), _TimeWithoutSleep):
+    if (
+        _accelerator()
+        or "end-barrier" in _applied
+        or isinstance(getattr(tt_trainer, "time", None), _TimeWithoutSleep)
+    ):
         return
     try:
         module_source = inspect.getsource(tt_trainer)
         train_source = inspect.getsource(tt_trainer.Trainer.train)
     except (OSError, TypeError):
         return
-    if module_source.count("time.sleep(") != 1 or END_OF_TRAINING_SLEEP not in train_source \
-            or "time.sleep(" not in train_source.split(END_OF_TRAINING_SLEEP, 1)[1]:
+    if (
+        module_source.count("time.sleep(") != 1
+        or END_OF_TRAINING_SLEEP not in train_source
+        or "time.sleep(" not in train_source.split(END_OF_TRAINING_SLEEP, 1)[1]
+    ):
         return
     tt_trainer.time = _TimeWithoutSleep()
     logging.getLogger().addFilter(lambda record: record.getMessage() != END_OF_TRAINING_SLEEP)

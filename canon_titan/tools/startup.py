@@ -59,7 +59,9 @@ def process_setup() -> None:
     _set_up.append(True)
     freeze_at_exit()
     for name, pattern in NOISE.items():
-        logging.getLogger(name).addFilter(lambda record, pattern=pattern: not re.search(pattern, record.getMessage()))
+        logging.getLogger(name).addFilter(
+            lambda record, pattern=pattern: not re.search(pattern, record.getMessage())
+        )
 
 
 NOISE = {

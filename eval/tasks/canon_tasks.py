@@ -3,6 +3,11 @@
 lm-eval loads this file by path, so it only forwards to ``canon_titan.evaluation.lm_tasks``.
 """
 
-from canon_titan.evaluation.lm_tasks import babilong_prompt, babilong_results, local_jsonl, multihop_results
+from canon_titan.evaluation.lm_tasks import (
+    babilong_prompt,
+    babilong_results,
+    local_jsonl,
+    multihop_results,
+)
 
 __all__ = ["babilong_prompt", "babilong_results", "local_jsonl", "multihop_results"]

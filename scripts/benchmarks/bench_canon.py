@@ -57,29 +57,57 @@ MODELS = ("llama", "llama_canon")
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--mode", choices=("trainer", "raw", "saved", "bytes", "traffic", "ops", "bwd_blocks"),
-                   default="trainer")
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--mode",
+        choices=("trainer", "raw", "saved", "bytes", "traffic", "ops", "bwd_blocks"),
+        default="trainer",
+    )
     p.add_argument("--flavor", default="1B", help="flavor of both families (debug, 1B, 3B, 8B)")
     p.add_argument("--dim", type=int, help="override the flavor's width")
     p.add_argument("--n-layers", type=int, help="override the flavor's depth")
     p.add_argument("--n-heads", type=int)
     p.add_argument("--seq-len", type=int, default=4096)
-    p.add_argument("--batch", type=int,
-                   help="per-process batch (default: trainer 8, the 1B recipes'; bytes 1; else 2)")
-    p.add_argument("--canon-backend", default="auto",
-                   help="llama_canon's canon_backend; trainer: a comma list runs llama_canon once per backend")
-    p.add_argument("--models", default="llama,llama_canon", help="trainer: llama and/or llama_canon")
-    p.add_argument("--trainer-args", default="",
-                   help="trainer: more overrides for every run, e.g. '--float8.enable=true --float8.recipe_name=rowwise'")
+    p.add_argument(
+        "--batch",
+        type=int,
+        help="per-process batch (default: trainer 8, the 1B recipes'; bytes 1; else 2)",
+    )
+    p.add_argument(
+        "--canon-backend",
+        default="auto",
+        help="llama_canon's canon_backend; trainer: a comma list runs llama_canon once per backend",
+    )
+    p.add_argument(
+        "--models", default="llama,llama_canon", help="trainer: llama and/or llama_canon"
+    )
+    p.add_argument(
+        "--trainer-args",
+        default="",
+        help="trainer: more overrides for every run, e.g. '--float8.enable=true --float8.recipe_name=rowwise'",
+    )
     p.add_argument("--steps", type=int, default=30, help="trainer: steps; raw: timed steps")
-    p.add_argument("--warmup", type=int, default=10, help="steps left out of the averages (compilation, autotuning)")
-    p.add_argument("--no-compile", dest="compile", action="store_false", help="trainer: eager blocks")
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=10,
+        help="steps left out of the averages (compilation, autotuning)",
+    )
+    p.add_argument(
+        "--no-compile", dest="compile", action="store_false", help="trainer: eager blocks"
+    )
     p.add_argument("--nproc", type=int, default=1, help="trainer: processes (FSDP over them)")
     p.add_argument("--modes", default="eager,compiled", help="raw: eager and/or compiled")
-    p.add_argument("--reps", type=int, default=50, help="ops: milliseconds of timed repetitions per case (GPU)")
-    p.add_argument("--canon-sets", default="ABCD,A,B,C,D",
-                   help="bytes: the llama_canon blocks compared with llama's (comma list of canon_set values)")
+    p.add_argument(
+        "--reps", type=int, default=50, help="ops: milliseconds of timed repetitions per case (GPU)"
+    )
+    p.add_argument(
+        "--canon-sets",
+        default="ABCD,A,B,C,D",
+        help="bytes: the llama_canon blocks compared with llama's (comma list of canon_set values)",
+    )
     p.add_argument("--json", help="also write the results here")
     p.add_argument("--case", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -89,7 +117,11 @@ def parse_args(argv=None):
 
 
 def shape_overrides(args) -> dict:
-    out = {k: v for k, v in (("dim", args.dim), ("n_layers", args.n_layers), ("n_heads", args.n_heads)) if v}
+    out = {
+        k: v
+        for k, v in (("dim", args.dim), ("n_layers", args.n_layers), ("n_heads", args.n_heads))
+        if v
+    }
     if args.n_heads and args.flavor == "debug":
         out["n_kv_heads"] = args.n_heads
     return out
@@ -113,7 +145,9 @@ def trainer_cases(args) -> list[tuple[str, str | None]]:
     """(model, canon backend) per run: llama, and llama_canon with each backend of --canon-backend."""
     models = args.models.split(",")
     backends = args.canon_backend.split(",")
-    return [(m, None) for m in models if m == "llama"] + [("llama_canon", b) for b in backends if "llama_canon" in models]
+    return [(m, None) for m in models if m == "llama"] + [
+        ("llama_canon", b) for b in backends if "llama_canon" in models
+    ]
 
 
 def run_trainer(args) -> list[dict]:
@@ -125,24 +159,42 @@ def run_trainer(args) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         for model, backend in trainer_cases(args):
             label = model if backend is None else f"{model} ({backend})"
-            print(f"[bench] trainer: {label} {args.flavor}, seq {args.seq_len}, batch {args.batch} x {args.nproc}, "
-                  f"{args.steps} steps ...", flush=True)
+            print(
+                f"[bench] trainer: {label} {args.flavor}, seq {args.seq_len}, batch {args.batch} x {args.nproc}, "
+                f"{args.steps} steps ...",
+                flush=True,
+            )
             keys = {"name": model, "flavor": args.flavor, **model_overrides(args, model, backend)}
             try:
-                result = run_case(keys, os.path.join(tmp, label.replace(" ", "_")), seq_len=args.seq_len,
-                                  batch=args.batch, steps=args.steps, warmup=args.warmup, compile=args.compile,
-                                  nproc=args.nproc, extra=tuple(args.trainer_args.split()), profile=True)
+                result = run_case(
+                    keys,
+                    os.path.join(tmp, label.replace(" ", "_")),
+                    seq_len=args.seq_len,
+                    batch=args.batch,
+                    steps=args.steps,
+                    warmup=args.warmup,
+                    compile=args.compile,
+                    nproc=args.nproc,
+                    extra=tuple(args.trainer_args.split()),
+                    profile=True,
+                )
             except RuntimeError as e:
                 raise SystemExit(f"[bench] {e}") from None
             results.append({**result, "canon_backend": backend, "label": label})
-    print(f"\ntrainer, flavor {args.flavor}, seq {args.seq_len}, batch {args.batch} x {args.nproc} process(es), "
-          f"compile {args.compile}{', ' + args.trainer_args if args.trainer_args else ''}; medians over steps "
-          f"{args.warmup + 1}-{args.steps}")
-    print(f"{'model':<22} {'tokens/s':>10} {'MFU %':>7} {'peak reserved GiB':>18} {'peak active GiB':>16} "
-          f"{'step 1 s':>9}")
+    print(
+        f"\ntrainer, flavor {args.flavor}, seq {args.seq_len}, batch {args.batch} x {args.nproc} process(es), "
+        f"compile {args.compile}{', ' + args.trainer_args if args.trainer_args else ''}; medians over steps "
+        f"{args.warmup + 1}-{args.steps}"
+    )
+    print(
+        f"{'model':<22} {'tokens/s':>10} {'MFU %':>7} {'peak reserved GiB':>18} {'peak active GiB':>16} "
+        f"{'step 1 s':>9}"
+    )
     for r in results:
-        print(f"{r['label']:<22} {r['tokens_per_s']:>10,.0f} {r['mfu_pct']:>7.2f} {r['peak_reserved_gib']:>18.2f} "
-              f"{r['peak_active_gib']:>16.2f} {r['first_step_s']:>9.1f}")
+        print(
+            f"{r['label']:<22} {r['tokens_per_s']:>10,.0f} {r['mfu_pct']:>7.2f} {r['peak_reserved_gib']:>18.2f} "
+            f"{r['peak_active_gib']:>16.2f} {r['first_step_s']:>9.1f}"
+        )
     from gpu_check_report import _canon_step
 
     base = next((r for r in results if r["model"] == "llama"), None)
@@ -150,13 +202,17 @@ def run_trainer(args) -> list[dict]:
         print(f"kernels of {r['label']}: {r['kernels']}")
         profile = r.get("profile_summary")
         if isinstance(profile, dict):
-            print(f"profiled step of {r['label']}: {profile['total_ms']:,.1f} ms of kernels: "
-                  + ", ".join(f"{kind} {ms:,.1f}" for kind, ms in profile["kinds_ms"].items()))
+            print(
+                f"profiled step of {r['label']}: {profile['total_ms']:,.1f} ms of kernels: "
+                + ", ".join(f"{kind} {ms:,.1f}" for kind, ms in profile["kinds_ms"].items())
+            )
         if base is not None and r is not base:
             print("\n".join(line for line in _canon_step(r, base) if line))
-            print(f"{r['label']} / llama: throughput x{r['tokens_per_s'] / base['tokens_per_s']:.3f} (target >= 0.97), "
-                  f"peak reserved x{r['peak_reserved_gib'] / base['peak_reserved_gib']:.3f}, "
-                  f"peak active x{r['peak_active_gib'] / base['peak_active_gib']:.3f} (target <= 1.05)")
+            print(
+                f"{r['label']} / llama: throughput x{r['tokens_per_s'] / base['tokens_per_s']:.3f} (target >= 0.97), "
+                f"peak reserved x{r['peak_reserved_gib'] / base['peak_reserved_gib']:.3f}, "
+                f"peak active x{r['peak_active_gib'] / base['peak_active_gib']:.3f} (target <= 1.05)"
+            )
     return results
 
 
@@ -165,8 +221,9 @@ def run_trainer(args) -> list[dict]:
 
 def raw_case(args, model_name: str, mode: str) -> dict:
     device = _device()
-    spec = model_registry.model_spec(model_name, args.flavor, {**model_overrides(args, model_name),
-                                                               "max_seq_len": args.seq_len})
+    spec = model_registry.model_spec(
+        model_name, args.flavor, {**model_overrides(args, model_name), "max_seq_len": args.seq_len}
+    )
     torch.manual_seed(0)
     with torch.device(device):
         model = spec.model.build()
@@ -177,8 +234,11 @@ def raw_case(args, model_name: str, mode: str) -> dict:
             model.layers.register_module(name, torch.compile(block))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     tokens = torch.randint(0, spec.model.vocab_size, (args.batch, args.seq_len + 1), device=device)
-    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
-                else torch.autocast("cpu", enabled=False))
+    autocast = (
+        torch.autocast("cuda", dtype=torch.bfloat16)
+        if device.type == "cuda"
+        else torch.autocast("cpu", enabled=False)
+    )
 
     def step():
         with autocast:
@@ -199,12 +259,20 @@ def raw_case(args, model_name: str, mode: str) -> dict:
     if device.type == "cuda":
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
-    peak = (torch.cuda.max_memory_allocated() if device.type == "cuda"
-            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
-    return {"model": model_name, "mode": mode, "params": n_params,
-            "tokens_per_s": args.batch * args.seq_len * args.steps / elapsed,
-            "step_ms": 1000 * elapsed / args.steps, "peak_mem_gib": peak / 2**30,
-            "memory_kind": "cuda max allocated" if device.type == "cuda" else "process peak RSS"}
+    peak = (
+        torch.cuda.max_memory_allocated()
+        if device.type == "cuda"
+        else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    )
+    return {
+        "model": model_name,
+        "mode": mode,
+        "params": n_params,
+        "tokens_per_s": args.batch * args.seq_len * args.steps / elapsed,
+        "step_ms": 1000 * elapsed / args.steps,
+        "peak_mem_gib": peak / 2**30,
+        "memory_kind": "cuda max allocated" if device.type == "cuda" else "process peak RSS",
+    }
 
 
 # ----------------------------------------------------------------------------- saved activations
@@ -213,7 +281,11 @@ def raw_case(args, model_name: str, mode: str) -> dict:
 def saved_case(args, model_name: str, backend: str | None) -> dict:
     """Activation bytes per token that one compiled block saves for its backward (bf16)."""
     device = _device()
-    overrides = {**model_overrides(args, model_name, backend), "n_layers": 1, "max_seq_len": args.seq_len}
+    overrides = {
+        **model_overrides(args, model_name, backend),
+        "n_layers": 1,
+        "max_seq_len": args.seq_len,
+    }
     spec = model_registry.model_spec(model_name, args.flavor, overrides)
     with torch.device(device):
         model = spec.model.build()
@@ -233,8 +305,11 @@ def saved_case(args, model_name: str, backend: str | None) -> dict:
     with saved_tensors_hooks(pack, lambda t: t):
         out = block(x.clone().requires_grad_())
     out.sum().backward()
-    return {"model": model_name, "canon_backend": backend,
-            "bytes_per_token": sum(storages.values()) / (args.batch * args.seq_len)}
+    return {
+        "model": model_name,
+        "canon_backend": backend,
+        "bytes_per_token": sum(storages.values()) / (args.batch * args.seq_len),
+    }
 
 
 def run_saved(args) -> list[dict]:
@@ -247,19 +322,28 @@ def run_saved(args) -> list[dict]:
         case = f"saved:{model}:{backend or ''}"
         results.append(_subprocess_case(args, case, env))
     base = results[0]["bytes_per_token"]
-    print(f"\nactivations saved for the backward by one compiled {args.flavor} block (bf16), per token "
-          f"(batch {args.batch} x seq {args.seq_len}, parameters excluded)")
+    print(
+        f"\nactivations saved for the backward by one compiled {args.flavor} block (bf16), per token "
+        f"(batch {args.batch} x seq {args.seq_len}, parameters excluded)"
+    )
     print(f"{'model':<12} {'backend':<8} {'bytes/token':>12} {'vs llama':>9}")
     for r in results:
-        print(f"{r['model']:<12} {r['canon_backend'] or '-':<8} {r['bytes_per_token']:>12,.0f} "
-              f"{r['bytes_per_token'] / base:>9.3f}")
+        print(
+            f"{r['model']:<12} {r['canon_backend'] or '-':<8} {r['bytes_per_token']:>12,.0f} "
+            f"{r['bytes_per_token'] / base:>9.3f}"
+        )
     return results
 
 
 # ----------------------------------------------------------------------------- a compiled block's bytes
 
 
-CANON_KERNELS = ("_canon_fwd_kernel", "_canon_swiglu_fwd_kernel", "_canon_bwd_kernel", "_canon_swiglu_bwd_kernel")
+CANON_KERNELS = (
+    "_canon_fwd_kernel",
+    "_canon_swiglu_fwd_kernel",
+    "_canon_bwd_kernel",
+    "_canon_swiglu_bwd_kernel",
+)
 
 
 def bytes_case(args, model_name: str, canon_set: str | None) -> dict:
@@ -269,13 +353,14 @@ def bytes_case(args, model_name: str, canon_set: str | None) -> dict:
     and how many times the Canon ops' Python bodies ran in that step."""
     from collections import Counter
 
-    from inductor_bytes import HopperCodegen
-
     from canon_titan.kernels import canon
+    from inductor_bytes import HopperCodegen
 
     codegen = HopperCodegen()
     # CPU tensors take the Triton kernels here: none runs.
-    canon._use_triton = lambda backend, x, kernel_size: backend == "triton" and kernel_size in canon.TRITON_KERNEL_SIZES
+    canon._use_triton = lambda backend, x, kernel_size: (
+        backend == "triton" and kernel_size in canon.TRITON_KERNEL_SIZES
+    )
     overrides = {**shape_overrides(args), "n_layers": 1, "max_seq_len": args.seq_len}
     if canon_set is not None:
         overrides.update(canon_set=canon_set, canon_backend="triton")
@@ -303,8 +388,15 @@ def bytes_case(args, model_name: str, canon_set: str | None) -> dict:
         y.backward(torch.ones_like(y))
 
     step()
-    bodies = {fn.__code__ for fn in (canon.conv_forward, canon.conv_backward, canon.swiglu_forward,
-                                     canon.swiglu_backward)}
+    bodies = {
+        fn.__code__
+        for fn in (
+            canon.conv_forward,
+            canon.conv_backward,
+            canon.swiglu_forward,
+            canon.swiglu_backward,
+        )
+    }
     body_calls: Counter = Counter()
 
     def profile(frame, event, arg):
@@ -319,13 +411,21 @@ def bytes_case(args, model_name: str, canon_set: str | None) -> dict:
     finally:
         sys.setprofile(None)
     if len(codegen.graphs) != 2:
-        raise SystemExit(f"expected a forward and a backward graph, Inductor compiled {len(codegen.graphs)}")
+        raise SystemExit(
+            f"expected a forward and a backward graph, Inductor compiled {len(codegen.graphs)}"
+        )
     canon_launches = [(name, nbytes) for name, nbytes in codegen.launches if name in CANON_KERNELS]
-    return {"model": model_name, "canon_set": canon_set, "tokens": args.batch * args.seq_len,
-            "inductor": {"forward": codegen.graphs[0], "backward": codegen.graphs[1]},
-            "launches": len(codegen.launches), "canon_launches": canon_launches,
-            "canon_bytes": sum(nbytes for _, nbytes in canon_launches), "op_body_calls": dict(body_calls),
-            "saved_bytes": sum(saved.values())}
+    return {
+        "model": model_name,
+        "canon_set": canon_set,
+        "tokens": args.batch * args.seq_len,
+        "inductor": {"forward": codegen.graphs[0], "backward": codegen.graphs[1]},
+        "launches": len(codegen.launches),
+        "canon_launches": canon_launches,
+        "canon_bytes": sum(nbytes for _, nbytes in canon_launches),
+        "op_body_calls": dict(body_calls),
+        "saved_bytes": sum(saved.values()),
+    }
 
 
 def block_bytes(rows: list[dict]) -> dict:
@@ -334,34 +434,50 @@ def block_bytes(rows: list[dict]) -> dict:
     for r in rows:
         inductor = {phase: g["bytes"] / r["tokens"] for phase, g in r["inductor"].items()}
         canon_kernels = r["canon_bytes"] / r["tokens"]
-        out[r["canon_set"] or "llama"] = {**inductor, "canon_kernels": canon_kernels,
-                                           "total": sum(inductor.values()) + canon_kernels,
-                                           "inductor_kernels": sum(g["kernels"] for g in r["inductor"].values()),
-                                           "launches": r["launches"], "saved": r["saved_bytes"] / r["tokens"]}
+        out[r["canon_set"] or "llama"] = {
+            **inductor,
+            "canon_kernels": canon_kernels,
+            "total": sum(inductor.values()) + canon_kernels,
+            "inductor_kernels": sum(g["kernels"] for g in r["inductor"].values()),
+            "launches": r["launches"],
+            "saved": r["saved_bytes"] / r["tokens"],
+        }
     return out
 
 
 def run_bytes(args) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the GPU's code path, not run
+    env = {
+        k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"
+    }  # the GPU's code path, not run
     rows = []
     # Llama's block, then LlamaCanon's with each canon_set: by default all four positions, then each alone
     # (what each position adds).
-    for model, canon_set in [("llama", None)] + [("llama_canon", c) for c in args.canon_sets.split(",")]:
+    for model, canon_set in [("llama", None)] + [
+        ("llama_canon", c) for c in args.canon_sets.split(",")
+    ]:
         print(f"[bench] compiled block bytes: {model} {canon_set or ''} ...", flush=True)
         rows.append(_subprocess_case(args, f"bytes:{model}:{canon_set or ''}", env))
     table = block_bytes(rows)
     base = table["llama"]["total"]
-    print(f"\nbytes one compiled {args.flavor} block moves per token (batch {args.batch} x seq {args.seq_len}, bf16, "
-          "forward + backward, matmuls and attention excluded): Inductor's own kernels (its scheduler's count) "
-          "and the Triton Canon op's kernels (each tensor argument of a launch once)")
-    print(f"{'block':<22} {'Inductor fwd':>12} {'Inductor bwd':>12} {'Canon kernels':>13} {'total':>9} "
-          f"{'x llama':>8} {'+ vs llama':>10} {'launches':>9} {'saved':>8}")
+    print(
+        f"\nbytes one compiled {args.flavor} block moves per token (batch {args.batch} x seq {args.seq_len}, bf16, "
+        "forward + backward, matmuls and attention excluded): Inductor's own kernels (its scheduler's count) "
+        "and the Triton Canon op's kernels (each tensor argument of a launch once)"
+    )
+    print(
+        f"{'block':<22} {'Inductor fwd':>12} {'Inductor bwd':>12} {'Canon kernels':>13} {'total':>9} "
+        f"{'x llama':>8} {'+ vs llama':>10} {'launches':>9} {'saved':>8}"
+    )
     for name, r in table.items():
         label = "llama" if name == "llama" else f"llama_canon {name}"
-        print(f"{label:<22} {r['forward']:>12,.0f} {r['backward']:>12,.0f} {r['canon_kernels']:>13,.0f} "
-              f"{r['total']:>9,.0f} {r['total'] / base:>8.3f} {r['total'] - base:>+10,.0f} {r['launches']:>9} "
-              f"{r['saved']:>8,.0f}")
-    print("(saved: activation bytes the compiled forward keeps for the backward, per token, parameters excluded)")
+        print(
+            f"{label:<22} {r['forward']:>12,.0f} {r['backward']:>12,.0f} {r['canon_kernels']:>13,.0f} "
+            f"{r['total']:>9,.0f} {r['total'] / base:>8.3f} {r['total'] - base:>+10,.0f} {r['launches']:>9} "
+            f"{r['saved']:>8,.0f}"
+        )
+    print(
+        "(saved: activation bytes the compiled forward keeps for the backward, per token, parameters excluded)"
+    )
     return {"rows": rows, "per_token": table}
 
 
@@ -373,16 +489,27 @@ def run_traffic(args) -> list[dict]:
 
     rows = layer_traffic(args.flavor, args.batch, args.seq_len)
     tokens = args.batch * args.seq_len
-    print(f"Triton Canon op, one llama_canon {args.flavor} layer, batch {args.batch} x seq {args.seq_len}, bf16: "
-          "bytes moved per token, forward + backward (kernel launches, each tensor argument once; torch ops "
-          "around them), and bytes allocated per token")
-    print(f"{'call':<6} {'launches':>8} {'kernels B/token':>16} {'torch ops B/token':>18} {'allocated B/token':>18}")
+    print(
+        f"Triton Canon op, one llama_canon {args.flavor} layer, batch {args.batch} x seq {args.seq_len}, bf16: "
+        "bytes moved per token, forward + backward (kernel launches, each tensor argument once; torch ops "
+        "around them), and bytes allocated per token"
+    )
+    print(
+        f"{'call':<6} {'launches':>8} {'kernels B/token':>16} {'torch ops B/token':>18} {'allocated B/token':>18}"
+    )
     for r in rows:
-        print(f"{r['call']:<6} {r['kernels']:>8} {r['kernel_bytes'] / tokens:>16,.0f} {r['host_bytes'] / tokens:>18,.0f} "
-              f"{r['allocated_bytes'] / tokens:>18,.0f}")
-    total = {k: sum(r[k] for r in rows) / tokens for k in ("kernel_bytes", "host_bytes", "allocated_bytes")}
-    print(f"{'layer':<6} {sum(r['kernels'] for r in rows):>8} {total['kernel_bytes']:>16,.0f} "
-          f"{total['host_bytes']:>18,.0f} {total['allocated_bytes']:>18,.0f}")
+        print(
+            f"{r['call']:<6} {r['kernels']:>8} {r['kernel_bytes'] / tokens:>16,.0f} {r['host_bytes'] / tokens:>18,.0f} "
+            f"{r['allocated_bytes'] / tokens:>18,.0f}"
+        )
+    total = {
+        k: sum(r[k] for r in rows) / tokens
+        for k in ("kernel_bytes", "host_bytes", "allocated_bytes")
+    }
+    print(
+        f"{'layer':<6} {sum(r['kernels'] for r in rows):>8} {total['kernel_bytes']:>16,.0f} "
+        f"{total['host_bytes']:>18,.0f} {total['allocated_bytes']:>18,.0f}"
+    )
     print(f"moved per layer: {(total['kernel_bytes'] + total['host_bytes']) * tokens / 1e9:.3f} GB")
     return rows
 
@@ -391,15 +518,30 @@ def run_ops(args) -> dict:
     from canon_op_bench import llama_canon_layer, mamba2_short_conv, ops
 
     layer = {call.name: call for call in llama_canon_layer(args.flavor)}
-    result = ops([layer["A"], layer["D"], mamba2_short_conv(args.flavor)], args.batch, args.seq_len, args.reps)
-    print(f"Canon op, forward + backward, {result['device']}, flavor {args.flavor} widths, batch {args.batch} x seq "
-          f"{args.seq_len}" + (f"; device copy {result['copy_bandwidth_gb_s']:,.0f} GB/s" if result["copy_bandwidth_gb_s"]
-                               else ""))
-    print(f"{'call':<11} {'channels':>8} {'first call s':>12} {'triton ms':>10} {'fla ms':>8} {'bound ms':>9}")
+    result = ops(
+        [layer["A"], layer["D"], mamba2_short_conv(args.flavor)],
+        args.batch,
+        args.seq_len,
+        args.reps,
+    )
+    print(
+        f"Canon op, forward + backward, {result['device']}, flavor {args.flavor} widths, batch {args.batch} x seq "
+        f"{args.seq_len}"
+        + (
+            f"; device copy {result['copy_bandwidth_gb_s']:,.0f} GB/s"
+            if result["copy_bandwidth_gb_s"]
+            else ""
+        )
+    )
+    print(
+        f"{'call':<11} {'channels':>8} {'first call s':>12} {'triton ms':>10} {'fla ms':>8} {'bound ms':>9}"
+    )
     for r in result["calls"]:
         fla, bound = r.get("fla_causal_conv1d_ms"), r.get("bound_ms")
-        print(f"{r['call']:<11} {r['channels']:>8} {r['first_call_s']:>12.2f} {r['triton_ms']:>10.3f} "
-              f"{fla if fla is not None else float('nan'):>8.3f} {bound if bound is not None else float('nan'):>9.3f}")
+        print(
+            f"{r['call']:<11} {r['channels']:>8} {r['first_call_s']:>12.2f} {r['triton_ms']:>10.3f} "
+            f"{fla if fla is not None else float('nan'):>8.3f} {bound if bound is not None else float('nan'):>9.3f}"
+        )
     for kernel, choices in result["tuned"].items():
         for key, config in choices.items():
             print(f"autotuned {kernel} {key}: {config}")
@@ -410,15 +552,23 @@ def run_bwd_blocks(args) -> dict:
     from canon_op_bench import backward_blocks, llama_canon_layer, mamba2_short_conv
 
     layer = {call.name: call for call in llama_canon_layer(args.flavor)}
-    result = backward_blocks([layer["A"], layer["D"], mamba2_short_conv(args.flavor)], args.batch, args.seq_len,
-                             args.reps)
-    print(f"Canon backward kernels by block configuration, {result['device']}, flavor {args.flavor} widths, batch "
-          f"{args.batch} x seq {args.seq_len} (* = the fixed configuration now)")
+    result = backward_blocks(
+        [layer["A"], layer["D"], mamba2_short_conv(args.flavor)],
+        args.batch,
+        args.seq_len,
+        args.reps,
+    )
+    print(
+        f"Canon backward kernels by block configuration, {result['device']}, flavor {args.flavor} widths, batch "
+        f"{args.batch} x seq {args.seq_len} (* = the fixed configuration now)"
+    )
     print(f"{'call':<11} {'channels':>8} {'config':>10} {'ms':>8} {'bound ms':>9}")
     for r in result["rows"]:
         bound = r["bound_ms"] if r["bound_ms"] is not None else float("nan")
-        print(f"{r['call']:<11} {r['channels']:>8} {r['config']:>10}{'*' if r['current'] else ' '} {r['ms']:>8.3f} "
-              f"{bound:>9.3f}")
+        print(
+            f"{r['call']:<11} {r['channels']:>8} {r['config']:>10}{'*' if r['current'] else ' '} {r['ms']:>8.3f} "
+            f"{bound:>9.3f}"
+        )
     return result
 
 
@@ -429,10 +579,14 @@ def _subprocess_case(args, case: str, env=None) -> dict:
     argv = sys.argv[1:]
     if "--json" in argv:  # the driver writes it
         at = argv.index("--json")
-        argv = argv[:at] + argv[at + 2:]
+        argv = argv[:at] + argv[at + 2 :]
     argv = [a for a in argv if not a.startswith("--json=")]
-    proc = subprocess.run([sys.executable, __file__, *argv, "--case", case], capture_output=True, text=True,
-                          env=env or dict(os.environ))
+    proc = subprocess.run(
+        [sys.executable, __file__, *argv, "--case", case],
+        capture_output=True,
+        text=True,
+        env=env or dict(os.environ),
+    )
     if proc.returncode:
         raise SystemExit(f"[bench] case {case} failed:\n{proc.stderr[-4000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -444,17 +598,25 @@ def run_raw(args) -> list[dict]:
         for model in MODELS:
             print(f"[bench] raw: {model} {mode} ...", flush=True)
             results.append(_subprocess_case(args, f"raw:{model}:{mode}"))
-    print(f"\nraw loop, flavor {args.flavor}, batch {args.batch}, seq {args.seq_len}, {args.steps} timed steps "
-          f"after {args.warmup} warm-up steps")
-    print(f"{'model':<12} {'mode':<9} {'params':>13} {'tokens/s':>10} {'ms/step':>9} {'peak GiB':>9}")
+    print(
+        f"\nraw loop, flavor {args.flavor}, batch {args.batch}, seq {args.seq_len}, {args.steps} timed steps "
+        f"after {args.warmup} warm-up steps"
+    )
+    print(
+        f"{'model':<12} {'mode':<9} {'params':>13} {'tokens/s':>10} {'ms/step':>9} {'peak GiB':>9}"
+    )
     for r in results:
-        print(f"{r['model']:<12} {r['mode']:<9} {r['params']:>13,} {r['tokens_per_s']:>10,.0f} "
-              f"{r['step_ms']:>9.1f} {r['peak_mem_gib']:>9.2f}")
+        print(
+            f"{r['model']:<12} {r['mode']:<9} {r['params']:>13,} {r['tokens_per_s']:>10,.0f} "
+            f"{r['step_ms']:>9.1f} {r['peak_mem_gib']:>9.2f}"
+        )
     by = {(r["model"], r["mode"]): r for r in results}
     for mode in args.modes.split(","):
         base, canon = by[("llama", mode)], by[("llama_canon", mode)]
-        print(f"Canon-ABCD overhead ({mode}): throughput x{canon['tokens_per_s'] / base['tokens_per_s']:.3f}, "
-              f"peak memory x{canon['peak_mem_gib'] / base['peak_mem_gib']:.3f} ({results[0]['memory_kind']})")
+        print(
+            f"Canon-ABCD overhead ({mode}): throughput x{canon['tokens_per_s'] / base['tokens_per_s']:.3f}, "
+            f"peak memory x{canon['peak_mem_gib'] / base['peak_mem_gib']:.3f} ({results[0]['memory_kind']})"
+        )
     return results
 
 
@@ -463,11 +625,19 @@ def main(argv=None) -> int:
     if args.case:
         kind, model, extra = args.case.split(":")
         case = {"raw": raw_case, "saved": saved_case, "bytes": bytes_case}[kind](
-            args, model, extra if kind == "raw" else extra or None)
+            args, model, extra if kind == "raw" else extra or None
+        )
         print(json.dumps(case))
         return 0
-    results = {"trainer": run_trainer, "raw": run_raw, "saved": run_saved, "bytes": run_bytes, "traffic": run_traffic,
-               "ops": run_ops, "bwd_blocks": run_bwd_blocks}[args.mode](args)
+    results = {
+        "trainer": run_trainer,
+        "raw": run_raw,
+        "saved": run_saved,
+        "bytes": run_bytes,
+        "traffic": run_traffic,
+        "ops": run_ops,
+        "bwd_blocks": run_bwd_blocks,
+    }[args.mode](args)
     if args.json:
         write_atomic(args.json, json.dumps(results, indent=2))
     return 0

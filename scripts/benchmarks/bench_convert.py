@@ -35,14 +35,20 @@ def stage(name: str, config: str, work: Path, dtype: str, max_shard: str) -> dic
     if name == "make":
         generator = torch.Generator().manual_seed(0)
         shapes = run.state_dict_adapter().shapes
-        save_lazily(work / "dcp", {k: (v, torch.float32) for k, v in shapes.items()},
-                    lambda k: torch.randn(shapes[k], generator=generator) * 0.02)
+        save_lazily(
+            work / "dcp",
+            {k: (v, torch.float32) for k, v in shapes.items()},
+            lambda k: torch.randn(shapes[k], generator=generator) * 0.02,
+        )
     elif name == "to-hf":
         to_hf(work / "dcp", work / "hf", run, dtype=dtype, max_shard_size=_bytes(max_shard))
     else:
         from_hf(work / "hf", work / "dcp_back", run)
-    return {"stage": name, "seconds": time.perf_counter() - start,
-            "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+    return {
+        "stage": name,
+        "seconds": time.perf_counter() - start,
+        "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+    }
 
 
 def _bytes(text: str) -> int:
@@ -54,9 +60,15 @@ def _size_gib(path: Path) -> float:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default=str(REPO / "train_configs" / "LlamaCanon-1B-Nemo-1T-lr0.003.toml"))
-    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="bf16", help="dtype of the HF export")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--config", default=str(REPO / "train_configs" / "LlamaCanon-1B-Nemo-1T-lr0.003.toml")
+    )
+    parser.add_argument(
+        "--dtype", choices=["fp32", "bf16"], default="bf16", help="dtype of the HF export"
+    )
     parser.add_argument("--max-shard-size", default="2GB")
     parser.add_argument("--workdir", help="where to write (default: a temporary folder)")
     parser.add_argument("--keep", action="store_true")
@@ -71,9 +83,24 @@ def main() -> int:
     try:
         for name in ("make", "to-hf", "from-hf"):
             print(f"[bench] {name} ...", flush=True)
-            proc = subprocess.run([sys.executable, __file__, "--stage", name, "--config", args.config,
-                                   "--workdir", str(work), "--dtype", args.dtype,
-                                   "--max-shard-size", args.max_shard_size], capture_output=True, text=True)
+            proc = subprocess.run(
+                [
+                    sys.executable,
+                    __file__,
+                    "--stage",
+                    name,
+                    "--config",
+                    args.config,
+                    "--workdir",
+                    str(work),
+                    "--dtype",
+                    args.dtype,
+                    "--max-shard-size",
+                    args.max_shard_size,
+                ],
+                capture_output=True,
+                text=True,
+            )
             if proc.returncode:
                 print(proc.stderr[-4000:], file=sys.stderr)
                 return proc.returncode
@@ -81,9 +108,13 @@ def main() -> int:
         shapes = load(args.config, environment=False).state_dict_adapter().shapes
         n_params = sum(s.numel() for s in shapes.values())
         largest = max(s.numel() for s in shapes.values()) * 4 / 2**30
-        print(f"\nmodel: {args.config} ({n_params / 1e9:.2f}B parameters; largest tensor {largest:.2f} GiB fp32)")
-        print(f"sizes: DCP fp32 {_size_gib(work / 'dcp'):.2f} GiB, HF {args.dtype} {_size_gib(work / 'hf'):.2f} GiB "
-              f"(shards <= {args.max_shard_size})")
+        print(
+            f"\nmodel: {args.config} ({n_params / 1e9:.2f}B parameters; largest tensor {largest:.2f} GiB fp32)"
+        )
+        print(
+            f"sizes: DCP fp32 {_size_gib(work / 'dcp'):.2f} GiB, HF {args.dtype} {_size_gib(work / 'hf'):.2f} GiB "
+            f"(shards <= {args.max_shard_size})"
+        )
         print(f"{'stage':<10} {'seconds':>9} {'peak RSS GiB':>13}")
         for r in results:
             print(f"{r['stage']:<10} {r['seconds']:>9.1f} {r['peak_rss_gib']:>13.2f}")

@@ -32,7 +32,9 @@ H100_BF16_DENSE_PEAK = 989.5e12
 REPO = Path(__file__).resolve().parents[2]
 
 
-def required_tokens_per_second(model: str, flavor: str, seq_len: int, mfu: float) -> tuple[float, int]:
+def required_tokens_per_second(
+    model: str, flavor: str, seq_len: int, mfu: float
+) -> tuple[float, int]:
     spec = model_registry.model_spec(model, flavor)
     with torch.device("meta"):
         module = spec.model.build()
@@ -41,10 +43,16 @@ def required_tokens_per_second(model: str, flavor: str, seq_len: int, mfu: float
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tokenizer-kind", default="hf", choices=["hf", "sentencepiece", "tiktoken"])
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--tokenizer-kind", default="hf", choices=["hf", "sentencepiece", "tiktoken"]
+    )
     parser.add_argument("--tokenizer", help="tokenizer file or folder (default: the built-in one)")
-    parser.add_argument("--documents", type=int, default=20000, help="synthetic documents to generate")
+    parser.add_argument(
+        "--documents", type=int, default=20000, help="synthetic documents to generate"
+    )
     parser.add_argument("--model", default="llama_canon")
     parser.add_argument("--flavor", default="1B")
     parser.add_argument("--seq-len", type=int, default=4096)
@@ -56,7 +64,9 @@ def main() -> int:
     tokenizer = build_tokenizer(args.tokenizer_kind, tok_path)
     with tempfile.TemporaryDirectory() as work:
         work = Path(work)
-        lines = "".join(json.dumps({"text": t}) + "\n" for t in generate_corpus(args.documents, seed=1))
+        lines = "".join(
+            json.dumps({"text": t}) + "\n" for t in generate_corpus(args.documents, seed=1)
+        )
         (work / "docs.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(lines.encode()))
         mb = len(lines) / 2**20
 
@@ -66,13 +76,25 @@ def main() -> int:
         online = tokens / (time.perf_counter() - start)
 
         start = time.perf_counter()
-        tokenize_files(str(work / "docs.jsonl.zst"), work / "tokens", kind=args.tokenizer_kind,
-                       tokenizer_path=tok_path, workers=1, log=lambda m: None)
+        tokenize_files(
+            str(work / "docs.jsonl.zst"),
+            work / "tokens",
+            kind=args.tokenizer_kind,
+            tokenizer_path=tok_path,
+            workers=1,
+            log=lambda m: None,
+        )
         pretokenize = tokens / (time.perf_counter() - start)
 
         config = PackedTextDataLoader.Config(dataset="tokens", dataset_path=str(work / "tokens"))
-        loader = PackedTextDataLoader(config, dp_world_size=1, dp_rank=0, tokenizer=tokenizer,
-                                      seq_len=args.seq_len, local_batch_size=args.batch)
+        loader = PackedTextDataLoader(
+            config,
+            dp_world_size=1,
+            dp_rank=0,
+            tokenizer=tokenizer,
+            seq_len=args.seq_len,
+            local_batch_size=args.batch,
+        )
         batches = iter(loader)
         start, read = time.perf_counter(), 0
         while time.perf_counter() - start < 3.0:
@@ -80,13 +102,20 @@ def main() -> int:
         shard_batches = read / (time.perf_counter() - start)
 
     need, flops = required_tokens_per_second(args.model, args.flavor, args.seq_len, args.mfu)
-    print(f"\ncorpus: {args.documents:,} synthetic documents, {mb:.1f} MB of JSON, {tokens:,} tokens "
-          f"({args.tokenizer_kind} tokenizer, {tokenizer.get_vocab_size():,} ids)")
-    print(f"one GPU needs: {need:,.0f} tokens/s ({args.model} {args.flavor}, {flops / 1e9:.2f} GFLOP per token at "
-          f"seq {args.seq_len}, {args.mfu:.0%} MFU of an H100's {H100_BF16_DENSE_PEAK / 1e12:.0f} TFLOP/s)")
+    print(
+        f"\ncorpus: {args.documents:,} synthetic documents, {mb:.1f} MB of JSON, {tokens:,} tokens "
+        f"({args.tokenizer_kind} tokenizer, {tokenizer.get_vocab_size():,} ids)"
+    )
+    print(
+        f"one GPU needs: {need:,.0f} tokens/s ({args.model} {args.flavor}, {flops / 1e9:.2f} GFLOP per token at "
+        f"seq {args.seq_len}, {args.mfu:.0%} MFU of an H100's {H100_BF16_DENSE_PEAK / 1e12:.0f} TFLOP/s)"
+    )
     print(f"{'path':<40} {'tokens/s':>12} {'x GPU need':>11}")
-    for name, rate in (("online: read .zst + tokenize", online), ("pre-tokenize command (1 worker)", pretokenize),
-                       (f"shard batches ({args.batch}x{args.seq_len})", shard_batches)):
+    for name, rate in (
+        ("online: read .zst + tokenize", online),
+        ("pre-tokenize command (1 worker)", pretokenize),
+        (f"shard batches ({args.batch}x{args.seq_len})", shard_batches),
+    ):
         print(f"{name:<40} {rate:>12,.0f} {rate / need:>11.1f}")
     return 0
 

@@ -38,8 +38,20 @@ from canon_titan.tools.fileio import write_atomic  # noqa: E402
 
 LLAMA31 = {
     "8B": ["--model.rope_theta", "500000"],
-    "70B": ["--model.dim", "8192", "--model.n_layers", "80", "--model.n_heads", "64", "--model.n_kv_heads", "8",
-            "--model.ffn_hidden_dim", "28672", "--model.rope_theta", "500000"],
+    "70B": [
+        "--model.dim",
+        "8192",
+        "--model.n_layers",
+        "80",
+        "--model.n_heads",
+        "64",
+        "--model.n_kv_heads",
+        "8",
+        "--model.ffn_hidden_dim",
+        "28672",
+        "--model.rope_theta",
+        "500000",
+    ],
 }
 """Llama 3.1's shapes as overrides of the Llama-8B recipe (``scripts/plan_calibration.py``'s)."""
 RUNS = [
@@ -62,17 +74,34 @@ def block_linears(recipe: str, overrides: list[str], tp: int) -> list[tuple[str,
     from canon_titan.config import load
 
     with patch.dict(os.environ, WORLD_SIZE="1"):
-        args = load(str(REPO / "train_configs" / f"{recipe}.toml"), overrides, environment=False).model_args
-    dim, q, kv, hidden = args.dim, args.n_heads * args.head_dim, args.kv_heads * args.head_dim, args.hidden_dim
-    return [("wq", dim, q // tp), ("wk", dim, kv // tp), ("wv", dim, kv // tp), ("wo", q // tp, dim),
-            ("w1", dim, hidden // tp), ("w3", dim, hidden // tp), ("w2", hidden // tp, dim)]
+        args = load(
+            str(REPO / "train_configs" / f"{recipe}.toml"), overrides, environment=False
+        ).model_args
+    dim, q, kv, hidden = (
+        args.dim,
+        args.n_heads * args.head_dim,
+        args.kv_heads * args.head_dim,
+        args.hidden_dim,
+    )
+    return [
+        ("wq", dim, q // tp),
+        ("wk", dim, kv // tp),
+        ("wv", dim, kv // tp),
+        ("wo", q // tp, dim),
+        ("w1", dim, hidden // tp),
+        ("w3", dim, hidden // tp),
+        ("w2", hidden // tp, dim),
+    ]
 
 
 def operands(gemm: str, tokens: int, k_in: int, n_out: int) -> tuple[int, int, int]:
     """(M, K, N) of ``gemm`` for a linear of ``k_in`` -> ``n_out`` features on ``tokens`` rows:
     output = x @ W^T, grad_input = grad_out @ W, grad_weight = grad_out^T @ x."""
-    return {"forward": (tokens, k_in, n_out), "grad_input": (tokens, n_out, k_in),
-            "grad_weight": (n_out, tokens, k_in)}[gemm]
+    return {
+        "forward": (tokens, k_in, n_out),
+        "grad_input": (tokens, n_out, k_in),
+        "grad_weight": (n_out, tokens, k_in),
+    }[gemm]
 
 
 def _timer(device: torch.device, reps: int):
@@ -82,7 +111,10 @@ def _timer(device: torch.device, reps: int):
         times = []
         for _ in range(reps):
             if device.type == "cuda":
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start, end = (
+                    torch.cuda.Event(enable_timing=True),
+                    torch.cuda.Event(enable_timing=True),
+                )
                 start.record()
                 fn()
                 end.record()
@@ -93,6 +125,7 @@ def _timer(device: torch.device, reps: int):
                 fn()
                 times.append(1000 * (time.perf_counter() - started))
         return statistics.median(times)
+
     return measure
 
 
@@ -110,15 +143,29 @@ def gemm_ways(m: int, k: int, n: int, forward: bool, device: torch.device):
     row_a, col_b = torch.rand(m, 1, device=device) + 0.5, torch.rand(1, n, device=device) + 0.5
 
     def tensorwise():
-        return torch._scaled_mm(a8, b8, scale_a=tensor_a.reciprocal(), scale_b=tensor_b.reciprocal(),
-                                out_dtype=torch.bfloat16, use_fast_accum=forward)
+        return torch._scaled_mm(
+            a8,
+            b8,
+            scale_a=tensor_a.reciprocal(),
+            scale_b=tensor_b.reciprocal(),
+            out_dtype=torch.bfloat16,
+            use_fast_accum=forward,
+        )
 
     def rowwise():
         inverse_a, inverse_b = row_a.reciprocal(), col_b.reciprocal()
         if forward:
-            return torch._scaled_mm(a8, b8, scale_a=inverse_a, scale_b=inverse_b, out_dtype=torch.bfloat16,
-                                    use_fast_accum=True)
-        out = torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16, use_fast_accum=False)
+            return torch._scaled_mm(
+                a8,
+                b8,
+                scale_a=inverse_a,
+                scale_b=inverse_b,
+                out_dtype=torch.bfloat16,
+                use_fast_accum=True,
+            )
+        out = torch._scaled_mm(
+            a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16, use_fast_accum=False
+        )
         out *= inverse_a * inverse_b
         return out
 
@@ -130,10 +177,21 @@ def gemm_ways(m: int, k: int, n: int, forward: bool, device: torch.device):
     return {"bf16": lambda: torch.mm(a, b), "tensorwise": tensorwise, "rowwise": rowwise}, reference
 
 
-def measure_run(label: str, recipe: str, overrides: list[str], tp: int, tokens: int, reps: int,
-                device: torch.device, shrink: int = 1) -> dict:
+def measure_run(
+    label: str,
+    recipe: str,
+    overrides: list[str],
+    tp: int,
+    tokens: int,
+    reps: int,
+    device: torch.device,
+    shrink: int = 1,
+) -> dict:
     measure = _timer(device, reps)
-    linears = [(name, max(16, k // shrink), max(16, n // shrink)) for name, k, n in block_linears(recipe, overrides, tp)]
+    linears = [
+        (name, max(16, k // shrink), max(16, n // shrink))
+        for name, k, n in block_linears(recipe, overrides, tp)
+    ]
     rows = []
     for gemm in GEMMS:
         ms = dict.fromkeys(WAYS, 0.0)
@@ -150,24 +208,42 @@ def measure_run(label: str, recipe: str, overrides: list[str], tp: int, tokens: 
 
 
 def table(result: dict) -> list[str]:
-    lines = [f"Float8 GEMMs of one block, {result['device']}, {result['tokens']:,} tokens (ms; TFLOP/s)", "",
-             "| run | GEMM | TFLOP | bf16 | tensorwise | rowwise | rowwise / tensorwise | tensorwise / bf16 |",
-             "|---|---|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"Float8 GEMMs of one block, {result['device']}, {result['tokens']:,} tokens (ms; TFLOP/s)",
+        "",
+        "| run | GEMM | TFLOP | bf16 | tensorwise | rowwise | rowwise / tensorwise | tensorwise / bf16 |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for run in result["runs"]:
         for r in run["rows"]:
             rate = {w: r["tflop"] / (r[f"{w}_ms"] / 1000) for w in WAYS}
-            lines.append(f"| {run['label']} | {r['gemm']} | {r['tflop']:.3f} | "
-                         + " | ".join(f"{r[f'{w}_ms']:.3f} ({rate[w]:,.0f})" for w in WAYS)
-                         + f" | x{r['rowwise_ms'] / r['tensorwise_ms']:.2f} | x{r['tensorwise_ms'] / r['bf16_ms']:.2f} |")
+            lines.append(
+                f"| {run['label']} | {r['gemm']} | {r['tflop']:.3f} | "
+                + " | ".join(f"{r[f'{w}_ms']:.3f} ({rate[w]:,.0f})" for w in WAYS)
+                + f" | x{r['rowwise_ms'] / r['tensorwise_ms']:.2f} | x{r['tensorwise_ms'] / r['bf16_ms']:.2f} |"
+            )
     return lines
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tokens", type=int, default=16384, help="rows of each GEMM: tokens per TP rank's step (default 16384)")
-    p.add_argument("--reps", type=int, default=10, help="timed calls per GEMM (default 10; the median is kept)")
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--tokens",
+        type=int,
+        default=16384,
+        help="rows of each GEMM: tokens per TP rank's step (default 16384)",
+    )
+    p.add_argument(
+        "--reps", type=int, default=10, help="timed calls per GEMM (default 10; the median is kept)"
+    )
     p.add_argument("--json", help="write the figures here")
-    p.add_argument("--tiny", action="store_true", help="toy shapes on the CPU: checks the script, measures nothing")
+    p.add_argument(
+        "--tiny",
+        action="store_true",
+        help="toy shapes on the CPU: checks the script, measures nothing",
+    )
     args = p.parse_args(argv)
     if args.tokens <= 0 or args.reps <= 0:
         p.error("--tokens and --reps must be positive")
@@ -175,10 +251,16 @@ def main(argv=None) -> int:
     if device.type == "cpu" and not args.tiny:
         p.error("no GPU: float8 GEMMs are timed on a GPU (--tiny checks the script on the CPU)")
     tokens, reps, shrink = (64, 1, 128) if args.tiny else (args.tokens, args.reps, 1)
-    result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "tokens": tokens,
-              "torch": torch.__version__, "runs": []}
+    result = {
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "tokens": tokens,
+        "torch": torch.__version__,
+        "runs": [],
+    }
     for label, recipe, overrides, tp in RUNS:
-        result["runs"].append(measure_run(label, recipe, overrides, tp, tokens, reps, device, shrink))
+        result["runs"].append(
+            measure_run(label, recipe, overrides, tp, tokens, reps, device, shrink)
+        )
         print(f"[bench_float8_gemm] {label}: done", file=sys.stderr, flush=True)
     print("\n".join(table(result)))
     if args.json:

@@ -71,54 +71,114 @@ BASELINE = "llama_canon:ABCD"
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
-                   help="auto: cuda when torch.cuda.is_available(), else cpu")
-    p.add_argument("--models", default=DEFAULT_MODELS,
-                   help="comma list of family[:canon_set] (families gla5, gdn2, mamba2, llama_canon, llama)")
-    p.add_argument("--kernel-backend", default="auto", choices=("auto", "torch", "cuda"),
-                   help="recurrence kernel of the linear models; cuda = the family's CUDA package "
-                        "(fla for gla5/gdn2, mamba_ssm for mamba2)")
-    p.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", 2)),
-                   help="torch CPU threads (default $OMP_NUM_THREADS or 2)")
-    p.add_argument("--tables", default="throughput,scaling",
-                   help="comma list of throughput, scaling, trainer, host, documents")
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--device",
+        default="auto",
+        choices=("auto", "cpu", "cuda"),
+        help="auto: cuda when torch.cuda.is_available(), else cpu",
+    )
+    p.add_argument(
+        "--models",
+        default=DEFAULT_MODELS,
+        help="comma list of family[:canon_set] (families gla5, gdn2, mamba2, llama_canon, llama)",
+    )
+    p.add_argument(
+        "--kernel-backend",
+        default="auto",
+        choices=("auto", "torch", "cuda"),
+        help="recurrence kernel of the linear models; cuda = the family's CUDA package "
+        "(fla for gla5/gdn2, mamba_ssm for mamba2)",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=int(os.environ.get("OMP_NUM_THREADS", 2)),
+        help="torch CPU threads (default $OMP_NUM_THREADS or 2)",
+    )
+    p.add_argument(
+        "--tables",
+        default="throughput,scaling",
+        help="comma list of throughput, scaling, trainer, host, documents",
+    )
     # table 1
     p.add_argument("--dim", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int,
-                   help="heads of every model (default dim // 64: key head 64, value head 128, Mamba2 head 128)")
+    p.add_argument(
+        "--heads",
+        type=int,
+        help="heads of every model (default dim // 64: key head 64, value head 128, Mamba2 head 128)",
+    )
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--steps", type=int, default=5, help="timed steps (fewer if --case-budget runs out)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps (the first creates the AdamW state)")
+    p.add_argument(
+        "--steps", type=int, default=5, help="timed steps (fewer if --case-budget runs out)"
+    )
+    p.add_argument(
+        "--warmup", type=int, default=2, help="untimed steps (the first creates the AdamW state)"
+    )
     # table 2
     p.add_argument("--scaling-dim", type=int, default=128)
     p.add_argument("--scaling-layers", type=int, help="default --layers")
     p.add_argument("--scaling-seqs", default="1024,2048,4096,8192")
     p.add_argument("--scaling-batch", type=int, default=1)
     p.add_argument("--scaling-steps", type=int, default=3)
-    p.add_argument("--scaling-warmup", type=int, default=2,
-                   help="untimed steps per sequence length (the first steps at a new length allocate)")
+    p.add_argument(
+        "--scaling-warmup",
+        type=int,
+        default=2,
+        help="untimed steps per sequence length (the first steps at a new length allocate)",
+    )
     # shape details
     p.add_argument("--vocab", type=int, default=2048)
-    p.add_argument("--state-size", type=int,
-                   help="Mamba2 state N (default dim // heads, so all families hold the same recurrent state)")
-    p.add_argument("--mamba-chunk", type=int, default=64,
-                   help="Mamba2 chunk size (GLA/GDN torch kernels use 64; the release's 256 is a GPU choice)")
-    p.add_argument("--case-budget", type=float, default=30.0,
-                   help="stop a case's timed steps early once this many seconds have passed (>= 2 steps)")
-    p.add_argument("--malloc", default="keep", choices=("keep", "default"),
-                   help="keep: run the workers with glibc's MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_ raised so "
-                        "freed activations stay mapped instead of being page-faulted in again every step (on a "
-                        "small VM the faults cost up to half the step time); default: glibc as is")
+    p.add_argument(
+        "--state-size",
+        type=int,
+        help="Mamba2 state N (default dim // heads, so all families hold the same recurrent state)",
+    )
+    p.add_argument(
+        "--mamba-chunk",
+        type=int,
+        default=64,
+        help="Mamba2 chunk size (GLA/GDN torch kernels use 64; the release's 256 is a GPU choice)",
+    )
+    p.add_argument(
+        "--case-budget",
+        type=float,
+        default=30.0,
+        help="stop a case's timed steps early once this many seconds have passed (>= 2 steps)",
+    )
+    p.add_argument(
+        "--malloc",
+        default="keep",
+        choices=("keep", "default"),
+        help="keep: run the workers with glibc's MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_ raised so "
+        "freed activations stay mapped instead of being page-faulted in again every step (on a "
+        "small VM the faults cost up to half the step time); default: glibc as is",
+    )
     # table 3
-    p.add_argument("--trainer-models", default=TRAINER_MODELS, help="family[:canon_set] list; the first is the baseline")
+    p.add_argument(
+        "--trainer-models",
+        default=TRAINER_MODELS,
+        help="family[:canon_set] list; the first is the baseline",
+    )
     p.add_argument("--trainer-flavor", default="1B")
     p.add_argument("--trainer-seqs", default="16384,4096", help="in the order of the table's rows")
-    p.add_argument("--trainer-tokens", type=int, default=8192, help="tokens per step and process (batch = tokens // seq)")
+    p.add_argument(
+        "--trainer-tokens",
+        type=int,
+        default=8192,
+        help="tokens per step and process (batch = tokens // seq)",
+    )
     p.add_argument("--trainer-steps", type=int, default=30)
-    p.add_argument("--trainer-warmup", type=int, default=10, help="steps left out of the medians (compile, autotuning)")
+    p.add_argument(
+        "--trainer-warmup",
+        type=int,
+        default=10,
+        help="steps left out of the medians (compile, autotuning)",
+    )
     p.add_argument("--trainer-no-compile", dest="trainer_compile", action="store_false")
     # table 5
     p.add_argument("--documents-flavor", default="1B")
@@ -136,6 +196,7 @@ def parse_args(argv=None):
 
 # --- shapes -------------------------------------------------------------------------------------
 
+
 def parse_model(spec: str) -> tuple[str, str]:
     family, _, canon = spec.partition(":")
     if family == "llama_canon" and not canon:
@@ -151,8 +212,20 @@ def llama_hidden(dim: int) -> int:
     return -(-8 * dim // 3 // 64) * 64
 
 
-def overrides(family: str, canon: str, *, dim: int, layers: int, heads: int, vocab: int, max_seq: int,
-              device: str, kernel_backend: str, state_size: int | None, mamba_chunk: int) -> dict:
+def overrides(
+    family: str,
+    canon: str,
+    *,
+    dim: int,
+    layers: int,
+    heads: int,
+    vocab: int,
+    max_seq: int,
+    device: str,
+    kernel_backend: str,
+    state_size: int | None,
+    mamba_chunk: int,
+) -> dict:
     out = {"dim": dim, "n_layers": layers, "n_heads": heads, "vocab_size": vocab}
     if family in LINEAR:
         out["canon_set"] = canon
@@ -169,8 +242,12 @@ def overrides(family: str, canon: str, *, dim: int, layers: int, heads: int, voc
             out["chunk_size"] = mamba_chunk
     else:
         head_dim = dim // heads
-        out.update(n_kv_heads=heads, ffn_hidden_dim=llama_hidden(dim), max_seq_len=max_seq,
-                   rope_dim=max(2, head_dim // 4 // 2 * 2))  # a quarter of the head, as the release
+        out.update(
+            n_kv_heads=heads,
+            ffn_hidden_dim=llama_hidden(dim),
+            max_seq_len=max_seq,
+            rope_dim=max(2, head_dim // 4 // 2 * 2),
+        )  # a quarter of the head, as the release
         if family == "llama_canon":
             out["canon_set"] = canon
             out["canon_backend"] = "torch" if device == "cpu" else "auto"
@@ -178,6 +255,7 @@ def overrides(family: str, canon: str, *, dim: int, layers: int, heads: int, voc
 
 
 # --- worker: one model, its cases in order ----------------------------------------------------
+
 
 def rss_bytes() -> int:
     try:
@@ -218,7 +296,11 @@ def run_worker(job: dict) -> None:
     except (RuntimeError, ValueError):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     cuda = device.type == "cuda"
-    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if cuda else torch.autocast("cpu", enabled=False))
+    autocast = (
+        torch.autocast("cuda", dtype=torch.bfloat16)
+        if cuda
+        else torch.autocast("cpu", enabled=False)
+    )
     vocab = job["overrides"]["vocab_size"]
     name = f"{family}:{canon}" if canon else family
     dev_name = torch.cuda.get_device_name(device) if cuda else cpu_name()
@@ -243,12 +325,16 @@ def run_worker(job: dict) -> None:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         for i in range(job["warmup"]):
-            progress(f"{name} dim {job['overrides']['dim']} batch {batch} seq {seq}: warm-up {i + 1}/{job['warmup']}")
+            progress(
+                f"{name} dim {job['overrides']['dim']} batch {batch} seq {seq}: warm-up {i + 1}/{job['warmup']}"
+            )
             step(tokens)
         times = []
         started = time.perf_counter()
         for i in range(job["steps"]):
-            progress(f"{name} dim {job['overrides']['dim']} batch {batch} seq {seq}: step {i + 1}/{job['steps']}")
+            progress(
+                f"{name} dim {job['overrides']['dim']} batch {batch} seq {seq}: step {i + 1}/{job['steps']}"
+            )
             t0 = time.perf_counter()
             step(tokens)
             times.append(time.perf_counter() - t0)
@@ -256,18 +342,38 @@ def run_worker(job: dict) -> None:
                 break
         peak = torch.cuda.max_memory_allocated() if cuda else peak_rss_bytes()
         med = statistics.median(times)
-        print("RESULT " + json.dumps({
-            "model": name, "family": family, "canon": canon, "kernel": kernel, "params": n_params,
-            "dim": job["overrides"]["dim"], "layers": job["overrides"]["n_layers"],
-            "heads": job["overrides"]["n_heads"], "batch": batch, "seq": seq, "steps": len(times),
-            "step_ms": 1000 * med, "step_ms_mean": 1000 * statistics.fmean(times), "step_ms_min": 1000 * min(times),
-            "loadavg_1min": os.getloadavg()[0],
-            "tokens_per_s": batch * seq / med, "peak_mib": peak / 2**20, "peak_increase_mib": (peak - base) / 2**20,
-            "memory_kind": "cuda max allocated" if cuda else "process peak RSS",
-            "device": dev_name, "threads": torch.get_num_threads(), "torch": torch.__version__,
-            "autocast": "bf16" if cuda else "fp32",
-            "malloc": "keep" if os.environ.get("MALLOC_MMAP_THRESHOLD_") else "default",
-        }), flush=True)
+        print(
+            "RESULT "
+            + json.dumps(
+                {
+                    "model": name,
+                    "family": family,
+                    "canon": canon,
+                    "kernel": kernel,
+                    "params": n_params,
+                    "dim": job["overrides"]["dim"],
+                    "layers": job["overrides"]["n_layers"],
+                    "heads": job["overrides"]["n_heads"],
+                    "batch": batch,
+                    "seq": seq,
+                    "steps": len(times),
+                    "step_ms": 1000 * med,
+                    "step_ms_mean": 1000 * statistics.fmean(times),
+                    "step_ms_min": 1000 * min(times),
+                    "loadavg_1min": os.getloadavg()[0],
+                    "tokens_per_s": batch * seq / med,
+                    "peak_mib": peak / 2**20,
+                    "peak_increase_mib": (peak - base) / 2**20,
+                    "memory_kind": "cuda max allocated" if cuda else "process peak RSS",
+                    "device": dev_name,
+                    "threads": torch.get_num_threads(),
+                    "torch": torch.__version__,
+                    "autocast": "bf16" if cuda else "fp32",
+                    "malloc": "keep" if os.environ.get("MALLOC_MMAP_THRESHOLD_") else "default",
+                }
+            ),
+            flush=True,
+        )
         del tokens
 
 
@@ -295,9 +401,14 @@ def spawn(job: dict, threads: int, malloc: str) -> list[dict]:
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
     if malloc == "keep":
         env = {**KEEP_MALLOC, **env}  # values the caller set win
-    proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", json.dumps(job)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    proc = subprocess.Popen(
+        [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(job)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+    )
     results = []
     tty = sys.stderr.isatty()
     last_case = None
@@ -312,48 +423,68 @@ def spawn(job: dict, threads: int, malloc: str) -> list[dict]:
         elif line.startswith("RESULT "):
             r = json.loads(line[7:])
             results.append(r)
-            print(f"{chr(13) if tty else ''}[bench_linear] {r['model']} dim {r['dim']} batch {r['batch']} "
-                  f"seq {r['seq']}: {r['tokens_per_s']:,.0f} tokens/s, {r['step_ms']:,.0f} ms/step"
-                  f"{' ' * 20 if tty else ''}", file=sys.stderr, flush=True)
+            print(
+                f"{chr(13) if tty else ''}[bench_linear] {r['model']} dim {r['dim']} batch {r['batch']} "
+                f"seq {r['seq']}: {r['tokens_per_s']:,.0f} tokens/s, {r['step_ms']:,.0f} ms/step"
+                f"{' ' * 20 if tty else ''}",
+                file=sys.stderr,
+                flush=True,
+            )
     err = proc.stderr.read()
     if proc.wait():
         name = f"{job['family']}:{job['canon']}" if job["canon"] else job["family"]
         FAILED.append(f"{name} dim {job['overrides']['dim']}")
-        print(f"\n[bench_linear] {name} failed (rc {proc.returncode}):\n{err[-4000:]}",
-              file=sys.stderr)
+        print(
+            f"\n[bench_linear] {name} failed (rc {proc.returncode}):\n{err[-4000:]}",
+            file=sys.stderr,
+        )
     return results
 
 
 def header(results: list[dict], what: str, extra: str) -> str:
     r = results[0]
     malloc = f", glibc malloc {r['malloc']}" if r["device"].startswith("cpu") else ""
-    return (f"**{what}** — device {r['device']}, {r['threads']} threads, torch {r['torch']}, "
-            f"{r['autocast']}{malloc}, width {r['dim']}, {r['layers']} layers, {r['heads']} heads, {extra}")
+    return (
+        f"**{what}** — device {r['device']}, {r['threads']} threads, torch {r['torch']}, "
+        f"{r['autocast']}{malloc}, width {r['dim']}, {r['layers']} layers, {r['heads']} heads, {extra}"
+    )
 
 
 def shape_note(args, dim: int) -> str:
     heads = args.heads or max(1, dim // 64)
     state = args.state_size or dim // heads
-    return (f"_gla5/gdn2: key head {dim // heads}, value head {2 * dim // heads}, MLP hidden {2 * dim}; mamba2: head "
-            f"{2 * dim // heads}, state {state}, chunk {args.mamba_chunk}, MLP hidden {2 * dim}; llama_canon: "
-            f"MHA head {dim // heads}, SwiGLU hidden {llama_hidden(dim)}, RoPE on a quarter of the head. Linear "
-            f"models on the torch chunked kernels (chunk 64) unless the kernel column says otherwise._")
+    return (
+        f"_gla5/gdn2: key head {dim // heads}, value head {2 * dim // heads}, MLP hidden {2 * dim}; mamba2: head "
+        f"{2 * dim // heads}, state {state}, chunk {args.mamba_chunk}, MLP hidden {2 * dim}; llama_canon: "
+        f"MHA head {dim // heads}, SwiGLU hidden {llama_hidden(dim)}, RoPE on a quarter of the head. Linear "
+        f"models on the torch chunked kernels (chunk 64) unless the kernel column says otherwise._"
+    )
 
 
 def throughput_table(results: list[dict], args) -> str:
     base = next((r for r in results if r["model"] == BASELINE), None)
     mem = "peak RSS" if results[0]["memory_kind"] == "process peak RSS" else "peak alloc"
-    lines = [header(results, "Train-step throughput", f"vocab {args.vocab}, batch {args.batch} x seq {args.seq_len}, "
-                                                     f"median of {args.steps} steps after {args.warmup} warm-up"),
-             "", shape_note(args, args.dim), "",
-             f"| model | canon_set | kernel | params | tokens/s | step ms | min step ms | tokens/s vs {BASELINE} | "
-             f"{mem} MiB | {mem} increase MiB |",
-             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        header(
+            results,
+            "Train-step throughput",
+            f"vocab {args.vocab}, batch {args.batch} x seq {args.seq_len}, "
+            f"median of {args.steps} steps after {args.warmup} warm-up",
+        ),
+        "",
+        shape_note(args, args.dim),
+        "",
+        f"| model | canon_set | kernel | params | tokens/s | step ms | min step ms | tokens/s vs {BASELINE} | "
+        f"{mem} MiB | {mem} increase MiB |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in results:
         ratio = f"x{r['tokens_per_s'] / base['tokens_per_s']:.2f}" if base else "-"
-        lines.append(f"| {r['family']} | {r['canon'] or '-'} | {r['kernel']} | {r['params']:,} | "
-                     f"{r['tokens_per_s']:,.0f} | {r['step_ms']:,.0f} | {r['step_ms_min']:,.0f} | {ratio} | "
-                     f"{r['peak_mib']:,.0f} | {r['peak_increase_mib']:,.0f} |")
+        lines.append(
+            f"| {r['family']} | {r['canon'] or '-'} | {r['kernel']} | {r['params']:,} | "
+            f"{r['tokens_per_s']:,.0f} | {r['step_ms']:,.0f} | {r['step_ms_min']:,.0f} | {ratio} | "
+            f"{r['peak_mib']:,.0f} | {r['peak_increase_mib']:,.0f} |"
+        )
     return "\n".join(lines)
 
 
@@ -363,19 +494,39 @@ def scaling_table(results: list[dict], args, seqs: list[int]) -> str:
         by_model.setdefault(r["model"], {})[r["seq"]] = r
     first, last = seqs[0], seqs[-1]
     mem = "peak RSS" if results[0]["memory_kind"] == "process peak RSS" else "peak alloc"
-    lines = [header(results, "Sequence-length scaling", f"vocab {args.vocab}, batch {args.scaling_batch}, "
-                                                       f"median of {args.scaling_steps} steps after "
-                                                       f"{args.scaling_warmup} warm-up; cells: tokens/s (ms/step)"),
-             "", shape_note(args, args.scaling_dim), "",
-             "| model | canon_set | " + " | ".join(f"T={s}" for s in seqs)
-             + f" | step time T={last} / T={first} (linear: x{last // first}) | {mem} increase MiB at T={last} |",
-             "|---|---|" + "---:|" * (len(seqs) + 2)]
+    lines = [
+        header(
+            results,
+            "Sequence-length scaling",
+            f"vocab {args.vocab}, batch {args.scaling_batch}, "
+            f"median of {args.scaling_steps} steps after "
+            f"{args.scaling_warmup} warm-up; cells: tokens/s (ms/step)",
+        ),
+        "",
+        shape_note(args, args.scaling_dim),
+        "",
+        "| model | canon_set | "
+        + " | ".join(f"T={s}" for s in seqs)
+        + f" | step time T={last} / T={first} (linear: x{last // first}) | {mem} increase MiB at T={last} |",
+        "|---|---|" + "---:|" * (len(seqs) + 2),
+    ]
     for model, cases in by_model.items():
         r0 = next(iter(cases.values()))
-        cells = [f"{cases[s]['tokens_per_s']:,.0f} ({cases[s]['step_ms']:,.0f})" if s in cases else "-" for s in seqs]
-        growth = f"x{cases[last]['step_ms'] / cases[first]['step_ms']:.1f}" if first in cases and last in cases else "-"
+        cells = [
+            f"{cases[s]['tokens_per_s']:,.0f} ({cases[s]['step_ms']:,.0f})" if s in cases else "-"
+            for s in seqs
+        ]
+        growth = (
+            f"x{cases[last]['step_ms'] / cases[first]['step_ms']:.1f}"
+            if first in cases and last in cases
+            else "-"
+        )
         peak = f"{cases[last]['peak_increase_mib']:,.0f}" if last in cases else "-"
-        lines.append(f"| {r0['family']} | {r0['canon'] or '-'} | " + " | ".join(cells) + f" | {growth} | {peak} |")
+        lines.append(
+            f"| {r0['family']} | {r0['canon'] or '-'} | "
+            + " | ".join(cells)
+            + f" | {growth} | {peak} |"
+        )
     return "\n".join(lines)
 
 
@@ -391,12 +542,26 @@ def run_trainer_table(args) -> tuple[list[dict], str]:
             batch = max(1, args.trainer_tokens // seq)
             for spec in args.trainer_models.split(","):
                 family, canon = parse_model(spec)
-                keys = {"name": family, "flavor": args.trainer_flavor, **({"canon_set": canon} if canon else {})}
-                print(f"[bench_linear] trainer: {spec} {args.trainer_flavor}, batch {batch} x seq {seq} ...",
-                      file=sys.stderr, flush=True)
+                keys = {
+                    "name": family,
+                    "flavor": args.trainer_flavor,
+                    **({"canon_set": canon} if canon else {}),
+                }
+                print(
+                    f"[bench_linear] trainer: {spec} {args.trainer_flavor}, batch {batch} x seq {seq} ...",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 try:
-                    r = run_case(keys, os.path.join(tmp, f"{family}-{seq}"), seq_len=seq, batch=batch,
-                                 steps=args.trainer_steps, warmup=args.trainer_warmup, compile=args.trainer_compile)
+                    r = run_case(
+                        keys,
+                        os.path.join(tmp, f"{family}-{seq}"),
+                        seq_len=seq,
+                        batch=batch,
+                        steps=args.trainer_steps,
+                        warmup=args.trainer_warmup,
+                        compile=args.trainer_compile,
+                    )
                 except RuntimeError as e:
                     FAILED.append(f"trainer {spec} seq {seq}")
                     print(f"[bench_linear] {e}", file=sys.stderr)
@@ -409,12 +574,15 @@ def trainer_table(results: list[dict], specs: list[str], seqs: list[int], args) 
     """One row per length (in ``seqs``' order) and model (``specs``; the first is the base of the ratios)."""
     by = {(r["spec"], r["seq_len"]): r for r in results}
     base = specs[0]
-    lines = [f"**Trainer** — flavor {args.trainer_flavor}, compile {args.trainer_compile}, medians over steps "
-             f"{args.trainer_warmup + 1}-{args.trainer_steps}; the first length is the figure of record "
-             f"(target x{TRAINER_TARGETS.get(seqs[0], '-')} of {base} for the linear models), the others for "
-             "information", "",
-             f"| batch x seq | model | canon_set | tokens/s | x {base} | MFU % | peak reserved GiB | step 1 s |",
-             "|---|---|---|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"**Trainer** — flavor {args.trainer_flavor}, compile {args.trainer_compile}, medians over steps "
+        f"{args.trainer_warmup + 1}-{args.trainer_steps}; the first length is the figure of record "
+        f"(target x{TRAINER_TARGETS.get(seqs[0], '-')} of {base} for the linear models), the others for "
+        "information",
+        "",
+        f"| batch x seq | model | canon_set | tokens/s | x {base} | MFU % | peak reserved GiB | step 1 s |",
+        "|---|---|---|---:|---:|---:|---:|---:|",
+    ]
     for seq in seqs:
         for spec in specs:
             r, b = by.get((spec, seq)), by.get((base, seq))
@@ -426,8 +594,10 @@ def trainer_table(results: list[dict], specs: list[str], seqs: list[int], args) 
             ratio = r["tokens_per_s"] / b["tokens_per_s"] if b else float("nan")
             target = TRAINER_TARGETS.get(seq) if spec.split(":")[0] in LINEAR else None
             mark = "" if target is None else (" ok" if ratio >= target else f" < {target}")
-            lines.append(f"{name} {r['tokens_per_s']:,.0f} | x{ratio:.2f}{mark} | {r['mfu_pct']:.1f} | "
-                         f"{r['peak_reserved_gib']:.1f} | {r['first_step_s']:.1f} |")
+            lines.append(
+                f"{name} {r['tokens_per_s']:,.0f} | x{ratio:.2f}{mark} | {r['mfu_pct']:.1f} | "
+                f"{r['peak_reserved_gib']:.1f} | {r['first_step_s']:.1f} |"
+            )
     kernels = sorted({r["kernels"] for r in results if r["kernels"]})
     lines += ["", "_Kernels: " + " / ".join(kernels) + "_"] if kernels else []
     return "\n".join(lines)
@@ -442,11 +612,11 @@ def block_bytes(job: dict) -> dict:
     (``inductor_bytes.HopperCodegen``: in a process of its own), with document boundaries if
     ``job["documents"]``."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from inductor_bytes import HopperCodegen
     from torch._library.custom_ops import OPDEFS
 
     from canon_titan.kernels.backends import KernelEnvironment, planned_machine
     from canon_titan.kernels.documents import Documents, document_boundaries
+    from inductor_bytes import HopperCodegen
 
     codegen = HopperCodegen()
     family, tokens = job["family"], job["tokens"]
@@ -604,17 +774,46 @@ def main(argv=None) -> int:
     def job(family, canon, dim, layers, cases, steps, warmup):
         heads = args.heads or max(1, dim // 64)
         max_seq = max(seq for _, seq in cases)
-        return {"family": family, "canon": canon, "device": args.device, "threads": args.threads,
-                "cases": cases, "steps": steps, "warmup": warmup, "budget": args.case_budget,
-                "overrides": overrides(family, canon, dim=dim, layers=layers, heads=heads, vocab=args.vocab,
-                                       max_seq=max_seq, device=args.device, kernel_backend=args.kernel_backend,
-                                       state_size=args.state_size, mamba_chunk=args.mamba_chunk)}
+        return {
+            "family": family,
+            "canon": canon,
+            "device": args.device,
+            "threads": args.threads,
+            "cases": cases,
+            "steps": steps,
+            "warmup": warmup,
+            "budget": args.case_budget,
+            "overrides": overrides(
+                family,
+                canon,
+                dim=dim,
+                layers=layers,
+                heads=heads,
+                vocab=args.vocab,
+                max_seq=max_seq,
+                device=args.device,
+                kernel_backend=args.kernel_backend,
+                state_size=args.state_size,
+                mamba_chunk=args.mamba_chunk,
+            ),
+        }
 
     if "throughput" in tables:
         results = []
         for family, canon in models:
-            results += spawn(job(family, canon, args.dim, args.layers, [(args.batch, args.seq_len)],
-                                 args.steps, args.warmup), args.threads, args.malloc)
+            results += spawn(
+                job(
+                    family,
+                    canon,
+                    args.dim,
+                    args.layers,
+                    [(args.batch, args.seq_len)],
+                    args.steps,
+                    args.warmup,
+                ),
+                args.threads,
+                args.malloc,
+            )
         if results:
             all_results["throughput"] = results
             out.append(throughput_table(results, args))
@@ -622,8 +821,19 @@ def main(argv=None) -> int:
         results = []
         layers = args.scaling_layers or args.layers
         for family, canon in models:
-            results += spawn(job(family, canon, args.scaling_dim, layers, [(args.scaling_batch, s) for s in seqs],
-                                 args.scaling_steps, args.scaling_warmup), args.threads, args.malloc)
+            results += spawn(
+                job(
+                    family,
+                    canon,
+                    args.scaling_dim,
+                    layers,
+                    [(args.scaling_batch, s) for s in seqs],
+                    args.scaling_steps,
+                    args.scaling_warmup,
+                ),
+                args.threads,
+                args.malloc,
+            )
         if results:
             all_results["scaling"] = results
             out.append(scaling_table(results, args, seqs))
@@ -632,11 +842,21 @@ def main(argv=None) -> int:
         if results:
             all_results["trainer"] = results
             out.append(table)
-    if "host" in tables:  # in a process of its own: Triton's interpreter mode is set before Triton's first import
+    if (
+        "host" in tables
+    ):  # in a process of its own: Triton's interpreter mode is set before Triton's first import
         script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "linear_host.py")
-        proc = subprocess.run([sys.executable, script, "--models",
-                               ",".join(dict.fromkeys(f for f, _ in models if f in LINEAR))],
-                              capture_output=True, text=True, env=dict(os.environ, TRITON_INTERPRET="1"))
+        proc = subprocess.run(
+            [
+                sys.executable,
+                script,
+                "--models",
+                ",".join(dict.fromkeys(f for f, _ in models if f in LINEAR)),
+            ],
+            capture_output=True,
+            text=True,
+            env=dict(os.environ, TRITON_INTERPRET="1"),
+        )
         if proc.returncode:
             FAILED.append("host")
             print(f"[bench_linear] host table failed:\n{proc.stderr[-4000:]}", file=sys.stderr)
@@ -647,9 +867,11 @@ def main(argv=None) -> int:
     elapsed = time.perf_counter() - started
     print(f"[bench_linear] done in {elapsed / 60:.1f} min", file=sys.stderr, flush=True)
     print("\n\n".join(out))
-    print(f"\n_total benchmark time {elapsed / 60:.1f} min; 1-minute load average {load_before:.1f} before, "
-          f"{os.getloadavg()[0]:.1f} after (about {args.threads} is this benchmark alone; more means other "
-          f"processes competed for the cores and the timings are noisy)_")
+    print(
+        f"\n_total benchmark time {elapsed / 60:.1f} min; 1-minute load average {load_before:.1f} before, "
+        f"{os.getloadavg()[0]:.1f} after (about {args.threads} is this benchmark alone; more means other "
+        f"processes competed for the cores and the timings are noisy)_"
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(all_results, f, indent=2)

@@ -34,13 +34,20 @@ def timed(argv: list[str], runs: int) -> tuple[list[float], list[float]]:
             shutil.rmtree(argv[argv.index("--job.dump_folder") + 1], ignore_errors=True)
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
         start = time.perf_counter()
-        proc = subprocess.run([sys.executable, "-m", "canon_titan.cli", *argv], cwd=REPO, capture_output=True, text=True,
-                              env=dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="offline"))
+        proc = subprocess.run(
+            [sys.executable, "-m", "canon_titan.cli", *argv],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            env=dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="offline"),
+        )
         walls.append(time.perf_counter() - start)
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
         cpus.append(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime)
         if proc.returncode != 0:
-            sys.exit(f"bench_startup: `canon-titan {' '.join(argv)}` failed (exit {proc.returncode}):\n{proc.stderr}")
+            sys.exit(
+                f"bench_startup: `canon-titan {' '.join(argv)}` failed (exit {proc.returncode}):\n{proc.stderr}"
+            )
     return walls, cpus
 
 
@@ -48,19 +55,44 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=5)
     args = parser.parse_args()
-    configs = [str(p.relative_to(REPO)) for p in sorted((REPO / "train_configs").glob("*debug.toml"))]
+    configs = [
+        str(p.relative_to(REPO)) for p in sorted((REPO / "train_configs").glob("*debug.toml"))
+    ]
     dump = Path(tempfile.mkdtemp(prefix="bench_startup_")) / "run"
-    commands = {"--help": (["--help"], TARGET_S),
-                f"config validate ({len(configs)} debug configs)": (["config", "validate", *configs], TARGET_S),
-                "train, 2 ranks, 2 steps (llama_canon debug)": (
-                    ["train", "--config", "train_configs/llama_canon_debug.toml", "--nproc", "2", "--training.steps", "2",
-                     "--training.seq_len", "128", "--job.dump_folder", str(dump)], None)}
+    commands = {
+        "--help": (["--help"], TARGET_S),
+        f"config validate ({len(configs)} debug configs)": (
+            ["config", "validate", *configs],
+            TARGET_S,
+        ),
+        "train, 2 ranks, 2 steps (llama_canon debug)": (
+            [
+                "train",
+                "--config",
+                "train_configs/llama_canon_debug.toml",
+                "--nproc",
+                "2",
+                "--training.steps",
+                "2",
+                "--training.seq_len",
+                "128",
+                "--job.dump_folder",
+                str(dump),
+            ],
+            None,
+        ),
+    }
     print(f"{'command':<45} {'median s':>9} {'min s':>7} {'CPU s':>7}  target")
     for name, (argv, target) in commands.items():
         walls, cpus = timed(argv, args.runs)
         median = statistics.median(walls)
-        verdict = "-" if target is None else f"< {target:.0f} s: {'ok' if median < target else 'OVER'}"
-        print(f"{name:<45} {median:>9.2f} {min(walls):>7.2f} {statistics.median(cpus):>7.2f}  {verdict}", flush=True)
+        verdict = (
+            "-" if target is None else f"< {target:.0f} s: {'ok' if median < target else 'OVER'}"
+        )
+        print(
+            f"{name:<45} {median:>9.2f} {min(walls):>7.2f} {statistics.median(cpus):>7.2f}  {verdict}",
+            flush=True,
+        )
     shutil.rmtree(dump.parent, ignore_errors=True)
 
 

@@ -44,9 +44,12 @@ def seq_len_for(dataset: str, task: dict) -> int:
 
 
 def generation_rate(dataset, task, seq_len, windows, tokenizer) -> float:
-    config = SyntheticDataLoader.Config(dataset=dataset, task=task, answer_only_loss=dataset != "capo_bios")
-    loader = SyntheticDataLoader(config, dp_world_size=1, dp_rank=0, seq_len=seq_len, local_batch_size=1,
-                                 tokenizer=tokenizer)
+    config = SyntheticDataLoader.Config(
+        dataset=dataset, task=task, answer_only_loss=dataset != "capo_bios"
+    )
+    loader = SyntheticDataLoader(
+        config, dp_world_size=1, dp_rank=0, seq_len=seq_len, local_batch_size=1, tokenizer=tokenizer
+    )
     started = time.perf_counter()
     for w in range(100, 100 + windows):
         loader.window(w)
@@ -54,7 +57,9 @@ def generation_rate(dataset, task, seq_len, windows, tokenizer) -> float:
 
 
 def training_rate(model_name: str, seq_len: int, batch: int, vocab: int, steps: int = 3) -> float:
-    model = model_registry.model_spec(model_name, "debug", {"vocab_size": vocab, "max_seq_len": seq_len}).model.build()
+    model = model_registry.model_spec(
+        model_name, "debug", {"vocab_size": vocab, "max_seq_len": seq_len}
+    ).model.build()
     model.init_states()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     tokens = torch.randint(1, vocab, (batch, seq_len + 1))
@@ -72,7 +77,9 @@ def training_rate(model_name: str, seq_len: int, batch: int, vocab: int, steps: 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (one training process each)")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch threads (one training process each)"
+    )
     parser.add_argument("--windows", type=int, default=32)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--model", default="llama_canon")
@@ -89,7 +96,10 @@ def main() -> None:
         if key not in train_cache:
             train_cache[key] = training_rate(args.model, seq_len, args.batch, vocab)
         train = train_cache[key]
-        print(f"{label:<20} {seq_len:>7} {gen:>16,.0f} {train:>14,.0f} {gen / train:>6.0f}x", flush=True)
+        print(
+            f"{label:<20} {seq_len:>7} {gen:>16,.0f} {train:>14,.0f} {gen / train:>6.0f}x",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

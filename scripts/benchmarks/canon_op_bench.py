@@ -33,6 +33,7 @@ from canon_titan.kernels import aot, canon
 class Call:
     """One Canon call of a layer: a convolution over ``channels`` (a slice of rows ``row_width`` wide
     when set), or Canon-D's SwiGLU over ``channels`` = the hidden width."""
+
     name: str
     channels: int
     swiglu: bool = False
@@ -46,28 +47,45 @@ class Call:
 def llama_canon_layer(flavor: str) -> list[Call]:
     args = model_registry.model_args("llama_canon", flavor)
     kv = args.kv_heads * args.head_dim
-    return [Call("A", args.dim, scaled=True), Call("B q", args.dim, scaled=args.qk_norm),
-            Call("B k", kv, scaled=args.qk_norm), Call("B v", kv), Call("C", args.dim, scaled=True),
-            Call("D", args.hidden_dim, swiglu=True)]
+    return [
+        Call("A", args.dim, scaled=True),
+        Call("B q", args.dim, scaled=args.qk_norm),
+        Call("B k", kv, scaled=args.qk_norm),
+        Call("B v", kv),
+        Call("C", args.dim, scaled=True),
+        Call("D", args.hidden_dim, swiglu=True),
+    ]
 
 
 def mamba2_short_conv(flavor: str) -> Call:
     """Mamba2's conv1d over x|B|C, a slice of in_proj's output."""
     args = model_registry.model_args("mamba2", flavor)
     inner = 2 * args.dim
-    return Call("b (Mamba2)", inner + 2 * args.state_size, residual=False, activation=True, bias=True,
-                row_width=2 * inner + 2 * args.state_size + args.n_heads)
+    return Call(
+        "b (Mamba2)",
+        inner + 2 * args.state_size,
+        residual=False,
+        activation=True,
+        bias=True,
+        row_width=2 * inner + 2 * args.state_size + args.n_heads,
+    )
 
 
 def inputs(call: Call, batch: int, seq: int, device, dtype=torch.bfloat16, gen=None) -> dict:
     def randn(*shape, width=None):
-        full = torch.randn(*shape[:-1], width or shape[-1], generator=gen, dtype=torch.float32) if gen is not None \
+        full = (
+            torch.randn(*shape[:-1], width or shape[-1], generator=gen, dtype=torch.float32)
+            if gen is not None
             else torch.empty(*shape[:-1], width or shape[-1], dtype=torch.float32, device="meta")
+        )
         return full.to(device, dtype)[..., : shape[-1]]
 
     c = call.channels
-    out = {"x": randn(batch, seq, c, width=call.row_width), "weight": randn(2 * c if call.swiglu else c, 4),
-           "bias": randn(2 * c if call.swiglu else c) if call.bias else None}
+    out = {
+        "x": randn(batch, seq, c, width=call.row_width),
+        "weight": randn(2 * c if call.swiglu else c, 4),
+        "bias": randn(2 * c if call.swiglu else c) if call.bias else None,
+    }
     if call.swiglu:
         out["up"] = randn(batch, seq, c)
     if call.scaled:
@@ -92,7 +110,11 @@ class _HostOps(TorchDispatchMode):
         if func._opname.startswith("empty"):
             self.allocated += sum(_nbytes(t) for t in outputs)
         elif not func.is_view:
-            tensors = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+            tensors = [
+                t
+                for t in torch.utils._pytree.tree_leaves((args, kwargs))
+                if isinstance(t, torch.Tensor)
+            ]
             self.moved += sum(_nbytes(t) for t in tensors + outputs)
         return out
 
@@ -106,8 +128,11 @@ def _launch_bytes(launches) -> int:
     written once."""
     total = 0
     for _, args, _ in launches:
-        views = {(a.untyped_storage()._cdata, a.storage_offset(), a.shape, a.stride()): a
-                 for a in args if isinstance(a, torch.Tensor)}
+        views = {
+            (a.untyped_storage()._cdata, a.storage_offset(), a.shape, a.stride()): a
+            for a in args
+            if isinstance(a, torch.Tensor)
+        }
         total += sum(_nbytes(t) for t in views.values())
     return total
 
@@ -120,17 +145,33 @@ def traffic(call: Call, batch: int, seq: int) -> dict:
     def run():
         with host:
             if call.swiglu:
-                y = canon.swiglu_forward(t["x"], t["up"], t["weight"], t["bias"], call.residual, call.activation)
-                canon.swiglu_backward(y, t["x"], t["up"], t["weight"], t["bias"], call.residual, call.activation)
+                y = canon.swiglu_forward(
+                    t["x"], t["up"], t["weight"], t["bias"], call.residual, call.activation
+                )
+                canon.swiglu_backward(
+                    y, t["x"], t["up"], t["weight"], t["bias"], call.residual, call.activation
+                )
             else:
-                args = (t["x"], t["weight"], t["bias"], t.get("row_scale"), t.get("col_scale"), call.residual,
-                        call.activation)
+                args = (
+                    t["x"],
+                    t["weight"],
+                    t["bias"],
+                    t.get("row_scale"),
+                    t.get("col_scale"),
+                    call.residual,
+                    call.activation,
+                )
                 y = canon.conv_forward(*args)
                 _backward(call, t, y, bodies=True)()
 
     launches = aot.record_launches(run)
-    return {"call": call.name, "kernels": len(launches), "kernel_bytes": _launch_bytes(launches),
-            "host_bytes": host.moved, "allocated_bytes": host.allocated}
+    return {
+        "call": call.name,
+        "kernels": len(launches),
+        "kernel_bytes": _launch_bytes(launches),
+        "host_bytes": host.moved,
+        "allocated_bytes": host.allocated,
+    }
 
 
 def layer_traffic(flavor: str, batch: int, seq: int) -> list[dict]:
@@ -151,12 +192,18 @@ def _time_ms(fn, reps: int) -> float:
 
 
 def _fwd_bwd(op, tensors: dict, dy: torch.Tensor):
-    leaves = {k: v.detach().requires_grad_() for k, v in tensors.items() if v is not None and v.is_floating_point()}
+    leaves = {
+        k: v.detach().requires_grad_()
+        for k, v in tensors.items()
+        if v is not None and v.is_floating_point()
+    }
     frozen = {k: v for k, v in tensors.items() if k not in leaves}
 
     def step():
         out = op(**leaves, **frozen)
-        torch.autograd.grad(out, list(leaves.values()), dy, allow_unused=True)  # fla has no fused norm scales
+        torch.autograd.grad(
+            out, list(leaves.values()), dy, allow_unused=True
+        )  # fla has no fused norm scales
 
     return step
 
@@ -164,10 +211,26 @@ def _fwd_bwd(op, tensors: dict, dy: torch.Tensor):
 def _canon_op(call: Call, backend: str):
     def op(x, weight, bias=None, up=None, row_scale=None, col_scale=None):
         if call.swiglu:
-            return canon.canon_swiglu(x, up, weight, bias, residual=call.residual, activation=call.activation,
-                                      backend=backend)
-        return canon.canon_conv(x, weight, bias, row_scale=row_scale, col_scale=col_scale, residual=call.residual,
-                                activation=call.activation, backend=backend)
+            return canon.canon_swiglu(
+                x,
+                up,
+                weight,
+                bias,
+                residual=call.residual,
+                activation=call.activation,
+                backend=backend,
+            )
+        return canon.canon_conv(
+            x,
+            weight,
+            bias,
+            row_scale=row_scale,
+            col_scale=col_scale,
+            residual=call.residual,
+            activation=call.activation,
+            backend=backend,
+        )
+
     return op
 
 
@@ -178,7 +241,9 @@ def _fla_op(call: Call):
     activation = "silu" if call.activation else None
 
     def conv(x, weight, bias):
-        return causal_conv1d(x, weight, bias, residual=x if call.residual else None, activation=activation)[0]
+        return causal_conv1d(
+            x, weight, bias, residual=x if call.residual else None, activation=activation
+        )[0]
 
     def op(x, weight, bias=None, up=None, row_scale=None, col_scale=None):
         if call.swiglu:
@@ -186,6 +251,7 @@ def _fla_op(call: Call):
             b_gate, b_up = bias.split(call.channels) if bias is not None else (None, None)
             return torch.nn.functional.silu(conv(x, w_gate, b_gate)) * conv(up, w_up, b_up)
         return conv(x, weight, bias)
+
     return op
 
 
@@ -230,17 +296,26 @@ def ops(calls: list[Call], batch: int, seq: int, reps: int) -> dict:
             triton_step()
             if cuda:
                 torch.cuda.synchronize()
-            row = {"call": call.name, "channels": call.channels, "first_call_s": time.perf_counter() - started,
-                   "triton_ms": _time_ms(triton_step, reps)}
+            row = {
+                "call": call.name,
+                "channels": call.channels,
+                "first_call_s": time.perf_counter() - started,
+                "triton_ms": _time_ms(triton_step, reps),
+            }
             if cuda:
                 row["fla_causal_conv1d_ms"] = _time_ms(_fwd_bwd(_fla_op(call), t, dy), reps)
                 moved = traffic(call, batch, seq)
                 row["bound_ms"] = 1000 * (moved["kernel_bytes"] + moved["host_bytes"]) / bandwidth
             results.append(row)
         triton.knobs.cache.dir = previous
-    return {"device": torch.cuda.get_device_name() if cuda else "cpu (Triton interpreter)", "batch": batch, "seq": seq,
-            "copy_bandwidth_gb_s": bandwidth / 1e9 if bandwidth else None, "calls": results,
-            "tuned": _tuned_configs()}
+    return {
+        "device": torch.cuda.get_device_name() if cuda else "cpu (Triton interpreter)",
+        "batch": batch,
+        "seq": seq,
+        "copy_bandwidth_gb_s": bandwidth / 1e9 if bandwidth else None,
+        "calls": results,
+        "tuned": _tuned_configs(),
+    }
 
 
 BACKWARD_CANDIDATES = [(64, 4, 1), (64, 8, 1), (128, 4, 1), (128, 8, 1), (128, 8, 2)]
@@ -255,18 +330,34 @@ def _backward(call: Call, t: dict, dy: torch.Tensor, bodies: bool = False):
     norm and no SiLU they compute the weight's and the column scale's gradients; the input's is Inductor's,
     fused with the norm's backward (``canon._canon_conv_grad``)."""
     ops = torch.ops.canon_titan
-    swiglu, weights, conv = ((canon.swiglu_backward, canon.conv_weight_grads, canon.conv_backward) if bodies else
-                             (ops.canon_swiglu_backward, ops.canon_conv_weight_grads, ops.canon_conv_backward))
+    swiglu, weights, conv = (
+        (canon.swiglu_backward, canon.conv_weight_grads, canon.conv_backward)
+        if bodies
+        else (ops.canon_swiglu_backward, ops.canon_conv_weight_grads, ops.canon_conv_backward)
+    )
     if call.swiglu:
-        return lambda: swiglu(dy, t["x"], t["up"], t["weight"], t["bias"], call.residual, call.activation)
+        return lambda: swiglu(
+            dy, t["x"], t["up"], t["weight"], t["bias"], call.residual, call.activation
+        )
     if call.scaled and not call.activation:
-        return lambda: weights(dy, t["x"], t["weight"], t["bias"], t["row_scale"], t["col_scale"], call.residual)
-    return lambda: conv(dy, t["x"], t["weight"], t["bias"], t.get("row_scale"), t.get("col_scale"), call.residual,
-                        call.activation)
+        return lambda: weights(
+            dy, t["x"], t["weight"], t["bias"], t["row_scale"], t["col_scale"], call.residual
+        )
+    return lambda: conv(
+        dy,
+        t["x"],
+        t["weight"],
+        t["bias"],
+        t.get("row_scale"),
+        t.get("col_scale"),
+        call.residual,
+        call.activation,
+    )
 
 
-def backward_blocks(calls: list[Call], batch: int, seq: int, reps: int,
-                    candidates=BACKWARD_CANDIDATES) -> dict:
+def backward_blocks(
+    calls: list[Call], batch: int, seq: int, reps: int, candidates=BACKWARD_CANDIDATES
+) -> dict:
     """Milliseconds of each call's backward kernels (and the host ops around them) at each candidate
     configuration; the memory bound is the backward launches' bytes over the copy bandwidth."""
     cuda = torch.cuda.is_available()
@@ -284,18 +375,33 @@ def backward_blocks(calls: list[Call], batch: int, seq: int, reps: int,
             meta = inputs(call, batch, seq, "meta")
             bound = None
             if cuda:
-                moved = _launch_bytes(aot.record_launches(_backward(call, meta, meta["x"].new_empty(dy.shape),
-                                                                    bodies=True)))
+                moved = _launch_bytes(
+                    aot.record_launches(
+                        _backward(call, meta, meta["x"].new_empty(dy.shape), bodies=True)
+                    )
+                )
                 bound = 1000 * moved / bandwidth
             for block_c, unroll, warps in candidates:
                 blocks = {**chosen[kind], "BLOCK_C": block_c, "U": unroll, "num_warps": warps}
                 setattr(canon, names[kind], blocks)
                 step = _backward(call, t, dy)
                 step()  # compiles
-                rows.append({"call": call.name, "channels": call.channels, "kind": kind,
-                             "config": f"{block_c}/{warps}w U{unroll}", "ms": _time_ms(step, reps),
-                             "bound_ms": bound, "current": blocks == chosen[kind]})
+                rows.append(
+                    {
+                        "call": call.name,
+                        "channels": call.channels,
+                        "kind": kind,
+                        "config": f"{block_c}/{warps}w U{unroll}",
+                        "ms": _time_ms(step, reps),
+                        "bound_ms": bound,
+                        "current": blocks == chosen[kind],
+                    }
+                )
     finally:
         canon.BACKWARD_BLOCKS, canon.SWIGLU_BACKWARD_BLOCKS = chosen["conv"], chosen["swiglu"]
-    return {"device": torch.cuda.get_device_name() if cuda else "cpu (Triton interpreter)", "batch": batch,
-            "seq": seq, "rows": rows}
+    return {
+        "device": torch.cuda.get_device_name() if cuda else "cpu (Triton interpreter)",
+        "batch": batch,
+        "seq": seq,
+        "rows": rows,
+    }

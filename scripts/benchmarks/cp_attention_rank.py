@@ -77,22 +77,54 @@ class Flash:
     def forward(self, q, k, v, *, is_causal, dropout_p=0.0, scale=None, **_):
         self.calls.append(("forward", q.shape[2], k.shape[2], bool(is_causal)))
         if self.cuda:
-            return aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, scale=scale)
-        return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, dropout_p, is_causal, scale=scale)
+            return aten._scaled_dot_product_flash_attention(
+                q, k, v, dropout_p, is_causal, scale=scale
+            )
+        return aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, dropout_p, is_causal, scale=scale
+        )
 
     def saved(self, rest) -> dict:
         """The flash forward's outputs after (out, logsumexp) that its backward takes (none on a CPU)."""
         names = ("cum_seq_q", "cum_seq_k", "max_q", "max_k", "philox_seed", "philox_offset")
         return dict(zip(names, rest[:6])) if self.cuda else {}
 
-    def backward(self, *, grad_out, query, key, value, out, logsumexp, is_causal, dropout_p=0.0, scale=None, **kw):
+    def backward(
+        self,
+        *,
+        grad_out,
+        query,
+        key,
+        value,
+        out,
+        logsumexp,
+        is_causal,
+        dropout_p=0.0,
+        scale=None,
+        **kw,
+    ):
         self.calls.append(("backward", query.shape[2], key.shape[2], bool(is_causal)))
         if self.cuda:
             return aten._scaled_dot_product_flash_attention_backward(
-                grad_out, query, key, value, out, logsumexp, kw["cum_seq_q"], kw["cum_seq_k"], kw["max_q"],
-                kw["max_k"], dropout_p, is_causal, kw["philox_seed"], kw["philox_offset"], scale=scale)
+                grad_out,
+                query,
+                key,
+                value,
+                out,
+                logsumexp,
+                kw["cum_seq_q"],
+                kw["cum_seq_k"],
+                kw["max_q"],
+                kw["max_k"],
+                dropout_p,
+                is_causal,
+                kw["philox_seed"],
+                kw["philox_offset"],
+                scale=scale,
+            )
         return aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, scale=scale)
+            grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, scale=scale
+        )
 
 
 def fake_group(rank: int, size: int):
@@ -108,16 +140,31 @@ def fake_group(rank: int, size: int):
 def ring_step(flash: Flash, group, q, k, v, backward: bool, rotate: str):
     """Torch's ring attention, forward (and backward) of one layer, as its SDPA handler calls it."""
     ring = ring_module()
-    ring._cp_options.rotate_method = {"allgather": ring._RotateMethod.ALL_GATHER,
-                                      "alltoall": ring._RotateMethod.ALL_TO_ALL}[rotate]
-    out, lse, *rest = ring._templated_ring_attention(group, 2, flash.forward, q, k, v, is_causal=True,
-                                                     dropout_p=0.0, scale=None)
+    ring._cp_options.rotate_method = {
+        "allgather": ring._RotateMethod.ALL_GATHER,
+        "alltoall": ring._RotateMethod.ALL_TO_ALL,
+    }[rotate]
+    out, lse, *rest = ring._templated_ring_attention(
+        group, 2, flash.forward, q, k, v, is_causal=True, dropout_p=0.0, scale=None
+    )
     if not backward:
         return out
-    grads = ring._templated_ring_attention_backward(group, 2, flash.backward, grad_out=torch.ones_like(out),
-                                                    grad_out_name="grad_out", query=q, key=k, value=v, out=out,
-                                                    logsumexp=lse, is_causal=True, dropout_p=0.0, scale=None,
-                                                    **flash.saved(rest))
+    grads = ring._templated_ring_attention_backward(
+        group,
+        2,
+        flash.backward,
+        grad_out=torch.ones_like(out),
+        grad_out_name="grad_out",
+        query=q,
+        key=k,
+        value=v,
+        out=out,
+        logsumexp=lse,
+        is_causal=True,
+        dropout_p=0.0,
+        scale=None,
+        **flash.saved(rest),
+    )
     return grads[0]
 
 
@@ -143,15 +190,24 @@ def check_against_causal(cp: int, rank: int, args, device: str, dtype) -> float:
     group = fake_group(rank, cp)
     batch, seq = 1, args.seq_local * cp
     gen = torch.Generator(device).manual_seed(cp * 100 + rank)
-    q, k, v = (torch.randn(batch, seq, heads, args.head_dim, device=device, dtype=dtype, generator=gen)
-               .requires_grad_() for heads in (args.heads, args.kv_heads, args.kv_heads))
-    probe = torch.randn(batch, args.seq_local, args.heads, args.head_dim, device=device, dtype=dtype, generator=gen)
+    q, k, v = (
+        torch.randn(
+            batch, seq, heads, args.head_dim, device=device, dtype=dtype, generator=gen
+        ).requires_grad_()
+        for heads in (args.heads, args.kv_heads, args.kv_heads)
+    )
+    probe = torch.randn(
+        batch, args.seq_local, args.heads, args.head_dim, device=device, dtype=dtype, generator=gen
+    )
     positions = rank_positions(seq, cp, "headtail")
     mine = torch.tensor(positions[rank], device=device)
     gqa = args.kv_heads != args.heads
-    whole = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), is_causal=True,
-                                           enable_gqa=gqa).transpose(1, 2)
-    expected = [whole[:, mine]] + list(torch.autograd.grad((whole[:, mine] * probe).sum(), (q, k, v)))
+    whole = F.scaled_dot_product_attention(
+        *(t.transpose(1, 2) for t in (q, k, v)), is_causal=True, enable_gqa=gqa
+    ).transpose(1, 2)
+    expected = [whole[:, mine]] + list(
+        torch.autograd.grad((whole[:, mine] * probe).sum(), (q, k, v))
+    )
 
     every_rank = iter([torch.cat([t[:, p].transpose(0, 1) for p in positions]) for t in (k, v)])
     gather = context_parallel.all_gather_autograd
@@ -165,8 +221,10 @@ def check_against_causal(cp: int, rank: int, args, device: str, dtype) -> float:
     worst = max((a.float() - b.float()).abs().max().item() for a, b in zip(got, expected))
     scale = max(b.float().abs().max().item() for b in expected)
     tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-4
-    assert worst <= tolerance * scale, (f"CP {cp} rank {rank}: the gather's attention differs from causal SDPA by "
-                                        f"{worst:.3g} (largest value {scale:.3g})")
+    assert worst <= tolerance * scale, (
+        f"CP {cp} rank {rank}: the gather's attention differs from causal SDPA by "
+        f"{worst:.3g} (largest value {scale:.3g})"
+    )
     return worst
 
 
@@ -209,7 +267,9 @@ def timed(fn, reps: int, cuda: bool) -> float:
     return _timer(torch.device("cuda" if cuda else "cpu"), reps)(fn)
 
 
-def kernels_alone_ms(calls, batch: int, heads: int, head_dim: int, device: str, dtype, reps: int) -> float:
+def kernels_alone_ms(
+    calls, batch: int, heads: int, head_dim: int, device: str, dtype, reps: int
+) -> float:
     """The same SDPA calls, each on fresh tensors of its shape, with nothing between them."""
     flash = Flash(device)
     total = 0.0
@@ -220,12 +280,22 @@ def kernels_alone_ms(calls, batch: int, heads: int, head_dim: int, device: str, 
             shapes[(n, m, causal)] += 1
     for (n, m, causal), count in shapes.items():
         q = torch.randn(batch, heads, n, head_dim, device=device, dtype=dtype)
-        k, v = (torch.randn(batch, heads, m, head_dim, device=device, dtype=dtype) for _ in range(2))
+        k, v = (
+            torch.randn(batch, heads, m, head_dim, device=device, dtype=dtype) for _ in range(2)
+        )
 
         def both():
             out, lse, *rest = flash.forward(q, k, v, is_causal=causal)
-            flash.backward(grad_out=torch.ones_like(out), query=q, key=k, value=v, out=out, logsumexp=lse,
-                           is_causal=causal, **flash.saved(rest))
+            flash.backward(
+                grad_out=torch.ones_like(out),
+                query=q,
+                key=k,
+                value=v,
+                out=out,
+                logsumexp=lse,
+                is_causal=causal,
+                **flash.saved(rest),
+            )
 
         total += count * timed(both, reps, flash.cuda)
     return total
@@ -249,14 +319,19 @@ def measure(cp: int, rank: int, impl: str, args, device: str, dtype) -> dict:
     batch, length = 1, args.seq_local
     flash = Flash(device)
     if impl == "ring":
-        q, k, v = (torch.randn(batch, args.heads, length, args.head_dim, device=device, dtype=dtype) for _ in range(3))
+        q, k, v = (
+            torch.randn(batch, args.heads, length, args.head_dim, device=device, dtype=dtype)
+            for _ in range(3)
+        )
 
         def run(backward):
             return ring_step(flash, group, q, k, v, backward, args.rotate)
     else:
         shards = ContextShards.build(group, rank_positions(length * cp, cp, "headtail"), device)
-        q, k, v = (torch.randn(batch, length, heads, args.head_dim, device=device, dtype=dtype)
-                   for heads in (args.heads, args.kv_heads, args.kv_heads))
+        q, k, v = (
+            torch.randn(batch, length, heads, args.head_dim, device=device, dtype=dtype)
+            for heads in (args.heads, args.kv_heads, args.kv_heads)
+        )
 
         def run(backward):
             return canon_step(shards, q, k, v, backward)
@@ -272,34 +347,52 @@ def measure(cp: int, rank: int, impl: str, args, device: str, dtype) -> dict:
     both_ms = timed(lambda: run(True), args.reps, flash.cuda)
     kernels = kernels_alone_ms(calls, batch, args.heads, args.head_dim, device, dtype, args.reps)
     flops = causal_share_flops(calls, args.heads, args.head_dim)
-    row = {"cp": cp, "rank": rank, "implementation": impl, "calls": calls, "forward_ms": forward_ms,
-           "forward_backward_ms": both_ms, "kernels_ms": kernels, "forward_flops": flops,
-           "planned_ms": planned_ms(flops, args.head_dim, args.gpu),
-           "tflops": 3.5 * flops / (both_ms * 1e9) if both_ms else 0.0}
-    row["overhead_per_ring_step_ms"] = (both_ms - kernels) / (cp - 1) if impl == "ring" and cp > 1 else None
+    row = {
+        "cp": cp,
+        "rank": rank,
+        "implementation": impl,
+        "calls": calls,
+        "forward_ms": forward_ms,
+        "forward_backward_ms": both_ms,
+        "kernels_ms": kernels,
+        "forward_flops": flops,
+        "planned_ms": planned_ms(flops, args.head_dim, args.gpu),
+        "tflops": 3.5 * flops / (both_ms * 1e9) if both_ms else 0.0,
+    }
+    row["overhead_per_ring_step_ms"] = (
+        (both_ms - kernels) / (cp - 1) if impl == "ring" and cp > 1 else None
+    )
     return row
 
 
 def _row(r: dict) -> str:
-    per_step = "-" if r["overhead_per_ring_step_ms"] is None else f"{r['overhead_per_ring_step_ms']:.2f}"
+    per_step = (
+        "-" if r["overhead_per_ring_step_ms"] is None else f"{r['overhead_per_ring_step_ms']:.2f}"
+    )
     calls = sum(1 for c in r["calls"] if c[0] == "forward")
-    return (f"| {r['cp']} | {r['implementation']} | {r['rank']} | {calls} | {r['forward_ms']:.2f} | "
-            f"{r['forward_backward_ms']:.2f} | {r['kernels_ms']:.2f} | {r['forward_backward_ms'] - r['kernels_ms']:.2f} | "
-            f"{per_step} | {r['tflops']:.1f} | {r['planned_ms']:.2f} | x{r['forward_backward_ms'] / r['planned_ms']:.2f} |")
+    return (
+        f"| {r['cp']} | {r['implementation']} | {r['rank']} | {calls} | {r['forward_ms']:.2f} | "
+        f"{r['forward_backward_ms']:.2f} | {r['kernels_ms']:.2f} | {r['forward_backward_ms'] - r['kernels_ms']:.2f} | "
+        f"{per_step} | {r['tflops']:.1f} | {r['planned_ms']:.2f} | x{r['forward_backward_ms'] / r['planned_ms']:.2f} |"
+    )
 
 
-HEADER = ["| CP | implementation | rank | SDPA calls (fwd) | forward ms | fwd+bwd ms | its SDPA calls alone ms "
-          "| the rest ms | the rest per ring step ms | TFLOPS (fwd+bwd) | planned ms | measured / planned |",
-          "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+HEADER = [
+    "| CP | implementation | rank | SDPA calls (fwd) | forward ms | fwd+bwd ms | its SDPA calls alone ms "
+    "| the rest ms | the rest per ring step ms | TFLOPS (fwd+bwd) | planned ms | measured / planned |",
+    "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+]
 
 
 def table(report: dict) -> list[str]:
     """A title line, then the table of ``report``'s rows (gpu_check's report shows it)."""
     kv_heads = report.get("kv_heads", report["heads"])
     gqa = f" (canon-titan's K/V: {kv_heads} heads)" if kv_heads != report["heads"] else ""
-    title = (f"One CP rank's attention of one layer, {report['device']}, torch {report['torch']}: {report['seq_local']:,} "
-             f"tokens per rank, {report['heads']} heads of {report['head_dim']}{gqa}; collectives on a fake process "
-             f"group (compute only); planned on the {report['gpu']} entry's flash efficiency")
+    title = (
+        f"One CP rank's attention of one layer, {report['device']}, torch {report['torch']}: {report['seq_local']:,} "
+        f"tokens per rank, {report['heads']} heads of {report['head_dim']}{gqa}; collectives on a fake process "
+        f"group (compute only); planned on the {report['gpu']} entry's flash efficiency"
+    )
     rows = sorted(report["rows"], key=lambda r: (r["cp"], r["implementation"] != "ring", r["rank"]))
     return [title, "", *HEADER, *(_row(r) for r in rows)]
 
@@ -307,16 +400,33 @@ def table(report: dict) -> list[str]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cp", default="1,2,4,8", help="CP degrees, comma-separated")
-    p.add_argument("--seq-local", type=int, default=32768, help="tokens per rank (default: TorchTitan's table 2)")
+    p.add_argument(
+        "--seq-local",
+        type=int,
+        default=32768,
+        help="tokens per rank (default: TorchTitan's table 2)",
+    )
     p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--kv-heads", type=int, default=None,
-                   help="K/V heads of canon-titan's gather (grouped-query attention; default: --heads)")
+    p.add_argument(
+        "--kv-heads",
+        type=int,
+        default=None,
+        help="K/V heads of canon-titan's gather (grouped-query attention; default: --heads)",
+    )
     p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--rotate", choices=("allgather", "alltoall"), default="allgather",
-                   help="how the ring passes keys and values (torch's _RotateMethod; no data moves here)")
+    p.add_argument(
+        "--rotate",
+        choices=("allgather", "alltoall"),
+        default="allgather",
+        help="how the ring passes keys and values (torch's _RotateMethod; no data moves here)",
+    )
     p.add_argument("--implementations", default=",".join(IMPLEMENTATIONS))
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--gpu", default=None, help="the planner's GPU entry to compare with (default: from the device)")
+    p.add_argument(
+        "--gpu",
+        default=None,
+        help="the planner's GPU entry to compare with (default: from the device)",
+    )
     p.add_argument("--json", default=None)
     p.add_argument("--tiny", action="store_true", help="toy shapes on the CPU: checks the script")
     args = p.parse_args(argv)
@@ -336,21 +446,35 @@ def main(argv=None) -> int:
     if args.kv_heads < 1 or args.heads % args.kv_heads:
         p.error(f"--kv-heads: must divide --heads ({args.heads}), got {args.kv_heads}")
     if args.seq_local % 2:
-        p.error(f"--seq-local: the head-tail split needs an even number of tokens per rank, got {args.seq_local}")
+        p.error(
+            f"--seq-local: the head-tail split needs an even number of tokens per rank, got {args.seq_local}"
+        )
     cuda = torch.cuda.is_available() and not args.tiny
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     if args.gpu is None:
         args.gpu = "h200" if cuda and "H200" in torch.cuda.get_device_name() else "h100"
-    report = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
-              "gpu": args.gpu, "seq_local": args.seq_local, "heads": args.heads, "kv_heads": args.kv_heads,
-              "head_dim": args.head_dim, "rotate": args.rotate, "rows": [], "checked": []}
+    report = {
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "torch": torch.__version__,
+        "gpu": args.gpu,
+        "seq_local": args.seq_local,
+        "heads": args.heads,
+        "kv_heads": args.kv_heads,
+        "head_dim": args.head_dim,
+        "rotate": args.rotate,
+        "rows": [],
+        "checked": [],
+    }
     if "canon" in impls:  # a wrong result is not worth timing: checked first
         for cp in degrees:
             for rank in sorted({0, cp - 1}):
                 worst = check_against_causal(cp, rank, args, device, dtype)
                 report["checked"].append({"cp": cp, "rank": rank, "max_abs_diff": worst})
-                print(f"CP {cp} rank {rank}: the gather's attention equals causal SDPA (largest difference "
-                      f"{worst:.3g})", flush=True)
+                print(
+                    f"CP {cp} rank {rank}: the gather's attention equals causal SDPA (largest difference "
+                    f"{worst:.3g})",
+                    flush=True,
+                )
     # Torch's ring at every degree first (what the calibration points ran), then canon-titan's; the report is
     # rewritten after each row, so a run stopped by its time limit keeps what it measured.
     for impl in impls:

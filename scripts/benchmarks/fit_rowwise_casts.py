@@ -32,15 +32,30 @@ sys.path.insert(0, str(REPO))
 N_COLUMNS = (1024, 2048, 4096, 8192, 16384, 32768)
 TABLE = {
     # M: {K: speed-ups for N in N_COLUMNS}
-    8192: {1024: (0.48, 0.52, 0.65, 0.77, 0.83, 0.84), 2048: (0.45, 0.64, 0.82, 1.01, 1.03, 1.06),
-           4096: (0.52, 0.76, 1.00, 1.13, 1.17, 1.19), 8192: (0.59, 0.85, 1.05, 1.20, 1.31, 1.41),
-           16384: (0.58, 0.82, 1.03, 1.22, 1.37, 1.40), 32768: (0.59, 0.82, 1.04, 1.30, 1.36, 1.46)},
-    16384: {1024: (0.48, 0.58, 0.73, 0.86, 0.85, 0.89), 2048: (0.51, 0.70, 0.90, 1.05, 1.07, 1.15),
-            4096: (0.57, 0.79, 1.02, 1.20, 1.26, 1.40), 8192: (0.61, 0.87, 1.08, 1.33, 1.39, 1.49),
-            16384: (0.59, 0.83, 1.07, 1.34, 1.42, 1.55), 32768: (0.60, 0.85, 1.16, 1.35, 1.48, 1.72)},
-    32768: {1024: (0.51, 0.62, 0.77, 0.87, 0.88, 0.94), 2048: (0.54, 0.73, 0.91, 1.08, 1.14, 1.27),
-            4096: (0.59, 0.81, 1.04, 1.28, 1.35, 1.49), 8192: (0.63, 0.87, 1.11, 1.41, 1.50, 1.62),
-            16384: (0.60, 0.83, 1.16, 1.39, 1.49, 1.73), 32768: (0.63, 0.93, 1.16, 1.48, 1.70, 1.52)},
+    8192: {
+        1024: (0.48, 0.52, 0.65, 0.77, 0.83, 0.84),
+        2048: (0.45, 0.64, 0.82, 1.01, 1.03, 1.06),
+        4096: (0.52, 0.76, 1.00, 1.13, 1.17, 1.19),
+        8192: (0.59, 0.85, 1.05, 1.20, 1.31, 1.41),
+        16384: (0.58, 0.82, 1.03, 1.22, 1.37, 1.40),
+        32768: (0.59, 0.82, 1.04, 1.30, 1.36, 1.46),
+    },
+    16384: {
+        1024: (0.48, 0.58, 0.73, 0.86, 0.85, 0.89),
+        2048: (0.51, 0.70, 0.90, 1.05, 1.07, 1.15),
+        4096: (0.57, 0.79, 1.02, 1.20, 1.26, 1.40),
+        8192: (0.61, 0.87, 1.08, 1.33, 1.39, 1.49),
+        16384: (0.59, 0.83, 1.07, 1.34, 1.42, 1.55),
+        32768: (0.60, 0.85, 1.16, 1.35, 1.48, 1.72),
+    },
+    32768: {
+        1024: (0.51, 0.62, 0.77, 0.87, 0.88, 0.94),
+        2048: (0.54, 0.73, 0.91, 1.08, 1.14, 1.27),
+        4096: (0.59, 0.81, 1.04, 1.28, 1.35, 1.49),
+        8192: (0.63, 0.87, 1.11, 1.41, 1.50, 1.62),
+        16384: (0.60, 0.83, 1.16, 1.39, 1.49, 1.73),
+        32768: (0.63, 0.93, 1.16, 1.48, 1.70, 1.52),
+    },
 }
 """torchao's row-wise float8 speed-up over bf16 (its table, H100, PyTorch 2.8.0a0)."""
 
@@ -131,15 +146,26 @@ def fit(min_m: int) -> dict[str, float]:
     design = np.stack([mk, mn], 1) * weights[:, None]
     (a, b), *_ = np.linalg.lstsq(design, (measured - planned) * weights, rcond=None)
     errors = np.abs((planned + a * mk + b * mn) / measured - 1)
-    return {"a": float(a), "b": float(b), "median": float(np.median(errors)), "worst": float(errors.max()),
-            "unfitted_median": float(np.median(np.abs(planned / measured - 1))),
-            "unfitted_worst": float(np.abs(planned / measured - 1).max())}
+    return {
+        "a": float(a),
+        "b": float(b),
+        "median": float(np.median(errors)),
+        "worst": float(errors.max()),
+        "unfitted_median": float(np.median(np.abs(planned / measured - 1))),
+        "unfitted_worst": float(np.abs(planned / measured - 1).max()),
+    }
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--fit", action="store_true", help="derive the constants instead of checking them")
-    parser.add_argument("--min-m", type=int, default=8192, help="the table's rows from this M (default 8192)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--fit", action="store_true", help="derive the constants instead of checking them"
+    )
+    parser.add_argument(
+        "--min-m", type=int, default=8192, help="the table's rows from this M (default 8192)"
+    )
     args = parser.parse_args()
     from canon_titan.plan.estimate import EFFICIENCY
     from canon_titan.plan.gpus import GPUS
@@ -147,24 +173,39 @@ def main() -> int:
     if args.fit:
         result = fit(args.min_m)
         bandwidth = GPUS["h100"].hbm_tb_s * 1e12 * EFFICIENCY["memory"]
-        print(f"without the casts' extra cost: median error {100 * result['unfitted_median']:.1f}%, "
-              f"worst {100 * result['unfitted_worst']:.0f}%")
-        print(f"a = {result['a'] * 1e12:.2f} ps per element of the input (M x K): "
-              f"{result['a'] * bandwidth:.1f} bytes, {result['a'] * bandwidth / 2:.1f} per GEMM it enters")
-        print(f"b = {result['b'] * 1e12:.2f} ps per element of the output gradient (M x N): "
-              f"{result['b'] * bandwidth:.1f} bytes, {result['b'] * bandwidth / 2:.1f} per GEMM it enters")
-        print(f"fitted: median error {100 * result['median']:.1f}%, worst {100 * result['worst']:.0f}%")
+        print(
+            f"without the casts' extra cost: median error {100 * result['unfitted_median']:.1f}%, "
+            f"worst {100 * result['unfitted_worst']:.0f}%"
+        )
+        print(
+            f"a = {result['a'] * 1e12:.2f} ps per element of the input (M x K): "
+            f"{result['a'] * bandwidth:.1f} bytes, {result['a'] * bandwidth / 2:.1f} per GEMM it enters"
+        )
+        print(
+            f"b = {result['b'] * 1e12:.2f} ps per element of the output gradient (M x N): "
+            f"{result['b'] * bandwidth:.1f} bytes, {result['b'] * bandwidth / 2:.1f} per GEMM it enters"
+        )
+        print(
+            f"fitted: median error {100 * result['median']:.1f}%, worst {100 * result['worst']:.0f}%"
+        )
         return 0
     errors = {half: [] for half in HALVES}
-    print("| M | K | N | half | measured | planned | planned / measured |\n|---:|---:|---:|---|---:|---:|---:|")
+    print(
+        "| M | K | N | half | measured | planned | planned / measured |\n|---:|---:|---:|---|---:|---:|---:|"
+    )
     for half in HALVES:
         for m, k, n, speedup in rows(args.min_m, half):
             planned = planned_speedup(m, k, n)
             errors[half].append(abs(planned / speedup - 1))
-            print(f"| {m} | {k} | {n} | {half} | {speedup:.2f} | {planned:.2f} | x{planned / speedup:.2f} |", flush=True)
+            print(
+                f"| {m} | {k} | {n} | {half} | {speedup:.2f} | {planned:.2f} | x{planned / speedup:.2f} |",
+                flush=True,
+            )
     for half, errs in errors.items():
-        print(f"{half}: median error {100 * statistics.median(errs):.1f}%, worst {100 * max(errs):.0f}% "
-              f"over {len(errs)} shapes")
+        print(
+            f"{half}: median error {100 * statistics.median(errs):.1f}%, worst {100 * max(errs):.0f}% "
+            f"over {len(errs)} shapes"
+        )
     return 0
 
 

@@ -59,9 +59,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gpu_check_report import markdown
-
 from canon_titan.tools.fileio import write_atomic
+from gpu_check_report import markdown
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = str(Path(__file__).resolve())
@@ -81,6 +80,7 @@ class Step:
 @dataclass(frozen=True)
 class Case:
     """One trainer run of the report: ``table`` and ``base`` (the case it is compared with) place it."""
+
     name: str
     table: str
     label: str
@@ -113,44 +113,112 @@ def cases() -> list[Case]:
     canon = {"name": "llama_canon", "flavor": "1B", "canon_set": "ABCD"}
     # The figure of record at the 1B recipes' own batch, 8 x 4096 (it fits an H200: docs/benchmarks/gpu.md),
     # then batch 2, the base of the linear and float8 runs.
-    out = [Case("canon_llama_b8", "canon", "llama, batch 8", llama, 4096, 8, limit=120),
-           Case("canon_triton_b8", "canon", "llama_canon (triton), batch 8", {**canon, "canon_backend": "triton"},
-                4096, 8, base="canon_llama_b8", limit=120),
-           Case("canon_llama", "canon", "llama", llama, 4096, 2),
-           Case("canon_triton", "canon", "llama_canon (triton)", {**canon, "canon_backend": "triton"}, 4096, 2,
-                base="canon_llama", tiny=True)]
+    out = [
+        Case("canon_llama_b8", "canon", "llama, batch 8", llama, 4096, 8, limit=120),
+        Case(
+            "canon_triton_b8",
+            "canon",
+            "llama_canon (triton), batch 8",
+            {**canon, "canon_backend": "triton"},
+            4096,
+            8,
+            base="canon_llama_b8",
+            limit=120,
+        ),
+        Case("canon_llama", "canon", "llama", llama, 4096, 2),
+        Case(
+            "canon_triton",
+            "canon",
+            "llama_canon (triton)",
+            {**canon, "canon_backend": "triton"},
+            4096,
+            2,
+            base="canon_llama",
+            tiny=True,
+        ),
+    ]
     # The linear models' figure of record first: the recipes' 16,384 x 1 against Llama at 16,384 x 1; then 4096 x 2,
     # for information.
     for seq, batch, base in ((16384, 1, "linear_llama_16k"), (4096, 2, "canon_llama")):
         tag = f"{seq // 1024}k"
         if seq != 4096:
             out.append(Case(f"linear_llama_{tag}", "linear", "llama", llama, seq, batch))
-        out += [Case(f"linear_{family}_{tag}", "linear", f"{family}:AbbCD",
-                     {"name": family, "flavor": "1B", "canon_set": "AbbCD"}, seq, batch, base=base,
-                     tiny=(family == "gla5" and seq == 4096), limit=180, kernel_op=LINEAR_OPS[family])
-                for family in LINEAR]
+        out += [
+            Case(
+                f"linear_{family}_{tag}",
+                "linear",
+                f"{family}:AbbCD",
+                {"name": family, "flavor": "1B", "canon_set": "AbbCD"},
+                seq,
+                batch,
+                base=base,
+                tiny=(family == "gla5" and seq == 4096),
+                limit=180,
+                kernel_op=LINEAR_OPS[family],
+            )
+            for family in LINEAR
+        ]
         if seq != 4096:
             # Mamba2 is host-bound (its idle time at 16k: docs/benchmarks/gpu.md): the same run with
             # TorchTitan's CUDA graph of the whole forward and backward, launched at once.
-            out.append(Case(f"linear_mamba2_{tag}_graphs", "linear", "mamba2:AbbCD, CUDA graphs",
-                            {"name": "mamba2", "flavor": "1B", "canon_set": "AbbCD"}, seq, batch, base=base,
-                            extra=("--training.disable_cuda_graphs=false",), limit=180, kernel_op="ssd"))
+            out.append(
+                Case(
+                    f"linear_mamba2_{tag}_graphs",
+                    "linear",
+                    "mamba2:AbbCD, CUDA graphs",
+                    {"name": "mamba2", "flavor": "1B", "canon_set": "AbbCD"},
+                    seq,
+                    batch,
+                    base=base,
+                    extra=("--training.disable_cuda_graphs=false",),
+                    limit=180,
+                    kernel_op="ssd",
+                )
+            )
             # Packed documents kept apart (fla's varlen kernels, mamba-ssm's seq_idx, the Canon
             # layers' taps inside each document) against the same run without: the built-in corpus
             # packs ~190 documents a row.
-            out += [Case(f"linear_{family}_{tag}_documents", "linear",
-                         f"{family}:AbbCD, document masking",
-                         {"name": family, "flavor": "1B", "canon_set": "AbbCD"}, seq, batch,
-                         base=f"linear_{family}_{tag}",
-                         extra=("--dataloader.document_masking=true",), limit=180,
-                         kernel_op=LINEAR_OPS[family]) for family in LINEAR]
+            out += [
+                Case(
+                    f"linear_{family}_{tag}_documents",
+                    "linear",
+                    f"{family}:AbbCD, document masking",
+                    {"name": family, "flavor": "1B", "canon_set": "AbbCD"},
+                    seq,
+                    batch,
+                    base=f"linear_{family}_{tag}",
+                    extra=("--dataloader.document_masking=true",),
+                    limit=180,
+                    kernel_op=LINEAR_OPS[family],
+                )
+                for family in LINEAR
+            ]
     for recipe in ("tensorwise", "rowwise"):
-        out.append(Case(f"float8_{recipe}", "float8", f"llama_canon (triton) {recipe}",
-                        {**canon, "canon_backend": "triton"}, 4096, 2, base="canon_triton",
-                        extra=("--float8.enable=true", f"--float8.recipe_name={recipe}"),
-                        tiny=(recipe == "tensorwise"), limit=120))
-    out.append(Case("canon_torch", "canon", "llama_canon (torch)", {**canon, "canon_backend": "torch"}, 4096, 2,
-                    base="canon_llama"))
+        out.append(
+            Case(
+                f"float8_{recipe}",
+                "float8",
+                f"llama_canon (triton) {recipe}",
+                {**canon, "canon_backend": "triton"},
+                4096,
+                2,
+                base="canon_triton",
+                extra=("--float8.enable=true", f"--float8.recipe_name={recipe}"),
+                tiny=(recipe == "tensorwise"),
+                limit=120,
+            )
+        )
+    out.append(
+        Case(
+            "canon_torch",
+            "canon",
+            "llama_canon (torch)",
+            {**canon, "canon_backend": "torch"},
+            4096,
+            2,
+            base="canon_llama",
+        )
+    )
     return out
 
 
@@ -159,41 +227,116 @@ def steps(tiny: bool, work: Path) -> list[Step]:
     ops = ["--flavor", "debug", "--seq-len", "32", "--batch", "1", "--reps", "1"] if tiny else []
     tiny_flag = ["--tiny"] if tiny else []
     correctness = [
-        Step("kernel_tests", 120, [py, SCRIPT, "--kernel-tests", str(work), *tiny_flag], group="correctness"),
-        Step("losses", 120, [py, SCRIPT, "--losses", str(work / "losses.json"), *tiny_flag], group="correctness")]
+        Step(
+            "kernel_tests",
+            120,
+            [py, SCRIPT, "--kernel-tests", str(work), *tiny_flag],
+            group="correctness",
+        ),
+        Step(
+            "losses",
+            120,
+            [py, SCRIPT, "--losses", str(work / "losses.json"), *tiny_flag],
+            group="correctness",
+        ),
+    ]
     if not tiny:  # nothing to tune in the interpreter, no CUDA to synchronise with
-        correctness.append(Step("warm_tuning", 120, [py, SCRIPT, "--warm", str(work / "warm_tuning.json")],
-                                group="correctness"))
-        correctness.append(Step("syncs", 150, [py, "scripts/benchmarks/step_syncs.py",
-                                               str(work / "syncs.json")], group="correctness"))
-    trainer = {c.name: Step(c.name, c.limit, [py, SCRIPT, "--case", c.name, str(work / f"{c.name}.json"),
-                                              *tiny_flag]) for c in cases() if c.tiny or not tiny}
-    ops_step = Step("ops", 120, [py, "scripts/benchmarks/bench_canon.py", "--mode", "ops", *ops,
-                                 "--json", str(work / "ops.json")])
-    float8_gemms = Step("float8_gemms", 60, [py, "scripts/benchmarks/bench_float8_gemm.py", *tiny_flag,
-                                             "--json", str(work / "float8_gemms.json")])
+        correctness.append(
+            Step(
+                "warm_tuning",
+                120,
+                [py, SCRIPT, "--warm", str(work / "warm_tuning.json")],
+                group="correctness",
+            )
+        )
+        correctness.append(
+            Step(
+                "syncs",
+                150,
+                [py, "scripts/benchmarks/step_syncs.py", str(work / "syncs.json")],
+                group="correctness",
+            )
+        )
+    trainer = {
+        c.name: Step(
+            c.name,
+            c.limit,
+            [py, SCRIPT, "--case", c.name, str(work / f"{c.name}.json"), *tiny_flag],
+        )
+        for c in cases()
+        if c.tiny or not tiny
+    }
+    ops_step = Step(
+        "ops",
+        120,
+        [
+            py,
+            "scripts/benchmarks/bench_canon.py",
+            "--mode",
+            "ops",
+            *ops,
+            "--json",
+            str(work / "ops.json"),
+        ],
+    )
+    float8_gemms = Step(
+        "float8_gemms",
+        60,
+        [
+            py,
+            "scripts/benchmarks/bench_float8_gemm.py",
+            *tiny_flag,
+            "--json",
+            str(work / "float8_gemms.json"),
+        ],
+    )
     # Llama 3.1 8B's 8 K/V heads for canon-titan's gather: its grouped-query lower-right flash path,
     # checked against plain causal SDPA before it is timed
-    cp_step = Step("cp_attention", 90, [py, "scripts/benchmarks/cp_attention_rank.py", "--kv-heads", "8",
-                                        "--json", str(work / "cp_attention.json")])
-    blocks_step = Step("canon_bwd_blocks", 90, [py, "scripts/benchmarks/bench_canon.py", "--mode", "bwd_blocks",
-                                                *(ops or ["--reps", "20"]), "--json",
-                                                str(work / "canon_bwd_blocks.json")])
+    cp_step = Step(
+        "cp_attention",
+        90,
+        [
+            py,
+            "scripts/benchmarks/cp_attention_rank.py",
+            "--kv-heads",
+            "8",
+            "--json",
+            str(work / "cp_attention.json"),
+        ],
+    )
+    blocks_step = Step(
+        "canon_bwd_blocks",
+        90,
+        [
+            py,
+            "scripts/benchmarks/bench_canon.py",
+            "--mode",
+            "bwd_blocks",
+            *(ops or ["--reps", "20"]),
+            "--json",
+            str(work / "canon_bwd_blocks.json"),
+        ],
+    )
     ordered = [Step("env", 60, [py, SCRIPT, "--env", str(work / "env.json")]), *correctness]
     # The op microbenchmarks (the Canon backward's block sweep first: it picks the fixed blocks) after every
     # trainer run but the torch-backend reference.
-    return (ordered + [trainer[n] for n in trainer if n != "canon_torch"] + [blocks_step, float8_gemms, ops_step]
-            + ([] if tiny else [cp_step])  # its own test runs it at toy sizes
-            + ([trainer["canon_torch"]] if "canon_torch" in trainer else []))
+    return (
+        ordered
+        + [trainer[n] for n in trainer if n != "canon_torch"]
+        + [blocks_step, float8_gemms, ops_step]
+        + ([] if tiny else [cp_step])  # its own test runs it at toy sizes
+        + ([trainer["canon_torch"]] if "canon_torch" in trainer else [])
+    )
 
 
-KERNEL_TESTS = (("tests/test_canon_triton.py", "-k", "real_shapes"),
-                ("tests/test_canon_triton.py", "-k", "equals_torch or rmsnorm"),
-                ("tests/test_canon_triton.py", "-k",
-                 "not (equals_torch or rmsnorm or real_shapes)"),
-                ("tests/test_kernel_backends.py", "-k", "fla_equals_torch"),
-                ("tests/test_kernel_backends.py", "-k", "not fla_equals_torch"),
-                ("tests/test_canon_determinism.py",))
+KERNEL_TESTS = (
+    ("tests/test_canon_triton.py", "-k", "real_shapes"),
+    ("tests/test_canon_triton.py", "-k", "equals_torch or rmsnorm"),
+    ("tests/test_canon_triton.py", "-k", "not (equals_torch or rmsnorm or real_shapes)"),
+    ("tests/test_kernel_backends.py", "-k", "fla_equals_torch"),
+    ("tests/test_kernel_backends.py", "-k", "not fla_equals_torch"),
+    ("tests/test_canon_determinism.py",),
+)
 """Shards of about equal Triton compile work (each shape of the equality tests tunes its kernels
 afresh), the Canon kernels at the 1B recipes' shapes in bf16 first."""
 TINY_KERNEL_TESTS = (("tests/test_canon_triton.py", "-k", "fallback"),)
@@ -214,18 +357,30 @@ def warm_tuning(path: str) -> None:
     from concurrent.futures import as_completed
 
     import torch
+
     from trainer_bench import run_case
 
     # The timed runs' shape where the GPU holds both beside the other checks; on an 80 GB GPU a quarter of the
     # sequence (no tuning key holds it; Inductor compiles the timed shape again).
-    roomy = torch.cuda.is_available() and torch.cuda.get_device_properties(0).total_memory >= 120 * 2**30
+    roomy = (
+        torch.cuda.is_available()
+        and torch.cuda.get_device_properties(0).total_memory >= 120 * 2**30
+    )
 
     def warm(name: str) -> str | None:
         case = next(c for c in cases() if c.name == name)
         with tempfile.TemporaryDirectory() as tmp:
             try:
-                run_case(dict(case.model), os.path.join(tmp, name), seq_len=case.seq if roomy else case.seq // 4,
-                         batch=case.batch, steps=2, warmup=0, compile=True, extra=case.extra)
+                run_case(
+                    dict(case.model),
+                    os.path.join(tmp, name),
+                    seq_len=case.seq if roomy else case.seq // 4,
+                    batch=case.batch,
+                    steps=2,
+                    warmup=0,
+                    compile=True,
+                    extra=case.extra,
+                )
             except RuntimeError as e:
                 return str(e).strip().splitlines()[-1]
         return None
@@ -253,9 +408,24 @@ def kernel_tests(tiny: bool, work: Path) -> int:
     # On the GPU the kernels as the training runs them, never in the interpreter (``--tiny``: the
     # CPU's check).
     env = {k: v for k, v in os.environ.items() if tiny or k != "TRITON_INTERPRET"}
-    procs = [subprocess.Popen([sys.executable, "-m", "pytest", *args, "-q", "-rfE", "-p", "no:cacheprovider",
-                               f"--junitxml={work / f'kernel_tests-{i}.xml'}"], cwd=REPO, env=env)
-             for i, args in enumerate(files)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                *args,
+                "-q",
+                "-rfE",
+                "-p",
+                "no:cacheprovider",
+                f"--junitxml={work / f'kernel_tests-{i}.xml'}",
+            ],
+            cwd=REPO,
+            env=env,
+        )
+        for i, args in enumerate(files)
+    ]
     try:
         codes = [p.wait() for p in procs]
     except KeyboardInterrupt:
@@ -278,14 +448,22 @@ def torch_fallback(step_name: str, report: dict) -> str | None:
     case = next((c for c in cases() if c.name == step_name), None)
     if case is None or case.kernel_op is None:
         return None
-    picks = report["steps"].get("env", {}).get("data", {}).get("auto_backends") or report.get("auto_backends")
+    picks = report["steps"].get("env", {}).get("data", {}).get("auto_backends") or report.get(
+        "auto_backends"
+    )
     if picks is None:
-        proc = subprocess.run([sys.executable, SCRIPT, "--env", "-"], cwd=REPO, capture_output=True, text=True)
-        picks = report["auto_backends"] = json.loads(proc.stdout)["auto_backends"] if proc.returncode == 0 else {}
+        proc = subprocess.run(
+            [sys.executable, SCRIPT, "--env", "-"], cwd=REPO, capture_output=True, text=True
+        )
+        picks = report["auto_backends"] = (
+            json.loads(proc.stdout)["auto_backends"] if proc.returncode == 0 else {}
+        )
     pick = picks.get(case.kernel_op, "")
     if not pick.startswith("torch"):
         return None
-    return f"auto runs {case.kernel_op} on torch here" + (f": {pick[len('torch ('):-1]}" if pick != "torch" else "")
+    return f"auto runs {case.kernel_op} on torch here" + (
+        f": {pick[len('torch (') : -1]}" if pick != "torch" else ""
+    )
 
 
 def trainer_case(name: str, tiny: bool) -> dict:
@@ -301,10 +479,27 @@ def trainer_case(name: str, tiny: bool) -> dict:
         if case.table == "float8":
             extra.append("--float8.emulate=true")
     with tempfile.TemporaryDirectory() as tmp:
-        result = run_case(model, os.path.join(tmp, name), seq_len=seq, batch=batch, steps=steps_, warmup=warmup,
-                          compile=not tiny, extra=tuple(extra), profile=True)
-    return {**result, "case": name, "table": case.table, "label": case.label, "base": case.base,
-            "canon_backend": model.get("canon_backend"), "steps": steps_, "warmup": warmup}
+        result = run_case(
+            model,
+            os.path.join(tmp, name),
+            seq_len=seq,
+            batch=batch,
+            steps=steps_,
+            warmup=warmup,
+            compile=not tiny,
+            extra=tuple(extra),
+            profile=True,
+        )
+    return {
+        **result,
+        "case": name,
+        "table": case.table,
+        "label": case.label,
+        "base": case.base,
+        "canon_backend": model.get("canon_backend"),
+        "steps": steps_,
+        "warmup": warmup,
+    }
 
 
 # ----------------------------------------------------------------------------- sub-steps run by this script
@@ -318,10 +513,16 @@ def environment() -> dict:
 
     gpu = {}
     if torch.cuda.is_available():
-        gpu = {"gpu": torch.cuda.get_device_name(), "capability": "sm_%d%d" % torch.cuda.get_device_capability(),
-               "memory_gib": torch.cuda.get_device_properties(0).total_memory / 2**30}
-        smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True)
+        gpu = {
+            "gpu": torch.cuda.get_device_name(),
+            "capability": "sm_%d%d" % torch.cuda.get_device_capability(),
+            "memory_gib": torch.cuda.get_device_properties(0).total_memory / 2**30,
+        }
+        smi = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+        )
         gpu["driver"] = smi.stdout.strip() or smi.stderr.strip()
     packages = {"torch": torch.__version__, "triton": triton.__version__}
     for backend in ("fla", "mamba_ssm"):
@@ -331,16 +532,29 @@ def environment() -> dict:
     # The host: a step bound by the host's work (Mamba2-1B at 4096, docs/benchmarks/gpu.md) runs at its
     # CPU's speed.
     cpuinfo = Path("/proc/cpuinfo")
-    models = [line.split(":", 1)[1].strip() for line in (cpuinfo.read_text() if cpuinfo.exists() else "").splitlines()
-              if line.startswith("model name")]
+    models = [
+        line.split(":", 1)[1].strip()
+        for line in (cpuinfo.read_text() if cpuinfo.exists() else "").splitlines()
+        if line.startswith("model name")
+    ]
     host = f"{(models[0] if models else platform.processor()) or 'unknown CPU'}, {os.cpu_count()} cores"
-    return {**gpu, "host": host, "python": sys.version.split()[0], "packages": packages,
-            "auto_backends": {op: f"{b}" + (f" ({why})" if why else "") for op, (b, why) in chosen.items()}}
+    return {
+        **gpu,
+        "host": host,
+        "python": sys.version.split()[0],
+        "packages": packages,
+        "auto_backends": {
+            op: f"{b}" + (f" ({why})" if why else "") for op, (b, why) in chosen.items()
+        },
+    }
 
 
 LOSS_STEPS = 100
-LOSS_PAIRS = [("llama_canon", "canon_backend", "triton"), ("gla5", "kernel_backend", "fla"),
-              ("mamba2", "kernel_backend", "mamba_ssm")]
+LOSS_PAIRS = [
+    ("llama_canon", "canon_backend", "triton"),
+    ("gla5", "kernel_backend", "fla"),
+    ("mamba2", "kernel_backend", "mamba_ssm"),
+]
 
 
 def loss_comparison(tiny: bool, path: str) -> None:
@@ -358,16 +572,28 @@ def loss_comparison(tiny: bool, path: str) -> None:
     cases = [(name, key, backend) for name, key, cuda in pairs for backend in (cuda, "torch")]
     out: dict = {}
     with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(len(cases)) as pool:
-        futures = {pool.submit(run_case, {"name": c[0], "flavor": "debug", "n_layers": layers, c[1]: c[2]},
-                               os.path.join(tmp, f"{c[0]}-{c[2]}"), seq_len=seq, batch=4, steps=steps, warmup=0,
-                               compile=False): c for c in cases}
+        futures = {
+            pool.submit(
+                run_case,
+                {"name": c[0], "flavor": "debug", "n_layers": layers, c[1]: c[2]},
+                os.path.join(tmp, f"{c[0]}-{c[2]}"),
+                seq_len=seq,
+                batch=4,
+                steps=steps,
+                warmup=0,
+                compile=False,
+            ): c
+            for c in cases
+        }
         runs = {}
         for future in as_completed(futures):
             name, _, backend = futures[future]
             runs[(name, backend)] = future.result()
             cuda = next(b for n, _, b in pairs if n == name)
             if (name, cuda) in runs and (name, "torch") in runs:
-                out[f"{name} {cuda} vs torch"] = _loss_difference(runs[(name, cuda)], runs[(name, "torch")])
+                out[f"{name} {cuda} vs torch"] = _loss_difference(
+                    runs[(name, cuda)], runs[(name, "torch")]
+                )
                 write_atomic(path, json.dumps(out, indent=2))
 
 
@@ -375,24 +601,47 @@ def _loss_difference(got_run: dict, want_run: dict) -> dict:
     got, want = got_run["losses"], want_run["losses"]
     assert list(got) == list(want) and got, f"steps {list(got)} vs {list(want)}"
     diffs = [abs(got[s] - want[s]) for s in want]
-    return {"steps": len(want), "first_loss": want[min(want)], "last_loss": want[max(want)],
-            "max_abs_diff": max(diffs), "max_rel_diff": max(d / abs(want[s]) for d, s in zip(diffs, want)),
-            "kernels": got_run["kernels"]}
+    return {
+        "steps": len(want),
+        "first_loss": want[min(want)],
+        "last_loss": want[max(want)],
+        "max_abs_diff": max(diffs),
+        "max_rel_diff": max(d / abs(want[s]) for d, s in zip(diffs, want)),
+        "kernels": got_run["kernels"],
+    }
 
 
 # ----------------------------------------------------------------------------- the planner
 
 
 def planner_available() -> bool:
-    proc = subprocess.run([sys.executable, "-m", "canon_titan.cli", "plan", "--help"], cwd=REPO, capture_output=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "canon_titan.cli", "plan", "--help"], cwd=REPO, capture_output=True
+    )
     return proc.returncode == 0
 
 
 def predict(run: dict, gpu: str) -> dict:
     """The planner's prediction for a benchmark run (its config and overrides)."""
-    proc = subprocess.run([sys.executable, "-m", "canon_titan.cli", "plan", run["config"], "--gpus",
-                           str(run.get("nproc", 1)), "--gpu", gpu, "--json", *run["overrides"]], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "canon_titan.cli",
+            "plan",
+            run["config"],
+            "--gpus",
+            str(run.get("nproc", 1)),
+            "--gpu",
+            gpu,
+            "--json",
+            *run["overrides"],
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     if proc.returncode:
         return {"error": (proc.stderr or proc.stdout).strip().splitlines()[-1:]}
     return json.loads(proc.stdout)
@@ -416,7 +665,10 @@ def triton_cache_dir() -> Path:
 
 def collect_tuning(cache: Path) -> dict:
     """Every autotuning result in Triton's cache (``<key>/<kernel>.autotune.json``), by its path there."""
-    return {str(path.relative_to(cache)): path.read_text() for path in sorted(cache.glob("*/*.autotune.json"))}
+    return {
+        str(path.relative_to(cache)): path.read_text()
+        for path in sorted(cache.glob("*/*.autotune.json"))
+    }
 
 
 def restore_tuning(files: dict, cache: Path) -> int:
@@ -424,7 +676,11 @@ def restore_tuning(files: dict, cache: Path) -> int:
     written = 0
     for name, text in files.items():
         path = cache / name
-        if Path(name).is_absolute() or ".." in Path(name).parts or not name.endswith(".autotune.json"):
+        if (
+            Path(name).is_absolute()
+            or ".." in Path(name).parts
+            or not name.endswith(".autotune.json")
+        ):
             raise ValueError(f"{TUNED}: {name!r} is not a file of Triton's cache")
         if not path.exists():
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -483,24 +739,38 @@ def run_step(step: Step, limit: int, log) -> None:
     # INT first (Python prints where it was), KILL 15 s later if it is still there. The output goes to a file,
     # not a pipe: a leftover process holding the pipe open would keep the step from ending.
     with tempfile.TemporaryFile("w+") as output:
-        proc = subprocess.run(["timeout", "-s", "INT", "-k", str(KILL_AFTER), str(limit), *step.command], cwd=REPO,
-                              stdout=output, stderr=subprocess.STDOUT, text=True,
-                              env=dict(os.environ, PYTHONUNBUFFERED="1", **{STEP_MARK: mark}))
+        proc = subprocess.run(
+            ["timeout", "-s", "INT", "-k", str(KILL_AFTER), str(limit), *step.command],
+            cwd=REPO,
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=dict(os.environ, PYTHONUNBUFFERED="1", **{STEP_MARK: mark}),
+        )
         seconds = time.perf_counter() - started
         output.seek(0)
         text = output.read()
     # A step that outlasts its interrupt is killed with its process group, ``timeout`` itself included (-9),
     # which is a time-out, not a failure.
     killed = proc.returncode == -9 and seconds >= limit
-    status = ("ok" if proc.returncode == 0 else "timed out" if proc.returncode in (124, 137)
-              else f"timed out, killed {KILL_AFTER} s after its interrupt" if killed else f"failed ({proc.returncode})")
+    status = (
+        "ok"
+        if proc.returncode == 0
+        else "timed out"
+        if proc.returncode in (124, 137)
+        else f"timed out, killed {KILL_AFTER} s after its interrupt"
+        if killed
+        else f"failed ({proc.returncode})"
+    )
     step.result.update(status=status, seconds=round(seconds, 1), limit=limit)
     leftovers = kill_leftovers(mark)
     if leftovers:
         step.result["leftovers_killed"] = len(leftovers)
-    log.write(f"\n===== {step.name}: {status}, {seconds:.0f} s (limit {limit} s)"
-              f"{f'; {len(leftovers)} leftover process(es) killed' if leftovers else ''}\n$ {' '.join(step.command)}\n"
-              f"{text}")
+    log.write(
+        f"\n===== {step.name}: {status}, {seconds:.0f} s (limit {limit} s)"
+        f"{f'; {len(leftovers)} leftover process(es) killed' if leftovers else ''}\n$ {' '.join(step.command)}\n"
+        f"{text}"
+    )
     log.flush()
     if proc.returncode:
         step.result["tail"] = text.strip().splitlines()[-15:]
@@ -520,8 +790,11 @@ def read_outputs(step: Step, work: Path) -> None:
             for path in paths:
                 suite = ET.parse(path).getroot()
                 suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
-                failed += [f"{case.get('classname')}::{case.get('name')}" for case in suite.iter("testcase")
-                           if case.find("failure") is not None or case.find("error") is not None]
+                failed += [
+                    f"{case.get('classname')}::{case.get('name')}"
+                    for case in suite.iter("testcase")
+                    if case.find("failure") is not None or case.find("error") is not None
+                ]
                 for k in counts:
                     counts[k] += int(suite.get(k, 0))
             step.result["tests"] = {**counts, "failed": failed, "files": len(paths)}
@@ -532,7 +805,11 @@ def read_outputs(step: Step, work: Path) -> None:
 
 def trainer_runs(report: dict) -> list[dict]:
     """The report's trainer runs (one per trainer step that finished)."""
-    return [s["data"] for s in report["steps"].values() if isinstance(s.get("data"), dict) and "overrides" in s["data"]]
+    return [
+        s["data"]
+        for s in report["steps"].values()
+        if isinstance(s.get("data"), dict) and "overrides" in s["data"]
+    ]
 
 
 def lease_deadline(deadline: float, path: str | None) -> float:
@@ -567,29 +844,57 @@ def add_predictions(report: dict, deadline: float | None = None) -> None:
         report["planner"] = "canon-titan plan is not available in this checkout: no predictions"
         return
     # Tiny mode checks the plumbing on one run, planned for an H100.
-    gpu = "h100" if report["tiny"] else report["steps"].get("env", {}).get("data", {}).get("gpu", "h100")
+    gpu = (
+        "h100"
+        if report["tiny"]
+        else report["steps"].get("env", {}).get("data", {}).get("gpu", "h100")
+    )
     # Runs without a plan, or whose planning failed.
-    runs = [r for r in trainer_runs(report) if "error" in r.get("planner", {"error": 1})][:1 if report["tiny"] else None]
+    runs = [r for r in trainer_runs(report) if "error" in r.get("planner", {"error": 1})][
+        : 1 if report["tiny"] else None
+    ]
     for run in runs:
         if deadline is not None and deadline - time.perf_counter() < 30:
-            report["planner"] = (f"no time left to plan {sum('planner' not in r for r in runs)} run(s): "
-                                 "`scripts/benchmarks/gpu_check.py --replan OUTDIR` adds them")
+            report["planner"] = (
+                f"no time left to plan {sum('planner' not in r for r in runs)} run(s): "
+                "`scripts/benchmarks/gpu_check.py --replan OUTDIR` adds them"
+            )
             return
         run["planner"] = predict(run, gpu)
     report.pop("planner", None)
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("out", nargs="?", help="output folder")
-    p.add_argument("--tiny", action="store_true", help="toy sizes on the CPU (Triton's interpreter): checks the script")
-    p.add_argument("--budget", type=float, default=510, help="seconds for all steps (default 510: 9 minutes less setup)")
-    p.add_argument("--only", help="comma list of steps to run, or their prefixes (linear_, float8_): a second "
-                                  "command for what the first skipped")
-    p.add_argument("--deadline-file", help="a file that may come to hold an earlier end (Unix seconds), read "
-                                           "before each step (scripts/gpu_lease.sh's second call writes it)")
-    p.add_argument("--replan", action="store_true",
-                   help="add the planner's predictions to OUTDIR's report (any machine) and rewrite gpu_check.md")
+    p.add_argument(
+        "--tiny",
+        action="store_true",
+        help="toy sizes on the CPU (Triton's interpreter): checks the script",
+    )
+    p.add_argument(
+        "--budget",
+        type=float,
+        default=510,
+        help="seconds for all steps (default 510: 9 minutes less setup)",
+    )
+    p.add_argument(
+        "--only",
+        help="comma list of steps to run, or their prefixes (linear_, float8_): a second "
+        "command for what the first skipped",
+    )
+    p.add_argument(
+        "--deadline-file",
+        help="a file that may come to hold an earlier end (Unix seconds), read "
+        "before each step (scripts/gpu_lease.sh's second call writes it)",
+    )
+    p.add_argument(
+        "--replan",
+        action="store_true",
+        help="add the planner's predictions to OUTDIR's report (any machine) and rewrite gpu_check.md",
+    )
     p.add_argument("--env", help=argparse.SUPPRESS)
     p.add_argument("--losses", help=argparse.SUPPRESS)
     p.add_argument("--warm", help=argparse.SUPPRESS)
@@ -628,7 +933,9 @@ def main(argv=None) -> int:
         report = json.loads(report_path.read_text())
         add_predictions(report)
         write_report(out, report)
-        print(f"[gpu_check] planned {len(trainer_runs(report))} trainer run(s) into {out / 'gpu_check.md'}")
+        print(
+            f"[gpu_check] planned {len(trainer_runs(report))} trainer run(s) into {out / 'gpu_check.md'}"
+        )
         return 0
     deadline = time.perf_counter() + args.budget
     out.mkdir(parents=True, exist_ok=True)
@@ -637,16 +944,30 @@ def main(argv=None) -> int:
         todo = steps(args.tiny, work)
         if args.only:
             wanted = args.only.split(",")
-            unknown = [w for w in wanted if not any(s.name == w or (w.endswith("_") and s.name.startswith(w))
-                                                    for s in todo)]
+            unknown = [
+                w
+                for w in wanted
+                if not any(s.name == w or (w.endswith("_") and s.name.startswith(w)) for s in todo)
+            ]
             if unknown:
-                p.error(f"--only: unknown step(s) {', '.join(unknown)}; steps: {', '.join(s.name for s in todo)} "
-                        "(a prefix ending in _ takes every step it starts)")
-            todo = [s for s in todo if any(s.name == w or (w.endswith("_") and s.name.startswith(w)) for w in wanted)]
-        report = {"tiny": args.tiny, "budget_s": args.budget,
-                  "steps": {s.name: {"status": "not run yet"} for s in todo}}
+                p.error(
+                    f"--only: unknown step(s) {', '.join(unknown)}; steps: {', '.join(s.name for s in todo)} "
+                    "(a prefix ending in _ takes every step it starts)"
+                )
+            todo = [
+                s
+                for s in todo
+                if any(s.name == w or (w.endswith("_") and s.name.startswith(w)) for w in wanted)
+            ]
+        report = {
+            "tiny": args.tiny,
+            "budget_s": args.budget,
+            "steps": {s.name: {"status": "not run yet"} for s in todo},
+        }
         if not args.tiny and TUNED.exists():
-            report["tuning_restored"] = restore_tuning(json.loads(TUNED.read_text()), triton_cache_dir())
+            report["tuning_restored"] = restore_tuning(
+                json.loads(TUNED.read_text()), triton_cache_dir()
+            )
         # Tiny: every step side by side, two at a time (nothing is timed).
         groups: list[list[Step]] = [todo] if args.tiny else []
         for step in [] if args.tiny else todo:
@@ -666,7 +987,9 @@ def main(argv=None) -> int:
             else:
                 run_step(step, int(min(step.limit, left)), log)
                 read_outputs(step, work)
-            with _WRITING:  # the other step of a group may be writing: a copy, then the report, under the lock
+            with (
+                _WRITING
+            ):  # the other step of a group may be writing: a copy, then the report, under the lock
                 report["steps"][step.name] = dict(step.result)
                 _write_report(out, report)
                 if not args.tiny:
@@ -679,7 +1002,9 @@ def main(argv=None) -> int:
                 list(pool.map(run_in_time, group))
         add_predictions(report, lease_deadline(deadline, args.deadline_file) + 20)
     write_report(out, report)
-    print(f"[gpu_check] wrote {out / 'gpu_check.md'}, {out / 'gpu_check.json'}, {out / 'gpu_check.log'}")
+    print(
+        f"[gpu_check] wrote {out / 'gpu_check.md'}, {out / 'gpu_check.json'}, {out / 'gpu_check.log'}"
+    )
     return 0 if all(s.result.get("status") == "ok" for s in todo) else 1
 
 

@@ -42,36 +42,70 @@ REPO = Path(__file__).resolve().parents[2]
 STEP = "canon-titan step"
 PARALLEL = {
     "fsdp": [],
-    "tp": ["--parallelism.tensor_parallel_degree", "2", "--parallelism.enable_sequence_parallel", "true"],
-    "pp": ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "1F1B"],
+    "tp": [
+        "--parallelism.tensor_parallel_degree",
+        "2",
+        "--parallelism.enable_sequence_parallel",
+        "true",
+    ],
+    "pp": [
+        "--parallelism.pipeline_parallel_degree",
+        "2",
+        "--parallelism.pipeline_parallel_schedule",
+        "1F1B",
+    ],
     "cp": ["--parallelism.context_parallel_degree", "2"],
 }
 
 
-def _rank(rank: int, port: int, cases: list[str], steps: int, seq_len: int, dump: str, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", OMP_NUM_THREADS="1")
+def _rank(
+    rank: int, port: int, cases: list[str], steps: int, seq_len: int, dump: str, queue
+) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE="2",
+        LOCAL_WORLD_SIZE="2",
+        OMP_NUM_THREADS="1",
+    )
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile, record_function
-
-    from host_syncs import HostSyncs
 
     from canon_titan.config import load
     from canon_titan.config.build import build_trainer_config
     from canon_titan.models.common import context_parallel
     from canon_titan.tools import runtime
     from canon_titan.trainer import CanonTrainer
+    from host_syncs import HostSyncs
 
     CanonTrainer.takes_stop_signals = False  # one process builds one trainer per case
     runtime.apply()
     rows = []
     for case in cases:
         family, parallel = case.split(":")
-        run = load(REPO / "train_configs" / f"{family}_debug.toml", [
-            "--training.seq_len", str(seq_len), "--training.local_batch_size", "2", "--training.steps", str(steps),
-            "--metrics.log_freq", str(10 * steps), "--checkpoint.enable", "false",
-            "--metrics.enable_tensorboard", "false", "--job.dump_folder", f"{dump}/{family}-{parallel}",
-            *PARALLEL[parallel]], environment=False)
+        run = load(
+            REPO / "train_configs" / f"{family}_debug.toml",
+            [
+                "--training.seq_len",
+                str(seq_len),
+                "--training.local_batch_size",
+                "2",
+                "--training.steps",
+                str(steps),
+                "--metrics.log_freq",
+                str(10 * steps),
+                "--checkpoint.enable",
+                "false",
+                "--metrics.enable_tensorboard",
+                "false",
+                "--job.dump_folder",
+                f"{dump}/{family}-{parallel}",
+                *PARALLEL[parallel],
+            ],
+            environment=False,
+        )
         trainer = build_trainer_config(run).build()
         cache_clear = getattr(getattr(context_parallel, "shard_layout", None), "cache_clear", None)
         if cache_clear is not None:
@@ -111,7 +145,9 @@ def _rank(rank: int, port: int, cases: list[str], steps: int, seq_len: int, dump
             events = prof.events()
             step = next(e for e in events if e.name == STEP)
             inside = sum(e.cpu_time_total for e in events if e.cpu_parent is step) / 1e6
-            measured.append((end - start, marks["optimizer"] - start, end - start - inside, shard_time[0]))
+            measured.append(
+                (end - start, marks["optimizer"] - start, end - start - inside, shard_time[0])
+            )
 
         context_parallel.ContextShards.build = classmethod(timed_build)
         trainer.train_step, trainer.optimizers.step = timed_step, timed_optimizer
@@ -120,8 +156,17 @@ def _rank(rank: int, port: int, cases: list[str], steps: int, seq_len: int, dump
         finally:
             trainer.close()
             context_parallel.ContextShards.build = classmethod(build)
-        copies = sum(" at torchtitan/trainer.py:" in w and "blocking copy to the device" in w for w in waits)
-        rows.append((case, *(statistics.median(column) for column in zip(*measured)), len(waits) - copies, copies))
+        copies = sum(
+            " at torchtitan/trainer.py:" in w and "blocking copy to the device" in w for w in waits
+        )
+        rows.append(
+            (
+                case,
+                *(statistics.median(column) for column in zip(*measured)),
+                len(waits) - copies,
+                copies,
+            )
+        )
     if rank == 0:
         queue.put(rows)
     dist.destroy_process_group()
@@ -136,7 +181,9 @@ def cp_shards(seq_len: int, size: int) -> float:
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=size)
     try:
-        ContextShards.build(dist.group.WORLD, rank_positions(4 * size, size, "headtail"), "cpu")  # its imports
+        ContextShards.build(
+            dist.group.WORLD, rank_positions(4 * size, size, "headtail"), "cpu"
+        )  # its imports
         start = time.perf_counter()
         ContextShards.build(dist.group.WORLD, rank_positions(seq_len, size, "headtail"), "cpu")
         return time.perf_counter() - start
@@ -145,41 +192,61 @@ def cp_shards(seq_len: int, size: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--configs", nargs="+", default=["llama_canon:fsdp", "llama_canon:tp", "llama_canon:cp"],
-                        help="family:parallelism, parallelism one of " + ", ".join(PARALLEL))
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--configs",
+        nargs="+",
+        default=["llama_canon:fsdp", "llama_canon:tp", "llama_canon:cp"],
+        help="family:parallelism, parallelism one of " + ", ".join(PARALLEL),
+    )
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--cp-shards", nargs="*", metavar="SEQ:CP", help="time the CP shard build alone instead")
+    parser.add_argument(
+        "--cp-shards", nargs="*", metavar="SEQ:CP", help="time the CP shard build alone instead"
+    )
     args = parser.parse_args()
     if args.cp_shards is not None:
         for spec in args.cp_shards:
             seq_len, size = map(int, spec.split(":"))
-            print(f"ContextShards of {seq_len:,} tokens on {size} CP ranks: {cp_shards(seq_len, size):.3f} s")
+            print(
+                f"ContextShards of {seq_len:,} tokens on {size} CP ranks: {cp_shards(seq_len, size):.3f} s"
+            )
         return
     for case in args.configs:
         if case.count(":") != 1 or case.split(":")[1] not in PARALLEL:
-            sys.exit(f"--configs {case}: expected family:parallelism with parallelism one of {', '.join(PARALLEL)}")
+            sys.exit(
+                f"--configs {case}: expected family:parallelism with parallelism one of {', '.join(PARALLEL)}"
+            )
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as dump:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        procs = [ctx.Process(target=_rank, args=(r, port, args.configs, args.steps, args.seq_len, dump, queue))
-                 for r in range(2)]
+        procs = [
+            ctx.Process(
+                target=_rank, args=(r, port, args.configs, args.steps, args.seq_len, dump, queue)
+            )
+            for r in range(2)
+        ]
         for p in procs:
             p.start()
         rows = queue.get(timeout=3600)
         for p in procs:
             p.join(timeout=60)
-    print(f"torch {torch.__version__}, 2 gloo ranks, local batch 2 x {args.seq_len}, medians of steps "
-          f"2-{args.steps - 3}, waits and copies in step {args.steps - 1} (rank 0)")
+    print(
+        f"torch {torch.__version__}, 2 gloo ranks, local batch 2 x {args.seq_len}, medians of steps "
+        f"2-{args.steps - 3}, waits and copies in step {args.steps - 1} (rank 0)"
+    )
     print("| run | step ms | to optimizer ms | outside ops ms | CP shards ms | waits | copies |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for case, step, to_optimizer, outside, shards, waits, copies in rows:
-        print(f"| {case} | {step * 1e3:.1f} | {to_optimizer * 1e3:.1f} | {outside * 1e3:.1f} | {shards * 1e3:.2f} | "
-              f"{waits} | {copies} |")
+        print(
+            f"| {case} | {step * 1e3:.1f} | {to_optimizer * 1e3:.1f} | {outside * 1e3:.1f} | {shards * 1e3:.2f} | "
+            f"{waits} | {copies} |"
+        )
 
 
 if __name__ == "__main__":

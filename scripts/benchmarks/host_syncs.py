@@ -37,8 +37,15 @@ from canon_titan.tools.host_memory import is_pinned
 
 aten = torch.ops.aten
 READS = {aten._local_scalar_dense.default, aten.is_nonzero.default, aten.equal.default}
-SIZED_BY_VALUES = {aten.nonzero.default, aten.masked_select.default, aten._unique2.default, aten.unique_dim.default,
-                   aten.unique_consecutive.default, aten.repeat_interleave.Tensor, aten.nonzero_static.default}
+SIZED_BY_VALUES = {
+    aten.nonzero.default,
+    aten.masked_select.default,
+    aten._unique2.default,
+    aten.unique_dim.default,
+    aten.unique_consecutive.default,
+    aten.repeat_interleave.Tensor,
+    aten.nonzero_static.default,
+}
 COPIES = {aten._to_copy.default, aten.copy_.default}
 
 
@@ -46,7 +53,9 @@ def _host_device(device) -> bool:
     """A plain ``cpu`` device (or none) named by code outside torch: the host. Inside torch it is a CPU
     tensor's own device, which on a GPU run would be the GPU (FSDP's buffers, ``x.to(grad.device)``)."""
     device = torch.device(device) if device is not None else None
-    return (device is None or (device.type == "cpu" and device.index is None)) and _caller_outside_torch()
+    return (
+        device is None or (device.type == "cpu" and device.index is None)
+    ) and _caller_outside_torch()
 
 
 _MACHINERY = ("_python_dispatch.py", "torch/_ops.py", "torch/_compile.py", "contextlib.py")
@@ -139,7 +148,9 @@ class HostSyncs(TorchDispatchMode):
                 self._copy_to_device(src, non_blocking)
             return out  # the copy stays where it was made
         if func is aten._to_copy.default:
-            to_host = _host_device(kwargs["device"]) if "device" in kwargs else self.on_host(args[0])
+            to_host = (
+                _host_device(kwargs["device"]) if "device" in kwargs else self.on_host(args[0])
+            )
             non_blocking = kwargs.get("non_blocking", False)
             if to_host and not self.on_host(args[0]) and not non_blocking:
                 self._wait("a copy from the device")
@@ -180,10 +191,16 @@ class HostSyncs(TorchDispatchMode):
                     else:
                         device, _, non_blocking, _ = torch._C._nn._parse_to(*args, **kwargs)
                         out = original(t, *args, **kwargs)
-                        if out is t and device is not None and _host_device(device) and not non_blocking:
+                        if (
+                            out is t
+                            and device is not None
+                            and _host_device(device)
+                            and not non_blocking
+                        ):
                             counter._wait("Tensor.to (the host)")
                         return out
                 return original(t, *args, **kwargs)
+
             return wrapped
 
         def made(name, original):
@@ -193,12 +210,15 @@ class HostSyncs(TorchDispatchMode):
                     counter._wait(f"torch.{name} on the device (a blocking copy to the device)")
                     counter.host.pop(out, None)
                 return out
+
             return wrapped
 
         patches = {(torch.Tensor, name): read for name in ("tolist", "cpu", "numpy", "to")}
         patches.update({(torch, name): made for name in ("tensor", "as_tensor")})
-        return {(owner, name): (getattr(owner, name), wrap(name, getattr(owner, name)))
-                for (owner, name), wrap in patches.items()}
+        return {
+            (owner, name): (getattr(owner, name), wrap(name, getattr(owner, name)))
+            for (owner, name), wrap in patches.items()
+        }
 
     def _patch(self):
         self._patched = self._python_level()

@@ -48,8 +48,16 @@ def build_block(shape: str, tokens: int, ac: str):
     from canon_titan.models.llama.args import LlamaArgs
 
     dim, heads, kv_heads, hidden = SHAPES[shape]
-    args = LlamaArgs(dim=dim, n_layers=1, n_heads=heads, n_kv_heads=kv_heads, ffn_hidden_dim=hidden,
-                     vocab_size=1000, max_seq_len=tokens, rope_theta=500000.0)
+    args = LlamaArgs(
+        dim=dim,
+        n_layers=1,
+        n_heads=heads,
+        n_kv_heads=kv_heads,
+        ffn_hidden_dim=hidden,
+        vocab_size=1000,
+        max_seq_len=tokens,
+        rope_theta=500000.0,
+    )
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)  # FSDP's bf16 parameters, as the trainer computes
     try:
@@ -79,7 +87,9 @@ def plan_bytes(shape: str, tokens: int, ac: str) -> dict[str, dict[str, int]]:
         with recorder:
             y = block(x)
             y.backward(torch.ones_like(y))
-    step = RankStep(0, recorder.trace, {}, {}, {}, accumulation=1, groups_run=1, tokens_per_group=tokens)
+    step = RankStep(
+        0, recorder.trace, {}, {}, {}, accumulation=1, groups_run=1, tokens_per_group=tokens
+    )
     phases: dict[str, dict[str, int]] = {}
     for start, _, nbytes in fused_region_bytes(step):
         phase = phases.setdefault(recorder.trace.ops[start].phase, {"kernels": 0, "bytes": 0})
@@ -121,17 +131,24 @@ class HopperCodegen:
         inductor_config.force_disable_caches = True  # a cached graph skips the scheduler
         inductor_config.compile_threads = 1
         triton_heuristics.CachingAutotuner.precompile = lambda self, *a, **k: None
-        triton_heuristics.CachingAutotuner.run = lambda autotuner, *args, **kwargs: self.launches.append(
-            (autotuner.fn.__name__, _argument_bytes(args)))
+        triton_heuristics.CachingAutotuner.run = lambda autotuner, *args, **kwargs: (
+            self.launches.append((autotuner.fn.__name__, _argument_bytes(args)))
+        )
         for name in ("mm", "bmm", "addmm"):
             setattr(extern_kernels, name, lambda *a, out=None, **k: out)
         codegen = GraphLowering.codegen
 
         def counting_codegen(lowering, *args, **kwargs):
             result = codegen(lowering, *args, **kwargs)
-            kernels = [n for n in lowering.scheduler.nodes if not (n.is_extern() or n.is_template())]
-            self.graphs.append({"kernels": len(kernels),
-                                "bytes": sum(n.get_read_write_buffers_sizes() for n in kernels)})
+            kernels = [
+                n for n in lowering.scheduler.nodes if not (n.is_extern() or n.is_template())
+            ]
+            self.graphs.append(
+                {
+                    "kernels": len(kernels),
+                    "bytes": sum(n.get_read_write_buffers_sizes() for n in kernels),
+                }
+            )
             return result
 
         GraphLowering.codegen = counting_codegen
@@ -140,8 +157,11 @@ class HopperCodegen:
 def _argument_bytes(args) -> int:
     import torch
 
-    views = {(a.untyped_storage().data_ptr(), a.storage_offset(), a.shape, a.stride()): a
-             for a in args if isinstance(a, torch.Tensor)}
+    views = {
+        (a.untyped_storage().data_ptr(), a.storage_offset(), a.shape, a.stride()): a
+        for a in args
+        if isinstance(a, torch.Tensor)
+    }
     return sum(t.numel() * t.element_size() for t in views.values())
 
 
@@ -155,7 +175,9 @@ def inductor_bytes(shape: str, tokens: int, ac: str) -> dict[str, dict[str, int]
     y = block(x)
     y.backward(torch.ones_like(y))
     if len(codegen.graphs) != 2:
-        raise SystemExit(f"expected a forward and a backward graph, Inductor compiled {len(codegen.graphs)}")
+        raise SystemExit(
+            f"expected a forward and a backward graph, Inductor compiled {len(codegen.graphs)}"
+        )
     return {"forward": codegen.graphs[0], "backward": codegen.graphs[1]}
 
 
@@ -164,7 +186,9 @@ def main() -> int:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="8b")
     parser.add_argument("--tokens", type=int, default=1024)
     parser.add_argument("--ac", choices=("none", "selective", "full"), default="selective")
-    parser.add_argument("--json", action="store_true", help="print {phase: {plan, inductor}} as JSON")
+    parser.add_argument(
+        "--json", action="store_true", help="print {phase: {plan, inductor}} as JSON"
+    )
     args = parser.parse_args()
     if args.tokens <= 0:
         parser.error(f"--tokens must be > 0, got {args.tokens}")
@@ -174,14 +198,25 @@ def main() -> int:
     planned = plan_bytes(args.shape, args.tokens, args.ac)
     measured = inductor_bytes(args.shape, args.tokens, args.ac)
     if args.json:
-        print(json.dumps({phase: {"plan": planned.get(phase, {}), "inductor": measured[phase]} for phase in measured}))
+        print(
+            json.dumps(
+                {
+                    phase: {"plan": planned.get(phase, {}), "inductor": measured[phase]}
+                    for phase in measured
+                }
+            )
+        )
         return 0
     print(f"Llama block {args.shape}, {args.tokens} tokens, activation checkpointing {args.ac}")
-    print(f"{'phase':<10} {'Inductor kernels':>16} {'Inductor MiB':>13} {'plan runs':>10} {'plan MiB':>9} {'plan/Inductor':>14}")
+    print(
+        f"{'phase':<10} {'Inductor kernels':>16} {'Inductor MiB':>13} {'plan runs':>10} {'plan MiB':>9} {'plan/Inductor':>14}"
+    )
     for phase, got in measured.items():
         mine = planned.get(phase, {"kernels": 0, "bytes": 0})
-        print(f"{phase:<10} {got['kernels']:>16} {got['bytes'] / 2**20:>13.1f} {mine['kernels']:>10} "
-              f"{mine['bytes'] / 2**20:>9.1f} {mine['bytes'] / got['bytes']:>13.2f}x")
+        print(
+            f"{phase:<10} {got['kernels']:>16} {got['bytes'] / 2**20:>13.1f} {mine['kernels']:>10} "
+            f"{mine['bytes'] / 2**20:>9.1f} {mine['bytes'] / got['bytes']:>13.2f}x"
+        )
     return 0
 
 

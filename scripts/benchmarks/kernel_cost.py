@@ -728,7 +728,6 @@ def table_predict(args) -> dict:
     """What the next lease's block sweep (``bench_canon.py --mode bwd_blocks``) should time with
     today's kernels: each call at each candidate configuration, predicted before the run."""
     from canon_op_bench import BACKWARD_CANDIDATES
-
     from canon_titan.kernels import canon
 
     gpu = _gpu()

@@ -25,8 +25,12 @@ from collections import Counter, defaultdict
 
 if os.environ.get("TRITON_INTERPRET") != "1":
     if __name__ == "__main__":  # Triton reads it once, when its kernels are defined
-        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, "TRITON_INTERPRET": "1"})
-    raise RuntimeError("linear_host needs TRITON_INTERPRET=1 set before torch and triton are imported")
+        os.execve(
+            sys.executable, [sys.executable, *sys.argv], {**os.environ, "TRITON_INTERPRET": "1"}
+        )
+    raise RuntimeError(
+        "linear_host needs TRITON_INTERPRET=1 set before torch and triton are imported"
+    )
 
 import torch
 import triton.runtime.interpreter as interpreter
@@ -34,13 +38,44 @@ import triton.runtime.jit as jit
 
 import model_registry
 
-NO_KERNEL = {"aten::empty", "aten::empty_strided", "aten::empty_like", "aten::as_strided", "aten::view",
-             "aten::_reshape_alias", "aten::_unsafe_view", "aten::resize_", "aten::set_", "aten::detach",
-             "aten::alias", "aten::lift_fresh", "aten::t", "aten::transpose", "aten::permute", "aten::expand",
-             "aten::unsqueeze", "aten::squeeze", "aten::select", "aten::slice", "aten::split", "aten::unbind",
-             "aten::split_with_sizes", "aten::narrow", "aten::unflatten", "aten::reshape", "aten::flatten",
-             "aten::contiguous", "aten::to", "aten::_to_copy", "aten::new_empty", "aten::new_empty_strided",
-             "aten::result_type", "aten::is_nonzero", "aten::item", "aten::_local_scalar_dense"}
+NO_KERNEL = {
+    "aten::empty",
+    "aten::empty_strided",
+    "aten::empty_like",
+    "aten::as_strided",
+    "aten::view",
+    "aten::_reshape_alias",
+    "aten::_unsafe_view",
+    "aten::resize_",
+    "aten::set_",
+    "aten::detach",
+    "aten::alias",
+    "aten::lift_fresh",
+    "aten::t",
+    "aten::transpose",
+    "aten::permute",
+    "aten::expand",
+    "aten::unsqueeze",
+    "aten::squeeze",
+    "aten::select",
+    "aten::slice",
+    "aten::split",
+    "aten::unbind",
+    "aten::split_with_sizes",
+    "aten::narrow",
+    "aten::unflatten",
+    "aten::reshape",
+    "aten::flatten",
+    "aten::contiguous",
+    "aten::to",
+    "aten::_to_copy",
+    "aten::new_empty",
+    "aten::new_empty_strided",
+    "aten::result_type",
+    "aten::is_nonzero",
+    "aten::item",
+    "aten::_local_scalar_dense",
+}
 """aten ops that launch no kernel on a GPU themselves (views, allocations, dispatch-only wrappers whose copies show
 as their own ``aten::copy_``)."""
 
@@ -49,8 +84,11 @@ def _custom_ops() -> dict:
     """canon-titan's custom ops registered so far: the code object of each one's Python body -> its name."""
     from torch._library.custom_ops import OPDEFS
 
-    return {op._init_fn.__code__: name.split("::", 1)[1] for name, op in OPDEFS.items()
-            if name.startswith("canon_titan::")}
+    return {
+        op._init_fn.__code__: name.split("::", 1)[1]
+        for name, op in OPDEFS.items()
+        if name.startswith("canon_titan::")
+    }
 
 
 class _Counts:
@@ -92,7 +130,11 @@ def _stubbed_launches(counting: list[_Counts]):
 
 
 def _leaves(event) -> list:
-    return [leaf for child in event.cpu_children for leaf in _leaves(child)] if event.cpu_children else [event]
+    return (
+        [leaf for child in event.cpu_children for leaf in _leaves(child)]
+        if event.cpu_children
+        else [event]
+    )
 
 
 DOCUMENTS = (5, 1, 40, 18)
@@ -100,8 +142,15 @@ DOCUMENTS = (5, 1, 40, 18)
 chunk."""
 
 
-def layer_host_path(family: str, canon_set: str = "AbbCD", *, batch: int = 1, seq_len: int = 64,
-                    repeats: int = 5, documents: bool = False) -> dict:
+def layer_host_path(
+    family: str,
+    canon_set: str = "AbbCD",
+    *,
+    batch: int = 1,
+    seq_len: int = 64,
+    repeats: int = 5,
+    documents: bool = False,
+) -> dict:
     """One block's forward and backward of ``family``'s debug flavor with its CUDA kernels (the recurrence's
     package, the Triton Canon op), after one untimed pass: per custom op, its calls and per call its Python
     calls, Triton launches and torch kernels (one pass), and its host microseconds (the median call over
@@ -111,9 +160,16 @@ def layer_host_path(family: str, canon_set: str = "AbbCD", *, batch: int = 1, se
     from canon_titan.kernels.documents import Documents, document_boundaries
 
     cuda = {"gla5": "fla", "gdn2": "fla", "mamba2": "mamba_ssm"}[family]
-    spec = model_registry.model_spec(family, "debug", {"n_layers": 1, "canon_set": canon_set, "kernel_backend": cuda,
-                                                      "canon_backend":
-                                                          "torch" if documents else "triton"})
+    spec = model_registry.model_spec(
+        family,
+        "debug",
+        {
+            "n_layers": 1,
+            "canon_set": canon_set,
+            "kernel_backend": cuda,
+            "canon_backend": "torch" if documents else "triton",
+        },
+    )
     torch.manual_seed(0)
     model = spec.model.build()
     model.init_states()
@@ -144,13 +200,25 @@ def layer_host_path(family: str, canon_set: str = "AbbCD", *, batch: int = 1, se
         op = event.name.split("::", 1)[1] if event.name.startswith("canon_titan::") else None
         if op in counts.calls:
             host_us[op].append(event.cpu_time_total)
-            kernels[op] += sum(1 for leaf in _leaves(event) if leaf.name.startswith("aten::")
-                               and leaf.name not in NO_KERNEL)
-    per_op = {op: {"calls": n, "python_calls": counts.python[op] // n, "triton_launches": counts.launches[op] // n,
-                   "torch_kernels": kernels[op] // (n * repeats), "host_us": statistics.median(host_us[op])}
-              for op, n in sorted(counts.calls.items())}
-    total = {key: sum(v["calls"] * v[key] for v in per_op.values())
-             for key in ("python_calls", "triton_launches", "torch_kernels", "host_us")}
+            kernels[op] += sum(
+                1
+                for leaf in _leaves(event)
+                if leaf.name.startswith("aten::") and leaf.name not in NO_KERNEL
+            )
+    per_op = {
+        op: {
+            "calls": n,
+            "python_calls": counts.python[op] // n,
+            "triton_launches": counts.launches[op] // n,
+            "torch_kernels": kernels[op] // (n * repeats),
+            "host_us": statistics.median(host_us[op]),
+        }
+        for op, n in sorted(counts.calls.items())
+    }
+    total = {
+        key: sum(v["calls"] * v[key] for v in per_op.values())
+        for key in ("python_calls", "triton_launches", "torch_kernels", "host_us")
+    }
     return {
         "family": family,
         "canon_set": canon_set,
@@ -164,18 +232,26 @@ def layer_host_path(family: str, canon_set: str = "AbbCD", *, batch: int = 1, se
 
 def table(results: list[dict]) -> str:
     """Markdown: one row per family and custom op, then the layer's totals."""
-    lines = ["**Host path per layer** (one block's forward and backward, debug shapes, Triton launches stubbed; "
-             "host us: the median call on this CPU, eager)", "",
-             "| model | custom op | calls | Python calls / call | Triton launches / call | torch kernels / call | "
-             "host us / call |", "|---|---|---:|---:|---:|---:|---:|"]
+    lines = [
+        "**Host path per layer** (one block's forward and backward, debug shapes, Triton launches stubbed; "
+        "host us: the median call on this CPU, eager)",
+        "",
+        "| model | custom op | calls | Python calls / call | Triton launches / call | torch kernels / call | "
+        "host us / call |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
     for r in results:
         model = f"{r['family']}:{r['canon_set']}" + (" documents" if r.get("documents") else "")
         for op, v in r["ops"].items():
-            lines.append(f"| {model} | {op} | {v['calls']} | {v['python_calls']} | "
-                         f"{v['triton_launches']} | {v['torch_kernels']} | {v['host_us']:,.0f} |")
+            lines.append(
+                f"| {model} | {op} | {v['calls']} | {v['python_calls']} | "
+                f"{v['triton_launches']} | {v['torch_kernels']} | {v['host_us']:,.0f} |"
+            )
         t = r["total"]
-        lines.append(f"| {model} | **layer** | {t['custom_op_calls']} | {t['python_calls']} | "
-                     f"{t['triton_launches']} | {t['torch_kernels']} | {t['host_us']:,.0f} |")
+        lines.append(
+            f"| {model} | **layer** | {t['custom_op_calls']} | {t['python_calls']} | "
+            f"{t['triton_launches']} | {t['torch_kernels']} | {t['host_us']:,.0f} |"
+        )
     return "\n".join(lines)
 
 
@@ -183,18 +259,26 @@ def main(argv=None) -> int:
     import argparse
     import json
 
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--models", default="gla5,gdn2,mamba2", help="comma list of gla5, gdn2, mamba2")
     p.add_argument("--json", help="also write the results here")
-    p.add_argument("--documents", action="store_true",
-                   help="also each layer with packed documents (the recurrence's document ops)")
+    p.add_argument(
+        "--documents",
+        action="store_true",
+        help="also each layer with packed documents (the recurrence's document ops)",
+    )
     args = p.parse_args(argv)
     families = args.models.split(",")
     unknown = [f for f in families if f not in ("gla5", "gdn2", "mamba2")]
     if unknown:
         p.error(f"--models: unknown {', '.join(unknown)}; allowed: gla5, gdn2, mamba2")
-    results = [layer_host_path(family, documents=documents) for family in families
-               for documents in ((False, True) if args.documents else (False,))]
+    results = [
+        layer_host_path(family, documents=documents)
+        for family in families
+        for documents in ((False, True) if args.documents else (False,))
+    ]
     print(table(results))
     if args.json:
         with open(args.json, "w") as f:

@@ -38,8 +38,15 @@ SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize
 CASES = {
     "pinned": (1, ["--dataloader.pin_memory", "true"]),
     "pageable": (1, ["--dataloader.pin_memory", "false"]),
-    "pp": (2, ["--parallelism.pipeline_parallel_degree", "2",
-               "--parallelism.pipeline_parallel_schedule", "1F1B"]),
+    "pp": (
+        2,
+        [
+            "--parallelism.pipeline_parallel_degree",
+            "2",
+            "--parallelism.pipeline_parallel_schedule",
+            "1F1B",
+        ],
+    ),
 }
 
 
@@ -55,8 +62,10 @@ def measured_step(trainer, step: int) -> dict:
         if trainer.step != step:
             return train_step(data_iterator)
         torch.cuda.synchronize()
-        with warnings.catch_warnings(record=True) as caught, profile(
-                activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with (
+            warnings.catch_warnings(record=True) as caught,
+            profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof,
+        ):
             warnings.simplefilter("always")
             torch.cuda.set_sync_debug_mode("warn")
             try:
@@ -65,10 +74,12 @@ def measured_step(trainer, step: int) -> dict:
                 torch.cuda.set_sync_debug_mode("default")
         names = [event.name for event in prof.events()]
         copies = [e.cpu_time_total for e in prof.events() if e.name == "cudaMemcpyAsync"]
-        seen.update(warnings=sorted({str(w.message).splitlines()[0] for w in caught}),
-                    syncs={name: names.count(name) for name in SYNCS if name in names},
-                    longest_memcpy_async_us=max(copies, default=0.0),
-                    memcpy_async_calls=len(copies))
+        seen.update(
+            warnings=sorted({str(w.message).splitlines()[0] for w in caught}),
+            syncs={name: names.count(name) for name in SYNCS if name in names},
+            longest_memcpy_async_us=max(copies, default=0.0),
+            memcpy_async_calls=len(copies),
+        )
 
     trainer.train_step = train_step_measured
     return seen
@@ -84,9 +95,22 @@ def worker(out: str, overrides: list[str]) -> None:
 
     runtime.apply()
     bf16 = ["--training.dtype", "bfloat16", "--training.mixed_precision_param", "bfloat16"]
-    run = load(CONFIG, ["--training.steps", str(STEPS), "--metrics.log_freq", "5",
-                        "--checkpoint.enable", "false", "--metrics.enable_tensorboard", "false",
-                        *bf16, *overrides], environment=False)
+    run = load(
+        CONFIG,
+        [
+            "--training.steps",
+            str(STEPS),
+            "--metrics.log_freq",
+            "5",
+            "--checkpoint.enable",
+            "false",
+            "--metrics.enable_tensorboard",
+            "false",
+            *bf16,
+            *overrides,
+        ],
+        environment=False,
+    )
     trainer = build_trainer_config(run).build()
     seen = measured_step(trainer, MEASURED)
     try:
@@ -111,10 +135,24 @@ def run_case(name: str) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "seen.json")
         overrides = [*overrides, "--job.dump_folder", os.path.join(tmp, "run")]
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc_per_node={nproc}", __file__, WORKER, out, *overrides]
-        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True,
-                              env=dict(os.environ, WANDB_MODE="offline"))
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            __file__,
+            WORKER,
+            out,
+            *overrides,
+        ]
+        proc = subprocess.run(
+            cmd,
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            env=dict(os.environ, WANDB_MODE="offline"),
+        )
         if proc.returncode:
             return {"failed": (proc.stdout + proc.stderr)[-3000:]}
         return {"nproc": nproc, **json.loads(Path(out).read_text())}
@@ -129,11 +167,13 @@ def main(argv=None) -> int:
     if argv[:1] == [WORKER]:
         worker(argv[1], argv[2:])
         return 0
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("out", help="the JSON file to write")
-    parser.add_argument("--cases", default=",".join(CASES),
-                        help=f"comma list of {', '.join(CASES)}")
+    parser.add_argument(
+        "--cases", default=",".join(CASES), help=f"comma list of {', '.join(CASES)}"
+    )
     args = parser.parse_args(argv)
     unknown = [c for c in args.cases.split(",") if c not in CASES]
     if unknown:

@@ -49,15 +49,27 @@ class CanonArgs:
         """(key, message) pairs for the Canon keys."""
         problems = []
         letters = "".join(sorted(self.enabled()))
-        if any(c not in self.canon_letters for c in letters) or len(letters) != len(self.canon_set.replace("bb", "b")):
-            problems.append(("canon_set", f"must be distinct letters from {self.canon_letters!r}{self.canon_set_note}, "
-                                          f"got {self.canon_set!r}"))
+        if any(c not in self.canon_letters for c in letters) or len(letters) != len(
+            self.canon_set.replace("bb", "b")
+        ):
+            problems.append(
+                (
+                    "canon_set",
+                    f"must be distinct letters from {self.canon_letters!r}{self.canon_set_note}, "
+                    f"got {self.canon_set!r}",
+                )
+            )
         if self.canon_kernel not in CANON_KERNEL_SIZES:
             problems.append(("canon_kernel", f"must be 2, 3 or 4, got {self.canon_kernel}"))
         if self.canon_backend == "causal_conv1d":
-            problems.append(("canon_backend", "'causal_conv1d' was removed: its [batch, channel, seq] kernel needed "
-                                              "transposes and graph breaks; 'triton' (or 'auto' on a GPU) is the fused "
-                                              "kernel that replaces it"))
+            problems.append(
+                (
+                    "canon_backend",
+                    "'causal_conv1d' was removed: its [batch, channel, seq] kernel needed "
+                    "transposes and graph breaks; 'triton' (or 'auto' on a GPU) is the fused "
+                    "kernel that replaces it",
+                )
+            )
         else:
             try:
                 resolve_backend(self.canon_backend, op="canon")
@@ -70,12 +82,18 @@ class CanonArgs:
         if position not in self.enabled():
             return None
         return canon_layer.CanonConv.Config(
-            channels=channels, kernel_size=self.canon_kernel, residual=self.canon_residual,
-            activation=self.canon_activation, bias=self.canon_bias, backend=conv_backend(self.canon_backend),
+            channels=channels,
+            kernel_size=self.canon_kernel,
+            residual=self.canon_residual,
+            activation=self.canon_activation,
+            bias=self.canon_bias,
+            backend=conv_backend(self.canon_backend),
             param_init=conv_init(self.canon_kernel),
         )
 
     def describe_canon(self) -> str:
-        return (f"canon_set {self.canon_set!r} (kernel {self.canon_kernel}, residual {self.canon_residual}, "
-                f"activation {self.canon_activation}, bias {self.canon_bias}), conv backend "
-                f"{conv_backend(self.canon_backend)} (requested {self.canon_backend})")
+        return (
+            f"canon_set {self.canon_set!r} (kernel {self.canon_kernel}, residual {self.canon_residual}, "
+            f"activation {self.canon_activation}, bias {self.canon_bias}), conv backend "
+            f"{conv_backend(self.canon_backend)} (requested {self.canon_backend})"
+        )

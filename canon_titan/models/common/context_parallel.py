@@ -38,8 +38,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
 
 from canon_titan.models.common.deferred import deferred
 
@@ -54,7 +54,9 @@ def all_gather_autograd(x: torch.Tensor, group) -> torch.Tensor:
     """Every rank's ``x`` concatenated along dim 0, its gradient reduce-scattered back. torch 2.13
     calls it ``all_gather_single_autograd`` (keeping ``all_gather_tensor_autograd`` as a deprecated
     alias); torch 2.11, the offline GPU kit's, has only the older name."""
-    gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
+    gather = (
+        getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
+    )
     return gather(x, 0, group)
 
 
@@ -66,7 +68,6 @@ def contiguous_runs(index: list[int]) -> list[tuple[int, int, int]]:
             runs.append((start, index[start], i - start))
             start = i
     return runs
-
 
 
 def lower_right_causal_bias(queries: int, keys: int):
@@ -82,6 +83,7 @@ def lower_right_causal_bias(queries: int, keys: int):
     bias = torch.Tensor._make_subclass(CausalBias, torch.empty(0))
     bias.variant, bias.seq_len_q, bias.seq_len_kv = CausalVariant.LOWER_RIGHT, queries, keys
     return bias
+
 
 @dataclass(eq=False)
 class ContextShards:
@@ -112,26 +114,42 @@ class ContextShards:
         # dispatch modes that plans and counters run the step in, so these are made outside them.
         from torch.utils._python_dispatch import _disable_current_modes
 
-        if self.causal_biases:  # a copy of built shards with other documents (``dataclasses.replace``)
+        if (
+            self.causal_biases
+        ):  # a copy of built shards with other documents (``dataclasses.replace``)
             return
         with _disable_current_modes():
-            self.causal_biases = [None if first == 0 else lower_right_causal_bias(length, first + length)
-                                  for _, first, length in self.runs]
+            self.causal_biases = [
+                None if first == 0 else lower_right_causal_bias(length, first + length)
+                for _, first, length in self.runs
+            ]
 
     @classmethod
-    def build(cls, group, positions: list[list[int]], device, documents: torch.Tensor | None = None) -> ContextShards:
+    def build(
+        cls, group, positions: list[list[int]], device, documents: torch.Tensor | None = None
+    ) -> ContextShards:
         """From the global positions every rank holds (``positions[r]``, in rank r's local order)."""
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         runs = [contiguous_runs(p) for p in positions]
-        ends = {start + length: (r, j) for r, rank_runs in enumerate(runs)
-                for j, (_, start, length) in enumerate(rank_runs)}
+        ends = {
+            start + length: (r, j)
+            for r, rank_runs in enumerate(runs)
+            for j, (_, start, length) in enumerate(rank_runs)
+        }
         sources = [None if start == 0 else ends[start] for _, start, _ in runs[rank]]
         gathered = [p for rank_positions in positions for p in rank_positions]
         order = sorted(range(len(gathered)), key=gathered.__getitem__)
-        return cls(group=group, rank=rank, size=size, index=torch.tensor(positions[rank], device=device),
-                   runs=runs[rank], halo_sources=sources,
-                   max_runs=max(len(r) for r in runs), documents=documents,
-                   global_order=None if order == sorted(order) else torch.tensor(order, device=device))
+        return cls(
+            group=group,
+            rank=rank,
+            size=size,
+            index=torch.tensor(positions[rank], device=device),
+            runs=runs[rank],
+            halo_sources=sources,
+            max_runs=max(len(r) for r in runs),
+            documents=documents,
+            global_order=None if order == sorted(order) else torch.tensor(order, device=device),
+        )
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """[batch, L, heads, dim] -> [batch, heads, S, dim] (S = size x L): the whole sequence in
@@ -150,13 +168,18 @@ class ContextShards:
         causal and in the same document."""
         masks = []
         for start, first, length in self.runs:
-            queries, keys = self.index[start:start + length], torch.arange(first + length, device=self.index.device)
+            queries, keys = (
+                self.index[start : start + length],
+                torch.arange(first + length, device=self.index.device),
+            )
             causal = keys[None, :] <= queries[:, None]
-            same = self.documents[:, queries, None] == self.documents[:, None, :first + length]
+            same = self.documents[:, queries, None] == self.documents[:, None, : first + length]
             masks.append((causal & same)[:, None])
         return masks
 
-    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, enable_gqa: bool) -> torch.Tensor:
+    def attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, enable_gqa: bool
+    ) -> torch.Tensor:
         """Attention of this rank's queries to the whole sequence's keys: [batch, L, heads, dim]
         (the local q, k, v) -> [batch, L, heads, dim_v]. Each run of queries (n from global position
         first) attends to the keys before its end, in global order: lower-right causal, or with
@@ -167,8 +190,16 @@ class ContextShards:
         outs = []
         for (start, first, length), mask in zip(self.runs, masks):
             end = first + length
-            outs.append(F.scaled_dot_product_attention(q[:, :, start:start + length], k[:, :, :end], v[:, :, :end],
-                                                       attn_mask=mask, is_causal=mask is None, enable_gqa=enable_gqa))
+            outs.append(
+                F.scaled_dot_product_attention(
+                    q[:, :, start : start + length],
+                    k[:, :, :end],
+                    v[:, :, :end],
+                    attn_mask=mask,
+                    is_causal=mask is None,
+                    enable_gqa=enable_gqa,
+                )
+            )
         return torch.cat(outs, dim=2).transpose(1, 2)
 
     def halo(self, x: torch.Tensor, kernel_size: int, row_scale: torch.Tensor | None = None):
@@ -179,10 +210,12 @@ class ContextShards:
         input before the column scale; only the runs' last rows are scaled and gathered, not copies
         of the whole input."""
         k = kernel_size - 1
-        tails = [x[:, start + length - k:start + length] for start, _, length in self.runs]
+        tails = [x[:, start + length - k : start + length] for start, _, length in self.runs]
         if row_scale is not None:
-            tails = [tail.float() * row_scale[:, start + length - k:start + length, None]
-                     for tail, (start, _, length) in zip(tails, self.runs)]
+            tails = [
+                tail.float() * row_scale[:, start + length - k : start + length, None]
+                for tail, (start, _, length) in zip(tails, self.runs)
+            ]
         # the same size on every rank
         tails += [tails[0].new_zeros(tails[0].shape)] * (self.max_runs - len(self.runs))
         tails = torch.cat(tails, dim=1)
@@ -190,12 +223,19 @@ class ContextShards:
         # Every rank's tails, then k zero rows (the halo of the sequence start), as one tensor that
         # every rank's halos come from: the gather is in each rank's backward graph, so its
         # reduce-scatter runs on all of them (a rank that used none of it would skip it and hang).
-        bank = torch.cat([gathered.view(self.size, *tails.shape).movedim(0, 1).flatten(1, 2),
-                          tails.new_zeros(x.shape[0], k, x.shape[2])], dim=1)
+        bank = torch.cat(
+            [
+                gathered.view(self.size, *tails.shape).movedim(0, 1).flatten(1, 2),
+                tails.new_zeros(x.shape[0], k, x.shape[2]),
+            ],
+            dim=1,
+        )
         zeros = self.size * tails.shape[1]
-        firsts = [zeros if source is None else (source[0] * self.max_runs + source[1]) * k
-                  for source in self.halo_sources]
-        halo = torch.cat([bank[:, first:first + k] for first in firsts], dim=1)
+        firsts = [
+            zeros if source is None else (source[0] * self.max_runs + source[1]) * k
+            for source in self.halo_sources
+        ]
+        halo = torch.cat([bank[:, first : first + k] for first in firsts], dim=1)
         return halo, self.runs[1][0] if len(self.runs) > 1 else -1
 
 
@@ -206,13 +246,18 @@ def rank_positions(seq_len: int, size: int, load_balancer: str | None) -> list[l
     contiguous chunk each. Every rank knows every rank's share without asking."""
     if load_balancer:
         chunk = seq_len // (2 * size)
-        return [list(range(r * chunk, (r + 1) * chunk)) + list(range((2 * size - 1 - r) * chunk, (2 * size - r) * chunk))
-                for r in range(size)]
+        return [
+            list(range(r * chunk, (r + 1) * chunk))
+            + list(range((2 * size - 1 - r) * chunk, (2 * size - r) * chunk))
+            for r in range(size)
+        ]
     length = seq_len // size
     return [list(range(r * length, (r + 1) * length)) for r in range(size)]
 
 
-def context_parallel_inputs(input_dict: dict, labels: torch.Tensor, cp_mesh, load_balancer: str | None):
+def context_parallel_inputs(
+    input_dict: dict, labels: torch.Tensor, cp_mesh, load_balancer: str | None
+):
     """The trainer's hook: this rank's share of the tokens, labels and RoPE positions, and the
     ``ContextShards`` the blocks receive as ``attention_masks``."""
     inputs = input_dict["input"]
@@ -221,7 +266,9 @@ def context_parallel_inputs(input_dict: dict, labels: torch.Tensor, cp_mesh, loa
     documents = torch.cumsum(positions == 0, dim=1) if positions is not None else None
     if positions is None:
         positions = torch.arange(seq_len, device=inputs.device).expand(batch, seq_len).contiguous()
-    (inputs, labels, rope_positions), _ = titan_cp.cp_shard(cp_mesh, (inputs, labels, positions), None, load_balancer)
+    (inputs, labels, rope_positions), _ = titan_cp.cp_shard(
+        cp_mesh, (inputs, labels, positions), None, load_balancer
+    )
     shards = shard_layout(cp_mesh.get_group(), seq_len, load_balancer, inputs.device)
     if documents is not None:
         shards = dataclasses.replace(shards, documents=documents)
@@ -233,4 +280,6 @@ def shard_layout(group, seq_len: int, load_balancer: str | None, device) -> Cont
     """The ``ContextShards`` of a sequence length, built once: the split depends only on the length,
     the CP group and the balancer (building it walks every position in Python, 0.06 s of the host at
     262,144 tokens on 8 ranks, more on a busy one), and only the documents change from batch to batch."""
-    return ContextShards.build(group, rank_positions(seq_len, dist.get_world_size(group), load_balancer), device)
+    return ContextShards.build(
+        group, rank_positions(seq_len, dist.get_world_size(group), load_balancer), device
+    )

@@ -14,7 +14,6 @@ from typing import Annotated, Any
 import torch
 import torch.nn as nn
 import tyro
-
 from torchtitan.models.common import feed_forward
 from torchtitan.models.common.decoder import Decoder
 from torchtitan.models.common.linear import Linear
@@ -72,8 +71,12 @@ class FeedForward(feed_forward.FeedForward):
         super().__init__(config)
         self.canonD = config.canonD.build() if config.canonD is not None else None
 
-    def forward(self, x: torch.Tensor, shards: ContextShards | None = None,
-                positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        shards: ContextShards | None = None,
+        positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """``positions``: Canon-D's taps stay inside each document (``CanonConv``)."""
         if self.canonD is None:
             return super().forward(x)
@@ -81,7 +84,9 @@ class FeedForward(feed_forward.FeedForward):
         return self.w2(gated)
 
 
-def swiglu(dim: int, hidden: int, init: dict, out_init: dict, canonD: CanonConv.Config | None) -> FeedForward.Config:
+def swiglu(
+    dim: int, hidden: int, init: dict, out_init: dict, canonD: CanonConv.Config | None
+) -> FeedForward.Config:
     return FeedForward.Config(
         w1=Linear.Config(in_features=dim, out_features=hidden, param_init=init),
         w3=Linear.Config(in_features=dim, out_features=hidden, param_init=init),
@@ -102,12 +107,16 @@ def normed(
     return canon(x, norm, shards=shards, positions=positions) if canon is not None else norm(x)
 
 
-def decoder_parts(dim: int, vocab_size: int, norm_eps: float, embedding_init: dict, lm_head_init: dict) -> dict:
+def decoder_parts(
+    dim: int, vocab_size: int, norm_eps: float, embedding_init: dict, lm_head_init: dict
+) -> dict:
     """The embedding, final norm and output head of a ``Decoder.Config``."""
     return {
         "dim": dim,
         "vocab_size": vocab_size,
-        "tok_embeddings": Embedding.Config(num_embeddings=vocab_size, embedding_dim=dim, param_init=embedding_init),
+        "tok_embeddings": Embedding.Config(
+            num_embeddings=vocab_size, embedding_dim=dim, param_init=embedding_init
+        ),
         "norm": RMSNorm.Config(dim=dim, eps=norm_eps, param_init=ONES_INIT),
         "lm_head": Linear.Config(in_features=dim, out_features=vocab_size, param_init=lm_head_init),
     }

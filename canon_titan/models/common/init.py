@@ -56,7 +56,9 @@ def log_uniform_init(param: torch.Tensor, low: float, high: float) -> None:
 
 
 @torch.no_grad()
-def dt_bias_init(param: torch.Tensor, dt_min: float = 0.001, dt_max: float = 0.1, floor: float = 1e-4) -> None:
+def dt_bias_init(
+    param: torch.Tensor, dt_min: float = 0.001, dt_max: float = 0.1, floor: float = 1e-4
+) -> None:
     """softplus^-1(dt) for dt log-uniform in [dt_min, dt_max], floored (Mamba2's time-step init)."""
     nn.init.uniform_(param, math.log(dt_min), math.log(dt_max)).exp_().clamp_(min=floor)
     param.copy_(param + torch.log(-torch.expm1(-param)))

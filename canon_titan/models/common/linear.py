@@ -26,7 +26,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
 from torchtitan.models.common import Linear
 from torchtitan.models.common.decoder import Decoder
 from torchtitan.models.utils import get_dense_model_nparams_and_flops
@@ -37,6 +36,7 @@ from canon_titan.models.common.canon import CanonConv
 from canon_titan.models.common.decoder import CanonDecoder, FeedForward, normed
 from canon_titan.models.common.norms import RMSNorm
 from canon_titan.models.common.tensor_parallel import local
+
 
 def upcast(t: torch.Tensor) -> torch.Tensor:
     """float32 for half precision; float64 stays float64 (tests compare in double)."""
@@ -160,9 +160,12 @@ class LinearLM(CanonDecoder):
             """TorchTitan's 6 FLOPs per parameter and token (no attention), plus for the recurrence
             a state update and a read-out per token (2 multiply-adds per state entry, times 3 for
             forward and backward)."""
-            nparams, flops = get_dense_model_nparams_and_flops(model, n_layers=len(self.layers), n_heads=0,
-                                                               head_dims=0, seq_len=seq_len)
-            return nparams, flops + 12 * sum(layer.mixer.recurrent_state_size for layer in self.layers)
+            nparams, flops = get_dense_model_nparams_and_flops(
+                model, n_layers=len(self.layers), n_heads=0, head_dims=0, seq_len=seq_len
+            )
+            return nparams, flops + 12 * sum(
+                layer.mixer.recurrent_state_size for layer in self.layers
+            )
 
     def forward(
         self,
@@ -209,7 +212,9 @@ class FlaMixer(Module):
         self.o_proj = config.o_proj.build()
         self.build_norm(config)
         convs = (config.q_conv1d, config.k_conv1d, config.v_conv1d)
-        self.q_conv1d, self.k_conv1d, self.v_conv1d = (c.build() if c is not None else None for c in convs)
+        self.q_conv1d, self.k_conv1d, self.v_conv1d = (
+            c.build() if c is not None else None for c in convs
+        )
 
     @abstractmethod
     def build_projections(self, config: Config) -> None: ...
@@ -217,13 +222,17 @@ class FlaMixer(Module):
     @abstractmethod
     def build_norm(self, config: Config) -> None: ...
 
-    def qkv(self, x: torch.Tensor, documents: Documents | None
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def qkv(
+        self, x: torch.Tensor, documents: Documents | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v = SiLU(b(W x)) with the short convolutions b (inside each document), else
         SiLU(W x)."""
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.q_conv1d is not None:
             positions = None if documents is None else documents.positions
-            return (self.q_conv1d(q, positions=positions), self.k_conv1d(k, positions=positions),
-                    self.v_conv1d(v, positions=positions))
+            return (
+                self.q_conv1d(q, positions=positions),
+                self.k_conv1d(k, positions=positions),
+                self.v_conv1d(v, positions=positions),
+            )
         return F.silu(q), F.silu(k), F.silu(v)

@@ -10,7 +10,6 @@ from functools import partial
 from typing import TYPE_CHECKING, ClassVar
 
 import torch.nn as nn
-
 from torchtitan.tools.logging import logger
 
 from canon_titan.kernels.backends import CUDA_BACKENDS, resolve_backend
@@ -86,8 +85,13 @@ class LinearArgs(CanonArgs, ABC):
         problems += self.canon_problems()
         allowed = ("auto", "torch", CUDA_BACKENDS[self.kernel_op])
         if self.kernel_backend not in allowed:
-            problems.append(("kernel_backend", f"must be one of {', '.join(map(repr, allowed))} for {self.label}, "
-                                               f"got {self.kernel_backend!r}"))
+            problems.append(
+                (
+                    "kernel_backend",
+                    f"must be one of {', '.join(map(repr, allowed))} for {self.label}, "
+                    f"got {self.kernel_backend!r}",
+                )
+            )
         else:
             try:
                 resolve_backend(self.kernel_backend, op=self.kernel_op)
@@ -98,17 +102,23 @@ class LinearArgs(CanonArgs, ABC):
     def canon_problems(self) -> list[tuple[str, str]]:
         problems = CanonArgs.canon_problems(self)
         if "B" in self.enabled():
-            problems = [("canon_set", f"Canon-B is not available for {self.label}: the release trains these models "
-                                      "with b (the built-in short convolution), e.g. 'AbbCD' or 'bb'")] + [
-                (key, message) for key, message in problems if key != "canon_set"]
+            problems = [
+                (
+                    "canon_set",
+                    f"Canon-B is not available for {self.label}: the release trains these models "
+                    "with b (the built-in short convolution), e.g. 'AbbCD' or 'bb'",
+                )
+            ] + [(key, message) for key, message in problems if key != "canon_set"]
         return problems
 
     def context_parallel_problem(self, cp: int) -> str | None:
         if cp > 1:
-            return (f"{self.label} has no context-parallel path: its recurrence carries a state along the "
-                    "whole sequence, so a rank's share would need the final state of the shares before it "
-                    "(fla's context-parallel kernels are not wired in). Split long sequences with FSDP, TP "
-                    "or PP instead, or train llama/llama_canon with context parallelism")
+            return (
+                f"{self.label} has no context-parallel path: its recurrence carries a state along the "
+                "whole sequence, so a rank's share would need the final state of the shares before it "
+                "(fla's context-parallel kernels are not wired in). Split long sequences with FSDP, TP "
+                "or PP instead, or train llama/llama_canon with context parallelism"
+            )
         return None
 
     def tensor_parallel_problem(self, tp: int) -> str | None:
@@ -120,13 +130,20 @@ class LinearArgs(CanonArgs, ABC):
 
     # --- pieces the families combine --------------------------------------------------------
 
-    def short_conv(self, channels: int, *, bias: bool, param_init: dict) -> canon_layer.CanonConv.Config | None:
+    def short_conv(
+        self, channels: int, *, bias: bool, param_init: dict
+    ) -> canon_layer.CanonConv.Config | None:
         """The built-in short convolution (b) over ``channels``, or None without b."""
         if "b" not in self.enabled():
             return None
         return canon_layer.CanonConv.Config(
-            channels=channels, kernel_size=SHORT_CONV_SIZE, residual=False, activation=True, bias=bias,
-            backend=conv_backend(self.canon_backend), param_init=param_init,
+            channels=channels,
+            kernel_size=SHORT_CONV_SIZE,
+            residual=False,
+            activation=True,
+            bias=bias,
+            backend=conv_backend(self.canon_backend),
+            param_init=param_init,
         )
 
     @abstractmethod
@@ -145,21 +162,31 @@ class LinearArgs(CanonArgs, ABC):
             mixer_norm=norm(),
             mixer=self.mixer_config(kernel_backend),
             ffn_norm=norm(),
-            feed_forward=decoder.swiglu(dim, self.hidden_dim, init, init, self.canon("D", 2 * self.hidden_dim)),
+            feed_forward=decoder.swiglu(
+                dim, self.hidden_dim, init, init, self.canon("D", 2 * self.hidden_dim)
+            ),
             canonA=self.canon("A", dim),
             canonC=self.canon("C", dim),
         )
 
     def model_config(self) -> linear.LinearLM.Config:
-        kernel_backend, why_not = resolve_backend(self.kernel_backend, op=self.kernel_op, check=False)
+        kernel_backend, why_not = resolve_backend(
+            self.kernel_backend, op=self.kernel_op, check=False
+        )
         if why_not and why_not != "no GPU":
-            logger.warning(f"{self.label}: kernel_backend 'auto' runs {self.kernel_op} with torch: {why_not}")
+            logger.warning(
+                f"{self.label}: kernel_backend 'auto' runs {self.kernel_op} with torch: {why_not}"
+            )
         canon = f"; {self.describe_canon()}" if self.canon_set else ""
-        logger.info(f"{self.label}: {self.kernel_op} kernel backend {kernel_backend} "
-                    f"(requested {self.kernel_backend}){canon}")
+        logger.info(
+            f"{self.label}: {self.kernel_op} kernel backend {kernel_backend} "
+            f"(requested {self.kernel_backend}){canon}"
+        )
         embedding_init = {"weight": partial(nn.init.normal_, std=self.embedding_std())}
         return linear.LinearLM.Config(
-            **decoder.decoder_parts(self.dim, self.vocab_size, self.norm_eps, embedding_init, self.linear_init()),
+            **decoder.decoder_parts(
+                self.dim, self.vocab_size, self.norm_eps, embedding_init, self.linear_init()
+            ),
             layers=[self.block_config(kernel_backend) for _ in range(self.n_layers)],
             args=self,
         )
@@ -211,5 +238,9 @@ class FlaLayerArgs(LinearArgs, ABC):
         }
 
     def gated_norm(self) -> linear.GatedRMSNorm.Config:
-        return linear.GatedRMSNorm.Config(dim=2 * self.dim // self.n_heads, eps=self.norm_eps, norm_before_gate=True,
-                                   param_init=ONES_INIT)
+        return linear.GatedRMSNorm.Config(
+            dim=2 * self.dim // self.n_heads,
+            eps=self.norm_eps,
+            norm_before_gate=True,
+            param_init=ONES_INIT,
+        )

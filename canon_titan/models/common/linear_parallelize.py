@@ -18,8 +18,13 @@ import torch.nn as nn
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from canon_titan.models.common.parallelize import (ReplicatedLinear, channel_shard, feed_forward_plan,
-                                                   parallelize_block_plan, region_plan)
+from canon_titan.models.common.parallelize import (
+    ReplicatedLinear,
+    channel_shard,
+    feed_forward_plan,
+    parallelize_block_plan,
+    region_plan,
+)
 from canon_titan.models.common.tensor_parallel import partial_gradients
 
 
@@ -51,5 +56,11 @@ def parallelize_block(block, tp_mesh, enable_sp: bool, *, layout: MixerLayout) -
     plan.update({f"mixer.{name}": ReplicatedLinear() for name in layout.replicated})
     plan["mixer.o_proj"] = RowwiseParallel(output_layouts=residual)
     plan.update(feed_forward_plan(block, tp_mesh, residual))
-    plan.update(region_plan(block, (("canonA", "mixer_norm", "mixer"), ("canonC", "ffn_norm", "feed_forward")), enable_sp))
+    plan.update(
+        region_plan(
+            block,
+            (("canonA", "mixer_norm", "mixer"), ("canonC", "ffn_norm", "feed_forward")),
+            enable_sp,
+        )
+    )
     parallelize_block_plan(block, tp_mesh, plan)

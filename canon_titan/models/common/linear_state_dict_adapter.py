@@ -13,8 +13,12 @@ from canon_titan.models.common.state_dict_adapter import LAYER, CanonStateDictAd
 
 LINEAR_SHARED = ("linear_canon_layers",)
 """The module our linear-model classes share (shipped with each export)."""
-LOW_RANK = {"mixer.gk_proj.down": "attn.gk_proj.0", "mixer.gk_proj.up": "attn.gk_proj.1",
-            "mixer.g_proj.down": "attn.g_proj.0", "mixer.g_proj.up": "attn.g_proj.1"}
+LOW_RANK = {
+    "mixer.gk_proj.down": "attn.gk_proj.0",
+    "mixer.gk_proj.up": "attn.gk_proj.1",
+    "mixer.g_proj.down": "attn.g_proj.0",
+    "mixer.g_proj.up": "attn.g_proj.1",
+}
 """The rank-16 projections: the release's two-layer ``nn.Sequential``."""
 
 
@@ -34,12 +38,19 @@ class LinearStateDictAdapter(CanonStateDictAdapter):
         return "both_proj"
 
     def names(self) -> dict[str, str]:
-        return {**self.block_names, "feed_forward.w2": "mlp.down_proj", "feed_forward.canonD": "mlp.canonD"}
+        return {
+            **self.block_names,
+            "feed_forward.w2": "mlp.down_proj",
+            "feed_forward.canonD": "mlp.canonD",
+        }
 
     def layout(self, names: Iterable[str]) -> dict[str, HFTensor]:
         renames, fused, prefix = self.names(), self.fused_mlp(), self.backbone
-        top = {"tok_embeddings.weight": f"{prefix}.embeddings.weight", "norm.weight": f"{prefix}.{self.final_norm}.weight",
-               "lm_head.weight": "lm_head.weight"}
+        top = {
+            "tok_embeddings.weight": f"{prefix}.embeddings.weight",
+            "norm.weight": f"{prefix}.{self.final_norm}.weight",
+            "lm_head.weight": "lm_head.weight",
+        }
         layout = {}
         for name in names:
             if name in top:
@@ -52,15 +63,19 @@ class LinearStateDictAdapter(CanonStateDictAdapter):
             hf = f"{prefix}.layers.{layer}."
             if leaf in ("feed_forward.w1.weight", "feed_forward.w3.weight"):
                 if fused is None:
-                    layout[hf + ("mlp.gate_proj.weight" if "w1" in leaf else "mlp.up_proj.weight")] = HFTensor((name,))
+                    layout[
+                        hf + ("mlp.gate_proj.weight" if "w1" in leaf else "mlp.up_proj.weight")
+                    ] = HFTensor((name,))
                 elif "w1" in leaf:
-                    layout[hf + f"mlp.{fused}.weight"] = HFTensor((name, f"layers.{layer}.feed_forward.w3.weight"))
+                    layout[hf + f"mlp.{fused}.weight"] = HFTensor(
+                        (name, f"layers.{layer}.feed_forward.w3.weight")
+                    )
                 continue
             module, param = leaf.rsplit(".", 1)
             if module in renames:
                 layout[hf + f"{renames[module]}.{param}"] = HFTensor((name,))
             elif module.startswith("mixer."):
-                layout[hf + renames["mixer"] + leaf[len("mixer"):]] = HFTensor((name,))
+                layout[hf + renames["mixer"] + leaf[len("mixer") :]] = HFTensor((name,))
             elif module in ("canonA", "canonC"):
                 layout[hf + leaf] = HFTensor((name,))
             else:

@@ -23,7 +23,6 @@ import functools
 import time
 
 import torch
-
 from torchtitan.config import TORCH_DTYPE_MAP
 
 from canon_titan.kernels.backends import KernelEnvironment, runs_cuda_kernel
@@ -38,24 +37,40 @@ def tuned_first(parallelize):
 
     @functools.wraps(parallelize)
     def parallelize_and_tune(model, *, parallel_dims, training, parallelism, **kwargs):
-        model = parallelize(model, parallel_dims=parallel_dims, training=training, parallelism=parallelism,
-                            **kwargs)
-        batch = parallelism.pipeline_parallel_microbatch_size if parallel_dims.pp_enabled else training.local_batch_size
+        model = parallelize(
+            model, parallel_dims=parallel_dims, training=training, parallelism=parallelism, **kwargs
+        )
+        batch = (
+            parallelism.pipeline_parallel_microbatch_size
+            if parallel_dims.pp_enabled
+            else training.local_batch_size
+        )
         # From the config, which every rank has whole (a pipeline stage's model holds some of the layers).
-        tune_mixer(model.config.args, model.config.layers[0].mixer.backend, batch=batch, seq_len=training.seq_len,
-                   tp=parallel_dims.tp, dtype=TORCH_DTYPE_MAP[training.mixed_precision_param])
+        tune_mixer(
+            model.config.args,
+            model.config.layers[0].mixer.backend,
+            batch=batch,
+            seq_len=training.seq_len,
+            tp=parallel_dims.tp,
+            dtype=TORCH_DTYPE_MAP[training.mixed_precision_param],
+        )
         return model
 
     return parallelize_and_tune
 
 
-def tune_mixer(args, backend: str, *, batch: int, seq_len: int, tp: int, dtype: torch.dtype) -> None:
+def tune_mixer(
+    args, backend: str, *, batch: int, seq_len: int, tp: int, dtype: torch.dtype
+) -> None:
     """One forward and backward of a mixer of ``args`` (a family's ``[model]`` args) with
     ``backend`` (resolved) at one rank's shapes, tuned by rank 0 for every rank
     (``tuned_on_rank_zero``). Once per process and shape."""
     device = device_for_kernels()
-    if (backend == "torch" or KernelEnvironment.current().planned
-            or not runs_cuda_kernel(backend, torch.empty(0, device=device))):
+    if (
+        backend == "torch"
+        or KernelEnvironment.current().planned
+        or not runs_cuda_kernel(backend, torch.empty(0, device=device))
+    ):
         return
     local = dataclasses.replace(args, dim=args.dim // tp, n_heads=args.n_heads // tp)
     shape = f"{args.label} mixer on {backend}, batch {batch} x {seq_len}, {local.n_heads} heads, {dtype}"
@@ -64,12 +79,16 @@ def tune_mixer(args, backend: str, *, batch: int, seq_len: int, tp: int, dtype: 
     _tuned.add(shape)
     started = time.perf_counter()
     progress(f"{shape}: a forward and backward before the first collective")
-    tuned_on_rank_zero(lambda: run_mixer(local, backend, batch=batch, seq_len=seq_len, dtype=dtype,
-                                         device=device), shape)
+    tuned_on_rank_zero(
+        lambda: run_mixer(local, backend, batch=batch, seq_len=seq_len, dtype=dtype, device=device),
+        shape,
+    )
     progress(f"{shape}: tuned in {time.perf_counter() - started:.1f} s")
 
 
-def run_mixer(args, backend: str, *, batch: int, seq_len: int, dtype: torch.dtype, device: torch.device) -> None:
+def run_mixer(
+    args, backend: str, *, batch: int, seq_len: int, dtype: torch.dtype, device: torch.device
+) -> None:
     """A forward and backward of a mixer of ``args`` on random inputs, from a forked random generator."""
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         with torch.device(device):

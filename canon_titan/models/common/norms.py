@@ -2,7 +2,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
-
 from torchtitan.protocols.module import Module
 
 from canon_titan.models.common.tensor_parallel import local, tp_sum
@@ -45,7 +44,9 @@ class RMSNorm(Module):
         else:
             if square_sum is None:
                 square_sum = tp_sum(self.square_sum(x), self.tp_group)
-            mean_square = square_sum / (x.shape[-1] * torch.distributed.get_world_size(self.tp_group))
+            mean_square = square_sum / (
+                x.shape[-1] * torch.distributed.get_world_size(self.tp_group)
+            )
         return torch.rsqrt(mean_square + self.eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -32,14 +32,21 @@ from collections.abc import Callable
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import (
+    DTensor,
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+    distribute_module,
+    distribute_tensor,
+)
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
     RowwiseParallel,
     parallelize_module,
 )
-
 from torchao.float8.config import ScalingGranularity, ScalingType
 from torchao.float8.float8_linear import Float8Linear
 from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
@@ -72,13 +79,22 @@ class EmbeddingParallel(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         def shard_rows(_, mod, mesh):
             for name, param in list(mod.named_parameters(recurse=False)):
-                mod.register_parameter(name, nn.Parameter(distribute_tensor(param, mesh, [Shard(0)]),
-                                                          requires_grad=param.requires_grad))
+                mod.register_parameter(
+                    name,
+                    nn.Parameter(
+                        distribute_tensor(param, mesh, [Shard(0)]),
+                        requires_grad=param.requires_grad,
+                    ),
+                )
 
         return distribute_module(
-            module, device_mesh, shard_rows,
-            input_fn=lambda _, args, mesh: (DTensor.from_local(args[0], mesh, (Replicate(),), run_check=False),
-                                            *args[1:]),
+            module,
+            device_mesh,
+            shard_rows,
+            input_fn=lambda _, args, mesh: (
+                DTensor.from_local(args[0], mesh, (Replicate(),), run_check=False),
+                *args[1:],
+            ),
             output_fn=lambda _, out, mesh: out.redistribute(placements=(self.layout,)).to_local(),
         )
 
@@ -96,7 +112,9 @@ def region_input(x: torch.Tensor, tp_mesh, layout: Placement) -> torch.Tensor:
 def _inside_region(x: torch.Tensor, tp_mesh) -> DTensor:
     """A region's plain activation as the replicated DTensor a TP linear takes, its input gradient
     left a partial sum (no collective)."""
-    return DTensor.from_local(x, tp_mesh, (Replicate(),), run_check=False, grad_placements=(Partial(),))
+    return DTensor.from_local(
+        x, tp_mesh, (Replicate(),), run_check=False, grad_placements=(Partial(),)
+    )
 
 
 class RegionInput(ParallelStyle):
@@ -123,9 +141,12 @@ class ReplicatedLinear(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         module = distribute_module(
-            module, device_mesh,
-            input_fn=lambda _, args, mesh: (DTensor.from_local(args[0], mesh, (Replicate(),), run_check=False),
-                                            *args[1:]),
+            module,
+            device_mesh,
+            input_fn=lambda _, args, mesh: (
+                DTensor.from_local(args[0], mesh, (Replicate(),), run_check=False),
+                *args[1:],
+            ),
             output_fn=lambda _, out, mesh: out.to_local(),
         )
         partial_gradients(module, "weight", "bias")
@@ -157,8 +178,13 @@ def _replicate_remaining(model: nn.Module, tp_mesh) -> None:
     for module in model.modules():
         for name, param in list(module.named_parameters(recurse=False)):
             if not isinstance(param, DTensor):
-                module.register_parameter(name, nn.Parameter(
-                    distribute_tensor(param, tp_mesh, [Replicate()]), requires_grad=param.requires_grad))
+                module.register_parameter(
+                    name,
+                    nn.Parameter(
+                        distribute_tensor(param, tp_mesh, [Replicate()]),
+                        requires_grad=param.requires_grad,
+                    ),
+                )
 
 
 def channel_shard(conv: nn.Module, tp_mesh) -> None:
@@ -172,8 +198,11 @@ def feed_forward_plan(block, tp_mesh, residual) -> dict:
     """The SwiGLU: gate and up column-sharded, w2 row-sharded; Canon-D applies its channels' rows."""
     if block.feed_forward.canonD is not None:
         channel_shard(block.feed_forward.canonD, tp_mesh)
-    return {"feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=residual)}
+    return {
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w3": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=residual),
+    }
 
 
 def _tensorwise_float8(module: nn.Module) -> bool:
@@ -182,8 +211,11 @@ def _tensorwise_float8(module: nn.Module) -> bool:
     if not isinstance(module, Float8Linear) or config is None:
         return False
     casts = (config.cast_config_input, config.cast_config_grad_output)
-    return all(c.scaling_type is ScalingType.DYNAMIC and c.scaling_granularity is ScalingGranularity.TENSORWISE
-               for c in casts)
+    return all(
+        c.scaling_type is ScalingType.DYNAMIC
+        and c.scaling_granularity is ScalingGranularity.TENSORWISE
+        for c in casts
+    )
 
 
 def float8_styles(module: nn.Module, plan: dict) -> dict:
@@ -200,8 +232,11 @@ def float8_styles(module: nn.Module, plan: dict) -> dict:
     for name, style in plan.items():
         target = styles.get(type(style))
         if target is not None and _tensorwise_float8(module.get_submodule(name)):
-            style = target(input_layouts=style.input_layouts[0], output_layouts=style.output_layouts[0],
-                           use_local_output=style.use_local_output)
+            style = target(
+                input_layouts=style.input_layouts[0],
+                output_layouts=style.output_layouts[0],
+                use_local_output=style.use_local_output,
+            )
         out[name] = style
     return out
 
@@ -227,9 +262,13 @@ def wrap_weights_for_float8_all_gather(model: nn.Module) -> int:
         if not (isinstance(module, Float8Linear) and module.config.enable_fsdp_float8_all_gather):
             continue
         module.weight = nn.Parameter(
-            WeightWithDynamicFloat8CastTensor(module.weight, module.linear_mm_config,
-                                              module.config.cast_config_weight.target_dtype),
-            requires_grad=module.weight.requires_grad)
+            WeightWithDynamicFloat8CastTensor(
+                module.weight,
+                module.linear_mm_config,
+                module.config.cast_config_weight.target_dtype,
+            ),
+            requires_grad=module.weight.requires_grad,
+        )
         module.register_state_dict_post_hook(_unwrapped_float8_weight)
         wrapped += 1
     return wrapped
@@ -241,14 +280,24 @@ def _unwrapped_float8_weight(module, state_dict, prefix, local_metadata) -> None
     the wrapper's storage), and loading one writes into the weight."""
     key = prefix + "weight"
     weight = state_dict.get(key)
-    if isinstance(weight, DTensor) and isinstance(weight._local_tensor, WeightWithDynamicFloat8CastTensor):
-        state_dict[key] = DTensor.from_local(weight._local_tensor._tensor, weight.device_mesh, weight.placements,
-                                             run_check=False, shape=weight.shape, stride=weight.stride())
+    if isinstance(weight, DTensor) and isinstance(
+        weight._local_tensor, WeightWithDynamicFloat8CastTensor
+    ):
+        state_dict[key] = DTensor.from_local(
+            weight._local_tensor._tensor,
+            weight.device_mesh,
+            weight.placements,
+            run_check=False,
+            shape=weight.shape,
+            stride=weight.stride(),
+        )
 
 
 def parallelize_plan(module: nn.Module, tp_mesh, plan: dict) -> None:
     """``parallelize_module``, with the float8 styles where the module's linears take them."""
-    parallelize_module(module, tp_mesh, float8_styles(module, plan) if float8_collectives(tp_mesh) else plan)
+    parallelize_module(
+        module, tp_mesh, float8_styles(module, plan) if float8_collectives(tp_mesh) else plan
+    )
 
 
 def parallelize_block_plan(block: nn.Module, tp_mesh, plan: dict) -> None:
@@ -259,8 +308,13 @@ def parallelize_block_plan(block: nn.Module, tp_mesh, plan: dict) -> None:
     for name, style in plan.items():
         if isinstance(style, ColwiseParallel):
             block.get_submodule(name).register_forward_pre_hook(
-                lambda _, args: (_inside_region(args[0], tp_mesh), *args[1:]) if not isinstance(args[0], DTensor) else args,
-                prepend=True)
+                lambda _, args: (
+                    (_inside_region(args[0], tp_mesh), *args[1:])
+                    if not isinstance(args[0], DTensor)
+                    else args
+                ),
+                prepend=True,
+            )
 
 
 def apply_tp(model: nn.Module, tp_mesh, *, enable_sp: bool, parallelize_block: Callable) -> None:
@@ -269,20 +323,36 @@ def apply_tp(model: nn.Module, tp_mesh, *, enable_sp: bool, parallelize_block: C
     residual = Shard(1) if enable_sp else Replicate()
     root_plan = {
         "tok_embeddings": EmbeddingParallel(residual),
-        "lm_head": ColwiseParallel(input_layouts=residual, output_layouts=Shard(-1), use_local_output=False),
+        "lm_head": ColwiseParallel(
+            input_layouts=residual, output_layouts=Shard(-1), use_local_output=False
+        ),
     }
     if enable_sp and getattr(model, "norm", None) is not None:
-        partial_gradients(model.norm, "weight")  # on each rank's sequence shard, before the output gathers it
-    parallelize_plan(model, tp_mesh, {k: v for k, v in root_plan.items() if getattr(model, k, None) is not None})
+        partial_gradients(
+            model.norm, "weight"
+        )  # on each rank's sequence shard, before the output gathers it
+    parallelize_plan(
+        model, tp_mesh, {k: v for k, v in root_plan.items() if getattr(model, k, None) is not None}
+    )
     for block in model.layers.values():
         parallelize_block(block, tp_mesh, enable_sp)
     _replicate_remaining(model, tp_mesh)
-    float8 = sum(_tensorwise_float8(m) for m in model.modules()) if float8_collectives(tp_mesh) else 0
-    logger.info(f"Applied tensor parallelism (degree {tp_mesh.size()}, sequence parallel {enable_sp})"
-                + (f", float8 tensor-parallel styles on {float8} tensorwise float8 linears" if float8 else ""))
+    float8 = (
+        sum(_tensorwise_float8(m) for m in model.modules()) if float8_collectives(tp_mesh) else 0
+    )
+    logger.info(
+        f"Applied tensor parallelism (degree {tp_mesh.size()}, sequence parallel {enable_sp})"
+        + (
+            f", float8 tensor-parallel styles on {float8} tensorwise float8 linears"
+            if float8
+            else ""
+        )
+    )
 
 
-def apply_ac_compile_fsdp(model, *, parallel_dims, training, parallelism, compile_config, ac_config, dump_folder):
+def apply_ac_compile_fsdp(
+    model, *, parallel_dims, training, parallelism, compile_config, ac_config, dump_folder
+):
     """What every model family applies after its own tensor parallelism: activation checkpointing,
     per-block compile and FSDP2/HSDP."""
     if ac_config is not None:
@@ -303,8 +373,17 @@ def apply_ac_compile_fsdp(model, *, parallel_dims, training, parallelism, compil
     )
 
 
-def parallelize_decoder(model, *, parallelize_block: Callable | None, parallel_dims, training, parallelism,
-                        compile_config, ac_config, dump_folder):
+def parallelize_decoder(
+    model,
+    *,
+    parallelize_block: Callable | None,
+    parallel_dims,
+    training,
+    parallelism,
+    compile_config,
+    ac_config,
+    dump_folder,
+):
     """TorchTitan's ``parallelize_fn`` for a family whose blocks ``parallelize_block(block, tp_mesh,
     enable_sp)`` shards (None: a family without tensor parallelism, whose own function refuses it
     first). Every family goes through here, so each honours ``[float8] enable_fsdp_float8_all_gather``."""
@@ -312,8 +391,19 @@ def parallelize_decoder(model, *, parallelize_block: Callable | None, parallel_d
     if gathered:
         logger.info(f"float8: FSDP all-gathers the weights of {gathered} float8 linears in float8")
     if parallel_dims.tp_enabled:
-        apply_tp(model, parallel_dims.get_mesh("tp"), enable_sp=parallelism.enable_sequence_parallel,
-                 parallelize_block=parallelize_block)
-    apply_ac_compile_fsdp(model, parallel_dims=parallel_dims, training=training, parallelism=parallelism,
-                          compile_config=compile_config, ac_config=ac_config, dump_folder=dump_folder)
+        apply_tp(
+            model,
+            parallel_dims.get_mesh("tp"),
+            enable_sp=parallelism.enable_sequence_parallel,
+            parallelize_block=parallelize_block,
+        )
+    apply_ac_compile_fsdp(
+        model,
+        parallel_dims=parallel_dims,
+        training=training,
+        parallelism=parallelism,
+        compile_config=compile_config,
+        ac_config=ac_config,
+        dump_folder=dump_folder,
+    )
     return model

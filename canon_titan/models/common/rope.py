@@ -1,7 +1,6 @@
 from dataclasses import dataclass
 
 import torch
-
 from torchtitan.protocols.module import Module
 
 
@@ -35,7 +34,9 @@ class PartialRoPE(Module):
     def _tables(self, device) -> tuple[torch.Tensor, torch.Tensor]:
         half = torch.arange(0, self.rope_dim, 2, device=device, dtype=torch.float32)
         inv_freq = 1.0 / (self.theta ** (half / self.rope_dim))
-        angles = torch.outer(torch.arange(self.max_seq_len, device=device, dtype=torch.float32), inv_freq)
+        angles = torch.outer(
+            torch.arange(self.max_seq_len, device=device, dtype=torch.float32), inv_freq
+        )
         return angles.cos(), angles.sin()
 
     def _init_self_buffers(self, *, buffer_device=None) -> None:

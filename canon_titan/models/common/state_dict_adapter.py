@@ -25,23 +25,54 @@ from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
-
 from torchtitan.protocols.state_dict_adapter import StateDictAdapter
 
 from canon_titan.hf import HFFormatError, HFModel
 
 LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-CANON_FIELDS = {"canon_set": "", "canon_kernel": 4, "canon_residual": True, "canon_activation": False,
-                "canon_bias": False}
+CANON_FIELDS = {
+    "canon_set": "",
+    "canon_kernel": 4,
+    "canon_residual": True,
+    "canon_activation": False,
+    "canon_bias": False,
+}
 """The Canon fields of an export's config.json, and their values for a model without Canon layers."""
-CANON_BIAS_NOTE = ("canon_bias = true: the PhysicsLM4 release's LlamaCanon code cannot load this model (it has no "
-                   "Canon bias and asserts on one); load it with the modeling code shipped in this folder")
-NOT_MATHS = {"architectures", "auto_map", "model_type", "dtype", "torch_dtype", "bos_token_id", "eos_token_id",
-             "pad_token_id", "max_position_embeddings", "use_cache", "initializer_range", "attn_mode", "fuse_norm",
-             "fuse_swiglu", "fuse_cross_entropy", "zeyuan_split_init", "time_step_min", "time_step_max",
-             "time_step_floor", "rescale_prenorm_residual", "residual_in_fp32", "chunk_size", "canon_titan_note",
-             "rope_version", "partial_rotary_factor", "rope_parameters", "zeyuan_layernorm", "use_l2warp"}
+CANON_BIAS_NOTE = (
+    "canon_bias = true: the PhysicsLM4 release's LlamaCanon code cannot load this model (it has no "
+    "Canon bias and asserts on one); load it with the modeling code shipped in this folder"
+)
+NOT_MATHS = {
+    "architectures",
+    "auto_map",
+    "model_type",
+    "dtype",
+    "torch_dtype",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+    "max_position_embeddings",
+    "use_cache",
+    "initializer_range",
+    "attn_mode",
+    "fuse_norm",
+    "fuse_swiglu",
+    "fuse_cross_entropy",
+    "zeyuan_split_init",
+    "time_step_min",
+    "time_step_max",
+    "time_step_floor",
+    "rescale_prenorm_residual",
+    "residual_in_fp32",
+    "chunk_size",
+    "canon_titan_note",
+    "rope_version",
+    "partial_rotary_factor",
+    "rope_parameters",
+    "zeyuan_layernorm",
+    "use_l2warp",
+}
 """Fields of an export's config.json that do not change the function the model computes: ids,
 initialisation, implementation choices (fused kernels, the scan's block length), and RoPE fields
 that are compared in resolved form (``rope_dim``, ``rope_theta``) or that only say how q/k rows
@@ -89,14 +120,22 @@ def _as_sharded(full: torch.Tensor, like: DTensor) -> DTensor:
     communication, and no rank keeps more than its rows."""
     mesh = like.device_mesh
     sharded = distribute_tensor(full, mesh, [Shard(0)] * mesh.ndim, src_data_rank=None)
-    return DTensor.from_local(sharded.to_local().clone(), mesh, sharded.placements, run_check=False,
-                              shape=sharded.shape, stride=sharded.stride())
+    return DTensor.from_local(
+        sharded.to_local().clone(),
+        mesh,
+        sharded.placements,
+        run_check=False,
+        shape=sharded.shape,
+        stride=sharded.stride(),
+    )
 
 
 class CanonStateDictAdapter(StateDictAdapter):
     """A family's Hugging Face format; subclasses give ``layout``, ``hf_model`` and ``hf_fields``."""
 
-    def __init__(self, model_config, hf_assets_path: str | None = None, *, rope_layout: str = "lingua"):
+    def __init__(
+        self, model_config, hf_assets_path: str | None = None, *, rope_layout: str = "lingua"
+    ):
         self.model_config = model_config
         self.args = model_config.args
         self.hf_assets_path = hf_assets_path
@@ -129,8 +168,10 @@ class CanonStateDictAdapter(StateDictAdapter):
         """The transformers config class that reads ``hf``."""
         config_cls, _ = self.hf_model.classes()
         if hf.get("model_type") != config_cls.model_type:
-            raise HFFormatError(f"{where}: model_type {hf.get('model_type')!r} is not {config_cls.model_type!r} "
-                                f"(the run's model is {self.args.label})")
+            raise HFFormatError(
+                f"{where}: model_type {hf.get('model_type')!r} is not {config_cls.model_type!r} "
+                f"(the run's model is {self.args.label})"
+            )
         return config_cls
 
     def compared(self, config_cls) -> list[str]:
@@ -196,7 +237,9 @@ class CanonStateDictAdapter(StateDictAdapter):
 
     # ------------------------------------------------------------------ config.json
 
-    def hf_config(self, *, dtype: str = "fp32", max_seq_len: int = 0, tokenizer_ids: dict | None = None) -> dict:
+    def hf_config(
+        self, *, dtype: str = "fp32", max_seq_len: int = 0, tokenizer_ids: dict | None = None
+    ) -> dict:
         ids = tokenizer_ids or {}
         common = {
             "vocab_size": self.args.vocab_size,
@@ -209,8 +252,13 @@ class CanonStateDictAdapter(StateDictAdapter):
         }
         classes = self.hf_model
         if classes is None:
-            return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **common,
-                    "max_position_embeddings": max_seq_len, **self.hf_fields()}
+            return {
+                "architectures": ["LlamaForCausalLM"],
+                "model_type": "llama",
+                **common,
+                "max_position_embeddings": max_seq_len,
+                **self.hf_fields(),
+            }
         return {
             "architectures": [classes.architecture],
             "model_type": classes.classes()[0].model_type,
@@ -219,8 +267,14 @@ class CanonStateDictAdapter(StateDictAdapter):
             # For evaluation tools: the training sequence length (the linear models have no positional limit).
             "max_position_embeddings": max_seq_len,
             **self.hf_fields(),
-            **{field: getattr(self.args, field, default) for field, default in CANON_FIELDS.items()},
-            **({"canon_titan_note": CANON_BIAS_NOTE} if getattr(self.args, "canon_bias", False) else {}),
+            **{
+                field: getattr(self.args, field, default) for field, default in CANON_FIELDS.items()
+            },
+            **(
+                {"canon_titan_note": CANON_BIAS_NOTE}
+                if getattr(self.args, "canon_bias", False)
+                else {}
+            ),
         }
 
     def accept(self, hf: dict, where: str) -> None:
@@ -242,13 +296,19 @@ class CanonStateDictAdapter(StateDictAdapter):
         if not differ:
             self.read_format(hf, where)
             return
-        details = "; ".join(f"{key} is {got!r}, the run config expects {want!r}" for key, got, want in differ)
+        details = "; ".join(
+            f"{key} is {got!r}, the run config expects {want!r}" for key, got, want in differ
+        )
         canon = next(((got, want) for key, got, want in differ if key == "canon_set"), None)
         if canon is not None:  # another model, not another size: say that first
-            raise HFFormatError(f"{where}: the folder holds a model with Canon layers {canon[0] or 'none'}, the run's "
-                                f"{self.args.label} has {canon[1] or 'none'}: use the config of the model the folder "
-                                f"holds (its other differences: {details})")
-        raise HFFormatError(f"{where}: the folder holds another {self.args.label} than the run config's: {details}")
+            raise HFFormatError(
+                f"{where}: the folder holds a model with Canon layers {canon[0] or 'none'}, the run's "
+                f"{self.args.label} has {canon[1] or 'none'}: use the config of the model the folder "
+                f"holds (its other differences: {details})"
+            )
+        raise HFFormatError(
+            f"{where}: the folder holds another {self.args.label} than the run config's: {details}"
+        )
 
     def field(self, config, key: str):
         """A resolved config's value of ``key``, as compared on import."""
@@ -261,7 +321,9 @@ class CanonStateDictAdapter(StateDictAdapter):
             with open(path) as f:
                 hf = json.load(f)
         except OSError as e:
-            raise HFFormatError(f"{path}: {e.strerror or e} (is {hf_dir} a Hugging Face model folder?)") from None
+            raise HFFormatError(
+                f"{path}: {e.strerror or e} (is {hf_dir} a Hugging Face model folder?)"
+            ) from None
         except ValueError as e:
             raise HFFormatError(f"{path}: not readable JSON ({e})") from None
         if not isinstance(hf, dict):

@@ -31,7 +31,9 @@ def local(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor | None:
 def partial_gradients(module: torch.nn.Module, *names: str) -> None:
     """Mark ``module``'s parameters ``names`` (those it has) as getting partial-sum gradients. Kept on
     the module, not the parameter: FSDP replaces the parameters, not the modules."""
-    marked = set(getattr(module, PARTIAL_GRADIENTS, ())) | {n for n in names if getattr(module, n, None) is not None}
+    marked = set(getattr(module, PARTIAL_GRADIENTS, ())) | {
+        n for n in names if getattr(module, n, None) is not None
+    }
     setattr(module, PARTIAL_GRADIENTS, tuple(sorted(marked)))
 
 
@@ -52,8 +54,11 @@ def sum_partial_gradients(model_parts: list[torch.nn.Module], group) -> None:
     """Every marked parameter's gradient summed over ``group``: one all-reduce of their local
     gradients (under FSDP, this rank's shards: summing over TP and over FSDP commute), flattened
     together in their common dtype (float32 where they differ)."""
-    grads = [g.to_local() if isinstance(g, DTensor) else g
-             for g in (p.grad for p in marked_parameters(model_parts)) if g is not None]
+    grads = [
+        g.to_local() if isinstance(g, DTensor) else g
+        for g in (p.grad for p in marked_parameters(model_parts))
+        if g is not None
+    ]
     if not grads:
         return
     flat, parts = _flattened(grads)
@@ -68,7 +73,9 @@ def _flattened(tensors: list[torch.Tensor]):
     dtypes = {t.dtype for t in tensors}
     dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
     flat = torch.cat([t.reshape(-1).to(dtype) for t in tensors])
-    return flat, lambda whole: [part.view_as(t) for part, t in zip(whole.split([t.numel() for t in tensors]), tensors)]
+    return flat, lambda whole: [
+        part.view_as(t) for part, t in zip(whole.split([t.numel() for t in tensors]), tensors)
+    ]
 
 
 def _all_reduce_sum(x: torch.Tensor, group) -> torch.Tensor:
@@ -122,6 +129,8 @@ class ChannelShard:
             parts.append(weight[offset + self.rank * size : offset + (self.rank + 1) * size])
             offset += size * self.size
         if offset != weight.shape[0]:
-            raise ValueError(f"inputs of {local_sizes} channels per rank x {self.size} ranks do not cover the "
-                             f"{weight.shape[0]} channels of the weight")
+            raise ValueError(
+                f"inputs of {local_sizes} channels per rank x {self.size} ranks do not cover the "
+                f"{weight.shape[0]} channels of the weight"
+            )
         return parts

@@ -27,6 +27,9 @@ class GDN2Args(FlaLayerArgs):
             a_proj=titan.Linear.Config(in_features=d, out_features=heads, param_init=init),
             o_norm=self.gated_norm(),
             backend=kernel_backend,
-            param_init={"A_log": partial(log_uniform_init, low=0.0, high=16.0), "dt_bias": dt_bias_init},
+            param_init={
+                "A_log": partial(log_uniform_init, low=0.0, high=16.0),
+                "dt_bias": dt_bias_init,
+            },
             **self.attention_parts(),
         )

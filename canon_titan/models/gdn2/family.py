@@ -6,5 +6,9 @@ from canon_titan.models.common.linear_tuning import tuned_first
 from canon_titan.models.gdn2.parallelize import parallelize_gdn2
 from canon_titan.models.gdn2.state_dict_adapter import GDN2StateDictAdapter
 
-FAMILY = ModelFamily(name="gdn2", parallelize=tuned_first(parallelize_gdn2),
-                     state_dict_adapter=GDN2StateDictAdapter, hf_models=(GDN2StateDictAdapter.classes,))
+FAMILY = ModelFamily(
+    name="gdn2",
+    parallelize=tuned_first(parallelize_gdn2),
+    state_dict_adapter=GDN2StateDictAdapter,
+    hf_models=(GDN2StateDictAdapter.classes,),
+)

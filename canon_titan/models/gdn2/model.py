@@ -18,7 +18,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
 from torchtitan.models.common import Linear
 
 from canon_titan.kernels import gated_delta_rule

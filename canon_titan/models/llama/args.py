@@ -45,7 +45,10 @@ class LlamaArgs:
 
     label: ClassVar[str] = "Llama"
     unset_values: ClassVar[dict[str, str]] = {
-        "n_kv_heads": "kv_heads", "ffn_hidden_dim": "hidden_dim", "rope_dim": "head_dim"}
+        "n_kv_heads": "kv_heads",
+        "ffn_hidden_dim": "hidden_dim",
+        "rope_dim": "head_dim",
+    }
     """A field whose None leaves its value to a rule -> the property holding that value
     (``config show`` writes the value)."""
 
@@ -59,7 +62,9 @@ class LlamaArgs:
 
     @property
     def hidden_dim(self) -> int:
-        return self.ffn_hidden_dim or feed_forward.compute_ffn_hidden_dim(self.dim, multiple_of=self.multiple_of)
+        return self.ffn_hidden_dim or feed_forward.compute_ffn_hidden_dim(
+            self.dim, multiple_of=self.multiple_of
+        )
 
     def validate(self) -> list[tuple[str, str]]:
         """Problems as (field, message) pairs; empty when the shape is buildable."""
@@ -118,14 +123,21 @@ class LlamaArgs:
                 wv=titan.Linear.Config(in_features=dim, out_features=n_kv, param_init=linear_init),
                 wo=titan.Linear.Config(in_features=n_q, out_features=dim, param_init=linear_init),
                 rope=rotary.PartialRoPE.Config(
-                    rope_dim=self.rope_dim or hd, theta=self.rope_theta, max_seq_len=self.max_seq_len
+                    rope_dim=self.rope_dim or hd,
+                    theta=self.rope_theta,
+                    max_seq_len=self.max_seq_len,
                 ),
                 q_norm=norm(dim=n_q) if self.qk_norm else None,
                 k_norm=norm(dim=n_kv) if self.qk_norm else None,
                 canonB=self.canon("B", n_q + 2 * n_kv),
             ),
-            feed_forward=decoder.swiglu(dim, hidden, linear_init, truncated_normal_init(hidden**-0.5),
-                                self.canon("D", 2 * hidden)),
+            feed_forward=decoder.swiglu(
+                dim,
+                hidden,
+                linear_init,
+                truncated_normal_init(hidden**-0.5),
+                self.canon("D", 2 * hidden),
+            ),
             canonA=self.canon("A", dim),
             canonC=self.canon("C", dim),
         )

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
 from torchtitan.models.common import Linear
 from torchtitan.models.common.decoder import Decoder, TransformerBlock
 from torchtitan.models.utils import get_dense_model_nparams_and_flops
@@ -35,7 +34,9 @@ def document_causal_mask(positions: torch.Tensor) -> torch.Tensor:
     """[batch, 1, seq, seq] mask: causal, and only within a document (positions restart at 0)."""
     document = torch.cumsum(positions == 0, dim=1)
     same = document[:, :, None] == document[:, None, :]
-    causal = torch.ones(positions.shape[1], positions.shape[1], dtype=torch.bool, device=positions.device).tril()
+    causal = torch.ones(
+        positions.shape[1], positions.shape[1], dtype=torch.bool, device=positions.device
+    ).tril()
     return (same & causal)[:, None]
 
 
@@ -68,27 +69,43 @@ class Attention(Module):
         self.rope = config.rope.build()
         self.canonB = config.canonB.build() if config.canonB is not None else None
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None,
-                shards: ContextShards | None = None,
-                canon_positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        shards: ContextShards | None = None,
+        canon_positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         batch, seq_len, _ = x.shape
         q, k, v = self.wq(x), self.wk(x), self.wv(x)
         # QK-norm: over the whole flat projection, before splitting into heads (fused into Canon-B).
         if self.canonB is not None:
-            q, k, v = self.canonB.segments(q, k, v, norms=(self.q_norm, self.k_norm, None),
-                                           shards=shards, positions=canon_positions)
+            q, k, v = self.canonB.segments(
+                q,
+                k,
+                v,
+                norms=(self.q_norm, self.k_norm, None),
+                shards=shards,
+                positions=canon_positions,
+            )
         elif self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(batch, seq_len, -1, self.head_dim)
         k = k.view(batch, seq_len, -1, self.head_dim)
         v = v.view(batch, seq_len, -1, self.head_dim)
         q, k = self.rope(q, k, positions)
-        if shards is not None:  # context parallel: against the keys and values of the whole sequence
+        if (
+            shards is not None
+        ):  # context parallel: against the keys and values of the whole sequence
             return self.wo(shards.attention(q, k, v, self.enable_gqa).flatten(2))
         mask = None if positions is None else document_causal_mask(positions)
         out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-            attn_mask=mask, is_causal=mask is None, enable_gqa=self.enable_gqa,
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            attn_mask=mask,
+            is_causal=mask is None,
+            enable_gqa=self.enable_gqa,
         )
         return self.wo(out.transpose(1, 2).flatten(2))
 
@@ -140,7 +157,9 @@ class LlamaModel(CanonDecoder):
             if seq_len is not None:
                 for layer in self.layers:
                     rope = layer.attention.rope
-                    layer.attention.rope = dataclasses.replace(rope, max_seq_len=max(rope.max_seq_len, seq_len))
+                    layer.attention.rope = dataclasses.replace(
+                        rope, max_seq_len=max(rope.max_seq_len, seq_len)
+                    )
             Decoder.Config.update_from_config(self, config=config, **kwargs)
 
         def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:

@@ -13,8 +13,13 @@ import torch.nn as nn
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from canon_titan.models.common.parallelize import (channel_shard, feed_forward_plan, parallelize_block_plan,
-                                                   parallelize_decoder, region_plan)
+from canon_titan.models.common.parallelize import (
+    channel_shard,
+    feed_forward_plan,
+    parallelize_block_plan,
+    parallelize_decoder,
+    region_plan,
+)
 
 
 def parallelize_block(block, tp_mesh, enable_sp: bool) -> None:
@@ -32,8 +37,11 @@ def parallelize_block(block, tp_mesh, enable_sp: bool) -> None:
         "attention.wv": ColwiseParallel(),
         "attention.wo": RowwiseParallel(output_layouts=residual),
         **feed_forward_plan(block, tp_mesh, residual),
-        **region_plan(block, (("canonA", "attention_norm", "attention"), ("canonC", "ffn_norm", "feed_forward")),
-                      enable_sp),
+        **region_plan(
+            block,
+            (("canonA", "attention_norm", "attention"), ("canonC", "ffn_norm", "feed_forward")),
+            enable_sp,
+        ),
     }
     parallelize_block_plan(block, tp_mesh, plan)
 

@@ -18,7 +18,12 @@ from collections.abc import Iterable
 import torch
 
 from canon_titan.hf import HFModel
-from canon_titan.models.common.state_dict_adapter import LAYER, CanonStateDictAdapter, HFFormatError, HFTensor
+from canon_titan.models.common.state_dict_adapter import (
+    LAYER,
+    CanonStateDictAdapter,
+    HFFormatError,
+    HFTensor,
+)
 
 LAYER_NAMES = {
     "attention.wq.weight": "self_attn.q_proj.weight",
@@ -46,7 +51,9 @@ TOP_NAMES = {
     "norm.weight": "model.norm.weight",
     "lm_head.weight": "lm_head.weight",
 }
-LLAMA_CANON = HFModel("configuration_llama_canon.LlamaCanonConfig", "modeling_llama_canon.LlamaCanonForCausalLM")
+LLAMA_CANON = HFModel(
+    "configuration_llama_canon.LlamaCanonConfig", "modeling_llama_canon.LlamaCanonForCausalLM"
+)
 ROPE_LAYOUTS = ("lingua", "huggingface")
 
 
@@ -71,10 +78,14 @@ def hf_name(name: str) -> str:
 
 
 class LlamaStateDictAdapter(CanonStateDictAdapter):
-    def __init__(self, model_config, hf_assets_path: str | None = None, *, rope_layout: str = "lingua"):
+    def __init__(
+        self, model_config, hf_assets_path: str | None = None, *, rope_layout: str = "lingua"
+    ):
         super().__init__(model_config, hf_assets_path, rope_layout=rope_layout)
         if rope_layout not in ROPE_LAYOUTS:
-            raise ValueError(f"rope layout must be one of {', '.join(ROPE_LAYOUTS)}, got {rope_layout!r}")
+            raise ValueError(
+                f"rope layout must be one of {', '.join(ROPE_LAYOUTS)}, got {rope_layout!r}"
+            )
         self.rotate_half = self.hf_model is None or rope_layout == "huggingface"
         """Whether the Hugging Face tensors hold q/k channels in the rotate-half layout."""
 
@@ -82,8 +93,11 @@ class LlamaStateDictAdapter(CanonStateDictAdapter):
     def plain(self) -> bool:
         """transformers' own Llama computes this model."""
         args = self.args
-        return (not getattr(args, "canon_set", "") and not args.qk_norm
-                and (args.rope_dim is None or args.rope_dim == args.head_dim))
+        return (
+            not getattr(args, "canon_set", "")
+            and not args.qk_norm
+            and (args.rope_dim is None or args.rope_dim == args.head_dim)
+        )
 
     @property
     def hf_model(self) -> HFModel | None:
@@ -96,15 +110,23 @@ class LlamaStateDictAdapter(CanonStateDictAdapter):
         q, k = _per_head(order, args.n_heads), _per_head(order, args.kv_heads)
         n_q, n_kv = q.numel(), k.numel()
         qkv = torch.cat([q, k + n_q, torch.arange(n_kv) + n_q + n_kv])
-        return {"attention.wq.weight": q, "attention.q_norm.weight": q, "attention.wk.weight": k,
-                "attention.k_norm.weight": k, "attention.canonB.weight": qkv, "attention.canonB.bias": qkv}
+        return {
+            "attention.wq.weight": q,
+            "attention.q_norm.weight": q,
+            "attention.wk.weight": k,
+            "attention.k_norm.weight": k,
+            "attention.canonB.weight": qkv,
+            "attention.canonB.bias": qkv,
+        }
 
     def layout(self, names: Iterable[str]) -> dict[str, HFTensor]:
         orders = self._orders() if self.rotate_half else {}
         layout = {}
         for name in names:
             match = LAYER.match(name)
-            layout[hf_name(name)] = HFTensor((name,), order=orders.get(match.group(2)) if match else None)
+            layout[hf_name(name)] = HFTensor(
+                (name,), order=orders.get(match.group(2)) if match else None
+            )
         return layout
 
     def hf_fields(self) -> dict:
@@ -122,19 +144,31 @@ class LlamaStateDictAdapter(CanonStateDictAdapter):
         if self.plain:
             # transformers 5 reads rope_parameters; 4.x (the release's 4.47) reads the top-level rope_theta and
             # would silently take 10000 without it.
-            return {**shape, "attention_bias": False, "mlp_bias": False, "rope_theta": args.rope_theta,
-                    "rope_parameters": {"rope_type": "default", "rope_theta": args.rope_theta}}
+            return {
+                **shape,
+                "attention_bias": False,
+                "mlp_bias": False,
+                "rope_theta": args.rope_theta,
+                "rope_parameters": {"rope_type": "default", "rope_theta": args.rope_theta},
+            }
         rope_dim = args.rope_dim or args.head_dim
-        return {**shape, "rope_theta": args.rope_theta, "rope_dim": rope_dim,
-                "partial_rotary_factor": rope_dim / args.head_dim, "rope_version": self.rope_layout,
-                "qk_norm": args.qk_norm}
+        return {
+            **shape,
+            "rope_theta": args.rope_theta,
+            "rope_dim": rope_dim,
+            "partial_rotary_factor": rope_dim / args.head_dim,
+            "rope_version": self.rope_layout,
+            "qk_norm": args.qk_norm,
+        }
 
     def config_class(self, hf: dict, where: str):
         model_type = hf.get("model_type")
         if model_type == "llama":
             if not self.plain:
-                raise HFFormatError(f"{where}: a plain Llama checkpoint cannot fill a model with Canon layers, "
-                                    "QK-norm or partial RoPE")
+                raise HFFormatError(
+                    f"{where}: a plain Llama checkpoint cannot fill a model with Canon layers, "
+                    "QK-norm or partial RoPE"
+                )
             from transformers import LlamaConfig
 
             return LlamaConfig
@@ -145,7 +179,9 @@ class LlamaStateDictAdapter(CanonStateDictAdapter):
     def compared(self, config_cls) -> list[str]:
         # Compared resolved: LlamaConfig keeps rope_theta in rope_parameters (transformers 5), and
         # LlamaCanon reads a null rope_dim as the whole head.
-        return ["rope_theta", "head_dim"] + (["rope_dim"] if config_cls.model_type == "LlamaCanon" else [])
+        return ["rope_theta", "head_dim"] + (
+            ["rope_dim"] if config_cls.model_type == "LlamaCanon" else []
+        )
 
     def field(self, config, key: str):
         if key == "rope_theta":
@@ -155,8 +191,14 @@ class LlamaStateDictAdapter(CanonStateDictAdapter):
 
     def read_format(self, hf: dict, where: str) -> None:
         # transformers 5 writes rope_parameters, 4.x rope_scaling (absent: plain RoPE).
-        rope_type = (hf.get("rope_parameters") or hf.get("rope_scaling") or {}).get("rope_type", "default")
+        rope_type = (hf.get("rope_parameters") or hf.get("rope_scaling") or {}).get(
+            "rope_type", "default"
+        )
         if rope_type != "default":
-            raise HFFormatError(f"{where}: rope_parameters has rope_type {rope_type!r}; canon-titan's models use plain "
-                                "RoPE ('default')")
-        self.rotate_half = hf.get("model_type") == "llama" or hf.get("rope_version") == "huggingface"
+            raise HFFormatError(
+                f"{where}: rope_parameters has rope_type {rope_type!r}; canon-titan's models use plain "
+                "RoPE ('default')"
+            )
+        self.rotate_half = (
+            hf.get("model_type") == "llama" or hf.get("rope_version") == "huggingface"
+        )

@@ -27,14 +27,20 @@ class LlamaCanonArgs(CanonArgs, LlamaArgs):
         return LlamaArgs.validate(self) + self.canon_problems()
 
     def block_config(self) -> model.LlamaBlock.Config:
-        return dataclasses.replace(LlamaArgs.block_config(self),
-                                   canon_document_reset=self.canon_document_reset)
+        return dataclasses.replace(
+            LlamaArgs.block_config(self), canon_document_reset=self.canon_document_reset
+        )
 
     def model_config(self) -> model.LlamaModel.Config:
         if self.canon_set:
-            documents = ("start at each document" if self.canon_document_reset else
-                         "reach across document boundaries, as the release's "
-                         "(canon_document_reset false)")
-            logger.info(f"Canon layers: {self.describe_canon()}; with document positions their "
-                        f"taps {documents}")
+            documents = (
+                "start at each document"
+                if self.canon_document_reset
+                else "reach across document boundaries, as the release's "
+                "(canon_document_reset false)"
+            )
+            logger.info(
+                f"Canon layers: {self.describe_canon()}; with document positions their "
+                f"taps {documents}"
+            )
         return LlamaArgs.model_config(self)

@@ -4,5 +4,9 @@ from canon_titan.models.common.family import ModelFamily
 from canon_titan.models.llama.parallelize import parallelize_llama
 from canon_titan.models.llama.state_dict_adapter import LLAMA_CANON, LlamaStateDictAdapter
 
-FAMILY = ModelFamily(name="llama_canon", parallelize=parallelize_llama,
-                     state_dict_adapter=LlamaStateDictAdapter, hf_models=(LLAMA_CANON,))
+FAMILY = ModelFamily(
+    name="llama_canon",
+    parallelize=parallelize_llama,
+    state_dict_adapter=LlamaStateDictAdapter,
+    hf_models=(LLAMA_CANON,),
+)

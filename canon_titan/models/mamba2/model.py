@@ -18,7 +18,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
 from torchtitan.models.common import Linear
 from torchtitan.protocols.module import Module
 
@@ -26,7 +25,6 @@ from canon_titan.kernels import ssd
 from canon_titan.kernels.documents import Documents
 from canon_titan.models.common.canon import CanonConv
 from canon_titan.models.common.linear import GatedRMSNorm, upcast
-
 
 
 class Mamba2Mixer(Module):
@@ -68,6 +66,15 @@ class Mamba2Mixer(Module):
         xs, B, C = xbc.split([self.d_inner, n, n], dim=-1)
         dt = F.softplus(upcast(dt) + upcast(self.dt_bias))
         A = -upcast(self.A_log).exp()
-        y, _ = ssd(xs.unflatten(-1, (heads, self.head_dim)), dt, A, B.unsqueeze(2), C.unsqueeze(2), D=self.D,
-                   chunk_size=self.chunk_size, documents=documents, backend=self.backend)
+        y, _ = ssd(
+            xs.unflatten(-1, (heads, self.head_dim)),
+            dt,
+            A,
+            B.unsqueeze(2),
+            C.unsqueeze(2),
+            D=self.D,
+            chunk_size=self.chunk_size,
+            documents=documents,
+            backend=self.backend,
+        )
         return self.out_proj(self.norm(y.flatten(-2), z))
