@@ -1,4 +1,5 @@
-"""Training entry point: ``torchrun ... -m canon_titan.train --config FILE.toml [--section.key value ...]``."""
+"""Training entry point: ``torchrun ... -m canon_titan.train --config FILE.toml [--section.key value
+...]``."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from canon_titan.tools.startup import importing, process_setup
 
 if __name__ == "__main__":
     process_setup()  # before the imports below print
-    stop_before_training()  # from the first instant: a stop signal while importing torch is one line and 75
+    # from the first instant: a stop signal while importing torch is one line and 75
+    stop_before_training()
     use_expandable_segments()
 
 with importing():  # seconds of imports, without the garbage collector walking them
@@ -101,7 +103,8 @@ def _main(argv: list[str] | None) -> int:
     ) as e:  # found as the loader opens the data (a damaged token shard, ...)
         code, say = REFUSED, functools.partial(say_once, f"data error: {e}")
     except Preempted as e:
-        # 75 says "saved, requeue": only with a checkpoint of the step reached, which the torchrun wrapper checks.
+        # 75 says "saved, requeue": only with a checkpoint of the step reached, which the torchrun
+        # wrapper checks.
         code, say = PREEMPTED, functools.partial(logger.warning, str(e))
         if trainer.checkpointer.enable:
             report_saved(os.path.join(trainer.checkpointer.folder, f"step-{trainer.step}"))

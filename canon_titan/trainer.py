@@ -65,8 +65,10 @@ class FinishedRun(RuntimeError):
 
 def finished_message(dump_folder: str, step: int, steps: int) -> str:
     return (
-        f"dump folder {dump_folder} already holds a finished run: its checkpoint step-{step} reaches "
-        f"[training] steps = {steps}, so there is nothing to train. Raise steps to continue it, or use "
+        f"dump folder {dump_folder} already holds a finished run: its checkpoint "
+        f"step-{step} reaches "
+        f"[training] steps = {steps}, so there is nothing to train. Raise steps to "
+        "continue it, or use "
         "another [job] dump_folder for a new run"
     )
 
@@ -164,8 +166,9 @@ class CanonTrainer(QueuedCopies, Trainer):
         tokenizer_kind: Annotated[str, tyro.conf.Suppress] = "hf"
         """``[tokenizer] kind`` (its files are ``hf_assets_path``), for Hugging Face exports."""
         model_seed: Annotated[int | None, tyro.conf.Suppress] = None
-        """``[model] seed``: the weights are initialised from it; ``debug.seed`` (``[job] seed``) seeds
-        the run's random state after that, as the release seeds its weights with 42 and its run with
+        """``[model] seed``: the weights are initialised from it; ``debug.seed`` (``[job] seed``)
+        seeds the run's random state after that, as the release seeds its weights with 42 and its
+        run with
         777. None: ``debug.seed`` seeds the weights too."""
         divergence: Annotated[DivergenceSection, tyro.conf.Suppress] = field(
             default_factory=DivergenceSection
@@ -180,7 +183,8 @@ class CanonTrainer(QueuedCopies, Trainer):
     step and checkpoint; a rank that ``canon-titan plan`` steps on fake tensors does not."""
 
     def __init__(self, config: Config):
-        # Taken once a step is done (``train_step``); until then a stop signal ends the process at once.
+        # Taken once a step is done (``train_step``); until then a stop signal ends the process at
+        # once.
         self.stop_signals = StopSignals(config.stop_grace_seconds, on_disk=self._on_disk)
         if config.model_seed is None:
             super().__init__(config)
@@ -213,7 +217,8 @@ class CanonTrainer(QueuedCopies, Trainer):
             changes = config_changes(path, config.run_toml)
             if changes:
                 logger.warning(
-                    f"the config differs from the one of the run already in {config.dump_folder}: {changes}"
+                    "the config differs from the one of the run already in "
+                    f"{config.dump_folder}: {changes}"
                 )
             write_atomic(path, config.run_toml)
 
@@ -224,8 +229,9 @@ class CanonTrainer(QueuedCopies, Trainer):
         return newest_checkpoint_line(checkpointer.folder)
 
     def _init_with_model_seed(self, config: Config) -> None:
-        """TorchTitan seeds once, before it initialises the weights: it is given ``[model] seed`` for
-        that, with its per-stage offsets under PP, and ``[job] seed`` is applied the same way after."""
+        """TorchTitan seeds once, before it initialises the weights: it is given ``[model] seed``
+        for that, with its per-stage offsets under PP, and ``[job] seed`` is applied the same way
+        after."""
         run_debug = config.debug
         config.debug = dataclasses.replace(run_debug, seed=config.model_seed)
         try:
@@ -269,10 +275,12 @@ class CanonTrainer(QueuedCopies, Trainer):
             self.checkpointer.force_next_save
         ):  # a stop request read only now: the step it stops at is saved
             self.checkpointer.save(self.step)
-        runtime.end_barrier()  # every rank has left the loop (TorchTitan's own 2-second sleep, shimmed)
+        # every rank has left the loop (TorchTitan's own 2-second sleep, shimmed)
+        runtime.end_barrier()
         if self.stop_signals.requested and self.step >= self.config.training.steps:
             logger.info(
-                f"the stop signal came during or after the last step ({self.step}): the run is complete"
+                f"the stop signal came during or after the last step ({self.step}): the "
+                "run is complete"
             )
         last = self._last_verdict
         if last is not None and not last.applied:  # every step skipped, the last in_a_row of them
@@ -328,8 +336,8 @@ class CanonTrainer(QueuedCopies, Trainer):
         )
 
     def _checked(self, plan: ResumePlan, step_dir: Path) -> ResumePlan:
-        """``plan`` with what the run takes of ``step_dir``, read from its metadata; ResumeRefused for a
-        checkpoint that cannot continue this run (``check_resume``)."""
+        """``plan`` with what the run takes of ``step_dir``, read from its metadata; ResumeRefused
+        for a checkpoint that cannot continue this run (``check_resume``)."""
         verdict = check_resume(
             step_dir,
             shapes=self.checkpointer.sd_adapter.shapes,
@@ -347,7 +355,8 @@ class CanonTrainer(QueuedCopies, Trainer):
         return plan
 
     def _resume_from(self, step_dir: Path) -> None:
-        """The checkpoint a load falls back to (every rank is there), checked as the first one was."""
+        """The checkpoint a load falls back to (every rank is there), checked as the first one
+        was."""
         step = int(step_dir.name.removeprefix("step-"))
         fallback = ResumePlan(step=step, skipped=[], resumes=True)
         plan = rank_zero_decides(
@@ -358,13 +367,13 @@ class CanonTrainer(QueuedCopies, Trainer):
         self._prepare_resume(plan)
 
     def _prepare_resume(self, plan: ResumePlan) -> None:
-        """Let a loader that reads every rank's state (the synthetic one), or fills in a fingerprint,
-        know which entries the checkpoint holds; on changed data that may be used, start the loader
-        afresh."""
+        """Let a loader that reads every rank's state (the synthetic one), or fills in a
+        fingerprint, know which entries the checkpoint holds; on changed data that may be used,
+        start the loader afresh."""
         if plan.model_only:
             return  # a seed checkpoint: TorchTitan loads the model alone
-        # Called again for the checkpoint a damaged one falls back to: what was excluded for the first
-        # (its data changed) is not excluded for the second unless its data changed too.
+        # Called again for the checkpoint a damaged one falls back to: what was excluded for the
+        # first (its data changed) is not excluded for the second unless its data changed too.
         configured = self.config.checkpoint.exclude_from_loading
         fresh = plan.new_data_pass and "dataloader" not in configured
         self.checkpointer.exclude_from_loading = configured + (["dataloader"] if fresh else [])
@@ -377,7 +386,8 @@ class CanonTrainer(QueuedCopies, Trainer):
         return {**super().state_dict(), "global_batch_size": self.global_batch_size}
 
     def _complete_hf_export(self) -> None:
-        """config.json, modeling code, tokenizer and checksums beside the safetensors TorchTitan wrote."""
+        """config.json, modeling code, tokenizer and checksums beside the safetensors TorchTitan
+        wrote."""
         if torch.distributed.is_initialized():
             torch.distributed.barrier()
             if torch.distributed.get_rank() != 0:
@@ -417,7 +427,8 @@ class CanonTrainer(QueuedCopies, Trainer):
 
     def _judge_step(self, holds_loss: bool) -> None:
         """The step's skip flag for the optimizer and its record for the host, by device ops alone
-        (``new_full`` fills on the device: a tensor made from a host value would be a copy that waits)."""
+        (``new_full`` fills on the device: a tensor made from a host value would be a copy that
+        waits)."""
         step_loss = functools.reduce(torch.add, self._group_losses)
         self._group_losses = []
         stats = torch.stack(
@@ -431,7 +442,8 @@ class CanonTrainer(QueuedCopies, Trainer):
         if torch.distributed.is_initialized():
             torch.distributed.all_reduce(stats)
         loss_sum, holders, stop, nonfinite_gradients = stats.unbind()
-        # Ranks of one tensor- or pipeline-parallel group hold the same loss (pipelines: the last stage).
+        # Ranks of one tensor- or pipeline-parallel group hold the same loss (pipelines: the last
+        # stage).
         dims = self.parallel_dims
         loss = loss_sum / (holders / max(1, dims.world_size // (dims.tp * dims.pp)))
         skip_flag, record = self.loss_guard.judge(loss, nonfinite_gradients)
@@ -470,9 +482,9 @@ class CanonTrainer(QueuedCopies, Trainer):
                 self.checkpointer.force_next_save = True
 
     def _decides_now(self) -> bool:
-        """Whether the host reads this step's verdict at once rather than after the next step's work:
-        a logged step (its loss is read anyway), a step whose checkpoint is written (none of a step
-        that stops the run), the last step."""
+        """Whether the host reads this step's verdict at once rather than after the next step's
+        work: a logged step (its loss is read anyway), a step whose checkpoint is written (none of a
+        step that stops the run), the last step."""
         step, steps = self.step, self.config.training.steps
         return (
             self.metrics_processor.should_log(step)
@@ -486,7 +498,8 @@ class CanonTrainer(QueuedCopies, Trainer):
     def train_step(self, data_iterator):
         self.progress.step_starts()
         if self.takes_stop_signals and not self.stop_signals.installed:
-            self.stop_signals.install()  # before the step's first collective: a stop signal now finishes and saves
+            # before the step's first collective: a stop signal now finishes and saves
+            self.stop_signals.install()
         if self.evaluator is not None and self.evaluator.cut_short_before(self.step - 1):
             self._evaluate(self.step - 1)  # its weights: this step has not run yet
         try:
@@ -503,7 +516,8 @@ class CanonTrainer(QueuedCopies, Trainer):
         if self.takes_stop_signals:
             self.stop_signals.step_done()
         # The previous step's verdict, now that this step's work is queued behind it (a stop request
-        # in it makes this step one that is saved); this step's own where the host decides on it now.
+        # in it makes this step one that is saved); this step's own where the host decides on it
+        # now.
         self._read_verdicts(self.step - 1)
         if self._decides_now():
             self._read_verdicts(self.step)

@@ -1,14 +1,16 @@
-"""Plan every point of the published calibration set (issue 42) and print, or write into docs/benchmarks/planner.md,
-a table of measured against planned tokens/s per GPU and memory, with the median and worst error.
+"""Plan every point of the published calibration set (issue 42) and print, or write into
+docs/benchmarks/planner.md, a table of measured against planned tokens/s per GPU and memory, with
+the median and worst error.
 
     .venv/bin/python scripts/plan_calibration.py [--docs] [--only PATTERN] [--list]
 
 The points are TorchTitan's own measurements (the pytorch/torchtitan repository's ``benchmarks/``
-folder): Llama 3.1 8B, 70B and 405B on the 500 W, 96 GB HBM2e H100 (``llama3_h100_202412_torchtitan.md``,
-tables 1-5; ``asyncTP_llama3_h100_2025-06_torchtitan.md``, its vanilla-TP columns) and 8B on H200
-(``llama3-8b_h200_202506_trainy-whitefiber.md``). Each is the ``llama``
-family at Llama 3.1's shape (``--model`` overrides of the Llama-8B recipe), with the run's batch,
-sequence, parallelism, activation checkpointing, compile and float8 from that file and TorchTitan's
+folder): Llama 3.1 8B, 70B and 405B on the 500 W, 96 GB HBM2e H100
+(``llama3_h100_202412_torchtitan.md``, tables 1-5; ``asyncTP_llama3_h100_2025-06_torchtitan.md``,
+its vanilla-TP columns) and 8B on H200 (``llama3-8b_h200_202506_trainy-whitefiber.md``). Each is the
+``llama`` family at Llama 3.1's shape (``--model`` overrides of the Llama-8B recipe), with the run's
+batch, sequence, parallelism, activation checkpointing, compile and float8 from that file and
+TorchTitan's
 ``llama3_8b.toml`` / ``llama3_70b.toml`` at the commit it names (sequence 8192, selective
 checkpointing per op). Memory is TorchTitan's logged max reserved, compared with the plan's
 reserved peak. Both sets ran torch before 2.9, whose SDPA runs FlashAttention-2 on Hopper (cuDNN
@@ -136,8 +138,9 @@ class Point:
     attention: str = "flash"
     """The SDPA backend the run's torch picked (every point here ran torch < 2.9: flash)."""
     pipeline_unshard: str = "stage"
-    """When a looped pipeline schedule gathered a stage's parameters (``fake_world.PIPELINE_UNSHARD``):
-    the table 5 runs' torch (2024-12-23) ran Interleaved1F1B block by block (``layer``)."""
+    """When a looped pipeline schedule gathered a stage's parameters
+    (``fake_world.PIPELINE_UNSHARD``): the table 5 runs' torch (2024-12-23) ran Interleaved1F1B
+    block by block (``layer``)."""
 
     @property
     def key(self) -> str:
@@ -359,11 +362,15 @@ def point_row(point: Point, log) -> str:
     if point.memory_gib is None:
         memory_cells = f"not published | {planned_gib:.1f} GiB | -"
     else:
-        memory_cells = f"{point.memory_gib} GiB | {planned_gib:.1f} GiB | x{planned_gib / point.memory_gib:.2f}"
+        memory_cells = (
+            f"{point.memory_gib} GiB | {planned_gib:.1f} GiB | "
+            f"x{planned_gib / point.memory_gib:.2f}"
+        )
     gc.collect()
     return (
         f"| `{point.source}` | {point.label} | {point.gpus} x {GPUS[point.gpu].name} | "
-        f"{point.tokens_per_s:,.0f} | {result.tokens_per_s_per_gpu:,.0f} | x{tokens:.2f} | {memory_cells} |"
+        f"{point.tokens_per_s:,.0f} | {result.tokens_per_s_per_gpu:,.0f} | x{tokens:.2f} | "
+        f"{memory_cells} |"
     )
 
 
@@ -395,7 +402,8 @@ def summary(rows: list[str]) -> list[str]:
         if cells[8].startswith("x"):
             errors["memory"].append(abs(float(cells[8][1:]) - 1))
     return [
-        f"- {name}: median error {100 * statistics.median(errs):.0f}%, worst {100 * max(errs):.0f}% over "
+        f"- {name}: median error {100 * statistics.median(errs):.0f}%, worst "
+        f"{100 * max(errs):.0f}% over "
         f"{len(errs)} points"
         for name, errs in errors.items()
         if errs
@@ -452,7 +460,8 @@ def main() -> int:
     missing = [p.key for p in POINTS if p.label not in kept and p not in points]
     if missing:
         raise SystemExit(
-            f"docs/benchmarks/planner.md has no row for {missing[0]}: plan every point (no --only) first"
+            f"docs/benchmarks/planner.md has no row for {missing[0]}: plan every point (no "
+            "--only) first"
         )
     planned = {p.label: point_row(p, log) for p in points}
     # The page is read again only now, so that what changed in it while the points were planned

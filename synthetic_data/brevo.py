@@ -61,7 +61,8 @@ def ancestors(parents: list[list[int]], node: int) -> set[int]:
 def random_topological_order(
     rng: random.Random, parents: list[list[int]], nodes: set[int], last: int
 ) -> list[int]:
-    """Kahn's algorithm over ``nodes`` with a random choice among ready nodes; ``last`` comes last."""
+    """Kahn's algorithm over ``nodes`` with a random choice among ready nodes; ``last`` comes
+    last."""
     waiting = {v: {p for p in parents[v] if p in nodes} for v in nodes}
     order = []
     while waiting:

@@ -128,7 +128,10 @@ def population(params: CapoParams) -> list[Person]:
     people = []
     for name in names:
         company, company_city = (part.strip() for part in rng.choice(companies).split(";"))
-        birthday = f"{rng.choice(MONTHS)} {rng.randint(1, 28)}, {rng.randint(params.min_year, params.max_year)}"
+        birthday = (
+            f"{rng.choice(MONTHS)} {rng.randint(1, 28)}, "
+            f"{rng.randint(params.min_year, params.max_year)}"
+        )
         people.append(
             Person(
                 len(people),
@@ -229,7 +232,8 @@ def load_bior(path: str | Path, people: list[Person]) -> list[tuple[int, str]]:
 
 
 def bior_prompt(person: Person, rng: random.Random) -> str:
-    """A prompt asking a language model for a bioR biography of ``person`` (facts in random order)."""
+    """A prompt asking a language model for a bioR biography of ``person`` (facts in random
+    order)."""
     facts = [
         f"was born on {person.birthday}",
         f"was born in {person.birth_city}",
@@ -244,7 +248,8 @@ def bior_prompt(person: Person, rng: random.Random) -> str:
         f"({person.pronoun.lower()}/{person.possessive}) who "
         + ", ".join(facts[:-1])
         + f" and {facts[-1]}. "
-        "Mention every one of these facts exactly once, and nothing else that could contradict them."
+        "Mention every one of these facts exactly once, and nothing else that could "
+        "contradict them."
     )
 
 

@@ -19,7 +19,8 @@ class TaskParamError(ValueError):
 
 @dataclass
 class Sample:
-    """One sequence: token ids, labels (1 marks tokens the loss is taken on) and facts for scoring."""
+    """One sequence: token ids, labels (1 marks tokens the loss is taken on) and facts for
+    scoring."""
 
     tokens: list[int]
     labels: list[int]
@@ -33,7 +34,8 @@ def sample_rng(seed: int, rank: int, index: int) -> random.Random:
 
 
 def sample_size(rng: random.Random, largest: int, smallest: int = 3) -> int:
-    """Training sizes: n in [smallest, largest] with P(n) proportional to 1 / (n + sqrt(largest))."""
+    """Training sizes: n in [smallest, largest] with P(n) proportional to 1 / (n +
+    sqrt(largest))."""
     sizes = list(range(smallest, largest + 1))
     return rng.choices(sizes, weights=[1 / (n + math.sqrt(largest)) for n in sizes])[0]
 

@@ -44,7 +44,8 @@ class Grammar:
             symbols = data["all"][level]
             if len(symbols) != sizes[level]:
                 raise ValueError(
-                    f"grammar: level {level} lists {len(symbols)} symbols, sizes says {sizes[level]}"
+                    f"grammar: level {level} lists {len(symbols)} symbols, sizes says "
+                    f"{sizes[level]}"
                 )
             level_rules = []
             for symbol in symbols:
@@ -52,7 +53,8 @@ class Grammar:
                 for rule in children:
                     if not rule or any(not 0 <= c < sizes[level + 1] for c in rule):
                         raise ValueError(
-                            f"grammar: rule {list(rule)} of {symbol.get('name')} points outside level {level + 1}"
+                            f"grammar: rule {list(rule)} of {symbol.get('name')} points "
+                            f"outside level {level + 1}"
                         )
                 level_rules.append(children)
             rules.append(level_rules)
@@ -163,7 +165,8 @@ class LanoParams:
     grammar: str | None = None
     """A grammar JSON file in the reference layout (e.g. cfg3f.json); None samples one."""
     sizes: list[int] = field(default_factory=lambda: [1, 3, 3, 3, 3, 3, 3])
-    """Sampled grammar: symbols per level, root (1) to terminals (like cfg3f: depth 6, 3 per level)."""
+    """Sampled grammar: symbols per level, root (1) to terminals (like cfg3f: depth 6, 3 per
+    level)."""
     rules_per_symbol: list[int] = field(default_factory=lambda: [3, 4])
     """Sampled grammar: [min, max] rules per non-terminal."""
     rule_lengths: list[int] = field(default_factory=lambda: [2, 3])

@@ -43,7 +43,8 @@ def _word_params(params, largest_n: int) -> None:
         raise TaskParamError(
             "N",
             f"is {largest_n}, but mini_vocab = {params.mini_vocab} with words of "
-            f"{params.min_word_len}-{params.max_word_len} tokens makes only {capacity} distinct words",
+            f"{params.min_word_len}-{params.max_word_len} tokens makes only {capacity} "
+            "distinct words",
         )
 
 

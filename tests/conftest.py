@@ -33,10 +33,10 @@ COMMON = [
 
 
 def made_once(tmp_path_factory, name: str, make) -> Path:
-    """The folder ``name``, filled by ``make(folder)`` once per test session however many pytest-xdist workers
-    ask for it: the first makes it, the others wait for it and read it. (A module- or session-scoped fixture is
-    made once per worker that runs one of its tests, and a training run costs each of its processes about 10 s
-    of CPU in imports before it trains.)"""
+    """The folder ``name``, filled by ``make(folder)`` once per test session however many
+    pytest-xdist workers ask for it: the first makes it, the others wait for it and read it. (A
+    module- or session-scoped fixture is made once per worker that runs one of its tests, and a
+    training run costs each of its processes about 10 s of CPU in imports before it trains.)"""
     base = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):
         base = base.parent  # this session's folder, which its workers share
@@ -45,9 +45,9 @@ def made_once(tmp_path_factory, name: str, make) -> Path:
 
 
 def make_once(folder: Path, make) -> Path:
-    """``folder``, filled by ``make(folder)`` unless a process did so before, under a file lock: processes
-    that ask while one makes it wait for it. A ``make`` that raises leaves no folder: the next one to ask
-    tries again (and fails with its own error)."""
+    """``folder``, filled by ``make(folder)`` unless a process did so before, under a file lock:
+    processes that ask while one makes it wait for it. A ``make`` that raises leaves no folder: the
+    next one to ask tries again (and fails with its own error)."""
     from filelock import FileLock
 
     with FileLock(f"{folder}.lock"):
@@ -119,7 +119,8 @@ PPL = [
     {"text": f"Once upon a time there were {i} cats in a small house by the sea."} for i in range(3)
 ]
 TINY_TASKS = {
-    "tiny_mc": "output_type: multiple_choice\ndoc_to_text: q\ndoc_to_choice: choices\ndoc_to_target: label\n"
+    "tiny_mc": "output_type: multiple_choice\ndoc_to_text: q\ndoc_to_choice: choices\ndoc_to_target: "
+    "label\n"
     "target_delimiter: ''\nmetric_list:\n  - metric: acc\n  - metric: acc_norm\n",
     "tiny_gen": "output_type: generate_until\ndoc_to_text: q\ndoc_to_target: a\ntarget_delimiter: ''\n"
     "generation_kwargs:\n  until: ['\\n']\n  max_gen_toks: 6\n  do_sample: false\n"

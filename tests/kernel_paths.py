@@ -1,10 +1,11 @@
 """The device the kernel tests run on, and proof that a call took the kernel path.
 
 On a machine with a GPU every kernel test runs on CUDA tensors; without one, on CPU tensors in
-Triton's interpreter (conftest.py sets TRITON_INTERPRET=1). A backend asked for a Triton kernel falls
-back to torch where the kernel cannot run (a CPU tensor without the interpreter, an unsupported kernel
-size), and a test comparing it with torch would then compare torch with torch: ``kernel_path`` fails
-such a test, by counting the canon_titan custom ops (the only way into the kernels) that ran.
+Triton's interpreter (conftest.py sets TRITON_INTERPRET=1). A backend asked for a Triton kernel
+falls back to torch where the kernel cannot run (a CPU tensor without the interpreter, an
+unsupported kernel size), and a test comparing it with torch would then compare torch with torch:
+``kernel_path`` fails such a test, by counting the canon_titan custom ops (the only way into the
+kernels) that ran.
 """
 
 from __future__ import annotations

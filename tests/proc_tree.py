@@ -1,6 +1,6 @@
-"""The live descendants of a process, read from /proc (torchrun starts its workers in sessions of their
-own, so a process group does not hold them). Shared by the tests' helpers and the SLURM stand-in, which
-runs as a script of its own and must not import the tests' conftest."""
+"""The live descendants of a process, read from /proc (torchrun starts its workers in sessions of
+their own, so a process group does not hold them). Shared by the tests' helpers and the SLURM
+stand-in, which runs as a script of its own and must not import the tests' conftest."""
 
 from pathlib import Path
 

@@ -1,6 +1,7 @@
-"""A torchrun entry for tests/test_linear_tuning.py: ``canon_titan.train`` with rank 1's kernel tuning made
-``$SLOW_TUNING_S`` seconds slower than the other ranks' (a rank on a busier host, or one without the tuning
-results on its disk that the others read)."""
+"""A torchrun entry for tests/test_linear_tuning.py: ``canon_titan.train`` with rank 1's kernel
+tuning made
+``$SLOW_TUNING_S`` seconds slower than the other ranks' (a rank on a busier host, or one without the
+tuning results on its disk that the others read)."""
 
 import os
 import sys

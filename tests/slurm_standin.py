@@ -1,20 +1,21 @@
-"""Stand-ins for SLURM's ``srun`` and ``scontrol``, so that ``scripts/train.slurm`` runs on one machine
-with its real command lines (``install`` puts them on a PATH folder).
+"""Stand-ins for SLURM's ``srun`` and ``scontrol``, so that ``scripts/train.slurm`` runs on one
+machine with its real command lines (``install`` puts them on a PATH folder).
 
 ``srun`` behaves as the real one does where the template depends on it (Slurm's src/srun/launch.c,
 ``_task_finish``): one task per node (``SLURM_NNODES``), each with its node's ``SLURM_NODEID`` and
-``SLURM_STEP_ID``; with ``--kill-on-bad-exit=1`` the first task to end with a non-zero code or a signal
-has every process of the other tasks sent SIGTERM, then SIGKILL after ``KILL_WAIT_S`` (slurmstepd's
-SIG_TERM_KILL over the step's processes); with ``--wait=N`` (and no kill on a bad exit, which takes
-precedence) the tasks still running N seconds after the first ended are ended alike; and its exit
-code is 128 + the highest signal when a task was killed by one, otherwise the highest exit code.
+``SLURM_STEP_ID``; with ``--kill-on-bad-exit=1`` the first task to end with a non-zero code or a
+signal has every process of the other tasks sent SIGTERM, then SIGKILL after ``KILL_WAIT_S``
+(slurmstepd's SIG_TERM_KILL over the step's processes); with ``--wait=N`` (and no kill on a bad
+exit, which takes precedence) the tasks still running N seconds after the first ended are ended
+alike; and its exit code is 128 + the highest signal when a task was killed by one, otherwise the
+highest exit code.
 ``SRUN_SLOW_NODE_S`` makes every node but the first end that many seconds after its command does (a
 slower node's teardown), so that a kill can land on a task that is still running, as it does at
 scale.
 
-``scontrol show hostnames`` prints two addresses of this machine, the second late (a reader that stops
-at the first line is gone by then, which failed the template under pipefail); ``scontrol requeue JOB``
-appends JOB to the file ``requeued`` in the stand-ins' folder."""
+``scontrol show hostnames`` prints two addresses of this machine, the second late (a reader that
+stops at the first line is gone by then, which failed the template under pipefail); ``scontrol
+requeue JOB`` appends JOB to the file ``requeued`` in the stand-ins' folder."""
 
 import os
 import signal

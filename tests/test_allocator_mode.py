@@ -1,8 +1,10 @@
-"""The CUDA allocator's mode of a training process (expandable segments, as TorchTitan's run_train.sh sets,
-unless the environment configures the allocator) and the planner's model of it. References: the rules of
-``c10/cuda/CUDACachingAllocator.cpp`` with ``expandable_segments:True`` (pages of 2 MiB in the small pool,
-20 MiB in the large one; best fit by the size a block could grow to; growth at the lowest unmapped range
-that holds the request; free pages unmapped before an out-of-memory), worked by hand."""
+"""The CUDA allocator's mode of a training process (expandable segments, as TorchTitan's
+run_train.sh sets, unless the environment configures the allocator) and the planner's model of it.
+References: the rules of
+``c10/cuda/CUDACachingAllocator.cpp`` with ``expandable_segments:True`` (pages of 2 MiB in the small
+pool, 20 MiB in the large one; best fit by the size a block could grow to; growth at the lowest
+unmapped range that holds the request; free pages unmapped before an out-of-memory), worked by
+hand."""
 
 import os
 from types import SimpleNamespace
@@ -36,9 +38,9 @@ MIB = 1 << 20
 def test_a_training_process_runs_with_expandable_segments_unless_the_environment_says_otherwise(
     monkeypatch, env, expandable
 ):
-    """The mode the planner assumes is the one a training process sets itself: expandable segments where
-    the environment leaves the allocator alone, the user's setting otherwise (PYTORCH_ALLOC_CONF first,
-    as torch reads it)."""
+    """The mode the planner assumes is the one a training process sets itself: expandable segments
+    where the environment leaves the allocator alone, the user's setting otherwise
+    (PYTORCH_ALLOC_CONF first, as torch reads it)."""
     for name in cuda_allocator.SETTINGS:
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
@@ -56,7 +58,8 @@ def test_a_training_process_runs_with_expandable_segments_unless_the_environment
 
 def test_the_planner_replays_the_step_in_the_runs_allocator_mode(monkeypatch):
     """``reserved_peak`` hands the replay the mode a training process started from this environment
-    would use (at 432670c it always modelled the default allocator, which no launch path uses now)."""
+    would use (at 432670c it always modelled the default allocator, which no launch path uses
+    now)."""
     seen = []
     monkeypatch.setattr(
         planner, "replay", lambda events, **kwargs: seen.append(kwargs["expandable"])
@@ -76,9 +79,9 @@ def test_the_planner_replays_the_step_in_the_runs_allocator_mode(monkeypatch):
 
 
 def test_an_expandable_segment_grows_by_pages_and_reuses_its_free_end():
-    """30 MiB maps two 20 MiB pages (40); freed, then 50 MiB: the free 40 MiB at the end grows by one
-    page (60 reserved), where the default allocator keeps the 30 MiB segment (rounded to 30) and adds a
-    50 MiB one (80). A small request maps a 2 MiB page of the small pool."""
+    """30 MiB maps two 20 MiB pages (40); freed, then 50 MiB: the free 40 MiB at the end grows by
+    one page (60 reserved), where the default allocator keeps the 30 MiB segment (rounded to 30) and
+    adds a 50 MiB one (80). A small request maps a 2 MiB page of the small pool."""
     expanding = ExpandingAllocator()
     first = expanding.malloc(30 * MIB)
     assert expanding.reserved == 40 * MIB
@@ -98,10 +101,11 @@ def test_an_expandable_segment_grows_by_pages_and_reuses_its_free_end():
 
 
 def test_best_fit_passes_over_the_block_that_borders_unmapped_space():
-    """x 15 [0, 15), y 5 [15, 20), z 28 [20, 48) (pages to 60); x freed: free blocks [0, 15) and [48, 60),
-    the second bordering unmapped space. 11 MiB takes [0, 15) (a 4 MiB rest), not the smaller [48, 60):
-    best fit counts that one as able to grow. Then 14 MiB fits no free block and grows [48, 60) by a page:
-    80 reserved (plain best fit would have taken [48, 60) for the 11 and [0, 15) for the 14: 60)."""
+    """x 15 [0, 15), y 5 [15, 20), z 28 [20, 48) (pages to 60); x freed: free blocks [0, 15) and
+    [48, 60), the second bordering unmapped space. 11 MiB takes [0, 15) (a 4 MiB rest), not the
+    smaller [48, 60): best fit counts that one as able to grow. Then 14 MiB fits no free block and
+    grows [48, 60) by a page: 80 reserved (plain best fit would have taken [48, 60) for the 11 and
+    [0, 15) for the 14: 60)."""
     allocator = ExpandingAllocator()
     x, y, z = allocator.malloc(15 * MIB), allocator.malloc(5 * MIB), allocator.malloc(28 * MIB)
     assert [(b.offset // MIB, b.size // MIB) for b in (x, y, z)] == [(0, 15), (15, 5), (20, 28)]
@@ -114,10 +118,11 @@ def test_best_fit_passes_over_the_block_that_borders_unmapped_space():
 
 
 def test_at_the_gpus_memory_free_pages_are_unmapped_and_the_mapping_tried_again():
-    """On 100 MiB: a 20 [0, 20), b 40 [20, 60), c 20 [60, 80) (80 reserved); b freed; d 50 fits no free
-    block and would map three pages at 80 (140): one retry unmaps b's two whole pages (40 reserved), the
-    hole [20, 60) is too small for 50, so d maps at 80 after all: 100 reserved, within the GPU. The
-    default allocator releases b's whole segment and reserves a 50 MiB one: 90."""
+    """On 100 MiB: a 20 [0, 20), b 40 [20, 60), c 20 [60, 80) (80 reserved); b freed; d 50 fits no
+    free block and would map three pages at 80 (140): one retry unmaps b's two whole pages (40
+    reserved), the hole [20, 60) is too small for 50, so d maps at 80 after all: 100 reserved,
+    within the GPU. The default allocator releases b's whole segment and reserves a 50 MiB one:
+    90."""
     events = [
         (0, 1, 20 * MIB),
         (1, 2, 40 * MIB),
@@ -136,9 +141,9 @@ def test_at_the_gpus_memory_free_pages_are_unmapped_and_the_mapping_tried_again(
 
 
 def test_a_replayed_step_with_expandable_segments_reserves_less_of_its_fragmented_peak():
-    """Parameters 100 MiB (persistent), a 40 MiB activation freed, then 50 MiB: the free 40 at the end
-    grows by a page, 160 reserved (the default allocator: 190, a new 50 MiB segment); the second step
-    reuses it."""
+    """Parameters 100 MiB (persistent), a 40 MiB activation freed, then 50 MiB: the free 40 at the
+    end grows by a page, 160 reserved (the default allocator: 190, a new 50 MiB segment); the second
+    step reuses it."""
     events = [
         (0, 0, 100 * MIB),
         (1, 1, 40 * MIB),
@@ -152,8 +157,8 @@ def test_a_replayed_step_with_expandable_segments_reserves_less_of_its_fragmente
 
 
 def test_a_gpu_run_of_record_is_planned_in_the_allocator_mode_it_had(monkeypatch):
-    """The runs of 2026-11-22 to 28 ran without expandable segments (no launcher set them): the planner's
-    tables plan each run with its own mode, whatever this process's environment says."""
+    """The runs of 2026-11-22 to 28 ran without expandable segments (no launcher set them): the
+    planner's tables plan each run with its own mode, whatever this process's environment says."""
     from canon_titan.plan.calibration import POINTS
 
     assert POINTS and all(not p.expandable_segments for p in POINTS if p.date <= "2026-11-28")

@@ -88,7 +88,8 @@ def test_unknown_task_and_bad_sample_files(tmp_path):
         babilong.format_prompt("qa6", "", "")
     path = tmp_path / "qa1.jsonl"
     path.write_text(
-        '{"input": "Mary went home.", "question": "Where is Mary?", "target": "home"}\n{"input": 1}\n'
+        '{"input": "Mary went home.", "question": "Where is Mary?", "target": '
+        '"home"}\n{"input": 1}\n'
     )
     with pytest.raises(
         ValueError, match="qa1.jsonl:2: expected a JSON object with input, question and target"

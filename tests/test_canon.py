@@ -203,7 +203,8 @@ def test_triton_backend_needs_a_gpu_or_the_interpreter(interpret, ok, monkeypatc
         == (os.environ["TRITON_INTERPRET"] == "1")
     )
     monkeypatch.setattr(backends, "INTERPRETED", interpret)
-    backends.KernelEnvironment._this_machine.cache_clear()  # this machine's, as a fresh process finds it
+    # this machine's, as a fresh process finds it
+    backends.KernelEnvironment._this_machine.cache_clear()
     try:
         code = cli.main(
             [
@@ -223,8 +224,8 @@ def test_triton_backend_needs_a_gpu_or_the_interpreter(interpret, ok, monkeypatc
     else:
         assert code == 2
         assert (
-            "[model] canon_backend: canon backend 'triton' runs Triton kernels, which need a CUDA GPU"
-            in err
+            "[model] canon_backend: canon backend 'triton' runs Triton kernels, which "
+            "need a CUDA GPU" in err
         )
         assert "TRITON_INTERPRET=1" in err
 

@@ -1,10 +1,10 @@
 """The Canon weight and bias gradients (the Triton kernels') are bitwise reproducible: across
-processes and runs, whatever the forward kernels' autotuning picked, and on every tensor-parallel rank
-after training steps under sequence parallelism, where Canon-A/C weights are replicated and each rank
-computes their full gradient (the replicas must not drift apart).
+processes and runs, whatever the forward kernels' autotuning picked, and on every tensor-parallel
+rank after training steps under sequence parallelism, where Canon-A/C weights are replicated and
+each rank computes their full gradient (the replicas must not drift apart).
 
-On a GPU the processes autotune from their own timings (each with its own Triton cache); on the CPU the
-kernels run in Triton's interpreter. Either way the backward blocks are what orders the weight
+On a GPU the processes autotune from their own timings (each with its own Triton cache); on the CPU
+the kernels run in Triton's interpreter. Either way the backward blocks are what orders the weight
 gradient's sums, and the first test also shows that other blocks change its bits: a choice by timing
 would not be reproducible.
 """

@@ -53,8 +53,8 @@ def train(dump, *extra):
 
 
 def stop_lines(out):
-    """The distinct lines a run stopped with (not its warnings; torchrun's copy of a worker's line is
-    prefixed with its rank)."""
+    """The distinct lines a run stopped with (not its warnings; torchrun's copy of a worker's line
+    is prefixed with its rank)."""
     lines = [re.sub(r"^\[rank\d+\]:", "", line) for line in out.splitlines()]
     return sorted(
         {
@@ -67,7 +67,8 @@ def stop_lines(out):
 
 def nan_into_optimizer_state(step_dir):
     """NaN bytes over the first element of an optimizer state tensor, in place in its data file (the
-    file keeps its size and its pickle; only values change, as a bad disk or copy would change them)."""
+    file keeps its size and its pickle; only values change, as a bad disk or copy would change
+    them)."""
     from torch.distributed.checkpoint import FileSystemReader
 
     metadata = FileSystemReader(str(step_dir)).read_metadata()
@@ -89,8 +90,8 @@ def nan_into_optimizer_state(step_dir):
 
 
 def random_tensor_bytes(step_dir):
-    """Random bytes over one tensor's stored bytes (its whole slice of a data file, sizes unchanged);
-    the data file it is in."""
+    """Random bytes over one tensor's stored bytes (its whole slice of a data file, sizes
+    unchanged); the data file it is in."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -124,12 +125,13 @@ def all_finite(step_dir):
 @pytest.mark.slow
 def test_damaged_checkpoints_are_named_and_the_run_falls_back_to_the_previous_one(tmp_path):
     """Checkpoints at steps 2 to 8; then step 8's second data file is overwritten with random bytes
-    (same size: no size check sees it), one tensor's bytes in step 6 likewise, and step 4 gets NaN bytes
-    in its optimizer state. The resume skips step 8 before it loads (its small values do not load),
-    names step 6's file as the load meets it and falls back to step 4, finds step 4's optimizer state
-    not finite and falls back to step 2, each in one line; it then trains steps 3 to 8 with the losses
-    of the uninterrupted run, and the checkpoints it writes over the damaged ones are complete and
-    finite. At 432670c: a 130-line traceback naming no file, and a NaN optimizer state loaded unchecked."""
+    (same size: no size check sees it), one tensor's bytes in step 6 likewise, and step 4 gets NaN
+    bytes in its optimizer state. The resume skips step 8 before it loads (its small values do not
+    load), names step 6's file as the load meets it and falls back to step 4, finds step 4's
+    optimizer state not finite and falls back to step 2, each in one line; it then trains steps 3 to
+    8 with the losses of the uninterrupted run, and the checkpoints it writes over the damaged ones
+    are complete and finite. At 432670c: a 130-line traceback naming no file, and a NaN optimizer
+    state loaded unchecked."""
     run = tmp_path / "run"
     code, out = train(run, "--training.steps", "8", "--metrics.save_tb_folder", "tb_first")
     assert code == 0, out[-4000:]
@@ -143,7 +145,8 @@ def test_damaged_checkpoints_are_named_and_the_run_falls_back_to_the_previous_on
     code, out = train(run, "--training.steps", "8", "--metrics.save_tb_folder", "tb_resumed")
     assert code == 0 and "Traceback" not in out, out[-6000:]
     assert (
-        f"canon-titan: warning: checkpoint step 8 cannot be loaded and is skipped: {random_file}: its bytes do "
+        "canon-titan: warning: checkpoint step 8 cannot be loaded and is skipped: "
+        f"{random_file}: its bytes do "
         "not load"
     ) in out, out[-6000:]
     warned = [
@@ -153,13 +156,14 @@ def test_damaged_checkpoints_are_named_and_the_run_falls_back_to_the_previous_on
     ]
     assert len(warned) == 2, out[-6000:]
     assert (
-        f"checkpoint {checkpoints / 'step-6'} cannot be loaded: {tensor_file}: its bytes do not load"
-        in warned[0]
+        f"checkpoint {checkpoints / 'step-6'} cannot be loaded: {tensor_file}: its bytes "
+        "do not load" in warned[0]
     ) and warned[0].endswith(
         "resuming from step 4 instead, the newest complete checkpoint before it"
     ), warned[0]
     assert (
-        f"checkpoint {checkpoints / 'step-4'} holds values that are not finite (NaN or inf) in its optimizer "
+        f"checkpoint {checkpoints / 'step-4'} holds values that are not finite (NaN or "
+        "inf) in its optimizer "
         "state: resuming from step 2 instead" in warned[1]
     ), warned[1]
     assert "Training starts at step 3" in out
@@ -221,10 +225,10 @@ def test_a_checkpoint_saved_before_the_train_state_held_the_global_batch_still_l
 
 
 def test_only_a_checkpoint_this_process_checked_is_called_good(tmp_path):
-    """The advice after a divergence names the newest checkpoint before it; "the last good checkpoint"
-    only if this process saved it or loaded it with finite values, and never one it found damaged. At
-    432670c any checkpoint whose files had the right sizes was called good (issue 78: one with a NaN
-    optimizer state, loaded unchecked, named as the one to go back to)."""
+    """The advice after a divergence names the newest checkpoint before it; "the last good
+    checkpoint" only if this process saved it or loaded it with finite values, and never one it
+    found damaged. At 432670c any checkpoint whose files had the right sizes was called good (issue
+    78: one with a NaN optimizer state, loaded unchecked, named as the one to go back to)."""
     import torch.distributed.checkpoint as dcp
 
     from canon_titan.components.checkpointer import newest_checkpoint_hint
@@ -238,11 +242,13 @@ def test_only_a_checkpoint_this_process_checked_is_called_good(tmp_path):
                 checkpoint_id=str(folder / f"step-{step}"),
             )
     assert newest_checkpoint_hint(folder, 5, checked={4}).startswith(
-        f"the last good checkpoint is {folder / 'step-4'}; resume from it with --checkpoint.load_step 4"
+        f"the last good checkpoint is {folder / 'step-4'}; resume from it with "
+        "--checkpoint.load_step 4"
     )
     unchecked = newest_checkpoint_hint(folder, 5, checked={2})
     assert "good" not in unchecked and unchecked.startswith(
-        f"the newest checkpoint before it is {folder / 'step-4'}, which this run neither saved nor loaded"
+        f"the newest checkpoint before it is {folder / 'step-4'}, which this run neither "
+        "saved nor loaded"
     )
     assert newest_checkpoint_hint(folder, 5, checked={2}, damaged={4}).startswith(
         f"the last good checkpoint is {folder / 'step-2'}"
@@ -255,8 +261,8 @@ def test_only_a_checkpoint_this_process_checked_is_called_good(tmp_path):
 
 @pytest.fixture
 def tmpfs(tmp_path):
-    """A tmpfs whose size the test sets (``mount -o remount,size=...``), or a skip where this process
-    cannot mount one (the fault needs a real filesystem that fills)."""
+    """A tmpfs whose size the test sets (``mount -o remount,size=...``), or a skip where this
+    process cannot mount one (the fault needs a real filesystem that fills)."""
     mount = tmp_path / "disk"
     mount.mkdir()
     if (
@@ -274,10 +280,10 @@ def tmpfs(tmp_path):
 @pytest.mark.slow
 def test_the_full_disk_advice_works_when_followed(tmp_path, tmpfs):
     """A disk with room for checkpoints 2 and 4 and half of a third: step 6's save fails. The line
-    says how much to free and which settings keep the run inside the disk; run again with exactly those
-    settings, the run resumes from step 4 and finishes at step 8 on the same disk, leaving the two newest
-    checkpoints. At 432670c the line advised [checkpoint] keep_latest_k, which TorchTitan applies only
-    after a save succeeds: the same save failed again."""
+    says how much to free and which settings keep the run inside the disk; run again with exactly
+    those settings, the run resumes from step 4 and finishes at step 8 on the same disk, leaving the
+    two newest checkpoints. At 432670c the line advised [checkpoint] keep_latest_k, which TorchTitan
+    applies only after a save succeeds: the same save failed again."""
     run = tmpfs / "run"
     code, out = train(run, "--training.steps", "4")
     assert code == 0, out[-4000:]
@@ -334,10 +340,11 @@ def save_step(folder, step, **extra):
 
 
 def test_a_damaged_checkpoint_with_nothing_to_fall_back_to_is_refused(tmp_path, monkeypatch):
-    """Where the load meets a damaged checkpoint, the run falls back to the newest complete one before
-    it (checking it as the resume did the first), and with none left it is refused in one line naming
-    the folder to move away. A damaged checkpoint given as --checkpoint.load_step is refused naming the
-    load_step that loads; one whose small values do not load is skipped before the load, naming its file."""
+    """Where the load meets a damaged checkpoint, the run falls back to the newest complete one
+    before it (checking it as the resume did the first), and with none left it is refused in one
+    line naming the folder to move away. A damaged checkpoint given as --checkpoint.load_step is
+    refused naming the load_step that loads; one whose small values do not load is skipped before
+    the load, naming its file."""
     from torchtitan.components.checkpointer import CheckpointManager
 
     from canon_titan.components.checkpointer import CanonCheckpointer
@@ -406,8 +413,9 @@ def test_a_damaged_checkpoint_with_nothing_to_fall_back_to_is_refused(tmp_path, 
 
 
 def test_a_read_error_is_the_file_systems_not_a_damaged_checkpoint(tmp_path, monkeypatch):
-    """An OSError while reading a data file (EIO, ESTALE from a network file system) is raised as it is:
-    a checkpoint is called damaged, skipped and later overwritten only for bytes that do not load."""
+    """An OSError while reading a data file (EIO, ESTALE from a network file system) is raised as it
+    is: a checkpoint is called damaged, skipped and later overwritten only for bytes that do not
+    load."""
     import errno
 
     from torch.distributed.checkpoint import FileSystemReader

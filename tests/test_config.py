@@ -296,7 +296,8 @@ def test_impossible_values_fail_before_training(override, key, message):
     ],
 )
 def test_values_that_failed_only_after_launch_are_refused(override, key, message):
-    """Values that passed the checks at 432670c and failed in the trainer (a 75-147-line traceback after
+    """Values that passed the checks at 432670c and failed in the trainer (a 75-147-line traceback
+    after
     launch: issue 78) or after it started (the profiler's schedule, torch.compile, the checkpoint's
     AC determinism mode, pipeline stage splits): each is refused before launch, naming its key."""
     with pytest.raises(ConfigError) as e:
@@ -311,9 +312,9 @@ def test_values_that_failed_only_after_launch_are_refused(override, key, message
 def test_canon_titan_train_refuses_them_before_it_launches_or_writes(
     tmp_path, monkeypatch, capsys, override
 ):
-    """On the launch path of issue 78 (`canon-titan train`): one line, exit 2, torchrun never started, and
-    nothing written in the current directory (at 432670c an empty dump_folder left .canon-titan.lock and
-    tb/ there before the 75-147-line traceback)."""
+    """On the launch path of issue 78 (`canon-titan train`): one line, exit 2, torchrun never
+    started, and nothing written in the current directory (at 432670c an empty dump_folder left
+    .canon-titan.lock and tb/ there before the 75-147-line traceback)."""
     from canon_titan import cli
     from canon_titan.cli import train as cli_train
 
@@ -329,8 +330,8 @@ def test_canon_titan_train_refuses_them_before_it_launches_or_writes(
 
 
 def test_a_data_path_on_the_builtin_dataset_suggests_the_dataset_that_reads_it(tmp_path):
-    """dataset_path (or sources) without a dataset is one's own data on the default built-in corpus: the
-    message names the dataset that reads it ("files" for documents, "tokens" for a token folder,
+    """dataset_path (or sources) without a dataset is one's own data on the default built-in corpus:
+    the message names the dataset that reads it ("files" for documents, "tokens" for a token folder,
     "stream" for sources). At 432670c it said only "remove it"."""
     (tmp_path / "index.json").write_text("{}")
     for override, wanted in (
@@ -534,8 +535,8 @@ def test_model_vocabulary_follows_the_tokenizer(tmp_path):
 
 
 def test_profiling_section_reaches_torchtitans_profiler(tmp_path):
-    """``[profiling]`` is TorchTitan's profiler config (traces under the dump folder); a key it lacks
-    is named with the section."""
+    """``[profiling]`` is TorchTitan's profiler config (traces under the dump folder); a key it
+    lacks is named with the section."""
     run = load(
         DEBUG_CONFIG,
         [
@@ -559,9 +560,9 @@ def test_profiling_section_reaches_torchtitans_profiler(tmp_path):
 
 
 def test_profiling_settings_that_cannot_run_are_config_errors(tmp_path):
-    """A profile cycle shorter than its warm-up and recording, and a CUDA memory snapshot on a machine
-    without CUDA (TorchTitan fails inside the first step there), are named before any process starts;
-    a static check for another machine skips the hardware one."""
+    """A profile cycle shorter than its warm-up and recording, and a CUDA memory snapshot on a
+    machine without CUDA (TorchTitan fails inside the first step there), are named before any
+    process starts; a static check for another machine skips the hardware one."""
     with pytest.raises(
         ConfigError, match=r"\[profiling\] profile_freq: is 3; it must be at least .*\(4\)"
     ):

@@ -70,7 +70,8 @@ def _shard_and_run(rank, world, name, overrides, balancer, document_masking):
         grad = param.grad.clone()
         dist.all_reduce(grad)
         grads[key] = grad
-    # numpy arrays travel by value (tensors would go through shared memory this process frees on exit)
+    # numpy arrays travel by value (tensors would go through shared memory this process frees on
+    # exit)
     return (
         rank,
         shards.index.numpy(),
@@ -129,7 +130,8 @@ def test_sharded_sequence_equals_the_whole_one(name, overrides, balancer, docume
             torch.from_numpy(local_logits), logits.detach()[:, index], rtol=1e-5, atol=1e-5
         )
         for key, grad in grads.items():
-            # fp32 sums in another order (per rank, then over ranks): within 1e-5 of each tensor's scale
+            # fp32 sums in another order (per rank, then over ranks): within 1e-5 of each tensor's
+            # scale
             torch.testing.assert_close(
                 torch.from_numpy(grad),
                 expected[key],

@@ -82,8 +82,8 @@ def test_plain_llama_exports_as_standard_llama(tmp_path):
 
 def test_the_export_tokenizer_says_the_model_s_length(tmp_path):
     """A model trained at 256 tokens: the exported tokenizer's model_max_length is 256, as is the
-    config's max_position_embeddings, whatever the tokenizer folder said (the built-in one: 4096, which
-    432670c copied as is), and AutoTokenizer reads it so."""
+    config's max_position_embeddings, whatever the tokenizer folder said (the built-in one: 4096,
+    which 432670c copied as is), and AutoTokenizer reads it so."""
     from transformers import AutoTokenizer
 
     run, step, _ = make_checkpoint(tmp_path, ["--training.seq_len", "256"])

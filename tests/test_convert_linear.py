@@ -242,9 +242,9 @@ def test_gla_release_layernorm_names_import(export, tmp_path):
 
 @pytest.mark.parametrize("family", ["gla5", "gdn2"])
 def test_zeyuan_layernorm_exports_and_round_trips(tmp_path, family):
-    """A run with ``zeyuan_layernorm`` (the release's 8B recipes) writes it into config.json, and GLA5
-    the release's name for its gated norm, so the release's class builds those modules; the folder
-    imports back to the same tensors, whose export writes the same config.json."""
+    """A run with ``zeyuan_layernorm`` (the release's 8B recipes) writes it into config.json, and
+    GLA5 the release's name for its gated norm, so the release's class builds those modules; the
+    folder imports back to the same tensors, whose export writes the same config.json."""
     run, step, model = make_checkpoint(
         tmp_path, ["--model.zeyuan_layernorm", "true"], config=CONFIGS[family]
     )

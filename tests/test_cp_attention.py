@@ -19,7 +19,8 @@ BATCH, LOCAL, HEADS, KV_HEADS, DIM = 2, 32, 6, 2, 16
 
 
 class NewStorages(TorchDispatchMode):
-    """The bytes of every storage an op allocates for its outputs (not one of its inputs': a view)."""
+    """The bytes of every storage an op allocates for its outputs (not one of its inputs': a
+    view)."""
 
     def __init__(self):
         super().__init__()

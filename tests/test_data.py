@@ -112,9 +112,9 @@ def test_stream_dtype_fits_vocabulary(tokenizer):
 
 
 def test_the_end_of_each_epoch_is_said_once_with_the_tokens_seen(tokenizer, caplog):
-    """A corpus smaller than the run is read again: each pass's end is logged once (rank 0), with the
-    windows of a pass and the tokens seen in all; a loader resumed mid-epoch says only the ends it
-    reaches. At 432670c the data was re-looped without a word."""
+    """A corpus smaller than the run is read again: each pass's end is logged once (rank 0), with
+    the windows of a pass and the tokens seen in all; a loader resumed mid-epoch says only the ends
+    it reaches. At 432670c the data was re-looped without a word."""
     import logging
 
     dl = loader(tokenizer, batch=3, seq_len=256)
@@ -148,14 +148,19 @@ def test_the_end_of_each_epoch_is_said_once_with_the_tokens_seen(tokenizer, capl
 @pytest.mark.parametrize("suffix", ["jsonl", "parquet"])
 def test_a_text_field_under_another_name_is_named_with_the_key_to_set(tmp_path, tokenizer, suffix):
     """Documents whose text is under "content": the error names the record's fields and the setting
-    that reads them ([dataloader] text_key), not on_error = "skip" (which skips every record and trains
-    on nothing). With on_error = "skip" anyway, every record skipped is an error, not 0 tokens. At
-    432670c: "missing the 'text' text field (use [dataloader] on_error = "skip" to skip bad records)"."""
+    that reads them ([dataloader] text_key), not on_error = "skip" (which skips every record and
+    trains on nothing). With on_error = "skip" anyway, every record skipped is an error, not 0
+    tokens. At
+    432670c: "missing the 'text' text field (use [dataloader] on_error = "skip" to skip bad
+    records)"."""
     rows = [{"id": i, "content": f"document {i}: " + "word " * 50, "lang": "en"} for i in range(40)]
     path = tmp_path / f"docs.{suffix}"
     if suffix == "jsonl":
         path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        where = f"{path}:1: the 'text' text field is missing; the record's fields: 'id', 'content', 'lang'"
+        where = (
+            f"{path}:1: the 'text' text field is missing; the record's fields: 'id', "
+            "'content', 'lang'"
+        )
     else:
         import pyarrow as pa
         import pyarrow.parquet as pq
@@ -177,7 +182,8 @@ def test_a_text_field_under_another_name_is_named_with_the_key_to_set(tmp_path, 
 
 
 def test_a_record_without_the_field_after_good_ones_may_be_skipped(tmp_path):
-    """Where earlier records had the field, a record without it is a bad record: skipping stays the advice."""
+    """Where earlier records had the field, a record without it is a bad record: skipping stays the
+    advice."""
     path = tmp_path / "docs.jsonl"
     path.write_text(json.dumps({"text": "fine"}) + "\n" + json.dumps({"body": "odd one"}) + "\n")
     with pytest.raises(

@@ -54,7 +54,8 @@ TEST = re.compile(r"(?:tests/)?(test_\w+\.py)::(\w+)")
 
 
 def named_paths(text: str) -> set[str]:
-    """Repository paths in backticks, code blocks and links; patterns and placeholders are not paths."""
+    """Repository paths in backticks, code blocks and links; patterns and placeholders are not
+    paths."""
     found = set()
     for match in PATH.finditer(text):
         path = match.group(1).rstrip(".,:;)")
@@ -73,7 +74,8 @@ def commands(text: str) -> list[list[str]]:
     """Each ``canon-titan ...`` command line (continuations joined), as words."""
     joined = re.sub(r"\\\n\s*", " ", text)
     out = []
-    # In code (a backtick, the venv's bin folder or the start of a code line before it), not in prose.
+    # In code (a backtick, the venv's bin folder or the start of a code line before it), not in
+    # prose.
     for match in re.finditer(
         r"(?:(?<=`)|(?<=\.venv/bin/)|(?<=^)|(?<=^\$ ))canon-titan ([^`\n|]*)", joined, re.M
     ):
@@ -87,7 +89,8 @@ def commands(text: str) -> list[list[str]]:
 
 
 def slug(heading: str) -> str:
-    """GitHub's anchor for a heading: lower case, markup and punctuation dropped, spaces as hyphens."""
+    """GitHub's anchor for a heading: lower case, markup and punctuation dropped, spaces as
+    hyphens."""
     text = re.sub(
         r"[`*]|\[([^\]]*)\]\([^)]*\)", lambda m: m.group(1) or "", heading.strip().lower()
     )
@@ -95,7 +98,8 @@ def slug(heading: str) -> str:
 
 
 def anchors(text: str) -> set[str]:
-    """The anchors of a page's headings (outside code blocks), repeats numbered as GitHub numbers them."""
+    """The anchors of a page's headings (outside code blocks), repeats numbered as GitHub numbers
+    them."""
     seen: dict[str, int] = {}
     out = set()
     for heading in re.findall(r"^#{1,6} (.+)$", re.sub(r"```.*?```", "", text, flags=re.S), re.M):
@@ -176,7 +180,8 @@ def test_every_canon_titan_command_in_the_guide_exists_with_its_options(capsys):
         options = {w.split("=")[0] for w in words if re.fullmatch(r"--[a-z][\w-]*(=.*)?", w)}
         unknown = sorted(o for o in options if o not in helps[key] and o != "--help")
         assert not unknown, (
-            f"`canon-titan {' '.join(words)}`: {unknown} not in `canon-titan {' '.join(key)} --help`"
+            f"`canon-titan {' '.join(words)}`: {unknown} not in `canon-titan "
+            f"{' '.join(key)} --help`"
         )
 
 
@@ -206,9 +211,10 @@ MAX_PAGE_BYTES = 100_000
 
 
 def unreadable(text: str) -> list[str]:
-    """What makes a page no guide: more than ``MAX_PAGE_BYTES``, or a line of prose (over 60 characters,
-    not a table row or a generated table's footnote) standing twice, as a paragraph pasted over and
-    over does (f92c40a wrote one paragraph between every two characters of docs/planning.md: 8.4 MB)."""
+    """What makes a page no guide: more than ``MAX_PAGE_BYTES``, or a line of prose (over 60
+    characters, not a table row or a generated table's footnote) standing twice, as a paragraph
+    pasted over and over does (f92c40a wrote one paragraph between every two characters of
+    docs/planning.md: 8.4 MB)."""
     out = (
         [f"{len(text.encode()):,} bytes (at most {MAX_PAGE_BYTES:,})"]
         if len(text.encode()) > MAX_PAGE_BYTES
@@ -229,7 +235,10 @@ def test_every_page_is_a_readable_size_without_repeated_paragraphs(page):
 
 
 def test_a_pasted_over_page_is_caught():
-    paragraph = "- **canon-titan's own GPU runs** (one H200): Llama-1B within 4% at the recipe's 8 x 4096.\n"
+    paragraph = (
+        "- **canon-titan's own GPU runs** (one H200): Llama-1B within 4% at the recipe's 8 x "
+        "4096.\n"
+    )
     assert unreadable("# Planning\n\n" + paragraph + "\n" + paragraph)[0].startswith(
         "twice: - **canon-titan's own"
     )
@@ -254,7 +263,8 @@ def test_a_broken_link_is_caught(tmp_path):
     )
     page = tmp_path / "README.md"
     page.write_text(
-        "[ok](docs/a.md#multi-node-run_trainsh) [ok](docs/a.md#a-page) [ok](#front) [web](https://x.org/y)\n"
+        "[ok](docs/a.md#multi-node-run_trainsh) [ok](docs/a.md#a-page) [ok](#front) "
+        "[web](https://x.org/y)\n"
         "[gone](docs/b.md) [bad](docs/a.md#not-a-heading) [self](#nowhere)\n# Front\n"
     )
     assert broken_links(page, tmp_path) == [
@@ -265,8 +275,8 @@ def test_a_broken_link_is_caught(tmp_path):
 
 
 def test_the_readme_is_a_front_page():
-    """At most 400 lines; the two set-up commands on its first screen; a link to every topic page and
-    benchmark file, each of which exists."""
+    """At most 400 lines; the two set-up commands on its first screen; a link to every topic page
+    and benchmark file, each of which exists."""
     lines = README.read_text().splitlines()
     assert len(lines) <= MAX_README_LINES, (
         f"README.md has {len(lines)} lines; keep it to {MAX_README_LINES}"

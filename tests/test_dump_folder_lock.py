@@ -40,7 +40,8 @@ time.sleep(float(sys.argv[4]))
 
 
 def hold(dump, host, flock):
-    """A process that takes the dump folder's lock as ``host`` and keeps it; returned once it holds it."""
+    """A process that takes the dump folder's lock as ``host`` and keeps it; returned once it holds
+    it."""
     proc = subprocess.Popen(
         [sys.executable, "-c", HOLD, str(dump), host, flock, "120"],
         cwd=REPO,
@@ -62,8 +63,8 @@ def _no_flock(handle, how):
 
 @pytest.fixture(autouse=True)
 def released_at_the_end(monkeypatch):
-    """A lease this process takes is released when the test ends, as at the process's exit (which also
-    stops its refreshing)."""
+    """A lease this process takes is released when the test ends, as at the process's exit (which
+    also stops its refreshing)."""
     from canon_titan.components import exit_codes
 
     cleanups = []
@@ -74,9 +75,9 @@ def released_at_the_end(monkeypatch):
 
 
 def test_a_node_local_flock_does_not_let_a_second_node_in(tmp_path):
-    """Two nodes (two processes with two host names) on a filesystem whose flock succeeds node-locally:
-    the second is refused, naming the first, both as a run and as the launcher's check. At 432670c the
-    lease was used only when flock failed, so both runs owned the folder."""
+    """Two nodes (two processes with two host names) on a filesystem whose flock succeeds
+    node-locally: the second is refused, naming the first, both as a run and as the launcher's
+    check. At 432670c the lease was used only when flock failed, so both runs owned the folder."""
     dump = tmp_path / "run"
     first = hold(dump, "node-a", "node-local")
     try:
@@ -99,9 +100,9 @@ def test_a_lease_is_never_taken_from_a_live_process_of_this_host_however_long_su
     tmp_path, monkeypatch
 ):
     """Without flock, a holder on this host stopped (SIGSTOP) for longer than the lease's expiry is
-    still refused, and a lease naming a live pid that another process now has (its start time differs)
-    is taken over. At 432670c a lease unrefreshed for 150 s was taken from a live, suspended holder:
-    both runs trained into the same folder."""
+    still refused, and a lease naming a live pid that another process now has (its start time
+    differs) is taken over. At 432670c a lease unrefreshed for 150 s was taken from a live,
+    suspended holder: both runs trained into the same folder."""
     from canon_titan.launch import ownership
 
     monkeypatch.setattr(fcntl, "flock", _no_flock)
@@ -136,8 +137,8 @@ def test_a_lease_is_never_taken_from_a_live_process_of_this_host_however_long_su
     ids=["running", "suspended", "completed", "no_squeue"],
 )
 def test_a_lease_of_a_job_slurm_still_runs_is_never_taken(tmp_path, monkeypatch, squeue, taken):
-    """A lease from another host, unrefreshed for longer than its expiry: taken over unless squeue says
-    its SLURM job still runs (a suspended job refreshes nothing)."""
+    """A lease from another host, unrefreshed for longer than its expiry: taken over unless squeue
+    says its SLURM job still runs (a suspended job refreshes nothing)."""
     from canon_titan.launch import ownership
 
     monkeypatch.setattr(fcntl, "flock", _no_flock)
@@ -175,8 +176,9 @@ def test_a_lease_of_a_job_slurm_still_runs_is_never_taken(tmp_path, monkeypatch,
 
 
 def test_the_holder_refreshes_only_its_own_lease(tmp_path, monkeypatch, caplog):
-    """Once another run has taken the lease over, the first run's refreshing leaves it alone (and says
-    so): at 432670c it touched whatever file had the name, keeping the new holder's lease fresh for it."""
+    """Once another run has taken the lease over, the first run's refreshing leaves it alone (and
+    says so): at 432670c it touched whatever file had the name, keeping the new holder's lease fresh
+    for it."""
     from canon_titan.launch import ownership
 
     monkeypatch.setattr(fcntl, "flock", _no_flock)
@@ -201,10 +203,10 @@ def test_the_holder_refreshes_only_its_own_lease(tmp_path, monkeypatch, caplog):
 
 @pytest.mark.slow
 def test_nodes_that_do_not_share_the_dump_folder_refuse_on_every_node(tmp_path):
-    """Two torchrun agents (--nnodes 2, c10d on loopback), each with a dump folder of its own, as nodes
-    with node-local disks: both refuse before training, each printing the one line that names the fix,
-    and neither writes a checkpoint. At 432670c both trained, each saved half of every checkpoint, and
-    both exited 0."""
+    """Two torchrun agents (--nnodes 2, c10d on loopback), each with a dump folder of its own, as
+    nodes with node-local disks: both refuse before training, each printing the one line that names
+    the fix, and neither writes a checkpoint. At 432670c both trained, each saved half of every
+    checkpoint, and both exited 0."""
     port = free_port()
     procs = []
     for node in range(2):
@@ -258,8 +260,8 @@ def test_nodes_that_do_not_share_the_dump_folder_refuse_on_every_node(tmp_path):
 def test_a_folder_where_the_lease_cannot_be_made_is_one_line_and_leaves_nothing(
     tmp_path, monkeypatch
 ):
-    """The lease is made by a hard link, which some FUSE mounts refuse: one line naming it (at 432670c a
-    traceback, on the filesystems without flock), and no file of it left behind."""
+    """The lease is made by a hard link, which some FUSE mounts refuse: one line naming it (at
+    432670c a traceback, on the filesystems without flock), and no file of it left behind."""
     from canon_titan.launch import ownership
 
     def no_link(src, dst):
@@ -269,7 +271,8 @@ def test_a_folder_where_the_lease_cannot_be_made_is_one_line_and_leaves_nothing(
     dump = tmp_path / "run"
     with pytest.raises(
         ownership.DumpFolderUnusable,
-        match=f"cannot create the lease file {dump / ownership.LEASE_FILE}: Operation not permitted; "
+        match=f"cannot create the lease file {dump / ownership.LEASE_FILE}: Operation not "
+        "permitted; "
         r"use a \[job\] dump_folder",
     ):
         ownership.lock_dump_folder(dump)

@@ -96,7 +96,8 @@ def test_multihop_tasks_score_the_year(multihop_dir):
 SAMPLES = {
     "qa1": (
         {
-            "input": "Mary went to the kitchen. John moved to the garden. Mary travelled to the office.",
+            "input": "Mary went to the kitchen. John moved to the garden. Mary travelled to the "
+            "office.",
             "question": "Where is Mary?",
             "target": "office",
         },

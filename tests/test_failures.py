@@ -148,8 +148,8 @@ def test_sigusr1_saves_and_exits_75_like_sigterm(tmp_path, send):
     """SIGUSR1 (SLURM's early-warning signal of choice) is a stop request like SIGTERM: every rank
     finishes its step, saves it and the job exits 75, whether every process gets it or only the
     launcher. At 4a7b0a2 every process died at once with no line and the steps since the last
-    checkpoint were lost. The loss is logged every 4th step: the ranks agree on the request on a step
-    that is not logged too (the host reads it a step late, and saves that step)."""
+    checkpoint were lost. The loss is logged every 4th step: the ranks agree on the request on a
+    step that is not logged too (the host reads it a step late, and saves that step)."""
     run = tmp_path / "run"
     code, out = interrupt(
         cli_train_cmd(run, "--training.steps", "30", "--metrics.log_freq", "4"), "step:  1", send
@@ -191,10 +191,11 @@ def test_a_stop_signal_during_the_last_step_is_a_normal_finish(tmp_path):
 )
 def test_a_stop_signal_before_training_starts_is_one_line_and_75(tmp_path, who, sig):
     """Ctrl-C while ``canon-titan train`` checks the run, SIGTERM while torchrun imports torch, and
-    Ctrl-C (SIGINT to its process group) or SIGTERM while ``scripts/run_train.sh`` checks the config:
-    one line and 75 (a requeue-on-75 job script runs it again; nothing had trained). At 4a7b0a2 the
-    first was a 65-line KeyboardInterrupt traceback (130), the second a silent death (241); at 432670c
-    run_train.sh's check printed a KeyboardInterrupt traceback, or exited 143 without a line."""
+    Ctrl-C (SIGINT to its process group) or SIGTERM while ``scripts/run_train.sh`` checks the
+    config: one line and 75 (a requeue-on-75 job script runs it again; nothing had trained). At
+    4a7b0a2 the first was a 65-line KeyboardInterrupt traceback (130), the second a silent death
+    (241); at 432670c run_train.sh's check printed a KeyboardInterrupt traceback, or exited 143
+    without a line."""
     dump = tmp_path / "run"
     if who == "launcher":
         cmd = cli_train_cmd(dump, "--training.steps", "4")
@@ -273,8 +274,8 @@ def test_the_exit_code_after_a_stop_signal_is_what_the_workers_reported(tmp_path
         after_stop_signal({0: 3, 1: 3}, [], True) == 3
     )  # out of grace, a second signal, or checkpointing off
     assert after_stop_signal({0: 75, 1: 75}, [partial], True) == 3  # the save did not finish
-    # No worker had trained a step: nothing is lost, a rerun is exact, whatever became of the workers (at
-    # 432670c workers killed while importing torch made it 3).
+    # No worker had trained a step: nothing is lost, a rerun is exact, whatever became of the
+    # workers (at 432670c workers killed while importing torch made it 3).
     assert after_stop_signal({0: 75, 1: 75}, [], False) == 75
     assert after_stop_signal({}, [], False) == 75
     assert after_stop_signal({0: 75}, [], False) == 75
@@ -282,14 +283,15 @@ def test_the_exit_code_after_a_stop_signal_is_what_the_workers_reported(tmp_path
 
 
 def test_a_second_signal_or_the_end_of_the_grace_period_exits_at_once():
-    """After a stop signal a rank that has not saved within [job] stop_grace_seconds exits (3: the step
-    reached is not on disk, so not 75, "saved, requeue") with
+    """After a stop signal a rank that has not saved within [job] stop_grace_seconds exits (3: the
+    step reached is not on disk, so not 75, "saved, requeue") with
     one line; so does one that gets a second signal after the duplicate window, at once."""
     script = (
         "import os, signal, sys, time\n"
         "from canon_titan.components.checkpointer import newest_checkpoint_line\n"
         "from canon_titan.components.preemption import StopSignals\n"
-        "StopSignals(int(sys.argv[1]), on_disk=lambda: newest_checkpoint_line('no-such-folder')).install()\n"
+        "StopSignals(int(sys.argv[1]), on_disk=lambda: "
+        "newest_checkpoint_line('no-such-folder')).install()\n"
         "os.kill(os.getpid(), signal.SIGTERM)\n"
         "time.sleep(float(sys.argv[2]))\n"
         "os.kill(os.getpid(), signal.SIGTERM)\n"
@@ -318,7 +320,8 @@ def test_a_second_signal_or_the_end_of_the_grace_period_exits_at_once():
 
 
 # Two gloo ranks; rank 1 never joins the all-reduce, so rank 0's main thread stays inside it (in
-# C++, where Python runs no signal handler) until the collective's timeout, far past the grace period.
+# C++, where Python runs no signal handler) until the collective's timeout, far past the grace
+# period.
 HUNG_RANK = """
 import datetime, sys, time
 import torch, torch.distributed as dist
@@ -349,9 +352,10 @@ def test_stop_signals_act_while_the_main_thread_is_blocked_in_a_collective(
     tmp_path, grace, second_after, message
 ):
     """A rank whose main thread is blocked in a gloo all-reduce that its peer never joins: after
-    SIGTERM it exits (3: nothing of the step reached saved; one line, no traceback) when the grace period runs out, or at once on a
-    second signal, not when the collective times out. At 4a7b0a2 the grace timer and the second
-    signal lived in a Python signal handler, which ran only when the all-reduce gave up (240 s here)."""
+    SIGTERM it exits (3: nothing of the step reached saved; one line, no traceback) when the grace
+    period runs out, or at once on a second signal, not when the collective times out. At 4a7b0a2
+    the grace timer and the second signal lived in a Python signal handler, which ran only when the
+    all-reduce gave up (240 s here)."""
     store = tmp_path / "store"
     ranks = [
         subprocess.Popen(
@@ -463,8 +467,8 @@ def test_a_full_disk_is_named_and_divergence_stops_before_saving(tmp_path):
 
 
 def guard_verdicts(section, losses, bad_gradients=()):
-    """The guard's verdict on each step of ``losses`` (gradients not finite at ``bad_gradients``), as the
-    host reads it, and the skip flag the optimizer got."""
+    """The guard's verdict on each step of ``losses`` (gradients not finite at ``bad_gradients``),
+    as the host reads it, and the skip flag the optimizer got."""
     from canon_titan.components.divergence import LossGuard
 
     guard, out = LossGuard(section, torch.device("cpu")), []
@@ -515,8 +519,8 @@ def test_the_loss_guard_skips_spikes_and_stops_on_repeated_non_finite_losses():
         1.0,
         1.0,
     ]
-    # A finite loss over gradients that are not: skipped, and the spike window does not keep its loss (kept,
-    # 2.9 would make the mean 2.45 and 3.5 no spike).
+    # A finite loss over gradients that are not: skipped, and the spike window does not keep its
+    # loss (kept, 2.9 would make the mean 2.45 and 3.5 no spike).
     got = guard_verdicts(
         DivergenceSection(spike_factor=1.5, spike_window=2, max_nonfinite_steps=2),
         [2.0, 2.0, 2.9, 2.0, 3.5],
@@ -540,7 +544,8 @@ def with_fault(tmp_path, code: str) -> dict:
     return env
 
 
-# The loss every rank's step returns jumps to ten times its level from step 4 on (its gradients do not).
+# The loss every rank's step returns jumps to ten times its level from step 4 on (its gradients do
+# not).
 LOSS_JUMPS = """
 from torchtitan import trainer
 step = trainer.Trainer.forward_backward_step
@@ -626,8 +631,8 @@ def test_a_loss_at_a_new_level_stops_after_the_bounded_skips(tmp_path):
     out = short.stdout + short.stderr
     assert short.returncode == 3 and "Traceback" not in out, out[-4000:]
     assert (
-        "canon-titan: every step this run trained (3) was skipped ([divergence]), so it trained nothing"
-        in out
+        "canon-titan: every step this run trained (3) was skipped ([divergence]), so it "
+        "trained nothing" in out
     )
 
 
@@ -636,7 +641,8 @@ def test_a_nan_gradient_with_a_finite_loss_is_skipped_at_its_step(tmp_path):
     """A NaN gradient on one rank while every loss is finite: the gradients are judged before the
     optimizer step, so that step's update is skipped (with ``max_nonfinite_steps = 2``) and the run
     goes on with finite losses to its end; with the default (1) it stops there, naming step 3. At
-    4a7b0a2 only the loss was judged: the NaN update was applied and the next steps' losses were NaN."""
+    4a7b0a2 only the loss was judged: the NaN update was applied and the next steps' losses were
+    NaN."""
     run = tmp_path / "run"
     env = with_fault(tmp_path, NAN_GRADIENT)
     proc = subprocess.run(
@@ -675,8 +681,8 @@ def test_a_nan_gradient_with_a_finite_loss_is_skipped_at_its_step(tmp_path):
     out = stopped.stdout + stopped.stderr
     assert stopped.returncode == 3 and "Traceback" not in out, out[-4000:]
     assert (
-        "canon-titan: the gradients at step 3 are not finite (its loss was finite): the run stops before saving it"
-        in out
+        "canon-titan: the gradients at step 3 are not finite (its loss was finite): the "
+        "run stops before saving it" in out
     )
 
 
@@ -685,9 +691,10 @@ def test_a_nan_gradient_with_a_finite_loss_is_skipped_at_its_step(tmp_path):
 def test_a_skipped_step_leaves_the_weights_as_they_were_with_each_optimizer(
     tmp_path, implementation
 ):
-    """The skipped update is not applied at all, whichever optimizer: the fused one skips it in its kernel
-    (the device's skip flag as its ``found_inf``), the foreach one is not called (the host reads the
-    verdict). The checkpoint after the skipped step 3 holds step 2's weights, to the bit; step 4 trains."""
+    """The skipped update is not applied at all, whichever optimizer: the fused one skips it in its
+    kernel (the device's skip flag as its ``found_inf``), the foreach one is not called (the host
+    reads the verdict). The checkpoint after the skipped step 3 holds step 2's weights, to the bit;
+    step 4 trains."""
     from canon_titan.convert.dcp_io import load_tensor, model_tensor_metadata
 
     run = tmp_path / "run"
@@ -765,10 +772,10 @@ def small_disk(tmp_path):
 def test_a_disk_that_fills_during_a_save_is_one_line_and_the_partial_step_goes(
     tmp_path, small_disk
 ):
-    """The usual full disk: the tensor bytes fill it and torch's writer raises a RuntimeError with no
-    OSError under it. The run stops (exit 3) with one line naming the step folder and the free space
-    left, the partial folder is removed, the earlier checkpoint loads, and the line reaches the
-    console although the disk is full (torchrun's copies of the output are on the local disk).
+    """The usual full disk: the tensor bytes fill it and torch's writer raises a RuntimeError with
+    no OSError under it. The run stops (exit 3) with one line naming the step folder and the free
+    space left, the partial folder is removed, the earlier checkpoint loads, and the line reaches
+    the console although the disk is full (torchrun's copies of the output are on the local disk).
     At 4a7b0a2 this was a traceback inside torchrun's ChildFailedError block, with the partial
     folder left behind."""
     run = (small_disk or tmp_path) / "run"
@@ -992,9 +999,9 @@ def test_resume_checks_catch_damage_changed_data_shapes_batch_and_model_only_ste
 
 
 def test_nothing_below_the_launcher_imports_from_it():
-    """``launch/`` is the job around the training processes (``cli/`` and the ``train`` entry point run
-    it): what a training process is made of (the trainer, its components, models, data) imports nothing
-    from it. At d1a0ebf the trainer imported the resume checks from ``launch/``."""
+    """``launch/`` is the job around the training processes (``cli/`` and the ``train`` entry point
+    run it): what a training process is made of (the trainer, its components, models, data) imports
+    nothing from it. At d1a0ebf the trainer imported the resume checks from ``launch/``."""
     import ast
 
     package = REPO / "canon_titan"
@@ -1070,7 +1077,8 @@ def test_a_lock_file_that_cannot_be_opened_is_one_line(tmp_path, capsys):
 @pytest.mark.parametrize("code", ["ENOLCK", "EOPNOTSUPP", "ENOSYS", "EINVAL"])
 def test_without_flock_a_lease_file_stands_in(tmp_path, monkeypatch, code):
     """Whatever a filesystem without locks answers (Lustre ``noflock`` gives ENOSYS, which refused
-    every run as "in use by a live run"), a lease file stands in; only EWOULDBLOCK means a holder."""
+    every run as "in use by a live run"), a lease file stands in; only EWOULDBLOCK means a
+    holder."""
     import errno
     import fcntl
 

@@ -18,8 +18,9 @@ import gpu_check  # noqa: E402
 
 @pytest.mark.slow
 def test_tiny_mode_runs_every_step_and_writes_the_report(tmp_path, monkeypatch):
-    """Through ``scripts/gpu_lease.sh``, as a lease runs it: a first call starts the check in a session of
-    its own and brings back what it has written by its end; a second follows it until it ends."""
+    """Through ``scripts/gpu_lease.sh``, as a lease runs it: a first call starts the check in a
+    session of its own and brings back what it has written by its end; a second follows it until it
+    ends."""
     lease, run, first, out = (
         REPO / "scripts" / "gpu_lease.sh",
         tmp_path / "run",
@@ -123,8 +124,8 @@ def test_tiny_mode_runs_every_step_and_writes_the_report(tmp_path, monkeypatch):
     )
     assert "===== float8_tensorwise: ok" in (out / "gpu_check.log").read_text()
 
-    # --replan plans what a cut-short GPU run left unplanned, from the report alone (the planner itself
-    # ran above; here a stand-in records what it is asked).
+    # --replan plans what a cut-short GPU run left unplanned, from the report alone (the planner
+    # itself ran above; here a stand-in records what it is asked).
     del canon["planner"]
     (out / "gpu_check.json").write_text(json.dumps(report))
     asked = []
@@ -140,8 +141,9 @@ def test_tiny_mode_runs_every_step_and_writes_the_report(tmp_path, monkeypatch):
 
 
 def test_steps_run_in_the_order_of_their_value():
-    """A run cut short keeps what matters most: the kernel checks, the Canon ratio, the loss agreement,
-    the linear models at the recipes' 16k (their figure of record) then 4k, float8, then the op microbenchmarks."""
+    """A run cut short keeps what matters most: the kernel checks, the Canon ratio, the loss
+    agreement, the linear models at the recipes' 16k (their figure of record) then 4k, float8, then
+    the op microbenchmarks."""
     names = [s.name for s in gpu_check.steps(False, REPO)]
     first = {
         prefix: min(i for i, n in enumerate(names) if n.startswith(prefix))
@@ -161,8 +163,8 @@ def test_steps_run_in_the_order_of_their_value():
         gpu_check.steps(False, REPO)[names.index("losses")].group == "correctness"
     )  # beside the kernel tests
     linear = [n for n in names if n.startswith("linear_")]
-    # 16k (Llama's first, Mamba2 with CUDA graphs after the three families) before 4k; GLA5 and GDN2 with the
-    # others, before float8 and the Canon op microbenchmarks.
+    # 16k (Llama's first, Mamba2 with CUDA graphs after the three families) before 4k; GLA5 and GDN2
+    # with the others, before float8 and the Canon op microbenchmarks.
     assert linear == sorted(linear, key=lambda n: "_4k" in n)
     assert linear[0] == "linear_llama_16k" and linear.index("linear_mamba2_16k_graphs") == 4
     assert (
@@ -170,8 +172,8 @@ def test_steps_run_in_the_order_of_their_value():
         < names.index("float8_tensorwise")
         < names.index("canon_bwd_blocks")
     )
-    # The CP rank's attention after the op microbenchmarks (issue 42's question, not the Canon op's); not in
-    # --tiny, whose test would only repeat what its own test checks.
+    # The CP rank's attention after the op microbenchmarks (issue 42's question, not the Canon
+    # op's); not in --tiny, whose test would only repeat what its own test checks.
     assert names.index("cp_attention") == names.index("ops") + 1
     assert "cp_attention" not in [s.name for s in gpu_check.steps(True, REPO)]
     # Every trainer run names a base that runs before it.
@@ -183,8 +185,9 @@ def test_steps_run_in_the_order_of_their_value():
 def test_the_warm_tuning_step_trains_each_case_untimed_and_lists_those_that_finished(
     tmp_path, monkeypatch
 ):
-    """It runs beside the correctness checks (not in tiny mode: the interpreter tunes nothing), two compiled
-    steps of each case at its model and batch; without a GPU of 120 GB or more, a quarter of its length."""
+    """It runs beside the correctness checks (not in tiny mode: the interpreter tunes nothing), two
+    compiled steps of each case at its model and batch; without a GPU of 120 GB or more, a quarter
+    of its length."""
     import trainer_bench
 
     calls = []
@@ -216,8 +219,9 @@ def test_the_warm_tuning_step_trains_each_case_untimed_and_lists_those_that_fini
 
 
 def test_a_linear_case_on_the_torch_fallback_is_skipped_and_says_why():
-    """Where ``auto`` runs a case's recurrence on torch (GDN2 on Hopper with Triton < 3.7.1), the case is
-    skipped with the reason from the env step; a case on its kernel, or without a recurrence, runs."""
+    """Where ``auto`` runs a case's recurrence on torch (GDN2 on Hopper with Triton < 3.7.1), the
+    case is skipped with the reason from the env step; a case on its kernel, or without a
+    recurrence, runs."""
     report = {
         "steps": {
             "env": {
@@ -291,9 +295,9 @@ def test_profile_summary_sums_kernels_by_name_and_kind(tmp_path):
         "other": 0.125,
     }
     assert summary["top_ms"] == [["nvjet_sm90_tst_128x256", 4.0], ["_canon_bwd_kernel", 2.5]]
-    # The host's side: the step's span, three launches (a memcpy is not one), the custom ops by time, each with
-    # the launches on its thread within its span (the 45 us launch is on thread 1 after its call there ended;
-    # the one on thread 2 precedes that thread's call).
+    # The host's side: the step's span, three launches (a memcpy is not one), the custom ops by
+    # time, each with the launches on its thread within its span (the 45 us launch is on thread 1
+    # after its call there ended; the one on thread 2 precedes that thread's call).
     assert summary["host"] == {
         "step_ms": 12.0,
         "launches": 3,
@@ -307,15 +311,16 @@ def test_profile_summary_sums_kernels_by_name_and_kind(tmp_path):
 
     (line,) = gpu_check_report._host(summary["host"])
     assert line == (
-        "  host: the step spans 12.0 ms on the host, 3 kernel launches (0.0 ms in the launch calls); custom "
+        "  host: the step spans 12.0 ms on the host, 3 kernel launches (0.0 ms in the "
+        "launch calls); custom "
         "ops (launches included): `canon_swiglu` 1 calls 0.2 ms; `canon_conv` 2 calls 0.1 ms "
         "(1 launches, 0.0 ms)"
     )
 
 
 def test_a_lease_end_written_later_shortens_the_budget(tmp_path):
-    """The end that ``gpu_lease.sh follow`` writes (Unix seconds) is taken where it is earlier than the run's
-    own; absent or unreadable, the run's own stands."""
+    """The end that ``gpu_lease.sh follow`` writes (Unix seconds) is taken where it is earlier than
+    the run's own; absent or unreadable, the run's own stands."""
     path, own = tmp_path / "deadline", time.perf_counter() + 1000
     assert gpu_check.lease_deadline(own, None) == own == gpu_check.lease_deadline(own, str(path))
     path.write_text("soon")
@@ -344,8 +349,8 @@ def test_a_step_past_its_limit_is_interrupted_and_reported(tmp_path):
 def test_a_step_that_outlasts_its_interrupt_is_killed_and_reported_as_timed_out(
     tmp_path, monkeypatch
 ):
-    """The KILL that follows the interrupt takes ``timeout`` with it (its process group): the step timed out,
-    it did not fail."""
+    """The KILL that follows the interrupt takes ``timeout`` with it (its process group): the step
+    timed out, it did not fail."""
     monkeypatch.setattr(gpu_check, "KILL_AFTER", 1)
     deaf = "import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); time.sleep(60)"
     step = gpu_check.Step("deaf", 1, [sys.executable, "-c", deaf])
@@ -364,11 +369,12 @@ def test_a_step_that_outlasts_its_interrupt_is_killed_and_reported_as_timed_out(
 
 
 def test_a_steps_processes_in_sessions_of_their_own_do_not_outlive_it(tmp_path):
-    """torchrun starts its workers in new sessions, out of reach of the step's ``timeout``: the step's
-    leftovers are found by the mark in their environment and killed before the next step runs (and a
-    process without the mark is left alone)."""
+    """torchrun starts its workers in new sessions, out of reach of the step's ``timeout``: the
+    step's leftovers are found by the mark in their environment and killed before the next step runs
+    (and a process without the mark is left alone)."""
     spawn = (
-        "import subprocess, sys; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'], "
+        "import subprocess, sys; subprocess.Popen([sys.executable, '-c', 'import time; "
+        "time.sleep(120)'], "
         "start_new_session=True, env={**__import__('os').environ, **dict(%s)})"
     )
     stranger = subprocess.Popen(
@@ -382,8 +388,8 @@ def test_a_steps_processes_in_sessions_of_their_own_do_not_outlive_it(tmp_path):
         assert "1 leftover process(es) killed" in (tmp_path / "log").read_text()
         assert not gpu_check.leftover_processes(f"spawns-{os.getpid()}")
         assert stranger.poll() is None
-        # Without the kill, the child would still be there: a step whose child carries another mark has no
-        # leftovers to report, and its child outlives it.
+        # Without the kill, the child would still be there: a step whose child carries another mark
+        # has no leftovers to report, and its child outlives it.
         other = f"elsewhere-{os.getpid()}"
         step = gpu_check.Step(
             "other", 30, [sys.executable, "-c", spawn % f"{gpu_check.STEP_MARK}='{other}'"]
@@ -397,9 +403,10 @@ def test_a_steps_processes_in_sessions_of_their_own_do_not_outlive_it(tmp_path):
 
 
 def test_autotuning_results_go_from_one_run_to_the_next(tmp_path):
-    """What Triton's autotuners wrote into its cache (``<key>/<kernel>.autotune.json``) is collected, and
-    restored into an empty cache where absent (a present entry is kept); a name that would leave the
-    cache is refused. (Triton reads these files only on a GPU: its interpreter never caches tuning.)"""
+    """What Triton's autotuners wrote into its cache (``<key>/<kernel>.autotune.json``) is
+    collected, and restored into an empty cache where absent (a present entry is kept); a name that
+    would leave the cache is refused. (Triton reads these files only on a GPU: its interpreter never
+    caches tuning.)"""
     cache = tmp_path / "cache"
     (cache / "k1").mkdir(parents=True)
     (cache / "k1" / "kernel_a.autotune.json").write_text('{"a": 1}')
@@ -471,8 +478,9 @@ def test_planned_and_measured_time_by_kind_from_a_hand_made_run():
 
 
 def test_a_linear_case_without_figures_says_why_in_its_table():
-    """GDN2 skipped where ``auto`` runs its recurrence on torch (fla refuses its backward on Hopper with Triton
-    < 3.7.1), GLA5 past its limit: each a row of the linear table, beside the runs that have figures."""
+    """GDN2 skipped where ``auto`` runs its recurrence on torch (fla refuses its backward on Hopper
+    with Triton < 3.7.1), GLA5 past its limit: each a row of the linear table, beside the runs that
+    have figures."""
     import gpu_check_report
 
     llama = {
@@ -489,7 +497,10 @@ def test_a_linear_case_without_figures_says_why_in_its_table():
         "first_step_s": 12.7,
         "kernels": "",
     }
-    why = "skipped: auto runs gated_delta_rule on torch here: flash-linear-attention 0.6.0 refuses ..."
+    why = (
+        "skipped: auto runs gated_delta_rule on torch here: flash-linear-attention 0.6.0 "
+        "refuses ..."
+    )
     report = {
         "tiny": False,
         "steps": {
@@ -508,8 +519,9 @@ def test_a_linear_case_without_figures_says_why_in_its_table():
 
 
 def test_the_canon_ratio_of_record_runs_first_at_the_recipes_batch():
-    """The first trainer runs are Llama-1B and LlamaCanon-1B (Triton) at the 1B recipes' local batch, 8 x 4096,
-    the second against the first, each with a profiled step; bench_canon's trainer mode runs that shape too."""
+    """The first trainer runs are Llama-1B and LlamaCanon-1B (Triton) at the 1B recipes' local
+    batch, 8 x 4096, the second against the first, each with a profiled step; bench_canon's trainer
+    mode runs that shape too."""
     import tomllib
 
     import bench_canon
@@ -533,9 +545,9 @@ def test_the_canon_ratio_of_record_runs_first_at_the_recipes_batch():
 
 
 def test_the_canon_step_against_llamas_from_hand_made_profiles():
-    """The Canon row's profile line: its Canon kernels, Inductor's fused kernels against Llama's (those the
-    Canon ops take over), and each step's idle time (32,768 tokens at 65,536 tokens/s: 500 ms a step; at 52,428.8:
-    625 ms)."""
+    """The Canon row's profile line: its Canon kernels, Inductor's fused kernels against Llama's
+    (those the Canon ops take over), and each step's idle time (32,768 tokens at 65,536 tokens/s:
+    500 ms a step; at 52,428.8: 625 ms)."""
     import gpu_check_report
 
     llama = {
@@ -560,7 +572,8 @@ def test_the_canon_step_against_llamas_from_hand_made_profiles():
     }
     (line, _) = gpu_check_report._canon_step(canon, llama)
     assert (
-        "Canon kernels 110.0; Inductor's fused kernels 130.0 against 150.0 (taken over by Canon's ops: 20.0); "
+        "Canon kernels 110.0; Inductor's fused kernels 130.0 against 150.0 (taken over by "
+        "Canon's ops: 20.0); "
         "idle 85.0 against 50.0; all kernels 540.0 against 450.0"
     ) in line
     assert (
@@ -571,10 +584,11 @@ def test_the_canon_step_against_llamas_from_hand_made_profiles():
 
 @pytest.mark.parametrize("forward", [True, False])
 def test_the_float8_gemm_benchmark_computes_what_torchao_computes(forward):
-    """bench_float8_gemm's float8 ways are the GEMM the planner's linears run: each equals the product
-    of its dequantized float8 operands in fp32 (to bf16 rounding), the row-wise backward way (tensor-wise
-    kernel, then the outer product of the inverse scales) as well as the row-wise kernel; and its block
-    holds the seven linears of a Llama block at their TP shard, by hand for Llama 3.1 8B at TP 8."""
+    """bench_float8_gemm's float8 ways are the GEMM the planner's linears run: each equals the
+    product of its dequantized float8 operands in fp32 (to bf16 rounding), the row-wise backward way
+    (tensor-wise kernel, then the outer product of the inverse scales) as well as the row-wise
+    kernel; and its block holds the seven linears of a Llama block at their TP shard, by hand for
+    Llama 3.1 8B at TP 8."""
     import torch
 
     from bench_float8_gemm import LLAMA31, block_linears, gemm_ways

@@ -1,5 +1,6 @@
 """Hugging Face checkpoints through each family's TorchTitan ``StateDictAdapter``: the adapter on
-live state dicts against ``canon-titan convert`` (which reads DCP files tensor by tensor); TorchTitan's
+live state dicts against ``canon-titan convert`` (which reads DCP files tensor by tensor);
+TorchTitan's
 ``[checkpoint] last_save_in_hf`` and ``initial_load_in_hf`` in real trainings (FSDP-sharded
 DTensors with two processes) against the converter, transformers and a start from the converted
 DCP; and checkpoints written before the model families moved into their folders."""
@@ -98,11 +99,11 @@ def _train(nproc: int, family: str, dump: Path, *extra: str) -> dict[int, float]
     ],
 )
 def test_last_save_in_hf_and_initial_load_in_hf(tmp_path, family, overrides, nproc, restart):
-    """A run saving its last step in HF writes what `convert to-hf` makes of the same weights as DCP,
-    a folder transformers loads with canon-titan's logits; a run started from it with
-    initial_load_in_hf trains exactly as one started from `convert from-hf` of it (checked for llama:
-    each start is two more trainings; the other families' adapters read HF tensors the same way,
-    checked on live state dicts above)."""
+    """A run saving its last step in HF writes what `convert to-hf` makes of the same weights as
+    DCP, a folder transformers loads with canon-titan's logits; a run started from it with
+    initial_load_in_hf trains exactly as one started from `convert from-hf` of it (checked for
+    llama: each start is two more trainings; the other families' adapters read HF tensors the same
+    way, checked on live state dicts above)."""
     checkpoint = [
         *overrides,
         "--training.steps",
@@ -176,9 +177,10 @@ def test_last_save_in_hf_and_initial_load_in_hf(tmp_path, family, overrides, npr
 
 @pytest.mark.parametrize("family", sorted(CONFIG))
 def test_checkpoints_written_before_the_move_still_load(tmp_path, family):
-    """Tiny DCP checkpoints (one layer, dim 16, the built-in tokenizer's 784 ids, weights perturbed off their init) written by the
-    code before the model families moved into their folders: the current model loads every tensor
-    by name and shape, and their HF export computes the same logits in transformers."""
+    """Tiny DCP checkpoints (one layer, dim 16, the built-in tokenizer's 784 ids, weights perturbed
+    off their init) written by the code before the model families moved into their folders: the
+    current model loads every tensor by name and shape, and their HF export computes the same logits
+    in transformers."""
     overrides = json.loads((LEGACY / "overrides.json").read_text())[family]
     run = load(
         CONFIG[family],

@@ -1,13 +1,14 @@
 """What the host does in a training step and as training starts, on real gloo ranks:
 
 - no step that is not logged makes the host wait for the device, in every family, with FSDP and with
-  tensor, pipeline and context parallelism where the family has them. Counted by ``scripts/benchmarks/host_syncs.py``
-  (a dispatch mode that follows where each tensor would live on a GPU and counts the reads, value-sized
-  ops and blocking copies that would wait for it) on the steps between the first and the last, which
-  are logged. At d1a0ebf every step waited once: the divergence guard read the step's reduced loss with
+  tensor, pipeline and context parallelism where the family has them. Counted by
+  ``scripts/benchmarks/host_syncs.py`` (a dispatch mode that follows where each tensor would live on
+  a GPU and counts the reads, value-sized ops and blocking copies that would wait for it) on the
+  steps between the first and the last, which are logged. At d1a0ebf every step waited once: the
+  divergence guard read the step's reduced loss with
   ``tolist()`` before the optimizer step; until 2026-11-29 TorchTitan's train step still copied each
-  batch and the token count to the device with ``.to(device)`` (and a pipeline stage without the loss
-  made its placeholder with ``torch.tensor(..., device=)``), each a wait on a GPU. With
+  batch and the token count to the device with ``.to(device)`` (and a pipeline stage without the
+  loss made its placeholder with ``torch.tensor(..., device=)``), each a wait on a GPU. With
   ``[validation]`` on, a validation after step 2 waits once, where it reads its loss, and step 3
   not at all (through torch's pipeline ``eval``, which sets the schedule up again, it waited 4 times
   and step 3 8 times);
@@ -15,9 +16,10 @@
   step only, with and without document masking (whose documents change with every batch). At d1a0ebf
   every step built them;
 - under tensor parallelism, with FSDP applied as training applies it, a block's backward makes no
-  all-reduce but those of the QK-norm's statistics: the replicated weights' partial gradients are summed
-  once per step, in one all-reduce. At d1a0ebf LlamaCanon's block made 5 more (Canon-B/D's weight
-  gradients, and FSDP's reduction of each ``Partial`` gradient of Canon-A/C and the norms), GLA5's 11;
+  all-reduce but those of the QK-norm's statistics: the replicated weights' partial gradients are
+  summed once per step, in one all-reduce. At d1a0ebf LlamaCanon's block made 5 more (Canon-B/D's
+  weight gradients, and FSDP's reduction of each ``Partial`` gradient of Canon-A/C and the norms),
+  GLA5's 11;
 - a resume reads the checkpoint folder on rank 0 only (the other ranks take its verdict). At d1a0ebf
   every rank read every step folder's metadata and ran the resume checks again.
 The ranks build one trainer after another in the same processes."""
@@ -96,9 +98,9 @@ STEPS = 4
 COUNTED = (2, 3)  # step 1 and the last step are logged
 LAYERS = 4  # every family's debug flavor
 STATISTICS = {"llama": 2, "llama_canon": 1, "gla5": 0, "gdn2": 0}
-"""All-reduces a block's backward makes under tensor parallelism: the gradients of the flat QK-norm's
-statistics (Llama's q and k norms each; LlamaCanon's Canon-B takes both in one). Nothing else: the
-replicated weights' partial gradients are summed once per step, after the backward."""
+"""All-reduces a block's backward makes under tensor parallelism: the gradients of the flat
+QK-norm's statistics (Llama's q and k norms each; LlamaCanon's Canon-B takes both in one). Nothing
+else: the replicated weights' partial gradients are summed once per step, after the backward."""
 
 
 class AllReduces(TorchDispatchMode):
@@ -136,11 +138,11 @@ def host_batches(counter: HostSyncs, batches):
 def counted(
     trainer, steps: tuple[int, ...], builds: list[int]
 ) -> dict[int, tuple[list[str], list]]:
-    """Run ``trainer``'s steps ``steps`` under ``HostSyncs`` and ``AllReduces``, the batches from its
-    data loader on the host (as TorchTitan's loader yields them); returns each counted step's waits and
-    all-reduces, and a validation's waits under ``("validation", step)``, its held-out batches on
-    the host too. ``builds`` gets the step of every ``ContextShards`` built, whichever step it
-    is."""
+    """Run ``trainer``'s steps ``steps`` under ``HostSyncs`` and ``AllReduces``, the batches from
+    its data loader on the host (as TorchTitan's loader yields them); returns each counted step's
+    waits and all-reduces, and a validation's waits under ``("validation", step)``, its held-out
+    batches on the host too. ``builds`` gets the step of every ``ContextShards`` built, whichever
+    step it is."""
     from canon_titan.models.common.context_parallel import ContextShards
 
     logs = {}
@@ -229,7 +231,8 @@ def _rank(rank, world, port, dump, cases, queue):
                 environment=False,
             )
             trainer = build_trainer_config(run).build()
-            shard_layout.cache_clear()  # the trainers share their CP group (torch reuses it): each builds its own
+            # the trainers share their CP group (torch reuses it): each builds its own
+            shard_layout.cache_clear()
             builds = []
             logs = counted(trainer, COUNTED, builds)
             try:
@@ -349,7 +352,8 @@ def test_steps_do_not_wait_for_the_device_or_rebuild_cp_shards_and_one_rank_read
 
 
 def replicated_llama_canon() -> int:
-    """Elements of LlamaCanon's replicated weights that each TP rank applies to its share under sequence
+    """Elements of LlamaCanon's replicated weights that each TP rank applies to its share under
+    sequence
     parallelism: Canon-A/B/C/D (B and D their channels' rows) and the norms (two per block, on the
     sequence shard or fused into Canon-A/C, and the final one)."""
     import model_registry

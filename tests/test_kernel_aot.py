@@ -1,8 +1,8 @@
 """The Canon op's Triton kernels compiled ahead of time for sm_90 (H100/H200), with no GPU here, by
 the venv's Triton and by the GPU image's (3.6.0, which scripts/test.sh installs aside in
-.venv/triton36): every configuration a launch may use compiles, none spills registers, and Mamba2-3B's
-short convolution, whose input rows are 12568 elements apart (not a multiple of 16), loads like its
-twin with aligned rows (16-byte vector loads, not 2-byte scalar ones)."""
+.venv/triton36): every configuration a launch may use compiles, none spills registers, and
+Mamba2-3B's short convolution, whose input rows are 12568 elements apart (not a multiple of 16),
+loads like its twin with aligned rows (16-byte vector loads, not 2-byte scalar ones)."""
 
 import json
 import os
@@ -61,7 +61,8 @@ def test_every_configuration_compiles_without_spills(compiled):
 
 def test_no_kernel_waits_at_a_barrier_inside_its_loop(compiled):
     """The backward kernels reduce the weight gradient across rows once per chunk, not on every tile
-    and tap (2026-11-26, H200: 3 and 6 barriers an iteration ran them at a twelfth of the bandwidth)."""
+    and tap (2026-11-26, H200: 3 and 6 barriers an iteration ran them at a twelfth of the
+    bandwidth)."""
     looping = [
         (k["kernel"], k["config"], k["loop_barriers"])
         for k in compiled["kernels"]

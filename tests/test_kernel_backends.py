@@ -1,9 +1,9 @@
 """The fla and mamba_ssm kernel backends (their Triton kernels: on CUDA when a GPU is present, else
-on CPU tensors in Triton's interpreter, which canon_titan.kernels.interpreter adapts them to) against
-the torch kernels, which test_linear_kernels.py checks against step-by-step recurrences; the custom
-ops that wrap them; compile without graph breaks; whole models training; and the backend choice per
-machine (package versions, mamba-ssm without its compiled extension). Every comparison asserts that
-the package's kernels ran (``kernel_paths.kernel_path``).
+on CPU tensors in Triton's interpreter, which canon_titan.kernels.interpreter adapts them to)
+against the torch kernels, which test_linear_kernels.py checks against step-by-step recurrences; the
+custom ops that wrap them; compile without graph breaks; whole models training; and the backend
+choice per machine (package versions, mamba-ssm without its compiled extension). Every comparison
+asserts that the package's kernels ran (``kernel_paths.kernel_path``).
 
 Tolerance, float32: on the CPU 1e-4 relative and absolute (the kernels differ only in summation
 order and in fla's exp2-based decays; measured: at most 2e-5 on outputs, gradients and states of
@@ -153,8 +153,8 @@ def test_mamba_ssm_equals_torch(heads, groups, chunk_size, initial):
 @needs_triton
 @needs_fla
 def test_a_fallback_to_torch_fails_the_comparison(monkeypatch):
-    """If the fla backend ran the torch kernel instead (here forced), the comparison would pass on its
-    own; the kernel-path check is what fails it."""
+    """If the fla backend ran the torch kernel instead (here forced), the comparison would pass on
+    its own; the kernel-path check is what fails it."""
     monkeypatch.setattr(
         importlib.import_module("canon_titan.kernels.gla"), "runs_cuda_kernel", lambda *args: False
     )
@@ -192,9 +192,9 @@ def _relative_errors(got, want) -> dict:
     ids=["gla", "gated_delta_rule", "ssd"],
 )
 def test_real_shapes_in_bfloat16(op, backend, shape, kw):
-    """The 1B models' shapes (T 4096; GLA5/GDN2 heads of 128 x 256, Mamba2 heads of 256 with state 128)
-    in bfloat16, against the torch kernel in float32 on the same inputs: outputs, final states and
-    every gradient within 2% of their largest value."""
+    """The 1B models' shapes (T 4096; GLA5/GDN2 heads of 128 x 256, Mamba2 heads of 256 with state
+    128) in bfloat16, against the torch kernel in float32 on the same inputs: outputs, final states
+    and every gradient within 2% of their largest value."""
     skip_where_known_bad(op)
     inputs = {k: v.bfloat16() for k, v in KERNELS[op][1](*shape).items()}
     kernel = KERNELS[op][0]

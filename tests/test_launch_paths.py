@@ -50,7 +50,8 @@ LAUNCHERS = {"run_train.sh": run_train_sh, "torchrun": readme_torchrun}
 
 
 def start(cmd_env, merged=False, cwd=REPO):
-    """Start a launch command in its own process group; ``merged``: its stderr in its stdout, in order."""
+    """Start a launch command in its own process group; ``merged``: its stderr in its stdout, in
+    order."""
     cmd, env = cmd_env
     env = dict(train_env(), PYTHON=sys.executable, **env)
     return subprocess.Popen(
@@ -121,9 +122,9 @@ atexit.register(_record)
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory):
     """A 2-step run trained to its end through run_train.sh, started from another directory than the
-    checkout's with a relative CONFIG whose TOML names a relative dump folder; refusals leave it as it
-    is. Returns (that directory, the dump folder); the allocator configuration of each training process
-    is recorded in its ``records`` folder."""
+    checkout's with a relative CONFIG whose TOML names a relative dump folder; refusals leave it as
+    it is. Returns (that directory, the dump folder); the allocator configuration of each training
+    process is recorded in its ``records`` folder."""
     here = tmp_path_factory.mktemp("finished")
     (here / "mydata").mkdir()
     toml = DEBUG_CONFIG.read_text().replace(
@@ -149,10 +150,10 @@ def finished_run(tmp_path_factory):
 def test_run_train_sh_reads_relative_paths_from_the_current_directory_with_expandable_segments(
     finished_run,
 ):
-    """CONFIG and the TOML's relative dump folder are read from the current directory, as ``canon-titan
-    train`` reads them (at 432670c run_train.sh changed to the checkout and found no config), and every
-    training process ran with expandable segments, as TorchTitan's run_train.sh sets (at 432670c no launch
-    path did)."""
+    """CONFIG and the TOML's relative dump folder are read from the current directory, as
+    ``canon-titan train`` reads them (at 432670c run_train.sh changed to the checkout and found no
+    config), and every training process ran with expandable segments, as TorchTitan's run_train.sh
+    sets (at 432670c no launch path did)."""
     here, dump = finished_run
     assert (dump / "checkpoint" / "step-2" / ".metadata").is_file()
     records = [path.read_text() for path in (here / "records").iterdir()]
@@ -241,8 +242,8 @@ def test_a_divergence_stop_under_run_train_sh_ends_on_its_diagnosis(tmp_path):
     )
     code, out, err = finish(proc)
     assert code == 3, err[-3000:]
-    # torchrun tails each worker's stdout and stderr apart, so "last" is within the error stream, where
-    # torchelastic's own lines go too.
+    # torchrun tails each worker's stdout and stderr apart, so "last" is within the error stream,
+    # where torchelastic's own lines go too.
     last = err.strip().splitlines()[-1]
     assert re.match(r"(\[rank0\]:)?canon-titan: .*not finite", last), err[-3000:]
     assert "exitcode" not in out + err and "no error file" not in err and "Traceback" not in err, (
@@ -276,10 +277,11 @@ os._exit(report_exit(3))
 
 @pytest.mark.slow
 def test_a_purposeful_stop_stays_last_when_a_stopped_worker_failed_first(tmp_path):
-    """torchrun names the failure with the earliest timestamp; when that is a worker it stopped itself
-    (exit -15, its error file written a second before rank 0 stopped on purpose), the wrapper still
-    exits 3 with rank 0's line last. Before the fix, torchrun's ``failed (exitcode: -15)`` and ``no
-    error file defined`` lines followed it (seen once in 1,234 tests, with two test workers on two cores)."""
+    """torchrun names the failure with the earliest timestamp; when that is a worker it stopped
+    itself (exit -15, its error file written a second before rank 0 stopped on purpose), the wrapper
+    still exits 3 with rank 0's line last. Before the fix, torchrun's ``failed (exitcode: -15)`` and
+    ``no error file defined`` lines followed it (seen once in 1,234 tests, with two test workers on
+    two cores)."""
     script = tmp_path / "race.py"
     script.write_text(RACE)
     cmd = [
@@ -358,7 +360,10 @@ def signal_every_process(proc, sig=signal.SIGTERM):
             pass
 
 
-BEFORE_TRAINING = "canon-titan: SIGTERM before training started: stopped, nothing to save; run the same command again"
+BEFORE_TRAINING = (
+    "canon-titan: SIGTERM before training started: stopped, nothing to save; run the same "
+    "command again"
+)
 
 
 @pytest.mark.slow
@@ -366,11 +371,11 @@ BEFORE_TRAINING = "canon-titan: SIGTERM before training started: stopped, nothin
 def test_a_stop_signal_to_every_process_during_start_up_is_one_line_and_75_on_every_rank(
     tmp_path, phase
 ):
-    """SIGTERM to every process of a run_train.sh job while its training processes import torch, or just
-    before they build the trainer: every rank stops at once with 75 (nothing had trained), the job exits
-    75 (a requeue runs it again) with one line saying so, long before the 90 s grace. At 432670c the
-    first exited 3 with a line about "the step they reached", and in the second one rank died at once
-    while rank 0 waited out the grace and exited 3, saying checkpointing was off."""
+    """SIGTERM to every process of a run_train.sh job while its training processes import torch, or
+    just before they build the trainer: every rank stops at once with 75 (nothing had trained), the
+    job exits 75 (a requeue runs it again) with one line saying so, long before the 90 s grace. At
+    432670c the first exited 3 with a line about "the step they reached", and in the second one rank
+    died at once while rank 0 waited out the grace and exited 3, saying checkpointing was off."""
     exits = tmp_path / "exits"
     exits.mkdir()
     cmd, env = run_train_sh(tmp_path / "run", "--training.steps", "20")
@@ -407,10 +412,10 @@ def test_a_stop_signal_to_every_process_during_start_up_is_one_line_and_75_on_ev
 
 @pytest.mark.slow
 def test_a_killed_torchrun_is_one_line_3_and_leaves_no_temporary_folders(tmp_path):
-    """torchrun SIGKILLed under ``canon-titan train`` (its workers die with it): one line naming what
-    happened and what there is to resume from, exit 3 (stopped without saving the step reached), and
-    torchrun's log and exit-report folders gone from the temporary disk. At 432670c it exited 247 with no
-    line and left both behind."""
+    """torchrun SIGKILLed under ``canon-titan train`` (its workers die with it): one line naming
+    what happened and what there is to resume from, exit 3 (stopped without saving the step
+    reached), and torchrun's log and exit-report folders gone from the temporary disk. At 432670c it
+    exited 247 with no line and left both behind."""
     dump = tmp_path / "run"
     cmd = [
         sys.executable,
@@ -460,8 +465,8 @@ def test_a_killed_torchrun_is_one_line_3_and_leaves_no_temporary_folders(tmp_pat
 
 
 def alive(pid: int) -> bool:
-    """Whether a process runs: not gone, and not a zombie (dead, waiting for the process that adopted it,
-    init or a subreaper, to collect it)."""
+    """Whether a process runs: not gone, and not a zombie (dead, waiting for the process that
+    adopted it, init or a subreaper, to collect it)."""
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
@@ -496,9 +501,9 @@ def can_rename_host() -> bool:
 @pytest.mark.slow
 @pytest.mark.skipif(not can_rename_host(), reason="needs unshare --uts (root or user namespaces)")
 def test_a_host_whose_name_does_not_resolve_trains_alone_and_refuses_several_nodes(tmp_path):
-    """On a host whose own name resolves nowhere, ``canon-titan train`` runs on the loopback address and
-    trains (at 432670c it waited over 400 s in c10d's connection retries), and a multi-node run_train.sh
-    is refused in one line naming the host, within seconds."""
+    """On a host whose own name resolves nowhere, ``canon-titan train`` runs on the loopback address
+    and trains (at 432670c it waited over 400 s in c10d's connection retries), and a multi-node
+    run_train.sh is refused in one line naming the host, within seconds."""
     cmd = [
         sys.executable,
         "-m",
@@ -552,12 +557,12 @@ def global_rank_of(launcher) -> int | None:
 
 @pytest.mark.slow
 def test_node_rank_decides_where_rank_0_runs_and_a_waiting_node_says_for_whom(tmp_path):
-    """Two run_train.sh nodes on loopback, one process each, node 1 started first: it says every 30 s
-    that it waits for node 0 at MASTER_ADDR:MASTER_PORT; once node 0 joins, global rank 0 runs on node 0
-    (NODE_RANK=0), not on the node that joined first (at 432670c, with c10d's rendezvous, it did, and
-    a node waited in silence). Node 1's console prefixes its rank's lines with its global rank, 1
-    (torchrun's own prefix is the local rank: ``[rank0]:`` on every node). Launched again on the
-    finished run, both nodes refuse in one line each."""
+    """Two run_train.sh nodes on loopback, one process each, node 1 started first: it says every 30
+    s that it waits for node 0 at MASTER_ADDR:MASTER_PORT; once node 0 joins, global rank 0 runs on
+    node 0 (NODE_RANK=0), not on the node that joined first (at 432670c, with c10d's rendezvous, it
+    did, and a node waited in silence). Node 1's console prefixes its rank's lines with its global
+    rank, 1 (torchrun's own prefix is the local rank: ``[rank0]:`` on every node). Launched again on
+    the finished run, both nodes refuse in one line each."""
     port = free_port()
     launched = []
 
@@ -605,15 +610,17 @@ def test_node_rank_decides_where_rank_0_runs_and_a_waiting_node_says_for_whom(tm
 
 
 def test_a_second_node_left_at_node_rank_0_is_refused_in_one_line(tmp_path):
-    """run_train.sh on several nodes needs each node's NODE_RANK and node 0's address; and a node that
-    has node rank 0 while the master address is another host's (a second node started without its own
-    rank) is refused, where it would host a store of its own and wait for nodes that never come."""
+    """run_train.sh on several nodes needs each node's NODE_RANK and node 0's address; and a node
+    that has node rank 0 while the master address is another host's (a second node started without
+    its own rank) is refused, where it would host a store of its own and wait for nodes that never
+    come."""
     cmd, env = run_train_sh(tmp_path / "run")
     code, out, err = finish(
         start((cmd, dict(env, NNODES="2", MASTER_ADDR="127.0.0.1"))), timeout=60
     )
     assert code == 2 and err.strip().splitlines() == [
-        "canon-titan: NNODES=2: set NODE_RANK (another on each node, 0 to 1; node 0 holds global rank 0) and "
+        "canon-titan: NNODES=2: set NODE_RANK (another on each node, 0 to 1; node 0 holds "
+        "global rank 0) and "
         "MASTER_ADDR (node 0's address) on every node"
     ], err
     elsewhere = "192.0.2.1"  # TEST-NET-1: no host's own address

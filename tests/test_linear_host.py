@@ -1,7 +1,8 @@
-"""The host's side of a linear model's layer (``scripts/benchmarks/linear_host.py``), held so that a regression
-shows without a GPU: per custom op, the Python calls, Triton launches and torch kernels of one block's forward and
-backward (Mamba2Canon-1B was host-bound on the H200s: 357 ms of host work for 165 ms of kernels at 4096). And the
-trainer figures' table (``bench_linear.py --tables trainer``): the recipes' 16,384 x 1 first."""
+"""The host's side of a linear model's layer (``scripts/benchmarks/linear_host.py``), held so that a
+regression shows without a GPU: per custom op, the Python calls, Triton launches and torch kernels
+of one block's forward and backward (Mamba2Canon-1B was host-bound on the H200s: 357 ms of host work
+for 165 ms of kernels at 4096). And the trainer figures' table (``bench_linear.py --tables
+trainer``): the recipes' 16,384 x 1 first."""
 
 import os
 import sys
@@ -23,18 +24,18 @@ LAUNCHES = {
     "mamba_chunk_scan": 5,
     "mamba_chunk_scan_backward": 14,
 }
-"""Triton kernels per call, read from the packages' sources: fla's ``chunk_gla_fwd`` (local cumsum, chunk states,
-two intra-chunk score kernels, output) and ``chunk_gla_bwd`` (cumsum and states again, state gradients, dv, dA,
-intra, inter); mamba-ssm's combined forward (cumsum, chunk states, state passing, C B^T, scan) and backward (the
-forward's first four again, then ten)."""
+"""Triton kernels per call, read from the packages' sources: fla's ``chunk_gla_fwd`` (local cumsum,
+chunk states, two intra-chunk score kernels, output) and ``chunk_gla_bwd`` (cumsum and states again,
+state gradients, dv, dA, intra, inter); mamba-ssm's combined forward (cumsum, chunk states, state
+passing, C B^T, scan) and backward (the forward's first four again, then ten)."""
 PYTHON_CALLS = {
     "fla_chunk_gla": 240,
     "fla_chunk_gla_backward": 360,
     "mamba_chunk_scan": 125,
     "mamba_chunk_scan_backward": 430,
 }
-"""Python calls per call, at most: about 10% over 2026-11-29's counts (220, 328, 113, 392; fla's were 301 and 424
-while its ``input_guard`` wrapped fla's functions afresh on every call)."""
+"""Python calls per call, at most: about 10% over 2026-11-29's counts (220, 328, 113, 392; fla's
+were 301 and 424 while its ``input_guard`` wrapped fla's functions afresh on every call)."""
 
 
 @pytest.fixture(scope="module")
@@ -45,9 +46,10 @@ def host_paths():
 
 
 def test_the_recurrences_host_path_per_call(host_paths):
-    """One call each of the recurrence's forward and backward per layer, with the Triton launches the packages'
-    sources make and no more Python calls than held; GLA's forward runs two torch kernels, a zeroing of fla's and
-    canon-titan's zeroing of A where fla leaves it unwritten (its mask made once per shape: it was four kernels)."""
+    """One call each of the recurrence's forward and backward per layer, with the Triton launches
+    the packages' sources make and no more Python calls than held; GLA's forward runs two torch
+    kernels, a zeroing of fla's and canon-titan's zeroing of A where fla leaves it unwritten (its
+    mask made once per shape: it was four kernels)."""
     ops = {**host_paths["gla5"]["ops"], **host_paths["mamba2"]["ops"]}
     for op, launches in LAUNCHES.items():
         assert ops[op]["calls"] == 1, op
@@ -57,8 +59,9 @@ def test_the_recurrences_host_path_per_call(host_paths):
 
 
 def test_a_layers_host_path(host_paths):
-    """Per layer (Canon A, C, D and the short convolutions b with the recurrence): every custom op launches its
-    Triton kernels, and the layer's totals (what the report's step figures multiply by the layer count)."""
+    """Per layer (Canon A, C, D and the short convolutions b with the recurrence): every custom op
+    launches its Triton kernels, and the layer's totals (what the report's step figures multiply by
+    the layer count)."""
     for family, per_layer_ops in (("gla5", 14), ("mamba2", 10)):
         path = host_paths[family]
         assert path["total"]["custom_op_calls"] <= per_layer_ops, path["ops"]
@@ -75,8 +78,9 @@ def test_a_layers_host_path(host_paths):
 
 
 def test_the_trainer_table_puts_the_recipes_shape_first():
-    """bench_linear's trainer table from hand-made runs: 16,384 x 1 first, with the x1.5 target marked for the
-    linear models against Llama at the same shape; 4096 x 2 after it, unmarked; a failed run is a row saying so."""
+    """bench_linear's trainer table from hand-made runs: 16,384 x 1 first, with the x1.5 target
+    marked for the linear models against Llama at the same shape; 4096 x 2 after it, unmarked; a
+    failed run is a row saying so."""
     import bench_linear
 
     def run(spec, seq, batch, tps):

@@ -1,4 +1,5 @@
-"""Chunked linear-attention kernels against step-by-step recurrences (float64) and fla's naive ops."""
+"""Chunked linear-attention kernels against step-by-step recurrences (float64) and fla's naive
+ops."""
 
 import pytest
 import torch
@@ -358,8 +359,8 @@ def test_gated_delta_rule_matches_fla_naive():
 
 
 def test_ssd_matches_fla_naive_simple_gla():
-    """fla 0.6 ships no standalone SSD op (its Mamba2 layer inlines one in ``torch_forward``); SSD is
-    simple GLA (a scalar decay per head) with q = C, k = B, v = dt x, g = dt A, scale 1 and the
+    """fla 0.6 ships no standalone SSD op (its Mamba2 layer inlines one in ``torch_forward``); SSD
+    is simple GLA (a scalar decay per head) with q = C, k = B, v = dt x, g = dt A, scale 1 and the
     state transposed, so fla's naive simple-GLA recurrence is the reference."""
     pytest.importorskip("fla")
     from fla.ops.simple_gla.naive import naive_recurrent_simple_gla

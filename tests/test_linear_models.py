@@ -375,7 +375,8 @@ def test_loss_decreases_on_a_fixed_batch(name):
 
 
 def conv_loop(x, weight, bias=None):
-    """Causal depthwise conv: out[t] = sum_j w[:, 0, j] * x[t - (K-1) + j], zeros before the start."""
+    """Causal depthwise conv: out[t] = sum_j w[:, 0, j] * x[t - (K-1) + j], zeros before the
+    start."""
     kernel, out = weight.shape[-1], torch.zeros_like(x)
     for t in range(x.shape[1]):
         for j in range(kernel):

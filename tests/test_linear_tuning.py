@@ -1,8 +1,8 @@
 """The linear models' first-step kernel tuning (``canon_titan/kernels/tuning.py``,
-``canon_titan/models/common/linear_tuning.py``): the narrowed searches against the H200's timings of every
-configuration, on the GPU's own candidate lists at the recipes' shapes; the pass before the first collective makes
-exactly the first step's kernel calls and reports each kernel it tunes; and a rank slower to tune than the
-collectives' timeout does not end a multi-process run."""
+``canon_titan/models/common/linear_tuning.py``): the narrowed searches against the H200's timings of
+every configuration, on the GPU's own candidate lists at the recipes' shapes; the pass before the
+first collective makes exactly the first step's kernel calls and reports each kernel it tunes; and a
+rank slower to tune than the collectives' timeout does not end a multi-process run."""
 
 import json
 import os
@@ -25,9 +25,10 @@ KEEPS = {name: keep for kernels in tuning.NARROWED.values() for name, keep in ke
 
 
 def test_the_narrowed_searches_keep_the_h200_winners():
-    """Every timing of every configuration of fla's kernels that an H200 lease measured (2026-11-28, Triton
-    3.6; the 1B runs' entries are the ones whose tuning key holds GLA5-1B's key head size, 128): at the 1B
-    shapes the narrowed search keeps the winner (within 1%), at the debug shapes a configuration within 15%."""
+    """Every timing of every configuration of fla's kernels that an H200 lease measured (2026-11-28,
+    Triton 3.6; the 1B runs' entries are the ones whose tuning key holds GLA5-1B's key head size,
+    128): at the 1B shapes the narrowed search keeps the winner (within 1%), at the debug shapes a
+    configuration within 15%."""
     from triton import Config
 
     checked = at_1b = 0
@@ -89,13 +90,15 @@ GLA = (
     "chunk_gla_bwd_kernel_intra",
     "chunk_gla_bwd_kernel_inter",
 )
-"""The autotuned kernels of one GLA forward and backward (as the interpreter test below records them)."""
+"""The autotuned kernels of one GLA forward and backward (as the interpreter test below records
+them)."""
 
 
 def test_on_hoppers_candidate_lists_gla_times_28_configurations_of_266():
-    """fla's candidate lists as it builds them on Hopper, at GLA5-1B's head sizes (key 128, value 256, where
-    fla's own pruning of the backward tiles keeps all 36): the forward and backward time 28 configurations instead
-    of 266; the gated delta rule's kernels 18 instead of 61 (its output kernel's 3 stay as fla lists them)."""
+    """fla's candidate lists as it builds them on Hopper, at GLA5-1B's head sizes (key 128, value
+    256, where fla's own pruning of the backward tiles keeps all 36): the forward and backward time
+    28 configurations instead of 266; the gated delta rule's kernels 18 instead of 61 (its output
+    kernel's 3 stay as fla lists them)."""
     proc = subprocess.run(
         [sys.executable, "-c", HOPPER_LISTS],
         cwd=REPO,
@@ -117,7 +120,8 @@ def test_on_hoppers_candidate_lists_gla_times_28_configurations_of_266():
 
 
 class _Calls(TorchDispatchMode):
-    """canon_titan's custom-op calls: name and every argument (tensors as shape, stride and dtype)."""
+    """canon_titan's custom-op calls: name and every argument (tensors as shape, stride and
+    dtype)."""
 
     def __init__(self):
         super().__init__()
@@ -139,10 +143,10 @@ class _Calls(TorchDispatchMode):
 
 @pytest.mark.parametrize("family", ["gla5", "gdn2", "mamba2"])
 def test_the_tuning_pass_makes_the_first_steps_kernel_calls(family):
-    """At the recipes' shape (1B, 16,384 x 1, bf16 activations) on a planned H100 (fake kernels on meta
-    tensors): every kernel call of the pass before the first collective, arguments, strides and dtypes included
-    (what Triton's tuning keys and specialisations read), is one that a block of the model makes in a training
-    step."""
+    """At the recipes' shape (1B, 16,384 x 1, bf16 activations) on a planned H100 (fake kernels on
+    meta tensors): every kernel call of the pass before the first collective, arguments, strides and
+    dtypes included (what Triton's tuning keys and specialisations read), is one that a block of the
+    model makes in a training step."""
     with planned_machine(KernelEnvironment.planned_gpu((9, 0))):
         config = model_registry.model_spec(family, "1B", {"n_layers": 1}).model
         meta = torch.device("meta")
@@ -167,9 +171,10 @@ def test_the_tuning_pass_makes_the_first_steps_kernel_calls(family):
 
 
 def test_the_tuning_pass_reports_each_kernel_and_keeps_the_random_state(caplog, monkeypatch):
-    """In Triton's interpreter (the GLA kernels' own code on the CPU): one line per kernel as it starts tuning,
-    naming how many of fla's configurations it times, with the seconds since the first; the pass runs once per
-    shape, waits for no one in one process, and the model's initialisation draws the numbers it would have."""
+    """In Triton's interpreter (the GLA kernels' own code on the CPU): one line per kernel as it
+    starts tuning, naming how many of fla's configurations it times, with the seconds since the
+    first; the pass runs once per shape, waits for no one in one process, and the model's
+    initialisation draws the numbers it would have."""
     if not tuning.device_for_kernels().type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("needs a GPU or TRITON_INTERPRET=1")
     from canon_titan.kernels import backends
@@ -200,7 +205,8 @@ def test_the_tuning_pass_reports_each_kernel_and_keeps_the_random_state(caplog, 
     caplog.clear()
     linear_tuning.tune_mixer(args, "fla", batch=1, seq_len=40, tp=2, dtype=torch.float32)
     assert not caplog.records  # once per shape
-    # fla's whole list on a GPU the rules were not measured on (an A100: sm_80), and with CANON_TITAN_FULL_AUTOTUNE=1.
+    # fla's whole list on a GPU the rules were not measured on (an A100: sm_80), and with
+    # CANON_TITAN_FULL_AUTOTUNE=1.
     tuner = tuning.autotuner_of(sys.modules["fla.ops.gla.chunk"].chunk_gla_fwd_kernel_o)
     assert len(tuner.early_config_prune(tuner.configs, {})) == 2
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -229,10 +235,10 @@ def test_the_pretuning_command_refuses_what_it_cannot_tune(capsys):
 
 @pytest.mark.slow
 def test_a_rank_slower_to_tune_than_the_collective_timeout_does_not_end_the_run(tmp_path):
-    """Two gloo processes, GLA5 debug on fla's kernels (Triton's interpreter), collectives timing out after 8 s,
-    rank 1 tuning 20 s longer than rank 0 (tests/slow_tuning_rank.py): rank 0 waits for it before the first
-    collective and both train. (Without the wait, rank 0's first collective timed out: gloo's "Timed out
-    waiting 8000ms".)"""
+    """Two gloo processes, GLA5 debug on fla's kernels (Triton's interpreter), collectives timing
+    out after 8 s, rank 1 tuning 20 s longer than rank 0 (tests/slow_tuning_rank.py): rank 0 waits
+    for it before the first collective and both train. (Without the wait, rank 0's first collective
+    timed out: gloo's "Timed out waiting 8000ms".)"""
     overrides = [
         *COMMON,
         "--training.steps",

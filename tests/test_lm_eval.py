@@ -38,7 +38,8 @@ def setup(tmp_path_factory):
 
 
 def greedy(model, tok, text: str, steps: int = 6) -> str:
-    """Greedy continuation by an argmax loop over full forwards (no cache, no BOS), cut at a newline."""
+    """Greedy continuation by an argmax loop over full forwards (no cache, no BOS), cut at a
+    newline."""
     ids = tok.encode(text, add_special_tokens=False)
     start = len(ids)
     for _ in range(steps):
@@ -346,7 +347,8 @@ def long_inputs(setup):
     """Tasks whose inputs pass the model's training length (128): a generation prompt of ~190 tokens
     (read whole at twice that length) and one of ~300 (still cut), a multiple-choice question of
     ~300 tokens, and a text of ~190 tokens to score as perplexity. Each generation target is the
-    model's greedy continuation of what it should read: the whole prompt, or its last 256 - 4 tokens."""
+    model's greedy continuation of what it should read: the whole prompt, or its last 256 - 4
+    tokens."""
     model, tok = _hf_model(setup)
     folder = setup["root"] / "long_tasks"
     folder.mkdir(exist_ok=True)
@@ -406,8 +408,8 @@ def test_inputs_past_the_training_length_are_read_to_twice_it_and_the_rest_is_re
     """A model trained at 128 tokens is evaluated at max_length 256, as the release evaluates its
     4096-token models at 8192: a 190-token prompt is read whole (its greedy continuation is the one
     from the whole prompt; the 190-token text is one perplexity window, RoPE past 128), and what is
-    still longer is cut from the left, said once per task and written to the results: the counts, the
-    longest input (tokenized here) and the limit (256, less the 4 tokens to generate)."""
+    still longer is cut from the left, said once per task and written to the results: the counts,
+    the longest input (tokenized here) and the limit (256, less the 4 tokens to generate)."""
     record = _eval_long(setup, long_inputs, setup["root"] / "long.json")
     printed = capsys.readouterr().out
     model, tok = long_inputs["model"], long_inputs["tok"]
@@ -471,14 +473,15 @@ def test_max_length_reads_longer_inputs(setup, long_inputs, capsys):
 
 
 def test_lm_evals_noise_is_quiet_and_its_real_warnings_are_not(setup, tmp_path, capsys):
-    """An eval/ task reads its file through a custom dataset: lm-eval's warning that custom kwargs can
-    be passed (twice per task, 16 per multi-hop group) is gone. In a process set up as `eval lm` sets
-    it up, a Hub retry line shows once, not once through huggingface_hub's own handler and again
-    through the root logger's, and any other warning of those loggers still shows."""
+    """An eval/ task reads its file through a custom dataset: lm-eval's warning that custom kwargs
+    can be passed (twice per task, 16 per multi-hop group) is gone. In a process set up as `eval lm`
+    sets it up, a Hub retry line shows once, not once through huggingface_hub's own handler and
+    again through the root logger's, and any other warning of those loggers still shows."""
     (tmp_path / "multihop").mkdir()
     rows = [
         {
-            "prompt": f"Ann Bee Cole was born in the year of {1950 + i}. Answer me: Ann Bee Cole was born in the "
+            "prompt": f"Ann Bee Cole was born in the year of {1950 + i}. Answer me: Ann Bee Cole was "
+            "born in the "
             "year of ",
             "answer": str(1950 + i),
         }
@@ -511,7 +514,8 @@ def test_lm_evals_noise_is_quiet_and_its_real_warnings_are_not(setup, tmp_path, 
 
     script = (
         "import logging\n"
-        "import datasets, huggingface_hub, lm_eval  # what eval lm imports, with their own handlers\n"
+        "import datasets, huggingface_hub, lm_eval  # what eval lm imports, with their "
+        "own handlers\n"
         "from canon_titan.tools.startup import init_logging\n"
         "from canon_titan.evaluation import lm\n"
         "init_logging()\n"

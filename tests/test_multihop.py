@@ -65,7 +65,8 @@ def test_same_seed_same_file_and_hand_example(background, count_tokens):
         3, 2, 300, 4, seed=10, background=background, count_tokens=count_tokens
     )
     prompt = (
-        "Ann Bee Cole was born in the year of 1970. Sky is blue. Dan Eve Fox was born in the same year as "
+        "Ann Bee Cole was born in the year of 1970. Sky is blue. Dan Eve Fox was born in "
+        "the same year as "
         "Ann Bee Cole.\n\nAnswer me: Dan Eve Fox was born in the year of "
     )
     assert multihop.solve(prompt) == "1970"

@@ -58,7 +58,8 @@ def _expand(pattern: str) -> list[str]:
 
 def test_the_readme_recipe_name_patterns_expand_to_the_files_that_exist():
     """Row 13: each pattern of the Release recipes section expands to names a user can type: files
-    that exist, all of them, once (at 4a7b0a2 one pattern expanded to 36 names, of which 16 existed)."""
+    that exist, all of them, once (at 4a7b0a2 one pattern expanded to 36 names, of which 16
+    existed)."""
     configs = (REPO / "docs" / "configs.md").read_text()
     section = configs[configs.index("## Release recipes") :]
     patterns = [p for p in re.findall(r"`([^`\s]*\{[^`\s]*\.toml)`", section)]
@@ -70,7 +71,8 @@ def test_the_readme_recipe_name_patterns_expand_to_the_files_that_exist():
 
 def test_each_row_of_the_readme_recipe_plan_names_its_recipes():
     """Row 1: each row of the planned-recipes table names the recipe files it plans (at 4a7b0a2 an
-    unlabelled "Llama-1B, 256 GPUs" row was the 2T recipe, and invited planning the 1T one at 256)."""
+    unlabelled "Llama-1B, 256 GPUs" row was the 2T recipe, and invited planning the 1T one at
+    256)."""
     page = (REPO / "docs" / "benchmarks" / "planner.md").read_text()
     body = page.split("<!-- plan:recipes -->", 1)[1].split("<!-- /plan:recipes -->", 1)[0]
     cells = [
@@ -111,7 +113,8 @@ def test_the_readme_writes_only_under_ignored_folders():
 
 
 def test_unknown_options_name_the_option_meant():
-    """Row 11: a misspelt option is an unknown option with the one meant, not a malformed override."""
+    """Row 11: a misspelt option is an unknown option with the one meant, not a malformed
+    override."""
     plan = cli("plan", "train_configs/llama_debug.toml", "--gpus", "8", "--gpus_per_node", "4")
     assert (
         plan.returncode == 2
@@ -187,7 +190,8 @@ def test_an_unedited_recipe_names_every_path_to_edit_at_once(tmp_path):
     both = cli("config", "validate", recipe)
     assert both.returncode == 2
     assert re.search(
-        r"\[tokenizer\] path = '[^']+' does not exist; \[dataloader\] dataset_path = '[^']+' does not "
+        r"\[tokenizer\] path = '[^']+' does not exist; \[dataloader\] dataset_path = "
+        r"'[^']+' does not "
         r"exist",
         both.stdout + both.stderr,
     ), both.stdout + both.stderr
@@ -199,8 +203,8 @@ def test_an_unedited_recipe_names_every_path_to_edit_at_once(tmp_path):
 
 
 def test_a_missing_kernel_package_is_named_as_not_installed(monkeypatch):
-    """Row 15: gpu_check's environment line says ``mamba-ssm: not installed``, not a ModuleNotFoundError;
-    a package that is there but fails to import keeps its error."""
+    """Row 15: gpu_check's environment line says ``mamba-ssm: not installed``, not a
+    ModuleNotFoundError; a package that is there but fails to import keeps its error."""
     from canon_titan.kernels import backends
 
     def missing(backend):
@@ -220,8 +224,8 @@ def test_a_missing_kernel_package_is_named_as_not_installed(monkeypatch):
 
 
 def test_a_checkpoint_of_another_family_is_named_as_such(tmp_path):
-    """Row 6: ``convert from-hf`` of a LlamaCanon export with a llama config says the families differ,
-    not that ``rope_dim`` is 8 where 32 is expected."""
+    """Row 6: ``convert from-hf`` of a LlamaCanon export with a llama config says the families
+    differ, not that ``rope_dim`` is 8 where 32 is expected."""
     from canon_titan.config import load
     from canon_titan.convert.hf import to_hf
     from conftest import CONFIGS, make_checkpoint
@@ -264,7 +268,8 @@ def test_known_harmless_library_lines_are_filtered_and_nothing_else(caplog):
         ),
         (
             "torch.distributed.tensor._redistribute",
-            "While redistributing from (_NormPartial(2.0), _NormPartial(2.0)) to (Replicate(), Replicate())",
+            "While redistributing from (_NormPartial(2.0), _NormPartial(2.0)) to "
+            "(Replicate(), Replicate())",
             "While redistributing from (Shard(0),) to (Replicate(),)",
         ),
     ]:

@@ -271,9 +271,9 @@ def test_the_plan_counts_a_lower_right_causal_attention_by_its_share():
 
 
 def test_the_cp_causal_bias_holds_no_storage_and_attends_as_torchs():
-    """``causal_lower_right`` allocates unused host memory of at least an fp32 [queries, keys] (at 262,144
-    tokens on CP 8: 32 GiB, which failed a plan here and asks any host for that much); the CP
-    shards' bias holds none and gives SDPA's output and gradients exactly."""
+    """``causal_lower_right`` allocates unused host memory of at least an fp32 [queries, keys] (at
+    262,144 tokens on CP 8: 32 GiB, which failed a plan here and asks any host for that much); the
+    CP shards' bias holds none and gives SDPA's output and gradients exactly."""
     from torch.nn.attention.bias import causal_lower_right
 
     from canon_titan.models.common.context_parallel import lower_right_causal_bias

@@ -33,8 +33,8 @@ pytestmark = pytest.mark.slow
 
 STEPS = ["--training.steps", "6", "--checkpoint.enable", "--checkpoint.interval", "100"]
 SHORT = ["--training.steps", "2", "--checkpoint.enable", "--checkpoint.interval", "100"]
-"""Runs whose steps take 12 s each (the Triton kernels in the interpreter) take two: the first step checks the
-forward and backward on the starting weights, the second the update they led to."""
+"""Runs whose steps take 12 s each (the Triton kernels in the interpreter) take two: the first step
+checks the forward and backward on the starting weights, the second the update they led to."""
 GLOBAL_BATCH = 4
 
 
@@ -217,7 +217,8 @@ def test_compile_with_fsdp(seed, reference, tmp_path):
 def test_compile_with_tensor_parallel(seed, reference, tmp_path, sp):
     """Compiled blocks under TP=2: the embedding's gradient reaches it through the first compiled
     block (torch 2.13 drops the gradient of an AsyncCollectiveTensor block input; see
-    ``EmbeddingParallel``). Without that the embedding gets no gradient: grad norm -12% at step 1."""
+    ``EmbeddingParallel``). Without that the embedding gets no gradient: grad norm -12% at step
+    1."""
     dump, out = train(
         seed,
         tmp_path,
@@ -270,9 +271,9 @@ def test_emulated_float8_alone_and_with_tensor_parallel(seed, reference, tmp_pat
         float8_args(recipe) + ["--parallelism.tensor_parallel_degree", "2"],
     )
     assert "Swapped to Float8Linear layers" in out and "Applied tensor parallelism" in out
-    # Each float8 run's grad norm moves from fp32's by rounding, either way: at step 4 of this run on an
-    # AMD EPYC, one process -0.7% and TP +2.3% (other steps under 0.5%). The two differ by up to the sum;
-    # a TP defect (a missing or doubled reduction) moves it by tens of percent.
+    # Each float8 run's grad norm moves from fp32's by rounding, either way: at step 4 of this run
+    # on an AMD EPYC, one process -0.7% and TP +2.3% (other steps under 0.5%). The two differ by up
+    # to the sum; a TP defect (a missing or doubled reduction) moves it by tens of percent.
     assert_matches((got, read_scalars(one, "grad_norm")), tp, loss_rtol=3e-3, grad_rtol=5e-2)
     tp_loss = read_scalars(tp)
     assert (
@@ -284,17 +285,18 @@ def test_fsdp_times_tp_gathers_float8_weights_in_float8_as_each_rank_would_cast_
     seed, tmp_path
 ):
     """``[float8] enable_fsdp_float8_all_gather`` with the scales precomputed (which TP requires) on
-    FSDP 2 x TP 2: each rank casts its shard of a weight with the amax of the whole weight (all of its
-    FSDP and TP shards), from the first step on (the scales are computed after the seed checkpoint
-    loads, not only after each optimizer step), so the gathered float8 weight is the one each rank
-    casts from the gathered high-precision weight without the option, and the run trains as that
-    float8 run does (losses and grad norms to 1e-5 / 1e-4, as every layout here; measured: equal).
-    With torchao's own pre-all-gather amax, or scales first computed after step 1, each TP shard
-    took its own scale on step 1 (loss 7.12713 against 7.12977, grad norm -0.4%). Its reference is
-    the same layout without the option, not one process: tensorwise scaling takes each activation's
-    amax over the rank's own batch, so data parallelism changes the float8 rounding. Both runs start
-    from the seed checkpoint (loaded into the wrapped weights) and end with a checkpoint of plain
-    tensors, whose weights agree. That the gathers move one byte a weight element is
+    FSDP 2 x TP 2: each rank casts its shard of a weight with the amax of the whole weight (all of
+    its FSDP and TP shards), from the first step on (the scales are computed after the seed
+    checkpoint loads, not only after each optimizer step), so the gathered float8 weight is the one
+    each rank casts from the gathered high-precision weight without the option, and the run trains
+    as that float8 run does (losses and grad norms to 1e-5 / 1e-4, as every layout here; measured:
+    equal). With torchao's own pre-all-gather amax, or scales first computed after step 1, each TP
+    shard took its own scale on step 1 (loss 7.12713 against 7.12977, grad norm -0.4%). Its
+    reference is the same layout without the option, not one process: tensorwise scaling takes each
+    activation's amax over the rank's own batch, so data parallelism changes the float8 rounding.
+    Both runs start from the seed checkpoint (loaded into the wrapped weights) and end with a
+    checkpoint of plain tensors, whose weights agree. That the gathers move one byte a weight
+    element is
     ``test_plan.py``'s."""
     f8 = float8_args("tensorwise")
     layout = [
@@ -353,10 +355,11 @@ def test_context_parallel_times_fsdp_on_four_processes(seed, reference, tmp_path
 def test_context_parallel_times_tensor_parallel_on_four_processes(
     seed, short_reference, tmp_path, sp
 ):
-    """CP 2 x TP 2 with and without sequence parallelism, Canon-ABCD and QK-norm: each TP rank's heads gather
-    their K and V, and its Canon-B/D channels their halos, over the CP ranks that hold the same
-    shard; the TP regions gather the rank's CP share of the sequence. Two steps (the first checks
-    the forward and backward on the starting weights, the second the update) against one process."""
+    """CP 2 x TP 2 with and without sequence parallelism, Canon-ABCD and QK-norm: each TP rank's
+    heads gather their K and V, and its Canon-B/D channels their halos, over the CP ranks that hold
+    the same shard; the TP regions gather the rank's CP share of the sequence. Two steps (the first
+    checks the forward and backward on the starting weights, the second the update) against one
+    process."""
     dump, out = train(
         seed,
         tmp_path,
@@ -456,8 +459,9 @@ def test_document_masking_under_tensor_parallel(seed, masked_reference, tmp_path
 @pytest.mark.parametrize(
     "nproc, dp, args, applied",
     [
-        # No one-process case (each FSDP rank below runs the whole model on its batch, as one process
-        # would) and no PP case (a stage runs the op as the whole model does; PP is checked with torch).
+        # No one-process case (each FSDP rank below runs the whole model on its batch, as one
+        # process would) and no PP case (a stage runs the op as the whole model does; PP is checked
+        # with torch).
         (
             2,
             1,

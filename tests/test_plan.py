@@ -34,7 +34,8 @@ RECIPE = {
 
 
 def plan_step(config, overrides, gpus, rank=0, sent=None, **options):
-    """The fake rank's recorded step, built as ``plan`` builds it (``options``: ``fake_rank_step``'s)."""
+    """The fake rank's recorded step, built as ``plan`` builds it (``options``:
+    ``fake_rank_step``'s)."""
     from canon_titan.kernels.backends import KernelEnvironment, planned_machine
     from canon_titan.plan.fake_world import fake_rank_step
     from canon_titan.plan.planner import _quiet, resolve
@@ -333,7 +334,8 @@ def test_plan_flops_are_the_trainers_count(world):
 
 
 def _fsdp_bytes(shapes, world, element_size):
-    """Rank 0's bytes of each parameter sharded by FSDP2: torch.chunk's first (largest) piece of dim 0."""
+    """Rank 0's bytes of each parameter sharded by FSDP2: torch.chunk's first (largest) piece of dim
+    0."""
     total = 0
     for shape in shapes:
         rows = -(-shape[0] // world)
@@ -421,13 +423,15 @@ def _cli(*args, timeout=600):
 
 
 def test_a_plan_on_a_gpu_machine_is_the_plan_on_a_cpu(tmp_path):
-    """The planner builds every rank on fake CPU tensors, on a machine with a GPU too. There, TorchTitan
-    picks the GPU (its ``device_type``) and ``torch.cuda.set_device``s the trainer's device, which the
-    planner makes the CPU: on an H200 (2026-11-27) every plan failed with "Expected a cuda device, but
+    """The planner builds every rank on fake CPU tensors, on a machine with a GPU too. There,
+    TorchTitan picks the GPU (its ``device_type``) and ``torch.cuda.set_device``s the trainer's
+    device, which the planner makes the CPU: on an H200 (2026-11-27) every plan failed with
+    "Expected a cuda device, but
     got: cpu". Here torch reports an accelerator (a ``sitecustomize`` says one is present, as torch
-    would on a GPU machine): the plan must run, and equal the one without it. Its torch also lacks the
-    pipeline stage's start-up names of torch 2.13, as the H200 kit's torch 2.11 did (2026-11-28: every plan
-    there failed importing ``InferenceMode``), which a plan without pipeline parallelism does not need."""
+    would on a GPU machine): the plan must run, and equal the one without it. Its torch also lacks
+    the pipeline stage's start-up names of torch 2.13, as the H200 kit's torch 2.11 did (2026-11-28:
+    every plan there failed importing ``InferenceMode``), which a plan without pipeline parallelism
+    does not need."""
     (tmp_path / "sitecustomize.py").write_text(
         "import torch._utils\ntorch._utils._get_available_device_type = lambda: 'cuda'\n"
         "import torch.distributed.pipelining._utils as pp_utils\n"
@@ -470,8 +474,8 @@ def test_a_plan_on_a_gpu_machine_is_the_plan_on_a_cpu(tmp_path):
 def test_planning_pipeline_stages_on_a_torch_without_their_start_up_names_says_what_it_needs(
     monkeypatch,
 ):
-    """Pipeline stages are answered through torch 2.13's start-up exchange; on a torch without it (the H200
-    kit's 2.11) a pipeline plan stops with an error that names the torch it needs."""
+    """Pipeline stages are answered through torch 2.13's start-up exchange; on a torch without it
+    (the H200 kit's 2.11) a pipeline plan stops with an error that names the torch it needs."""
     import torch.distributed.pipelining._utils as pp_utils
 
     from canon_titan.plan.fake_world import StepRecorder, pipeline_without_peers
@@ -602,8 +606,8 @@ def test_an_impossible_gpu_figure_is_one_line_and_exit_2(tmp_path, line, message
 
 
 def test_the_gpu_figure_bounds_hold_every_gpu_of_the_table():
-    """The bounds a GPU file is held to leave room around every GPU the table describes (a share of the
-    peak up to 1 itself)."""
+    """The bounds a GPU file is held to leave room around every GPU the table describes (a share of
+    the peak up to 1 itself)."""
     from canon_titan.plan.gpus import BOUNDS
 
     for gpu in GPUS.values():
@@ -668,7 +672,8 @@ def _op(
 
 
 def test_the_roofline_by_hand():
-    """A 1e12-FLOP bf16 matmul (compute-bound) and a 1 GB elementwise op (memory-bound) on an H100."""
+    """A 1e12-FLOP bf16 matmul (compute-bound) and a 1 GB elementwise op (memory-bound) on an
+    H100."""
     from canon_titan.plan.estimate import EFFICIENCY, compute_seconds
 
     step = _trace(
@@ -819,8 +824,9 @@ def test_collective_latency_grows_with_ranks_and_nodes():
     ],
 )
 def test_collective_latency_is_torchs_nccl_model(kind, ranks):
-    """The latency is that of torch._inductor.comm_analysis's NCCL model (ring, or the faster of ring
-    and tree for an all-reduce, Simple protocol) for a message of no bytes, on its 8 GPUs per node."""
+    """The latency is that of torch._inductor.comm_analysis's NCCL model (ring, or the faster of
+    ring and tree for an all-reduce, Simple protocol) for a message of no bytes, on its 8 GPUs per
+    node."""
     from torch._inductor import comm_analysis as nccl
 
     from canon_titan.plan.estimate import collective_latency
@@ -903,9 +909,9 @@ def _planner_row(block: str, first_cells: list[str]) -> list[str]:
 
 @pytest.mark.slow
 def test_the_readme_plan_tables_hold():
-    """The planner page's recipe table and calibration table are what the planner says today (the GPU
-    run planned with its allocator mode), and the calibration row of Llama-1B stays within the aims against
-    its GPU measurement (memory within 15%, throughput within 25%)."""
+    """The planner page's recipe table and calibration table are what the planner says today (the
+    GPU run planned with its allocator mode), and the calibration row of Llama-1B stays within the
+    aims against its GPU measurement (memory within 15%, throughput within 25%)."""
     from canon_titan.plan.planner import plan
 
     cells = _planner_row("recipes", ["LlamaCanon-1B-Nemo-1T-lr{0.002,0.003}", "128"])
@@ -1030,9 +1036,9 @@ def test_a_looped_pipeline_schedule_plans_each_rank_with_its_stages():
 
 
 def test_a_looped_schedule_gathers_a_whole_stage_before_its_first_op_as_the_pinned_torch_does():
-    """torch's schedule runtime (Interleaved1F1B's from torch 2.10) all-gathers every FSDP module of a
-    stage before the stage's first op; until 2.10 each block's FSDP hook gathered it as it ran. The
-    plan builds either. Rank 0 holds stages 0 and 2 (the embedding and four blocks, each its own
+    """torch's schedule runtime (Interleaved1F1B's from torch 2.10) all-gathers every FSDP module of
+    a stage before the stage's first op; until 2.10 each block's FSDP hook gathered it as it ran.
+    The plan builds either. Rank 0 holds stages 0 and 2 (the embedding and four blocks, each its own
     FSDP module): in the first case all five of its forward all-gathers come before its first
     matmul (stage 2's prefetched with stage 0's), in the second two do (the embedding's and the
     first block's); the step computes the same in both."""
@@ -1109,8 +1115,9 @@ GATHER = ["--float8.enable_fsdp_float8_all_gather", "true"]
 
 @pytest.fixture(scope="module")
 def float8_step():
-    """``float8_step(family, *overrides)``: the fake rank's step of the family's debug model on FSDP 2
-    with emulated tensorwise float8, planned once for all of this module's tests that ask for it."""
+    """``float8_step(family, *overrides)``: the fake rank's step of the family's debug model on FSDP
+    2 with emulated tensorwise float8, planned once for all of this module's tests that ask for
+    it."""
 
     @functools.cache
     def planned(family, *overrides):
@@ -1150,12 +1157,13 @@ def _padded_parameters(family) -> dict[str, int]:
 
 
 def test_fsdp_float8_all_gather_moves_a_byte_a_float8_weight_element(float8_step):
-    """With ``[float8] enable_fsdp_float8_all_gather`` FSDP2 (the real code, on fake tensors) gathers
-    each float8 linear's weight in float8: the forward's all-gathers move the same bytes as without
-    it less (param bytes - 1) a padded element of those weights, which are the blocks' 28 linears
-    (lm_head is filtered out), by hand from the model's shapes. Each gather first all-reduces its
-    weight's amax (28 more forward all-reduces); precomputing the scales makes them one all-reduce
-    after the optimizer step. Reduce-scatters are unchanged: gradients stay high precision."""
+    """With ``[float8] enable_fsdp_float8_all_gather`` FSDP2 (the real code, on fake tensors)
+    gathers each float8 linear's weight in float8: the forward's all-gathers move the same bytes as
+    without it less (param bytes - 1) a padded element of those weights, which are the blocks' 28
+    linears (lm_head is filtered out), by hand from the model's shapes. Each gather first
+    all-reduces its weight's amax (28 more forward all-reduces); precomputing the scales makes them
+    one all-reduce after the optimizer step. Reduce-scatters are unchanged: gradients stay high
+    precision."""
     padded, float8 = _padded_parameters("llama")
     linears = [name for name in float8 if name.startswith("layers.")]
     assert len(linears) == len(float8) == 28
@@ -1195,12 +1203,12 @@ def test_fsdp_float8_all_gather_moves_a_byte_a_float8_weight_element(float8_step
 
 @pytest.mark.parametrize("family", ["llama", "llama_canon", "gla5", "gdn2", "mamba2"])
 def test_every_family_gathers_its_float8_weights_in_float8(family, float8_step):
-    """``[float8] enable_fsdp_float8_all_gather`` on FSDP 2, each family's debug model: the forward's
-    FSDP all-gathers move one byte where they would move an element of every float8 linear's (padded)
-    weight, and an element of every other parameter, which the float8-converted model names, by hand
-    from its shapes (4 bytes: the debug configs train in fp32). A family that ignored the option
-    (Mamba2 did, while its log said the weights were gathered in float8) moves an element of every
-    parameter with it."""
+    """``[float8] enable_fsdp_float8_all_gather`` on FSDP 2, each family's debug model: the
+    forward's FSDP all-gathers move one byte where they would move an element of every float8
+    linear's (padded) weight, and an element of every other parameter, which the float8-converted
+    model names, by hand from its shapes (4 bytes: the debug configs train in fp32). A family that
+    ignored the option (Mamba2 did, while its log said the weights were gathered in float8) moves an
+    element of every parameter with it."""
     padded, float8 = _padded_parameters(family)
     assert float8
     gathered = _fsdp_collectives(float8_step(family, *GATHER))[("all_gather", "forward", "bytes")]
@@ -1213,9 +1221,9 @@ def test_every_family_gathers_its_float8_weights_in_float8(family, float8_step):
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_a_planned_gpu_run_takes_the_gpus_float8_tensor_parallel_styles(monkeypatch, recipe):
     """On a GPU the TP linears of a tensorwise float8 run take torchao's float8 styles (NCCL moves
-    float8; gloo cannot, so a CPU run keeps the plain styles and still casts in each matmul). The plan
-    builds what the GPU run builds: the float8 styles for tensorwise, the plain ones for rowwise
-    (torchao's styles assume one scale per tensor)."""
+    float8; gloo cannot, so a CPU run keeps the plain styles and still casts in each matmul). The
+    plan builds what the GPU run builds: the float8 styles for tensorwise, the plain ones for
+    rowwise (torchao's styles assume one scale per tensor)."""
     from types import SimpleNamespace
 
     from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel

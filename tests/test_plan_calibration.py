@@ -1,5 +1,5 @@
-"""``canon-titan plan`` against what it got wrong when held to published GPU measurements (issue 42):
-pipeline with tensor parallelism, the GPU table, compile with activation checkpointing.
+"""``canon-titan plan`` against what it got wrong when held to published GPU measurements (issue
+42): pipeline with tensor parallelism, the GPU table, compile with activation checkpointing.
 
 References: the unsplit model's parameters (built whole on the meta device), the process groups
 a layout puts each rank in (hand arithmetic of TorchTitan's mesh order), the GPU vendors'
@@ -106,7 +106,8 @@ def test_pipeline_with_tensor_parallel_plans_every_stage(layout):
         assert any(c.kind in ("send", "recv") for c in kind.time.collectives)
 
 
-# ----------------------------------------------------------------- compile with activation checkpointing
+# ----------------------------------------------------------------- compile with activation
+# checkpointing
 
 
 def _trace(ops, events):
@@ -283,7 +284,8 @@ def test_gemms_run_below_each_parts_measured_best_and_keep_its_ranking(name, bes
         assert share > 0.75
 
 
-# ------------------------------------------------------------------------- what per-block compile fuses
+# ------------------------------------------------------------------------- what per-block compile
+# fuses
 
 
 def test_compile_fuses_only_the_compiled_blocks():
@@ -459,13 +461,13 @@ def test_compiled_bytes_meet_inductors_own_count_for_a_llama_block(ac):
 
 
 def test_every_calibration_point_is_a_valid_run_of_its_published_shape(monkeypatch):
-    """Each point of ``scripts/plan_calibration.py`` resolves as ``train`` would resolve it on its GPU
-    count, at the published model's parameter count (Llama 3.1 8B: 8.03B, 70B: 70.55B, 405B: 405.85B, from
-    their model cards), with the published batch per GPU and sequence length, and with float8's
-    tensor-wise scaling unless the run names row-wise (TorchTitan had no other at 9dec370, and
-    the H200 runs name no recipe; canon-titan defaults to row-wise), FSDP's float8 all-gather where the
-    run's command has it (the H200 runs), and with an interleaved pipeline gathering block by block as
-    torch before 2.10 did."""
+    """Each point of ``scripts/plan_calibration.py`` resolves as ``train`` would resolve it on its
+    GPU count, at the published model's parameter count (Llama 3.1 8B: 8.03B, 70B: 70.55B, 405B:
+    405.85B, from their model cards), with the published batch per GPU and sequence length, and with
+    float8's tensor-wise scaling unless the run names row-wise (TorchTitan had no other at 9dec370,
+    and the H200 runs name no recipe; canon-titan defaults to row-wise), FSDP's float8 all-gather
+    where the run's command has it (the H200 runs), and with an interleaved pipeline gathering block
+    by block as torch before 2.10 did."""
     from canon_titan.config import load
 
     monkeypatch.syspath_prepend(REPO / "scripts")
@@ -593,8 +595,8 @@ def _torchao_gemm_epilogues(recipe: str) -> list[tuple[tuple[int, ...], list[str
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_float8_gemms_are_followed_by_what_torchao_runs_after_them(recipe):
     """The plan runs torchao's emulation, which hides what its hardware path does around a GEMM: for
-    row-wise scaled operands with slow accumulation (the ``rowwise`` recipe's backward GEMMs) it runs
-    cuBLAS's tensor-wise GEMM and then rescales the output in place by the outer product of the
+    row-wise scaled operands with slow accumulation (the ``rowwise`` recipe's backward GEMMs) it
+    runs cuBLAS's tensor-wise GEMM and then rescales the output in place by the outer product of the
     inverse scales. The reference is torchao's hardware path itself, stepped on fake tensors: the
     recorder adds the rescale after exactly the GEMMs that torchao follows with a multiply. By hand:
     the product is an fp32 [M, N] tensor; the rescale reads and writes the bf16 output once."""
@@ -748,9 +750,10 @@ def test_the_row_wise_cast_constants_are_their_fit_to_half_the_table(monkeypatch
 
 
 def test_the_readme_published_table_is_the_calibration_set(monkeypatch):
-    """The README's table of published points has one row per point of ``scripts/plan_calibration.py``
-    (its source, label, GPUs and measured figures), and its median and worst errors are those of
-    its own rows' ratios (the planned figures themselves are held by the planning tests)."""
+    """The README's table of published points has one row per point of
+    ``scripts/plan_calibration.py`` (its source, label, GPUs and measured figures), and its median
+    and worst errors are those of its own rows' ratios (the planned figures themselves are held by
+    the planning tests)."""
     import re
     import statistics
 
@@ -791,18 +794,19 @@ def test_the_readme_published_table_is_the_calibration_set(monkeypatch):
 
 def test_a_cp_ranks_attention_benchmark_runs_each_implementations_calls(tmp_path):
     """``scripts/benchmarks/cp_attention_rank.py`` (a GPU step of ``gpu_check``: one CP rank's
-    attention on a fake process group) at toy sizes on the CPU: torch's ring and canon-titan's gather
-    make the SDPA calls their algorithms make, by hand (the ring's through the op it is handed, the
-    gather's as ``F.scaled_dot_product_attention`` sees them). With load-balanced head-tail chunks of h = L / 2
-    tokens, rank r holds positions [r h, (r + 1) h) and [(2 cp - 1 - r) h, (2 cp - r) h). The ring's
-    step 0 is causal on the rank's L queries and keys; at step i its keys came from rank r - i: rank
-    r >= i runs all L queries against their first h keys (their head chunk, wholly before both of its
-    chunks), a lower rank its last h queries against all L keys (the tail chunk sees both of the other
-    rank's chunks, the head chunk neither). The gather runs one causal call per contiguous run of the
-    rank's positions against every key before the run's end (causal, aligned to the lower right). Both do the rank's causal share: one
-    (query, key) pair for each position p and each key at or before it, p + 1. With fewer K/V heads
-    (``--kv-heads``, grouped-query attention) the gather's outputs and gradients were first checked
-    against plain causal SDPA on each degree's first and last rank (the script stops otherwise)."""
+    attention on a fake process group) at toy sizes on the CPU: torch's ring and canon-titan's
+    gather make the SDPA calls their algorithms make, by hand (the ring's through the op it is
+    handed, the gather's as ``F.scaled_dot_product_attention`` sees them). With load-balanced
+    head-tail chunks of h = L / 2 tokens, rank r holds positions [r h, (r + 1) h) and [(2 cp - 1 -
+    r) h, (2 cp - r) h). The ring's step 0 is causal on the rank's L queries and keys; at step i its
+    keys came from rank r - i: rank r >= i runs all L queries against their first h keys (their head
+    chunk, wholly before both of its chunks), a lower rank its last h queries against all L keys
+    (the tail chunk sees both of the other rank's chunks, the head chunk neither). The gather runs
+    one causal call per contiguous run of the rank's positions against every key before the run's
+    end (causal, aligned to the lower right). Both do the rank's causal share: one (query, key) pair
+    for each position p and each key at or before it, p + 1. With fewer K/V heads (``--kv-heads``,
+    grouped-query attention) the gather's outputs and gradients were first checked against plain
+    causal SDPA on each degree's first and last rank (the script stops otherwise)."""
     import json
     import subprocess
     import sys

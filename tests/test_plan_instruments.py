@@ -64,7 +64,8 @@ def _planned(fn, make) -> tuple[int, int]:
 def _within(planned, reference, forward_tol, backward_tol):
     ratios = [p / r for p, r in zip(planned, reference)]
     assert abs(ratios[0] - 1) < forward_tol and abs(ratios[1] - 1) < backward_tol, (
-        f"planned / FlopCounterMode on the torch backend: forward {ratios[0]:.3f}, backward {ratios[1]:.3f}"
+        f"planned / FlopCounterMode on the torch backend: forward {ratios[0]:.3f}, "
+        f"backward {ratios[1]:.3f}"
     )
     return ratios
 
@@ -205,8 +206,8 @@ def test_ssd_formula_against_its_torch_backend(heads, groups, head_dim, state, c
 
 def test_the_document_ops_are_priced_as_the_kernels_they_run():
     """With document boundaries the recurrences run the same kernels over the same chunks (the batch
-    flattened to one row for fla): each document op's formula counts what its plain op's does for one
-    document a row, which the tests above hold to FlopCounterMode on the torch backends; and the
+    flattened to one row for fla): each document op's formula counts what its plain op's does for
+    one document a row, which the tests above hold to FlopCounterMode on the torch backends; and the
     planner prices them as recurrences."""
     from canon_titan.kernels.documents import Documents, one_document_a_row
     from canon_titan.plan.flops import op_kind
@@ -267,11 +268,13 @@ def test_the_document_ops_are_priced_as_the_kernels_they_run():
             assert op_kind(getattr(ops, op)) == "recurrence", op
 
 
-# ----------------------------------------------------------------------------- what the plan patches
+# ----------------------------------------------------------------------------- what the plan
+# patches
 
 
 def test_the_patches_are_undone():
-    """After a pipeline stage's patches and a recorder's, the classes hold torch's own methods again."""
+    """After a pipeline stage's patches and a recorder's, the classes hold torch's own methods
+    again."""
     from torch.distributed.pipelining.stage import PipelineStage
     from torch.distributed.tensor._sharding_prop import ShardingPropagator
 

@@ -120,7 +120,8 @@ def test_at_the_gpus_memory_the_allocator_releases_its_free_segments_or_runs_out
 
 def test_fsdp_buffers_are_placed_on_their_own_streams():
     """The recorded step's all-gather and reduce-scatter buffers (FSDP2 allocates them on its own
-    streams) go to streams 1 and 2 in the replay; a plan's reserved peak is at least its live one."""
+    streams) go to streams 1 and 2 in the replay; a plan's reserved peak is at least its live
+    one."""
     from canon_titan.plan import planner
     from conftest import CONFIGS
 

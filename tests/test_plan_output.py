@@ -32,7 +32,8 @@ def test_each_gpu_run_in_use_is_planned_as_stored_and_is_of_its_kind(point):
     )
     assert result.tokens_per_s_per_gpu == pytest.approx(point.planned_tokens_per_s, rel=2e-3), (
         f"the planner now gives {result.tokens_per_s_per_gpu:,.0f} tokens/s for {point.label!r} "
-        f"({point.measured_on}): store the planner's figures with scripts/benchmarks/plan_recipes.py --docs"
+        f"({point.measured_on}): store the planner's figures with "
+        "scripts/benchmarks/plan_recipes.py --docs"
     )
     run, _ = resolve(
         str(REPO / "train_configs" / f"{point.recipe}.toml"),
@@ -45,9 +46,9 @@ def test_each_gpu_run_in_use_is_planned_as_stored_and_is_of_its_kind(point):
 
 def test_a_kinds_band_spans_its_newest_runs_measured_over_planned_time():
     """LlamaCanon-1B on the Triton Canon op: its 2026-11-26 and -27 runs were measured again on
-    2026-11-28 (after the backward kernels' rewrite, on a host of its own), so the band is that day's
-    two runs' measured over planned time, the lowest and the highest. The points in use, and only
-    they, have a stored planned figure."""
+    2026-11-28 (after the backward kernels' rewrite, on a host of its own), so the band is that
+    day's two runs' measured over planned time, the lowest and the highest. The points in use, and
+    only they, have a stored planned figure."""
     kind = ModelKind("llama_canon")
     band = calibration.band(kind)
     expected = [p for p in POINTS if p.kind == kind and p.date == "2026-11-28"]
@@ -200,7 +201,8 @@ def test_a_search_that_prints_fewer_than_top_says_why_with_the_table():
 
     cut = text(_search_result(2, 8), 5)
     assert (
-        "  Only 2 of --top 5: 8 more layout(s) were not planned in full within --budget-s 580; a larger "
+        "  Only 2 of --top 5: 8 more layout(s) were not planned in full within --budget-s "
+        "580; a larger "
         "--budget-s plans them" in cut
     )
     assert "Only 2 of --top 5: no other layout tried fits" in text(_search_result(2, 0), 5)

@@ -1,6 +1,6 @@
-"""``canon-titan plan --search`` (issue 45): the layouts it enumerates keep the global batch, what it
-offers are full plans (handed back to ``plan`` they give the same figures), and its winner, stepped
-on real gloo processes, is the run the plan described.
+"""``canon-titan plan --search`` (issue 45): the layouts it enumerates keep the global batch, what
+it offers are full plans (handed back to ``plan`` they give the same figures), and its winner,
+stepped on real gloo processes, is the run the plan described.
 
 References: the config checks' own arithmetic of a layout's data-parallel size and accumulation
 (``load``), hand-enumerated factorizations, ``plan`` itself for the offered rows, and a real
@@ -22,7 +22,8 @@ BASE = ["--training.seq_len", "128"]
 
 def test_structures_are_every_factorization_the_checks_allow_by_hand():
     """8 GPUs, 8 per node, 4 layers, a global batch of 8: TP within the node, CP without PP (with
-    FSDP, and with TP), PP dividing the layers; each leaves a data-parallel size dividing the batch."""
+    FSDP, and with TP), PP dividing the layers; each leaves a data-parallel size dividing the
+    batch."""
     from canon_titan.plan.search import structures
 
     got = set(structures(8, 8, 4, 8, cp_allowed=True))
@@ -100,11 +101,11 @@ def _fake_planner(
     replicate_s: float = 0.0,
 ):
     """Stands in for ``plan`` in the search's worker (one worker: in-process): a probe (few layers)
-    costs ``probe_s`` of the clock, a full plan ``full_s``. Every layout fits in a few GB; less TP and
-    CP and a larger local batch are faster; keeping the gathered weights a little, float8 more. An
-    FSDP shard group that spans nodes adds ``network_s`` per rank in it and ``gather_s`` / TP (its
-    share of the weights' bytes), of which ``kept_share`` remains when the gathered weights are kept;
-    HSDP's all-reduce across its replicas adds ``replicate_s``."""
+    costs ``probe_s`` of the clock, a full plan ``full_s``. Every layout fits in a few GB; less TP
+    and CP and a larger local batch are faster; keeping the gathered weights a little, float8 more.
+    An FSDP shard group that spans nodes adds ``network_s`` per rank in it and ``gather_s`` / TP
+    (its share of the weights' bytes), of which ``kept_share`` remains when the gathered weights are
+    kept; HSDP's all-reduce across its replicas adds ``replicate_s``."""
 
     def figures(config, overrides, gpus, gpu, gpus_per_node, attention):
         value = {
@@ -173,10 +174,10 @@ def _search_on_the_clock(monkeypatch, budget_s: float):
 @pytest.mark.parametrize("budget_s", [120.0, 200.0, 450.0])
 def test_the_budget_bounds_the_search_and_goes_first_to_what_it_prints(monkeypatch, budget_s):
     """On a simulated clock (the config's own plan and every full plan 60 s, a probe 1 s; the debug
-    config on 8 GPUs probes 5 layouts, 10 probes): the search ends within its budget and plans in full
-    the first (budget - 70) // 60 layouts of what an ample budget plans, in the same order; that
-    order is three layouts to print, the probes' best one's variant (keeping the gathered weights)
-    and float8 (tensorwise, rowwise), float8 of the variant that won, then the rest."""
+    config on 8 GPUs probes 5 layouts, 10 probes): the search ends within its budget and plans in
+    full the first (budget - 70) // 60 layouts of what an ample budget plans, in the same order;
+    that order is three layouts to print, the probes' best one's variant (keeping the gathered
+    weights) and float8 (tensorwise, rowwise), float8 of the variant that won, then the rest."""
     ample, order = _search_on_the_clock(monkeypatch, 7200.0)
     assert "not planned in full (budget)" not in ample.tried
     assert all(p[2:] == ("default", "false") for p in order[:3])
@@ -207,8 +208,8 @@ def test_probing_stops_within_a_round_at_its_share_of_the_budget_and_leaves_time
     own plan and a full plan 60 s), budget 400 s: the debug config on 8 GPUs probes its 5 layouts in
     one round of three chunks of two layouts (2 per worker). By hand: the own plan ends at 60 s, the
     first chunk at 180, the second at 300, past the probes' share (0.6 x 400 = 240), so the third is
-    not started and one full plan (60 s) fits in the 100 s left. A search that checked its share only
-    between rounds would end the round at 420 s, past the budget, and offer nothing."""
+    not started and one full plan (60 s) fits in the 100 s left. A search that checked its share
+    only between rounds would end the round at 420 s, past the budget, and offer nothing."""
     from canon_titan.plan import search as search_module
 
     clock, planned = _Clock(), []
@@ -230,9 +231,9 @@ def test_probing_stops_within_a_round_at_its_share_of_the_budget_and_leaves_time
 
 
 def test_float8_layouts_of_a_config_that_gathers_in_float8_are_runs():
-    """A config with FSDP's float8 all-gather (tensor-wise only): its tensor-wise float8 layouts keep
-    it, its row-wise ones gather in the param dtype (else the config check refuses them), and its
-    bf16 ones ignore it as float8 being off does."""
+    """A config with FSDP's float8 all-gather (tensor-wise only): its tensor-wise float8 layouts
+    keep it, its row-wise ones gather in the param dtype (else the config check refuses them), and
+    its bf16 ones ignore it as float8 being off does."""
     from canon_titan.config import load
     from canon_titan.plan.search import Layout
 
@@ -258,8 +259,8 @@ def test_float8_layouts_of_a_config_that_gathers_in_float8_are_runs():
 def test_a_probe_pair_extrapolates_by_hand_and_never_below_its_live_peak():
     """Time and the live peak are linear in the layers. By hand, 32 layers: step 1.0 + 31 x 0.25 =
     8.75 s over 2 accumulation groups; reserved 20 + 31 x 2 = 82 GB, live 10 + 31 x 2 = 72 GB plus
-    the larger slack (10 GB): 82 GB. The pair of LlamaCanon-8B, HSDP 8x2 x CP 4, local 96 on 64 H100s
-    (its reserved peak falls from one layer to two, 84.9 and 84.7 GB; live 54.7 and 73.7): the
+    the larger slack (10 GB): 82 GB. The pair of LlamaCanon-8B, HSDP 8x2 x CP 4, local 96 on 64
+    H100s (its reserved peak falls from one layer to two, 84.9 and 84.7 GB; live 54.7 and 73.7): the
     reserved peak extrapolates to 78.7 GB, a fit, the live one to 643 GB, plus 30.2 GB of slack:
     674 GB (planned in full: 647 GB). A failed probe: no figures."""
     from canon_titan.plan.search import extrapolate
@@ -322,9 +323,10 @@ def test_keeping_the_gathered_weights_is_tried_on_the_best_fsdp_form_though_hsdp
     monkeypatch,
 ):
     """16 GPUs on two nodes of 8, a global batch of 256. The fake planner: an FSDP group that spans
-    nodes pays 0.3 s / TP of all-gathers and reduce-scatters, a fifth of it when the gathered weights
-    are kept; HSDP pays 0.1 s for its all-reduce across nodes. By hand (compute 1.5 + 0.2 TP + 1/local,
-    x0.99 keeping the gathered weights): HSDP 2x8 TP 1 at local 16 1.8625 s, kept 1.8449; HSDP 2x4
+    nodes pays 0.3 s / TP of all-gathers and reduce-scatters, a fifth of it when the gathered
+    weights are kept; HSDP pays 0.1 s for its all-reduce across nodes. By hand (compute 1.5 + 0.2 TP
+    + 1/local, x0.99 keeping the gathered weights): HSDP 2x8 TP 1 at local 16 1.8625 s, kept 1.8449;
+      HSDP 2x4
     TP 2 2.0313; FSDP 16 TP 1 2.0625 (the fastest FSDP form: TP 2 2.0813), fourth of those planned
     after the first variant, and kept 1.8049: the fastest of all. A search that tries the variant
     only on its best three would offer HSDP 2x8 kept (1.8449)."""
@@ -394,7 +396,8 @@ def found():
 @pytest.mark.slow
 def test_a_search_offers_full_plans_that_keep_the_global_batch(found):
     """At least three layouts fit; they are sorted fastest first; none changes the global batch;
-    float8 ones are listed apart; the winner's overrides handed back to ``plan`` give its figures."""
+    float8 ones are listed apart; the winner's overrides handed back to ``plan`` give its
+    figures."""
     from canon_titan.config import load
     from canon_titan.plan.planner import plan
 
@@ -453,8 +456,9 @@ def test_the_winner_written_as_toml_is_the_same_run(found, tmp_path):
 def test_the_winner_stepped_on_real_processes_is_the_planned_run(found, tmp_path):
     """The top layout on two real gloo processes: FLOPs equal FlopCounterMode's, collectives by kind
     CommDebugMode's, bytes per group what gloo recorded, the activation peak within 10% of
-    MemTracker's (the gathered parameters on MemTracker's side of the line); parameters, gradients, optimizer state and every collective's bytes by kind, group
-    and phase equal to the real step recorded op by op."""
+    MemTracker's (the gathered parameters on MemTracker's side of the line); parameters, gradients,
+    optimizer state and every collective's bytes by kind, group and phase equal to the real step
+    recorded op by op."""
     from canon_titan.plan.planner import _categories
     from canon_titan.plan.recorder import memory_peak
     from test_plan import assert_plan_is_the_real_run, plan_step, real_run, summary

@@ -1,5 +1,6 @@
 """The stages of ``canon-titan plan --search`` one by one, by hand (the whole search is
-``tests/test_plan_search.py``'s): what a shape needs probed next, and the estimates its probes give."""
+``tests/test_plan_search.py``'s): what a shape needs probed next, and the estimates its probes
+give."""
 
 from __future__ import annotations
 

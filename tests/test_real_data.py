@@ -265,7 +265,8 @@ def test_token_loader_is_layout_independent_and_resumable(tmp_path):
 @pytest.mark.parametrize("dataset", ["builtin", "files", "tokens"])
 def test_packed_loaders_resume_at_another_data_parallel_size(tmp_path, dataset):
     """Four steps on 2 ranks x 2 windows, a checkpoint of every rank's state, then 1 rank x 4 and
-    4 ranks x 1: the batches of each rank equal those of a run that had that layout from the start."""
+    4 ranks x 1: the batches of each rank equal those of a run that had that layout from the
+    start."""
     tok = build_tokenizer("hf", str(ASSET_DIR))
     path = None
     if dataset != "builtin":
@@ -398,8 +399,8 @@ def test_streaming_units_read_every_document_exactly_once(tmp_path, ranks):
 
 
 def test_a_streamed_source_says_when_its_first_reader_starts_it_again(tmp_path, caplog):
-    """Data reader 0 (rank 0's first) logs the end of each pass over its share of a source, once; the
-    other readers stay silent. At 432670c sources were re-read without a word."""
+    """Data reader 0 (rank 0's first) logs the end of each pass over its share of a source, once;
+    the other readers stay silent. At 432670c sources were re-read without a word."""
     import logging
 
     from canon_titan.data.streaming import SourceReader
@@ -414,7 +415,8 @@ def test_a_streamed_source_says_when_its_first_reader_starts_it_again(tmp_path, 
                 reader.next()
     ends = [r.getMessage() for r in caplog.records if "ended" in r.getMessage()]
     assert ends == [
-        f"streamed data: epoch {e} of data reader 0 over 3 files ended; it reads its share of them again"
+        f"streamed data: epoch {e} of data reader 0 over 3 files ended; it reads its share "
+        "of them again"
         for e in (1, 2)
     ], ends
 
@@ -545,7 +547,8 @@ def test_kill_and_resume_online_and_pretokenized(tmp_path, dataset):
             refused.stderr[-3000:]
         )
         assert (
-            "was written by a run streaming its data ([dataloader] dataset = 'stream') on 2 data-parallel "
+            "was written by a run streaming its data ([dataloader] dataset = 'stream') on "
+            "2 data-parallel "
             "rank(s); this run has 1"
         ) in refused.stderr
     out = run_training(2 if dataset == "stream" else 1, resume, config=CONFIGS["llama"])
@@ -681,9 +684,9 @@ def test_hf_tokenizer_for_lm_eval_matches_ours(kind, sp_path, tiktoken_path):
 
 
 def test_the_data_benchmark_runs_and_the_documented_gpu_need_holds():
-    """scripts/benchmarks/bench_data.py prints its three paths with a rate each (a small corpus here), and
-    the GPU's need that docs/benchmarks/cpu.md quotes is what its FLOP count gives: 40% of an H100's
-    989.5 TFLOP/s over LlamaCanon-1B's FLOPs per token at 4096."""
+    """scripts/benchmarks/bench_data.py prints its three paths with a rate each (a small corpus
+    here), and the GPU's need that docs/benchmarks/cpu.md quotes is what its FLOP count gives: 40%
+    of an H100's 989.5 TFLOP/s over LlamaCanon-1B's FLOPs per token at 4096."""
     out = subprocess.run(
         [
             sys.executable,

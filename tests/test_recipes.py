@@ -79,7 +79,8 @@ def test_recipe_resolves_to_spec(name):
     assert run["dataloader"]["dataset"] == "tokens"
 
 
-# Linear recipes (spec 5.7). size: (gpus, seq_len, steps, warmup, [(lr, wd), ...], dim, layers, heads, mlp, vocab)
+# Linear recipes (spec 5.7). size: (gpus, seq_len, steps, warmup, [(lr, wd), ...], dim, layers,
+# heads, mlp, vocab)
 LINEAR_SIZES = {
     "1B": (
         128,
@@ -168,10 +169,10 @@ def test_linear_recipe_resolves_to_spec(name):
 
 
 def test_every_config_header_launches_it_through_the_project_s_launcher():
-    """Each train_configs file's header names how to run it, and that launch path is one that reports a
-    stop with the project's exit codes (`canon-titan train`, scripts/run_train.sh, scripts/playground.sh):
-    never the plain torchrun line (which turns a preemption into torchrun's failure report and exit 1),
-    as the debug configs' headers showed at 432670c."""
+    """Each train_configs file's header names how to run it, and that launch path is one that
+    reports a stop with the project's exit codes (`canon-titan train`, scripts/run_train.sh,
+    scripts/playground.sh): never the plain torchrun line (which turns a preemption into torchrun's
+    failure report and exit 1), as the debug configs' headers showed at 432670c."""
     import re
 
     files = sorted((REPO / "train_configs").rglob("*.toml"))

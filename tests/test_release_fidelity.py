@@ -17,7 +17,8 @@ from conftest import CONFIGS, REPO, make_checkpoint
 from test_convert import TOKENS, dcp_tensors
 
 TRANSFORMERS_4 = REPO / ".venv" / "transformers4"
-"""transformers 4.47.1 (the release's) with its tokenizers and hub client, installed apart by scripts/test.sh."""
+"""transformers 4.47.1 (the release's) with its tokenizers and hub client, installed apart by
+scripts/test.sh."""
 
 
 def _export(tmp_path, config, overrides):
@@ -47,12 +48,14 @@ def test_plain_llama_export_carries_rope_theta_for_both_transformers_majors(tmp_
         f"import torch, transformers\n"
         f"from transformers import LlamaForCausalLM\n"
         f"assert transformers.__version__.startswith('4.'), transformers.__version__\n"
-        f"model = LlamaForCausalLM.from_pretrained({str(out)!r}, torch_dtype=torch.float32).eval()\n"
+        f"model = LlamaForCausalLM.from_pretrained({str(out)!r}, "
+        "torch_dtype=torch.float32).eval()\n"
         f"print('theta', model.config.rope_theta, 'dtype', model.config.torch_dtype)\n"
         f"expected = torch.load({str(tmp_path / 'expected.pt')!r})\n"
         f"with torch.no_grad():\n"
         f"    logits = model(expected['tokens']).logits\n"
-        f"print('error', ((logits - expected['logits']).abs().max() / expected['logits'].abs().max()).item())\n"
+        "print('error', ((logits - expected['logits']).abs().max() / "
+        "expected['logits'].abs().max()).item())\n"
     )
     proc = subprocess.run(
         [sys.executable, "-c", check],

@@ -25,10 +25,11 @@ TASKS_13 = [
     "triviaqa",
 ]
 TASKS_14 = TASKS_13 + ["mmlu"]
-# Read from the PhysicsLM4 release's YAMLs (github.com/facebookresearch/PhysicsLM4), one row per file:
-# (checkpoint.dump.every, checkpoint.eval.every, eval.harness.tasks, model.zeyuan_layernorm (absent = false;
-# None: the family has no such key)). Every YAML has seed 777, leaves model.seed and data.seed at Lingua's
-# default, 42, and gives eval.harness no limit.
+# Read from the PhysicsLM4 release's YAMLs (github.com/facebookresearch/PhysicsLM4), one row per
+# file: (checkpoint.dump.every, checkpoint.eval.every, eval.harness.tasks, model.zeyuan_layernorm
+# (absent = false;
+# None: the family has no such key)). Every YAML has seed 777, leaves model.seed and data.seed at
+# Lingua's default, 42, and gives eval.harness no limit.
 RELEASE = {
     "canon_llama_recipes/Llama-1B-Nemo-1T-lr0.002.yaml": (2000, 4000, TASKS_13, None),
     "canon_llama_recipes/Llama-1B-Nemo-1T-lr0.003.yaml": (2000, 4000, TASKS_13, None),
@@ -152,8 +153,8 @@ def test_linear_recipes_carry_the_release_zeyuan_layernorm():
 
 
 def test_model_seed_initialises_the_weights(tmp_path):
-    """A run's initial weights come from [model] seed, not [job] seed: they equal the model built and
-    initialised by hand after torch.manual_seed([model] seed)."""
+    """A run's initial weights come from [model] seed, not [job] seed: they equal the model built
+    and initialised by hand after torch.manual_seed([model] seed)."""
     run_training(
         1,
         COMMON

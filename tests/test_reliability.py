@@ -153,7 +153,8 @@ def test_a_live_run_locks_its_dump_folder(tmp_path, monkeypatch, capfd):
         err = capfd.readouterr().err
         assert code == 2 and not launched, err[-3000:]
         assert f"dump folder {dump} is in use by a live run (pid " in err
-        # A training process started directly (torchrun's worker, global rank 0) refuses before training.
+        # A training process started directly (torchrun's worker, global rank 0) refuses before
+        # training.
         monkeypatch.setenv("RANK", "0")
         monkeypatch.setenv("WORLD_SIZE", "1")
         code = train_module.main(
@@ -258,7 +259,8 @@ def _big_shard(tmp_path) -> Path:
 def test_a_shard_truncated_after_it_was_opened_is_named_not_a_sigbus(tmp_path):
     """Reads of a shard cut short after training opened it: one DataError naming the shard and both
     sizes. At 432670c the shard was memory-mapped, and the read past its new end killed the process
-    with SIGBUS (run in a child process here, so that the old behaviour fails the test, not pytest)."""
+    with SIGBUS (run in a child process here, so that the old behaviour fails the test, not
+    pytest)."""
     out = _big_shard(tmp_path)
     shard = out / "00000.bin"
     size = shard.stat().st_size
@@ -285,9 +287,9 @@ def test_a_shard_truncated_after_it_was_opened_is_named_not_a_sigbus(tmp_path):
 
 @pytest.mark.slow
 def test_a_shard_truncated_mid_run_stops_the_run_in_one_line(tmp_path):
-    """`canon-titan train` on a token folder; once step 1 is logged the shard is cut to a tenth: the run
-    stops with exit 2 and one line naming the shard, no traceback. At 432670c both ranks died of SIGBUS
-    (120 lines, exit 1) without naming it."""
+    """`canon-titan train` on a token folder; once step 1 is logged the shard is cut to a tenth: the
+    run stops with exit 2 and one line naming the shard, no traceback. At 432670c both ranks died of
+    SIGBUS (120 lines, exit 1) without naming it."""
     out = _big_shard(tmp_path)
     shard = out / "00000.bin"
     proc = cli_train(
@@ -395,8 +397,9 @@ def test_conversion_faults_are_one_line_naming_the_file(tmp_path):
 
 @pytest.fixture
 def tiny_disk(tmp_path, monkeypatch):
-    """(folder, fill): a 1 MiB tmpfs (a debug model's weights do not fit), or where this process cannot
-    mount one, a folder whose safetensors and DCP writes fail as a full disk makes them fail once
+    """(folder, fill): a 1 MiB tmpfs (a debug model's weights do not fit), or where this process
+    cannot mount one, a folder whose safetensors and DCP writes fail as a full disk makes them fail
+    once
     ``fill()`` is called (after the test wrote its inputs)."""
     mount = tmp_path / "tiny"
     mount.mkdir()
@@ -438,8 +441,8 @@ def tiny_disk(tmp_path, monkeypatch):
 
 
 def test_a_conversion_onto_a_full_disk_is_one_line_and_leaves_nothing(tmp_path, tiny_disk):
-    """to-hf and from-hf into a disk that fills: one line naming the output and the free space, exit 2,
-    no output folder and no partial one. At 432670c to-hf gave an 18-line traceback (safetensors'
+    """to-hf and from-hf into a disk that fills: one line naming the output and the free space, exit
+    2, no output folder and no partial one. At 432670c to-hf gave an 18-line traceback (safetensors'
     error is not an OSError)."""
     disk, fill = tiny_disk
     run, step, _ = make_checkpoint(tmp_path, [])

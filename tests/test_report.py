@@ -68,7 +68,8 @@ def test_report_png_shows_every_run_and_html_embeds_it(runs, tmp_path):
     text = page.read_text()
     embedded = re.search(r"src='data:image/png;base64,([^']+)'", text).group(1)
     assert base64.b64decode(embedded) == png.read_bytes()
-    # Last values: the run's last step and tokens, accuracy in percent as the eval commands print it.
+    # Last values: the run's last step and tokens, accuracy in percent as the eval commands print
+    # it.
     assert "<th>last step</th><th>tokens</th><th>loss</th><th>depo1/accuracy (%)</th>" in text
     assert "<tr><td>LlamaCanon</td><td>10</td><td>20,000</td><td>1</td><td>90</td>" in text
     assert "seconds" not in text  # bookkeeping tags are not panels

@@ -112,8 +112,9 @@ def test_a_lease_of_a_run_that_is_over_is_taken_over_and_a_live_one_refused(
 ):
     """A lease from another host cannot be checked by pid. It is over when an earlier run of this
     SLURM job wrote it (the job was requeued, on another node) or when its holder stopped refreshing
-    it; then the run takes it over. Otherwise, and for a lease that never said it would be refreshed,
-    it is refused. At 4a7b0a2 every lease from another host was refused until deleted by hand."""
+    it; then the run takes it over. Otherwise, and for a lease that never said it would be
+    refreshed, it is refused. At 4a7b0a2 every lease from another host was refused until deleted by
+    hand."""
     lease = tmp_path / "run" / ownership.LEASE_FILE
     monkeypatch.setenv("SLURM_JOB_ID", "777")
     monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
@@ -241,10 +242,10 @@ def checkpointer_over(
 def test_the_finiteness_check_covers_the_optimizer_state_and_syncs_with_the_host_once(
     broken, where
 ):
-    """Before a save, whether every parameter and every optimizer state tensor is finite costs one host
-    sync, whatever their number (at 4a7b0a2: one per parameter, 30 here, and the optimizer state
-    was not checked at all), and still finds a NaN or inf in the last one (naming which of the two
-    holds it, with one more sync), while a large finite value passes."""
+    """Before a save, whether every parameter and every optimizer state tensor is finite costs one
+    host sync, whatever their number (at 4a7b0a2: one per parameter, 30 here, and the optimizer
+    state was not checked at all), and still finds a NaN or inf in the last one (naming which of the
+    two holds it, with one more sync), while a large finite value passes."""
     from canon_titan.components.checkpointer import NonFiniteParameters
 
     params = [torch.nn.Parameter(torch.randn(3, 5)) for _ in range(30)]

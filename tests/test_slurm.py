@@ -1,5 +1,5 @@
-"""scripts/train.slurm under bash on one machine, with stand-ins for srun and scontrol that behave as
-SLURM's do (tests/slurm_standin.py): the processes per node follow the GPUs SLURM gives, and a
+"""scripts/train.slurm under bash on one machine, with stand-ins for srun and scontrol that behave
+as SLURM's do (tests/slurm_standin.py): the processes per node follow the GPUs SLURM gives, and a
 preemption that saved a complete checkpoint is requeued whatever code srun reports."""
 
 import os
@@ -44,7 +44,8 @@ def slurm_env(tmp_path, submit, **extra):
 
 
 def fake_submit_dir(tmp_path):
-    """A submit folder whose .venv/bin/python logs its arguments (and the threads it was given) instead of
+    """A submit folder whose .venv/bin/python logs its arguments (and the threads it was given)
+    instead of
     running: the template's command lines, without a training run."""
     submit = tmp_path / "submit"
     (submit / ".venv" / "bin").mkdir(parents=True)
@@ -64,8 +65,8 @@ def fake_submit_dir(tmp_path):
     ids=["gpus_on_node", "typed_gpus_per_node", "override", "threads_given"],
 )
 def test_the_processes_per_node_follow_the_gpus_slurm_gives(tmp_path, given, gpus, threads):
-    """One process per GPU that SLURM gave each node (its type stripped), its share of the task's CPUs as
-    threads. At 432670c it was 8 whatever the allocation."""
+    """One process per GPU that SLURM gave each node (its type stripped), its share of the task's
+    CPUs as threads. At 432670c it was 8 whatever the allocation."""
     submit = fake_submit_dir(tmp_path)
     env = slurm_env(tmp_path, submit, SLURM_JOB_ID="11", FAKE_LOG=str(tmp_path / "calls"), **given)
     proc = subprocess.run(
@@ -100,7 +101,8 @@ def test_without_a_gpu_count_the_template_says_what_to_set(tmp_path):
     )
     assert proc.returncode == 2 and not (tmp_path / "calls").exists()
     assert proc.stderr.strip().splitlines() == [
-        "canon-titan: cannot tell the GPUs per node (SLURM_GPUS_ON_NODE and SLURM_GPUS_PER_NODE are not set): "
+        "canon-titan: cannot tell the GPUs per node (SLURM_GPUS_ON_NODE and "
+        "SLURM_GPUS_PER_NODE are not set): "
         "keep '#SBATCH --gpus-per-node', or set GPUS_PER_NODE"
     ]
 
@@ -166,9 +168,9 @@ def test_each_node_caches_triton_kernels_on_its_own_disk(tmp_path):
 
 @pytest.mark.slow
 def test_a_preemption_whose_nodes_end_apart_is_requeued(tmp_path):
-    """Two nodes, SIGTERM to every process of the job step (SLURM's --signal=TERM@120): both save the
-    step reached and exit 75, the second node's task ending later; srun waits for it and reports 75,
-    and the job is requeued and exits 75. At 432670c it exited 143 and was not requeued."""
+    """Two nodes, SIGTERM to every process of the job step (SLURM's --signal=TERM@120): both save
+    the step reached and exit 75, the second node's task ending later; srun waits for it and reports
+    75, and the job is requeued and exits 75. At 432670c it exited 143 and was not requeued."""
     submit = tmp_path / "submit"
     submit.mkdir()
     (submit / ".venv").symlink_to(REPO / ".venv")

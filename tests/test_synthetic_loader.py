@@ -139,7 +139,8 @@ def test_resume_gives_the_next_batch_of_an_uninterrupted_run():
 
 
 def checkpoint_of(loaders) -> dict:
-    """What DCP keeps of the loaders of every rank: one copy of the shared entries, each rank's own."""
+    """What DCP keeps of the loaders of every rank: one copy of the shared entries, each rank's
+    own."""
     merged = {}
     for dl in loaders:
         merged.update(dl.state_dict())
@@ -593,7 +594,8 @@ def _reference_packing(dl, windows):
 
 @pytest.mark.parametrize("dataset", PRESETS)
 def test_windows_hold_every_drawn_sample_once_in_order(dataset):
-    """Exact: the windows are the generator's draws, each once; nothing is dropped for not fitting."""
+    """Exact: the windows are the generator's draws, each once; nothing is dropped for not
+    fitting."""
     tokenizer = build_tokenizer("hf", str(ASSET_DIR)) if dataset == "capo_bios" else None
     dl = loader(dataset, {}, seq_len=2048, answer_only=False, tokenizer=tokenizer)
     got = list(_full_windows(dl, 6))

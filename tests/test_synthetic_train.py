@@ -1,5 +1,5 @@
-"""Real 2-process training on the synthetic tasks (Depo, Brevo, Capo): it starts, the loss falls, and the eval
-command scores the resulting checkpoint."""
+"""Real 2-process training on the synthetic tasks (Depo, Brevo, Capo): it starts, the loss falls,
+and the eval command scores the resulting checkpoint."""
 
 import json
 import subprocess
@@ -10,7 +10,8 @@ import pytest
 from canon_titan.components.metrics import LOSS_TAG, read_scalars
 from conftest import REPO, run_training, train_env
 
-TASKS = {  # Depo, Brevo and Capo in real 2-process training (every task's windows: test_synthetic_loader.py)
+# Depo, Brevo and Capo in real 2-process training (every task's windows: test_synthetic_loader.py)
+TASKS = {
     "depo1": ["--depo.N", "8", "--depo.K", "4", "--depo.mini_vocab", "8"],
     "brevo1": ["--brevo.N", "10"],
     "capo_bios": [

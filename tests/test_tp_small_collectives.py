@@ -1,10 +1,10 @@
 """The small collectives tensor parallelism adds to a Canon block, besides its activations: the flat
 QK-norm's statistics, and the gradients of the replicated weights each rank applies to its own share
 (Canon-B/D rows for its channels; under sequence parallelism Canon-A/C and the norms, on the whole
-sequence inside the region or on the rank's shard of it). Counted on real gloo ranks by the collective
-log of ``tests/test_parallel_cost.py`` (a dispatch mode that owes nothing to the model code),
-separately in the forward, the backward and the step's sum of partial gradients, and held to a hand
-count from the model's shapes: per block and micro-batch, one all-reduce in the forward (both
+sequence inside the region or on the rank's shard of it). Counted on real gloo ranks by the
+collective log of ``tests/test_parallel_cost.py`` (a dispatch mode that owes nothing to the model
+code), separately in the forward, the backward and the step's sum of partial gradients, and held to
+a hand count from the model's shapes: per block and micro-batch, one all-reduce in the forward (both
 statistics) and one in the backward (their gradients); per step, one all-reduce of every replicated
 weight's gradient. At e91de72 there were six per block: each statistic and each weight's gradient on
 its own; at d1a0ebf three in the backward (Canon-B's weight gradient with the statistics' gradients,

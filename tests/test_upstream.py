@@ -20,8 +20,8 @@ import pytest
 from conftest import REPO
 
 PATCHED = [
-    # (module, name in it, the parameters the patch or call assumes (None: not a function, or any), where, scope)
-    # -- CPU (gloo) training: tools/runtime.py, off on an accelerator
+    # (module, name in it, the parameters the patch or call assumes (None: not a function, or any),
+    # where, scope) -- CPU (gloo) training: tools/runtime.py, off on an accelerator
     ("torchtitan.tools.utils", "device_type", None, "tools/runtime.py", "cpu"),
     ("torchtitan.tools.utils", "device_module", None, "tools/runtime.py", "cpu"),
     ("torchtitan.tools.utils", "get_peak_flops", ["device_name"], "tools/runtime.py", "cpu"),
@@ -287,8 +287,8 @@ PATCHED = [
 
 MESSAGES = [
     # (module whose source says it, the text canon-titan keys on, where)
-    # GradScaler's contract with the fused optimizers: an optimizer's ``found_inf`` attribute skips its
-    # update on the device when it holds 1 (the divergence guard's skip, without a host sync).
+    # GradScaler's contract with the fused optimizers: an optimizer's ``found_inf`` attribute skips
+    # its update on the device when it holds 1 (the divergence guard's skip, without a host sync).
     (
         "torch.optim.adam",
         'found_inf=getattr(self, "found_inf", None)',
@@ -431,9 +431,9 @@ def test_the_shims_guards_hold_on_the_installed_packages():
 
 
 def _assigned_upstream_attributes(path: Path) -> set[str]:
-    """The dotted upstream names a source file assigns to (``a.b = ...``, ``setattr``, ``patch.object``),
-    through the names it imports from those packages and the local names it binds to their objects
-    (``cls = stage.PipelineStage``, ``for cls in (schedules.A, schedules.B)``)."""
+    """The dotted upstream names a source file assigns to (``a.b = ...``, ``setattr``,
+    ``patch.object``), through the names it imports from those packages and the local names it binds
+    to their objects (``cls = stage.PipelineStage``, ``for cls in (schedules.A, schedules.B)``)."""
     tree = ast.parse(path.read_text())
     names: dict[str, list[str]] = {}
 
@@ -501,8 +501,8 @@ def _assigned_upstream_attributes(path: Path) -> set[str]:
 
 
 def test_every_upstream_attribute_the_package_assigns_is_pinned():
-    """A scan of the package's source: each attribute of a torch, TorchTitan, torchao or Triton object
-    that it assigns is a name pinned above (or a documented setting)."""
+    """A scan of the package's source: each attribute of a torch, TorchTitan, torchao or Triton
+    object that it assigns is a name pinned above (or a documented setting)."""
     pinned = {f"{module}.{name}" for module, name, *_ in PATCHED} | SETTINGS | ADDED
     package = REPO / "canon_titan"
     found = {

@@ -57,8 +57,8 @@ def test_a_finished_run_is_not_trained_again_silently(tmp_path):
     )
     assert again.returncode == 2 and "canon_titan.launch.torchrun" not in again.stdout
     assert (
-        f"dump folder {dump} already holds a finished run: its checkpoint step-2 reaches [training] steps = 2"
-        in again.stderr
+        f"dump folder {dump} already holds a finished run: its checkpoint step-2 reaches "
+        "[training] steps = 2" in again.stderr
     )
     longer = subprocess.run(
         args + ["--training.steps", "3", "--optimizer.lr", "0.001"],
@@ -174,12 +174,15 @@ def test_every_command_with_overrides_says_so_in_its_help(capsys):
 
 
 def test_the_cli_starts_without_transformers_or_torchtitan():
-    """--help imports neither (they take seconds); import canon_titan does not import transformers."""
+    """--help imports neither (they take seconds); import canon_titan does not import
+    transformers."""
     script = (
         "import sys, runpy\n"
         "sys.argv = ['canon-titan', '--help']\n"
-        "try:\n    runpy.run_module('canon_titan.cli', run_name='__main__')\nexcept SystemExit:\n    pass\n"
-        "heavy = [m for m in ('transformers', 'torchtitan', 'torch', 'lm_eval') if m in sys.modules]\n"
+        "try:\n    runpy.run_module('canon_titan.cli', run_name='__main__')\nexcept "
+        "SystemExit:\n    pass\n"
+        "heavy = [m for m in ('transformers', 'torchtitan', 'torch', 'lm_eval') if m in "
+        "sys.modules]\n"
         "print('HEAVY', heavy)\n"
     )
     proc = subprocess.run(
@@ -204,11 +207,15 @@ def test_config_validate_loads_no_trainer_model_or_data_libraries():
     script = (
         "import sys, runpy\n"
         f"sys.argv = ['canon-titan', 'config', 'validate', *{configs!r}]\n"
-        "try:\n    runpy.run_module('canon_titan.cli', run_name='__main__')\nexcept SystemExit:\n    pass\n"
+        "try:\n    runpy.run_module('canon_titan.cli', run_name='__main__')\nexcept "
+        "SystemExit:\n    pass\n"
         "import model_registry\n"
-        "[model_registry.model_args(name, 'debug').validate() for name in model_registry.FAMILIES]\n"
-        "heavy = [m for m in ('torchtitan.trainer', 'torchtitan.models.common', 'torch._dynamo', 'datasets',\n"
-        "                     'transformers', 'lm_eval', 'canon_titan.models.llama.model') if m in sys.modules]\n"
+        "[model_registry.model_args(name, 'debug').validate() for name in "
+        "model_registry.FAMILIES]\n"
+        "heavy = [m for m in ('torchtitan.trainer', 'torchtitan.models.common', "
+        "'torch._dynamo', 'datasets',\n"
+        "                     'transformers', 'lm_eval', "
+        "'canon_titan.models.llama.model') if m in sys.modules]\n"
         "print('HEAVY', heavy)\n"
     )
     proc = subprocess.run(
@@ -297,10 +304,10 @@ def test_local_eval_files_missing_are_named_as_such(tmp_path):
 
 @pytest.mark.slow
 def test_the_startup_benchmark_times_each_command_with_the_cpu_of_all_its_processes():
-    """``scripts/benchmarks/bench_startup.py``, whose figures the README quotes: a row per command with
-    its wall and CPU seconds, the CPU of every process a command started included. The training job's
-    launcher alone imports about what ``config validate`` does; its two ranks each import TorchTitan
-    too, so counting them makes its CPU several times the validation's."""
+    """``scripts/benchmarks/bench_startup.py``, whose figures the README quotes: a row per command
+    with its wall and CPU seconds, the CPU of every process a command started included. The training
+    job's launcher alone imports about what ``config validate`` does; its two ranks each import
+    TorchTitan too, so counting them makes its CPU several times the validation's."""
     proc = subprocess.run(
         [sys.executable, "scripts/benchmarks/bench_startup.py", "--runs", "1"],
         cwd=REPO,

@@ -2,20 +2,24 @@
 
 canon-titan train --config FILE.toml [--nproc N] [--section.key value ...]
 canon-titan config show FILE.toml [--static] [--section.key value ...]
-canon-titan config validate FILE.toml [FILE.toml ...] [--static] [--world-size N] [--section.key value ...]
-canon-titan convert to-hf CKPT_DIR OUT_DIR --config FILE.toml [--dtype fp32|bf16|fp16] [--rope-layout lingua|huggingface] [--section.key value ...]
-canon-titan convert from-hf HF_DIR OUT_DIR --config FILE.toml [--section.key value ...]
-canon-titan data tokenize --input GLOB [--input GLOB ...] --out DIR
+canon-titan config validate FILE.toml [FILE.toml ...] [--static] [--world-size N] [--section.key
+value ...] canon-titan convert to-hf CKPT_DIR OUT_DIR --config FILE.toml [--dtype fp32|bf16|fp16]
+[--rope-layout lingua|huggingface] [--section.key value ...] canon-titan convert from-hf HF_DIR
+OUT_DIR --config FILE.toml [--section.key value ...] canon-titan data tokenize --input GLOB [--input
+GLOB ...] --out DIR
     [--tokenizer PATH --tokenizer-kind hf|sentencepiece|tiktoken] [--workers N]
 canon-titan data inspect DIR [--samples N]
 canon-titan data capo-people --config FILE.toml --out FILE.jsonl [--section.key value ...]
-canon-titan data synthetic TASK --n N --out FILE.jsonl [--test] [--config FILE.toml] [--seed S] [--section.key value ...]
-canon-titan data multihop --background FILE (--out FILE.jsonl | --out-dir DIR) [--hops 1|2] [--people N] [--context-tokens M] [--count N] [--seed S] [--tokenizer PATH --tokenizer-kind KIND]
-canon-titan eval synthetic --config FILE.toml [--checkpoint DIR] [--count N] [--seed S] [--out FILE.json] [--section.key value ...]
-canon-titan eval lm --model HF_DIR|CKPT_DIR --suite avg10|all13|TASK ... [--dtype bf16|fp32] [--limit N] [--data-dir DIR] [--out FILE.json]
-canon-titan plan FILE.toml --gpus N [--gpus-per-node 8] [--gpu h100|h200|a100|b200|FILE.toml] [--json] [--section.key value ...]
-canon-titan report RUN_DIR [RUN_DIR ...] --out FILE.png [--html FILE.html] [--labels A,B,...]
-canon-titan sweep SPEC.toml [--out DIR] [--jobs N] [--dry-run | --slurm | --collect]
+canon-titan data synthetic TASK --n N --out FILE.jsonl [--test] [--config FILE.toml] [--seed S]
+[--section.key value ...] canon-titan data multihop --background FILE (--out FILE.jsonl | --out-dir
+DIR) [--hops 1|2] [--people N] [--context-tokens M] [--count N] [--seed S] [--tokenizer PATH
+--tokenizer-kind KIND] canon-titan eval synthetic --config FILE.toml [--checkpoint DIR] [--count N]
+[--seed S] [--out FILE.json] [--section.key value ...] canon-titan eval lm --model HF_DIR|CKPT_DIR
+--suite avg10|all13|TASK ... [--dtype bf16|fp32] [--limit N] [--data-dir DIR] [--out FILE.json]
+canon-titan plan FILE.toml --gpus N [--gpus-per-node 8] [--gpu h100|h200|a100|b200|FILE.toml]
+[--json] [--section.key value ...] canon-titan report RUN_DIR [RUN_DIR ...] --out FILE.png [--html
+FILE.html] [--labels A,B,...] canon-titan sweep SPEC.toml [--out DIR] [--jobs N] [--dry-run |
+--slurm | --collect]
                   [--check WINNER>LOSER:GROUP:POINTS]
 """
 

@@ -11,7 +11,8 @@ from pathlib import Path
 from canon_titan.config.loader import DTYPE_SPELLINGS
 
 OVERRIDES = (
-    "Any further --section.key value argument overrides that key of the TOML, e.g. --training.steps 10 "
+    "Any further --section.key value argument overrides that key of the TOML, e.g. "
+    "--training.steps 10 "
     "or --model.flavor 1B (values are TOML literals; a bare --section.flag means true); "
     "--section.key unset drops a key the TOML sets, which then takes its default "
     "(the flavor's, in [model])."

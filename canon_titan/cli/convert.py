@@ -35,8 +35,9 @@ def _weights_vocab(hf_dir: Path) -> int | None:
 
 
 def import_run(config: str, hf_dir: Path, overrides: list[str]) -> RunConfig:
-    """The run that ``from-hf`` converts for. Conversion needs no tokenizer: the folder's own sets the
-    vocabulary when it has one; otherwise the weights do, whatever the config's tokenizer has."""
+    """The run that ``from-hf`` converts for. Conversion needs no tokenizer: the folder's own sets
+    the vocabulary when it has one; otherwise the weights do, whatever the config's tokenizer
+    has."""
     kind = folder_tokenizer_kind(hf_dir)
     if kind is not None:
         return load(
@@ -48,8 +49,10 @@ def import_run(config: str, hf_dir: Path, overrides: list[str]) -> RunConfig:
     run = load(config, overrides, environment=False, weights_vocab=vocab)
     if vocab is not None and run.tokenizer_vocab not in (None, vocab):
         logger.warning(
-            f"{hf_dir} has no tokenizer: converting its weights with their vocabulary ({vocab} ids), "
-            f"not the config's tokenizer's ({run.tokenizer_vocab}); a run training from them needs a "
+            f"{hf_dir} has no tokenizer: converting its weights with their vocabulary "
+            f"({vocab} ids), "
+            f"not the config's tokenizer's ({run.tokenizer_vocab}); a run training from "
+            "them needs a "
             f"tokenizer of {vocab} ids ([tokenizer] path)"
         )
     return run
@@ -82,7 +85,8 @@ def main(argv: list[str]) -> int:
         "--rope-layout",
         choices=["lingua", "huggingface"],
         default="lingua",
-        help="LlamaCanon exports: keep interleaved RoPE pairs (lingua) or permute q/k to rotate-half",
+        help="LlamaCanon exports: keep interleaved RoPE pairs (lingua) or permute q/k to "
+        "rotate-half",
     )
     to_hf.add_argument("--max-shard-size", type=_size, default="5GB", help="e.g. 2GB, 500MB")
     from_hf = sub.add_parser(

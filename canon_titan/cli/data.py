@@ -182,13 +182,15 @@ def _inspect_tokens(args) -> int:
     tok_info, dtype = index["tokenizer"], np.dtype(index["dtype"])
     vocab = tok_info["vocab_size"]
     print(
-        f"{args.folder}: tokenizer {tok_info['kind']} {tok_info['path']} ({vocab} ids), dtype {dtype}"
+        f"{args.folder}: tokenizer {tok_info['kind']} {tok_info['path']} ({vocab} ids), "
+        f"dtype {dtype}"
     )
     print(f"{'shard':<12} {'tokens':>14} {'documents':>10} {'skipped':>8}  source")
     problems = []
     for shard in index["shards"]:
         print(
-            f"{shard['shard']:<12} {shard['tokens']:>14,} {shard['documents']:>10,} {shard['skipped']:>8}  "
+            f"{shard['shard']:<12} {shard['tokens']:>14,} {shard['documents']:>10,} "
+            f"{shard['skipped']:>8}  "
             f"{shard['source']}"
         )
         path = Path(args.folder) / shard["shard"]
@@ -267,7 +269,8 @@ def _multihop(args) -> int:
             out.parent.mkdir(parents=True, exist_ok=True)
             write_atomic(out, "".join(json.dumps(r) + "\n" for r in records))
             print(
-                f"[multihop] {len(records)} prompts ({k}-hop, N={n}, < {tokens} background tokens) -> {out}"
+                f"[multihop] {len(records)} prompts ({k}-hop, N={n}, < {tokens} background "
+                f"tokens) -> {out}"
             )
     except (OSError, ValueError) as e:
         return fail("data", e)

@@ -198,7 +198,8 @@ def _eval_lm(args) -> int:
     print(lm.lm_eval_tables(result))
     if result["truncated"]:
         print(
-            f"[eval] {len(result['truncated'])} task(s) had inputs longer than max_length {max_length:,} "
+            f"[eval] {len(result['truncated'])} task(s) had inputs longer than max_length "
+            f"{max_length:,} "
             f"(the model trained at {trained_at:,}): their scores are of the inputs' last tokens; "
             "--max-length reads more"
         )

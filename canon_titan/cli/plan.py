@@ -1,4 +1,5 @@
-"""``canon-titan plan``: a run planned at its real scale on this machine (see ``canon_titan.plan``)."""
+"""``canon-titan plan``: a run planned at its real scale on this machine (see
+``canon_titan.plan``)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ SEARCH_EXITS = (
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="canon-titan plan",
-        description="Build the run as one rank (each pipeline stage) of --gpus GPUs on fake tensors, step it once, "
+        description="Build the run as one rank (each pipeline stage) of --gpus GPUs on fake tensors, "
+        "step it once, "
         "and report memory per GPU against the GPU's, FLOPs, collective volumes, step time, "
         "tokens/s per GPU, MFU and the run's GPU-hours; for a run that does not fit, the changes "
         "that make it fit. Runs on a CPU.",

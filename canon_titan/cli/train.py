@@ -1,4 +1,5 @@
-"""``canon-titan train``: a single-node torchrun launch, after the checks the workers would stop on."""
+"""``canon-titan train``: a single-node torchrun launch, after the checks the workers would stop
+on."""
 
 from __future__ import annotations
 
@@ -59,9 +60,10 @@ def main(argv: list[str]) -> int:
     if log_ranks is None:
         pp = run["parallelism"]["pipeline_parallel_degree"]
         log_ranks = str((pp - 1) * args.nproc // pp)
-    # The wrapper gives the workers the run's stop grace before it kills them. torchrun's per-rank output
-    # copies and the workers' exit reports go to a folder of this launcher's on the local temporary disk
-    # (never the dump folder, whose disk may be the full one), which it removes even when torchrun is killed.
+    # The wrapper gives the workers the run's stop grace before it kills them. torchrun's per-rank
+    # output copies and the workers' exit reports go to a folder of this launcher's on the local
+    # temporary disk (never the dump folder, whose disk may be the full one), which it removes even
+    # when torchrun is killed.
     scratch = Path(tempfile.mkdtemp(prefix="canon-titan-"))
     cmd = [
         sys.executable,
@@ -90,14 +92,16 @@ def main(argv: list[str]) -> int:
     )
     env[OUTCOME_DIR_ENV] = str(scratch / "exits")
     os.mkdir(env[OUTCOME_DIR_ENV])
-    # Share the cores between the processes (torchrun would default to 1 and print a banner saying so).
+    # Share the cores between the processes (torchrun would default to 1 and print a banner saying
+    # so).
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc)))
     code = None
     try:
         code = _run_torchrun(cmd, env)
         if code < 0:
             print(
-                f"canon-titan: torchrun was killed by {signal.Signals(-code).name}, and its training processes with "
+                f"canon-titan: torchrun was killed by {signal.Signals(-code).name}, and "
+                "its training processes with "
                 f"it (nothing of the step they reached was saved); {_on_disk(run)}",
                 file=sys.stderr,
             )
@@ -122,9 +126,9 @@ def _on_disk(run) -> str:
 
 
 def _run_torchrun(cmd: list[str], env: dict) -> int:
-    """Start torchrun and wait for it. SIGTERM, SIGINT or SIGUSR1 to this process is passed on to torchrun
-    (which passes it to its workers: they save and exit); the launcher keeps waiting instead of
-    dying, which would take torchrun and its workers down before they saved."""
+    """Start torchrun and wait for it. SIGTERM, SIGINT or SIGUSR1 to this process is passed on to
+    torchrun (which passes it to its workers: they save and exit); the launcher keeps waiting
+    instead of dying, which would take torchrun and its workers down before they saved."""
     proc = subprocess.Popen(cmd, preexec_fn=torchrun_preexec, env=env)
 
     def forward(signum, frame):

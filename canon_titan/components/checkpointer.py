@@ -11,8 +11,8 @@
   after a save succeeds, so a full disk stays full);
 - any failure of a save is one line naming the path, the error and the free space of its filesystem
   (a full disk often shows as torch's writer's ``RuntimeError``, with no OSError at all), with the
-  partial step folder removed and, for a full disk, the room a checkpoint needs and the settings that
-  make it fit.
+  partial step folder removed and, for a full disk, the room a checkpoint needs and the settings
+  that make it fit.
 
 Kept light (no model or data imports): ``config validate`` builds this section's config."""
 
@@ -81,13 +81,15 @@ def newest_checkpoint_hint(
     for step, path in step_dirs(folder):
         if step < before and step not in damaged and checkpoint_problem(path) is None:
             resume = (
-                f"resume from it with --checkpoint.load_step {step} (a lower learning rate, [divergence] "
+                f"resume from it with --checkpoint.load_step {step} (a lower learning "
+                "rate, [divergence] "
                 "spike_factor, or other data may avoid the divergence)"
             )
             if step in checked:
                 return f"the last good checkpoint is {path}; {resume}"
             return (
-                f"the newest checkpoint before it is {path}, which this run neither saved nor loaded (a resume "
+                f"the newest checkpoint before it is {path}, which this run neither saved "
+                "nor loaded (a resume "
                 f"checks its values as it loads it); {resume}"
             )
     return "there is no earlier checkpoint: start again with a lower learning rate"
@@ -99,7 +101,10 @@ def newest_checkpoint_line(folder: str | Path) -> str:
     if not steps:
         return "there is no checkpoint yet: running the command again starts from the beginning"
     step, path = steps[0]
-    return f"the newest complete checkpoint is step {step} ({path}): running the same command again resumes from it"
+    return (
+        f"the newest complete checkpoint is step {step} ({path}): running the same command "
+        "again resumes from it"
+    )
 
 
 FULL_BELOW = 64 * 2**20
@@ -122,8 +127,8 @@ def folder_bytes(path: Path) -> int:
 
 
 def _room_advice(step_dir: Path, free: int, keep_latest_k: int, purge_before_save: bool) -> str:
-    """What makes the next save fit, from the size of the checkpoints already there: the space to free,
-    and how many checkpoints the filesystem holds when the old ones go before each save."""
+    """What makes the next save fit, from the size of the checkpoints already there: the space to
+    free, and how many checkpoints the filesystem holds when the old ones go before each save."""
     complete = step_dirs(step_dir.parent)
     sizes = [folder_bytes(path) for _, path in complete]
     if not sizes:
@@ -141,7 +146,8 @@ def _room_advice(step_dir: Path, free: int, keep_latest_k: int, purge_before_sav
     if fits >= 2 and not (purge_before_save and keep == keep_latest_k):
         advice += (
             f", or keep at most {keep} checkpoints and delete the oldest before each save "
-            f"(--checkpoint.keep_latest_k {keep} --checkpoint.purge_before_save true; keep_latest_k alone "
+            f"(--checkpoint.keep_latest_k {keep} --checkpoint.purge_before_save true; "
+            "keep_latest_k alone "
             "deletes only after a save succeeds, which a full disk never lets happen)"
         )
     return advice + ", and run the same command to resume"
@@ -180,7 +186,8 @@ def save_failure(
         else "Run the same command to resume once that is fixed"
     )
     return (
-        f"saving checkpoint step {step} to {step_dir} failed: {what} ({room}); the partial folder is removed "
+        f"saving checkpoint step {step} to {step_dir} failed: {what} ({room}); the partial "
+        "folder is removed "
         f"and earlier checkpoints are intact. {advice}"
     )
 
@@ -222,9 +229,9 @@ class CanonCheckpointer(CheckpointManager):
     @dataclass(kw_only=True, slots=True)
     class Config(CheckpointManager.Config):
         purge_before_save: bool = False
-        """With keep_latest_k: delete the oldest checkpoints down to keep_latest_k - 1 before each save,
-        instead of down to keep_latest_k after it, so the disk never holds more than keep_latest_k (a save
-        that fails leaves keep_latest_k - 1)."""
+        """With keep_latest_k: delete the oldest checkpoints down to keep_latest_k - 1 before each
+        save, instead of down to keep_latest_k after it, so the disk never holds more than
+        keep_latest_k (a save that fails leaves keep_latest_k - 1)."""
         precompute_float8_scales: Annotated[bool, tyro.conf.Suppress] = False
         """``[float8] precompute_float8_dynamic_scale_for_fsdp``: after the load that starts
         training (TorchTitan's ``train`` always calls ``load``, which restores a checkpoint or
@@ -233,7 +240,8 @@ class CanonCheckpointer(CheckpointManager):
 
     def __init__(self, config: Config, *args, model_parts: list[nn.Module], **kwargs):
         self.checked: set[int] = set()
-        """Steps whose checkpoint this process saved or loaded with finite weights and optimizer state."""
+        """Steps whose checkpoint this process saved or loaded with finite weights and optimizer
+        state."""
         self.damaged: set[int] = set()
         self.before_fallback: Callable[[Path], None] | None = None
         """Called with the step folder a load falls back to, before it loads (the trainer's resume
@@ -257,9 +265,13 @@ class CanonCheckpointer(CheckpointManager):
         return loaded
 
     def resume_hint(self, before: int) -> str:
-        """The newest checkpoint before step ``before`` to resume from, called good only if checked."""
+        """The newest checkpoint before step ``before`` to resume from, called good only if
+        checked."""
         if not self.enable:
-            return "checkpointing is off ([checkpoint] enable = false): start again with a lower learning rate"
+            return (
+                "checkpointing is off ([checkpoint] enable = false): start again with a lower "
+                "learning rate"
+            )
         return newest_checkpoint_hint(self.folder, before, self.checked, self.damaged)
 
     def _should_save(self, curr_step: int, last_step: bool = False) -> bool:
@@ -279,7 +291,8 @@ class CanonCheckpointer(CheckpointManager):
             saved = super()._save(curr_step, last_step)
         except (KeyboardInterrupt, SystemExit):
             raise
-        except BaseException as e:  # DCP's CheckpointException is a BaseException, raised on every rank
+        # DCP's CheckpointException is a BaseException, raised on every rank
+        except BaseException as e:
 
             def failure(error: BaseException = e) -> str:  # free space first; every rank says it
                 message = save_failure(
@@ -301,8 +314,8 @@ class CanonCheckpointer(CheckpointManager):
 
     def _clear_for_save(self, step: int, step_dir: Path) -> None:
         """Before a save, on rank 0 while the others wait: the folder of a damaged checkpoint of the
-        same step that the run fell back past goes (its stale files must not mix with the new ones), and
-        with ``purge_before_save`` the oldest checkpoints beyond keep_latest_k - 1."""
+        same step that the run fell back past goes (its stale files must not mix with the new ones),
+        and with ``purge_before_save`` the oldest checkpoints beyond keep_latest_k - 1."""
         purge = self.purge_before_save and self.keep_latest_k > 0
         if step not in self.damaged and not purge:
             return
@@ -342,9 +355,9 @@ class CanonCheckpointer(CheckpointManager):
         return params, states
 
     def _nonfinite(self, optimizer: bool) -> str:
-        """What holds a NaN or inf on some rank, "parameters" or "optimizer state" ("" when nothing): one
-        fused max-abs and one all-reduce (one host sync); only when one is found, a second pass over the
-        parameters says which."""
+        """What holds a NaN or inf on some rank, "parameters" or "optimizer state" ("" when
+        nothing): one fused max-abs and one all-reduce (one host sync); only when one is found, a
+        second pass over the parameters says which."""
         params, states = self._trained_tensors(optimizer)
 
         def any_rank_nonfinite(tensors: list[torch.Tensor]) -> bool:
@@ -359,7 +372,8 @@ class CanonCheckpointer(CheckpointManager):
         return "parameters" if any_rank_nonfinite(params) else "optimizer state"
 
     def _check_finite(self, step: int) -> None:
-        """Every rank's parameters and optimizer state finite, agreed across ranks, before any of them writes."""
+        """Every rank's parameters and optimizer state finite, agreed across ranks, before any of
+        them writes."""
         what = self._nonfinite(optimizer=True)
         if what:
             raise NonFiniteParameters(
@@ -369,7 +383,8 @@ class CanonCheckpointer(CheckpointManager):
             )
 
     def dcp_load(self, state_dict, checkpoint_id, from_hf, from_quantized) -> None:
-        """TorchTitan's load, naming the file whose bytes do not load, then the values checked finite."""
+        """TorchTitan's load, naming the file whose bytes do not load, then the values checked
+        finite."""
         try:
             if from_hf:
                 super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
@@ -398,8 +413,9 @@ class CanonCheckpointer(CheckpointManager):
             )
 
     def _load(self, step: int = -1) -> bool:
-        """TorchTitan's load; a checkpoint of this run's folder that is damaged (``dcp_load``) is named,
-        and the run falls back to the newest complete checkpoint before it, or is refused in one line."""
+        """TorchTitan's load; a checkpoint of this run's folder that is damaged (``dcp_load``) is
+        named, and the run falls back to the newest complete checkpoint before it, or is refused in
+        one line."""
         target = self._find_load_step() if step == -1 else step
         try:
             loaded = super()._load(step)
@@ -410,7 +426,8 @@ class CanonCheckpointer(CheckpointManager):
             previous = self._previous_full(target)
             if target == self.pinned_step:
                 before = (
-                    f"; the newest complete checkpoint before it is step {previous}: --checkpoint.load_step "
+                    f"; the newest complete checkpoint before it is step {previous}: "
+                    "--checkpoint.load_step "
                     f"{previous}"
                     if previous is not None
                     else "; there is no complete checkpoint before it"
@@ -425,7 +442,8 @@ class CanonCheckpointer(CheckpointManager):
                     "afresh)"
                 ) from None
             logger.warning(
-                f"{e}: resuming from step {previous} instead, the newest complete checkpoint before it"
+                f"{e}: resuming from step {previous} instead, the newest complete "
+                "checkpoint before it"
             )
             if self.before_fallback is not None:
                 self.before_fallback(Path(self._create_checkpoint_id(previous)))

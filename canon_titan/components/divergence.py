@@ -27,7 +27,8 @@ class DivergenceSection:
     (0 = no spike check)."""
     spike_window: int = 20
     on_spike: Literal["skip", "stop"] = "skip"
-    """skip: do not apply that step's update and go on; stop: end the run as for a non-finite loss."""
+    """skip: do not apply that step's update and go on; stop: end the run as for a non-finite
+    loss."""
     max_consecutive_skips: int = 10
     """Stop (as for a non-finite loss) when this many steps in a row were skipped: a loss that stays
     at a new level is a spike on every step, and a run that skips them all trains nothing."""
@@ -129,14 +130,16 @@ class LossGuard:
             problem = f"the loss at step {step} is not finite ({loss})"
         elif kind == SPIKE:
             problem = (
-                f"the loss at step {step} ({loss:.4g}) is a spike, above {self.section.spike_factor} x its "
+                f"the loss at step {step} ({loss:.4g}) is a spike, above "
+                f"{self.section.spike_factor} x its "
                 f"running mean {mean:.4g} ([divergence] spike_factor)"
             )
         elif kind == NONFINITE_GRADIENTS:
             problem = f"the gradients at step {step} are not finite (its loss was finite)"
         if stop == SKIPS_IN_A_ROW:
             problem += (
-                f"; {in_a_row} steps in a row were skipped (steps {step - in_a_row + 1}-{step}, [divergence] "
+                f"; {in_a_row} steps in a row were skipped (steps "
+                f"{step - in_a_row + 1}-{step}, [divergence] "
                 "max_consecutive_skips), so the run trains nothing"
             )
         return StepVerdict(

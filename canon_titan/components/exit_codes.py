@@ -1,11 +1,12 @@
 """How the processes of a job stop on purpose and say so: the signals that ask a run to save and
 stop, the exit codes of a process that stopped after one line saying why, and how a worker tells the
 torchrun wrapper the code it ends with. Nothing heavy is imported here: the launcher, the torchrun
-wrapper and the training processes take the stop signals (``take_stop_signals``) before they import torch.
+wrapper and the training processes take the stop signals (``take_stop_signals``) before they import
+torch.
 
 torchrun reports its workers' codes only when one fails; when torchrun itself got the stop signal it
-raises instead, and the codes are lost. So each worker also writes its code to a file in a folder the
-wrapper names (``OUTCOME_DIR_ENV``, a temporary folder on the local disk, never the dump folder,
+raises instead, and the codes are lost. So each worker also writes its code to a file in a folder
+the wrapper names (``OUTCOME_DIR_ENV``, a temporary folder on the local disk, never the dump folder,
 which may be the full disk that stopped the run), with whether it has started training and the line
 it stops with (``say_once``), which the wrapper prints once for its node.
 
@@ -27,19 +28,21 @@ from typing import NoReturn
 
 REFUSED = 2  # a config error or a refusal before training (a live run, no loadable checkpoint, ...)
 STOPPED = 3  # training stopped: divergence, a failed save
-PREEMPTED = 75  # EX_TEMPFAIL, "try again": saved on SIGTERM/SIGINT/SIGUSR1; what a requeueing job script tests for
+# EX_TEMPFAIL, "try again": saved on SIGTERM/SIGINT/SIGUSR1; what a requeueing job script tests for
+PREEMPTED = 75
 STOPPED_EXIT_CODES = {REFUSED, STOPPED, PREEMPTED}
 OUTCOME_DIR_ENV = "CANON_TITAN_OUTCOME_DIR"
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
-"""What asks a run to save and stop (SIGUSR1's default action would kill the process on the spot)."""
+"""What asks a run to save and stop (SIGUSR1's default action would kill the process on the
+spot)."""
 DUPLICATE_WINDOW_S = 2.0
-"""The same signal often comes twice at once (the scheduler signals every process, and torchrun passes
-its own on to its workers): within this window it is one request."""
+"""The same signal often comes twice at once (the scheduler signals every process, and torchrun
+passes its own on to its workers): within this window it is one request."""
 
 
 def _python_side(signum, frame) -> None:
-    """The watcher thread acts on the signal; this handler only has to exist (a Python handler is what
-    makes the C handler write to the wakeup pipe, and it keeps the default action away)."""
+    """The watcher thread acts on the signal; this handler only has to exist (a Python handler is
+    what makes the C handler write to the wakeup pipe, and it keeps the default action away)."""
 
 
 _act: list[Callable[[int], None]] = []
@@ -47,10 +50,11 @@ _watching: list[threading.Thread] = []
 
 
 def take_stop_signals(act: Callable[[int], None]) -> None:
-    """From now on each stop signal calls ``act(signum)`` on the watcher thread, whatever the main thread
-    is doing (call from the main thread, as for any handler). The first call starts the watcher; a later
-    one changes what it does. A signal whose handler another owner has installed since (torchrun's, or a
-    launcher's that passes it on) is that owner's: the watcher leaves it alone."""
+    """From now on each stop signal calls ``act(signum)`` on the watcher thread, whatever the main
+    thread is doing (call from the main thread, as for any handler). The first call starts the
+    watcher; a later one changes what it does. A signal whose handler another owner has installed
+    since (torchrun's, or a launcher's that passes it on) is that owner's: the watcher leaves it
+    alone."""
     _act[:] = [act]
     for sig in STOP_SIGNALS:
         signal.signal(sig, _python_side)
@@ -72,7 +76,8 @@ def _watch(read: int) -> None:
 
 
 def watching(signum: int) -> bool:
-    """Whether ``take_stop_signals``' watcher has ``signum`` (no other owner has installed a handler since)."""
+    """Whether ``take_stop_signals``' watcher has ``signum`` (no other owner has installed a handler
+    since)."""
     return signal.getsignal(signum) is _python_side
 
 
@@ -84,7 +89,8 @@ def stop_at_once_until_started(what: str) -> None:
     def stop(signum):
         os.write(
             2,
-            f"canon-titan: {signal.Signals(signum).name} {what}: stopped, nothing to save; run the same "
+            f"canon-titan: {signal.Signals(signum).name} {what}: stopped, nothing to save; "
+            "run the same "
             f"command again\n".encode(),
         )
         exit_now(PREEMPTED)  # its cleanups too (a lease rank 0 already took)
@@ -93,14 +99,16 @@ def stop_at_once_until_started(what: str) -> None:
 
 
 def stop_before_training() -> None:
-    """In a training process, until its trainer takes the stop signals (once its first step is done): a
-    stop signal ends it at once with PREEMPTED, its line said once (``say_once``). Nothing has trained, so
-    nothing is lost, and every rank stops alike wherever it is (importing torch, waiting for its peers,
-    building the model, loading a checkpoint): none is left waiting for one that has gone."""
+    """In a training process, until its trainer takes the stop signals (once its first step is
+    done): a stop signal ends it at once with PREEMPTED, its line said once (``say_once``). Nothing
+    has trained, so nothing is lost, and every rank stops alike wherever it is (importing torch,
+    waiting for its peers, building the model, loading a checkpoint): none is left waiting for one
+    that has gone."""
 
     def stop(signum):
         say_once(
-            f"{signal.Signals(signum).name} before training started: stopped, nothing to save; run the same "
+            f"{signal.Signals(signum).name} before training started: stopped, nothing to "
+            "save; run the same "
             "command again"
         )
         exit_now(PREEMPTED)
@@ -115,8 +123,8 @@ def _rank() -> str:
 def say_once(message: str) -> None:
     """A line every rank of the job says alike (a refusal, why it stopped), shown once on each node:
     under the torchrun wrapper, handed to it (it prints its node's lines after torchrun ends, so the
-    line is the last one on the console, whichever ranks' output torchrun shows); otherwise printed by
-    the node's first rank."""
+    line is the last one on the console, whichever ranks' output torchrun shows); otherwise printed
+    by the node's first rank."""
     folder = os.environ.get(OUTCOME_DIR_ENV)
     if folder:
         try:
@@ -142,8 +150,8 @@ def reported_lines(folder: str | os.PathLike) -> list[str]:
 
 
 def report_training() -> None:
-    """Record, for the torchrun wrapper, that this worker has trained a step: from then on a stop signal
-    finishes and saves the step reached rather than ending the process at once."""
+    """Record, for the torchrun wrapper, that this worker has trained a step: from then on a stop
+    signal finishes and saves the step reached rather than ending the process at once."""
     folder = os.environ.get(OUTCOME_DIR_ENV)
     if folder:
         try:

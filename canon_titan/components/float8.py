@@ -29,7 +29,8 @@ RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 
 class Float8Converter(Float8LinearConverter):
     """TorchTitan's converter plus the tensorwise recipe, an emulated mode that keeps the recipe's
-    scaling (TorchTitan's emulation always falls back to tensorwise), and FSDP's float8 all-gather."""
+    scaling (TorchTitan's emulation always falls back to tensorwise), and FSDP's float8
+    all-gather."""
 
     def __init__(self, config: Float8LinearConverter.Config, fsdp_float8_all_gather: bool = False):
         super().__init__(config)
@@ -42,7 +43,8 @@ class Float8Converter(Float8LinearConverter):
             torchao_config = dataclasses.replace(torchao_config, enable_fsdp_float8_all_gather=True)
         self.torchao_config = torchao_config
         logger.info(
-            f"float8: recipe {config.recipe_name}, {'emulated' if config.emulate else 'hardware'} matmuls"
+            f"float8: recipe {config.recipe_name}, "
+            f"{'emulated' if config.emulate else 'hardware'} matmuls"
             + (", FSDP all-gathers the weights in float8" if fsdp_float8_all_gather else "")
         )
 

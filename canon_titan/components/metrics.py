@@ -1,4 +1,5 @@
-"""Reading a run's TensorBoard scalars back: ``python -m canon_titan.components.metrics DUMP_FOLDER``."""
+"""Reading a run's TensorBoard scalars back: ``python -m canon_titan.components.metrics
+DUMP_FOLDER``."""
 
 from __future__ import annotations
 

@@ -1,20 +1,23 @@
-"""SIGTERM, SIGINT and SIGUSR1 in a training process that has trained: finish the step, save it, exit
-with PREEMPTED; when the grace period runs out or a second signal comes first, exit at once with
-STOPPED (the step reached is not on disk, so the exit must not read "saved, requeue"). Before its
-first step starts a training process stops at once instead (``exit_codes.stop_before_training``):
-there is nothing to save, and a rank that waited for a step's end would wait for peers that have gone.
-The trainer takes the signals before its first step's first collective, and tells the torchrun wrapper
-that it trained only once that step is done: a rank that took a signal at once while a peer had begun
-step 1 leaves that peer blocked in the step's collectives, torchrun ends it, and the job is a stop before
-training (75), which it is, since no rank finished a step.
+"""SIGTERM, SIGINT and SIGUSR1 in a training process that has trained: finish the step, save it,
+exit with PREEMPTED; when the grace period runs out or a second signal comes first, exit at once
+with STOPPED (the step reached is not on disk, so the exit must not read "saved, requeue"). Before
+its first step starts a training process stops at once instead
+(``exit_codes.stop_before_training``): there is nothing to save, and a rank that waited for a step's
+end would wait for peers that have gone. The trainer takes the signals before its first step's first
+collective, and tells the torchrun wrapper that it trained only once that step is done: a rank that
+took a signal at once while a peer had begun step 1 leaves that peer blocked in the step's
+collectives, torchrun ends it, and the job is a stop before training (75), which it is, since no
+rank finished a step.
 
 A scheduler's preemption or time limit (SLURM sends SIGTERM, and with ``--signal=USR1@T`` SIGUSR1 a
-chosen time early) and Ctrl-C all become a request to stop at the end of the current step; the ranks agree on
-it through the per-step reduction the trainer already does. A checkpoint is complete only once its
-``.metadata`` is written, so an exit in the middle of a save leaves the previous one the newest that loads.
+chosen time early) and Ctrl-C all become a request to stop at the end of the current step; the ranks
+agree on it through the per-step reduction the trainer already does. A checkpoint is complete only
+once its
+``.metadata`` is written, so an exit in the middle of a save leaves the previous one the newest that
+loads.
 
-The signals are taken by ``exit_codes``' watcher thread, so that the grace timer and a second signal act
-even while the main thread is blocked in a collective whose peer never joins.
+The signals are taken by ``exit_codes``' watcher thread, so that the grace timer and a second signal
+act even while the main thread is blocked in a collective whose peer never joins.
 """
 
 from __future__ import annotations

@@ -35,13 +35,13 @@ MIRRORED = {
     "Trainer.train_step": "911f8077fc175e7f",
     "Trainer.pp_forward_backward_step": "cabc5cbf434ef4f0",
 }
-"""TorchTitan 0.3.0's methods whose work ``QueuedCopies`` does, by the first 16 hex digits of the SHA-256
-of their source (held by tests/test_upstream.py)."""
+"""TorchTitan 0.3.0's methods whose work ``QueuedCopies`` does, by the first 16 hex digits of the
+SHA-256 of their source (held by tests/test_upstream.py)."""
 
 
 class QueuedCopies:
-    """A ``torchtitan.trainer.Trainer`` mixin: ``queued_train_step`` is its ``train_step`` with queued
-    copies, and its pipeline step makes no blocking copy."""
+    """A ``torchtitan.trainer.Trainer`` mixin: ``queued_train_step`` is its ``train_step`` with
+    queued copies, and its pipeline step makes no blocking copy."""
 
     def queued_train_step(self, data_iterator) -> None:
         dims = self.parallel_dims
@@ -101,15 +101,17 @@ class QueuedCopies:
             self._log_step(accumulated, global_tokens, local_on_device, grad_norm, lr_metrics)
 
     def _log_step(self, accumulated, global_tokens, local_tokens, grad_norm, lr_metrics) -> None:
-        """The logged step's metrics, as TorchTitan logs them: the loss averaged over every token of the
-        batch, the largest rank's own average, the tokens seen; a non-finite loss stops the run."""
+        """The logged step's metrics, as TorchTitan logs them: the loss averaged over every token of
+        the batch, the largest rank's own average, the tokens seen; a non-finite loss stops the
+        run."""
         dims = self.parallel_dims
         with sl.log_trace_span("collect_dist_metrics"):
             sl.log_trace_scalar({"global_valid_tokens": int(global_tokens)})
             if dims.dp_cp_enabled:
                 mesh = dims.get_optional_mesh("loss")
-                # ``accumulated`` is this rank's loss sum over the global token count: their sum over
-                # ranks is the average, and times global / local tokens each rank's own average.
+                # ``accumulated`` is this rank's loss sum over the global token count: their sum
+                # over ranks is the average, and times global / local tokens each rank's own
+                # average.
                 seen = host_value(self.ntokens_seen, torch.int64).to(self.device, non_blocking=True)
                 average, largest, tokens_seen = (
                     dist_utils.dist_sum(accumulated, mesh),
@@ -132,8 +134,8 @@ class QueuedCopies:
     def pp_forward_backward_step(
         self, *, input_dict_mbs, label_mbs, global_valid_tokens
     ) -> torch.Tensor:
-        """One pipeline schedule over the group's microbatches; the last stage returns the sum of their
-        losses, the others a placeholder made on the device (no copy)."""
+        """One pipeline schedule over the group's microbatches; the last stage returns the sum of
+        their losses, the others a placeholder made on the device (no copy)."""
         args, kwargs, targets = [], [], [] if self.pp_has_last_stage else None
         for input_dict, labels in zip(input_dict_mbs, label_mbs, strict=True):
             inputs, labels, extra = self.post_dataloading_process(input_dict, labels)

@@ -68,10 +68,14 @@ def layout_problem(step_dir: str | Path, keys: list[str], dp_size: int) -> str |
     if not ranks or len(ranks) == dp_size:
         return None
     return (
-        f"checkpoint {step_dir} was written by a run streaming its data ([dataloader] dataset = 'stream') on "
-        f"{len(ranks)} data-parallel rank(s); this run has {dp_size}. Each rank's stream position (its "
-        f"share of the files, buffer and shuffle state) cannot be re-split: resume with {len(ranks)} "
-        "data-parallel rank(s), or train from a token folder (canon-titan data tokenize, dataset = 'tokens'), "
+        f"checkpoint {step_dir} was written by a run streaming its data ([dataloader] "
+        "dataset = 'stream') on "
+        f"{len(ranks)} data-parallel rank(s); this run has {dp_size}. Each rank's stream "
+        "position (its "
+        "share of the files, buffer and shuffle state) cannot be re-split: resume with "
+        f"{len(ranks)} "
+        "data-parallel rank(s), or train from a token folder (canon-titan data tokenize, "
+        "dataset = 'tokens'), "
         "whose runs resume at any data-parallel size"
     )
 

@@ -213,6 +213,7 @@ def build_trainer_config(run: RunConfig):
     except ValueError as e:
         raise ConfigError(run.source, "[training]", str(e)) from e
     if spec is not run.model_spec():
-        # The trainer fits its (float8) copy to the run (RoPE length); evaluation builds the plain one.
+        # The trainer fits its (float8) copy to the run (RoPE length); evaluation builds the plain
+        # one.
         run.model_spec().model.update_from_config(config=config)
     return config

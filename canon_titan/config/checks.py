@@ -43,8 +43,8 @@ def _positive(run: RunConfig, section: str, *keys: str) -> None:
 
 
 def _batch_fits(gbs: int, local: int, dp: int, others: int, world: int) -> str:
-    """Why ``gbs`` does not split over ``dp`` data-parallel ranks of ``local`` sequences, and what fits:
-    a smaller local batch (gradient accumulation keeps the global batch), or a GPU count."""
+    """Why ``gbs`` does not split over ``dp`` data-parallel ranks of ``local`` sequences, and what
+    fits: a smaller local batch (gradient accumulation keeps the global batch), or a GPU count."""
     message = (
         f"is {gbs}, which is not a multiple of local_batch_size x data-parallel degree "
         f"({local} x {dp} = {local * dp}) at {world} processes"
@@ -79,8 +79,8 @@ def _world_size() -> int | None:
 
 
 # What a CUDA-only kernel backend reports on a machine that cannot run it
-# (``kernels.backends.backend_problem``); static validation (``environment = False``) checks a config
-# for another machine and skips these.
+# (``kernels.backends.backend_problem``); static validation (``environment = False``) checks a
+# config for another machine and skips these.
 _HARDWARE_MESSAGES = ("need a CUDA GPU", "does not import here", "(this machine:")
 
 
@@ -156,8 +156,10 @@ def check_training(run: RunConfig) -> None:
             "lr_scheduler",
             "total_steps",
             f"is {sched['total_steps']}, below [training] steps = "
-            f"{training['steps']}: past its end the schedule has no value (a linear decay turns the learning rate "
-            "negative, a cosine one back up, and one without decay steps stops the run); set it >= steps, or "
+            f"{training['steps']}: past its end the schedule has no value (a linear decay "
+            "turns the learning rate "
+            "negative, a cosine one back up, and one without decay steps stops the run); "
+            "set it >= steps, or "
             "remove it to follow steps",
         )
     if not 0 <= sched["min_lr_factor"] <= 1:
@@ -218,15 +220,16 @@ def check_checkpoint(run: RunConfig) -> None:
     if "model" in ckpt["exclude_from_loading"]:
         _fail(run, "checkpoint", "exclude_from_loading", "cannot exclude 'model'")
     if ckpt["async_mode"] != "disabled":
-        # TorchTitan's asynchronous save returns after staging: a write error stays in its background
-        # future, "checkpoint saved" and a preempted exit come before the files are complete, and
-        # keep_latest_k purges older checkpoints while the new one may still fail.
+        # TorchTitan's asynchronous save returns after staging: a write error stays in its
+        # background future, "checkpoint saved" and a preempted exit come before the files are
+        # complete, and keep_latest_k purges older checkpoints while the new one may still fail.
         _fail(
             run,
             "checkpoint",
             "async_mode",
             f"is {ckpt['async_mode']!r}; only 'disabled' is supported (an "
-            "asynchronous save would be reported, and older checkpoints purged, before it is complete)",
+            "asynchronous save would be reported, and older checkpoints purged, before it "
+            "is complete)",
         )
 
 
@@ -358,7 +361,8 @@ def check_parallelism(run: RunConfig, environment: bool) -> None:
             run,
             "parallelism",
             "spmd_backend",
-            "canon-titan's models use DTensor tensor-parallel plans: only 'partial_dtensor' is supported",
+            "canon-titan's models use DTensor tensor-parallel plans: only "
+            "'partial_dtensor' is supported",
         )
     cp = par["context_parallel_degree"]
     if cp > 1:
@@ -370,7 +374,8 @@ def check_parallelism(run: RunConfig, environment: bool) -> None:
                 run,
                 "parallelism",
                 "context_parallel_degree",
-                "context parallelism combines with FSDP/HSDP and tensor parallelism here, not with pipeline "
+                "context parallelism combines with FSDP/HSDP and tensor parallelism here, "
+                "not with pipeline "
                 "parallelism (see docs/parallelism.md)",
             )
         if par["context_parallel_load_balancer"] not in BALANCERS:
@@ -379,7 +384,8 @@ def check_parallelism(run: RunConfig, environment: bool) -> None:
                 "parallelism",
                 "context_parallel_load_balancer",
                 f"must be 'headtail', got {par['context_parallel_load_balancer']!r} ('ptrr' needs "
-                "FlexAttention block masks; TorchTitan's unbalanced split, None, has no TOML spelling)",
+                "FlexAttention block masks; TorchTitan's unbalanced split, None, has no "
+                "TOML spelling)",
             )
         chunks = 2 * cp if par["context_parallel_load_balancer"] else cp
         if training["seq_len"] % (2 * cp):
@@ -438,8 +444,10 @@ def check_features(run: RunConfig, environment: bool) -> None:
             "float8",
             "enable_fsdp_float8_all_gather",
             "under tensor parallelism needs "
-            "precompute_float8_dynamic_scale_for_fsdp = true: without it torchao scales each rank's float8 gather "
-            "by the amax of its TP shard (it reduces over the FSDP mesh alone), not of the whole weight as float8 "
+            "precompute_float8_dynamic_scale_for_fsdp = true: without it torchao scales "
+            "each rank's float8 gather "
+            "by the amax of its TP shard (it reduces over the FSDP mesh alone), not of "
+            "the whole weight as float8 "
             "without the all-gather does",
         )
     if f8["enable"]:
@@ -465,7 +473,8 @@ def check_features(run: RunConfig, environment: bool) -> None:
                 run,
                 "training",
                 "enable_cpu_offload",
-                "offloads accelerator memory to the CPU; this machine has no accelerator and trains on the CPU already",
+                "offloads accelerator memory to the CPU; this machine has no accelerator "
+                "and trains on the CPU already",
             )
     profiling = run["profiling"]
     if profiling["enable_profiling"] or profiling["enable_memory_snapshot"]:
@@ -478,11 +487,13 @@ def check_features(run: RunConfig, environment: bool) -> None:
                 "profiling",
                 "profile_freq",
                 f"is {profiling['profile_freq']}; it must be at least "
-                f"profiler_warmup + profiler_active ({profiling['profiler_warmup'] + profiling['profiler_active']}): "
+                "profiler_warmup + profiler_active "
+                f"({profiling['profiler_warmup'] + profiling['profiler_active']}): "
                 "each cycle waits, warms up, then records",
             )
     if profiling["enable_profiling"]:
-        # torch.profiler.schedule's own bounds, which it asserts only when the first profiled step starts.
+        # torch.profiler.schedule's own bounds, which it asserts only when the first profiled step
+        # starts.
         _positive(run, "profiling", "profiler_active")
         for key in (
             "profiler_warmup",
@@ -553,7 +564,8 @@ def check_ignored_data_keys(run: RunConfig) -> None:
                     "dataloader",
                     key,
                     f"is set, but dataset = 'builtin' (the built-in corpus) reads no "
-                    f'{key}: for your own data set dataset = "{wanted}" ({key} is read by dataset = '
+                    f'{key}: for your own data set dataset = "{wanted}" ({key} is read by '
+                    "dataset = "
                     f"{' or '.join(map(repr, readers))}), or remove it "
                     f"(--dataloader.{key} unset)",
                 )
@@ -567,7 +579,8 @@ def check_ignored_data_keys(run: RunConfig) -> None:
 
 
 def _dataset_for(path: str) -> str:
-    """The dataset kind a path is for: a folder of `canon-titan data tokenize` is 'tokens', else 'files'."""
+    """The dataset kind a path is for: a folder of `canon-titan data tokenize` is 'tokens', else
+    'files'."""
     return "tokens" if (Path(path) / "index.json").is_file() else "files"
 
 
@@ -680,7 +693,8 @@ def check_tokenizer(run: RunConfig, environment: bool) -> None:
 
 
 def check_synthetic(run: RunConfig, environment: bool) -> None:
-    """The chosen task's samples fit ``seq_len``; integer-token tasks need a vocabulary of VOCAB ids."""
+    """The chosen task's samples fit ``seq_len``; integer-token tasks need a vocabulary of VOCAB
+    ids."""
     dataset = run["dataloader"]["dataset"]
     if dataset == "capo_bios" and run["dataloader"]["answer_only_loss"]:
         _fail(
@@ -926,7 +940,8 @@ def check_divergence(run: RunConfig) -> None:
 
 def check_job(run: RunConfig) -> None:
     """The dump folder is named; the data seed is one numpy's generators take (the packed loaders
-    seed each epoch's order from it); text is read from a named field; pipeline stages split the layers."""
+    seed each epoch's order from it); text is read from a named field; pipeline stages split the
+    layers."""
     if not run["job"]["dump_folder"].strip():
         _fail(
             run,

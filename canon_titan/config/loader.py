@@ -48,7 +48,8 @@ def _type_name(tp) -> str:
 
 
 DTYPE_SPELLINGS = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-"""A dtype takes either spelling, in a TOML key and on the command line: the short names and TorchTitan's long ones."""
+"""A dtype takes either spelling, in a TOML key and on the command line: the short names and
+TorchTitan's long ones."""
 _OTHER_DTYPE_SPELLING = {
     **DTYPE_SPELLINGS,
     **{long: short for short, long in DTYPE_SPELLINGS.items()},

@@ -27,7 +27,8 @@ class RunConfig:
     tokenizer_vocab: int | None = None
     """The vocabulary of the run's tokenizer, when it could be read (text datasets)."""
     weights_vocab: int | None = None
-    """The vocabulary of weights being converted without a tokenizer beside them (``convert from-hf``):
+    """The vocabulary of weights being converted without a tokenizer beside them (``convert
+    from-hf``):
     ``[model] vocab_size`` follows it instead of the tokenizer's, which it need not match."""
 
     def __getitem__(self, section: str) -> dict[str, Any]:
@@ -60,7 +61,8 @@ class RunConfig:
         return spec.state_dict_adapter(spec.model, rope_layout=rope_layout)
 
     def data_parallel_size(self, world_size: int) -> int:
-        """The data-parallel ranks (TorchTitan's batch degree) of this run on ``world_size`` processes:
+        """The data-parallel ranks (TorchTitan's batch degree) of this run on ``world_size``
+        processes:
         ``data_parallel_shard_degree`` (-1: the ranks the other degrees leave) x replicate."""
         par = self.sections["parallelism"]
         shard = par["data_parallel_shard_degree"]
@@ -76,7 +78,8 @@ class RunConfig:
 
     @functools.cached_property
     def task(self):
-        """The synthetic task of ``[dataloader] dataset`` with its resolved parameters (None for text)."""
+        """The synthetic task of ``[dataloader] dataset`` with its resolved parameters (None for
+        text)."""
         dataset = self.sections["dataloader"]["dataset"]
         if dataset not in SECTION:
             return None

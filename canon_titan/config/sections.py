@@ -35,13 +35,15 @@ class JobSection:
     print_config: bool = False
     stop_grace_seconds: int = 90
     """After SIGTERM or SIGINT (preemption, a time limit, Ctrl-C): seconds to finish the step and
-    save it before exiting anyway; keep it below the scheduler's warning (SLURM --signal=TERM@120)."""
+    save it before exiting anyway; keep it below the scheduler's warning (SLURM
+    --signal=TERM@120)."""
 
 
 @dataclass(kw_only=True)
 class TokenizerSection:
     kind: Literal["hf", "sentencepiece", "tiktoken"] = "hf"
-    """hf: tokenizer.json folder; sentencepiece: Llama-2 tokenizer.model; tiktoken: Llama-3 BPE ranks file."""
+    """hf: tokenizer.json folder; sentencepiece: Llama-2 tokenizer.model; tiktoken: Llama-3 BPE
+    ranks file."""
     path: str | None = None
     """The tokenizer file or its folder; None uses the built-in tokenizer (kind = "hf")."""
 
@@ -57,7 +59,8 @@ class DataloaderSection:
     dataset_path: str | None = None
     """files: glob of documents; tokens: the token folder."""
     sources: list[str] = field(default_factory=list)
-    """stream: per source, a glob of document files or "hf:NAME[:CONFIG[:SPLIT]]" (Hub streaming)."""
+    """stream: per source, a glob of document files or "hf:NAME[:CONFIG[:SPLIT]]" (Hub
+    streaming)."""
     weights: list[float] = field(default_factory=list)
     """stream: mixture weights, one per source (default equal)."""
     text_key: str = "text"
@@ -87,9 +90,9 @@ class DataloaderSection:
     """Resume although the data differs from the checkpoint's (its loader state then starts a new
     pass over the new data); without it such a resume is refused."""
     answer_only_loss: bool | None = None
-    """Synthetic integer-token tasks: train only on answer tokens, the other labels are ignored by the
-    loss. Unset: true for those tasks (the reference's choice), false for text (capo_bios and the
-    text datasets train on every token)."""
+    """Synthetic integer-token tasks: train only on answer tokens, the other labels are ignored by
+    the loss. Unset: true for those tasks (the reference's choice), false for text (capo_bios and
+    the text datasets train on every token)."""
 
 
 @dataclass(kw_only=True)
@@ -162,7 +165,8 @@ class EvalSection:
     dtype: Literal["fp32", "bf16"] = "bf16"
     batch_size: int = 1
     data_dir: str | None = None
-    """Folder of the local test files of the eval/ tasks (default $CANON_EVAL_DATA or ./eval_data)."""
+    """Folder of the local test files of the eval/ tasks (default $CANON_EVAL_DATA or
+    ./eval_data)."""
     include_path: list[str] = field(default_factory=list)
     """More folders of lm-eval task YAMLs."""
 
@@ -260,7 +264,8 @@ SECTIONS: dict[str, Section] = {
         CommConfig,
         hidden=("mode", "trace_buf_size", "save_traces_folder", "save_traces_file_prefix"),
     ),
-    # TorchTitan's profiler: torch.profiler traces (and CUDA memory snapshots) under the dump folder.
+    # TorchTitan's profiler: torch.profiler traces (and CUDA memory snapshots) under the dump
+    # folder.
     "profiling": Section(Profiler.Config, hidden=("trace_post_processor",)),
     **{name: Section(cls) for name, cls in TASK_SECTIONS.items()},
 }

@@ -67,7 +67,9 @@ class FileNamingReader(FileSystemReader):
             return super().read_data(plan, planner)
         except Exception as e:
             if inner_failure(e, (OSError, MemoryError, torch.OutOfMemoryError)) is not None:
-                raise  # the file system's or the machine's trouble (EIO, ESTALE, ...), not the checkpoint's bytes
+                # the file system's or the machine's trouble (EIO, ESTALE, ...), not the
+                # checkpoint's bytes
+                raise
             lines = str(e).strip().splitlines()
             raise CheckpointDamaged(
                 f"{self._reading or self.path}: its bytes do not load ({type(e).__name__}: "
@@ -108,8 +110,9 @@ def checkpoint_problem(step_dir: str | Path) -> str | None:
 
 
 def values_problem(step_dir: str | Path) -> str | None:
-    """Why the non-tensor entries of a checkpoint (train state, data loader and scheduler state: small)
-    do not load, naming the file, or None. The tensors' bytes are checked as a run loads them."""
+    """Why the non-tensor entries of a checkpoint (train state, data loader and scheduler state:
+    small) do not load, naming the file, or None. The tensors' bytes are checked as a run loads
+    them."""
     keys = [
         k
         for k, m in read_metadata(Path(step_dir)).state_dict_metadata.items()
@@ -151,7 +154,8 @@ class NoLoadableCheckpoint(ConversionError):
 
 
 def hf_export_steps(folder: str | Path) -> list[int]:
-    """Steps whose ``step-N`` folder holds a Hugging Face export (``[checkpoint] last_save_in_hf``)."""
+    """Steps whose ``step-N`` folder holds a Hugging Face export (``[checkpoint]
+    last_save_in_hf``)."""
     folder = Path(folder)
     if not folder.is_dir():
         return []
@@ -165,14 +169,16 @@ def hf_export_steps(folder: str | Path) -> list[int]:
 
 
 def model_only(step_dir: Path) -> bool:
-    """A DCP checkpoint of the model alone (``last_save_model_only``), which cannot continue training."""
+    """A DCP checkpoint of the model alone (``last_save_model_only``), which cannot continue
+    training."""
     return not any(
         k.startswith("train_state.") for k in read_metadata(step_dir).state_dict_metadata
     )
 
 
 def model_only_steps(folder: str | Path) -> list[int]:
-    """Steps above 0 (a seed checkpoint is model-only by design) whose intact checkpoint holds the model only."""
+    """Steps above 0 (a seed checkpoint is model-only by design) whose intact checkpoint holds the
+    model only."""
     return [
         step
         for step, path in step_dirs(folder)
@@ -182,10 +188,10 @@ def model_only_steps(folder: str | Path) -> list[int]:
 
 def resume_step(folder: str | Path, load_step: int = -1) -> tuple[int, list[str]]:
     """The step a run resuming from ``folder`` should load: ``load_step`` if given (it must be
-    intact), else the newest intact ``step-N`` (-1 when there is none at all, a fresh start), and one
-    message per newer folder skipped because it cannot load or cannot continue training: a damaged
-    checkpoint, a Hugging Face export or a model-only last save (weights only; TorchTitan would pick
-    it and fail inside the load). Raises
+    intact), else the newest intact ``step-N`` (-1 when there is none at all, a fresh start), and
+    one message per newer folder skipped because it cannot load or cannot continue training: a
+    damaged checkpoint, a Hugging Face export or a model-only last save (weights only; TorchTitan
+    would pick it and fail inside the load). Raises
     NoLoadableCheckpoint when step folders exist but none loads."""
     folder = Path(folder)
     exports = set(hf_export_steps(folder))
@@ -227,16 +233,21 @@ def resume_step(folder: str | Path, load_step: int = -1) -> tuple[int, list[str]
     for step, path in candidates:
         if step in exports:
             skipped.append(
-                f"step-{step} holds a Hugging Face export (weights only), not a checkpoint to resume "
-                "from; start a run from it with [checkpoint] initial_load_path and initial_load_in_hf"
+                f"step-{step} holds a Hugging Face export (weights only), not a checkpoint "
+                "to resume "
+                "from; start a run from it with [checkpoint] initial_load_path and "
+                "initial_load_in_hf"
             )
             continue
         problem = checkpoint_problem(path)
         if problem is None and step > 0 and model_only(path):
             skipped.append(
-                f"step-{step} holds the model only ([checkpoint] last_save_model_only = true), without "
-                "the optimizer and data loader state training continues from; resuming from the newest "
-                "full checkpoint before it (set last_save_model_only = false in a run you may extend)"
+                f"step-{step} holds the model only ([checkpoint] last_save_model_only = "
+                "true), without "
+                "the optimizer and data loader state training continues from; resuming "
+                "from the newest "
+                "full checkpoint before it (set last_save_model_only = false in a run you "
+                "may extend)"
             )
             continue
         problem = problem or values_problem(path)
@@ -255,7 +266,8 @@ def resume_step(folder: str | Path, load_step: int = -1) -> tuple[int, list[str]
                 None,
             )
             works = (
-                f"; the newest checkpoint before it that loads is step {earlier}: --checkpoint.load_step {earlier}"
+                f"; the newest checkpoint before it that loads is step {earlier}: "
+                f"--checkpoint.load_step {earlier}"
                 if earlier is not None
                 else "; there is no earlier one that loads"
             )

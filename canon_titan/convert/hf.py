@@ -77,7 +77,8 @@ def _remove_stale_partials(out_dir: Path) -> None:
             continue  # a conversion into the same folder is running now
         if owner is not None and owner.get("host") != host:
             logger.warning(
-                f"{partial}: left by a conversion on {owner.get('host')}; remove it if that one is done"
+                f"{partial}: left by a conversion on {owner.get('host')}; remove it if "
+                "that one is done"
             )
             continue
         shutil.rmtree(partial, ignore_errors=True)
@@ -106,7 +107,8 @@ def atomic_output_dir(out_dir: Path):
         )
         yield tmp
         (tmp / OWNER_FILE).unlink()
-        # Writers that use private modes (safetensors: 600) get the user's umask like any other file.
+        # Writers that use private modes (safetensors: 600) get the user's umask like any other
+        # file.
         for root, dirs, names in os.walk(tmp):
             for name in dirs:
                 os.chmod(os.path.join(root, name), 0o777 & ~umask)
@@ -125,10 +127,10 @@ FULL_BELOW = 64 * 2**20
 
 @contextmanager
 def writing(out_dir: Path):
-    """Any failure of the writes inside as one ConversionError naming ``out_dir`` and the free space of
-    its filesystem: safetensors raises its own error (not an OSError) on a full disk, DCP's writer a
-    CheckpointException (a BaseException) around the real one. A ConversionError raised by the
-    tensors being written (a damaged input) stays what it is."""
+    """Any failure of the writes inside as one ConversionError naming ``out_dir`` and the free space
+    of its filesystem: safetensors raises its own error (not an OSError) on a full disk, DCP's
+    writer a CheckpointException (a BaseException) around the real one. A ConversionError raised by
+    the tensors being written (a damaged input) stays what it is."""
     try:
         yield
     except (KeyboardInterrupt, SystemExit):
@@ -180,7 +182,8 @@ def _verify_checksums(hf_dir: Path, files: Iterable[Path]) -> None:
     for path in sorted(set(files)):
         if path.name in expected and file_checksum(path) != expected[path.name]:
             raise ConversionError(
-                f"{path}: its contents changed since the export (checksum mismatch with {CHECKSUMS})"
+                f"{path}: its contents changed since the export (checksum mismatch with "
+                f"{CHECKSUMS})"
             )
 
 

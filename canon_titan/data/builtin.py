@@ -120,7 +120,8 @@ def _story(rng: random.Random) -> str:
                     f'{name} said, "I found it near {place}, and I will keep it safe."',
                     f"They shared some {food} and talked about {town}.",
                     f"The {pet} was {rng.choice(FEELINGS)} and ran in circles.",
-                    f"{name} counted {rng.randint(2, 12)} {food} and gave {rng.randint(1, 2)} to {friend}.",
+                    f"{name} counted {rng.randint(2, 12)} {food} and gave "
+                    f"{rng.randint(1, 2)} to {friend}.",
                     f"It became {rng.choice(WEATHER)}, so {name} held the {obj} close.",
                 ]
             )
@@ -129,7 +130,8 @@ def _story(rng: random.Random) -> str:
         rng.choice(
             [
                 f"In the evening, {name} went home to {town} with {pet_name} and the {obj}.",
-                f"At night, {pet_name} the {pet} slept next to the {obj}, and {name} felt {rng.choice(FEELINGS)}.",
+                f"At night, {pet_name} the {pet} slept next to the {obj}, and {name} felt "
+                f"{rng.choice(FEELINGS)}.",
                 f"{name} told everyone in {town} about the {obj}.",
             ]
         )

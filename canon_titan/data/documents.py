@@ -200,9 +200,9 @@ def iter_documents(
 ) -> Iterator[str]:
     """The texts of one file, in order; bad records raise DataError (saying how to skip them,
     ``skip_hint``, where the caller has a way) or are skipped (counted). A record without the text
-    field names the fields it has, and the one to use in the caller's spelling (``key_hint``, a format
-    of the field's name); skipping is offered only once some record had the field (otherwise the
-    field is the wrong one, and skipping would skip every record)."""
+    field names the fields it has, and the one to use in the caller's spelling (``key_hint``, a
+    format of the field's name); skipping is offered only once some record had the field (otherwise
+    the field is the wrong one, and skipping would skip every record)."""
     stats = stats if stats is not None else ReadStats()
     records = (
         _parquet_records(path, text_key, key_hint)

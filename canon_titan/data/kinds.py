@@ -12,9 +12,11 @@ PACKED = {
     "files": _TEXT | {"dataset_path", "shuffle", "infinite"},
     "tokens": _EVERY | {"dataset_path", "shuffle", "infinite", "document_masking", "num_workers"},
 }
-"""Packed token windows (``PackedTextDataLoader``): the built-in corpus, document files, token folders."""
+"""Packed token windows (``PackedTextDataLoader``): the built-in corpus, document files, token
+folders."""
 STREAM = {"stream": _TEXT | {"sources", "weights", "shuffle_buffer"}}
 """Documents tokenized while training (``StreamingTextDataLoader``)."""
 SYNTHETIC = {name: _EVERY for name in SECTION}
-"""The synthetic playground tasks (``SyntheticDataLoader``), with their parameters in ``[SECTION[name]]``."""
+"""The synthetic playground tasks (``SyntheticDataLoader``), with their parameters in
+``[SECTION[name]]``."""
 DATASET_KINDS: dict[str, frozenset[str]] = {**PACKED, **STREAM, **SYNTHETIC}

@@ -75,7 +75,8 @@ def load_token_store(config, tokenizer) -> TokenStore:
     store = TokenStore([tokenize_stream(texts, tokenizer, config.add_bos, config.add_eos)])
     if stats.skipped and not stats.documents:
         raise DataError(
-            f'every record was skipped ({stats.skipped}, [dataloader] on_error = "skip"), so there is '
+            f'every record was skipped ({stats.skipped}, [dataloader] on_error = "skip"), '
+            "so there is "
             f"no text to train on; the first: {stats.problems[0]}"
         )
     if stats.skipped:
@@ -285,7 +286,8 @@ class PackedTextDataLoader(ParallelAwareDataloader):
 
     def _say_epoch_end(self, first: int, after: int) -> None:
         """On rank 0, once per epoch: that the batch of global samples [first, after) starts another
-        pass over the data, with the tokens trained on so far (a corpus smaller than the run repeats)."""
+        pass over the data, with the tokens trained on so far (a corpus smaller than the run
+        repeats)."""
         ended = (after - 1) // self.num_windows  # the epochs done before the batch's last sample
         if ended == max(first - 1, 0) // self.num_windows or (
             torch.distributed.is_initialized() and torch.distributed.get_rank() != 0
@@ -294,8 +296,10 @@ class PackedTextDataLoader(ParallelAwareDataloader):
         seen = ended * self.num_windows * self.seq_len
         reshuffled = "reshuffled" if self.config.shuffle else "in the same order"
         logger.info(
-            f"dataset {self.config.dataset!r}: epoch {ended} ended ({self.num_windows:,} windows of "
-            f"{self.seq_len} tokens each, {seen:,} tokens seen in all); epoch {ended + 1} reads the same "
+            f"dataset {self.config.dataset!r}: epoch {ended} ended ({self.num_windows:,} "
+            "windows of "
+            f"{self.seq_len} tokens each, {seen:,} tokens seen in all); epoch {ended + 1} "
+            "reads the same "
             f"data again, {reshuffled}"
         )
 

@@ -7,8 +7,8 @@ sidecar is written last (atomically), so a shard counts as done only once comple
 skips finished shards whose file still matches its sidecar (size and checksum) and tokenizes the
 others again (resumable). Files are tokenized in parallel worker processes. ``index.json`` lists
 the shards and the tokenizer. Opening the shards for training checks their sizes and that every
-id is inside the training vocabulary (from the recorded largest id); every read checks that the shard
-still holds what it read (``TokenShard``).
+id is inside the training vocabulary (from the recorded largest id); every read checks that the
+shard still holds what it read (``TokenShard``).
 """
 
 from __future__ import annotations
@@ -188,7 +188,8 @@ def shard_problem(
         )
     if vocab_size is not None and info.get("max_id", -1) >= vocab_size:
         return (
-            f"{path} holds token id {info['max_id']}, outside the training vocabulary of {vocab_size} ids "
+            f"{path} holds token id {info['max_id']}, outside the training vocabulary of "
+            f"{vocab_size} ids "
             "(tokenized with another tokenizer?)"
         )
     if checksum and "blake2b" in info:

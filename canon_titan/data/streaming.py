@@ -93,11 +93,12 @@ class SourceReader:
                 self._say_epoch_end()
 
     def _say_epoch_end(self) -> None:
-        """Once per pass, by the first reader (rank 0's first): that its share of a source starts again
-        (a source smaller than the run repeats)."""
+        """Once per pass, by the first reader (rank 0's first): that its share of a source starts
+        again (a source smaller than the run repeats)."""
         if self.unit == 0:
             logger.info(
-                f"streamed data: epoch {self.epoch} of data reader 0 over {self.source} ended; it reads its "
+                f"streamed data: epoch {self.epoch} of data reader 0 over {self.source} "
+                "ended; it reads its "
                 "share of them again"
             )
 
@@ -151,7 +152,8 @@ class HubSourceReader(SourceReader):
                             DATALOADER_KEY,
                         )
                         if isinstance(record, dict)
-                        else f"{self.name}[{self.split}] document {self.line}: not a record of fields"
+                        else f"{self.name}[{self.split}] document {self.line}: not a record of "
+                        "fields"
                     )
                     if self.on_error == "fail":
                         raise DataError(problem)

@@ -117,14 +117,15 @@ class SyntheticDataLoader(ParallelAwareDataloader):
         self._carries: dict[int, SampleId] = {}
         """Destination window -> the sample carried into it, for windows this rank reads next."""
         self._replay = True
-        """Recompute a carry missing from ``_carries`` (False once a checkpoint's carries are loaded:
-        they are complete, and a window missing there starts fresh)."""
+        """Recompute a carry missing from ``_carries`` (False once a checkpoint's carries are
+        loaded: they are complete, and a window missing there starts fresh)."""
         self._checkpoint_keys: list[str] | None = None
         probe = [self.window(w) for w in range(4)]
         fill = np.mean([(p[2] != IGNORE_INDEX).sum() / seq_len for p in probe])
         samples = np.mean([int(((p[1] == 0) & (p[0] != PAD)).sum()) for p in probe])
         logger.info(
-            f"Synthetic dataset {config.dataset!r} ({self.task.params}): ~{samples:.1f} samples per "
+            f"Synthetic dataset {config.dataset!r} ({self.task.params}): ~{samples:.1f} "
+            "samples per "
             f"window of {seq_len}, {100 * fill:.1f}% of positions in the loss "
             f"(dp rank {dp_rank}/{dp_world_size})"
         )
@@ -148,8 +149,8 @@ class SyntheticDataLoader(ParallelAwareDataloader):
     def pack(
         self, index: int, carried: SampleId | None
     ) -> tuple[list[tuple[SampleId, list[int], list[int]]], SampleId]:
-        """Window ``index``'s samples in order, ``carried`` first, as (id, tokens, loss flags); and the
-        misfit it carries on."""
+        """Window ``index``'s samples in order, ``carried`` first, as (id, tokens, loss flags); and
+        the misfit it carries on."""
         limit, used, draws, redraws = self.seq_len + 1, 0, 0, 0
         packed = [(carried, *self.draw(carried))] if carried is not None else []
         used = sum(len(tokens) for _, tokens, _ in packed)
@@ -163,7 +164,8 @@ class SyntheticDataLoader(ParallelAwareDataloader):
                 redraws += 1
                 if self.task.max_length() is not None or redraws > MAX_REDRAWS:
                     raise DataConfigError(
-                        f"a {self.config.dataset} sample has {len(tokens)} tokens (with the run's tokenizer), "
+                        f"a {self.config.dataset} sample has {len(tokens)} tokens (with "
+                        "the run's tokenizer), "
                         f"more than a window of seq_len + 1 = {limit}: raise [training] seq_len"
                         + (
                             f" ({MAX_REDRAWS} samples in a row were too long)"
@@ -293,8 +295,10 @@ class SyntheticDataLoader(ParallelAwareDataloader):
         )
         if stride != self.stride:
             logger.warning(
-                f"Synthetic dataloader: the global batch changed from {stride} to {self.stride} windows; "
-                "every drawn sample is still trained on once, but from here the windows differ from "
+                f"Synthetic dataloader: the global batch changed from {stride} to "
+                f"{self.stride} windows; "
+                "every drawn sample is still trained on once, but from here the windows "
+                "differ from "
                 "those of a run that had this global batch from the start"
             )
         logger.info(

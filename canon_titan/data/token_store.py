@@ -34,8 +34,10 @@ class TokenShard:
         if len(data) < count:
             raise DataError(
                 f"{self.path} is {os.fstat(self._fd).st_size:,} bytes now, "
-                f"{self.tokens * self.dtype.itemsize:,} when the run opened it: the shard was truncated or "
-                "replaced while training read it. Restore it (or tokenize into a new folder) and run the "
+                f"{self.tokens * self.dtype.itemsize:,} when the run opened it: the shard "
+                "was truncated or "
+                "replaced while training read it. Restore it (or tokenize into a new "
+                "folder) and run the "
                 "same command to resume from the last checkpoint"
             )
         return np.frombuffer(data, dtype=self.dtype)
@@ -47,7 +49,8 @@ class TokenShard:
 
 
 class TokenStore:
-    """One logical token stream over several arrays (in memory, or token shards read from disk). With
+    """One logical token stream over several arrays (in memory, or token shards read from disk).
+    With
     ``vocab_size``, every slice read is checked to lie inside the vocabulary, and a bad id is
     reported by shard name and offset (a damaged shard file)."""
 

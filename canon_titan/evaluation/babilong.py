@@ -56,7 +56,8 @@ FORMATS = {
                 "The ball is in garden.",
             ),
             (
-                "Lena took the cup. Lena journeyed to the kitchen. Lena left the cup. Lena went to the hallway.",
+                "Lena took the cup. Lena journeyed to the kitchen. Lena left the cup. "
+                "Lena went to the hallway.",
                 "Where is the cup?",
                 "The cup is in kitchen.",
             ),
@@ -69,12 +70,14 @@ FORMATS = {
         "the <earlier place>.",
         (
             (
-                "Anna took the apple. Anna went to the office. Anna moved to the kitchen. Anna dropped the apple.",
+                "Anna took the apple. Anna went to the office. Anna moved to the kitchen. "
+                "Anna dropped the apple.",
                 "Where was the apple before the kitchen?",
                 "Before the kitchen the apple was in the office.",
             ),
             (
-                "Tom grabbed the book in the garden. Tom went to the hallway. Tom travelled to the bedroom.",
+                "Tom grabbed the book in the garden. Tom went to the hallway. Tom "
+                "travelled to the bedroom.",
                 "Where was the book before the hallway?",
                 "Before the hallway the book was in the garden.",
             ),
@@ -119,7 +122,10 @@ FORMATS = {
 
 
 def format_example(context: str, question: str, answer: str) -> str:
-    return f"<example>\n<context>\n{context}\n</context>\n\nQuestion: {question}\nAnswer: {answer}\n</example>"
+    return (
+        f"<example>\n<context>\n{context}\n</context>\n\nQuestion: {question}\nAnswer: "
+        f"{answer}\n</example>"
+    )
 
 
 def format_prompt(task: str, context: str, question: str) -> str:
@@ -136,7 +142,8 @@ def format_prompt(task: str, context: str, question: str) -> str:
 
 
 def parse_answer(task: str, continuation: str) -> str | None:
-    """The answer word of a model's continuation (lowercase), or None when it is not in the format."""
+    """The answer word of a model's continuation (lowercase), or None when it is not in the
+    format."""
     text = continuation.strip().split("\n", 1)[0]
     spec = FORMATS[task]
     if spec.answer is None:

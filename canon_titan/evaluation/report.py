@@ -216,9 +216,11 @@ def write_report(
         page = (
             "<!doctype html><html><head><meta charset='utf-8'><title>canon-titan report</title>"
             "<style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}"
-            "td,th{border:1px solid #ccc;padding:4px 8px;text-align:right}td:first-child{text-align:left}</style>"
+            "td,th{border:1px solid #ccc;padding:4px "
+            "8px;text-align:right}td:first-child{text-align:left}</style>"
             "</head><body><h1>canon-titan report</h1>"
-            f"<img alt='training curves' src='data:image/png;base64,{base64.b64encode(png).decode()}'>"
+            "<img alt='training curves' "
+            f"src='data:image/png;base64,{base64.b64encode(png).decode()}'>"
             f"<h2>Last logged values</h2><table><tr>{cells}</tr>{body}</table>"
             f"<h2>Runs</h2><ul>{folders}</ul></body></html>\n"
         )

@@ -16,7 +16,8 @@ from importlib import import_module
 import torch
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-"""The dtypes an export is written in and an export is loaded in (``export_dtype``, ``[eval] dtype``)."""
+"""The dtypes an export is written in and an export is loaded in (``export_dtype``, ``[eval]
+dtype``)."""
 
 
 class HFFormatError(ValueError):
@@ -25,7 +26,8 @@ class HFFormatError(ValueError):
 
 @dataclass(frozen=True)
 class HFModel:
-    """The transformers classes of one model family, as ``module.Class`` paths inside this package."""
+    """The transformers classes of one model family, as ``module.Class`` paths inside this
+    package."""
 
     config: str
     model: str

@@ -27,7 +27,8 @@ class GatedDeltaNetCanonConfig(PretrainedConfig):
     max_position_embeddings: int = 2048
     hidden_ratio: int | None = 4
     intermediate_size: int | None = None
-    """SwiGLU width; None = int(hidden_size * hidden_ratio * 2 / 3) rounded up to a multiple of 256."""
+    """SwiGLU width; None = int(hidden_size * hidden_ratio * 2 / 3) rounded up to a multiple of
+    256."""
     hidden_act: str = "swish"
     num_hidden_layers: int = 21
     norm_eps: float = 1e-6
@@ -39,7 +40,8 @@ class GatedDeltaNetCanonConfig(PretrainedConfig):
     tie_word_embeddings: bool = False
     initializer_range: float = 0.02
     zeyuan_layernorm: bool = False
-    """The release builds unfused norms with it; here the norms and their names are the same either way."""
+    """The release builds unfused norms with it; here the norms and their names are the same either
+    way."""
     canon_set: str = ""
     canon_kernel: int = 4
     canon_residual: bool = True

@@ -18,7 +18,8 @@ class GLACanonConfig(PretrainedConfig):
     expand_v: float = 1.0
     hidden_ratio: int | None = 4
     intermediate_size: int | None = None
-    """SwiGLU width; None = int(hidden_size * hidden_ratio * 2 / 3) rounded up to a multiple of 256."""
+    """SwiGLU width; None = int(hidden_size * hidden_ratio * 2 / 3) rounded up to a multiple of
+    256."""
     num_hidden_layers: int = 24
     num_heads: int = 4
     num_kv_heads: int | None = None
@@ -42,7 +43,8 @@ class GLACanonConfig(PretrainedConfig):
     tie_word_embeddings: bool = False
     initializer_range: float = 0.02
     zeyuan_layernorm: bool = False
-    """Only renames the output gated norm (``attn.g_norm`` instead of ``attn.g_norm_swish_gate``)."""
+    """Only renames the output gated norm (``attn.g_norm`` instead of
+    ``attn.g_norm_swish_gate``)."""
     canon_set: str = ""
     canon_kernel: int = 4
     canon_residual: bool = True

@@ -25,10 +25,12 @@ class LlamaCanonConfig(PretrainedConfig):
     tie_word_embeddings: bool = False
     rope_theta: float = 10000.0
     rope_dim: int | None = None
-    """Channels per head that RoPE rotates (the first ones); None = partial_rotary_factor x head_dim."""
+    """Channels per head that RoPE rotates (the first ones); None = partial_rotary_factor x
+    head_dim."""
     partial_rotary_factor: float | None = None
     rope_version: str = "lingua"
-    """'lingua': rotate interleaved pairs (2i, 2i+1); 'huggingface': rotate-half pairs (i, i + rope_dim/2)."""
+    """'lingua': rotate interleaved pairs (2i, 2i+1); 'huggingface': rotate-half pairs (i, i +
+    rope_dim/2)."""
     qk_norm: bool = False
     """One RMSNorm over the whole flat q (and k) projection, across heads."""
     canon_set: str = ""

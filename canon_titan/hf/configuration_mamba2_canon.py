@@ -61,7 +61,8 @@ class Mamba2CanonConfig(PretrainedConfig):
         for name, bad in unsupported.items():
             if bad:
                 raise ValueError(
-                    f"Mamba2CanonConfig: {name}={getattr(self, name)!r} is not supported by this code"
+                    f"Mamba2CanonConfig: {name}={getattr(self, name)!r} is not supported "
+                    "by this code"
                 )
         if self.expand * self.hidden_size != self.num_heads * self.head_dim:
             raise ValueError(

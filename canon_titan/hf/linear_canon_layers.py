@@ -121,7 +121,8 @@ def short_conv(channels, kernel_size, bias=False):
 
 
 def low_rank(in_features, rank, out_features):
-    """The release's rank-r projection ``nn.Sequential(down, up)``; tensors ``.0`` and ``.1`` (biased)."""
+    """The release's rank-r projection ``nn.Sequential(down, up)``; tensors ``.0`` and ``.1``
+    (biased)."""
     projection = nn.Sequential(
         nn.Linear(in_features, rank, bias=False), nn.Linear(rank, out_features, bias=True)
     )
@@ -244,8 +245,8 @@ def run_layers(model, input_ids, inputs_embeds, attention_mask, past_key_values,
 
 class LinearCanonCausalLM:
     """Causal-LM forward and generation support of the linear models, mixed into each family's
-    ``...ForCausalLM(LinearCanonCausalLM, ...PreTrainedModel, GenerationMixin)``; ``base_model_prefix``
-    names the backbone."""
+    ``...ForCausalLM(LinearCanonCausalLM, ...PreTrainedModel, GenerationMixin)``;
+    ``base_model_prefix`` names the backbone."""
 
     # Recurrent models cannot roll back their state (no assisted decoding), and keep their own
     # cache object: transformers' DynamicCache holds attention keys/values.

@@ -1,13 +1,16 @@
 """GatedDeltaNetCanon for transformers 5.x: GDN2, the gated DeltaNet of PhysicsLM4 Part 4.2, with
-Canon layers. Tensor names follow the release (``model.embeddings``, ``model.layers.{i}.attn.q_proj``,
-``attn.b_proj``, ``attn.a_proj``, ``attn.A_log``, ``attn.dt_bias``, ``attn.q_conv1d``, ``attn.g_proj.0/1``,
-``attn.o_norm``, ``mlp.both_proj`` = [gate | up] with Canon-D, else ``mlp.gate_proj``/``mlp.up_proj``,
+Canon layers. Tensor names follow the release (``model.embeddings``,
+``model.layers.{i}.attn.q_proj``,
+``attn.b_proj``, ``attn.a_proj``, ``attn.A_log``, ``attn.dt_bias``, ``attn.q_conv1d``,
+``attn.g_proj.0/1``,
+``attn.o_norm``, ``mlp.both_proj`` = [gate | up] with Canon-D, else
+``mlp.gate_proj``/``mlp.up_proj``,
 ``mlp.canonD``, ``model.norm``, ``lm_head``).
 
     q, k, v = SiLU(conv_b(W x)) with b, else SiLU(W x);  q, k L2-normalised per head
     beta = sigmoid(b_proj(x));  log_decay = -exp(A_log) * softplus(a_proj(x) + dt_bias)   per head
-    S_t = (I - beta_t k_t k_t^T) exp(log_decay_t) S_{t-1} + beta_t k_t v_t^T,  o_t = q_t S_t / sqrt(head_dim)
-    out = o_proj(RMSNorm_head(o) * w * SiLU(g_proj(x)))
+    S_t = (I - beta_t k_t k_t^T) exp(log_decay_t) S_{t-1} + beta_t k_t v_t^T,  o_t = q_t S_t /
+    sqrt(head_dim) out = o_proj(RMSNorm_head(o) * w * SiLU(g_proj(x)))
 
 The recurrence runs by chunks in plain PyTorch (``chunk_gated_delta_rule``), from a cached state
 when decoding.
@@ -41,8 +44,8 @@ from .linear_canon_layers import (
 
 def chunk_gated_delta_rule(q, k, v, log_decay, beta, state=None, chunk_size=64):
     """o [B, T, H, V] (q's dtype) and the final state [B, H, K, V] (float32) of the gated delta rule
-    ``S'_t = exp(g_t) S_{t-1}, u_t = beta_t (v_t - S'_t^T k_t), S_t = S'_t + k_t u_t^T, o_t = q_t S_t / sqrt(K)``;
-    q, k: [B, T, H, K] (L2-normalised), v: [B, T, H, V], g and beta: [B, T, H].
+    ``S'_t = exp(g_t) S_{t-1}, u_t = beta_t (v_t - S'_t^T k_t), S_t = S'_t + k_t u_t^T, o_t = q_t
+    S_t / sqrt(K)``; q, k: [B, T, H, K] (L2-normalised), v: [B, T, H, V], g and beta: [B, T, H].
 
     Per chunk, with b the cumulative log decay from the chunk start and S0 the entering state,
     the corrections solve the unit lower-triangular system
@@ -104,7 +107,8 @@ class GatedDeltaNetCanon(nn.Module):
 
     @torch.no_grad()
     def reset_decay(self):
-        """A = U(0, 16); dt_bias = softplus^-1(dt), dt log-uniform in [0.001, 0.1] floored at 1e-4."""
+        """A = U(0, 16); dt_bias = softplus^-1(dt), dt log-uniform in [0.001, 0.1] floored at
+        1e-4."""
         self.A_log.copy_(torch.empty_like(self.A_log).uniform_(0, 16).log())
         dt = (
             torch.empty_like(self.dt_bias)

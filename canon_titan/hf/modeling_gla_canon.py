@@ -1,5 +1,6 @@
 """GLACanon for transformers 5.x: GLA5, the gated linear attention of PhysicsLM4 Part 4.2, with
-Canon layers. Tensor names follow the release (``model.embeddings``, ``model.layers.{i}.attn.q_proj``,
+Canon layers. Tensor names follow the release (``model.embeddings``,
+``model.layers.{i}.attn.q_proj``,
 ``attn.gk_proj.0/1``, ``attn.g_proj.0/1``, ``attn.q_conv1d``, ``attn.g_norm_swish_gate``,
 ``mlp.gate_proj`` = [gate | up], ``mlp.canonD``, ``model.norm``, ``lm_head``).
 
@@ -40,10 +41,10 @@ def chunk_gla(q, k, v, log_gate, state=None, chunk_size=16):
     """o [B, T, H, V] (q's dtype) and the final state [B, H, K, V] (float32) of
     ``S_t = diag(exp(g_t)) S_{t-1} + k_t^T v_t, o_t = q_t S_t / sqrt(K)``; q, k, g: [B, T, H, K].
 
-    Within a chunk, pair (i, j <= i) decays by exp(b_i - b_j) with b the cumulative log gate from the
-    chunk start; only such differences (<= 0) are exponentiated, so strong gates cannot overflow.
-    The [chunk, chunk, K] pairwise decays dominate the cost: 16-token chunks (as fla's sub-chunks)
-    were 3-5x faster than 32 or 64 on CPU.
+    Within a chunk, pair (i, j <= i) decays by exp(b_i - b_j) with b the cumulative log gate from
+    the chunk start; only such differences (<= 0) are exponentiated, so strong gates cannot
+    overflow. The [chunk, chunk, K] pairwise decays dominate the cost: 16-token chunks (as fla's
+    sub-chunks) were 3-5x faster than 32 or 64 on CPU.
     """
     out_dtype, dtype = q.dtype, torch.promote_types(q.dtype, torch.float32)
     q, k, v, g = (t.transpose(1, 2).to(dtype) for t in (q, k, v, log_gate))  # [B, H, T, *]

@@ -52,8 +52,8 @@ class Compiled:
     """``ld.global.v*`` instructions in the PTX."""
     scalar_2byte_loads: int
     loop_barriers: int
-    """``bar.sync`` instructions inside the PTX's loops: a reduction across warps (shared memory and a
-    barrier) that runs on every iteration instead of once."""
+    """``bar.sync`` instructions inside the PTX's loops: a reduction across warps (shared memory and
+    a barrier) that runs on every iteration instead of once."""
     loop_loads: int
     """``ld.global`` instructions inside the PTX's loops (a backward program's per-tile loads)."""
     seconds: float
@@ -169,8 +169,8 @@ _BRANCH = re.compile(r"\bbra(?:\.uni)?\s+(\$L__BB\d+_\d+);")
 
 
 def _in_loops(ptx: str, pattern: str) -> int:
-    """Lines matching ``pattern`` inside loops: a loop is a block label and a later branch back to it; each
-    line between them counts once (however deep the nesting)."""
+    """Lines matching ``pattern`` inside loops: a loop is a block label and a later branch back to
+    it; each line between them counts once (however deep the nesting)."""
     lines = ptx.splitlines()
     labels = {m.group(1): i for i, line in enumerate(lines) if (m := _LABEL.match(line.strip()))}
     loops = [
@@ -191,7 +191,8 @@ def loop_barriers(ptx: str) -> int:
 
 
 def loop_loads(ptx: str) -> int:
-    """Global load instructions inside loops: what a program issues per tile, against those it issues once."""
+    """Global load instructions inside loops: what a program issues per tile, against those it
+    issues once."""
     return _in_loops(ptx, r"ld\.global")
 
 
@@ -208,11 +209,14 @@ def compile_all(
 
 def table(results: list[Compiled], target: GPUTarget = SM90) -> str:
     lines = [
-        f"Triton {triton.__version__}, sm_{target.arch}: registers per thread, spills (bytes stored/loaded), "
-        "global loads in the PTX (vectors / 2-byte scalars; those inside loops), barriers inside loops, compile "
+        f"Triton {triton.__version__}, sm_{target.arch}: registers per thread, spills "
+        "(bytes stored/loaded), "
+        "global loads in the PTX (vectors / 2-byte scalars; those inside loops), barriers "
+        "inside loops, compile "
         "seconds on this machine",
         "",
-        "| case | kernel | config | registers | spills | vector / scalar loads | loads in loops | loop barriers "
+        "| case | kernel | config | registers | spills | vector / scalar loads | loads in "
+        "loops | loop barriers "
         "| compile s |",
         "|---|---|---|---:|---:|---:|---:|---:|---:|",
     ]

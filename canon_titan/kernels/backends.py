@@ -40,7 +40,8 @@ _CUDA_MODULES = {
 }
 _PACKAGES = {"triton": "triton", "fla": "flash-linear-attention", "mamba_ssm": "mamba-ssm"}
 TESTED_VERSIONS = {"fla": "0.6.0", "mamba_ssm": "2.3.2.post1"}
-"""The versions of the packages whose internal functions the wrappers call (pyproject's ``gpu`` extra)."""
+"""The versions of the packages whose internal functions the wrappers call (pyproject's ``gpu``
+extra)."""
 INTERPRETED = triton.knobs.runtime.interpret
 """Triton decides when a kernel module is imported whether its kernels run in the interpreter."""
 
@@ -52,8 +53,8 @@ def triton_runs_here() -> bool:
 
 def _enter_mamba_ssm() -> None:
     """mamba-ssm's package ``__init__`` imports its compiled selective-scan extension, which a
-    Triton-only install (``MAMBA_SKIP_CUDA_BUILD=TRUE``: CI, the offline GPU kit) does not have and the
-    Triton SSD kernels do not use; when that import fails, the package is entered without its
+    Triton-only install (``MAMBA_SKIP_CUDA_BUILD=TRUE``: CI, the offline GPU kit) does not have and
+    the Triton SSD kernels do not use; when that import fails, the package is entered without its
     ``__init__``."""
     try:
         importlib.import_module("mamba_ssm")
@@ -102,16 +103,19 @@ def version_problem(backend: str) -> str | None:
     if tested is None or installed == tested:
         return None
     return (
-        f"canon-titan calls internal functions of {_PACKAGES[backend]}, tested with version {tested} only; "
-        f"this machine has {installed or 'an unknown version'} (another version may fail inside step 1 or "
+        f"canon-titan calls internal functions of {_PACKAGES[backend]}, tested with "
+        f"version {tested} only; "
+        f"this machine has {installed or 'an unknown version'} (another version may fail "
+        "inside step 1 or "
         f"compute wrong gradients): install {_PACKAGES[backend]}=={tested}"
     )
 
 
 @functools.cache
 def prepare_kernels(backend: str) -> None:
-    """Import the backend's package (see ``import_problem``) ready to run its kernels here: its autotuning
-    narrowed and reported (``tuning.watch``); under the interpreter, with the adaptations of ``interpreter``."""
+    """Import the backend's package (see ``import_problem``) ready to run its kernels here: its
+    autotuning narrowed and reported (``tuning.watch``); under the interpreter, with the adaptations
+    of ``interpreter``."""
     _import(backend)
     if INTERPRETED and backend in TESTED_VERSIONS:
         from canon_titan.kernels import interpreter
@@ -195,9 +199,12 @@ KNOWN_BAD = {
     # (backend, op): (condition, what happens and the fix)
     ("fla", "gated_delta_rule"): (
         _hopper_triton_3_4_to_3_7,
-        "flash-linear-attention 0.6.0 refuses the backward of chunk_gated_delta_rule on Hopper GPUs with "
-        "Triton >= 3.4 and < 3.7.1 (it computes wrong gradients there; fla issue #640), so training would stop "
-        "inside step 1. Fix: install Triton >= 3.7.1 (a release your torch build supports), or `pip install "
+        "flash-linear-attention 0.6.0 refuses the backward of chunk_gated_delta_rule on "
+        "Hopper GPUs with "
+        "Triton >= 3.4 and < 3.7.1 (it computes wrong gradients there; fla issue #640), "
+        "so training would stop "
+        "inside step 1. Fix: install Triton >= 3.7.1 (a release your torch build "
+        "supports), or `pip install "
         'tilelang` (fla then runs that kernel in TileLang), or set [model] kernel_backend = "torch"',
     ),
 }
@@ -208,13 +215,16 @@ def backend_problem(backend: str, op: str, env: KernelEnvironment | None = None)
     env = env or KernelEnvironment.current()
     if env.cuda_capability is None and not env.interpreter:
         return (
-            f"{op} backend {backend!r} runs Triton kernels, which need a CUDA GPU; without one, set "
-            "TRITON_INTERPRET=1 to run them on the CPU (slow, for testing), or use 'torch' or 'auto'"
+            f"{op} backend {backend!r} runs Triton kernels, which need a CUDA GPU; without "
+            "one, set "
+            "TRITON_INTERPRET=1 to run them on the CPU (slow, for testing), or use "
+            "'torch' or 'auto'"
         )
     problem = None if env.planned else import_problem(backend)
     if problem:
         return (
-            f"{op} backend {backend!r} needs the {_PACKAGES[backend]} package, which does not import here "
+            f"{op} backend {backend!r} needs the {_PACKAGES[backend]} package, which does "
+            "not import here "
             f"({problem}); use 'torch' or 'auto'"
         )
     problem = None if env.planned else version_problem(backend)
@@ -231,7 +241,8 @@ def resolve_backend(
 ) -> tuple[str, str | None]:
     """The backend that runs ``op`` (one of ``CUDA_BACKENDS``) here, and why ``auto`` did not pick
     the CUDA kernel (None otherwise). A forced CUDA backend that cannot run is a ValueError, unless
-    ``check`` is off (a model built for another machine: its config checks judge the backend there)."""
+    ``check`` is off (a model built for another machine: its config checks judge the backend
+    there)."""
     cuda_backend = CUDA_BACKENDS[op]
     allowed = ("auto", "torch", cuda_backend)
     if requested not in allowed:
@@ -253,8 +264,8 @@ def resolve_backend(
 
 
 def runs_cuda_kernel(backend: str, t: torch.Tensor) -> bool:
-    """Whether a resolved backend's Triton kernel runs on ``t``: its device, or the interpreter on CPU
-    (a model configured for the GPU and evaluated on a CPU falls back to torch); on any tensor
+    """Whether a resolved backend's Triton kernel runs on ``t``: its device, or the interpreter on
+    CPU (a model configured for the GPU and evaluated on a CPU falls back to torch); on any tensor
     inside ``planned_machine``."""
     if backend == "torch":
         return False

@@ -1,9 +1,10 @@
-"""Gated delta rule (GatedDeltaNet, GDN2), in fla's convention (``naive_recurrent_gated_delta_rule``):
+"""Gated delta rule (GatedDeltaNet, GDN2), in fla's convention
+(``naive_recurrent_gated_delta_rule``):
 
     S'  = exp(g_t) S_{t-1}
     u_t = beta_t (v_t - S'^T k_t)
-    S_t = S' + k_t u_t^T                    i.e. S_t = (I - beta_t k_t k_t^T) exp(g_t) S_{t-1} + beta_t k_t v_t^T
-    o_t = scale * q_t S_t
+    S_t = S' + k_t u_t^T                    i.e. S_t = (I - beta_t k_t k_t^T) exp(g_t) S_{t-1} +
+    beta_t k_t v_t^T o_t = scale * q_t S_t
 
 q, k: [B, T, H, K]; v: [B, T, H, V]; g (log decay, <= 0) and beta: [B, T, H]; S: [B, H, K, V].
 The caller L2-normalises q and k.
@@ -85,8 +86,9 @@ FLA_CHUNK_SIZE = FLA_CHUNK
 
 @functools.cache
 def _fla_halves():
-    """fla's forward and backward halves of ``ChunkGatedDeltaRuleFunction``, each under fla's ``input_guard``
-    (its kernels assume contiguous [B, T, H, K] and launch on the current device), guarded once (see
+    """fla's forward and backward halves of ``ChunkGatedDeltaRuleFunction``, each under fla's
+    ``input_guard`` (its kernels assume contiguous [B, T, H, K] and launch on the current device),
+    guarded once (see
     ``gla._fla_halves``)."""
     prepare_kernels("fla")
     from fla.ops.gated_delta_rule.chunk import (

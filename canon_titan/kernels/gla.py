@@ -96,9 +96,10 @@ def _fla_chunk_size(seq_len: int) -> int:
 
 @functools.cache
 def _fla_halves():
-    """fla's forward and backward halves of ``ChunkGLAFunction``, each under fla's ``input_guard`` (its kernels
-    assume contiguous [B, T, H, K] and launch on the current device). Guarded once: ``input_guard`` reads the
-    function's signature each time it wraps one, a few hundred Python calls on every op call."""
+    """fla's forward and backward halves of ``ChunkGLAFunction``, each under fla's ``input_guard``
+    (its kernels assume contiguous [B, T, H, K] and launch on the current device). Guarded once:
+    ``input_guard`` reads the function's signature each time it wraps one, a few hundred Python
+    calls on every op call."""
     prepare_kernels("fla")
     from fla.ops.gla.chunk import chunk_gla_bwd, chunk_gla_fwd
     from fla.utils import input_guard
@@ -108,7 +109,8 @@ def _fla_halves():
 
 @functools.lru_cache(maxsize=8)
 def _unwritten(seq_len: int, chunk_size: int, device: torch.device) -> torch.Tensor:
-    """[T, 1, chunk]: where fla leaves A unwritten (key j after query t within the chunk), made once per shape."""
+    """[T, 1, chunk]: where fla leaves A unwritten (key j after query t within the chunk), made once
+    per shape."""
     position = torch.arange(seq_len, device=device) % chunk_size
     return torch.arange(chunk_size, device=device) > position[:, None, None]
 
@@ -123,7 +125,8 @@ def _fla_chunk_gla(
     scale: float,
     output_final_state: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """o, the final state (empty unless asked for) and fla's intra-chunk scores A (for the backward)."""
+    """o, the final state (empty unless asked for) and fla's intra-chunk scores A (for the
+    backward)."""
     chunk_size = _fla_chunk_size(q.shape[1])
     _, A, _, final_state, o = _fla_halves()[0](
         q=q,

@@ -30,8 +30,8 @@ class _Int(int):
 
 
 def _interpreter_range(*args):
-    # Bounds may be the interpreter's one-element tensors, which Triton 3.6 cannot turn into an index
-    # under NumPy 2.
+    # Bounds may be the interpreter's one-element tensors, which Triton 3.6 cannot turn into an
+    # index under NumPy 2.
     args = [int(a.handle.data.item()) if hasattr(a, "handle") else a for a in args]
     return (_Int(i) for i in range(*args))
 
@@ -60,7 +60,8 @@ def _neutral_cuda_device() -> None:
 
 @functools.cache
 def prepare(package: str) -> None:
-    """Make ``package``'s kernels (``fla`` or ``mamba_ssm``, imported) runnable in the interpreter."""
+    """Make ``package``'s kernels (``fla`` or ``mamba_ssm``, imported) runnable in the
+    interpreter."""
     _no_autotuning_benchmark()
     _neutral_cuda_device()
     root = importlib.import_module(KERNEL_MODULES[package])

@@ -51,8 +51,8 @@ FULL_AUTOTUNE_ENV = "CANON_TITAN_FULL_AUTOTUNE"
 
 @dataclass(frozen=True)
 class Keep:
-    """Which of a kernel's candidate configurations its autotuner times. A rule that would keep none of a
-    list's values keeps the list whole (e.g. a kernel offering no 3-stage configuration)."""
+    """Which of a kernel's candidate configurations its autotuner times. A rule that would keep none
+    of a list's values keeps the list whole (e.g. a kernel offering no 3-stage configuration)."""
 
     num_warps: tuple[int, ...] = ()
     """Warp counts kept (empty: all)."""
@@ -114,8 +114,8 @@ NARROWED: dict[str, dict[str, Keep]] = {
     },
     "fla.ops.gated_delta_rule.chunk_fwd": {"chunk_gated_delta_rule_fwd_kkt_solve_kernel": CHUNK},
 }
-"""Defining module -> kernel -> the configurations its autotuner times. fla's other autotuned kernels on these
-paths offer 3 configurations or fewer."""
+"""Defining module -> kernel -> the configurations its autotuner times. fla's other autotuned
+kernels on these paths offer 3 configurations or fewer."""
 UNMEASURED = frozenset(
     {
         "chunk_local_cumsum_scalar_kernel",
@@ -150,14 +150,16 @@ def autotuner_of(obj) -> autotuner.Autotuner | None:
 
 
 def rules_measured_here() -> bool:
-    """Whether ``NARROWED``'s rules were measured on this kind of GPU: Hopper (sm_90), where they were chosen.
-    Elsewhere (an A100's or a consumer GPU's shared memory may not hold the largest tiles) the autotuner times
-    fla's whole list. Without a GPU (Triton's interpreter, which times nothing) the rules apply, as in tests."""
+    """Whether ``NARROWED``'s rules were measured on this kind of GPU: Hopper (sm_90), where they
+    were chosen. Elsewhere (an A100's or a consumer GPU's shared memory may not hold the largest
+    tiles) the autotuner times fla's whole list. Without a GPU (Triton's interpreter, which times
+    nothing) the rules apply, as in tests."""
     return not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] == 9
 
 
 class _Watched:
-    """An autotuner's ``early_config_prune``: Triton calls it when a new tuning key starts its search."""
+    """An autotuner's ``early_config_prune``: Triton calls it when a new tuning key starts its
+    search."""
 
     def __init__(self, name: str, own_prune, keep: Keep | None):
         self.name, self.own_prune, self.keep = name, own_prune, keep
@@ -182,8 +184,8 @@ def progress(what: str) -> None:
 
 
 def watch(package: str) -> None:
-    """Narrow (``NARROWED``) and report every autotuned kernel of ``package`` (``fla`` or ``mamba_ssm``, imported):
-    once per process, before its first kernel runs."""
+    """Narrow (``NARROWED``) and report every autotuned kernel of ``package`` (``fla`` or
+    ``mamba_ssm``, imported): once per process, before its first kernel runs."""
     import importlib
 
     if package == "fla":
@@ -284,7 +286,8 @@ def tuned_on_rank_zero(
 
 
 def device_for_kernels() -> torch.device:
-    """Where this process's Triton kernels run: its current GPU, or the CPU under Triton's interpreter."""
+    """Where this process's Triton kernels run: its current GPU, or the CPU under Triton's
+    interpreter."""
     return (
         torch.device("cuda", torch.cuda.current_device())
         if torch.cuda.is_available()

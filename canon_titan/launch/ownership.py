@@ -8,15 +8,15 @@ launcher, SIGKILL included, no worker trains on unseen.
 
 A dump folder holds one live run. Global rank 0 keeps an exclusive ``flock`` on
 ``{dump_folder}/.canon-titan.lock`` for the run's life (the kernel drops it when the process dies,
-however it dies) and, beside it, a lease file ``.canon-titan.lease`` naming the holder (host, pid and
-when that process started, SLURM job, a random token). The flock alone does not keep out a run on
-another node: on Lustre ``localflock``, BeeGFS's default and NFS ``local_lock=flock`` it succeeds
-node-locally, and on Lustre ``noflock`` or NFS ``nolock`` it fails whatever the holder (any error but
-"held by another"). So the lease is always written and checked: created exclusively, refreshed by its
-holder, removed on every exit the process makes on purpose, and taken over only once its run is over.
-A second run there stops before training naming the holder. The launcher checks the same before it
-starts torchrun, and every node checks that it sees the lease rank 0 wrote (``check_shared``): a
-folder that is not shared would take half of every checkpoint.
+however it dies) and, beside it, a lease file ``.canon-titan.lease`` naming the holder (host, pid
+and when that process started, SLURM job, a random token). The flock alone does not keep out a run
+on another node: on Lustre ``localflock``, BeeGFS's default and NFS ``local_lock=flock`` it succeeds
+node-locally, and on Lustre ``noflock`` or NFS ``nolock`` it fails whatever the holder (any error
+but "held by another"). So the lease is always written and checked: created exclusively, refreshed
+by its holder, removed on every exit the process makes on purpose, and taken over only once its run
+is over. A second run there stops before training naming the holder. The launcher checks the same
+before it starts torchrun, and every node checks that it sees the lease rank 0 wrote
+(``check_shared``): a folder that is not shared would take half of every checkpoint.
 """
 
 from __future__ import annotations
@@ -50,7 +50,8 @@ _held: list = []
 
 
 def die_with_parent(sig: int) -> None:
-    """Have the kernel send ``sig`` to this process when its parent exits (Linux; elsewhere a no-op)."""
+    """Have the kernel send ``sig`` to this process when its parent exits (Linux; elsewhere a
+    no-op)."""
     if not sys.platform.startswith("linux"):
         return
     parent = os.getppid()
@@ -80,9 +81,9 @@ def lock_dump_folder(
     hold: bool = True,
     on_lost: Callable[[str], None] | None = None,
 ) -> None:
-    """Take the dump folder's run lock and lease (kept for the process's life when ``hold``; else only
-    checked), or raise DumpFolderInUse naming the live run that has them, or DumpFolderUnusable when
-    the lock file cannot be opened. ``on_lost(line)`` is called (from the refreshing thread) if
+    """Take the dump folder's run lock and lease (kept for the process's life when ``hold``; else
+    only checked), or raise DumpFolderInUse naming the live run that has them, or DumpFolderUnusable
+    when the lock file cannot be opened. ``on_lost(line)`` is called (from the refreshing thread) if
     another run takes the lease over while this process holds it."""
     folder = Path(dump_folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -149,8 +150,9 @@ went unrefreshed (a suspended job refreshes nothing)."""
 
 
 def _process_start(pid) -> int | None:
-    """When process ``pid`` of this host started (clock ticks since boot, from Linux's /proc), so that
-    a later process given the same pid does not pass for a lease's holder; None when there is none."""
+    """When process ``pid`` of this host started (clock ticks since boot, from Linux's /proc), so
+    that a later process given the same pid does not pass for a lease's holder; None when there is
+    none."""
     try:
         return int(Path(f"/proc/{int(pid)}/stat").read_text().rsplit(")", 1)[1].split()[19])
     except (OSError, ValueError, IndexError, TypeError):
@@ -196,8 +198,8 @@ def _slurm_state(job: str) -> str | None:
 
 
 def _judge(holder: dict | None, age: float) -> tuple[bool, str]:
-    """Whether the run that wrote a lease is over, and why (or why it counts as live). ``age``: seconds
-    since the lease was last touched."""
+    """Whether the run that wrote a lease is over, and why (or why it counts as live). ``age``:
+    seconds since the lease was last touched."""
     if holder is None:
         return True, "the lease file is unreadable"
     pid, host = holder.get("pid"), holder.get("host")
@@ -216,25 +218,29 @@ def _judge(holder: dict | None, age: float) -> tuple[bool, str]:
         if holder.get("slurm_step") == os.environ.get("SLURM_STEP_ID"):
             return (
                 True,
-                f"it was written on another node of this job step (SLURM job {job}), not by another run",
+                f"it was written on another node of this job step (SLURM job {job}), not "
+                "by another run",
             )
     if not holder.get("refresh_s"):
         return False, "it does not say that it is refreshed, so its age tells nothing"
     if age <= LEASE_EXPIRY_S:
         return (
             False,
-            f"refreshed {age:.0f} s ago; another host's lease is over once unrefreshed for {LEASE_EXPIRY_S} s",
+            f"refreshed {age:.0f} s ago; another host's lease is over once unrefreshed for "
+            f"{LEASE_EXPIRY_S} s",
         )
     other_job = holder.get("slurm_job")
     state = _slurm_state(other_job) if other_job and other_job != job else None
     if state in SLURM_LIVE_STATES:
         return (
             False,
-            f"its SLURM job {other_job} is {state}, though the lease went unrefreshed for {age:.0f} s",
+            f"its SLURM job {other_job} is {state}, though the lease went unrefreshed for "
+            f"{age:.0f} s",
         )
     return (
         True,
-        f"it has not been refreshed for {age:.0f} s (its holder refreshes it every {holder['refresh_s']} s)",
+        f"it has not been refreshed for {age:.0f} s (its holder refreshes it every "
+        f"{holder['refresh_s']} s)",
     )
 
 
@@ -285,7 +291,8 @@ def _create_exclusive(lease: Path, text: str) -> bool:
 
 def _remove_if_unchanged(lease: Path, text: str) -> bool:
     """Remove the lease judged stale, unless another process replaced it meanwhile: it is renamed
-    to a name of this process's own (only one remover wins), compared, and put back if it changed."""
+    to a name of this process's own (only one remover wins), compared, and put back if it
+    changed."""
     mine = lease.with_name(f"{lease.name}.{socket.gethostname()}.{os.getpid()}.old")
     try:
         os.rename(lease, mine)
@@ -304,11 +311,12 @@ def _remove_if_unchanged(lease: Path, text: str) -> bool:
 
 
 def _take_lease(folder: Path, hold: bool, on_lost: Callable[[str], None] | None = None) -> None:
-    """The lease: naming the holder, created exclusively, refreshed by the holder, and removed however
-    it ends on purpose (``exit_codes.before_exit``: at exit, and before ``os._exit``). It is never
-    taken from a live process of this host, nor from a job squeue says is running; it is over, and
-    taken over, when its process on this host has ended, when an earlier run of this SLURM job wrote
-    it (requeued, perhaps on another host), or when it has not been refreshed for ``LEASE_EXPIRY_S``."""
+    """The lease: naming the holder, created exclusively, refreshed by the holder, and removed
+    however it ends on purpose (``exit_codes.before_exit``: at exit, and before ``os._exit``). It is
+    never taken from a live process of this host, nor from a job squeue says is running; it is over,
+    and taken over, when its process on this host has ended, when an earlier run of this SLURM job
+    wrote it (requeued, perhaps on another host), or when it has not been refreshed for
+    ``LEASE_EXPIRY_S``."""
     lease = folder / LEASE_FILE
     for _ in range(5):
         found = _read_lease(lease)
@@ -321,8 +329,10 @@ def _take_lease(folder: Path, hold: bool, on_lost: Callable[[str], None] | None 
             over, why = _judge(holder, age)
             if not over:
                 raise DumpFolderInUse(
-                    f"dump folder {folder} is in use by a run (pid {holder.get('pid')} on {holder.get('host')}, "
-                    f"started {holder.get('started')}, from its lease file {lease}: {why}); wait for it to end or "
+                    f"dump folder {folder} is in use by a run (pid {holder.get('pid')} on "
+                    f"{holder.get('host')}, "
+                    f"started {holder.get('started')}, from its lease file {lease}: "
+                    f"{why}); wait for it to end or "
                     "stop it, or use another [job] dump_folder"
                     + ("" if here else f"; delete {lease} if it is over")
                 )
@@ -394,18 +404,19 @@ def held_lease_token(dump_folder: str | os.PathLike) -> str | None:
 
 
 SHARED_LOOKS = 3
-"""How often a node looks for rank 0's lease, a second apart, before it says it does not see it: an NFS
-client may answer a lookup from its cache of names for a moment (listing the folder first revalidates it)."""
+"""How often a node looks for rank 0's lease, a second apart, before it says it does not see it: an
+NFS client may answer a lookup from its cache of names for a moment (listing the folder first
+revalidates it)."""
 SHARED_WAIT = datetime.timedelta(minutes=10)
 """How long a rank waits for every node to have looked for the lease."""
 
 
 def check_shared(store, dump_folder: str | os.PathLike, token: str) -> str | None:
-    """On several nodes: whether every node sees the dump folder whose lease rank 0 holds (``token``:
-    that lease's), or one line saying that some do not and how to fix it. Local rank 0 of each node
-    reads the lease and says through ``store`` (torchrun's) whether it saw it; every rank waits
-    until every node has looked and reads the same count, so none trains while another refuses. A
-    folder
+    """On several nodes: whether every node sees the dump folder whose lease rank 0 holds
+    (``token``: that lease's), or one line saying that some do not and how to fix it. Local rank 0
+    of each node reads the lease and says through ``store`` (torchrun's) whether it saw it; every
+    rank waits until every node has looked and reads the same count, so none trains while another
+    refuses. A folder
     each node has of its own (a node-local disk, a path mounted on some nodes only) would take half
     of every checkpoint, and the run would end as if saved."""
     nodes = int(os.environ.get("GROUP_WORLD_SIZE", "1"))

@@ -31,9 +31,11 @@ from canon_titan.tools.collectives import rank_zero_decides, store_barrier
 from canon_titan.trainer import RUN_CONFIG_FILE, FinishedRun, config_changes, resume_point
 
 CHECKED_ENV = "CANON_TITAN_LAUNCH_CHECKED"
-"""Set by ``canon-titan train`` for its workers: the launcher has run these checks and shown their warnings."""
+"""Set by ``canon-titan train`` for its workers: the launcher has run these checks and shown their
+warnings."""
 VERDICT_WAIT = timedelta(minutes=30)
-"""How long a rank waits for rank 0's verdict (rank 0 reads checkpoint metadata and the data's fingerprint)."""
+"""How long a rank waits for rank 0's verdict (rank 0 reads checkpoint metadata and the data's
+fingerprint)."""
 TOLD_WAIT = timedelta(seconds=60)
 """How long a refusing rank waits for the other ranks to have the refusal."""
 

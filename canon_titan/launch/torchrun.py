@@ -1,20 +1,21 @@
-"""``python -m canon_titan.launch.torchrun ARGS``: torchrun (``torch.distributed.run``) as the launcher
-runs it. A job that stops on purpose (preempted, diverged, refused: its ranks have said why in one
-line) exits with its ranks' code instead of torchrun's failure report and traceback; any other
-failure keeps torchrun's report.
+"""``python -m canon_titan.launch.torchrun ARGS``: torchrun (``torch.distributed.run``) as the
+launcher runs it. A job that stops on purpose (preempted, diverged, refused: its ranks have said why
+in one line) exits with its ranks' code instead of torchrun's failure report and traceback; any
+other failure keeps torchrun's report.
 
 Before torchrun starts anything, for a ``canon_titan.train`` job: its config is checked as ``config
-validate`` checks it, at the job's world size (nodes x processes per node), and refused in one line on
-every node; a host whose own name does not resolve (torchrun names the node by it, and its workers
-would wait minutes for a store there) runs a one-node job on the loopback address and refuses a
-multi-node one; a node rank out of range, a rendezvous port taken on the node that would host it,
-and a node rank another node holds already are refused in one line (``launch/rendezvous.py``). While
-a node waits for the others to join, it says every 30 s whom it waits for and where. The node's
-Triton cache is seeded from ``CANON_TITAN_TRITON_SEED`` when given (``launch/triton_cache.py``). A
-stop signal before torchrun has its own handlers is one line and 75 (nothing has started).
+validate`` checks it, at the job's world size (nodes x processes per node), and refused in one line
+on every node; a host whose own name does not resolve (torchrun names the node by it, and its
+workers would wait minutes for a store there) runs a one-node job on the loopback address and
+refuses a multi-node one; a node rank out of range, a rendezvous port taken on the node that would
+host it, and a node rank another node holds already are refused in one line
+(``launch/rendezvous.py``). While a node waits for the others to join, it says every 30 s whom it
+waits for and where. The node's Triton cache is seeded from ``CANON_TITAN_TRITON_SEED`` when given
+(``launch/triton_cache.py``). A stop signal before torchrun has its own handlers is one line and 75
+(nothing has started).
 
-The lines the ranks say alike (``exit_codes.say_once``: a refusal, why they stopped) are printed once,
-after torchrun ends, so the diagnosis is the last line on each node's console.
+The lines the ranks say alike (``exit_codes.say_once``: a refusal, why they stopped) are printed
+once, after torchrun ends, so the diagnosis is the last line on each node's console.
 
 A stop signal often reaches torchrun twice at once: Ctrl-C or ``kill -- -PGID`` signals the
 launcher's whole process group, and the launcher passes its own on. torchrun's handler raises on
@@ -26,15 +27,15 @@ does not handle by default and which would kill it on the spot, is added to the 
 
 Exit codes: 0, 2 (refused before training), 3 (stopped: divergence, a failed save, or a stop signal
 that left no complete checkpoint of the step reached) and 75 only when the workers saved the step
-they reached and that checkpoint is complete, or no worker had trained a step, so a requeue-on-75 job
-script resumes exactly.
+they reached and that checkpoint is complete, or no worker had trained a step, so a requeue-on-75
+job script resumes exactly.
 
-What ``canon-titan train`` sets, the wrapper defaults to when it is not given: ``--log-dir`` (torchrun's
-per-rank copies of the output, on the local temporary disk, never the dump folder) and
+What ``canon-titan train`` sets, the wrapper defaults to when it is not given: ``--log-dir``
+(torchrun's per-rank copies of the output, on the local temporary disk, never the dump folder) and
 ``--shutdown-timeout`` (the run's ``[job] stop_grace_seconds`` plus 30 s, so the workers have the
-time to save that the config gives them). The workers' exit reports go to ``OUTCOME_DIR_ENV``'s folder
-when the environment names one (``canon-titan train`` does, to clean up after a killed torchrun), else
-to a temporary folder of the wrapper's."""
+time to save that the config gives them). The workers' exit reports go to ``OUTCOME_DIR_ENV``'s
+folder when the environment names one (``canon-titan train`` does, to clean up after a killed
+torchrun), else to a temporary folder of the wrapper's."""
 
 from __future__ import annotations
 
@@ -89,20 +90,21 @@ def _stop_before_start(signum) -> None:
     """A stop signal before torchrun has its own handlers: no worker has started."""
     os.write(
         2,
-        f"canon-titan: {signal.Signals(signum).name} before the training processes started: stopped, "
+        f"canon-titan: {signal.Signals(signum).name} before the training processes "
+        "started: stopped, "
         "nothing to save; run the same command again\n".encode(),
     )
     exit_now(PREEMPTED)
 
 
 def after_stop_signal(reported: dict[int, int], saved: list[Path], training: bool) -> int:
-    """The job's code when torchrun got a stop signal: what its workers reported, and whether any had
-    trained a step (``training``). A run that finished (every worker 0: the signal came during the
-    last step, which was saved) is 0; one that stopped for another reason keeps its code (3 where the
-    step reached is not on disk: the grace period ran out, a second signal, checkpointing off); 75 when
-    no worker had trained (nothing is lost, whatever became of the workers), or when the workers saved
-    the step reached and every checkpoint they said they saved is complete; trained workers that could
-    not say (killed) are 3."""
+    """The job's code when torchrun got a stop signal: what its workers reported, and whether any
+    had trained a step (``training``). A run that finished (every worker 0: the signal came during
+    the last step, which was saved) is 0; one that stopped for another reason keeps its code (3
+    where the step reached is not on disk: the grace period ran out, a second signal, checkpointing
+    off); 75 when no worker had trained (nothing is lost, whatever became of the workers), or when
+    the workers saved the step reached and every checkpoint they said they saved is complete;
+    trained workers that could not say (killed) are 3."""
     codes = set(reported.values())
     if codes == {0}:
         return 0
@@ -161,8 +163,9 @@ class _PurposefulStops(logging.Filter):
 
 
 def with_defaults(argv: list[str], grace: int | None) -> tuple[list[str], str | None]:
-    """torchrun's arguments, with ``--log-dir``, ``--shutdown-timeout`` (from the run's stop ``grace``,
-    when known) and ``--signals-to-handle`` added where they are not given and the job runs
+    """torchrun's arguments, with ``--log-dir``, ``--shutdown-timeout`` (from the run's stop
+    ``grace``, when known) and ``--signals-to-handle`` added where they are not given and the job
+    runs
     ``canon_titan.train``; and the log folder made here (None if none)."""
     try:
         module = next(
@@ -193,8 +196,9 @@ here is its global rank, so node 1's console says whose lines they are."""
 
 
 def _checked_run(launch) -> tuple[int | None, str | None]:
-    """For a job of ``canon_titan.train``: its run's ``[job] stop_grace_seconds`` (None when unknown), and
-    what ``config validate`` finds wrong with its config at the job's world size (None: nothing, or
+    """For a job of ``canon_titan.train``: its run's ``[job] stop_grace_seconds`` (None when
+    unknown), and what ``config validate`` finds wrong with its config at the job's world size
+    (None: nothing, or
     ``canon-titan train`` has checked it already)."""
     from torch.distributed.run import determine_local_world_size, parse_min_max_nnodes
 
@@ -242,8 +246,9 @@ def _single_node(launch) -> bool:
 def _local_address(launch) -> tuple[list[str], str | None]:
     """torchrun names this node by its fully qualified host name unless ``--local-addr`` gives an
     address, and its workers connect to rank 0's store at that name: where it does not resolve, they
-    wait minutes and give up. Then a one-node job uses the loopback address (arguments to add), and a
-    multi-node job is refused (a line), since the other nodes could not reach this one by its name."""
+    wait minutes and give up. Then a one-node job uses the loopback address (arguments to add), and
+    a multi-node job is refused (a line), since the other nodes could not reach this one by its
+    name."""
     if launch.local_addr:
         return [], None
     name = socket.getfqdn()
@@ -255,8 +260,10 @@ def _local_address(launch) -> tuple[list[str], str | None]:
     if _single_node(launch):
         return ["--local-addr", "127.0.0.1"], None
     return [], (
-        f"this host's name {name!r} does not resolve ({reason}), and the other nodes (and gloo) find a "
-        "node by its name: add it to /etc/hosts or DNS, or give torchrun --local-addr with an address the "
+        f"this host's name {name!r} does not resolve ({reason}), and the other nodes (and "
+        "gloo) find a "
+        "node by its name: add it to /etc/hosts or DNS, or give torchrun --local-addr "
+        "with an address the "
         "other nodes reach (scripts/run_train.sh: PET_LOCAL_ADDR=ADDR)"
     )
 
@@ -269,16 +276,19 @@ def _endpoint(launch) -> str:
 
 
 def _store_host(launch) -> str | None:
-    """Under torchrun's static rendezvous node 0 hosts the store at its master address: where that is not
-    one of this node's addresses (a second node left at the default node rank 0), each node would wait
-    for the others at a store of its own. A line then, else None."""
+    """Under torchrun's static rendezvous node 0 hosts the store at its master address: where that
+    is not one of this node's addresses (a second node left at the default node rank 0), each node
+    would wait for the others at a store of its own. A line then, else None."""
     if _single_node(launch) or launch.rdzv_backend != "static" or launch.node_rank != 0:
         return None
     host = _endpoint(launch).rpartition(":")[0].strip("[]")
     try:
         addresses = {info[4][:2] for info in socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)}
     except OSError as e:
-        return f"node 0's address {host!r} (--master_addr, MASTER_ADDR) does not resolve ({e.strerror or e})"
+        return (
+            f"node 0's address {host!r} (--master_addr, MASTER_ADDR) does not resolve "
+            f"({e.strerror or e})"
+        )
     for address in addresses:
         try:
             with socket.socket(socket.AF_INET6 if ":" in address[0] else socket.AF_INET) as probe:
@@ -287,7 +297,8 @@ def _store_host(launch) -> str | None:
         except OSError:
             continue
     return (
-        f"this node has node rank 0, so it hosts the rendezvous at {host!r} (--master_addr, MASTER_ADDR), "
+        f"this node has node rank 0, so it hosts the rendezvous at {host!r} "
+        "(--master_addr, MASTER_ADDR), "
         "which is not one of its addresses: give every other node its own node rank (--node_rank, "
         "NODE_RANK: 1 to nodes - 1) and node 0's address"
     )
@@ -307,17 +318,25 @@ def _waiting_for(launch) -> str:
     if launch.rdzv_backend != "static":
         answers = "answers" if _answers(endpoint) else "does not answer yet"
         return (
-            f"waiting for {nodes} nodes to join the {launch.rdzv_backend} rendezvous {launch.rdzv_id!r} at "
+            f"waiting for {nodes} nodes to join the {launch.rdzv_backend} rendezvous "
+            f"{launch.rdzv_id!r} at "
             f"{endpoint} (which {answers})"
         )
     if launch.node_rank == 0:
-        return f"node 0 of {nodes}: waiting for {others} to join at {endpoint} (the store on this node)"
+        return (
+            f"node 0 of {nodes}: waiting for {others} to join at {endpoint} (the store on this "
+            "node)"
+        )
     if not _answers(endpoint):
         return (
-            f"node {launch.node_rank} of {nodes}: waiting for node 0 at {endpoint}, which does not answer yet "
+            f"node {launch.node_rank} of {nodes}: waiting for node 0 at {endpoint}, which "
+            "does not answer yet "
             "(node 0 starts the store there)"
         )
-    return f"node {launch.node_rank} of {nodes}: node 0 answers at {endpoint}; waiting for the other nodes to join"
+    return (
+        f"node {launch.node_rank} of {nodes}: node 0 answers at {endpoint}; waiting for the "
+        "other nodes to join"
+    )
 
 
 def _answers(endpoint: str) -> bool:
@@ -330,8 +349,8 @@ def _answers(endpoint: str) -> bool:
 
 
 def _say_while_waiting(launch) -> None:
-    """Every ``WAIT_REPORT_S`` until torchrun starts its workers (it installs its signal handlers as it
-    does, once every node has joined): whom this node waits for."""
+    """Every ``WAIT_REPORT_S`` until torchrun starts its workers (it installs its signal handlers as
+    it does, once every node has joined): whom this node waits for."""
     began = time.monotonic()
     while True:
         time.sleep(WAIT_REPORT_S)
@@ -382,8 +401,9 @@ def main(argv: list[str] | None = None) -> int:
     argv, own_log_dir = with_defaults(argv, grace)
     argv = local + argv
     # torchrun installs the module's handler by name when it starts its workers, and raises on every
-    # signal; it has no public hook for the handler (--signals-to-handle picks the signals only). The
-    # name is pinned in tests/test_upstream.py; where a torch lacks it, torchrun's own handler stays.
+    # signal; it has no public hook for the handler (--signals-to-handle picks the signals only).
+    # The name is pinned in tests/test_upstream.py; where a torch lacks it, torchrun's own handler
+    # stays.
     if callable(getattr(elastic_api, "_terminate_process_handler", None)):
         elastic_api._terminate_process_handler = _terminate_once
     made = [own_log_dir] if own_log_dir else []
@@ -413,13 +433,15 @@ def main(argv: list[str] | None = None) -> int:
         code = after_stop_signal(reported, saved_checkpoints(outcomes), training)
         if not training and not reported_lines(outcomes):  # workers ended before they could say so
             print(
-                f"canon-titan: {signal.Signals(e.sigval).name} before training started: stopped, nothing to save; "
+                f"canon-titan: {signal.Signals(e.sigval).name} before training started: "
+                "stopped, nothing to save; "
                 "run the same command again",
                 file=sys.stderr,
             )
         elif not reported:
             print(
-                "canon-titan: the training processes were stopped before they could save the step they reached; "
+                "canon-titan: the training processes were stopped before they could save "
+                "the step they reached; "
                 "the same command resumes from the newest complete checkpoint",
                 file=sys.stderr,
             )

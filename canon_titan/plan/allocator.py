@@ -4,8 +4,8 @@ live tensors' peak is only what ``max_memory_allocated`` would show.
 
 Two modes: a training process runs with expandable segments unless its environment says otherwise
 (``tools.cuda_allocator``), and ``replay`` takes the mode. The rules are those of
-``c10/cuda/CUDACachingAllocator.cpp``; with its default settings (``CachingAllocator``: no expandable
-segments, nothing released to the driver while memory lasts):
+``c10/cuda/CUDACachingAllocator.cpp``; with its default settings (``CachingAllocator``: no
+expandable segments, nothing released to the driver while memory lasts):
 
 - a request is rounded up to a multiple of 512 bytes;
 - requests of at most 1 MiB come from the small pool, larger ones from the large pool;
@@ -21,9 +21,9 @@ segments, nothing released to the driver while memory lasts):
   again; if it still does not fit, the run is out of memory. (``release_available_cached_blocks``,
   tried first, does nothing without a ``max_split_size_mb``.)
 
-With ``expandable_segments:True`` (``ExpandingAllocator``) each stream's pool is one range of address
-space (larger than the GPU's memory) that the allocator maps in pages, 2 MiB for the small pool and
-20 MiB for the large one:
+With ``expandable_segments:True`` (``ExpandingAllocator``) each stream's pool is one range of
+address space (larger than the GPU's memory) that the allocator maps in pages, 2 MiB for the small
+pool and 20 MiB for the large one:
 
 - a request takes the smallest free mapped block that is large enough, passing over one that borders
   unmapped space for a larger one that does not (best fit by the size a block could grow to);
@@ -181,7 +181,8 @@ def _absorb(block: Block, neighbour: Block) -> None:
 
 
 def _split(block: Block, size: int) -> Block:
-    """Cut ``block`` to ``size`` bytes; the rest becomes the next block (unallocated, mapped alike)."""
+    """Cut ``block`` to ``size`` bytes; the rest becomes the next block (unallocated, mapped
+    alike)."""
     rest = Block(
         block.segment,
         block.offset + size,
@@ -211,7 +212,8 @@ def _up(nbytes: int, page: int) -> int:
 
 @dataclass
 class ExpandingAllocator(CachingAllocator):
-    """The caching allocator with ``expandable_segments:True`` (the rules in the module's docstring)."""
+    """The caching allocator with ``expandable_segments:True`` (the rules in the module's
+    docstring)."""
 
     _heads: dict[tuple[int, bool], Block] = field(default_factory=dict)
     """(stream, small pool) -> the first block of its address space."""
@@ -263,8 +265,8 @@ class ExpandingAllocator(CachingAllocator):
         return pool.pop(i)[1]
 
     def _room(self, stream: int, small: bool, size: int) -> tuple[Block, int]:
-        """Where the request's address space starts (an unmapped block, or the free block before it),
-        and the bytes of pages that must be mapped there."""
+        """Where the request's address space starts (an unmapped block, or the free block before
+        it), and the bytes of pages that must be mapped there."""
         page = PAGE[small]
         for block in self._blocks(stream, small):
             if block.mapped:
@@ -281,7 +283,8 @@ class ExpandingAllocator(CachingAllocator):
         raise AssertionError("an expandable segment's address space is never used up")
 
     def _grow(self, start: Block, size: int) -> Block:
-        """Map the pages ``_room`` found from ``start`` on: one free block of at least ``size``, taken."""
+        """Map the pages ``_room`` found from ``start`` on: one free block of at least ``size``,
+        taken."""
         block = start if start.mapped else self._map(start, size)
         while block.size < size:
             block = self._map(block.next, size - block.size)

@@ -41,7 +41,8 @@ class ModelKind:
 
 
 def kind_of(run, float8: str | None = None) -> ModelKind:
-    """The kind of a resolved run (``float8``: a recipe name, or "" for none, in place of the run's)."""
+    """The kind of a resolved run (``float8``: a recipe name, or "" for none, in place of the
+    run's)."""
     model = run["model"]
     if float8 is None:
         float8 = run["float8"]["recipe_name"] if run["float8"]["enable"] else ""
@@ -63,8 +64,9 @@ class Point:
     measured_on: str
     """The session's date (ISO), then its GPU and software."""
     expandable_segments: bool = False
-    """The CUDA allocator's mode the run had (its reserved memory depends on it; ``plan(expandable=)``):
-    the runs of 2026-11-22 to 28 ran without expandable segments, which no launcher set before 2026-11-29."""
+    """The CUDA allocator's mode the run had (its reserved memory depends on it;
+    ``plan(expandable=)``): the runs of 2026-11-22 to 28 ran without expandable segments, which no
+    launcher set before 2026-11-29."""
 
     @property
     def date(self) -> str:
@@ -99,7 +101,8 @@ def _shape(local_batch: int, seq_len: int = 4096) -> tuple[str, ...]:
 
 
 BF16 = ("--training.dtype", "bfloat16", "--training.mixed_precision_param", "bfloat16")
-"""bf16 weights and optimizer state: the benchmarks' setting on one GPU, where no FSDP casts fp32 weights."""
+"""bf16 weights and optimizer state: the benchmarks' setting on one GPU, where no FSDP casts fp32
+weights."""
 TRITON = ("--model.canon_backend", "triton")
 TENSORWISE = ("--float8.enable", "true", "--float8.recipe_name", "tensorwise")
 ROWWISE = ("--float8.enable", "true", "--float8.recipe_name", "rowwise")
@@ -173,8 +176,9 @@ POINTS = (
         25.1,
         "2026-11-26, H200, torch 2.11",
     ),
-    # the same, the Canon backward kernels rewritten; leftover processes of an earlier step shared the
-    # host (docs/benchmarks/gpu.md). The linear recipes train at 16384: measured, and planned, at 4096.
+    # the same, the Canon backward kernels rewritten; leftover processes of an earlier step shared
+    # the host (docs/benchmarks/gpu.md). The linear recipes train at 16384: measured, and planned,
+    # at 4096.
     Point(
         "Llama-1B, bf16 weights",
         LLAMA,
@@ -215,8 +219,8 @@ POINTS = (
         63.0,
         "2026-11-27, H200, torch 2.11",
     ),
-    # scripts/gpu_lease.sh (one gpu_check.sh run across the lease's two calls): the same kit and kernels,
-    # a host of its own; the 16k runs at batch 1
+    # scripts/gpu_lease.sh (one gpu_check.sh run across the lease's two calls): the same kit and
+    # kernels, a host of its own; the 16k runs at batch 1
     Point(
         "Llama-1B, bf16 weights",
         LLAMA,
@@ -326,7 +330,8 @@ def write_planned(figures: dict[str, float]) -> None:
 
 
 def in_use(points=None) -> list[Point]:
-    """The newest run of each configuration (recipe, overrides, GPU) of ``points`` (default ``POINTS``)."""
+    """The newest run of each configuration (recipe, overrides, GPU) of ``points`` (default
+    ``POINTS``)."""
     newest: dict[tuple, Point] = {}
     for point in POINTS if points is None else points:
         key = (point.recipe, point.overrides, point.gpu)
@@ -355,7 +360,7 @@ class Band:
 
 
 def band(kind: ModelKind, points=None) -> Band | None:
-    """The band of ``kind`` over the points in use of ``points`` (default ``POINTS``; None: no GPU run
-    of that kind)."""
+    """The band of ``kind`` over the points in use of ``points`` (default ``POINTS``; None: no GPU
+    run of that kind)."""
     mine = tuple(p for p in in_use(points) if p.kind == kind and p.planned_tokens_per_s is not None)
     return Band(mine) if mine else None

@@ -52,7 +52,8 @@ EFFICIENCY = {
     "matmul": 0.70,
     # SDPA forward+backward where ``ATTENTION_EFFICIENCY`` has no figure for the backend and part.
     "attention": 0.45,
-    # Triton kernels of the recurrences (fla, mamba-ssm): chunked, tensor-core bound at ~35% of peak.
+    # Triton kernels of the recurrences (fla, mamba-ssm): chunked, tensor-core bound at ~35% of
+    # peak.
     "recurrence": 0.35,
     "canon": 0.35,
     # Streaming elementwise kernels reach ~80% of HBM bandwidth.
@@ -108,7 +109,8 @@ class RankTime:
     exposed_comm_s: float
     """Communication not hidden behind compute."""
     step_s: float
-    """Compute and exposed communication (a pipeline's bubble is the plan's: the slowest stage sets it)."""
+    """Compute and exposed communication (a pipeline's bubble is the plan's: the slowest stage sets
+    it)."""
     flops_by_kind: dict[str, int]
     """Every FLOP the step runs (recomputation included), per op kind."""
     kernels: int
@@ -141,7 +143,8 @@ def _peak_flops(gpu: GPU, op) -> float:
     if op.fp8 and gpu.fp8_tflops:
         return gpu.fp8_tflops * 1e12
     if op.dtype is not None and op.dtype.is_floating_point and op.dtype.itemsize >= 4:
-        # fp32 operands: TF32 tensor cores where the step allows them (``Op.tf32``), else CUDA cores.
+        # fp32 operands: TF32 tensor cores where the step allows them (``Op.tf32``), else CUDA
+        # cores.
         return (gpu.tf32_tflops if op.tf32 else gpu.fp32_tflops) * 1e12
     return gpu.bf16_tflops * 1e12
 
@@ -222,9 +225,9 @@ def _op_seconds(gpu: GPU, kind: str, op, nbytes: int, attention: str = "flash") 
 def _fused_regions(
     ops, compiled_ops=None, graphs: dict[int, int] | None = None
 ) -> list[tuple[int, int]]:
-    """Runs [start, end) of consecutive ``other`` (elementwise, reduction, copy) ops within one phase
-    and one compiled graph (``graphs``: op index -> graph; None: one graph), of the ops inside the
-    compiled blocks (``compiled_ops``; None: any)."""
+    """Runs [start, end) of consecutive ``other`` (elementwise, reduction, copy) ops within one
+    phase and one compiled graph (``graphs``: op index -> graph; None: one graph), of the ops inside
+    the compiled blocks (``compiled_ops``; None: any)."""
     graphs = graphs or {}
     regions, start = [], None
     for i, op in enumerate(ops):
@@ -412,11 +415,11 @@ def compiled_memory_events(step: RankStep) -> list[tuple[int, int, int]]:
     (saved for it) is either stored as in eager mode or recomputed in the backward from the run's
     inputs, which then stay alive until that point instead: Inductor's min-cut partitioner takes
     whichever saves fewer bytes (recomputing elementwise work on a tie), so the run's saved outputs
-    are dropped only when they weigh at least as much as the inputs whose life that extends (under activation checkpointing the inputs were freed after the
-    forward, and keeping them costs more than the outputs the checkpoint already drops). A storage
-    an allocation makes (``empty``, FSDP's buffers) has nothing to be recomputed from. What a
-    matmul, attention, a custom kernel, a collective or a later op of the same phase reads is
-    stored as in eager mode."""
+    are dropped only when they weigh at least as much as the inputs whose life that extends (under
+    activation checkpointing the inputs were freed after the forward, and keeping them costs more
+    than the outputs the checkpoint already drops). A storage an allocation makes (``empty``, FSDP's
+    buffers) has nothing to be recomputed from. What a matmul, attention, a custom kernel, a
+    collective or a later op of the same phase reads is stored as in eager mode."""
     away, held_until = _compiled_placement(step)
     events = []
     for op_index, sid, delta in step.trace.memory_events:

@@ -346,7 +346,8 @@ def pipeline_without_peers(sent: dict, recorder: StepRecorder):
         )
     except ImportError as e:  # torch 2.11 (the offline GPU kit's) has another stage start-up
         raise RuntimeError(
-            f"planning pipeline parallelism needs torch >= 2.13, whose pipeline stages this planner "
+            "planning pipeline parallelism needs torch >= 2.13, whose pipeline stages "
+            "this planner "
             f"answers (this torch: {torch.__version__}: {e})"
         ) from None
 
@@ -467,7 +468,8 @@ def fake_rank_step(
     compiled_loss: bool = False,
     pipeline_unshard: str = "stage",
 ) -> RankStep:
-    """Build ``config`` (a ``CanonTrainer.Config`` from ``build_trainer_config``) as rank ``rank`` of
+    """Build ``config`` (a ``CanonTrainer.Config`` from ``build_trainer_config``) as rank ``rank``
+    of
     ``world_size`` on fake tensors and record one step. Under pipeline parallelism the stages
     before this rank's must have been stepped first with the same ``pipeline_sent``; a looped
     schedule gathers a stage's parameters as ``pipeline_unshard`` says (``PIPELINE_UNSHARD``)."""
@@ -511,7 +513,8 @@ def fake_rank_step(
             if compiled
             else contextlib.nullcontext()
         )
-        # Only pipeline stages exchange shapes at start-up (and only torch >= 2.13's are answered here).
+        # Only pipeline stages exchange shapes at start-up (and only torch >= 2.13's are answered
+        # here).
         peers = (
             pipeline_without_peers({} if pipeline_sent is None else pipeline_sent, recorder)
             if config.parallelism.pipeline_parallel_degree > 1
@@ -607,7 +610,8 @@ class CompiledBlocks(TorchDispatchMode):
 
 
 def _mark_fp8_linears(trainer, recorder: StepRecorder) -> None:
-    """The matmuls inside torchao's Float8Linear modules run in float8 on the GPU (here emulated)."""
+    """The matmuls inside torchao's Float8Linear modules run in float8 on the GPU (here
+    emulated)."""
     from torchao.float8.float8_linear import Float8Linear
 
     for part in trainer.model_parts:

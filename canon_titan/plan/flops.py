@@ -64,7 +64,8 @@ RECURRENCES |= {
 
 def op_kind(packet) -> str:
     """The op's kind; a custom op of canon-titan by its name too (``canon_*``: the Canon op's,
-    ``fla_*``, ``mamba_*``: the recurrences'), so that a new kernel's op is priced by its kernels."""
+    ``fla_*``, ``mamba_*``: the recurrences'), so that a new kernel's op is priced by its
+    kernels."""
     if packet in MATMULS:
         return "matmul"
     if packet in ATTENTION:
@@ -103,7 +104,8 @@ def _canon_backward(dy_shape, x_shape, weight_shape, *args, out_shape=None, **kw
 
 @register_flop_formula(ops.canon_conv_weight_grads)
 def _canon_weight_grads(dy_shape, x_shape, weight_shape, *args, out_shape=None, **kwargs) -> int:
-    # the weight gradient, and the input gradient that the column scale's needs (the input's own is torch's)
+    # the weight gradient, and the input gradient that the column scale's needs (the input's own is
+    # torch's)
     return 4 * math.prod(x_shape) * weight_shape[-1]
 
 
@@ -152,7 +154,8 @@ def _gla_backward(
 
 def _delta_rule_forward(q_shape, v_shape) -> int:
     """Chunked gated delta rule (WY form): the chunk's K K^T and its triangular solve applied to
-    beta k and beta v, then GLA-like scores, and the state read twice (queries, keys) and updated."""
+    beta k and beta v, then GLA-like scores, and the state read twice (queries, keys) and
+    updated."""
     from canon_titan.kernels.delta_rule import FLA_CHUNK_SIZE as chunk
 
     batch, seq_len, heads, dk = q_shape

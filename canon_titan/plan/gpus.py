@@ -21,7 +21,8 @@ GIB = 2**30
 class GPU:
     name: str
     memory_gib: float
-    """What ``torch.cuda.get_device_properties().total_memory`` reports (a little under the label)."""
+    """What ``torch.cuda.get_device_properties().total_memory`` reports (a little under the
+    label)."""
     bf16_tflops: float
     """Peak dense bf16 tensor-core FLOP/s, in 10^12."""
     fp8_tflops: float
@@ -54,7 +55,8 @@ class GPU:
     """The NVLink bandwidth NCCL's collectives reach per GPU and direction, 10^9 bytes/s: its
     per-link rate for the architecture times the links (NCCL's ``src/graph/topo.h``; torch's
     ``_inductor.comm_analysis`` carries the same table: 240 on Ampere, 370 on Hopper, 720 on
-    Blackwell), about 0.8 of the datasheet's ``nvlink_gb_s``. Default: ``NCCL_NVLINK_SHARE`` of it."""
+    Blackwell), about 0.8 of the datasheet's ``nvlink_gb_s``. Default: ``NCCL_NVLINK_SHARE`` of
+    it."""
 
     @property
     def collective_nvlink_gb_s(self) -> float:
@@ -66,8 +68,9 @@ class GPU:
 
     @property
     def tf32_tflops(self) -> float:
-        """fp32 matmuls where TF32 is allowed (the run's ``torch.backends.cuda.matmul.fp32_precision``
-        is "tf32", or a Triton kernel's ``tl.dot``): half the bf16 rate on these parts."""
+        """fp32 matmuls where TF32 is allowed (the run's
+        ``torch.backends.cuda.matmul.fp32_precision`` is "tf32", or a Triton kernel's ``tl.dot``):
+        half the bf16 rate on these parts."""
         return self.bf16_tflops / 2
 
 
@@ -77,8 +80,8 @@ described without their own figure."""
 
 GPUS: dict[str, GPU] = {
     # NVIDIA H100 Tensor Core GPU datasheet, SXM column: 989 TFLOPS bf16 and 1,979 fp8 (dense: half
-    # the "with sparsity" figures), 67 TFLOPS fp32, 3.35 TB/s HBM3, NVLink 900 GB/s (both directions);
-    # nvidia-smi shows 81,559 MiB. DGX H100: one 400 Gb/s ConnectX-7 per GPU (50 GB/s).
+    # the "with sparsity" figures), 67 TFLOPS fp32, 3.35 TB/s HBM3, NVLink 900 GB/s (both
+    # directions); nvidia-smi shows 81,559 MiB. DGX H100: one 400 Gb/s ConnectX-7 per GPU (50 GB/s).
     # Best-shape GEMMs: 794.5 of 989 bf16 (80.3%), 1,402.6 of 1,979 fp8 (70.9%): the maximum
     # achievable matmul FLOPS table of Stas Bekman's "Machine Learning Engineering"
     # (compute/accelerator), which the efficiencies of every part below come from too.
@@ -197,12 +200,13 @@ BOUNDS: dict[str, tuple[float, float, str]] = {
     "sm_clock_ghz": (0.1, 10, "GHz"),
     "fp8_matmul_efficiency": (0.05, 1, "of the peak"),
 }
-"""What a GPU file's figure may be: tens to hundreds of times beyond the parts of the table either way. A
-figure outside is a typo or another unit (TB/s for GB/s), and the plan's arithmetic would overflow or
-give an MFU far above 100%."""
+"""What a GPU file's figure may be: tens to hundreds of times beyond the parts of the table either
+way. A figure outside is a typo or another unit (TB/s for GB/s), and the plan's arithmetic would
+overflow or give an MFU far above 100%."""
 MAX_GPUS = 16_384
-"""The most GPUs a plan is made for (Llama 3 405B trained on this many). The plan sets up torch's FSDP
-and process groups for a world of that size on this CPU, in time that grows with it (docs/planning.md)."""
+"""The most GPUs a plan is made for (Llama 3 405B trained on this many). The plan sets up torch's
+FSDP and process groups for a world of that size on this CPU, in time that grows with it
+(docs/planning.md)."""
 
 
 def gpu_count_problem(gpus: int, gpus_per_node: int) -> str | None:
@@ -212,8 +216,10 @@ def gpu_count_problem(gpus: int, gpus_per_node: int) -> str | None:
             return f"{flag} must be >= 1, got {value}"
         if value > MAX_GPUS:
             return (
-                f"{flag} is {value:,}; a plan is made for at most {MAX_GPUS:,} GPUs (it builds the run's FSDP and "
-                "process groups for every rank on this CPU, in time that grows with the count: minutes past this)"
+                f"{flag} is {value:,}; a plan is made for at most {MAX_GPUS:,} GPUs (it "
+                "builds the run's FSDP and "
+                "process groups for every rank on this CPU, in time that grows with the "
+                "count: minutes past this)"
             )
     return None
 
@@ -255,7 +261,8 @@ def gpu_from_file(path: Path) -> GPU:
                 and value[1] >= 0
             ):
                 raise UnknownGPU(
-                    f"--gpu {path}: capability must be [major, minor] with major >= 1 and minor >= 0, "
+                    f"--gpu {path}: capability must be [major, minor] with major >= 1 and "
+                    "minor >= 0, "
                     f"got {value!r}"
                 )
             values[key] = tuple(value)

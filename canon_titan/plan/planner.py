@@ -115,7 +115,8 @@ class Plan:
     attention: str = "flash"
     """The SDPA backend the attention ops are costed on (``estimate.ATTENTION_EFFICIENCY``)."""
     pipeline_unshard: str = "stage"
-    """When a looped pipeline schedule gathers a stage's parameters (``fake_world.PIPELINE_UNSHARD``)."""
+    """When a looped pipeline schedule gathers a stage's parameters
+    (``fake_world.PIPELINE_UNSHARD``)."""
     planner_s: float = 0.0
     notes: list[str] = field(default_factory=list)
     advice: list[tuple[str, Plan]] = field(default_factory=list)
@@ -176,8 +177,8 @@ def reserved_peak(
 ):
     """The step's ``max_memory_reserved``: its allocations and frees (``events``, or the trace's)
     replayed twice through the caching allocator (on ``capacity`` bytes; with expandable segments if
-    ``expandable``, by default unless this environment's ``PYTORCH_ALLOC_CONF`` turns them off, as the
-    run's would), data-parallel collective
+    ``expandable``, by default unless this environment's ``PYTORCH_ALLOC_CONF`` turns them off, as
+    the run's would), data-parallel collective
     buffers on FSDP2's streams, the parameters, buffers and optimizer state allocated once. Returns
     the allocator after the replay."""
     trace = step.trace
@@ -209,8 +210,8 @@ def _model_flops(step: RankStep) -> int:
 def _quiet():
     """The trainer's own log lines and warnings during the fake builds say nothing to a planner's
     user (they describe a run that is not happening). torch's loggers have a level of their own
-    (``torch._logging``), which the root's does not override: DTensor warns there of the fake world's
-    redistributions (HSDP x TP's gradient norm as two all-reduces) as of a real run's."""
+    (``torch._logging``), which the root's does not override: DTensor warns there of the fake
+    world's redistributions (HSDP x TP's gradient norm as two all-reduces) as of a real run's."""
     loggers = [logging.getLogger(), logging.getLogger("torch")]
     levels = [logger.level for logger in loggers]
     for logger in loggers:
@@ -272,12 +273,13 @@ def plan(
     pipeline_unshard: str = "stage",
     expandable: bool | None = None,
 ) -> Plan:
-    """Plan ``config`` (with ``--section.key value`` ``overrides``) on ``gpus`` GPUs of kind ``gpu``,
-    attention on the SDPA backend ``attention`` (default: the one torch picks on that GPU), a looped
-    pipeline schedule gathering each stage's parameters as ``pipeline_unshard`` says (``stage``: as
-    the pinned torch does; ``layer``: as torch before 2.10 did; ``fake_world.PIPELINE_UNSHARD``), the CUDA
-    allocator with expandable segments if ``expandable`` (default: as a training process started here would).
-    ConfigError for what ``train`` would refuse; PlanError for a run that fails to build."""
+    """Plan ``config`` (with ``--section.key value`` ``overrides``) on ``gpus`` GPUs of kind
+    ``gpu``, attention on the SDPA backend ``attention`` (default: the one torch picks on that GPU),
+    a looped pipeline schedule gathering each stage's parameters as ``pipeline_unshard`` says
+    (``stage``: as the pinned torch does; ``layer``: as torch before 2.10 did;
+    ``fake_world.PIPELINE_UNSHARD``), the CUDA allocator with expandable segments if ``expandable``
+    (default: as a training process started here would). ConfigError for what ``train`` would
+    refuse; PlanError for a run that fails to build."""
     started = time.perf_counter()
     attention = attention or default_attention_backend(gpu)
     if attention not in ATTENTION_BACKENDS:
@@ -428,9 +430,12 @@ def _notes(run, result: Plan) -> list[str]:
             "" if "loss" in run["compile"]["components"] else "loss, "
         )
         notes.append(
-            f"compile: planned from the eager ops; inside the compiled {parts} each run of elementwise ops "
-            "between matmuls, attention and custom kernels is one fused kernel; what only it uses is not "
-            "stored, what only the backward reads is recomputed from the run's inputs where that keeps "
+            f"compile: planned from the eager ops; inside the compiled {parts} each run of "
+            "elementwise ops "
+            "between matmuls, attention and custom kernels is one fused kernel; what only "
+            "it uses is not "
+            "stored, what only the backward reads is recomputed from the run's inputs "
+            "where that keeps "
             f"fewer bytes; {eager}FSDP's copies and the optimizer stay eager"
         )
     else:
@@ -454,10 +459,12 @@ def _notes(run, result: Plan) -> list[str]:
         and run["parallelism"]["pipeline_parallel_schedule"] in LOOPED_SCHEDULES
     ):
         notes.append(
-            "pipeline: each stage's parameters gathered all at once before its first compute (torch's "
+            "pipeline: each stage's parameters gathered all at once before its first "
+            "compute (torch's "
             "schedule runtime, from 2.10)"
             if result.pipeline_unshard == "stage"
-            else "pipeline: each block's parameters gathered by its FSDP hook as it runs (Interleaved1F1B "
+            else "pipeline: each block's parameters gathered by its FSDP hook as it runs "
+            "(Interleaved1F1B "
             "before torch 2.10)"
         )
     if run["float8"]["enable"]:
@@ -470,8 +477,10 @@ def _notes(run, result: Plan) -> list[str]:
                 if rowwise
                 else ""
             )
-            + "; with TP, activations and their gradients cross the TP group in high precision (the TP "
-            "regions gather before their linears cast; TorchTitan's llama3 sends a tensorwise input in "
+            + "; with TP, activations and their gradients cross the TP group in high "
+            "precision (the TP "
+            "regions gather before their linears cast; TorchTitan's llama3 sends a "
+            "tensorwise input in "
             "float8)"
             + (
                 "; FSDP gathers their weights in float8 ([float8] enable_fsdp_float8_all_gather)"
@@ -481,13 +490,15 @@ def _notes(run, result: Plan) -> list[str]:
         )
     if result.accumulation > 2:
         notes.append(
-            f"gradient accumulation: 2 of {result.accumulation} groups were stepped; the others repeat the "
+            f"gradient accumulation: 2 of {result.accumulation} groups were stepped; the "
+            "others repeat the "
             "second"
         )
     retries = max(k.allocator_retries for k in result.kinds)
     if retries and result.fits:
         notes.append(
-            f"allocator: reaches the GPU's memory {retries} time(s) in two replayed steps and releases its "
+            f"allocator: reaches the GPU's memory {retries} time(s) in two replayed steps "
+            "and releases its "
             "cached free segments to go on (a device synchronize each: TorchTitan logs them as "
             "num_alloc_retries; the step time does not include them)"
         )

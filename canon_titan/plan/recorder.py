@@ -126,7 +126,8 @@ def tensor_bytes(t: torch.Tensor) -> int:
 @dataclass
 class Op:
     kind: str
-    """``matmul``, ``attention``, ``canon``, ``recurrence`` (GLA, gated delta rule, SSD) or ``other``."""
+    """``matmul``, ``attention``, ``canon``, ``recurrence`` (GLA, gated delta rule, SSD) or
+    ``other``."""
     phase: str
     """``forward``, ``backward`` (activation-checkpoint recomputation included) or ``optimizer``."""
     name: str
@@ -254,7 +255,8 @@ class StepRecorder(TorchDispatchMode):
         self._sizes[sid] = 0
 
     def _causal_mask(self, func, args, inputs, writes, outputs) -> None:
-        """Follow a causal mask through its making: ones, ``tril``, and ``where`` to a float bias."""
+        """Follow a causal mask through its making: ones, ``tril``, and ``where`` to a float
+        bias."""
         packet = func._overloadpacket
         if packet is torch.ops.aten.ones and writes:
             self._ones.add(writes[0])
@@ -483,8 +485,8 @@ class StepRecorder(TorchDispatchMode):
         with slow accumulation (``_rescaled_after_gemm``): the GEMM is cuBLAS's tensor-wise one at
         unit scales, then the output is multiplied in place by the outer product of the two
         operands' inverse scales, an fp32 [M, N] tensor (materialized in eager mode; under compile
-        the product fuses into the multiply, which stays a kernel of its own after the GEMM: Inductor
-        does not fuse into cuBLAS's epilogue, pytorch/ao#2184)."""
+        the product fuses into the multiply, which stays a kernel of its own after the GEMM:
+        Inductor does not fuse into cuBLAS's epilogue, pytorch/ao#2184)."""
         scales = [x for t in inputs if (inner := _inner(t)) for x in inner[1:]][:2]
         scale_ids = tuple(self.storage_id(x) for x in scales)
         scale_bytes = tuple(tensor_bytes(x) for x in scales)

@@ -32,8 +32,8 @@ def _duration(seconds: float) -> str:
 
 
 def carried_band(kind: ModelKind) -> Band | None:
-    """The band a plan of ``kind`` prints beside its figures: None without a GPU run of that kind, or
-    with every run of it planned within ``calibration.GOAL``."""
+    """The band a plan of ``kind`` prints beside its figures: None without a GPU run of that kind,
+    or with every run of it planned within ``calibration.GOAL``."""
     band = calibration.band(kind)
     return None if band is None or band.within_goal else band
 
@@ -89,17 +89,20 @@ def band_lines(kind: ModelKind) -> list[str]:
         ]
     if band.within_goal:
         head += (
-            f"within {100 * calibration.GOAL:.0f}% of its {len(band.points)} GPU run(s) ({_ratios(band)} the "
+            f"within {100 * calibration.GOAL:.0f}% of its {len(band.points)} GPU run(s) "
+            f"({_ratios(band)} the "
             "planned time)"
         )
     else:
         head += (
-            f"its GPU runs took {_ratios(band)} the planned time (the plan {_error(band)}); each {MEASURED} "
+            f"its GPU runs took {_ratios(band)} the planned time (the plan "
+            f"{_error(band)}); each {MEASURED} "
             f"above is the planned figure with that error, until every run is planned within "
             f"{100 * calibration.GOAL:.0f}%"
         )
     return [head + ":"] + [
-        f"  {p.label} ({p.gpu.upper()}, {p.date}): {p.measured_tokens_per_s:,.0f} tokens/s measured, "
+        f"  {p.label} ({p.gpu.upper()}, {p.date}): {p.measured_tokens_per_s:,.0f} tokens/s "
+        "measured, "
         f"{p.planned_tokens_per_s:,.0f} planned (x{p.time_ratio:.2f})"
         for p in band.points
     ]
@@ -152,10 +155,13 @@ def text(plan: Plan) -> str:
     out = [
         f"canon-titan plan: {plan.config} ({plan.model}, {plan.param_count / 1e9:.2f}B parameters)"
         + (f" {' '.join(plan.overrides)}" if plan.overrides else ""),
-        f"{plan.gpus} x {plan.gpu.name}, {plan.gpus_per_node} per node; dp_replicate {par['dp_replicate']} x "
+        f"{plan.gpus} x {plan.gpu.name}, {plan.gpus_per_node} per node; dp_replicate "
+        f"{par['dp_replicate']} x "
         f"dp_shard {par['dp_shard']} x cp {par['cp']} x tp {par['tp']} x pp {par['pp']}",
-        f"batch: {plan.local_batch} x {plan.seq_len} tokens per GPU, global {plan.global_batch} sequences "
-        f"({plan.tokens_per_step / 1e6:.2f}M tokens), {plan.accumulation} accumulation group(s); compile "
+        f"batch: {plan.local_batch} x {plan.seq_len} tokens per GPU, global "
+        f"{plan.global_batch} sequences "
+        f"({plan.tokens_per_step / 1e6:.2f}M tokens), {plan.accumulation} accumulation "
+        "group(s); compile "
         f"{'on' if plan.compiled else 'off'}; activation checkpointing {plan.activation_checkpoint}",
         "",
     ]
@@ -240,10 +246,13 @@ def text(plan: Plan) -> str:
         "",
         f"Throughput: {plan.tokens_per_s_per_gpu:,.0f} tokens/s per GPU"
         f"{banded(plan.tokens_per_s_per_gpu, band, lambda v: f'{v:,.0f}', per_time=True)}, "
-        f"MFU {100 * plan.mfu:.1f}% ({plan.flops_per_token / 1e9:.2f} GFLOP per token, the trainer's count, "
+        f"MFU {100 * plan.mfu:.1f}% ({plan.flops_per_token / 1e9:.2f} GFLOP per token, the "
+        "trainer's count, "
         f"against {plan.gpu.bf16_tflops:.0f} TFLOP/s bf16)",
-        f"Run: {plan.steps:,} steps in {_duration(plan.wall_s)}{banded(plan.wall_s, band, _duration)} on "
-        f"{plan.gpus} GPUs = {plan.gpu_hours:,.0f} GPU-hours{banded(plan.gpu_hours, band, lambda v: f'{v:,.0f}')} "
+        f"Run: {plan.steps:,} steps in "
+        f"{_duration(plan.wall_s)}{banded(plan.wall_s, band, _duration)} on "
+        f"{plan.gpus} GPUs = {plan.gpu_hours:,.0f} "
+        f"GPU-hours{banded(plan.gpu_hours, band, lambda v: f'{v:,.0f}')} "
         f"({plan.steps * plan.tokens_per_step / 1e12:.2f}T tokens)",
         *band_lines(plan.model_kind),
         "",
@@ -259,11 +268,13 @@ def text(plan: Plan) -> str:
             for label, candidate in plan.advice:
                 out.append(
                     f"  {label}: {_gib(candidate.worst.device_bytes)}, "
-                    f"{candidate.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, MFU {100 * candidate.mfu:.1f}%"
+                    f"{candidate.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, MFU "
+                    f"{100 * candidate.mfu:.1f}%"
                 )
         else:
             out.append(
-                "No single change tried (activation checkpointing, a smaller local batch, TP or PP) makes it "
+                "No single change tried (activation checkpointing, a smaller local batch, "
+                "TP or PP) makes it "
                 "fit; use more GPUs per model replica or a smaller model"
             )
     out += ["Notes:"] + [f"  - {n}" for n in plan.notes] + [f"(planned in {plan.planner_s:.1f} s)"]

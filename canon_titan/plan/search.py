@@ -229,8 +229,8 @@ def _divisors(n: int) -> list[int]:
 
 
 def structures(gpus: int, gpus_per_node: int, layers: int, global_batch: int, cp_allowed: bool):
-    """(tp, pp, cp) whose product divides ``gpus``, the rest data-parallel (FSDP over all of it) with
-    a data-parallel size that divides the global batch: TP within a node, CP without PP
+    """(tp, pp, cp) whose product divides ``gpus``, the rest data-parallel (FSDP over all of it)
+    with a data-parallel size that divides the global batch: TP within a node, CP without PP
     (canon-titan's limit), PP dividing the layers. HSDP and the looped pipeline schedule are
     variants of the best of these (``hsdp_shard``, ``PP_SCHEDULES``)."""
     for tp in DEGREES:
@@ -245,8 +245,9 @@ def structures(gpus: int, gpus_per_node: int, layers: int, global_batch: int, cp
 
 
 def hsdp_shard(layout: Layout, gpus_per_node: int) -> int:
-    """The shard degree of HSDP with one node's worth of data-parallel ranks per shard group (0: none:
-    under PP the node holds pipeline ranks too, or the shard would be all of the data parallelism)."""
+    """The shard degree of HSDP with one node's worth of data-parallel ranks per shard group (0:
+    none: under PP the node holds pipeline ranks too, or the shard would be all of the data
+    parallelism)."""
     per_node = (
         gpus_per_node // (layout.tp * layout.cp)
         if gpus_per_node % (layout.tp * layout.cp) == 0
@@ -262,7 +263,8 @@ PP_MAX_MICROBATCHES_PER_STAGE = 2
 many per stage (a plan records every microbatch, so its cost grows with them; past a few per stage
 the bubble is small already)."""
 PP_PROBE_BUDGET_S = 1800
-"""With a layout without PP that fits, pipeline layouts are probed only under a budget this large."""
+"""With a layout without PP that fits, pipeline layouts are probed only under a budget this
+large."""
 
 
 def local_batches(per_rank: int, pp: int) -> list[int]:
@@ -492,8 +494,8 @@ class SearchSpace:
     def outcome(self, layout: Layout, figures: dict) -> Outcome:
         if "error" in figures:
             return Outcome(layout, False, 0, 0.0, 0.0, 0.0, 0.0, figures["error"])
-        # what the search offers leaves MARGIN of the GPU free: the plan's memory is within 8% of the
-        # published runs' (README), not exact
+        # what the search offers leaves MARGIN of the GPU free: the plan's memory is within 8% of
+        # the published runs' (README), not exact
         return Outcome(
             layout,
             figures["fits"] and figures["device_bytes"] <= self.capacity,
@@ -662,14 +664,16 @@ class Prober:
                 self.say("probe budget spent: ranking what was probed")
                 return len(todo)
             self.say(
-                f"probing {len(todo)} layouts ({2 * len(todo)} few-layer plans on {self.workers} worker(s))"
+                f"probing {len(todo)} layouts ({2 * len(todo)} few-layer plans on "
+                f"{self.workers} worker(s))"
             )
             for i in range(0, len(todo), 2 * self.workers):
                 if i and time.perf_counter() - self.started > deadline:
                     # checked between chunks too: a round of probes of an 8B model on a loaded
                     # machine takes minutes, and what is left of the budget is for full plans
                     self.say(
-                        f"probe budget spent after {len(self.probed)} layouts: ranking what was probed"
+                        f"probe budget spent after {len(self.probed)} layouts: ranking "
+                        "what was probed"
                     )
                     return len(todo) - i
                 chunk, began = todo[i : i + 2 * self.workers], time.perf_counter()
@@ -691,8 +695,9 @@ class Prober:
 
 
 class FullPlans:
-    """Stage 3, full plans: layouts planned in full in rounds of one per worker, a round started only
-    when it is expected to end within the budget (``round_s``); ``planned`` holds their outcomes,
+    """Stage 3, full plans: layouts planned in full in rounds of one per worker, a round started
+    only when it is expected to end within the budget (``round_s``); ``planned`` holds their
+    outcomes,
     ``budget_cut`` what the budget left out."""
 
     def __init__(
@@ -753,15 +758,18 @@ class FullPlans:
         chunks = [todo[i : i + self.workers] for i in range(0, len(todo), self.workers)]
         if not self.budget_cut:
             self.say(
-                f"planning {len(todo)} layouts in full ({time.perf_counter() - self.started:.0f} s so far)"
+                f"planning {len(todo)} layouts in full "
+                f"({time.perf_counter() - self.started:.0f} s so far)"
             )
         for n, chunk in enumerate(chunks):
             expected = self.round_s(chunk)
             if self.budget_cut or time.perf_counter() - self.started + expected > self.budget_s:
                 if not self.budget_cut:
                     self.say(
-                        f"budget: the rest not planned in full (the next {len(chunk)} would take about "
-                        f"{expected:.0f} s; {self.budget_s - (time.perf_counter() - self.started):.0f} s of "
+                        f"budget: the rest not planned in full (the next {len(chunk)} "
+                        "would take about "
+                        f"{expected:.0f} s; "
+                        f"{self.budget_s - (time.perf_counter() - self.started):.0f} s of "
                         "--budget-s left)"
                     )
                 self.budget_cut.extend(lay for rest in chunks[n:] for lay in rest)
@@ -778,7 +786,8 @@ class FullPlans:
             self.tried["planned in full"] = len(self.planned)
             left = sum(self.round_s(rest) for rest in chunks[n + 1 :])
             self.say(
-                f"planned {len(self.planned)} layouts in full, {time.perf_counter() - self.started:.0f} s"
+                f"planned {len(self.planned)} layouts in full, "
+                f"{time.perf_counter() - self.started:.0f} s"
                 + (f"; these {len(todo)} done in about {left:.0f} s" if left else "")
             )
 
@@ -839,7 +848,8 @@ class FullPlans:
         """The fastest layout planned of each data-parallel form, FSDP over all the data
         parallelism and HSDP: keeping the gathered weights spares an FSDP form its all-gathers
         in the backward, across the network where its shard group spans nodes (an HSDP form's is
-        one node), so the variant can make an FSDP form that ranks below the best few the fastest."""
+        one node), so the variant can make an FSDP form that ranks below the best few the
+        fastest."""
         out = []
         for hsdp in (False, True):
             out += [o.layout for o in self.ranked(False) if (o.layout.dp_replicate > 1) == hsdp][:1]
@@ -879,8 +889,8 @@ def search(
     progress=None,
 ) -> SearchResult:
     """Search the layouts of ``config`` (with ``base_overrides``) on ``gpus`` GPUs of kind ``gpu``.
-    ``pipelines``: probe pipeline layouts always (True), only when no layout without PP fits (False),
-    or as the budget decides (None: always from ``PP_PROBE_BUDGET_S``)."""
+    ``pipelines``: probe pipeline layouts always (True), only when no layout without PP fits
+    (False), or as the budget decides (None: always from ``PP_PROBE_BUDGET_S``)."""
     started = time.perf_counter()
     say = progress or (lambda message: None)
     space = SearchSpace.resolve(
@@ -999,7 +1009,8 @@ def text(result: SearchResult, top: int) -> str:
 
     b = result.global_batch
     out = [
-        f"Search: {result.config} on {result.gpus} x {result.gpu_name}, global batch {b} x {result.seq_len} "
+        f"Search: {result.config} on {result.gpus} x {result.gpu_name}, global batch {b} x "
+        f"{result.seq_len} "
         f"tokens, {result.steps:,} steps",
         "Tried: "
         + ", ".join(f"{n} {what}" for what, n in result.tried.items())
@@ -1036,7 +1047,8 @@ def text(result: SearchResult, top: int) -> str:
         out.append("No layout found that fits (more GPUs, or a smaller model)")
     else:
         out.append(
-            f"Fastest layouts that fit with {100 * MARGIN:.0f}% of the memory spare (bf16, the recipe's "
+            f"Fastest layouts that fit with {100 * MARGIN:.0f}% of the memory spare (bf16, "
+            "the recipe's "
             f"numerics; top {min(top, len(result.ranked))}):"
         )
         for i, o in enumerate(result.ranked[:top], 1):
@@ -1055,7 +1067,8 @@ def text(result: SearchResult, top: int) -> str:
         if result.recipe is not None and result.recipe.fits:
             best = result.ranked[0]
             out.append(
-                f"Best against the config's own layout: x{best.tokens_per_s_per_gpu / result.recipe.tokens_per_s_per_gpu:.2f} "
+                "Best against the config's own layout: "
+                f"x{best.tokens_per_s_per_gpu / result.recipe.tokens_per_s_per_gpu:.2f} "
                 f"tokens/s, {result.recipe.gpu_hours - best.gpu_hours:,.0f} GPU-hours saved"
             )
     if result.float8:

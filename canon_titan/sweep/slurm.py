@@ -56,8 +56,10 @@ def array_script(spec: Spec, manifest: Path, count: int) -> str:
         [
             "#!/bin/bash",
             f"# canon-titan sweep {spec.name} ({spec.path}): a cell a task, listed in {manifest}.",
-            "# Each task trains its cell with scripts/train.slurm (a preemption saves the step reached",
-            "# and requeues the task, which resumes), then scores it. Submit from the folder the sweep",
+            "# Each task trains its cell with scripts/train.slurm (a preemption saves the "
+            "step reached",
+            "# and requeues the task, which resumes), then scores it. Submit from the "
+            "folder the sweep",
             f"# was made in: sbatch {logs / 'sweep.sbatch'}; then canon-titan sweep ... --collect",
             f"#SBATCH --job-name=sweep-{spec.name}",
             f"#SBATCH --nodes={spec.slurm_nodes}",
@@ -67,7 +69,8 @@ def array_script(spec: Spec, manifest: Path, count: int) -> str:
             f"#SBATCH --output={logs}/%A_%a.out",
             "set -euo pipefail",
             'cd "${SLURM_SUBMIT_DIR}"',
-            'TASK=${SLURM_ARRAY_TASK_ID:?"not an array task: sbatch --array sets SLURM_ARRAY_TASK_ID"}',
+            'TASK=${SLURM_ARRAY_TASK_ID:?"not an array task: sbatch --array sets '
+            'SLURM_ARRAY_TASK_ID"}',
             'exec "${PYTHON:-.venv/bin/python}" -m canon_titan.sweep.slurm '
             f'{shlex.quote(str(manifest))} "$TASK"',
             "",

@@ -1,9 +1,9 @@
 """The CUDA caching allocator's mode of a training process: expandable segments
-(``PYTORCH_ALLOC_CONF=expandable_segments:True``), as TorchTitan's ``run_train.sh`` sets and as the GPU runs
-the planner is calibrated on used, unless the user's environment sets the allocator's configuration
-itself. Set by the training process (``-m canon_titan.train``) before CUDA starts, so every launch path
-has it; the planner's allocator model (``plan.allocator``) reads the same environment to know which mode
-the run will use."""
+(``PYTORCH_ALLOC_CONF=expandable_segments:True``), as TorchTitan's ``run_train.sh`` sets and as the
+GPU runs the planner is calibrated on used, unless the user's environment sets the allocator's
+configuration itself. Set by the training process (``-m canon_titan.train``) before CUDA starts, so
+every launch path has it; the planner's allocator model (``plan.allocator``) reads the same
+environment to know which mode the run will use."""
 
 from __future__ import annotations
 
@@ -22,9 +22,9 @@ def use_expandable_segments() -> None:
 
 
 def expandable_segments(env: Mapping[str, str] = os.environ) -> bool:
-    """Whether a training process started with ``env`` runs with expandable segments: the default, or
-    what its ``PYTORCH_ALLOC_CONF`` (else ``PYTORCH_CUDA_ALLOC_CONF``) says (``key:value`` pairs separated
-    by commas; torch's own parser lets a later pair win)."""
+    """Whether a training process started with ``env`` runs with expandable segments: the default,
+    or what its ``PYTORCH_ALLOC_CONF`` (else ``PYTORCH_CUDA_ALLOC_CONF``) says (``key:value`` pairs
+    separated by commas; torch's own parser lets a later pair win)."""
     conf = next((env[name] for name in SETTINGS if env.get(name)), DEFAULT)
     enabled = False
     for pair in conf.split(","):

@@ -312,10 +312,10 @@ def end_barrier() -> None:
 
 
 def apply(*, cpu: bool = False) -> list[str]:
-    """Apply every shim this machine needs; returns their names (also logged once). ``cpu``: the shims
-    for a CPU apply even where an accelerator is present: the planner builds and steps every rank on
-    fake CPU tensors, on a GPU machine too (TorchTitan would otherwise ``torch.cuda.set_device`` the
-    CPU and fail with "Expected a cuda device, but got: cpu")."""
+    """Apply every shim this machine needs; returns their names (also logged once). ``cpu``: the
+    shims for a CPU apply even where an accelerator is present: the planner builds and steps every
+    rank on fake CPU tensors, on a GPU machine too (TorchTitan would otherwise
+    ``torch.cuda.set_device`` the CPU and fail with "Expected a cuda device, but got: cpu")."""
     global _force_cpu
     if _applied and not (cpu and not _force_cpu):
         return list(_applied)

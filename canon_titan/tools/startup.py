@@ -17,10 +17,11 @@ import sys
 
 @contextlib.contextmanager
 def importing():
-    """Imports without the cyclic collector: the millions of objects that importing TorchTitan creates
-    nearly all live until the process ends, so each collection meanwhile walks a growing heap and frees
-    next to nothing. Afterwards the collector is as it was before. (Nothing is frozen here: a process
-    that imports a command in the middle of other work, as the tests do, would keep its garbage.)"""
+    """Imports without the cyclic collector: the millions of objects that importing TorchTitan
+    creates nearly all live until the process ends, so each collection meanwhile walks a growing
+    heap and frees next to nothing. Afterwards the collector is as it was before. (Nothing is frozen
+    here: a process that imports a command in the middle of other work, as the tests do, would keep
+    its garbage.)"""
     enabled = gc.isenabled()
     gc.disable()
     try:
@@ -32,10 +33,10 @@ def importing():
 
 def freeze_at_exit() -> None:
     """At exit, move every object the collector tracks to its permanent generation, so that the
-    interpreter's last collections skip them. Objects freed by reference counting are still destructed,
-    and exit handlers still run (this one, registered as the program starts, runs after those registered
-    later); only reference cycles left at exit stay uncollected, which CPython does not
-    promise to collect at exit anyway."""
+    interpreter's last collections skip them. Objects freed by reference counting are still
+    destructed, and exit handlers still run (this one, registered as the program starts, runs after
+    those registered later); only reference cycles left at exit stay uncollected, which CPython does
+    not promise to collect at exit anyway."""
     atexit.register(gc.freeze)
 
 

@@ -24,15 +24,17 @@
 
 Every case runs in its own process, so peak memory is that case's alone.
 
-  .venv/bin/python scripts/benchmarks/bench_canon.py --mode trainer                      # GPU: 1B, 8 x 4096, compile
-  .venv/bin/python scripts/benchmarks/bench_canon.py --mode trainer --batch 2            # the second row
-  .venv/bin/python scripts/benchmarks/bench_canon.py --mode bytes --seq-len 4096         # CPU, 1B block, about 2 min
-  .venv/bin/python scripts/benchmarks/bench_canon.py --mode trainer --canon-backend triton,torch   # both backends, one run
-  .venv/bin/python scripts/benchmarks/bench_canon.py --mode trainer --flavor debug --seq-len 256 --steps 6 --no-compile  # CPU
-  .venv/bin/python scripts/benchmarks/bench_canon.py --mode saved --seq-len 256          # CPU, 1B block
-  .venv/bin/python scripts/benchmarks/bench_canon.py --mode raw --flavor debug --seq-len 512
-  .venv/bin/python scripts/benchmarks/bench_canon.py --mode traffic --flavor 8B --batch 1   # any machine
-  .venv/bin/python scripts/benchmarks/bench_canon.py --mode ops                          # GPU: 1B widths, bs 2 x 4096
+  .venv/bin/python scripts/benchmarks/bench_canon.py --mode trainer                      # GPU: 1B,
+  8 x 4096, compile .venv/bin/python scripts/benchmarks/bench_canon.py --mode trainer --batch 2
+  # the second row .venv/bin/python scripts/benchmarks/bench_canon.py --mode bytes --seq-len 4096
+  # CPU, 1B block, about 2 min .venv/bin/python scripts/benchmarks/bench_canon.py --mode trainer
+  --canon-backend triton,torch   # both backends, one run .venv/bin/python
+  scripts/benchmarks/bench_canon.py --mode trainer --flavor debug --seq-len 256 --steps 6
+  --no-compile  # CPU .venv/bin/python scripts/benchmarks/bench_canon.py --mode saved --seq-len 256
+  # CPU, 1B block .venv/bin/python scripts/benchmarks/bench_canon.py --mode raw --flavor debug
+  --seq-len 512 .venv/bin/python scripts/benchmarks/bench_canon.py --mode traffic --flavor 8B
+  --batch 1   # any machine .venv/bin/python scripts/benchmarks/bench_canon.py --mode ops
+  # GPU: 1B widths, bs 2 x 4096
 """
 
 from __future__ import annotations
@@ -86,7 +88,8 @@ def parse_args(argv=None):
     p.add_argument(
         "--trainer-args",
         default="",
-        help="trainer: more overrides for every run, e.g. '--float8.enable=true --float8.recipe_name=rowwise'",
+        help="trainer: more overrides for every run, e.g. '--float8.enable=true "
+        "--float8.recipe_name=rowwise'",
     )
     p.add_argument("--steps", type=int, default=30, help="trainer: steps; raw: timed steps")
     p.add_argument(
@@ -142,7 +145,8 @@ def _device():
 
 
 def trainer_cases(args) -> list[tuple[str, str | None]]:
-    """(model, canon backend) per run: llama, and llama_canon with each backend of --canon-backend."""
+    """(model, canon backend) per run: llama, and llama_canon with each backend of
+    --canon-backend."""
     models = args.models.split(",")
     backends = args.canon_backend.split(",")
     return [(m, None) for m in models if m == "llama"] + [
@@ -160,7 +164,8 @@ def run_trainer(args) -> list[dict]:
         for model, backend in trainer_cases(args):
             label = model if backend is None else f"{model} ({backend})"
             print(
-                f"[bench] trainer: {label} {args.flavor}, seq {args.seq_len}, batch {args.batch} x {args.nproc}, "
+                f"[bench] trainer: {label} {args.flavor}, seq {args.seq_len}, batch "
+                f"{args.batch} x {args.nproc}, "
                 f"{args.steps} steps ...",
                 flush=True,
             )
@@ -182,17 +187,21 @@ def run_trainer(args) -> list[dict]:
                 raise SystemExit(f"[bench] {e}") from None
             results.append({**result, "canon_backend": backend, "label": label})
     print(
-        f"\ntrainer, flavor {args.flavor}, seq {args.seq_len}, batch {args.batch} x {args.nproc} process(es), "
-        f"compile {args.compile}{', ' + args.trainer_args if args.trainer_args else ''}; medians over steps "
+        f"\ntrainer, flavor {args.flavor}, seq {args.seq_len}, batch {args.batch} x "
+        f"{args.nproc} process(es), "
+        f"compile {args.compile}{', ' + args.trainer_args if args.trainer_args else ''}; "
+        "medians over steps "
         f"{args.warmup + 1}-{args.steps}"
     )
     print(
-        f"{'model':<22} {'tokens/s':>10} {'MFU %':>7} {'peak reserved GiB':>18} {'peak active GiB':>16} "
+        f"{'model':<22} {'tokens/s':>10} {'MFU %':>7} {'peak reserved GiB':>18} "
+        f"{'peak active GiB':>16} "
         f"{'step 1 s':>9}"
     )
     for r in results:
         print(
-            f"{r['label']:<22} {r['tokens_per_s']:>10,.0f} {r['mfu_pct']:>7.2f} {r['peak_reserved_gib']:>18.2f} "
+            f"{r['label']:<22} {r['tokens_per_s']:>10,.0f} {r['mfu_pct']:>7.2f} "
+            f"{r['peak_reserved_gib']:>18.2f} "
             f"{r['peak_active_gib']:>16.2f} {r['first_step_s']:>9.1f}"
         )
     from gpu_check_report import _canon_step
@@ -209,9 +218,11 @@ def run_trainer(args) -> list[dict]:
         if base is not None and r is not base:
             print("\n".join(line for line in _canon_step(r, base) if line))
             print(
-                f"{r['label']} / llama: throughput x{r['tokens_per_s'] / base['tokens_per_s']:.3f} (target >= 0.97), "
+                f"{r['label']} / llama: throughput "
+                f"x{r['tokens_per_s'] / base['tokens_per_s']:.3f} (target >= 0.97), "
                 f"peak reserved x{r['peak_reserved_gib'] / base['peak_reserved_gib']:.3f}, "
-                f"peak active x{r['peak_active_gib'] / base['peak_active_gib']:.3f} (target <= 1.05)"
+                f"peak active x{r['peak_active_gib'] / base['peak_active_gib']:.3f} "
+                "(target <= 1.05)"
             )
     return results
 
@@ -323,7 +334,8 @@ def run_saved(args) -> list[dict]:
         results.append(_subprocess_case(args, case, env))
     base = results[0]["bytes_per_token"]
     print(
-        f"\nactivations saved for the backward by one compiled {args.flavor} block (bf16), per token "
+        f"\nactivations saved for the backward by one compiled {args.flavor} block (bf16), "
+        "per token "
         f"(batch {args.batch} x seq {args.seq_len}, parameters excluded)"
     )
     print(f"{'model':<12} {'backend':<8} {'bytes/token':>12} {'vs llama':>9}")
@@ -335,7 +347,8 @@ def run_saved(args) -> list[dict]:
     return results
 
 
-# ----------------------------------------------------------------------------- a compiled block's bytes
+# ----------------------------------------------------------------------------- a compiled block's
+# bytes
 
 
 CANON_KERNELS = (
@@ -347,10 +360,10 @@ CANON_KERNELS = (
 
 
 def bytes_case(args, model_name: str, canon_set: str | None) -> dict:
-    """One compiled block (bf16, the Triton Canon op) as a GPU runs it, generated on this CPU without
-    running a kernel (``inductor_bytes.HopperCodegen``): Inductor's own kernels' bytes per graph, and each
-    kernel launch of one forward+backward step after the compiling one (Inductor's and the Canon op's),
-    and how many times the Canon ops' Python bodies ran in that step."""
+    """One compiled block (bf16, the Triton Canon op) as a GPU runs it, generated on this CPU
+    without running a kernel (``inductor_bytes.HopperCodegen``): Inductor's own kernels' bytes per
+    graph, and each kernel launch of one forward+backward step after the compiling one (Inductor's
+    and the Canon op's), and how many times the Canon ops' Python bodies ran in that step."""
     from collections import Counter
 
     from canon_titan.kernels import canon
@@ -429,7 +442,8 @@ def bytes_case(args, model_name: str, canon_set: str | None) -> dict:
 
 
 def block_bytes(rows: list[dict]) -> dict:
-    """Bytes per token of each variant: Inductor's kernels per phase, the Canon kernels, the total."""
+    """Bytes per token of each variant: Inductor's kernels per phase, the Canon kernels, the
+    total."""
     out = {}
     for r in rows:
         inductor = {phase: g["bytes"] / r["tokens"] for phase, g in r["inductor"].items()}
@@ -450,8 +464,8 @@ def run_bytes(args) -> dict:
         k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"
     }  # the GPU's code path, not run
     rows = []
-    # Llama's block, then LlamaCanon's with each canon_set: by default all four positions, then each alone
-    # (what each position adds).
+    # Llama's block, then LlamaCanon's with each canon_set: by default all four positions, then each
+    # alone (what each position adds).
     for model, canon_set in [("llama", None)] + [
         ("llama_canon", c) for c in args.canon_sets.split(",")
     ]:
@@ -460,23 +474,29 @@ def run_bytes(args) -> dict:
     table = block_bytes(rows)
     base = table["llama"]["total"]
     print(
-        f"\nbytes one compiled {args.flavor} block moves per token (batch {args.batch} x seq {args.seq_len}, bf16, "
-        "forward + backward, matmuls and attention excluded): Inductor's own kernels (its scheduler's count) "
+        f"\nbytes one compiled {args.flavor} block moves per token (batch {args.batch} x "
+        f"seq {args.seq_len}, bf16, "
+        "forward + backward, matmuls and attention excluded): Inductor's own kernels (its "
+        "scheduler's count) "
         "and the Triton Canon op's kernels (each tensor argument of a launch once)"
     )
     print(
-        f"{'block':<22} {'Inductor fwd':>12} {'Inductor bwd':>12} {'Canon kernels':>13} {'total':>9} "
+        f"{'block':<22} {'Inductor fwd':>12} {'Inductor bwd':>12} {'Canon kernels':>13} "
+        f"{'total':>9} "
         f"{'x llama':>8} {'+ vs llama':>10} {'launches':>9} {'saved':>8}"
     )
     for name, r in table.items():
         label = "llama" if name == "llama" else f"llama_canon {name}"
         print(
-            f"{label:<22} {r['forward']:>12,.0f} {r['backward']:>12,.0f} {r['canon_kernels']:>13,.0f} "
-            f"{r['total']:>9,.0f} {r['total'] / base:>8.3f} {r['total'] - base:>+10,.0f} {r['launches']:>9} "
+            f"{label:<22} {r['forward']:>12,.0f} {r['backward']:>12,.0f} "
+            f"{r['canon_kernels']:>13,.0f} "
+            f"{r['total']:>9,.0f} {r['total'] / base:>8.3f} {r['total'] - base:>+10,.0f} "
+            f"{r['launches']:>9} "
             f"{r['saved']:>8,.0f}"
         )
     print(
-        "(saved: activation bytes the compiled forward keeps for the backward, per token, parameters excluded)"
+        "(saved: activation bytes the compiled forward keeps for the backward, per token, "
+        "parameters excluded)"
     )
     return {"rows": rows, "per_token": table}
 
@@ -490,16 +510,20 @@ def run_traffic(args) -> list[dict]:
     rows = layer_traffic(args.flavor, args.batch, args.seq_len)
     tokens = args.batch * args.seq_len
     print(
-        f"Triton Canon op, one llama_canon {args.flavor} layer, batch {args.batch} x seq {args.seq_len}, bf16: "
-        "bytes moved per token, forward + backward (kernel launches, each tensor argument once; torch ops "
+        f"Triton Canon op, one llama_canon {args.flavor} layer, batch {args.batch} x seq "
+        f"{args.seq_len}, bf16: "
+        "bytes moved per token, forward + backward (kernel launches, each tensor argument "
+        "once; torch ops "
         "around them), and bytes allocated per token"
     )
     print(
-        f"{'call':<6} {'launches':>8} {'kernels B/token':>16} {'torch ops B/token':>18} {'allocated B/token':>18}"
+        f"{'call':<6} {'launches':>8} {'kernels B/token':>16} {'torch ops B/token':>18} "
+        f"{'allocated B/token':>18}"
     )
     for r in rows:
         print(
-            f"{r['call']:<6} {r['kernels']:>8} {r['kernel_bytes'] / tokens:>16,.0f} {r['host_bytes'] / tokens:>18,.0f} "
+            f"{r['call']:<6} {r['kernels']:>8} {r['kernel_bytes'] / tokens:>16,.0f} "
+            f"{r['host_bytes'] / tokens:>18,.0f} "
             f"{r['allocated_bytes'] / tokens:>18,.0f}"
         )
     total = {
@@ -525,7 +549,8 @@ def run_ops(args) -> dict:
         args.reps,
     )
     print(
-        f"Canon op, forward + backward, {result['device']}, flavor {args.flavor} widths, batch {args.batch} x seq "
+        f"Canon op, forward + backward, {result['device']}, flavor {args.flavor} widths, "
+        f"batch {args.batch} x seq "
         f"{args.seq_len}"
         + (
             f"; device copy {result['copy_bandwidth_gb_s']:,.0f} GB/s"
@@ -534,13 +559,16 @@ def run_ops(args) -> dict:
         )
     )
     print(
-        f"{'call':<11} {'channels':>8} {'first call s':>12} {'triton ms':>10} {'fla ms':>8} {'bound ms':>9}"
+        f"{'call':<11} {'channels':>8} {'first call s':>12} {'triton ms':>10} "
+        f"{'fla ms':>8} {'bound ms':>9}"
     )
     for r in result["calls"]:
         fla, bound = r.get("fla_causal_conv1d_ms"), r.get("bound_ms")
         print(
-            f"{r['call']:<11} {r['channels']:>8} {r['first_call_s']:>12.2f} {r['triton_ms']:>10.3f} "
-            f"{fla if fla is not None else float('nan'):>8.3f} {bound if bound is not None else float('nan'):>9.3f}"
+            f"{r['call']:<11} {r['channels']:>8} {r['first_call_s']:>12.2f} "
+            f"{r['triton_ms']:>10.3f} "
+            f"{fla if fla is not None else float('nan'):>8.3f} "
+            f"{bound if bound is not None else float('nan'):>9.3f}"
         )
     for kernel, choices in result["tuned"].items():
         for key, config in choices.items():
@@ -559,14 +587,16 @@ def run_bwd_blocks(args) -> dict:
         args.reps,
     )
     print(
-        f"Canon backward kernels by block configuration, {result['device']}, flavor {args.flavor} widths, batch "
+        f"Canon backward kernels by block configuration, {result['device']}, flavor "
+        f"{args.flavor} widths, batch "
         f"{args.batch} x seq {args.seq_len} (* = the fixed configuration now)"
     )
     print(f"{'call':<11} {'channels':>8} {'config':>10} {'ms':>8} {'bound ms':>9}")
     for r in result["rows"]:
         bound = r["bound_ms"] if r["bound_ms"] is not None else float("nan")
         print(
-            f"{r['call']:<11} {r['channels']:>8} {r['config']:>10}{'*' if r['current'] else ' '} {r['ms']:>8.3f} "
+            f"{r['call']:<11} {r['channels']:>8} "
+            f"{r['config']:>10}{'*' if r['current'] else ' '} {r['ms']:>8.3f} "
             f"{bound:>9.3f}"
         )
     return result
@@ -599,7 +629,8 @@ def run_raw(args) -> list[dict]:
             print(f"[bench] raw: {model} {mode} ...", flush=True)
             results.append(_subprocess_case(args, f"raw:{model}:{mode}"))
     print(
-        f"\nraw loop, flavor {args.flavor}, batch {args.batch}, seq {args.seq_len}, {args.steps} timed steps "
+        f"\nraw loop, flavor {args.flavor}, batch {args.batch}, seq {args.seq_len}, "
+        f"{args.steps} timed steps "
         f"after {args.warmup} warm-up steps"
     )
     print(
@@ -614,8 +645,10 @@ def run_raw(args) -> list[dict]:
     for mode in args.modes.split(","):
         base, canon = by[("llama", mode)], by[("llama_canon", mode)]
         print(
-            f"Canon-ABCD overhead ({mode}): throughput x{canon['tokens_per_s'] / base['tokens_per_s']:.3f}, "
-            f"peak memory x{canon['peak_mem_gib'] / base['peak_mem_gib']:.3f} ({results[0]['memory_kind']})"
+            f"Canon-ABCD overhead ({mode}): throughput "
+            f"x{canon['tokens_per_s'] / base['tokens_per_s']:.3f}, "
+            f"peak memory x{canon['peak_mem_gib'] / base['peak_mem_gib']:.3f} "
+            f"({results[0]['memory_kind']})"
         )
     return results
 

@@ -1,8 +1,9 @@
 #!/usr/bin/env python
 """Time and peak RSS of converting a randomly initialised checkpoint DCP -> HF -> DCP on CPU.
 
-  .venv/bin/python scripts/benchmarks/bench_convert.py                       # LlamaCanon-1B (1.37B params)
-  .venv/bin/python scripts/benchmarks/bench_convert.py --config train_configs/llama_canon_debug.toml
+  .venv/bin/python scripts/benchmarks/bench_convert.py                       # LlamaCanon-1B (1.37B
+  params) .venv/bin/python scripts/benchmarks/bench_convert.py --config
+  train_configs/llama_canon_debug.toml
 
 Each stage runs in its own process, so its peak RSS is its own. Disk needed: about 3x the model
 size in the chosen dtypes (the work folder is deleted afterwards unless --keep).
@@ -109,10 +110,12 @@ def main() -> int:
         n_params = sum(s.numel() for s in shapes.values())
         largest = max(s.numel() for s in shapes.values()) * 4 / 2**30
         print(
-            f"\nmodel: {args.config} ({n_params / 1e9:.2f}B parameters; largest tensor {largest:.2f} GiB fp32)"
+            f"\nmodel: {args.config} ({n_params / 1e9:.2f}B parameters; largest tensor "
+            f"{largest:.2f} GiB fp32)"
         )
         print(
-            f"sizes: DCP fp32 {_size_gib(work / 'dcp'):.2f} GiB, HF {args.dtype} {_size_gib(work / 'hf'):.2f} GiB "
+            f"sizes: DCP fp32 {_size_gib(work / 'dcp'):.2f} GiB, HF {args.dtype} "
+            f"{_size_gib(work / 'hf'):.2f} GiB "
             f"(shards <= {args.max_shard_size})"
         )
         print(f"{'stage':<10} {'seconds':>9} {'peak RSS GiB':>13}")

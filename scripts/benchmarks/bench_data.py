@@ -2,11 +2,13 @@
 """Data throughput per loader process vs what one GPU consumes.
 
 Measures, in this one process: online tokenization (read documents + tokenize + BOS/EOS), the
-pre-tokenization command, and batches read from pre-tokenized shards (``pread``, ``TokenStore.slice``). The required rate
-is computed from the model's training FLOPs per token at 40% MFU of an H100 (dense bf16 peak).
+pre-tokenization command, and batches read from pre-tokenized shards (``pread``,
+``TokenStore.slice``). The required rate is computed from the model's training FLOPs per token at
+40% MFU of an H100 (dense bf16 peak).
 
-  .venv/bin/python scripts/benchmarks/bench_data.py                                  # built-in tokenizer
-  .venv/bin/python scripts/benchmarks/bench_data.py --tokenizer-kind sentencepiece --tokenizer /path/llama2/tokenizer.model
+  .venv/bin/python scripts/benchmarks/bench_data.py                                  # built-in
+  tokenizer .venv/bin/python scripts/benchmarks/bench_data.py --tokenizer-kind sentencepiece
+  --tokenizer /path/llama2/tokenizer.model
 """
 
 from __future__ import annotations
@@ -107,8 +109,10 @@ def main() -> int:
         f"({args.tokenizer_kind} tokenizer, {tokenizer.get_vocab_size():,} ids)"
     )
     print(
-        f"one GPU needs: {need:,.0f} tokens/s ({args.model} {args.flavor}, {flops / 1e9:.2f} GFLOP per token at "
-        f"seq {args.seq_len}, {args.mfu:.0%} MFU of an H100's {H100_BF16_DENSE_PEAK / 1e12:.0f} TFLOP/s)"
+        f"one GPU needs: {need:,.0f} tokens/s ({args.model} {args.flavor}, "
+        f"{flops / 1e9:.2f} GFLOP per token at "
+        f"seq {args.seq_len}, {args.mfu:.0%} MFU of an H100's "
+        f"{H100_BF16_DENSE_PEAK / 1e12:.0f} TFLOP/s)"
     )
     print(f"{'path':<40} {'tokens/s':>12} {'x GPU need':>11}")
     for name, rate in (

@@ -1,5 +1,6 @@
-"""Float8 GEMMs as torchao's recipes run them, against bf16, at the linear shapes of runs the planner
-is held to: what the planner cannot take from any source in text (issue 42: the row-wise GEMM kernel).
+"""Float8 GEMMs as torchao's recipes run them, against bf16, at the linear shapes of runs the
+planner is held to: what the planner cannot take from any source in text (issue 42: the row-wise
+GEMM kernel).
 
 For each linear of a Llama block (wq, wk, wv, wo, w1, w3, w2, each at its tensor-parallel shard) the
 three GEMMs of a training step, each run three ways:
@@ -7,16 +8,17 @@ three GEMMs of a training step, each run three ways:
 - bf16: ``torch.mm`` on the layouts ``F.linear`` and its backward use;
 - tensorwise: ``torch._scaled_mm`` with one scale per operand, fast accumulation in the forward GEMM
   only (torchao's ``Float8LinearConfig``: ``gemm_config_output`` fast, the backward GEMMs not);
-- rowwise: the forward GEMM with a scale per row and column and fast accumulation (PyTorch's row-wise
-  kernel); the backward GEMMs as torchao runs them with slow accumulation: the tensor-wise kernel at
-  unit scales, then the output multiplied in place by the outer product of the scales
+- rowwise: the forward GEMM with a scale per row and column and fast accumulation (PyTorch's
+  row-wise kernel); the backward GEMMs as torchao runs them with slow accumulation: the tensor-wise
+  kernel at unit scales, then the output multiplied in place by the outer product of the scales
   (``torchao.float8.float8_ops.addmm_float8_unwrapped``).
 
 Prints a table and writes ``--json``: per run and GEMM (forward, grad_input, grad_weight) the
 milliseconds of the block's seven GEMMs in each way, and their TFLOP. On a CPU (``--tiny``: toy
 shapes) it checks that the script runs; the figures mean nothing there.
 
-    .venv/bin/python scripts/benchmarks/bench_float8_gemm.py [--tokens N] [--reps R] [--json OUT] [--tiny]
+    .venv/bin/python scripts/benchmarks/bench_float8_gemm.py [--tokens N] [--reps R] [--json OUT]
+    [--tiny]
 """
 
 from __future__ import annotations
@@ -130,9 +132,9 @@ def _timer(device: torch.device, reps: int):
 
 
 def gemm_ways(m: int, k: int, n: int, forward: bool, device: torch.device):
-    """The three ways of one [m, k] x [k, n] GEMM, as callables on fresh operands (the second operand
-    column-major, as ``_scaled_mm`` wants it and as a linear's weight is), and the float8 ways'
-    products computed in fp32."""
+    """The three ways of one [m, k] x [k, n] GEMM, as callables on fresh operands (the second
+    operand column-major, as ``_scaled_mm`` wants it and as a linear's weight is), and the float8
+    ways' products computed in fp32."""
     a = torch.randn(m, k, device=device, dtype=torch.bfloat16)
     b = torch.randn(n, k, device=device, dtype=torch.bfloat16).t()
     a8, b8 = a.to(E4M3), b.t().contiguous().to(E4M3).t()
@@ -170,7 +172,8 @@ def gemm_ways(m: int, k: int, n: int, forward: bool, device: torch.device):
         return out
 
     def reference(way: str) -> torch.Tensor:
-        """What ``way`` computes, in fp32 from its float8 operands (the tests hold the ways to it)."""
+        """What ``way`` computes, in fp32 from its float8 operands (the tests hold the ways to
+        it)."""
         scales = {"tensorwise": (tensor_a, tensor_b), "rowwise": (row_a, col_b)}[way]
         return (a8.float() / scales[0]) @ (b8.float() / scales[1])
 
@@ -211,7 +214,8 @@ def table(result: dict) -> list[str]:
     lines = [
         f"Float8 GEMMs of one block, {result['device']}, {result['tokens']:,} tokens (ms; TFLOP/s)",
         "",
-        "| run | GEMM | TFLOP | bf16 | tensorwise | rowwise | rowwise / tensorwise | tensorwise / bf16 |",
+        "| run | GEMM | TFLOP | bf16 | tensorwise | rowwise | rowwise / tensorwise | "
+        "tensorwise / bf16 |",
         "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for run in result["runs"]:
@@ -220,7 +224,8 @@ def table(result: dict) -> list[str]:
             lines.append(
                 f"| {run['label']} | {r['gemm']} | {r['tflop']:.3f} | "
                 + " | ".join(f"{r[f'{w}_ms']:.3f} ({rate[w]:,.0f})" for w in WAYS)
-                + f" | x{r['rowwise_ms'] / r['tensorwise_ms']:.2f} | x{r['tensorwise_ms'] / r['bf16_ms']:.2f} |"
+                + f" | x{r['rowwise_ms'] / r['tensorwise_ms']:.2f} | "
+                f"x{r['tensorwise_ms'] / r['bf16_ms']:.2f} |"
             )
     return lines
 

@@ -15,11 +15,13 @@ Markdown tables (ready for docs/benchmarks/):
 
 3. trainer (``--tables trainer``, for a GPU): the real trainer (torchrun, TorchTitan's metrics,
    compile, bf16) for llama, llama_canon and the three linear models with Canon-AbCD at
-   ``--trainer-flavor`` (1B), one row per model at each of ``--trainer-seqs`` in order: the recipes' 16,384 x 1
-   first (the figure of record; target: each linear model >= 1.5x Llama's tokens/s), then 4096 (``--trainer-tokens``
-   tokens per step: 4096 x 2) for information: tokens/s, MFU, peak memory and the first step's seconds (from the
-   model's build: compile and kernel tuning). The kernels each run used are listed.
-4. host (``--tables host``, on a CPU): each custom op's host path in one layer, counted (``linear_host.py``).
+   ``--trainer-flavor`` (1B), one row per model at each of ``--trainer-seqs`` in order: the recipes'
+   16,384 x 1 first (the figure of record; target: each linear model >= 1.5x Llama's tokens/s), then
+   4096 (``--trainer-tokens`` tokens per step: 4096 x 2) for information: tokens/s, MFU, peak memory
+   and the first step's seconds (from the model's build: compile and kernel tuning). The kernels
+   each run used are listed.
+4. host (``--tables host``, on a CPU): each custom op's host path in one layer, counted
+(``linear_host.py``).
 5. documents (``--tables documents``, on a CPU): what keeping packed documents apart costs per
    layer. Bytes and kernels of one compiled block's own code at ``--documents-flavor`` (1B) and
    ``--documents-tokens`` tokens, as Inductor's scheduler counts them for a Hopper GPU
@@ -29,21 +31,24 @@ Markdown tables (ready for docs/benchmarks/):
    --documents``). The Canon layers run on the torch backend in both (the Triton Canon op takes no
    positions yet), Canon-AbCD and without Canon layers ('').
 
-For tables 1 and 2, a step is forward + backward + AdamW on random tokens, after ``--warmup`` untimed steps; the tables
-give the median of the timed steps. Each model runs in its own process (its cases in order, the
-scaling sequences ascending, so the process's peak RSS after a case is that case's peak). CPU runs
-fp32 with the torch kernels; CUDA runs bf16 autocast with ``--kernel-backend`` (``auto`` picks fla /
-mamba_ssm when they import). On CPU the workers keep freed memory mapped (``--malloc keep``): with
-glibc's defaults every step page-faults its large activations in again, which on a small VM made
-steps up to ~1.7x slower and very noisy. Progress goes to stderr, tables to stdout.
+For tables 1 and 2, a step is forward + backward + AdamW on random tokens, after ``--warmup``
+untimed steps; the tables give the median of the timed steps. Each model runs in its own process
+(its cases in order, the scaling sequences ascending, so the process's peak RSS after a case is that
+case's peak). CPU runs fp32 with the torch kernels; CUDA runs bf16 autocast with
+``--kernel-backend`` (``auto`` picks fla / mamba_ssm when they import). On CPU the workers keep
+freed memory mapped (``--malloc keep``): with glibc's defaults every step page-faults its large
+activations in again, which on a small VM made steps up to ~1.7x slower and very noisy. Progress
+goes to stderr, tables to stdout.
 
-  OMP_NUM_THREADS=2 .venv/bin/python scripts/benchmarks/bench_linear.py            # CPU default, ~5 min on 2 cores
-  .venv/bin/python scripts/benchmarks/bench_linear.py --device cuda --dim 1024 --layers 8 --batch 8 --seq-len 2048 \\
+  OMP_NUM_THREADS=2 .venv/bin/python scripts/benchmarks/bench_linear.py            # CPU default, ~5
+  min on 2 cores .venv/bin/python scripts/benchmarks/bench_linear.py --device cuda --dim 1024
+  --layers 8 --batch 8 --seq-len 2048 \\
       --scaling-dim 512 --scaling-seqs 2048,4096,8192,16384,32768      # on a GPU
   .venv/bin/python scripts/benchmarks/bench_linear.py --tables scaling --models gla5:bb,llama_canon
-  .venv/bin/python scripts/benchmarks/bench_linear.py --tables trainer                              # on a GPU
-  .venv/bin/python scripts/benchmarks/bench_linear.py --tables host                                 # any machine
-  .venv/bin/python scripts/benchmarks/bench_linear.py --tables documents             # on a CPU
+  .venv/bin/python scripts/benchmarks/bench_linear.py --tables trainer
+  # on a GPU .venv/bin/python scripts/benchmarks/bench_linear.py --tables host
+  # any machine .venv/bin/python scripts/benchmarks/bench_linear.py --tables documents             #
+  on a CPU
 """
 
 from __future__ import annotations
@@ -65,7 +70,8 @@ import model_registry
 DEFAULT_MODELS = "gla5:AbbCD,gla5:bb,gdn2:AbbCD,gdn2:bb,mamba2:AbbCD,mamba2:bb,llama_canon:ABCD"
 TRAINER_MODELS = "llama,llama_canon:ABCD,gla5:AbbCD,gdn2:AbbCD,mamba2:AbbCD"
 TRAINER_TARGETS = {16384: 1.5}
-"""The linear models' tokens/s over Llama's at the recipes' shape; other lengths are for information."""
+"""The linear models' tokens/s over Llama's at the recipes' shape; other lengths are for
+information."""
 LINEAR = ("gla5", "gdn2", "mamba2")
 BASELINE = "llama_canon:ABCD"
 
@@ -109,7 +115,8 @@ def parse_args(argv=None):
     p.add_argument(
         "--heads",
         type=int,
-        help="heads of every model (default dim // 64: key head 64, value head 128, Mamba2 head 128)",
+        help="heads of every model (default dim // 64: key head 64, value head 128, Mamba2 "
+        "head 128)",
     )
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--batch", type=int, default=4)
@@ -154,7 +161,8 @@ def parse_args(argv=None):
         "--malloc",
         default="keep",
         choices=("keep", "default"),
-        help="keep: run the workers with glibc's MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_ raised so "
+        help="keep: run the workers with glibc's MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_ "
+        "raised so "
         "freed activations stay mapped instead of being page-faulted in again every step (on a "
         "small VM the faults cost up to half the step time); default: glibc as is",
     )
@@ -305,8 +313,10 @@ def run_worker(job: dict) -> None:
     name = f"{family}:{canon}" if canon else family
     dev_name = torch.cuda.get_device_name(device) if cuda else cpu_name()
 
-    # Memory is counted from here (model built; the first step adds gradients and AdamW state), once for all
-    # cases: a CPU process keeps what it freed, so an RSS taken between cases would hide that memory.
+    # Memory is counted from here (model built; the first step adds gradients and AdamW state), once
+    # for all
+    # cases: a CPU process keeps what it freed, so an RSS taken between cases would hide that
+    # memory.
     base = torch.cuda.memory_allocated() if cuda else rss_bytes()
 
     def step(tokens):
@@ -326,14 +336,16 @@ def run_worker(job: dict) -> None:
             torch.cuda.reset_peak_memory_stats()
         for i in range(job["warmup"]):
             progress(
-                f"{name} dim {job['overrides']['dim']} batch {batch} seq {seq}: warm-up {i + 1}/{job['warmup']}"
+                f"{name} dim {job['overrides']['dim']} batch {batch} seq {seq}: warm-up "
+                f"{i + 1}/{job['warmup']}"
             )
             step(tokens)
         times = []
         started = time.perf_counter()
         for i in range(job["steps"]):
             progress(
-                f"{name} dim {job['overrides']['dim']} batch {batch} seq {seq}: step {i + 1}/{job['steps']}"
+                f"{name} dim {job['overrides']['dim']} batch {batch} seq {seq}: step "
+                f"{i + 1}/{job['steps']}"
             )
             t0 = time.perf_counter()
             step(tokens)
@@ -397,7 +409,8 @@ FAILED: list[str] = []
 
 
 def spawn(job: dict, threads: int, malloc: str) -> list[dict]:
-    """Run one worker; relay its progress to stderr, return its results (a failed worker's done cases)."""
+    """Run one worker; relay its progress to stderr, return its results (a failed worker's done
+    cases)."""
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
     if malloc == "keep":
         env = {**KEEP_MALLOC, **env}  # values the caller set win
@@ -424,7 +437,8 @@ def spawn(job: dict, threads: int, malloc: str) -> list[dict]:
             r = json.loads(line[7:])
             results.append(r)
             print(
-                f"{chr(13) if tty else ''}[bench_linear] {r['model']} dim {r['dim']} batch {r['batch']} "
+                f"{chr(13) if tty else ''}[bench_linear] {r['model']} dim {r['dim']} batch "
+                f"{r['batch']} "
                 f"seq {r['seq']}: {r['tokens_per_s']:,.0f} tokens/s, {r['step_ms']:,.0f} ms/step"
                 f"{' ' * 20 if tty else ''}",
                 file=sys.stderr,
@@ -446,7 +460,8 @@ def header(results: list[dict], what: str, extra: str) -> str:
     malloc = f", glibc malloc {r['malloc']}" if r["device"].startswith("cpu") else ""
     return (
         f"**{what}** — device {r['device']}, {r['threads']} threads, torch {r['torch']}, "
-        f"{r['autocast']}{malloc}, width {r['dim']}, {r['layers']} layers, {r['heads']} heads, {extra}"
+        f"{r['autocast']}{malloc}, width {r['dim']}, {r['layers']} layers, {r['heads']} "
+        f"heads, {extra}"
     )
 
 
@@ -454,9 +469,12 @@ def shape_note(args, dim: int) -> str:
     heads = args.heads or max(1, dim // 64)
     state = args.state_size or dim // heads
     return (
-        f"_gla5/gdn2: key head {dim // heads}, value head {2 * dim // heads}, MLP hidden {2 * dim}; mamba2: head "
-        f"{2 * dim // heads}, state {state}, chunk {args.mamba_chunk}, MLP hidden {2 * dim}; llama_canon: "
-        f"MHA head {dim // heads}, SwiGLU hidden {llama_hidden(dim)}, RoPE on a quarter of the head. Linear "
+        f"_gla5/gdn2: key head {dim // heads}, value head {2 * dim // heads}, MLP hidden "
+        f"{2 * dim}; mamba2: head "
+        f"{2 * dim // heads}, state {state}, chunk {args.mamba_chunk}, MLP hidden "
+        f"{2 * dim}; llama_canon: "
+        f"MHA head {dim // heads}, SwiGLU hidden {llama_hidden(dim)}, RoPE on a quarter of "
+        "the head. Linear "
         f"models on the torch chunked kernels (chunk 64) unless the kernel column says otherwise._"
     )
 
@@ -474,7 +492,8 @@ def throughput_table(results: list[dict], args) -> str:
         "",
         shape_note(args, args.dim),
         "",
-        f"| model | canon_set | kernel | params | tokens/s | step ms | min step ms | tokens/s vs {BASELINE} | "
+        "| model | canon_set | kernel | params | tokens/s | step ms | min step ms | "
+        f"tokens/s vs {BASELINE} | "
         f"{mem} MiB | {mem} increase MiB |",
         "|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
@@ -507,7 +526,8 @@ def scaling_table(results: list[dict], args, seqs: list[int]) -> str:
         "",
         "| model | canon_set | "
         + " | ".join(f"T={s}" for s in seqs)
-        + f" | step time T={last} / T={first} (linear: x{last // first}) | {mem} increase MiB at T={last} |",
+        + f" | step time T={last} / T={first} (linear: x{last // first}) | {mem} increase "
+        f"MiB at T={last} |",
         "|---|---|" + "---:|" * (len(seqs) + 2),
     ]
     for model, cases in by_model.items():
@@ -548,7 +568,8 @@ def run_trainer_table(args) -> tuple[list[dict], str]:
                     **({"canon_set": canon} if canon else {}),
                 }
                 print(
-                    f"[bench_linear] trainer: {spec} {args.trainer_flavor}, batch {batch} x seq {seq} ...",
+                    f"[bench_linear] trainer: {spec} {args.trainer_flavor}, batch {batch} "
+                    f"x seq {seq} ...",
                     file=sys.stderr,
                     flush=True,
                 )
@@ -571,16 +592,20 @@ def run_trainer_table(args) -> tuple[list[dict], str]:
 
 
 def trainer_table(results: list[dict], specs: list[str], seqs: list[int], args) -> str:
-    """One row per length (in ``seqs``' order) and model (``specs``; the first is the base of the ratios)."""
+    """One row per length (in ``seqs``' order) and model (``specs``; the first is the base of the
+    ratios)."""
     by = {(r["spec"], r["seq_len"]): r for r in results}
     base = specs[0]
     lines = [
-        f"**Trainer** — flavor {args.trainer_flavor}, compile {args.trainer_compile}, medians over steps "
+        f"**Trainer** — flavor {args.trainer_flavor}, compile {args.trainer_compile}, "
+        "medians over steps "
         f"{args.trainer_warmup + 1}-{args.trainer_steps}; the first length is the figure of record "
-        f"(target x{TRAINER_TARGETS.get(seqs[0], '-')} of {base} for the linear models), the others for "
+        f"(target x{TRAINER_TARGETS.get(seqs[0], '-')} of {base} for the linear models), "
+        "the others for "
         "information",
         "",
-        f"| batch x seq | model | canon_set | tokens/s | x {base} | MFU % | peak reserved GiB | step 1 s |",
+        f"| batch x seq | model | canon_set | tokens/s | x {base} | MFU % | peak reserved "
+        "GiB | step 1 s |",
         "|---|---|---|---:|---:|---:|---:|---:|",
     ]
     for seq in seqs:
@@ -868,8 +893,10 @@ def main(argv=None) -> int:
     print(f"[bench_linear] done in {elapsed / 60:.1f} min", file=sys.stderr, flush=True)
     print("\n\n".join(out))
     print(
-        f"\n_total benchmark time {elapsed / 60:.1f} min; 1-minute load average {load_before:.1f} before, "
-        f"{os.getloadavg()[0]:.1f} after (about {args.threads} is this benchmark alone; more means other "
+        f"\n_total benchmark time {elapsed / 60:.1f} min; 1-minute load average "
+        f"{load_before:.1f} before, "
+        f"{os.getloadavg()[0]:.1f} after (about {args.threads} is this benchmark alone; "
+        "more means other "
         f"processes competed for the cores and the timings are noisy)_"
     )
     if args.json:

@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """Start-up time of the CLI: ``canon-titan --help`` and ``canon-titan config validate`` on the
 debug configs, each run as a fresh process (imports included), against the 5-s target; and a whole
-2-rank training job of two steps on the LlamaCanon debug config (``canon-titan train --nproc 2``: the
-launcher, torchrun and both ranks, from start to exit), whose time is mostly its processes starting
-and ending. Wall time and the CPU time of all its processes.
+2-rank training job of two steps on the LlamaCanon debug config (``canon-titan train --nproc 2``:
+the launcher, torchrun and both ranks, from start to exit), whose time is mostly its processes
+starting and ending. Wall time and the CPU time of all its processes.
 
   .venv/bin/python scripts/benchmarks/bench_startup.py            # 5 runs of each, median and min
   .venv/bin/python scripts/benchmarks/bench_startup.py --runs 9
@@ -27,7 +27,8 @@ TARGET_S = 5.0
 
 
 def timed(argv: list[str], runs: int) -> tuple[list[float], list[float]]:
-    """Wall and CPU seconds (user + system, of the command and every process it started) of each run."""
+    """Wall and CPU seconds (user + system, of the command and every process it started) of each
+    run."""
     walls, cpus = [], []
     for _ in range(runs):
         if "--job.dump_folder" in argv:  # each run a new one (a finished run is not trained again)
@@ -46,7 +47,8 @@ def timed(argv: list[str], runs: int) -> tuple[list[float], list[float]]:
         cpus.append(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime)
         if proc.returncode != 0:
             sys.exit(
-                f"bench_startup: `canon-titan {' '.join(argv)}` failed (exit {proc.returncode}):\n{proc.stderr}"
+                f"bench_startup: `canon-titan {' '.join(argv)}` failed (exit "
+                f"{proc.returncode}):\n{proc.stderr}"
             )
     return walls, cpus
 
@@ -90,7 +92,8 @@ def main() -> None:
             "-" if target is None else f"< {target:.0f} s: {'ok' if median < target else 'OVER'}"
         )
         print(
-            f"{name:<45} {median:>9.2f} {min(walls):>7.2f} {statistics.median(cpus):>7.2f}  {verdict}",
+            f"{name:<45} {median:>9.2f} {min(walls):>7.2f} {statistics.median(cpus):>7.2f} "
+            f" {verdict}",
             flush=True,
         )
     shutil.rmtree(dump.parent, ignore_errors=True)

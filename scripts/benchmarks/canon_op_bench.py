@@ -31,8 +31,8 @@ from canon_titan.kernels import aot, canon
 
 @dataclass(frozen=True)
 class Call:
-    """One Canon call of a layer: a convolution over ``channels`` (a slice of rows ``row_width`` wide
-    when set), or Canon-D's SwiGLU over ``channels`` = the hidden width."""
+    """One Canon call of a layer: a convolution over ``channels`` (a slice of rows ``row_width``
+    wide when set), or Canon-D's SwiGLU over ``channels`` = the hidden width."""
 
     name: str
     channels: int
@@ -288,8 +288,8 @@ def ops(calls: list[Call], batch: int, seq: int, reps: int) -> dict:
             gen = torch.Generator().manual_seed(0)
             t = inputs(call, batch, seq, device, dtype, gen)
             dy = torch.randn(batch, seq, call.channels, generator=gen).to(device, dtype)
-            # Compiled on a GPU, as the models run it: the fused norms' input gradient is torch ops there, fused
-            # by Inductor with the norm's backward (in eager, several kernels).
+            # Compiled on a GPU, as the models run it: the fused norms' input gradient is torch ops
+            # there, fused by Inductor with the norm's backward (in eager, several kernels).
             op = _canon_op(call, "triton")
             triton_step = _fwd_bwd(torch.compile(op) if cuda else op, t, dy)
             started = time.perf_counter()
@@ -325,10 +325,10 @@ canon_titan.kernels.aot`` with the blocks set)."""
 
 
 def _backward(call: Call, t: dict, dy: torch.Tensor, bodies: bool = False):
-    """The call's backward kernels as the models launch them: through the ops (eager, on a device), or
-    their bodies (``bodies``: on meta tensors, whose launches ``aot.record_launches`` records). With a fused
-    norm and no SiLU they compute the weight's and the column scale's gradients; the input's is Inductor's,
-    fused with the norm's backward (``canon._canon_conv_grad``)."""
+    """The call's backward kernels as the models launch them: through the ops (eager, on a device),
+    or their bodies (``bodies``: on meta tensors, whose launches ``aot.record_launches`` records).
+    With a fused norm and no SiLU they compute the weight's and the column scale's gradients; the
+    input's is Inductor's, fused with the norm's backward (``canon._canon_conv_grad``)."""
     ops = torch.ops.canon_titan
     swiglu, weights, conv = (
         (canon.swiglu_backward, canon.conv_weight_grads, canon.conv_backward)

@@ -1,5 +1,6 @@
 """One context-parallel rank's attention, timed on one GPU: what the planner cannot take from any
-source in text (issue 42: CP 4 and 8 of TorchTitan's table 2 measured 1.42-1.47x slower than planned).
+source in text (issue 42: CP 4 and 8 of TorchTitan's table 2 measured 1.42-1.47x slower than
+planned).
 
 TorchTitan's December 2024 CP runs used PyTorch's ring attention
 (``torch.distributed.tensor.experimental``'s ``_templated_ring_attention``: one SDPA call per ring
@@ -19,19 +20,20 @@ them what the planner gives the same FLOPs (``canon_titan.plan.estimate``: the f
 efficiency on the GPU's peak).
 
     .venv/bin/python scripts/benchmarks/cp_attention_rank.py [--cp 1,2,4,8] [--seq-local 32768]
-        [--heads 32] [--kv-heads 8] [--head-dim 128] [--rotate allgather|alltoall] [--reps 3] [--json OUT]
-        [--tiny]
+        [--heads 32] [--kv-heads 8] [--head-dim 128] [--rotate allgather|alltoall] [--reps 3]
+        [--json OUT] [--tiny]
 
-Defaults are TorchTitan's table 2 (Llama 3.1 8B: 32 heads of 128, keys and values repeated to 32 heads
-before SDPA as its Llama did, 32,768 tokens per rank at every CP degree). ``--kv-heads`` (fewer than
+Defaults are TorchTitan's table 2 (Llama 3.1 8B: 32 heads of 128, keys and values repeated to 32
+heads before SDPA as its Llama did, 32,768 tokens per rank at every CP degree). ``--kv-heads``
+(fewer than
 ``--heads``) gives canon-titan's gather grouped-query K and V, as its models attend (SDPA's
 ``enable_gqa``, on the lower-right causal path); the ring, whose flash calls take K and V with every
-head, gets them repeated. Before timing, each degree's first and last rank check canon-titan's gather
-against plain causal SDPA over the whole sequence (the rank's outputs and the gradients its queries
-send back; the gather's collective answered in this process with every rank's rows): the script
-stops with the difference if they disagree. On a CPU (``--tiny``: toy shapes, the CPU's flash kernel)
-it checks that the script runs and records each implementation's SDPA calls; the times mean nothing
-there.
+head, gets them repeated. Before timing, each degree's first and last rank check canon-titan's
+gather against plain causal SDPA over the whole sequence (the rank's outputs and the gradients its
+queries send back; the gather's collective answered in this process with every rank's rows): the
+script stops with the difference if they disagree. On a CPU (``--tiny``: toy shapes, the CPU's flash
+kernel) it checks that the script runs and records each implementation's SDPA calls; the times mean
+nothing there.
 """
 
 from __future__ import annotations
@@ -67,8 +69,8 @@ def ring_module():
 
 
 class Flash:
-    """The SDPA flash ops the ring calls, on the device's kernels (the CPU's on a CPU), counting each
-    call's (queries, keys, is_causal)."""
+    """The SDPA flash ops the ring calls, on the device's kernels (the CPU's on a CPU), counting
+    each call's (queries, keys, is_causal)."""
 
     def __init__(self, device: str):
         self.cuda = device == "cuda"
@@ -85,7 +87,8 @@ class Flash:
         )
 
     def saved(self, rest) -> dict:
-        """The flash forward's outputs after (out, logsumexp) that its backward takes (none on a CPU)."""
+        """The flash forward's outputs after (out, logsumexp) that its backward takes (none on a
+        CPU)."""
         names = ("cum_seq_q", "cum_seq_k", "max_q", "max_k", "philox_seed", "philox_offset")
         return dict(zip(names, rest[:6])) if self.cuda else {}
 
@@ -183,7 +186,8 @@ def check_against_causal(cp: int, rank: int, args, device: str, dtype) -> float:
     sequence: the rank's outputs and the gradients of the query, key and value rows that its
     queries' loss sends back. The gather's collective is answered here with every rank's rows of the
     whole sequence (a fake process group moves no data), so the rank runs its own code from the
-    gather's output on. Raises AssertionError past bf16's rounding; returns the largest difference."""
+    gather's output on. Raises AssertionError past bf16's rounding; returns the largest
+    difference."""
     from canon_titan.models.common import context_parallel
     from canon_titan.models.common.context_parallel import ContextShards, rank_positions
 
@@ -229,9 +233,10 @@ def check_against_causal(cp: int, rank: int, args, device: str, dtype) -> float:
 
 
 class SDPACalls(TorchFunctionMode):
-    """Records each ``F.scaled_dot_product_attention`` call as a forward call of ``flash`` (queries, keys,
-    causal: the flag, or torch's causal bias, which canon-titan passes aligned to the lower right, where
-    the flash kernel's causal flag aligns)."""
+    """Records each ``F.scaled_dot_product_attention`` call as a forward call of ``flash`` (queries,
+    keys,
+    causal: the flag, or torch's causal bias, which canon-titan passes aligned to the lower right,
+    where the flash kernel's causal flag aligns)."""
 
     def __init__(self, flash: Flash):
         super().__init__()
@@ -261,7 +266,8 @@ def causal_share_flops(calls, heads: int, head_dim: int) -> int:
 
 
 def timed(fn, reps: int, cuda: bool) -> float:
-    """Median milliseconds of ``fn()`` over ``reps`` runs after one warm-up (bench_float8_gemm's timer)."""
+    """Median milliseconds of ``fn()`` over ``reps`` runs after one warm-up (bench_float8_gemm's
+    timer)."""
     from bench_float8_gemm import _timer
 
     return _timer(torch.device("cuda" if cuda else "cpu"), reps)(fn)
@@ -372,14 +378,18 @@ def _row(r: dict) -> str:
     calls = sum(1 for c in r["calls"] if c[0] == "forward")
     return (
         f"| {r['cp']} | {r['implementation']} | {r['rank']} | {calls} | {r['forward_ms']:.2f} | "
-        f"{r['forward_backward_ms']:.2f} | {r['kernels_ms']:.2f} | {r['forward_backward_ms'] - r['kernels_ms']:.2f} | "
-        f"{per_step} | {r['tflops']:.1f} | {r['planned_ms']:.2f} | x{r['forward_backward_ms'] / r['planned_ms']:.2f} |"
+        f"{r['forward_backward_ms']:.2f} | {r['kernels_ms']:.2f} | "
+        f"{r['forward_backward_ms'] - r['kernels_ms']:.2f} | "
+        f"{per_step} | {r['tflops']:.1f} | {r['planned_ms']:.2f} | "
+        f"x{r['forward_backward_ms'] / r['planned_ms']:.2f} |"
     )
 
 
 HEADER = [
-    "| CP | implementation | rank | SDPA calls (fwd) | forward ms | fwd+bwd ms | its SDPA calls alone ms "
-    "| the rest ms | the rest per ring step ms | TFLOPS (fwd+bwd) | planned ms | measured / planned |",
+    "| CP | implementation | rank | SDPA calls (fwd) | forward ms | fwd+bwd ms | its SDPA "
+    "calls alone ms "
+    "| the rest ms | the rest per ring step ms | TFLOPS (fwd+bwd) | planned ms | measured "
+    "/ planned |",
     "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
 ]
 
@@ -389,8 +399,10 @@ def table(report: dict) -> list[str]:
     kv_heads = report.get("kv_heads", report["heads"])
     gqa = f" (canon-titan's K/V: {kv_heads} heads)" if kv_heads != report["heads"] else ""
     title = (
-        f"One CP rank's attention of one layer, {report['device']}, torch {report['torch']}: {report['seq_local']:,} "
-        f"tokens per rank, {report['heads']} heads of {report['head_dim']}{gqa}; collectives on a fake process "
+        f"One CP rank's attention of one layer, {report['device']}, torch "
+        f"{report['torch']}: {report['seq_local']:,} "
+        f"tokens per rank, {report['heads']} heads of {report['head_dim']}{gqa}; "
+        "collectives on a fake process "
         f"group (compute only); planned on the {report['gpu']} entry's flash efficiency"
     )
     rows = sorted(report["rows"], key=lambda r: (r["cp"], r["implementation"] != "ring", r["rank"]))
@@ -447,7 +459,8 @@ def main(argv=None) -> int:
         p.error(f"--kv-heads: must divide --heads ({args.heads}), got {args.kv_heads}")
     if args.seq_local % 2:
         p.error(
-            f"--seq-local: the head-tail split needs an even number of tokens per rank, got {args.seq_local}"
+            "--seq-local: the head-tail split needs an even number of tokens per rank, "
+            f"got {args.seq_local}"
         )
     cuda = torch.cuda.is_available() and not args.tiny
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
@@ -471,12 +484,13 @@ def main(argv=None) -> int:
                 worst = check_against_causal(cp, rank, args, device, dtype)
                 report["checked"].append({"cp": cp, "rank": rank, "max_abs_diff": worst})
                 print(
-                    f"CP {cp} rank {rank}: the gather's attention equals causal SDPA (largest difference "
+                    f"CP {cp} rank {rank}: the gather's attention equals causal SDPA "
+                    "(largest difference "
                     f"{worst:.3g})",
                     flush=True,
                 )
-    # Torch's ring at every degree first (what the calibration points ran), then canon-titan's; the report is
-    # rewritten after each row, so a run stopped by its time limit keeps what it measured.
+    # Torch's ring at every degree first (what the calibration points ran), then canon-titan's; the
+    # report is rewritten after each row, so a run stopped by its time limit keeps what it measured.
     for impl in impls:
         for cp in degrees:
             for rank in sorted({0, cp - 1}):

@@ -1,13 +1,14 @@
-"""Where the planner's cost of torchao's row-wise float8 casts comes from (``canon_titan.plan.recorder.
-ROWWISE_CAST_BYTES``), and how well the plan meets its source with it.
+"""Where the planner's cost of torchao's row-wise float8 casts comes from
+(``canon_titan.plan.recorder. ROWWISE_CAST_BYTES``), and how well the plan meets its source with it.
 
     .venv/bin/python scripts/benchmarks/fit_rowwise_casts.py [--fit] [--min-m 8192]
 
-The source is torchao's published microbenchmark (pytorch/ao#2312, ``pytorch/ao/docs/static/fp8-rowwise-perf.png``,
-June 2025, PyTorch 2.8.0a0 on an H100): the speed-up of a compiled LayerNorm -> Linear -> Sigmoid
-forward and backward with torchao's ``rowwise`` float8 recipe over the same in bf16, by the forward's
-M (tokens), K (in features) and N (out features). ``TABLE`` holds its rows of M >= 8192 (training's
-token counts; below them, launch overheads the plan does not model dominate), as published.
+The source is torchao's published microbenchmark (pytorch/ao#2312,
+``pytorch/ao/docs/static/fp8-rowwise-perf.png``, June 2025, PyTorch 2.8.0a0 on an H100): the
+speed-up of a compiled LayerNorm -> Linear -> Sigmoid forward and backward with torchao's
+``rowwise`` float8 recipe over the same in bf16, by the forward's M (tokens), K (in features) and N
+(out features). ``TABLE`` holds its rows of M >= 8192 (training's token counts; below them, launch
+overheads the plan does not model dominate), as published.
 
 The table's rows alternate between two halves (``rows``): the constants are fitted to one and
 tested on the other. Without ``--fit``: plans the module for every row (the plan's recorder on fake
@@ -64,9 +65,9 @@ HALVES = ("fit", "held_out")
 
 
 def rows(min_m: int = 0, half: str | None = None):
-    """The table's (M, K, N, speed-up) from ``min_m``; ``half``: only the rows the constants are fitted
-    to (``fit``) or only the others (``held_out``), alternating as the squares of a chessboard along
-    each of M, K and N, so that each half spans the whole table."""
+    """The table's (M, K, N, speed-up) from ``min_m``; ``half``: only the rows the constants are
+    fitted to (``fit``) or only the others (``held_out``), alternating as the squares of a
+    chessboard along each of M, K and N, so that each half spans the whole table."""
     for i, (m, by_k) in enumerate(TABLE.items()):
         if m < min_m:
             continue
@@ -108,7 +109,8 @@ def record_module(recipe: str, m: int, k: int, n: int):
 
 
 def module_seconds(trace, gpu_name: str = "h100", compiled: bool = True) -> dict[str, float]:
-    """The plan's seconds per op kind for a recorded module (all of it compiled, as the benchmark ran)."""
+    """The plan's seconds per op kind for a recorded module (all of it compiled, as the benchmark
+    ran)."""
     from canon_titan.plan.estimate import compute_seconds
     from canon_titan.plan.fake_world import RankStep
     from canon_titan.plan.gpus import GPUS
@@ -179,31 +181,37 @@ def main() -> int:
         )
         print(
             f"a = {result['a'] * 1e12:.2f} ps per element of the input (M x K): "
-            f"{result['a'] * bandwidth:.1f} bytes, {result['a'] * bandwidth / 2:.1f} per GEMM it enters"
+            f"{result['a'] * bandwidth:.1f} bytes, {result['a'] * bandwidth / 2:.1f} per "
+            "GEMM it enters"
         )
         print(
             f"b = {result['b'] * 1e12:.2f} ps per element of the output gradient (M x N): "
-            f"{result['b'] * bandwidth:.1f} bytes, {result['b'] * bandwidth / 2:.1f} per GEMM it enters"
+            f"{result['b'] * bandwidth:.1f} bytes, {result['b'] * bandwidth / 2:.1f} per "
+            "GEMM it enters"
         )
         print(
-            f"fitted: median error {100 * result['median']:.1f}%, worst {100 * result['worst']:.0f}%"
+            f"fitted: median error {100 * result['median']:.1f}%, worst "
+            f"{100 * result['worst']:.0f}%"
         )
         return 0
     errors = {half: [] for half in HALVES}
     print(
-        "| M | K | N | half | measured | planned | planned / measured |\n|---:|---:|---:|---|---:|---:|---:|"
+        "| M | K | N | half | measured | planned | planned / measured "
+        "|\n|---:|---:|---:|---|---:|---:|---:|"
     )
     for half in HALVES:
         for m, k, n, speedup in rows(args.min_m, half):
             planned = planned_speedup(m, k, n)
             errors[half].append(abs(planned / speedup - 1))
             print(
-                f"| {m} | {k} | {n} | {half} | {speedup:.2f} | {planned:.2f} | x{planned / speedup:.2f} |",
+                f"| {m} | {k} | {n} | {half} | {speedup:.2f} | {planned:.2f} | "
+                f"x{planned / speedup:.2f} |",
                 flush=True,
             )
     for half, errs in errors.items():
         print(
-            f"{half}: median error {100 * statistics.median(errs):.1f}%, worst {100 * max(errs):.0f}% "
+            f"{half}: median error {100 * statistics.median(errs):.1f}%, worst "
+            f"{100 * max(errs):.0f}% "
             f"over {len(errs)} shapes"
         )
     return 0

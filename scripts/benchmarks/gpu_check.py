@@ -1,14 +1,15 @@
 #!/usr/bin/env python
 """Everything a lent GPU should measure, in one run, ordered by value so that a run cut short still
 brings back the figures that matter most. Each step is a subprocess under its own time limit
-(``timeout -s INT``, so a hang prints where it was and costs only its step; KILL 15 s later), all within ``--budget``
-seconds; a step that no longer fits is skipped and named. After every step the report is rewritten,
-so a run killed from outside keeps what it measured. Run it through ``scripts/gpu_check.sh OUTDIR``,
-which installs the offline kit first where needed.
+(``timeout -s INT``, so a hang prints where it was and costs only its step; KILL 15 s later), all
+within ``--budget`` seconds; a step that no longer fits is skipped and named. After every step the
+report is rewritten, so a run killed from outside keeps what it measured. Run it through
+``scripts/gpu_check.sh OUTDIR``, which installs the offline kit first where needed.
 
-  env                 GPU, driver, torch/triton/fla/mamba-ssm versions, the kernel backends ``auto`` picks
-  kernel_tests        the kernel tests on CUDA (five pytest shards side by side)             } side by
-  losses              bf16 loss curves, 100 steps: llama_canon triton vs torch, gla5 fla vs  } side
+  env                 GPU, driver, torch/triton/fla/mamba-ssm versions, the kernel backends ``auto``
+  picks kernel_tests        the kernel tests on CUDA (five pytest shards side by side)             }
+  side by losses              bf16 loss curves, 100 steps: llama_canon triton vs torch, gla5 fla vs
+  } side
                       torch, mamba2 mamba_ssm vs torch (debug models, the trainer), each pair  }
                       as it ends                                                            }
   warm_tuning         two untimed steps of Mamba2-1B and GLA5-1B at 16,384 x 1, so that their }
@@ -16,32 +17,38 @@ which installs the offline kit first where needed.
   syncs               what a training step waits on (step_syncs.py): sync debug mode and the }
                       profiler's CUDA runtime calls, pinned vs pageable batches, and PP 2     }
                       (PP 2 x FSDP 2 on four GPUs) where two GPUs are lent
-  canon_llama_b8      the trainer, one run each (TorchTitan's metrics; 1B, seq 4096, the recipes' batch 8,
-  canon_triton_b8       compile, a profiled step): Llama-1B, then LlamaCanon-1B on the Triton Canon op: the
+  canon_llama_b8      the trainer, one run each (TorchTitan's metrics; 1B, seq 4096, the recipes'
+  batch 8, canon_triton_b8       compile, a profiled step): Llama-1B, then LlamaCanon-1B on the
+  Triton Canon op: the
                         Canon ratio of record
   canon_llama         the same at batch 2 (the base of the linear and float8 runs)
   canon_triton
-  linear_*_16k        the linear models' figure of record: Llama, Mamba2, GLA5, GDN2 (Canon AbbCD) at the
+  linear_*_16k        the linear models' figure of record: Llama, Mamba2, GLA5, GDN2 (Canon AbbCD)
+  at the
                       recipes' 16,384 x 1, then Mamba2 with CUDA graphs, then the three with
                       document masking (against the same runs without); a case whose recurrence
                       ``auto`` runs on torch here is skipped, saying why
   linear_*_4k         Mamba2, GLA5, GDN2 at 4096 x 2, for information (against canon_llama)
-  float8_tensorwise   LlamaCanon-1B (triton) with float8 training, each recipe (against canon_triton)
-  float8_rowwise
+  float8_tensorwise   LlamaCanon-1B (triton) with float8 training, each recipe (against
+  canon_triton) float8_rowwise
   canon_bwd_blocks    the Canon backward kernels at each candidate block configuration (bench_canon
                       --mode bwd_blocks: the fixed blocks are chosen from it)
-  float8_gemms        a Llama block's float8 GEMMs as torchao's recipes run them, against bf16, at the
-                      shapes of the planner's TP 8 calibration points and of LlamaCanon-1B (bench_float8_gemm)
-  ops                 the Canon ops against fla's causal_conv1d and the memory bound (bench_canon --mode ops)
-  cp_attention        one context-parallel rank's attention at TorchTitan's table 2 shapes, torch's ring and
-                      canon-titan's gather, compute alone (cp_attention_rank: issue 42's CP 4 and 8 points)
+  float8_gemms        a Llama block's float8 GEMMs as torchao's recipes run them, against bf16, at
+  the
+                      shapes of the planner's TP 8 calibration points and of LlamaCanon-1B
+                      (bench_float8_gemm)
+  ops                 the Canon ops against fla's causal_conv1d and the memory bound (bench_canon
+  --mode ops) cp_attention        one context-parallel rank's attention at TorchTitan's table 2
+  shapes, torch's ring and
+                      canon-titan's gather, compute alone (cp_attention_rank: issue 42's CP 4 and 8
+                      points)
   canon_torch         LlamaCanon-1B on the torch Canon backend (the first baseline's configuration)
-Beside each trainer run, the planner's prediction (``canon-titan plan`` for that GPU), when time is left
-at the end; ``--replan OUTDIR`` adds them afterwards on any machine.
+Beside each trainer run, the planner's prediction (``canon-titan plan`` for that GPU), when time is
+left at the end; ``--replan OUTDIR`` adds them afterwards on any machine.
 
 Writes OUTDIR/gpu_check.md (tables), gpu_check.json (everything) and gpu_check.log (every step's
-output). ``--tiny`` runs a step of each kind at toy size on the CPU, in Triton's interpreter: a check
-that the script works, not a measurement (the test suite runs it).
+output). ``--tiny`` runs a step of each kind at toy size on the CPU, in Triton's interpreter: a
+check that the script works, not a measurement (the test suite runs it).
 """
 
 from __future__ import annotations
@@ -79,7 +86,8 @@ class Step:
 
 @dataclass(frozen=True)
 class Case:
-    """One trainer run of the report: ``table`` and ``base`` (the case it is compared with) place it."""
+    """One trainer run of the report: ``table`` and ``base`` (the case it is compared with) place
+    it."""
 
     name: str
     table: str
@@ -93,17 +101,17 @@ class Case:
     """Also run by --tiny."""
     limit: int = 150
     kernel_op: str | None = None
-    """The recurrence op the case measures (``backends.CUDA_BACKENDS``): skipped where ``auto`` would run it on the
-    torch fallback, which is not what the case is for."""
+    """The recurrence op the case measures (``backends.CUDA_BACKENDS``): skipped where ``auto``
+    would run it on the torch fallback, which is not what the case is for."""
 
 
 TRAINER_STEPS, TRAINER_WARMUP = 12, 4
 """Medians over steps 5-12: the first steps compile and autotune."""
 TINY = {"flavor": "debug", "seq": 32, "batch": 1, "steps": 2, "warmup": 1}
 LINEAR = ("mamba2", "gla5", "gdn2")
-"""In the order they run at each length. GLA5's first step once had no known bound (fla's full autotuning,
-docs/benchmarks/gpu.md) and ran last; fla's searches are now narrowed and tuned before the first collective
-(``canon_titan/kernels/tuning.py``), and GLA5 runs with the others."""
+"""In the order they run at each length. GLA5's first step once had no known bound (fla's full
+autotuning, docs/benchmarks/gpu.md) and ran last; fla's searches are now narrowed and tuned before
+the first collective (``canon_titan/kernels/tuning.py``), and GLA5 runs with the others."""
 LINEAR_OPS = {"mamba2": "ssd", "gdn2": "gated_delta_rule", "gla5": "gla"}
 
 
@@ -111,8 +119,8 @@ def cases() -> list[Case]:
     """Every trainer run, in the order they run (by value)."""
     llama = {"name": "llama", "flavor": "1B"}
     canon = {"name": "llama_canon", "flavor": "1B", "canon_set": "ABCD"}
-    # The figure of record at the 1B recipes' own batch, 8 x 4096 (it fits an H200: docs/benchmarks/gpu.md),
-    # then batch 2, the base of the linear and float8 runs.
+    # The figure of record at the 1B recipes' own batch, 8 x 4096 (it fits an H200:
+    # docs/benchmarks/gpu.md), then batch 2, the base of the linear and float8 runs.
     out = [
         Case("canon_llama_b8", "canon", "llama, batch 8", llama, 4096, 8, limit=120),
         Case(
@@ -137,8 +145,8 @@ def cases() -> list[Case]:
             tiny=True,
         ),
     ]
-    # The linear models' figure of record first: the recipes' 16,384 x 1 against Llama at 16,384 x 1; then 4096 x 2,
-    # for information.
+    # The linear models' figure of record first: the recipes' 16,384 x 1 against Llama at 16,384 x
+    # 1; then 4096 x 2, for information.
     for seq, batch, base in ((16384, 1, "linear_llama_16k"), (4096, 2, "canon_llama")):
         tag = f"{seq // 1024}k"
         if seq != 4096:
@@ -318,8 +326,8 @@ def steps(tiny: bool, work: Path) -> list[Step]:
         ],
     )
     ordered = [Step("env", 60, [py, SCRIPT, "--env", str(work / "env.json")]), *correctness]
-    # The op microbenchmarks (the Canon backward's block sweep first: it picks the fixed blocks) after every
-    # trainer run but the torch-backend reference.
+    # The op microbenchmarks (the Canon backward's block sweep first: it picks the fixed blocks)
+    # after every trainer run but the torch-backend reference.
     return (
         ordered
         + [trainer[n] for n in trainer if n != "canon_torch"]
@@ -343,25 +351,26 @@ TINY_KERNEL_TESTS = (("tests/test_canon_triton.py", "-k", "fallback"),)
 
 
 WARM = ("linear_mamba2_16k", "linear_gla5_16k")
-"""Cases whose kernels' autotuning and compilation the ``warm_tuning`` step does beside the correctness checks:
-Mamba2's first step took 72 to 115 s and GLA5's over 124 s on an H200, mostly mamba-ssm's and fla's Triton
-autotuners timing every candidate, most of it compiling them. Triton's compiled kernels stay on disk for the timed runs
-later, and with ``TRITON_CACHE_AUTOTUNING`` the choices too (not for mamba-ssm's kernels whose candidates carry a
-pre-hook, which Triton will not cache: those are timed again, from compiled binaries). No tuning key holds the
-sequence length. Tuned beside other work, a choice may differ from a quiet GPU's: every candidate is valid."""
+"""Cases whose kernels' autotuning and compilation the ``warm_tuning`` step does beside the
+correctness checks: Mamba2's first step took 72 to 115 s and GLA5's over 124 s on an H200, mostly
+mamba-ssm's and fla's Triton autotuners timing every candidate, most of it compiling them. Triton's
+compiled kernels stay on disk for the timed runs later, and with ``TRITON_CACHE_AUTOTUNING`` the
+choices too (not for mamba-ssm's kernels whose candidates carry a pre-hook, which Triton will not
+cache: those are timed again, from compiled binaries). No tuning key holds the sequence length.
+Tuned beside other work, a choice may differ from a quiet GPU's: every candidate is valid."""
 
 
 def warm_tuning(path: str) -> None:
-    """Two trainer steps of each ``WARM`` case, side by side, untimed; ``path`` lists those that finished (as
-    each ends) and the last line of any that failed."""
+    """Two trainer steps of each ``WARM`` case, side by side, untimed; ``path`` lists those that
+    finished (as each ends) and the last line of any that failed."""
     from concurrent.futures import as_completed
 
     import torch
 
     from trainer_bench import run_case
 
-    # The timed runs' shape where the GPU holds both beside the other checks; on an 80 GB GPU a quarter of the
-    # sequence (no tuning key holds it; Inductor compiles the timed shape again).
+    # The timed runs' shape where the GPU holds both beside the other checks; on an 80 GB GPU a
+    # quarter of the sequence (no tuning key holds it; Inductor compiles the timed shape again).
     roomy = (
         torch.cuda.is_available()
         and torch.cuda.get_device_properties(0).total_memory >= 120 * 2**30
@@ -398,10 +407,11 @@ def warm_tuning(path: str) -> None:
 
 
 def kernel_tests(tiny: bool, work: Path) -> int:
-    """The kernel tests, one pytest per shard side by side (their Triton compiles dominate, and the GPU machine
-    has 16 cores: in one process, 26 of the 60 tests ran in 120 s on an H200), each writing its own JUnit file.
-    On SIGINT (the step's limit: ``timeout`` signals the whole process group) each pytest stops and still writes
-    its file; one that has not stopped 5 s later is interrupted again from here."""
+    """The kernel tests, one pytest per shard side by side (their Triton compiles dominate, and the
+    GPU machine has 16 cores: in one process, 26 of the 60 tests ran in 120 s on an H200), each
+    writing its own JUnit file. On SIGINT (the step's limit: ``timeout`` signals the whole process
+    group) each pytest stops and still writes its file; one that has not stopped 5 s later is
+    interrupted again from here."""
     import signal
 
     files = TINY_KERNEL_TESTS if tiny else KERNEL_TESTS
@@ -440,11 +450,11 @@ def kernel_tests(tiny: bool, work: Path) -> int:
 
 
 def torch_fallback(step_name: str, report: dict) -> str | None:
-    """Why a trainer case would measure the torch fallback of its recurrence here, or None. GDN2 on an H200 with
-    the kit's Triton 3.6 (fla refuses its gated-delta backward there) has its fallback figure on record
-    (docs/benchmarks/gpu.md), and a run of it again measures nothing new in a short lease.
-    What ``auto`` picks comes from the ``env`` step, or (``--only`` without it) from a process of its own: this
-    one stays off the GPU."""
+    """Why a trainer case would measure the torch fallback of its recurrence here, or None. GDN2 on
+    an H200 with the kit's Triton 3.6 (fla refuses its gated-delta backward there) has its fallback
+    figure on record (docs/benchmarks/gpu.md), and a run of it again measures nothing new in a short
+    lease. What ``auto`` picks comes from the ``env`` step, or (``--only`` without it) from a
+    process of its own: this one stays off the GPU."""
     case = next((c for c in cases() if c.name == step_name), None)
     if case is None or case.kernel_op is None:
         return None
@@ -502,7 +512,8 @@ def trainer_case(name: str, tiny: bool) -> dict:
     }
 
 
-# ----------------------------------------------------------------------------- sub-steps run by this script
+# ----------------------------------------------------------------------------- sub-steps run by
+# this script
 
 
 def environment() -> dict:
@@ -529,15 +540,18 @@ def environment() -> dict:
         problem = backends.import_problem(backend)
         packages[backend] = problem or backends.installed_version(backend)
     chosen = {op: backends.resolve_backend("auto", op=op) for op in backends.CUDA_BACKENDS}
-    # The host: a step bound by the host's work (Mamba2-1B at 4096, docs/benchmarks/gpu.md) runs at its
-    # CPU's speed.
+    # The host: a step bound by the host's work (Mamba2-1B at 4096, docs/benchmarks/gpu.md) runs at
+    # its CPU's speed.
     cpuinfo = Path("/proc/cpuinfo")
     models = [
         line.split(":", 1)[1].strip()
         for line in (cpuinfo.read_text() if cpuinfo.exists() else "").splitlines()
         if line.startswith("model name")
     ]
-    host = f"{(models[0] if models else platform.processor()) or 'unknown CPU'}, {os.cpu_count()} cores"
+    host = (
+        f"{(models[0] if models else platform.processor()) or 'unknown CPU'}, {os.cpu_count()} "
+        "cores"
+    )
     return {
         **gpu,
         "host": host,
@@ -558,15 +572,16 @@ LOSS_PAIRS = [
 
 
 def loss_comparison(tiny: bool, path: str) -> None:
-    """Each pair trains the same debug model from the same seed with the Triton backend and with torch;
-    the loss curves' largest difference. The runs go side by side; ``path`` is rewritten as each pair
-    finishes (fastest first), so that a pair whose kernels take long to tune costs only itself."""
+    """Each pair trains the same debug model from the same seed with the Triton backend and with
+    torch; the loss curves' largest difference. The runs go side by side; ``path`` is rewritten as
+    each pair finishes (fastest first), so that a pair whose kernels take long to tune costs only
+    itself."""
     from concurrent.futures import as_completed
 
     from trainer_bench import run_case
 
-    # Tiny: GLA5 on fla only (the trainer steps run llama_canon's Triton kernels; mamba_ssm's trainer
-    # path is fla's), one step.
+    # Tiny: GLA5 on fla only (the trainer steps run llama_canon's Triton kernels; mamba_ssm's
+    # trainer path is fla's), one step.
     pairs = LOSS_PAIRS[1:2] if tiny else LOSS_PAIRS
     steps, seq, layers = (1, 32, 1) if tiny else (LOSS_STEPS, 256, 4)
     cases = [(name, key, backend) for name, key, cuda in pairs for backend in (cuda, "torch")]
@@ -647,16 +662,17 @@ def predict(run: dict, gpu: str) -> dict:
     return json.loads(proc.stdout)
 
 
-# ----------------------------------------------------------------------------- running and reporting
+# ----------------------------------------------------------------------------- running and
+# reporting
 
 
 TUNED = REPO / "scripts" / "benchmarks" / "gpu_check_tuned.json"
-"""Triton's autotuning results from an earlier lent GPU (``OUTDIR/triton_autotune.json`` of its run, committed
-here): restored into Triton's cache before the steps run, so that the kernels of fla, mamba-ssm and the Canon
-forward pick their tuned configurations without timing every candidate again (that tuning took minutes of a
-short lease: docs/benchmarks/gpu.md). Triton keys each entry by
-its version, the GPU architecture, the kernel's source, the tuning key and the candidates, so an entry that does
-not match this machine is never read."""
+"""Triton's autotuning results from an earlier lent GPU (``OUTDIR/triton_autotune.json`` of its run,
+committed here): restored into Triton's cache before the steps run, so that the kernels of fla,
+mamba-ssm and the Canon forward pick their tuned configurations without timing every candidate again
+(that tuning took minutes of a short lease: docs/benchmarks/gpu.md). Triton keys each entry by
+its version, the GPU architecture, the kernel's source, the tuning key and the candidates, so an
+entry that does not match this machine is never read."""
 
 
 def triton_cache_dir() -> Path:
@@ -664,7 +680,8 @@ def triton_cache_dir() -> Path:
 
 
 def collect_tuning(cache: Path) -> dict:
-    """Every autotuning result in Triton's cache (``<key>/<kernel>.autotune.json``), by its path there."""
+    """Every autotuning result in Triton's cache (``<key>/<kernel>.autotune.json``), by its path
+    there."""
     return {
         str(path.relative_to(cache)): path.read_text()
         for path in sorted(cache.glob("*/*.autotune.json"))
@@ -672,7 +689,8 @@ def collect_tuning(cache: Path) -> dict:
 
 
 def restore_tuning(files: dict, cache: Path) -> int:
-    """Write ``collect_tuning``'s results into Triton's cache where absent; returns how many were written."""
+    """Write ``collect_tuning``'s results into Triton's cache where absent; returns how many were
+    written."""
     written = 0
     for name, text in files.items():
         path = cache / name
@@ -690,14 +708,16 @@ def restore_tuning(files: dict, cache: Path) -> int:
 
 
 STEP_MARK = "CANON_GPU_CHECK_STEP"
-"""Set in every step's environment (and so in every process it starts): how its leftovers are found."""
+"""Set in every step's environment (and so in every process it starts): how its leftovers are
+found."""
 
 
 def leftover_processes(mark: str) -> list[int]:
-    """Processes, other than this one, whose environment holds ``STEP_MARK=mark``. torchrun starts its
-    workers in sessions of their own, so a trainer run stopped with its step (``timeout`` signals one process
-    group) can leave them behind, training on the GPU and compiling on the CPU through the steps that follow,
-    which slows every later step's figures (docs/benchmarks/gpu.md)."""
+    """Processes, other than this one, whose environment holds ``STEP_MARK=mark``. torchrun starts
+    its workers in sessions of their own, so a trainer run stopped with its step (``timeout``
+    signals one process group) can leave them behind, training on the GPU and compiling on the CPU
+    through the steps that follow, which slows every later step's figures
+    (docs/benchmarks/gpu.md)."""
     needle = f"{STEP_MARK}={mark}".encode()
     found = []
     for entry in Path("/proc").iterdir():
@@ -732,12 +752,14 @@ KILL_AFTER = 15
 
 
 def run_step(step: Step, limit: int, log) -> None:
-    # The host's load as the step starts (1-minute average): what else was running beside a timed run.
+    # The host's load as the step starts (1-minute average): what else was running beside a timed
+    # run.
     step.result["load_before"] = round(os.getloadavg()[0], 2)
     started = time.perf_counter()
     mark = f"{step.name}-{os.getpid()}"
-    # INT first (Python prints where it was), KILL 15 s later if it is still there. The output goes to a file,
-    # not a pipe: a leftover process holding the pipe open would keep the step from ending.
+    # INT first (Python prints where it was), KILL 15 s later if it is still there. The output goes
+    # to a file, not a pipe: a leftover process holding the pipe open would keep the step from
+    # ending.
     with tempfile.TemporaryFile("w+") as output:
         proc = subprocess.run(
             ["timeout", "-s", "INT", "-k", str(KILL_AFTER), str(limit), *step.command],
@@ -750,8 +772,8 @@ def run_step(step: Step, limit: int, log) -> None:
         seconds = time.perf_counter() - started
         output.seek(0)
         text = output.read()
-    # A step that outlasts its interrupt is killed with its process group, ``timeout`` itself included (-9),
-    # which is a time-out, not a failure.
+    # A step that outlasts its interrupt is killed with its process group, ``timeout`` itself
+    # included (-9), which is a time-out, not a failure.
     killed = proc.returncode == -9 and seconds >= limit
     status = (
         "ok"
@@ -768,7 +790,8 @@ def run_step(step: Step, limit: int, log) -> None:
         step.result["leftovers_killed"] = len(leftovers)
     log.write(
         f"\n===== {step.name}: {status}, {seconds:.0f} s (limit {limit} s)"
-        f"{f'; {len(leftovers)} leftover process(es) killed' if leftovers else ''}\n$ {' '.join(step.command)}\n"
+        f"{f'; {len(leftovers)} leftover process(es) killed' if leftovers else ''}\n$ "
+        f"{' '.join(step.command)}\n"
         f"{text}"
     )
     log.flush()
@@ -813,9 +836,10 @@ def trainer_runs(report: dict) -> list[dict]:
 
 
 def lease_deadline(deadline: float, path: str | None) -> float:
-    """The earlier of ``deadline`` (``time.perf_counter`` seconds) and the end written in ``path`` (Unix seconds),
-    where it holds one: a run started before its lease's end was known (``scripts/gpu_lease.sh``: the second
-    device call writes it) plans its remaining steps against that end."""
+    """The earlier of ``deadline`` (``time.perf_counter`` seconds) and the end written in ``path``
+    (Unix seconds), where it holds one: a run started before its lease's end was known
+    (``scripts/gpu_lease.sh``: the second device call writes it) plans its remaining steps against
+    that end."""
     if not path:
         return deadline
     try:
@@ -893,7 +917,8 @@ def main(argv=None) -> int:
     p.add_argument(
         "--replan",
         action="store_true",
-        help="add the planner's predictions to OUTDIR's report (any machine) and rewrite gpu_check.md",
+        help="add the planner's predictions to OUTDIR's report (any machine) and rewrite "
+        "gpu_check.md",
     )
     p.add_argument("--env", help=argparse.SUPPRESS)
     p.add_argument("--losses", help=argparse.SUPPRESS)
@@ -934,7 +959,8 @@ def main(argv=None) -> int:
         add_predictions(report)
         write_report(out, report)
         print(
-            f"[gpu_check] planned {len(trainer_runs(report))} trainer run(s) into {out / 'gpu_check.md'}"
+            f"[gpu_check] planned {len(trainer_runs(report))} trainer run(s) into "
+            f"{out / 'gpu_check.md'}"
         )
         return 0
     deadline = time.perf_counter() + args.budget
@@ -951,7 +977,8 @@ def main(argv=None) -> int:
             ]
             if unknown:
                 p.error(
-                    f"--only: unknown step(s) {', '.join(unknown)}; steps: {', '.join(s.name for s in todo)} "
+                    f"--only: unknown step(s) {', '.join(unknown)}; steps: "
+                    f"{', '.join(s.name for s in todo)} "
                     "(a prefix ending in _ takes every step it starts)"
                 )
             todo = [
@@ -1003,7 +1030,8 @@ def main(argv=None) -> int:
         add_predictions(report, lease_deadline(deadline, args.deadline_file) + 20)
     write_report(out, report)
     print(
-        f"[gpu_check] wrote {out / 'gpu_check.md'}, {out / 'gpu_check.json'}, {out / 'gpu_check.log'}"
+        f"[gpu_check] wrote {out / 'gpu_check.md'}, {out / 'gpu_check.json'}, "
+        f"{out / 'gpu_check.log'}"
     )
     return 0 if all(s.result.get("status") == "ok" for s in todo) else 1
 

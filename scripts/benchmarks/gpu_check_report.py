@@ -24,9 +24,11 @@ def _planner(run: dict) -> str:
 
 
 TABLES = {
-    "canon": "Trainer: llama vs llama_canon, 1B, seq 4096, batch 8 (the recipes') and 2, compile (targets at batch 8: "
+    "canon": "Trainer: llama vs llama_canon, 1B, seq 4096, batch 8 (the recipes') and 2, compile "
+    "(targets at batch 8: "
     "x0.97 tokens/s or more, x1.05 peak memory or less)",
-    "linear": "Trainer: linear models vs llama, 1B, compile: the recipes' 16,384 x 1 (target: x1.5 tokens/s), then "
+    "linear": "Trainer: linear models vs llama, 1B, compile: the recipes' 16,384 x 1 (target: x1.5 "
+    "tokens/s), then "
     "4096 x 2 for information",
     "float8": "Trainer: float8 vs bf16, llama_canon (triton), 1B, seq 4096, batch 2, compile",
 }
@@ -38,8 +40,8 @@ def _trainer_table(
     title: str,
     unmeasured: dict[str, str] | None = None,
 ) -> list[str]:
-    """One table: each run with its ratio to its ``base`` run (``everything``: every run by case), then a row for
-    each case of ``unmeasured`` (case -> why: skipped, timed out, failed)."""
+    """One table: each run with its ratio to its ``base`` run (``everything``: every run by case),
+    then a row for each case of ``unmeasured`` (case -> why: skipped, timed out, failed)."""
     planner = any("planner" in r for r in runs)
     lines = [
         f"**{title}**",
@@ -76,8 +78,9 @@ def _trainer_table(
 
 
 def _canon_step(run: dict, base: dict | None) -> list[str]:
-    """A LlamaCanon step against its Llama base's, from their profiled steps: the Canon kernels, the kernels
-    they replace (Inductor's fused ones: the norms and SwiGLU that the Canon ops fuse) and the idle GPU time."""
+    """A LlamaCanon step against its Llama base's, from their profiled steps: the Canon kernels, the
+    kernels they replace (Inductor's fused ones: the norms and SwiGLU that the Canon ops fuse) and
+    the idle GPU time."""
     if not base or "canon" not in run.get("label", "") or "canon" in base.get("label", ""):
         return []
     profiles = [r.get("profile_summary") for r in (run, base)]
@@ -97,16 +100,20 @@ def _canon_step(run: dict, base: dict | None) -> list[str]:
         theirs["kinds_ms"].get(kinds[1], 0.0),
     )
     return [
-        f"- {run['label']} against {base['label']}, ms per step: Canon kernels {canon_ms:.1f}; Inductor's fused "
-        f"kernels {fused:.1f} against {fused_base:.1f} (taken over by Canon's ops: {fused_base - fused:.1f}); "
-        f"idle {idle(run, mine):.1f} against {idle(base, theirs):.1f}; all kernels {mine['total_ms']:.1f} "
+        f"- {run['label']} against {base['label']}, ms per step: Canon kernels "
+        f"{canon_ms:.1f}; Inductor's fused "
+        f"kernels {fused:.1f} against {fused_base:.1f} (taken over by Canon's ops: "
+        f"{fused_base - fused:.1f}); "
+        f"idle {idle(run, mine):.1f} against {idle(base, theirs):.1f}; all kernels "
+        f"{mine['total_ms']:.1f} "
         f"against {theirs['total_ms']:.1f}",
         "",
     ]
 
 
 def _profile(run: dict) -> list[str]:
-    """Where one profiled step's time went: the share of each kind of kernel, then the largest five."""
+    """Where one profiled step's time went: the share of each kind of kernel, then the largest
+    five."""
     p = run.get("profile_summary")
     if not isinstance(p, dict) or not p.get("total_ms"):
         return []
@@ -114,7 +121,8 @@ def _profile(run: dict) -> list[str]:
     kinds = ", ".join(f"{k} {100 * ms / total:.0f}%" for k, ms in p["kinds_ms"].items())
     top = "; ".join(f"`{name[:60]}` {ms:.1f} ms" for name, ms in p["top_ms"][:5])
     return [
-        f"- profile of {run['label']} at {run['seq_len']} (one step, {total:,.1f} ms of kernels): {kinds}. "
+        f"- profile of {run['label']} at {run['seq_len']} (one step, {total:,.1f} ms of "
+        f"kernels): {kinds}. "
         f"Largest: {top}",
         *_host(p.get("host")),
         *_planned_by_kind(run, p),
@@ -133,8 +141,8 @@ def _host(host: dict | None) -> list[str]:
     )
     span = f"the step spans {host['step_ms']:.1f} ms on the host, " if host.get("step_ms") else ""
     return [
-        f"  host: {span}{host['launches']:,} kernel launches ({host['launch_ms']:.1f} ms in the launch calls)"
-        + (f"; custom ops (launches included): {ops}" if ops else "")
+        f"  host: {span}{host['launches']:,} kernel launches ({host['launch_ms']:.1f} ms "
+        "in the launch calls)" + (f"; custom ops (launches included): {ops}" if ops else "")
     ]
 
 
@@ -188,7 +196,8 @@ def markdown(report: dict) -> str:
     ]
     if env:
         lines += [
-            f"GPU {env.get('gpu', 'none')} {env.get('capability', '')}, driver {env.get('driver', '-')}, "
+            f"GPU {env.get('gpu', 'none')} {env.get('capability', '')}, driver "
+            f"{env.get('driver', '-')}, "
             f"host {env.get('host', '-')}, Python {env['python']}; "
             + ", ".join(f"{k} {v}" for k, v in env["packages"].items()),
             "",
@@ -209,7 +218,8 @@ def markdown(report: dict) -> str:
     tests = steps.get("kernel_tests", {}).get("tests")
     if tests:
         lines += [
-            f"**Kernel tests**: {tests['tests']} run, {tests['failures']} failed, {tests['errors']} errors, "
+            f"**Kernel tests**: {tests['tests']} run, {tests['failures']} failed, "
+            f"{tests['errors']} errors, "
             f"{tests['skipped']} skipped",
             *[f"- failed: {t}" for t in tests["failed"]],
             "",
@@ -223,7 +233,8 @@ def markdown(report: dict) -> str:
             "|---|---:|---|---:|---:|",
         ]
         lines += [
-            f"| {pair} | {r['steps']} | {r['first_loss']:.4f} -> {r['last_loss']:.4f} | {r['max_abs_diff']:.2e} | "
+            f"| {pair} | {r['steps']} | {r['first_loss']:.4f} -> {r['last_loss']:.4f} | "
+            f"{r['max_abs_diff']:.2e} | "
             f"{r['max_rel_diff']:.2e} |"
             for pair, r in losses.items()
         ]
@@ -241,8 +252,8 @@ def markdown(report: dict) -> str:
         if isinstance(s.get("data"), dict) and "table" in s["data"]
     ]
     everything = {r["case"]: r for r in runs}
-    # A linear case without figures says why in its table (GDN2 where fla refuses its backward, a first step past
-    # its limit).
+    # A linear case without figures says why in its table (GDN2 where fla refuses its backward, a
+    # first step past its limit).
     unmeasured = {
         name: s.get("status")
         for name, s in steps.items()
@@ -257,14 +268,16 @@ def markdown(report: dict) -> str:
     blocks = steps.get("canon_bwd_blocks", {}).get("data")
     if blocks:
         lines += [
-            f"**Canon backward kernels by block configuration**, {blocks['device']}, batch {blocks['batch']} x "
+            f"**Canon backward kernels by block configuration**, {blocks['device']}, batch "
+            f"{blocks['batch']} x "
             f"seq {blocks['seq']} (* = the fixed configuration of this checkout)",
             "",
             "| call | channels | config | ms | memory bound ms |",
             "|---|---:|---|---:|---:|",
         ]
         lines += [
-            f"| {r['call']} | {r['channels']} | {r['config']}{' *' if r['current'] else ''} | {r['ms']:.3f} | "
+            f"| {r['call']} | {r['channels']} | "
+            f"{r['config']}{' *' if r['current'] else ''} | {r['ms']:.3f} | "
             f"{_num(r.get('bound_ms'), '.3f')} |"
             for r in blocks["rows"]
         ]
@@ -279,14 +292,16 @@ def markdown(report: dict) -> str:
     ops = steps.get("ops", {}).get("data")
     if ops:
         lines += [
-            f"**Canon ops**, forward + backward, {ops['device']}, batch {ops['batch']} x seq {ops['seq']}"
+            f"**Canon ops**, forward + backward, {ops['device']}, batch {ops['batch']} x "
+            f"seq {ops['seq']}"
             + (
                 f", copy bandwidth {ops['copy_bandwidth_gb_s']:,.0f} GB/s"
                 if ops["copy_bandwidth_gb_s"]
                 else ""
             ),
             "",
-            "| call | channels | first call s | triton ms | fla causal_conv1d ms | memory bound ms |",
+            "| call | channels | first call s | triton ms | fla causal_conv1d ms | memory "
+            "bound ms |",
             "|---|---:|---:|---:|---:|---:|",
         ]
         lines += [

@@ -1,7 +1,7 @@
-"""The host's side of a training step, on the CPU: 2 gloo ranks of a debug run, built in this script's
-own processes (the trainer as ``canon_titan.train`` builds it). For the steps between the first and
-the last (neither logged: ``[metrics] log_freq`` is raised past them), on rank 0, medians of the steps
-stepped under torch's profiler:
+"""The host's side of a training step, on the CPU: 2 gloo ranks of a debug run, built in this
+script's own processes (the trainer as ``canon_titan.train`` builds it). For the steps between the
+first and the last (neither logged: ``[metrics] log_freq`` is raised past them), on rank 0, medians
+of the steps stepped under torch's profiler:
 
 - step: the step's wall time;
 - to optimizer: from the step's start to the optimizer step's launch (TorchTitan calls it after the
@@ -11,17 +11,19 @@ stepped under torch's profiler:
   the host spends besides them;
 - CP shards: under context parallelism, the time the step spends building its ``ContextShards``;
 
-and of the step before the last, counted by ``host_syncs.HostSyncs`` (too slow to time; the two steps
-before the last run under it):
+and of the step before the last, counted by ``host_syncs.HostSyncs`` (too slow to time; the two
+steps before the last run under it):
 
 - waits: what would make the host wait for a GPU in that step, besides TorchTitan's blocking copies
-  of the batch to the device (reads of a value the device computed, value-sized ops, blocking copies);
-- copies: TorchTitan's blocking copies (its train_step's ``.to(device)`` of each batch tensor and the
-  token count).
+  of the batch to the device (reads of a value the device computed, value-sized ops, blocking
+  copies);
+- copies: TorchTitan's blocking copies (its train_step's ``.to(device)`` of each batch tensor and
+  the token count).
 
-  .venv/bin/python scripts/benchmarks/host_step.py                         # llama_canon: FSDP 2, TP 2, CP 2
-  .venv/bin/python scripts/benchmarks/host_step.py --configs llama:fsdp --steps 12
-  .venv/bin/python scripts/benchmarks/host_step.py --cp-shards 131072:4 262144:8   # the CP build alone
+  .venv/bin/python scripts/benchmarks/host_step.py                         # llama_canon: FSDP 2, TP
+  2, CP 2 .venv/bin/python scripts/benchmarks/host_step.py --configs llama:fsdp --steps 12
+  .venv/bin/python scripts/benchmarks/host_step.py --cp-shards 131072:4 262144:8   # the CP build
+  alone
 """
 
 from __future__ import annotations
@@ -130,7 +132,8 @@ def _rank(
 
         def timed_step(data_iterator):
             if trainer.step in (steps - 2, steps - 1):
-                # One counter for both: the step before the last reads what the one before it put on the host.
+                # One counter for both: the step before the last reads what the one before it put on
+                # the host.
                 waits[:] = counter.step(train_step, data_iterator)
                 return None
             if not 1 < trainer.step < steps - 2:
@@ -173,7 +176,8 @@ def _rank(
 
 
 def cp_shards(seq_len: int, size: int) -> float:
-    """Seconds to build rank 0's ``ContextShards`` (head-tail split) on a fake process group of ``size``."""
+    """Seconds to build rank 0's ``ContextShards`` (head-tail split) on a fake process group of
+    ``size``."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -211,13 +215,15 @@ def main() -> None:
         for spec in args.cp_shards:
             seq_len, size = map(int, spec.split(":"))
             print(
-                f"ContextShards of {seq_len:,} tokens on {size} CP ranks: {cp_shards(seq_len, size):.3f} s"
+                f"ContextShards of {seq_len:,} tokens on {size} CP ranks: "
+                f"{cp_shards(seq_len, size):.3f} s"
             )
         return
     for case in args.configs:
         if case.count(":") != 1 or case.split(":")[1] not in PARALLEL:
             sys.exit(
-                f"--configs {case}: expected family:parallelism with parallelism one of {', '.join(PARALLEL)}"
+                f"--configs {case}: expected family:parallelism with parallelism one of "
+                f"{', '.join(PARALLEL)}"
             )
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
@@ -237,14 +243,16 @@ def main() -> None:
         for p in procs:
             p.join(timeout=60)
     print(
-        f"torch {torch.__version__}, 2 gloo ranks, local batch 2 x {args.seq_len}, medians of steps "
+        f"torch {torch.__version__}, 2 gloo ranks, local batch 2 x {args.seq_len}, medians "
+        "of steps "
         f"2-{args.steps - 3}, waits and copies in step {args.steps - 1} (rank 0)"
     )
     print("| run | step ms | to optimizer ms | outside ops ms | CP shards ms | waits | copies |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for case, step, to_optimizer, outside, shards, waits, copies in rows:
         print(
-            f"| {case} | {step * 1e3:.1f} | {to_optimizer * 1e3:.1f} | {outside * 1e3:.1f} | {shards * 1e3:.2f} | "
+            f"| {case} | {step * 1e3:.1f} | {to_optimizer * 1e3:.1f} | {outside * 1e3:.1f} "
+            f"| {shards * 1e3:.2f} | "
             f"{waits} | {copies} |"
         )
 

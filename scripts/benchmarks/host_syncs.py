@@ -1,23 +1,25 @@
-"""Counts what in a training step would make the host wait for a GPU, on a CPU run (``tests/test_host_work.py``
-holds a training step to it; ``host_step.py`` reports it).
+"""Counts what in a training step would make the host wait for a GPU, on a CPU run
+(``tests/test_host_work.py`` holds a training step to it; ``host_step.py`` reports it).
 
 On a GPU the host waits when it reads a value the device computes (``.item()``, ``float(t)``,
-``.tolist()``, ``.cpu()``), when an op's output size depends on device values (``nonzero``, a boolean
-index), and when it copies between host and device memory without ``non_blocking``. On a CPU run every
-tensor is in host memory, so where each would live on a GPU is followed here, op by op: a CPU trainer's
-device is ``cpu:0`` (TorchTitan gives it an index, as ``cuda:0``), so a tensor is on the device when an op
-made it there (``device=cpu:0``, ``.to(cpu:0)``) or from a device tensor, and on the host when the data
-loader gave it, when it was made from Python values or with the plain ``cpu`` device, or computed from
-host tensors only. A tensor made before counting started (parameters, optimizer state) is on the device.
+``.tolist()``, ``.cpu()``), when an op's output size depends on device values (``nonzero``, a
+boolean index), and when it copies between host and device memory without ``non_blocking``. On a CPU
+run every tensor is in host memory, so where each would live on a GPU is followed here, op by op: a
+CPU trainer's device is ``cpu:0`` (TorchTitan gives it an index, as ``cuda:0``), so a tensor is on
+the device when an op made it there (``device=cpu:0``, ``.to(cpu:0)``) or from a device tensor, and
+on the host when the data loader gave it, when it was made from Python values or with the plain
+``cpu`` device, or computed from host tensors only. A tensor made before counting started
+(parameters, optimizer state) is on the device.
 
 Reads are counted once they reach the dispatcher (``_local_scalar_dense``), and ``tolist``/``cpu``/
-``numpy``/``to`` at the Python level, where a CPU tensor's own data is read without any op. A copy from
-device to host memory with ``non_blocking`` is counted as a wait only when its host copy is read (it
-arrives later on a GPU, behind an event the reader waits on: what it waits for is the device's work up to
-the copy, which a read one step later finds done). A copy to the device with ``non_blocking`` from
-pageable host memory is counted as a wait: the driver stages it through a pinned buffer of its own
-and may wait for the stream to do so (CUDA's "API synchronization behavior"); so is one from a
-strided source, which ATen first copies into a pageable contiguous temporary. Pinned is what
+``numpy``/``to`` at the Python level, where a CPU tensor's own data is read without any op. A copy
+from device to host memory with ``non_blocking`` is counted as a wait only when its host copy is
+read (it arrives later on a GPU, behind an event the reader waits on: what it waits for is the
+device's work up to the copy, which a read one step later finds done). A copy to the device with
+``non_blocking`` from pageable host memory is counted as a wait: the driver stages it through a
+pinned buffer of its own and may wait for the stream to do so (CUDA's "API synchronization
+behavior"); so is one from a strided source, which ATen first copies into a pageable contiguous
+temporary. Pinned is what
 ``canon_titan.tools.host_memory.is_pinned`` says: a GPU run's page-locked memory, or on a CPU run
 the buffers the data loaders build their batches in, marked as standing in for it.
 """
@@ -50,8 +52,9 @@ COPIES = {aten._to_copy.default, aten.copy_.default}
 
 
 def _host_device(device) -> bool:
-    """A plain ``cpu`` device (or none) named by code outside torch: the host. Inside torch it is a CPU
-    tensor's own device, which on a GPU run would be the GPU (FSDP's buffers, ``x.to(grad.device)``)."""
+    """A plain ``cpu`` device (or none) named by code outside torch: the host. Inside torch it is a
+    CPU tensor's own device, which on a GPU run would be the GPU (FSDP's buffers,
+    ``x.to(grad.device)``)."""
     device = torch.device(device) if device is not None else None
     return (
         device is None or (device.type == "cpu" and device.index is None)
@@ -59,7 +62,8 @@ def _host_device(device) -> bool:
 
 
 _MACHINERY = ("_python_dispatch.py", "torch/_ops.py", "torch/_compile.py", "contextlib.py")
-"""Frames between an op's caller and this mode (the dispatcher's Python, dynamo's disabling wrapper)."""
+"""Frames between an op's caller and this mode (the dispatcher's Python, dynamo's disabling
+wrapper)."""
 
 
 def _caller_outside_torch() -> bool:
@@ -105,7 +109,8 @@ class HostSyncs(TorchDispatchMode):
 
     @contextlib.contextmanager
     def paused(self):
-        """Host work outside the step's device work (the data loader): neither followed nor counted."""
+        """Host work outside the step's device work (the data loader): neither followed nor
+        counted."""
         with _disable_current_modes():
             saved, self._patched = self._patched, {}
             self._unpatch(saved)
@@ -115,8 +120,8 @@ class HostSyncs(TorchDispatchMode):
                 self._patch()
 
     def step(self, train_step, data_iterator) -> list[str]:
-        """Run ``train_step(batches)`` under this counter, the data loader outside it (host work) and its
-        batches on the host, as TorchTitan's loader yields them; the step's waits."""
+        """Run ``train_step(batches)`` under this counter, the data loader outside it (host work)
+        and its batches on the host, as TorchTitan's loader yields them; the step's waits."""
         seen = len(self.waits)
 
         def batches():
@@ -134,7 +139,8 @@ class HostSyncs(TorchDispatchMode):
         kwargs = kwargs or {}
         tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         if any(type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter for t in tensors):
-            return NotImplemented  # a DTensor (or another subclass): its own ops on local tensors come back here
+            # a DTensor (or another subclass): its own ops on local tensors come back here
+            return NotImplemented
         if func in READS or func in SIZED_BY_VALUES:
             if not all(self.on_host(t) for t in tensors):
                 self._wait(str(func))
@@ -178,8 +184,8 @@ class HostSyncs(TorchDispatchMode):
         elif not is_pinned(src) or not src.is_contiguous():
             self._wait("a copy to the device from pageable memory")
 
-    # What dispatches no op on a CPU run, or loses its device on the way: reads of a CPU tensor's own
-    # data, and a tensor made from Python values on the device (made on the host, then copied).
+    # What dispatches no op on a CPU run, or loses its device on the way: reads of a CPU tensor's
+    # own data, and a tensor made from Python values on the device (made on the host, then copied).
     def _python_level(self) -> dict:
         counter = self
 

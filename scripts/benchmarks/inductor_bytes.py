@@ -121,7 +121,8 @@ class HopperCodegen:
         target = GPUTarget("cuda", 90, 32)
         torch_triton.triton_backend = lambda: make_backend(target)
 
-        class Hopper:  # what torch asks Triton's (absent) GPU driver: the target of a user kernel's TTIR
+        # what torch asks Triton's (absent) GPU driver: the target of a user kernel's TTIR
+        class Hopper:
             @staticmethod
             def get_current_target():
                 return target
@@ -209,7 +210,8 @@ def main() -> int:
         return 0
     print(f"Llama block {args.shape}, {args.tokens} tokens, activation checkpointing {args.ac}")
     print(
-        f"{'phase':<10} {'Inductor kernels':>16} {'Inductor MiB':>13} {'plan runs':>10} {'plan MiB':>9} {'plan/Inductor':>14}"
+        f"{'phase':<10} {'Inductor kernels':>16} {'Inductor MiB':>13} {'plan runs':>10} "
+        f"{'plan MiB':>9} {'plan/Inductor':>14}"
     )
     for phase, got in measured.items():
         mine = planned.get(phase, {"kernels": 0, "bytes": 0})

@@ -1,18 +1,21 @@
-"""The host's side of a linear model's layer, counted on a CPU: for one block's forward and backward, each custom
-op of canon-titan that runs (the recurrence of fla or mamba-ssm, the Canon ops), with per call the Python
-functions it calls, the Triton kernels it launches and the torch kernels it runs (aten ops that are not views or
-allocations), and the host time it holds.
+"""The host's side of a linear model's layer, counted on a CPU: for one block's forward and
+backward, each custom op of canon-titan that runs (the recurrence of fla or mamba-ssm, the Canon
+ops), with per call the Python functions it calls, the Triton kernels it launches and the torch
+kernels it runs (aten ops that are not views or allocations), and the host time it holds.
 
-On a GPU a compiled block runs its own code as Inductor's kernels, and the Canon ops' too (there they are
-``torch.library.triton_op``s, whose kernels Inductor launches from its own code), but the recurrence's custom ops
-stay Python calls that run the wrapper and the package's host code and launch its Triton kernels one by one, which
-can hold the host longer than the kernels run (Mamba2Canon-1B at 4096 on an H200: docs/benchmarks/gpu.md). The
-Canon ops' rows here are their eager path (in the interpreter they are plain custom ops).
+On a GPU a compiled block runs its own code as Inductor's kernels, and the Canon ops' too (there
+they are
+``torch.library.triton_op``s, whose kernels Inductor launches from its own code), but the
+recurrence's custom ops stay Python calls that run the wrapper and the package's host code and
+launch its Triton kernels one by one, which can hold the host longer than the kernels run
+(Mamba2Canon-1B at 4096 on an H200: docs/benchmarks/gpu.md). The Canon ops' rows here are their
+eager path (in the interpreter they are plain custom ops).
 
-The Triton launches are stubbed (counted, not run: the host's work, not the interpreter's), in Triton's interpreter
-mode so that the packages' host code runs as on a GPU. The counts are exact and the same on every machine; the
-times are this CPU's, an indication only. ``python scripts/benchmarks/linear_host.py`` (or ``bench_linear.py
---tables host``) prints them, and ``tests/test_linear_host.py`` holds the counts.
+The Triton launches are stubbed (counted, not run: the host's work, not the interpreter's), in
+Triton's interpreter mode so that the packages' host code runs as on a GPU. The counts are exact and
+the same on every machine; the times are this CPU's, an indication only. ``python
+scripts/benchmarks/linear_host.py`` (or ``bench_linear.py --tables host``) prints them, and
+``tests/test_linear_host.py`` holds the counts.
 """
 
 from __future__ import annotations
@@ -76,12 +79,13 @@ NO_KERNEL = {
     "aten::item",
     "aten::_local_scalar_dense",
 }
-"""aten ops that launch no kernel on a GPU themselves (views, allocations, dispatch-only wrappers whose copies show
-as their own ``aten::copy_``)."""
+"""aten ops that launch no kernel on a GPU themselves (views, allocations, dispatch-only wrappers
+whose copies show as their own ``aten::copy_``)."""
 
 
 def _custom_ops() -> dict:
-    """canon-titan's custom ops registered so far: the code object of each one's Python body -> its name."""
+    """canon-titan's custom ops registered so far: the code object of each one's Python body -> its
+    name."""
     from torch._library.custom_ops import OPDEFS
 
     return {
@@ -92,7 +96,8 @@ def _custom_ops() -> dict:
 
 
 class _Counts:
-    """Python calls and Triton launches inside each custom op (by the op whose body is innermost)."""
+    """Python calls and Triton launches inside each custom op (by the op whose body is
+    innermost)."""
 
     def __init__(self, ops: dict):
         self.ops, self.stack = ops, []
@@ -116,7 +121,8 @@ class _Counts:
 
 @contextlib.contextmanager
 def _stubbed_launches(counting: list[_Counts]):
-    """Triton kernel launches counted (by ``counting[0]``) and skipped (their outputs are left as allocated)."""
+    """Triton kernel launches counted (by ``counting[0]``) and skipped (their outputs are left as
+    allocated)."""
     saved = jit.JITFunction.run, interpreter.InterpretedFunction.run
 
     def run(self, *args, **kwargs):
@@ -151,9 +157,10 @@ def layer_host_path(
     repeats: int = 5,
     documents: bool = False,
 ) -> dict:
-    """One block's forward and backward of ``family``'s debug flavor with its CUDA kernels (the recurrence's
-    package, the Triton Canon op), after one untimed pass: per custom op, its calls and per call its Python
-    calls, Triton launches and torch kernels (one pass), and its host microseconds (the median call over
+    """One block's forward and backward of ``family``'s debug flavor with its CUDA kernels (the
+    recurrence's package, the Triton Canon op), after one untimed pass: per custom op, its calls and
+    per call its Python calls, Triton launches and torch kernels (one pass), and its host
+    microseconds (the median call over
     ``repeats`` passes under torch's profiler); and the layer's totals. With ``documents`` each row
     packs ``DOCUMENTS`` with the boundaries the loaders send (``kernels/documents.py``), and the
     Canon layers run on the torch backend (the Triton Canon op takes no positions yet)."""
@@ -233,10 +240,12 @@ def layer_host_path(
 def table(results: list[dict]) -> str:
     """Markdown: one row per family and custom op, then the layer's totals."""
     lines = [
-        "**Host path per layer** (one block's forward and backward, debug shapes, Triton launches stubbed; "
+        "**Host path per layer** (one block's forward and backward, debug shapes, Triton "
+        "launches stubbed; "
         "host us: the median call on this CPU, eager)",
         "",
-        "| model | custom op | calls | Python calls / call | Triton launches / call | torch kernels / call | "
+        "| model | custom op | calls | Python calls / call | Triton launches / call | "
+        "torch kernels / call | "
         "host us / call |",
         "|---|---|---:|---:|---:|---:|---:|",
     ]

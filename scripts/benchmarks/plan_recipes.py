@@ -1,8 +1,8 @@
 """Plan every shipped release recipe at its reference GPU count (its header's "Reference run: N
 GPUs") on the release's GPU (H200), and the GPU-measured configurations against their
-measurements; print both tables as Markdown, or write them into docs/benchmarks/planner.md between their markers
-(and, with the calibration table, the planned figures of the GPU runs in use, from which `canon-titan plan` prints
-its error band, into canon_titan/assets/plan_calibration.json).
+measurements; print both tables as Markdown, or write them into docs/benchmarks/planner.md between
+their markers (and, with the calibration table, the planned figures of the GPU runs in use, from
+which `canon-titan plan` prints its error band, into canon_titan/assets/plan_calibration.json).
 
     .venv/bin/python scripts/benchmarks/plan_recipes.py [--docs] [--only PATTERN] [--gpu h200]
         [--no-calibration | --no-recipes]
@@ -55,7 +55,8 @@ def recipes(pattern: str | None):
 
 
 def recipe_label(entries) -> str:
-    """The recipe files a row plans, as a name a user can type: ``Llama-1B-Nemo-2T-lr{0.003,0.005}``."""
+    """The recipe files a row plans, as a name a user can type:
+    ``Llama-1B-Nemo-2T-lr{0.003,0.005}``."""
     stems = sorted(path.stem for path, _ in entries)
     heads = dict.fromkeys(stem.rsplit("-lr", 1)[0] for stem in stems)
     return " / ".join(
@@ -70,7 +71,8 @@ def recipe_label(entries) -> str:
 def recipe_table(gpu_name: str, pattern: str | None, log) -> list[str]:
     gpu = find_gpu(gpu_name)
     rows = [
-        f"| recipes | GPUs | batch per GPU | peak memory (of {gpu.memory_gib:.0f} GiB) | fits | tokens/s per GPU "
+        f"| recipes | GPUs | batch per GPU | peak memory (of {gpu.memory_gib:.0f} GiB) | "
+        "fits | tokens/s per GPU "
         f"| MFU | step | GPU-hours (1T tokens) |",
         "|---|---:|---|---:|---|---:|---:|---:|---:|",
     ]
@@ -84,7 +86,8 @@ def recipe_table(gpu_name: str, pattern: str | None, log) -> list[str]:
         rows.append(
             f"| {recipe_label(entries)} | {gpus} | {result.local_batch} x {result.seq_len} | "
             f"{worst.device_bytes / GIB:.1f} GiB | {'yes' if result.fits else '**no**'} | "
-            f"{result.tokens_per_s_per_gpu:,.0f} | {100 * result.mfu:.1f}% | {result.step_s:.2f} s | "
+            f"{result.tokens_per_s_per_gpu:,.0f} | {100 * result.mfu:.1f}% | "
+            f"{result.step_s:.2f} s | "
             f"{hours:,.0f} |"
         )
         gc.collect()
@@ -92,9 +95,11 @@ def recipe_table(gpu_name: str, pattern: str | None, log) -> list[str]:
 
 
 def calibration_table(log, planned: dict[str, float]) -> list[str]:
-    """The table of every GPU run against its plan; ``planned`` gets the figures of the runs in use."""
+    """The table of every GPU run against its plan; ``planned`` gets the figures of the runs in
+    use."""
     rows = [
-        "| configuration | GPU | measured tokens/s | planned | planned / measured | measured memory | planned "
+        "| configuration | GPU | measured tokens/s | planned | planned / measured | "
+        "measured memory | planned "
         "| planned / measured | measured on |",
         "|---|---|---:|---:|---:|---:|---:|---:|---|",
     ]
@@ -115,8 +120,10 @@ def calibration_table(log, planned: dict[str, float]) -> list[str]:
         planned_memory = result.worst.reserved_bytes / GIB
         rows.append(
             f"| {point.label} | {gpu.name} | {tokens:,} | {result.tokens_per_s_per_gpu:,.0f} | "
-            f"x{result.tokens_per_s_per_gpu / tokens:.2f} | {'-' if memory is None else f'{memory} GiB'} | "
-            f"{planned_memory:.1f} GiB | {'-' if memory is None else f'x{planned_memory / memory:.2f}'} | "
+            f"x{result.tokens_per_s_per_gpu / tokens:.2f} | "
+            f"{'-' if memory is None else f'{memory} GiB'} | "
+            f"{planned_memory:.1f} GiB | "
+            f"{'-' if memory is None else f'x{planned_memory / memory:.2f}'} | "
             f"{point.measured_on} |"
         )
     return rows

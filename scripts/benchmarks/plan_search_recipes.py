@@ -1,13 +1,14 @@
 """``canon-titan plan --search`` over the release recipes: each recipe's own layout against the
 fastest layout found that keeps its global batch, at the recipe's reference GPU count on H200 (the
 release's GPU) and on one smaller cluster (64 H100s); GPU-hours per 1T tokens. Prints the table as
-Markdown, or writes it into docs/benchmarks/planner.md between its markers (rows of recipes not searched this time
-are kept), and the search of ``EXAMPLE`` (docs/planning.md's example) into docs/planning.md
-between its own.
+Markdown, or writes it into docs/benchmarks/planner.md between its markers (rows of recipes not
+searched this time are kept), and the search of ``EXAMPLE`` (docs/planning.md's example) into
+docs/planning.md between its own.
 
-    .venv/bin/python scripts/benchmarks/plan_search_recipes.py [--docs] [--only PATTERN] [--budget-s S] [--workers N] [--top K]
-    .venv/bin/python scripts/benchmarks/plan_search_recipes.py --docs --refigure [--only PATTERN]
-    .venv/bin/python scripts/benchmarks/plan_search_recipes.py --docs --example
+    .venv/bin/python scripts/benchmarks/plan_search_recipes.py [--docs] [--only PATTERN] [--budget-s
+    S] [--workers N] [--top K] .venv/bin/python scripts/benchmarks/plan_search_recipes.py --docs
+    --refigure [--only PATTERN] .venv/bin/python scripts/benchmarks/plan_search_recipes.py --docs
+    --example
 
 ``--refigure`` plans the figures of the table's rows (and of the example, when its recipe
 matches) again with their layouts as found, without a search (after a change to the planner's
@@ -44,7 +45,8 @@ EXAMPLE = ("LlamaCanon-8B-Nemo-1T-lr0.003", 64, "h100")
 EXAMPLE_MARKERS = ("<!-- plan:search-example -->", "<!-- /plan:search-example -->")
 EXAMPLE_PAGE = REPO / "docs" / "planning.md"
 HEADER = [
-    "| recipes | cluster | recipe's layout | its GPU-hours (1T tokens) | best layout found | its GPU-hours "
+    "| recipes | cluster | recipe's layout | its GPU-hours (1T tokens) | best layout "
+    "found | its GPU-hours "
     "(1T tokens) | saving | best with float8 (GPU-hours) |",
     "|---|---|---|---:|---|---:|---:|---|",
 ]
@@ -225,7 +227,8 @@ def rows(
                 else "-"
             )
             out.append(
-                f"| {label} | {cluster} | {own} | {own_text} | {best_text} | {hours_text} | {saving} | {f8} |"
+                f"| {label} | {cluster} | {own} | {own_text} | {best_text} | {hours_text} "
+                f"| {saving} | {f8} |"
             )
     return out
 
@@ -307,7 +310,8 @@ def main() -> int:
         "--top",
         type=int,
         default=3,
-        help="the search's --top: it plans the best 2 x top (at least 6) probed layouts in full (default 3)",
+        help="the search's --top: it plans the best 2 x top (at least 6) probed layouts in "
+        "full (default 3)",
     )
     parser.add_argument(
         "--example",
@@ -339,7 +343,8 @@ def main() -> int:
         keyed.update(refigured)
         stamps = [line for line in body.splitlines() if line.startswith("_")]
         stamps.append(
-            f"_Figures of the rows matching `{args.only or '*'}` planned again {datetime.date.today()} "
+            f"_Figures of the rows matching `{args.only or '*'}` planned again "
+            f"{datetime.date.today()} "
             f"with their layouts as found (`--refigure`)._"
         )
         write_atomic(

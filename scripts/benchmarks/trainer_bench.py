@@ -39,11 +39,11 @@ def run_case(
     extra: tuple[str, ...] = (),
     profile: bool = False,
 ) -> dict:
-    """Train ``model`` (``[model]`` keys: name, flavor, overrides; ``extra``: more ``--section.key=value``
-    overrides) for ``steps`` steps; medians of the metrics over the steps after ``warmup``, the first
-    step's time (compilation and autotuning included), the loss at every step, and the kernel choices
-    the run logged. ``profile``: two more steps, the last under torch's profiler (left out of the medians), and
-    its kernels summed by name (``profile_summary``)."""
+    """Train ``model`` (``[model]`` keys: name, flavor, overrides; ``extra``: more
+    ``--section.key=value`` overrides) for ``steps`` steps; medians of the metrics over the steps
+    after ``warmup``, the first step's time (compilation and autotuning included), the loss at every
+    step, and the kernel choices the run logged. ``profile``: two more steps, the last under torch's
+    profiler (left out of the medians), and its kernels summed by name (``profile_summary``)."""
     # Profiled: step steps + 1 warms the profiler up, step steps + 2 is recorded.
     overrides = [
         f"--training.seq_len={seq_len}",
@@ -129,7 +129,8 @@ KERNEL_KINDS = (
 
 
 def profile_summary(trace: Path, top: int = 12) -> dict:
-    """One profiled step's GPU kernels (on a CPU its ops instead, nested ones counted in their callers
+    """One profiled step's GPU kernels (on a CPU its ops instead, nested ones counted in their
+    callers
     too: only a check of the plumbing): total milliseconds, the share of
     each kind (GEMMs, attention, Canon, collectives, torch's own kernels, Inductor's fused kernels,
     fla and mamba's kernels, the rest) and the ``top`` kernels by time."""
@@ -158,16 +159,17 @@ def profile_summary(trace: Path, top: int = 12) -> dict:
 
 
 LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
-"""The CUDA runtime and driver calls that launch a kernel (Triton's launcher calls the driver's; the profiler files
-driver calls under ``cuda_driver``, runtime calls under ``cuda_runtime``)."""
+"""The CUDA runtime and driver calls that launch a kernel (Triton's launcher calls the driver's; the
+profiler files driver calls under ``cuda_driver``, runtime calls under ``cuda_runtime``)."""
 
 
 def host_summary(events: list[dict]) -> dict:
-    """What the host did in the profiled step, where a GPU step's idle time comes from: the step's span on the
-    host (TorchTitan's ``ProfilerStep#N``), the kernel launches (count and time in the launch calls), and each of
-    canon-titan's custom ops (``canon_titan::*``: the Canon op, the fla and mamba-ssm wrappers; calls and time,
-    their launches included, and the launches made inside them: how much of a custom op's host time is its
-    kernels' launching, and how much the Python around it)."""
+    """What the host did in the profiled step, where a GPU step's idle time comes from: the step's
+    span on the host (TorchTitan's ``ProfilerStep#N``), the kernel launches (count and time in the
+    launch calls), and each of canon-titan's custom ops (``canon_titan::*``: the Canon op, the fla
+    and mamba-ssm wrappers; calls and time, their launches included, and the launches made inside
+    them: how much of a custom op's host time is its kernels' launching, and how much the Python
+    around it)."""
     step = [
         e["dur"]
         for e in events

@@ -1,1 +1,2 @@
-"""What the model families share: Canon layer, norms, RoPE, decoder pieces, parallelism and HF format helpers."""
+"""What the model families share: Canon layer, norms, RoPE, decoder pieces, parallelism and HF
+format helpers."""

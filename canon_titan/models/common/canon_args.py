@@ -93,7 +93,8 @@ class CanonArgs:
 
     def describe_canon(self) -> str:
         return (
-            f"canon_set {self.canon_set!r} (kernel {self.canon_kernel}, residual {self.canon_residual}, "
+            f"canon_set {self.canon_set!r} (kernel {self.canon_kernel}, residual "
+            f"{self.canon_residual}, "
             f"activation {self.canon_activation}, bias {self.canon_bias}), conv backend "
             f"{conv_backend(self.canon_backend)} (requested {self.canon_backend})"
         )

@@ -1,8 +1,8 @@
 """Context parallelism (CP) for the attention families, with Canon layers.
 
 Every CP rank holds a share of each sequence, split the way TorchTitan splits it (``cp_shard``:
-with the ``headtail`` balancer, of 2 x cp equal chunks rank r holds chunk r and chunk 2 x cp - 1 - r,
-so that causal attention costs every rank the same; without a balancer, one contiguous chunk).
+with the ``headtail`` balancer, of 2 x cp equal chunks rank r holds chunk r and chunk 2 x cp - 1 -
+r, so that causal attention costs every rank the same; without a balancer, one contiguous chunk).
 The layers see it through ``ContextShards``, which the trainer hands every block as its
 ``attention_masks`` argument:
 
@@ -77,7 +77,8 @@ def lower_right_causal_bias(queries: int, keys: int):
     least [queries, keys] on the host (32 GiB for one rank of 8 at 262,144 tokens), which SDPA
     never reads (it dispatches on the bias's variant and lengths). Here the
     same subclass wraps an empty tensor."""
-    # Imported here: the bias module imports torch._dynamo, and the config checks import this module.
+    # Imported here: the bias module imports torch._dynamo, and the config checks import this
+    # module.
     from torch.nn.attention.bias import CausalBias, CausalVariant
 
     bias = torch.Tensor._make_subclass(CausalBias, torch.empty(0))
@@ -100,7 +101,8 @@ class ContextShards:
     halo_sources: list[tuple[int, int] | None]
     """For each run, the (rank, run number) whose last rows precede it (None at position 0)."""
     max_runs: int = 1
-    """The most runs a rank holds (headtail on 2 ranks: rank 0 holds 2, rank 1 one run of 2 chunks)."""
+    """The most runs a rank holds (headtail on 2 ranks: rank 0 holds 2, rank 1 one run of 2
+    chunks)."""
     documents: torch.Tensor | None = None
     """[batch, seq] document number of every global position, when documents are masked."""
     global_order: torch.Tensor | None = None
@@ -128,7 +130,8 @@ class ContextShards:
     def build(
         cls, group, positions: list[list[int]], device, documents: torch.Tensor | None = None
     ) -> ContextShards:
-        """From the global positions every rank holds (``positions[r]``, in rank r's local order)."""
+        """From the global positions every rank holds (``positions[r]``, in rank r's local
+        order)."""
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         runs = [contiguous_runs(p) for p in positions]
         ends = {
@@ -241,9 +244,9 @@ class ContextShards:
 
 def rank_positions(seq_len: int, size: int, load_balancer: str | None) -> list[list[int]]:
     """The global positions each of ``size`` CP ranks holds, in its local order, as TorchTitan's
-    ``cp_shard`` splits the sequence: by PyTorch's head-tail load balancer (``_HeadTailLoadBalancer``:
-    of 2 x size equal chunks, rank r holds chunk r then chunk 2 x size - 1 - r), or in one
-    contiguous chunk each. Every rank knows every rank's share without asking."""
+    ``cp_shard`` splits the sequence: by PyTorch's head-tail load balancer
+    (``_HeadTailLoadBalancer``: of 2 x size equal chunks, rank r holds chunk r then chunk 2 x size -
+    1 - r), or in one contiguous chunk each. Every rank knows every rank's share without asking."""
     if load_balancer:
         chunk = seq_len // (2 * size)
         return [
@@ -279,7 +282,8 @@ def context_parallel_inputs(
 def shard_layout(group, seq_len: int, load_balancer: str | None, device) -> ContextShards:
     """The ``ContextShards`` of a sequence length, built once: the split depends only on the length,
     the CP group and the balancer (building it walks every position in Python, 0.06 s of the host at
-    262,144 tokens on 8 ranks, more on a busy one), and only the documents change from batch to batch."""
+    262,144 tokens on 8 ranks, more on a busy one), and only the documents change from batch to
+    batch."""
     return ContextShards.build(
         group, rank_positions(seq_len, dist.get_world_size(group), load_balancer), device
     )

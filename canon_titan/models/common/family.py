@@ -25,7 +25,8 @@ class ModelFamily:
     """Our transformers classes its exports may use."""
 
     def spec(self, flavor: str, args) -> ModelSpec:
-        """The ModelSpec of resolved ``args`` (``args.model_config()`` builds the model's config)."""
+        """The ModelSpec of resolved ``args`` (``args.model_config()`` builds the model's
+        config)."""
         return ModelSpec(
             name=self.name,
             flavor=flavor,

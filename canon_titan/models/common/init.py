@@ -39,13 +39,14 @@ def normal_init(std: float) -> dict:
 
 
 def torch_default_init() -> dict:
-    """PyTorch's own Linear/Conv1d init: U(+-1/sqrt(fan_in)) weights; Mamba2's linears (bias zero)."""
+    """PyTorch's own Linear/Conv1d init: U(+-1/sqrt(fan_in)) weights; Mamba2's linears (bias
+    zero)."""
     return {"weight": canon_weight_init, "bias": nn.init.zeros_}
 
 
 def split_init(std: float, rank: int) -> dict:
-    """The release's ``zeyuan_split_init``: both factors of a rank-r product get std sqrt(std) / r^(1/4),
-    so the product has about the variance of one full matrix with std ``std``."""
+    """The release's ``zeyuan_split_init``: both factors of a rank-r product get std sqrt(std) /
+    r^(1/4), so the product has about the variance of one full matrix with std ``std``."""
     return normal_init(math.sqrt(std) / rank**0.25)
 
 

@@ -44,7 +44,8 @@ def upcast(t: torch.Tensor) -> torch.Tensor:
 
 
 class LowRankLinear(Module):
-    """``up(down(x))``: a rank-r projection (the release's two-layer ``nn.Sequential``; ``up`` has a bias)."""
+    """``up(down(x))``: a rank-r projection (the release's two-layer ``nn.Sequential``; ``up`` has a
+    bias)."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(Module.Config):
@@ -70,10 +71,10 @@ def low_rank(in_features: int, rank: int, out_features: int, init: dict) -> LowR
 class GatedRMSNorm(Module):
     """RMSNorm with a SiLU gate over the last dim, in float32 (float64 stays float64).
 
-    ``norm_before_gate``: ``norm(x) * w * silu(g)`` (fla's FusedRMSNormSwishGate, per head, GLA5/GDN2);
-    otherwise ``norm(x * silu(g)) * w`` (Mamba2's gated norm over the whole inner width).
-    Under tensor parallelism each rank applies the shared weight to its own heads, so its gradient
-    is a partial sum (the plan marks it with ``partial_gradients``).
+    ``norm_before_gate``: ``norm(x) * w * silu(g)`` (fla's FusedRMSNormSwishGate, per head,
+    GLA5/GDN2); otherwise ``norm(x * silu(g)) * w`` (Mamba2's gated norm over the whole inner
+    width). Under tensor parallelism each rank applies the shared weight to its own heads, so its
+    gradient is a partial sum (the plan marks it with ``partial_gradients``).
     """
 
     @dataclass(kw_only=True, slots=True)

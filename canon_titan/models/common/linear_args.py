@@ -27,12 +27,14 @@ norms = deferred("canon_titan.models.common.norms")
 titan = deferred("torchtitan.models.common")
 
 SHORT_CONV_SIZE = 4
-"""Kernel of the built-in short convolution (b): conv_size / conv_kernel 4 in every release config."""
+"""Kernel of the built-in short convolution (b): conv_size / conv_kernel 4 in every release
+config."""
 
 
 @dataclass(kw_only=True)
 class LinearArgs(CanonArgs, ABC):
-    """The TOML ``[model]`` keys every linear family has; subclasses add theirs and build the mixer."""
+    """The TOML ``[model]`` keys every linear family has; subclasses add theirs and build the
+    mixer."""
 
     dim: int
     n_layers: int
@@ -46,10 +48,12 @@ class LinearArgs(CanonArgs, ABC):
     canon_set: str = "AbbCD"
     """Letters from "AbCD": A, C, D Canon layers, b the built-in short convolution ("bb" = "b")."""
     kernel_backend: str = "auto"
-    """Recurrence kernel: 'auto' (the Triton kernel on a GPU when its package imports and works there,
-    else torch), 'torch', or the family's kernel package ('fla' for GLA5/GDN2, 'mamba_ssm' for Mamba2)."""
+    """Recurrence kernel: 'auto' (the Triton kernel on a GPU when its package imports and works
+    there, else torch), 'torch', or the family's kernel package ('fla' for GLA5/GDN2, 'mamba_ssm'
+    for Mamba2)."""
     seed: int | None = None
-    """Seed of the weight initialisation (None: ``[job] seed``), as Llama's; the release recipes set 42."""
+    """Seed of the weight initialisation (None: ``[job] seed``), as Llama's; the release recipes set
+    42."""
 
     label: ClassVar[str] = "linear"
     kernel_op: ClassVar[str] = ""
@@ -114,9 +118,12 @@ class LinearArgs(CanonArgs, ABC):
     def context_parallel_problem(self, cp: int) -> str | None:
         if cp > 1:
             return (
-                f"{self.label} has no context-parallel path: its recurrence carries a state along the "
-                "whole sequence, so a rank's share would need the final state of the shares before it "
-                "(fla's context-parallel kernels are not wired in). Split long sequences with FSDP, TP "
+                f"{self.label} has no context-parallel path: its recurrence carries a "
+                "state along the "
+                "whole sequence, so a rank's share would need the final state of the "
+                "shares before it "
+                "(fla's context-parallel kernels are not wired in). Split long sequences "
+                "with FSDP, TP "
                 "or PP instead, or train llama/llama_canon with context parallelism"
             )
         return None
@@ -205,10 +212,10 @@ class FlaLayerArgs(LinearArgs, ABC):
     low-rank output gate, a per-head gated RMSNorm."""
 
     zeyuan_layernorm: bool = False
-    """The release's switch to unfused PyTorch RMSNorms in its Hugging Face classes (GLA5 then names its
-    gated norm ``attn.g_norm``). The maths, and the model canon-titan trains, are the same either way;
-    exports write it, so the release's class builds the modules its recipe trained with (true in the
-    8B GLA5/GDN2 recipes and GLA5Canon-3B-lr0.005)."""
+    """The release's switch to unfused PyTorch RMSNorms in its Hugging Face classes (GLA5 then names
+    its gated norm ``attn.g_norm``). The maths, and the model canon-titan trains, are the same
+    either way; exports write it, so the release's class builds the modules its recipe trained with
+    (true in the 8B GLA5/GDN2 recipes and GLA5Canon-3B-lr0.005)."""
 
     def validate(self) -> list[tuple[str, str]]:
         problems = LinearArgs.validate(self)

@@ -5,8 +5,10 @@ meet); each family names its mixer's layout (``MixerLayout``):
   down-projections stay replicated: every rank computes the whole bottleneck inside the block's TP
   region (``ReplicatedLinear``), its gradients partial sums like the region's.
 - The short convolutions (b) on q/k/v are depthwise: each rank applies the rows of its channels
-  (``ChannelShard``), the full weight replicated, its gradient a partial sum (``partial_gradients``).
-- The per-head gated RMSNorm's weight is shared by all heads: replicated, its gradient a partial sum.
+  (``ChannelShard``), the full weight replicated, its gradient a partial sum
+  (``partial_gradients``).
+- The per-head gated RMSNorm's weight is shared by all heads: replicated, its gradient a partial
+  sum.
 - The MLP, Canon-A/C/D, sequence parallelism, embedding and output as for Llama.
 """
 

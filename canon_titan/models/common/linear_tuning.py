@@ -1,19 +1,21 @@
-"""A linear model's kernels tuned before the run's first collective (``canon_titan/kernels/tuning.py`` says why).
+"""A linear model's kernels tuned before the run's first collective
+(``canon_titan/kernels/tuning.py`` says why).
 
-``tuned_first(parallelize)`` wraps a family's ``parallelize_fn``: after parallelizing, each rank builds one mixer
-at its own shapes (local batch, or the pipeline's micro-batch; the sequence length; its share of the heads under
-tensor parallelism; the activations' dtype, ``[training] mixed_precision_param``) and runs a forward and backward
-of it on random inputs, so that the recurrence's Triton kernels tune and compile for exactly the calls of the
-first step (the Canon ops and short convolutions are Inductor's to tune under compile, as each
-block compiles). Rank 0 times the candidates; the other ranks run its choices
-(``tuning.tuned_on_rank_zero``). Then
+``tuned_first(parallelize)`` wraps a family's ``parallelize_fn``: after parallelizing, each rank
+builds one mixer at its own shapes (local batch, or the pipeline's micro-batch; the sequence length;
+its share of the heads under tensor parallelism; the activations' dtype, ``[training]
+mixed_precision_param``) and runs a forward and backward of it on random inputs, so that the
+recurrence's Triton kernels tune and compile for exactly the calls of the first step (the Canon ops
+and short convolutions are Inductor's to tune under compile, as each block compiles). Rank 0 times
+the candidates; the other ranks run its choices (``tuning.tuned_on_rank_zero``). Then
 every rank waits, through the process group's store, until every rank has done the same: a rank
 that takes longer keeps the others waiting there, before any collective of the run, not inside
 the first step's collectives, whose timeout (``[comm] init_timeout_seconds``) would end the job.
 
-Nothing runs when the recurrence runs on torch, where no Triton kernel can run (a CPU without Triton's
-interpreter), or when ``canon-titan plan`` builds the run for another machine. The random numbers come from a
-forked generator: the model's initialisation draws what it would have drawn without this.
+Nothing runs when the recurrence runs on torch, where no Triton kernel can run (a CPU without
+Triton's interpreter), or when ``canon-titan plan`` builds the run for another machine. The random
+numbers come from a forked generator: the model's initialisation draws what it would have drawn
+without this.
 """
 
 from __future__ import annotations
@@ -45,7 +47,8 @@ def tuned_first(parallelize):
             if parallel_dims.pp_enabled
             else training.local_batch_size
         )
-        # From the config, which every rank has whole (a pipeline stage's model holds some of the layers).
+        # From the config, which every rank has whole (a pipeline stage's model holds some of the
+        # layers).
         tune_mixer(
             model.config.args,
             model.config.layers[0].mixer.backend,
@@ -73,7 +76,10 @@ def tune_mixer(
     ):
         return
     local = dataclasses.replace(args, dim=args.dim // tp, n_heads=args.n_heads // tp)
-    shape = f"{args.label} mixer on {backend}, batch {batch} x {seq_len}, {local.n_heads} heads, {dtype}"
+    shape = (
+        f"{args.label} mixer on {backend}, batch {batch} x {seq_len}, {local.n_heads} heads, "
+        f"{dtype}"
+    )
     if shape in _tuned:
         return
     _tuned.add(shape)
@@ -89,7 +95,8 @@ def tune_mixer(
 def run_mixer(
     args, backend: str, *, batch: int, seq_len: int, dtype: torch.dtype, device: torch.device
 ) -> None:
-    """A forward and backward of a mixer of ``args`` on random inputs, from a forked random generator."""
+    """A forward and backward of a mixer of ``args`` on random inputs, from a forked random
+    generator."""
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         with torch.device(device):
             mixer = args.mixer_config(backend).build()

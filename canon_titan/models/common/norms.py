@@ -31,7 +31,8 @@ class RMSNorm(Module):
         nn.init.ones_(self.weight)
 
     def square_sum(self, x: torch.Tensor) -> torch.Tensor:
-        """This rank's share of the statistic: the sum of ``x^2`` over its channels, float32, [..., 1]."""
+        """This rank's share of the statistic: the sum of ``x^2`` over its channels, float32, [...,
+        1]."""
         return x.float().pow(2).sum(-1, keepdim=True)
 
     def inverse_rms(self, x: torch.Tensor, square_sum: torch.Tensor | None = None) -> torch.Tensor:

@@ -21,9 +21,9 @@ Sequence parallelism: a norm before a region runs on each rank's sequence shard,
 module (its weight's gradient a partial sum). With Canon layers: Canon-A and Canon-C mix along the
 sequence, so the activations are all-gathered *before* them and they always see the whole sequence.
 They run the RMSNorm before them themselves (fused), so there the region starts before the norm,
-which every TP rank then computes on the whole sequence. Every parameter a block plan leaves alone is replicated
-over the TP mesh, so all parameters share one mesh layout under FSDP x TP (which gradient-norm
-clipping needs).
+which every TP rank then computes on the whole sequence. Every parameter a block plan leaves alone
+is replicated over the TP mesh, so all parameters share one mesh layout under FSDP x TP (which
+gradient-norm clipping needs).
 """
 
 from __future__ import annotations
@@ -188,14 +188,15 @@ def _replicate_remaining(model: nn.Module, tp_mesh) -> None:
 
 
 def channel_shard(conv: nn.Module, tp_mesh) -> None:
-    """A depthwise Canon layer whose inputs are column-sharded applies this rank's rows of its weight
-    (``ChannelShard``), whose gradient is then a partial sum."""
+    """A depthwise Canon layer whose inputs are column-sharded applies this rank's rows of its
+    weight (``ChannelShard``), whose gradient is then a partial sum."""
     conv.channel_shard = ChannelShard(tp_mesh.get_local_rank(), tp_mesh.size(), tp_mesh.get_group())
     partial_gradients(conv, "weight", "bias")
 
 
 def feed_forward_plan(block, tp_mesh, residual) -> dict:
-    """The SwiGLU: gate and up column-sharded, w2 row-sharded; Canon-D applies its channels' rows."""
+    """The SwiGLU: gate and up column-sharded, w2 row-sharded; Canon-D applies its channels'
+    rows."""
     if block.feed_forward.canonD is not None:
         channel_shard(block.feed_forward.canonD, tp_mesh)
     return {
@@ -318,8 +319,8 @@ def parallelize_block_plan(block: nn.Module, tp_mesh, plan: dict) -> None:
 
 
 def apply_tp(model: nn.Module, tp_mesh, *, enable_sp: bool, parallelize_block: Callable) -> None:
-    """Vocab-parallel embedding and output, ``parallelize_block(block, tp_mesh, enable_sp)`` on every
-    block, and every other parameter replicated."""
+    """Vocab-parallel embedding and output, ``parallelize_block(block, tp_mesh, enable_sp)`` on
+    every block, and every other parameter replicated."""
     residual = Shard(1) if enable_sp else Replicate()
     root_plan = {
         "tok_embeddings": EmbeddingParallel(residual),
@@ -386,7 +387,8 @@ def parallelize_decoder(
 ):
     """TorchTitan's ``parallelize_fn`` for a family whose blocks ``parallelize_block(block, tp_mesh,
     enable_sp)`` shards (None: a family without tensor parallelism, whose own function refuses it
-    first). Every family goes through here, so each honours ``[float8] enable_fsdp_float8_all_gather``."""
+    first). Every family goes through here, so each honours ``[float8]
+    enable_fsdp_float8_all_gather``."""
     gathered = wrap_weights_for_float8_all_gather(model)
     if gathered:
         logger.info(f"float8: FSDP all-gathers the weights of {gathered} float8 linears in float8")

@@ -38,7 +38,8 @@ CANON_FIELDS = {
     "canon_activation": False,
     "canon_bias": False,
 }
-"""The Canon fields of an export's config.json, and their values for a model without Canon layers."""
+"""The Canon fields of an export's config.json, and their values for a model without Canon
+layers."""
 CANON_BIAS_NOTE = (
     "canon_bias = true: the PhysicsLM4 release's LlamaCanon code cannot load this model (it has no "
     "Canon bias and asserts on one); load it with the modeling code shipped in this folder"
@@ -106,7 +107,8 @@ class HFTensor:
 
 def _index_mapping(hf_assets_path: str | None) -> dict[str, int] | None:
     """TorchTitan's ``fqn_to_index_mapping`` from a ``model.safetensors.index.json`` next to the
-    assets, or None (HF saves then write one file) -- without TorchTitan's warning when there is none."""
+    assets, or None (HF saves then write one file) -- without TorchTitan's warning when there is
+    none."""
     path = os.path.join(hf_assets_path, "model.safetensors.index.json") if hf_assets_path else None
     if path is None or not os.path.isfile(path):
         return None
@@ -131,7 +133,8 @@ def _as_sharded(full: torch.Tensor, like: DTensor) -> DTensor:
 
 
 class CanonStateDictAdapter(StateDictAdapter):
-    """A family's Hugging Face format; subclasses give ``layout``, ``hf_model`` and ``hf_fields``."""
+    """A family's Hugging Face format; subclasses give ``layout``, ``hf_model`` and
+    ``hf_fields``."""
 
     def __init__(
         self, model_config, hf_assets_path: str | None = None, *, rope_layout: str = "lingua"
@@ -141,7 +144,8 @@ class CanonStateDictAdapter(StateDictAdapter):
         self.hf_assets_path = hf_assets_path
         self.fqn_to_index_mapping = _index_mapping(hf_assets_path)
         self.rope_layout = rope_layout
-        """'lingua' keeps LlamaCanon's q/k rows interleaved; 'huggingface' writes them rotate-half."""
+        """'lingua' keeps LlamaCanon's q/k rows interleaved; 'huggingface' writes them
+        rotate-half."""
         self._shapes: dict[str, torch.Size] | None = None
 
     # ------------------------------------------------------------------ what a family defines
@@ -154,15 +158,16 @@ class CanonStateDictAdapter(StateDictAdapter):
     @property
     @abstractmethod
     def hf_model(self) -> HFModel | None:
-        """Our transformers classes for this model; None for transformers' own ``LlamaForCausalLM``."""
+        """Our transformers classes for this model; None for transformers' own
+        ``LlamaForCausalLM``."""
 
     @abstractmethod
     def hf_fields(self) -> dict:
         """The family's fields of ``config.json`` (the shape and maths of the model)."""
 
     def read_format(self, hf: dict, where: str) -> None:
-        """Take the tensor layout of a Hugging Face folder whose ``config.json`` (``where``) is ``hf``
-        (its maths fields already checked)."""
+        """Take the tensor layout of a Hugging Face folder whose ``config.json`` (``where``) is
+        ``hf`` (its maths fields already checked)."""
 
     def config_class(self, hf: dict, where: str):
         """The transformers config class that reads ``hf``."""
@@ -182,7 +187,8 @@ class CanonStateDictAdapter(StateDictAdapter):
 
     @property
     def shapes(self) -> dict[str, torch.Size]:
-        """Every canon-titan tensor of the model and its shape (the model built on the meta device)."""
+        """Every canon-titan tensor of the model and its shape (the model built on the meta
+        device)."""
         if self._shapes is None:
             with torch.device("meta"):
                 model = self.model_config.build()
@@ -264,7 +270,8 @@ class CanonStateDictAdapter(StateDictAdapter):
             "model_type": classes.classes()[0].model_type,
             "auto_map": classes.auto_map,
             **common,
-            # For evaluation tools: the training sequence length (the linear models have no positional limit).
+            # For evaluation tools: the training sequence length (the linear models have no
+            # positional limit).
             "max_position_embeddings": max_seq_len,
             **self.hf_fields(),
             **{
@@ -302,8 +309,10 @@ class CanonStateDictAdapter(StateDictAdapter):
         canon = next(((got, want) for key, got, want in differ if key == "canon_set"), None)
         if canon is not None:  # another model, not another size: say that first
             raise HFFormatError(
-                f"{where}: the folder holds a model with Canon layers {canon[0] or 'none'}, the run's "
-                f"{self.args.label} has {canon[1] or 'none'}: use the config of the model the folder "
+                f"{where}: the folder holds a model with Canon layers "
+                f"{canon[0] or 'none'}, the run's "
+                f"{self.args.label} has {canon[1] or 'none'}: use the config of the model "
+                "the folder "
                 f"holds (its other differences: {details})"
             )
         raise HFFormatError(
@@ -337,7 +346,8 @@ def _letters(canon_set: str | None) -> set[str]:
 
 
 def _resolved(config_cls, fields: dict, where: str):
-    """The config as transformers reads it: the class's (the release's) defaults for absent fields."""
+    """The config as transformers reads it: the class's (the release's) defaults for absent
+    fields."""
     try:
         return config_cls.from_dict(fields)
     except (ValueError, TypeError) as e:

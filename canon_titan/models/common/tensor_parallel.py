@@ -1,4 +1,5 @@
-"""Tensor-parallel helpers used inside model forwards (the plans are each family's ``parallelize.py``).
+"""Tensor-parallel helpers used inside model forwards (the plans are each family's
+``parallelize.py``).
 
 Replicated parameters whose gradients are partial sums: a parameter that every TP rank holds
 whole but applies to its own share of the work (a norm or Canon layer inside a block's TP region
@@ -29,8 +30,8 @@ def local(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor | None:
 
 
 def partial_gradients(module: torch.nn.Module, *names: str) -> None:
-    """Mark ``module``'s parameters ``names`` (those it has) as getting partial-sum gradients. Kept on
-    the module, not the parameter: FSDP replaces the parameters, not the modules."""
+    """Mark ``module``'s parameters ``names`` (those it has) as getting partial-sum gradients. Kept
+    on the module, not the parameter: FSDP replaces the parameters, not the modules."""
     marked = set(getattr(module, PARTIAL_GRADIENTS, ())) | {
         n for n in names if getattr(module, n, None) is not None
     }
@@ -68,8 +69,8 @@ def sum_partial_gradients(model_parts: list[torch.nn.Module], group) -> None:
 
 
 def _flattened(tensors: list[torch.Tensor]):
-    """``tensors`` as one flat tensor in their common dtype (float32 where they differ), and the function
-    that cuts a tensor of that size back into their shapes."""
+    """``tensors`` as one flat tensor in their common dtype (float32 where they differ), and the
+    function that cuts a tensor of that size back into their shapes."""
     dtypes = {t.dtype for t in tensors}
     dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
     flat = torch.cat([t.reshape(-1).to(dtype) for t in tensors])
@@ -103,8 +104,8 @@ def tp_sum(x: torch.Tensor, group) -> torch.Tensor:
 
 
 def tp_sum_together(tensors: list[torch.Tensor], group) -> list[torch.Tensor]:
-    """``tp_sum`` of each of ``tensors`` (per-rank partial sums, such as a flat norm's sums of squares),
-    in one all-reduce each way (in their common dtype, float32 where they differ)."""
+    """``tp_sum`` of each of ``tensors`` (per-rank partial sums, such as a flat norm's sums of
+    squares), in one all-reduce each way (in their common dtype, float32 where they differ)."""
     if not tensors:
         return []
     flat, parts = _flattened(tensors)

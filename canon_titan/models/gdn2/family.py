@@ -1,5 +1,5 @@
-"""The ``gdn2`` family as the registry builds it: parallelism (its kernels tuned before the first collective),
-Hugging Face format, ModelSpec."""
+"""The ``gdn2`` family as the registry builds it: parallelism (its kernels tuned before the first
+collective), Hugging Face format, ModelSpec."""
 
 from canon_titan.models.common.family import ModelFamily
 from canon_titan.models.common.linear_tuning import tuned_first

@@ -97,8 +97,9 @@ class LlamaArgs:
         return None
 
     def context_parallel_problem(self, cp: int) -> str | None:
-        """Why ``cp``-way context parallelism cannot split this model's sequences, or None: attention
-        gathers K/V and Canon layers exchange halos (``models/common/context_parallel.py``)."""
+        """Why ``cp``-way context parallelism cannot split this model's sequences, or None:
+        attention gathers K/V and Canon layers exchange halos
+        (``models/common/context_parallel.py``)."""
         return None
 
     def canon(self, position: str, channels: int) -> canon_layer.CanonConv.Config | None:

@@ -142,8 +142,8 @@ class LlamaStateDictAdapter(CanonStateDictAdapter):
             "hidden_act": "silu",
         }
         if self.plain:
-            # transformers 5 reads rope_parameters; 4.x (the release's 4.47) reads the top-level rope_theta and
-            # would silently take 10000 without it.
+            # transformers 5 reads rope_parameters; 4.x (the release's 4.47) reads the top-level
+            # rope_theta and would silently take 10000 without it.
             return {
                 **shape,
                 "attention_bias": False,
@@ -196,7 +196,8 @@ class LlamaStateDictAdapter(CanonStateDictAdapter):
         )
         if rope_type != "default":
             raise HFFormatError(
-                f"{where}: rope_parameters has rope_type {rope_type!r}; canon-titan's models use plain "
+                f"{where}: rope_parameters has rope_type {rope_type!r}; canon-titan's "
+                "models use plain "
                 "RoPE ('default')"
             )
         self.rotate_half = (

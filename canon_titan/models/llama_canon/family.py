@@ -1,4 +1,5 @@
-"""The ``llama_canon`` family as the registry builds it: parallelism, Hugging Face format, ModelSpec."""
+"""The ``llama_canon`` family as the registry builds it: parallelism, Hugging Face format,
+ModelSpec."""
 
 from canon_titan.models.common.family import ModelFamily
 from canon_titan.models.llama.parallelize import parallelize_llama

@@ -1,6 +1,6 @@
 """Mamba2: FSDP/HSDP, activation checkpointing, compile, PP and FSDP's float8 all-gather; no tensor
-parallelism (the reason is ``Mamba2Args.no_tensor_parallel``, which config checks and the model config
-report)."""
+parallelism (the reason is ``Mamba2Args.no_tensor_parallel``, which config checks and the model
+config report)."""
 
 from __future__ import annotations
 
