@@ -119,10 +119,11 @@ PPL = [
     {"text": f"Once upon a time there were {i} cats in a small house by the sea."} for i in range(3)
 ]
 TINY_TASKS = {
-    "tiny_mc": "output_type: multiple_choice\ndoc_to_text: q\ndoc_to_choice: choices\ndoc_to_target: "
-    "label\n"
+    "tiny_mc": "output_type: multiple_choice\ndoc_to_text: q\ndoc_to_choice: choices\n"
+    "doc_to_target: label\n"
     "target_delimiter: ''\nmetric_list:\n  - metric: acc\n  - metric: acc_norm\n",
-    "tiny_gen": "output_type: generate_until\ndoc_to_text: q\ndoc_to_target: a\ntarget_delimiter: ''\n"
+    "tiny_gen": "output_type: generate_until\ndoc_to_text: q\ndoc_to_target: a\n"
+    "target_delimiter: ''\n"
     "generation_kwargs:\n  until: ['\\n']\n  max_gen_toks: 6\n  do_sample: false\n"
     "metric_list:\n  - metric: exact_match\n",
     "tiny_ppl": "output_type: loglikelihood_rolling\ndoc_to_text: ''\ndoc_to_target: text\n"

@@ -29,7 +29,7 @@ Mary moved to the bathroom. John went to the hallway.
 </context>
 
 Question: Where is Mary?
-Answer:"""
+Answer:"""  # noqa: E501 (the prompt as the model sees it)
 
 
 def test_qa1_prompt_is_exactly_the_reference_layout():

@@ -68,9 +68,10 @@ _KERNELS_OF_OPS = """
 import json
 import torch._library.triton as library
 from canon_titan.kernels import canon
-ops = ("canon_conv", "canon_conv_backward", "canon_conv_weight_grads", "canon_swiglu", "canon_swiglu_backward")
-found = {op: [getattr(k, "fn", k).__name__ for k in library.get_triton_kernels_for_op(f"canon_titan::{op}")]
-         for op in ops}
+ops = ("canon_conv", "canon_conv_backward", "canon_conv_weight_grads", "canon_swiglu",
+       "canon_swiglu_backward")
+kernels = {op: library.get_triton_kernels_for_op(f"canon_titan::{op}") for op in ops}
+found = {op: [getattr(k, "fn", k).__name__ for k in ks] for op, ks in kernels.items()}
 print(json.dumps(found))
 """
 

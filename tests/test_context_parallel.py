@@ -124,7 +124,7 @@ def test_sharded_sequence_equals_the_whole_one(name, overrides, balancer, docume
     covered = torch.cat([torch.from_numpy(index) for _, index, _, _, _ in results])
     assert sorted(covered.tolist()) == list(range(48))
     assert sum(len(runs) for _, _, runs, _, _ in results) == (3 if balancer == "headtail" else 2)
-    for rank, index, runs, local_logits, grads in results:
+    for _rank, index, _runs, local_logits, grads in results:
         index = torch.from_numpy(index)
         torch.testing.assert_close(
             torch.from_numpy(local_logits), logits.detach()[:, index], rtol=1e-5, atol=1e-5

@@ -128,7 +128,8 @@ def test_remote_code_loads_without_canon_titan(tmp_path):
 import sys, torch
 sys.modules["canon_titan"] = None  # make any import of canon-titan fail
 from transformers import AutoModelForCausalLM
-m = AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True, dtype=torch.float32).eval()
+m = AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True,
+                                         dtype=torch.float32).eval()
 assert m.__class__.__module__.startswith("transformers_modules"), m.__class__.__module__
 with torch.no_grad():
     logits = m(torch.load({str(tmp_path / "tokens.pt")!r})).logits

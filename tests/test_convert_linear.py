@@ -301,7 +301,8 @@ sys.modules["canon_titan"] = None  # make any import of canon-titan fail
 from transformers import AutoModelForCausalLM
 tokens = torch.load({str(tmp_path / "tokens.pt")!r})
 for family, out in {outs!r}.items():
-    m = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, dtype=torch.float32).eval()
+    m = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True,
+                                             dtype=torch.float32).eval()
     assert m.__class__.__module__.startswith("transformers_modules"), m.__class__.__module__
     with torch.no_grad():
         logits = m(tokens).logits

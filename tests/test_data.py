@@ -73,7 +73,10 @@ def test_ranks_see_disjoint_windows_and_epochs_reshuffle(tokenizer):
     it = iter(dl)
     epoch0 = [next(it)[0]["input"] for _ in range(n)]
     epoch1 = [next(it)[0]["input"] for _ in range(n)]
-    key = lambda xs: sorted(tuple(x[0, :8].tolist()) for x in xs)
+
+    def key(xs):
+        return sorted(tuple(x[0, :8].tolist()) for x in xs)
+
     assert key(epoch0) == key(epoch1)  # each epoch covers every window once ...
     assert [x[0, :8].tolist() for x in epoch0] != [
         x[0, :8].tolist() for x in epoch1

@@ -337,9 +337,10 @@ def test_the_readme_gpu_figures_are_measured_runs_of_record():
         if line.startswith("| ") and not line.startswith(("| run", "|---"))
     ]
     assert len(rows) >= 4
-    number = lambda cell: float(
-        re.match(r"[\d,.]+", cell.replace("**", "")).group(0).replace(",", "")
-    )  # noqa: E731
+
+    def number(cell):
+        return float(re.match(r"[\d,.]+", cell.replace("**", "")).group(0).replace(",", ""))
+
     runs = {}
     for run, shape, tokens, ratio, memory, date in rows:
         batch, seq = (int(x.replace(",", "")) for x in shape.split(" x "))

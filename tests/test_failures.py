@@ -800,7 +800,7 @@ def test_a_disk_that_fills_during_a_save_is_one_line_and_the_partial_step_goes(
     assert proc.returncode == 3, out[-4000:]
     line = f"canon-titan: saving checkpoint step 4 to {run / 'checkpoint' / 'step-4'} failed: "
     assert line in out and "Traceback" not in out and "ChildFailedError" not in out, out[-4000:]
-    message = next(l for l in out.splitlines() if line in l)
+    message = next(text for text in out.splitlines() if line in text)
     if small_disk:
         assert "the disk is full (0.0 MiB free on its filesystem)" in message, message
     else:

@@ -270,7 +270,8 @@ peer = mine.parent.parent / "1" / "error.json"
 while not peer.is_file():
     time.sleep(0.05)
 time.sleep(1.5)  # torchrun's timestamps are whole seconds
-print("canon-titan: the gradients at step 4 are not finite: the run stops", file=sys.stderr, flush=True)
+print("canon-titan: the gradients at step 4 are not finite: the run stops", file=sys.stderr,
+      flush=True)
 os._exit(report_exit(3))
 """
 
@@ -599,7 +600,7 @@ def test_node_rank_decides_where_rank_0_runs_and_a_waiting_node_says_for_whom(tm
         node1 = results[0][1]
         assert re.search(r"^\[rank1\]:", node1, re.M), node1[-2000:]
         assert not re.search(r"^\[rank0\]:", node1, re.M), node1[-2000:]
-        for code, out, err in [finish(launcher) for launcher in (node(1), node(0))]:
+        for code, _out, err in [finish(launcher) for launcher in (node(1), node(0))]:
             lines = [line for line in err.splitlines() if "canon-titan:" in line]
             assert code == 2 and len(lines) == 1 and "already holds a finished run" in lines[0], (
                 err[-3000:]

@@ -73,7 +73,8 @@ for module_name, kernels in tuning.NARROWED.items():
     module = importlib.import_module(module_name)
     for name, keep in kernels.items():
         tuner = tuning.autotuner_of(getattr(module, name))
-        offered = tuner.early_config_prune(tuner.configs, dict(K=128, V=256, STATE_V_FIRST=False)) \\
+        shape = dict(K=128, V=256, STATE_V_FIRST=False)
+        offered = tuner.early_config_prune(tuner.configs, shape) \\
             if tuner.early_config_prune else tuner.configs
         out[name] = [len(tuner.configs), len(keep(offered))]
 print(json.dumps(out))

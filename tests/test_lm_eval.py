@@ -312,7 +312,8 @@ def test_results_are_named_after_the_model_and_printed_with_lm_evals_table(setup
 
 
 LONG_TASKS = {
-    "long_gen": "output_type: generate_until\ndoc_to_text: q\ndoc_to_target: a\ntarget_delimiter: ''\n"
+    "long_gen": "output_type: generate_until\ndoc_to_text: q\ndoc_to_target: a\n"
+    "target_delimiter: ''\n"
     "generation_kwargs:\n  until: ['\\n']\n  max_gen_toks: 4\n  do_sample: false\n"
     "metric_list:\n  - metric: exact_match\n",
     "long_mc": TINY_TASKS["tiny_mc"],
@@ -480,9 +481,8 @@ def test_lm_evals_noise_is_quiet_and_its_real_warnings_are_not(setup, tmp_path, 
     (tmp_path / "multihop").mkdir()
     rows = [
         {
-            "prompt": f"Ann Bee Cole was born in the year of {1950 + i}. Answer me: Ann Bee Cole was "
-            "born in the "
-            "year of ",
+            "prompt": f"Ann Bee Cole was born in the year of {1950 + i}. "
+            "Answer me: Ann Bee Cole was born in the year of ",
             "answer": str(1950 + i),
         }
         for i in range(2)

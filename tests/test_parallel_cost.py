@@ -223,7 +223,7 @@ def test_context_parallel_attention_computes_the_causal_share(world):
     layers = _model("llama_canon", {}).config.args.n_layers
     results = run_ranks(world, _cp_step, seq_len)
     shares = []
-    for rank, calls, runs in results:
+    for _rank, calls, runs in results:
         assert len(calls) == layers * len(runs)
         assert not any(explicit for *_, explicit in calls), (
             "an explicit mask was built for a causal run"

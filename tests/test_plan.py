@@ -138,11 +138,11 @@ def _attention_as_matmuls(q_shape, k_shape, v_shape, backward: bool) -> int:
 
 
 REFERENCE_FLOPS = {
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: lambda q, k, v, *args, out_shape=None, **kwargs: (
-        _attention_as_matmuls(q, k, v, backward=False)
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: (
+        lambda q, k, v, *args, out_shape=None, **kwargs: _attention_as_matmuls(q, k, v, False)
     ),
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: lambda grad, q, k, v, *args, out_shape=None, **kwargs: (
-        _attention_as_matmuls(q, k, v, backward=True)
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: (
+        lambda grad, q, k, v, *args, out_shape=None, **kwargs: _attention_as_matmuls(q, k, v, True)
     ),
 }
 """The real step's counter for the CPU attention op, whose only formula in torch's registry is the

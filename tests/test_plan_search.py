@@ -319,7 +319,7 @@ def test_a_structure_fastest_as_hsdp_is_found_though_its_fsdp_form_probes_last(m
     assert all(o.step_s > 2 * found.ranked[0].step_s for o in fsdp_tp1)
 
 
-def test_keeping_the_gathered_weights_is_tried_on_the_best_fsdp_form_though_hsdp_forms_rank_above_it(
+def test_keeping_the_gathered_weights_is_tried_on_the_best_fsdp_form_though_hsdp_ranks_higher(
     monkeypatch,
 ):
     """16 GPUs on two nodes of 8, a global batch of 256. The fake planner: an FSDP group that spans
@@ -546,10 +546,8 @@ def test_the_readme_search_table_is_what_the_search_offers(monkeypatch):
         if own != "does not fit":
             assert _layout_from_text(own).local_batch == recipe["training"]["local_batch_size"]
             assert _layout_from_text(own).ac == recipe["activation_checkpoint"]["mode"]
-            assert (
-                saving
-                == f"{100 * (1 - float(best_hours.replace(',', '')) / float(own_hours.replace(',', ''))):.0f}%"
-            )
+            best, mine = (float(hours.replace(",", "")) for hours in (best_hours, own_hours))
+            assert saving == f"{100 * (1 - best / mine):.0f}%"
 
     size = lambda row: int(re.search(r"-(\d+)B-", row[0]).group(1))  # noqa: E731
     label, cluster, _, _, best, best_hours, _, _ = min(

@@ -616,7 +616,7 @@ def test_packed_sample_sizes_follow_the_generator(dataset):
     tokenizer = build_tokenizer("hf", str(ASSET_DIR)) if dataset == "capo_bios" else None
     dl = loader(dataset, {}, seq_len=2048, answer_only=False, tokenizer=tokenizer)
     packed = []
-    for window, sample, tokens, _ in dl.samples():
+    for _window, _sample, tokens, _ in dl.samples():
         packed.append(len(tokens))
         if len(packed) == 3000:
             break

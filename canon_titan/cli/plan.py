@@ -25,8 +25,8 @@ SEARCH_EXITS = (
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="canon-titan plan",
-        description="Build the run as one rank (each pipeline stage) of --gpus GPUs on fake tensors, "
-        "step it once, "
+        description="Build the run as one rank (each pipeline stage) of --gpus GPUs on fake "
+        "tensors, step it once, "
         "and report memory per GPU against the GPU's, FLOPs, collective volumes, step time, "
         "tokens/s per GPU, MFU and the run's GPU-hours; for a run that does not fit, the changes "
         "that make it fit. Runs on a CPU.",

@@ -39,7 +39,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument(
         "--log-ranks",
         help="ranks whose output is shown (torchrun --local-ranks-filter; default: "
-        "rank 0, or with pipeline parallelism the first rank of the last stage, which has the loss)",
+        "rank 0, or with pipeline parallelism the first rank of the last stage, which has "
+        "the loss)",
     )
     args, overrides = parse_with_overrides(parser, argv)  # --section.key overrides pass through
     if args.nproc < 1:

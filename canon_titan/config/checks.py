@@ -318,7 +318,8 @@ def check_parallelism(run: RunConfig, environment: bool) -> None:
                 run,
                 "parallelism",
                 "data_parallel_shard_degree",
-                f"replicate x shard x tp x pp x cp = {others * shard} but the world size is {world}",
+                f"replicate x shard x tp x pp x cp = {others * shard} but the world size "
+                f"is {world}",
             )
         dp = run.data_parallel_size(world)
         gbs = training["global_batch_size"]

@@ -106,7 +106,8 @@ FORMATS = {
         "a name or an object.",
         (
             (
-                "Anna picked up the milk. Anna handed the milk to Tom. Tom passed the milk to Lena.",
+                "Anna picked up the milk. Anna handed the milk to Tom. Tom passed the "
+                "milk to Lena.",
                 "Who gave the milk to Lena?",
                 "Tom",
             ),

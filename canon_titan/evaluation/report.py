@@ -123,7 +123,7 @@ def figure(runs: list[RunCurves], smooth: float = 0.0):
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     keys = list(dict.fromkeys(run.colour_key or run.label for run in runs))
     for ax, tag in zip(axes.flat, tags):
-        for i, run in enumerate(runs):
+        for _i, run in enumerate(runs):
             points = sorted(run.series.get(tag, {}).items())
             if not points:
                 continue

@@ -205,7 +205,8 @@ KNOWN_BAD = {
         "so training would stop "
         "inside step 1. Fix: install Triton >= 3.7.1 (a release your torch build "
         "supports), or `pip install "
-        'tilelang` (fla then runs that kernel in TileLang), or set [model] kernel_backend = "torch"',
+        "tilelang` (fla then runs that kernel in TileLang), or set [model] kernel_backend "
+        '= "torch"',
     ),
 }
 

@@ -736,7 +736,7 @@ def _by_memory(trips: list[dict], ptx: list[dict], sass: list[dict]) -> list[flo
     total = sum(loop_iterations(trips[i]["histogram"]) for i in tt_leaves)
     memory = sum(sass[i]["memory"] for i in leaves)
     out = []
-    for i, loop in enumerate(sass):
+    for i, _loop in enumerate(sass):
         if i in leaves and memory and per_iteration:
             out.append(total * per_iteration / memory)
         else:

@@ -615,7 +615,7 @@ def memory_peak(
     live: dict[int, int] = {}
     total, best, best_at = 0, -1, 0
     events = trace.memory_events if events is None else events
-    for i, (op_index, sid, delta) in enumerate(events):
+    for i, (_, sid, delta) in enumerate(events):
         old = live.get(sid, 0)
         new = old + delta
         live[sid] = new
@@ -623,7 +623,7 @@ def memory_peak(
         if total > best:
             best, best_at = total, i
     live = defaultdict(int)
-    for op_index, sid, delta in events[: best_at + 1]:
+    for _, sid, delta in events[: best_at + 1]:
         live[sid] += delta
     by_category: dict[str, int] = defaultdict(int)
     for sid, size in live.items():

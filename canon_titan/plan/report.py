@@ -162,7 +162,8 @@ def text(plan: Plan) -> str:
         f"{plan.global_batch} sequences "
         f"({plan.tokens_per_step / 1e6:.2f}M tokens), {plan.accumulation} accumulation "
         "group(s); compile "
-        f"{'on' if plan.compiled else 'off'}; activation checkpointing {plan.activation_checkpoint}",
+        f"{'on' if plan.compiled else 'off'}; activation checkpointing "
+        f"{plan.activation_checkpoint}",
         "",
     ]
     header = [k.role + (f" (rank {k.rank})" if len(plan.kinds) > 1 else "") for k in plan.kinds]

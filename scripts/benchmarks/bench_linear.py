@@ -530,7 +530,7 @@ def scaling_table(results: list[dict], args, seqs: list[int]) -> str:
         f"MiB at T={last} |",
         "|---|---|" + "---:|" * (len(seqs) + 2),
     ]
-    for model, cases in by_model.items():
+    for _model, cases in by_model.items():
         r0 = next(iter(cases.values()))
         cells = [
             f"{cases[s]['tokens_per_s']:,.0f} ({cases[s]['step_ms']:,.0f})" if s in cases else "-"

@@ -486,7 +486,7 @@ def table_first_step(args) -> dict:
     for family, overrides in LINEAR.items():
         calls = model_calls(family, 1, 16384, {**overrides, "canon_backend": "triton"})
         seen, kernels = set(), []
-        for op, call_args, costs in counted(calls):
+        for op, _call_args, costs in counted(calls):
             for configs in costs:
                 for c in configs:
                     if c.compile_key in seen:

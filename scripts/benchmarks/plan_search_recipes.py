@@ -180,7 +180,7 @@ def rows(
     """The table's rows (``only_example``: the example's alone); the example's search, when it is
     one of them, appended to ``examples`` as its record."""
     out = []
-    for (model, size, reference), entries in recipes(pattern).items():
+    for (_model, _size, reference), entries in recipes(pattern).items():
         config = str(entries[0][0])
         label = recipe_label(entries)
         for gpus, gpu in ((reference, "h200"), (64, "h100")):

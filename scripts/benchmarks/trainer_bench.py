@@ -195,10 +195,13 @@ def host_summary(events: list[dict]) -> dict:
         """The launches' times made on a call's thread within its span."""
         spans = [(c.get("tid"), c["ts"], c["ts"] + c["dur"]) for c in calls if "ts" in c]
         return [
-            l["dur"]
-            for l in launches
-            if "ts" in l
-            and any(tid == l.get("tid") and start <= l["ts"] <= end for tid, start, end in spans)
+            launch["dur"]
+            for launch in launches
+            if "ts" in launch
+            and any(
+                tid == launch.get("tid") and start <= launch["ts"] <= end
+                for tid, start, end in spans
+            )
         ]
 
     def op(calls: list[dict]) -> dict:
@@ -213,7 +216,7 @@ def host_summary(events: list[dict]) -> dict:
     return {
         "step_ms": round(max(step) / 1000, 3) if step else None,
         "launches": len(launches),
-        "launch_ms": round(sum(l["dur"] for l in launches) / 1000, 3),
+        "launch_ms": round(sum(launch["dur"] for launch in launches) / 1000, 3),
         "custom_ops": {
             name: op(calls)
             for name, calls in sorted(ops.items(), key=lambda kv: -sum(c["dur"] for c in kv[1]))
