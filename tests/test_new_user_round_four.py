@@ -118,6 +118,22 @@ def test_each_optimizer_key_states_its_own_rule(key, value, message):
     assert str(refused.value).endswith(message) and "(eps > 0)" not in str(refused.value)
 
 
+def test_a_warmup_longer_than_the_run_is_said_once_a_run(caplog, monkeypatch):
+    """Item 20: the launcher checks the config and says the warmup is shortened; its workers
+    (``CANON_TITAN_LAUNCH_CHECKED=1``, which ``canon-titan train`` sets for them) shorten it the
+    same way without saying it again."""
+    from canon_titan.config.titan_sections import CHECKED_ENV, titan_sections
+
+    run = load(DEBUG_CONFIG, ["--training.steps", "2", "--lr_scheduler.warmup_steps", "10"])
+    said = "warmup_steps (10) is longer than the schedule's 2 steps"
+    for checked, times in (("0", 1), ("1", 0)):
+        monkeypatch.setenv(CHECKED_ENV, checked)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            assert titan_sections(run)["lr_scheduler"].warmup_steps == 2
+        assert sum(said in r.getMessage() for r in caplog.records) == times, checked
+
+
 def test_a_warmup_longer_than_the_run_is_the_warmup_torchtitan_logs(caplog):
     """Item 20: warmup 10 in a 2-step run: the config TorchTitan logs as the run's ("total steps
     2 (warmup N)") has the 2 steps it warms up over, with TorchTitan's own schedule: the learning

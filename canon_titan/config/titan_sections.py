@@ -8,6 +8,8 @@ and the data libraries are not, and ``config validate`` answers without them.
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torchtitan.components.optimizer.optimizer import ParamGroupConfig
 from torchtitan.config.configs import CommConfig, CompileConfig, ParallelismConfig, TrainingConfig
@@ -71,6 +73,11 @@ def titan_sections(run: RunConfig) -> dict:
     return built
 
 
+CHECKED_ENV = "CANON_TITAN_LAUNCH_CHECKED"
+"""Set by ``canon-titan train`` for its workers: the launcher has run the launch checks and shown
+their warnings (``launch/prelaunch.py``), and the config's own (a warmup shortened here)."""
+
+
 def _lr_schedule(run: RunConfig) -> ResumableSchedulers.Config:
     """TorchTitan's schedule config with a warmup no longer than the schedule: TorchTitan shortens
     a longer one as it builds the schedule, then logs the config's as the run's ("total steps 2
@@ -78,10 +85,12 @@ def _lr_schedule(run: RunConfig) -> ResumableSchedulers.Config:
     schedule = dict(run["lr_scheduler"])
     total = schedule["total_steps"] or run["training"]["steps"]
     if schedule["warmup_steps"] > total:
-        logger.warning(
-            f"[lr_scheduler] warmup_steps ({schedule['warmup_steps']}) is longer than "
-            f"the schedule's {total} steps: the learning rate warms up over all {total}"
-        )
+        # once a run: the launcher says it (it checks before torchrun), its workers do not
+        if os.environ.get(CHECKED_ENV) != "1":
+            logger.warning(
+                f"[lr_scheduler] warmup_steps ({schedule['warmup_steps']}) is longer than "
+                f"the schedule's {total} steps: the learning rate warms up over all {total}"
+            )
         schedule["warmup_steps"] = total
     return ResumableSchedulers.Config(**schedule)
 

@@ -18,6 +18,7 @@ from canon_titan.components.checkpointer import refuse_saves
 from canon_titan.components.resume_checks import ResumeRefused, check_resume
 from canon_titan.config import run_toml
 from canon_titan.config.build import absolute_paths
+from canon_titan.config.titan_sections import CHECKED_ENV
 from canon_titan.convert.dcp_io import NoLoadableCheckpoint
 from canon_titan.data.fingerprint import data_fingerprint
 from canon_titan.launch.ownership import (
@@ -30,9 +31,6 @@ from canon_titan.launch.ownership import (
 from canon_titan.tools.collectives import rank_zero_decides, store_barrier
 from canon_titan.trainer import RUN_CONFIG_FILE, FinishedRun, config_changes, resume_point
 
-CHECKED_ENV = "CANON_TITAN_LAUNCH_CHECKED"
-"""Set by ``canon-titan train`` for its workers: the launcher has run these checks and shown their
-warnings."""
 VERDICT_WAIT = timedelta(minutes=30)
 """How long a rank waits for rank 0's verdict (rank 0 reads checkpoint metadata and the data's
 fingerprint)."""
