@@ -217,16 +217,11 @@ def test_canon_document_reset_starts_the_canon_layers_at_each_document(canon_bac
         torch.manual_seed(0)
         model = spec.model.build()
         model.init_states()
-        try:
-            if reset:
-                assert_packed_equals_alone(model, tokens, lengths, 1e-5)
-            else:
-                with pytest.raises(AssertionError):
-                    assert_packed_equals_alone(model, tokens, lengths, 1e-3)
-        except (
-            NotImplementedError
-        ) as e:  # the Triton Canon op with positions: branch i83-canon-kernels
-            pytest.skip(str(e))
+        if reset:
+            assert_packed_equals_alone(model, tokens, lengths, 1e-5)
+        else:
+            with pytest.raises(AssertionError):
+                assert_packed_equals_alone(model, tokens, lengths, 1e-3)
     said = (
         "their taps reach across document boundaries, as the release's (canon_document_reset false)"
     )
