@@ -30,6 +30,7 @@ LAYERS = [
     {"trainer"},
     {"config"},  # config/build.py makes the trainer's config; config/checks.py asks lm-eval's tasks
     {"plan", "launch"},
+    {"sweep"},  # a sweep's cells are planned (its budgets), launched and scored
     {"train", "cli", "__init__", "__main__"},
 ]
 """canon_titan's folders and root modules, lowest first: each imports only from layers below its own

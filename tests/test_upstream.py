@@ -275,6 +275,19 @@ PATCHED = [
         "interpreter",
     ),
     ("torch.cuda", "device", None, "kernels/interpreter.py", "interpreter"),
+    # -- counting a launch's SASS without a GPU (the kernel cost instrument): the launches recorded,
+    # not run (kernels/sass.py), and a process that answers as an H100 would (plan/kernel_counts.py)
+    (
+        "triton.runtime.jit",
+        "KernelInterface.__getitem__",
+        ["self", "grid"],
+        "kernels/sass.py: record_launches",
+        "counting",
+    ),
+    ("torch.cuda", "device_count", None, "plan/kernel_counts.py: _as_hopper", "counting"),
+    ("torch.cuda", "current_device", None, "plan/kernel_counts.py: _as_hopper", "counting"),
+    ("torch.cuda", "get_device_name", None, "plan/kernel_counts.py: _as_hopper", "counting"),
+    ("torch.cuda", "get_device_capability", None, "plan/kernel_counts.py: _as_hopper", "counting"),
     ("torch.cuda", "get_device_properties", None, "kernels/interpreter.py", "interpreter"),
     (
         "torch._functorch.config",
