@@ -136,7 +136,8 @@ def test_long_chunks_give_the_same_gradients(monkeypatch):
     512 rows (here forced at a small shape: two chunks, the second partial), with the fused norm,
     SiLU and SwiGLU."""
     monkeypatch.setattr(canon, "MIN_PROGRAMS", 1)
-    assert canon._chunk_rows(1, 700, 24) == canon.LONG_CHUNK_T == 512
+    for blocks in (canon.BACKWARD_BLOCKS, canon.SWIGLU_BACKWARD_BLOCKS):
+        assert canon._chunk_rows(1, 700, 24, blocks) == canon.LONG_CHUNK_T == 512
     gen = torch.Generator().manual_seed(0)
     x, u, w, b = randn(gen, 1, 700, 24), randn(gen, 1, 700, 24), randn(gen, 48, 4), randn(gen, 48)
     row_scale, col_scale = (torch.rand(1, 700, generator=gen) + 0.5).to(DEVICE), randn(gen, 24)

@@ -84,7 +84,9 @@ def test_backward_kernels_load_each_input_row_once(compiled):
         for k in compiled["kernels"]
         if "bwd" in k["kernel"]
     }
-    assert loads[("D 8B, swiglu", "_canon_swiglu_bwd_kernel")] == 3 * SWIGLU_BACKWARD_BLOCKS["U"]
+    # the SwiGLU backward's loop is unrolled twice: 2U rows in its body and U in the remainder's
+    u_rows = 3 * SWIGLU_BACKWARD_BLOCKS["U"]  # gate, up and dy
+    assert loads[("D 8B, swiglu", "_canon_swiglu_bwd_kernel")] == 3 * u_rows
     assert loads[(ALIGNED_TWIN, "_canon_bwd_kernel")] == 2 * BACKWARD_BLOCKS["U"]
 
 
@@ -126,7 +128,7 @@ def test_misaligned_rows_load_like_aligned_ones(compiled):
     assert misaligned and misaligned == aligned
 
 
-# Canon-D's backward at its own configuration (about 128 registers a thread) held to 64 registers
+# Canon-D's backward at its own configuration (about 136 registers a thread) held to 64 registers
 # a thread with ptxas's ``maxnreg``, compiled through aot's own path, the backward kernel alone: one
 # compile of a configuration that spills, where compiling a tile too large for the registers took
 # ptxas minutes.
@@ -156,5 +158,5 @@ def test_the_check_reports_a_spilling_configuration():
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     (backward,) = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert backward["kernel"] == "_canon_swiglu_bwd_kernel" and backward["config"] == "128x64/1w"
+    assert backward["kernel"] == "_canon_swiglu_bwd_kernel" and backward["config"] == "512x64/1w"
     assert backward["registers"] <= 64 and backward["spills"] and backward["spill_load_bytes"] > 0

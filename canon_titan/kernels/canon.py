@@ -82,34 +82,35 @@ FORWARD_CONFIGS = [
 a thread (8-byte loads; at 2 a thread the per-row work of a walk is shared by too few elements), 1
 or 2 warps (``python -m canon_titan.kernels.aot`` prints their registers)."""
 
-BACKWARD_BLOCKS = {"BLOCK_C": 64, "STREAMS": 1, "U": 8, "num_warps": 1}
+BACKWARD_BLOCKS = {"BLOCK_C": 128, "STREAMS": 1, "U": 8, "num_warps": 1}
 """The backward kernels' configuration, fixed (not autotuned): the weight gradient sums a chunk's
 rows in row order, so fixed blocks give the same bits in every process and run, where autotuning
-would pick by timing. Two channels a thread, and the next U rows' loads in flight while a program
-works on U: its chunks are long (so that their partial sums stay small), and a launch's loads in
-flight are U / CHUNK of its tensors. The SwiGLU backward reads three tensors where the
-convolution's reads two, and holds twice its state: 4 rows (``SWIGLU_BACKWARD_BLOCKS``)."""
-SWIGLU_BACKWARD_BLOCKS = {**BACKWARD_BLOCKS, "U": 4}
+would pick by timing. Four channels a thread (the per-row work of a walk shared by more elements),
+and the next U rows' loads in flight while a program works on U: its chunks are long (so that their
+partial sums stay small), and a launch's loads in flight are U / CHUNK of its tensors. The SwiGLU
+backward reads three tensors where the convolution's reads two, and holds twice its state: two
+channels a thread and 4 rows (``SWIGLU_BACKWARD_BLOCKS``; at four its state would take some 230
+registers), its row strides compile-time constants (a row's address is then one multiply-add of
+a constant, where it took three instructions) and its loop unrolled twice (the carried rows then
+change registers without copies)."""
+SWIGLU_BACKWARD_BLOCKS = {**BACKWARD_BLOCKS, "BLOCK_C": 64, "U": 4}
 
 CHUNK_T = 128
 """Rows of the sequence one backward program reduces the weight gradient over, or ``LONG_CHUNK_T``
 (``_chunk_rows``). The partial sums hold batch * ceil(seq / rows) rows: fp32 [parts, C, K], written
 by the kernel and read by the sum after it, 2 * 4 * K * C / rows bytes per token."""
 LONG_CHUNK_T = 512
-MIN_PROGRAMS = 2048
-"""Programs a backward launch keeps with ``LONG_CHUNK_T`` (about 16 one-warp programs an SM of an
+MIN_PROGRAMS = 1024
+"""Programs a backward launch keeps with ``LONG_CHUNK_T`` (about 8 one-warp programs an SM of an
 H100/H200)."""
 
 
-def _chunk_rows(batch: int, seq_len: int, channels: int) -> int:
-    """``LONG_CHUNK_T`` where it leaves ``MIN_PROGRAMS`` programs (LlamaCanon-1B at 8 x 4096), else
-    ``CHUNK_T``. A function of the shape alone: the weight gradient has the same bits in every
-    process and run."""
-    programs = (
-        batch
-        * triton.cdiv(seq_len, LONG_CHUNK_T)
-        * triton.cdiv(channels, BACKWARD_BLOCKS["BLOCK_C"])
-    )
+def _chunk_rows(batch: int, seq_len: int, channels: int, blocks: dict) -> int:
+    """``LONG_CHUNK_T`` where it leaves ``MIN_PROGRAMS`` programs of ``blocks`` (LlamaCanon-1B at
+    8 x 4096), else ``CHUNK_T``. A function of the shape alone: the weight gradient has the same
+    bits in every process and run."""
+    chunks = batch * triton.cdiv(seq_len, LONG_CHUNK_T)
+    programs = chunks * triton.cdiv(channels, blocks["BLOCK_C"])
     return LONG_CHUNK_T if programs >= MIN_PROGRAMS else CHUNK_T
 
 
@@ -327,9 +328,38 @@ def _conv(
     return pre
 
 
+FAST_MATH = tl.constexpr(not INTERPRETED)
+"""The GPU's approximate exp2 and reciprocal (flush-to-zero) in the sigmoids: two special-function
+instructions each, without ``tl.sigmoid``'s handling of denormals (the interpreter has no PTX)."""
+
+
+@triton.jit
+def _sigmoid(x):
+    if FAST_MATH:
+        e = tl.inline_asm_elementwise(
+            "ex2.approx.ftz.f32 $0, $1;",
+            "=f,f",
+            [x * -1.4426950408889634],
+            dtype=tl.float32,
+            is_pure=True,
+            pack=1,
+        )
+        return tl.inline_asm_elementwise(
+            "rcp.approx.ftz.f32 $0, $1;", "=f,f", [e + 1.0], dtype=tl.float32, is_pure=True, pack=1
+        )
+    return tl.sigmoid(x)
+
+
+@triton.jit
+def _with_residual(taps, scale, K: tl.constexpr):
+    """The taps with the residual folded into the current row's: ``input + conv(input)`` is the
+    convolution with ``taps[K-1] + scale`` (no SiLU between them)."""
+    return taps[: K - 1] + (taps[K - 1] + scale,)
+
+
 @triton.jit
 def _silu_grad(pre):
-    s = tl.sigmoid(pre)
+    s = _sigmoid(pre)
     return s * (1.0 + pre * (1.0 - s))
 
 
@@ -438,7 +468,7 @@ def _conv_rows(
         u = _input(rows[i], scales[i], SCALED)
         pre = _conv(u, window, taps, bias, positions[i], K, HAS_BIAS, MASKED)
         if SILU:
-            pre = pre * tl.sigmoid(pre)
+            pre = pre * _sigmoid(pre)
         if RESIDUAL:
             pre += u * cs
         _store_rows(y, first + i, sy_t, 0, ends, col_mask, pre)
@@ -476,12 +506,12 @@ def _swiglu_rows(
         pre_g = _conv(xg, window_g, taps_g, bias_g, positions[i], K, HAS_BIAS, MASKED)
         pre_u = _conv(xu, window_u, taps_u, bias_u, positions[i], K, HAS_BIAS, MASKED)
         if SILU:
-            pre_g = pre_g * tl.sigmoid(pre_g)
-            pre_u = pre_u * tl.sigmoid(pre_u)
+            pre_g = pre_g * _sigmoid(pre_g)
+            pre_u = pre_u * _sigmoid(pre_u)
         if RESIDUAL:
             pre_g += xg
             pre_u += xu
-        _store_rows(y, first + i, sy_t, 0, ends, col_mask, pre_g * tl.sigmoid(pre_g) * pre_u)
+        _store_rows(y, first + i, sy_t, 0, ends, col_mask, pre_g * _sigmoid(pre_g) * pre_u)
         window_g = _shift(window_g, xg, K)
         window_u = _shift(window_u, xu, K)
     return window_g, window_u
@@ -545,6 +575,8 @@ def _canon_fwd_kernel(
     if SCALED:
         cs = tl.load(cs_ptr + cols[None, :], mask=col_mask, other=0.0).to(tl.float32)
     taps = _taps(w_ptr, cols[None, :], sw_c, sw_k, col_mask, cs, K, SCALED)
+    if RESIDUAL and not SILU:
+        taps = _with_residual(taps, cs, K)
     bias = tl.zeros([1, BLOCK_C], tl.float32)
     if HAS_BIAS:
         bias = tl.load(b_ptr + cols[None, :], mask=col_mask, other=0.0).to(tl.float32)
@@ -578,7 +610,7 @@ def _canon_fwd_kernel(
                 K,
                 U,
                 HAS_BIAS,
-                RESIDUAL,
+                RESIDUAL and SILU,
                 SILU,
                 SCALED,
                 True,
@@ -600,7 +632,7 @@ def _canon_fwd_kernel(
                 K,
                 U,
                 HAS_BIAS,
-                RESIDUAL,
+                RESIDUAL and SILU,
                 SILU,
                 SCALED,
                 False,
@@ -661,6 +693,9 @@ def _canon_swiglu_fwd_kernel(
     ones = tl.full([1, BLOCK_C], 1.0, tl.float32)
     taps_g = _taps(w_ptr, cols[None, :], sw_c, sw_k, col_mask, ones, K, False)
     taps_u = _taps(w_ptr + H * sw_c, cols[None, :], sw_c, sw_k, col_mask, ones, K, False)
+    if RESIDUAL and not SILU:
+        taps_g = _with_residual(taps_g, ones, K)
+        taps_u = _with_residual(taps_u, ones, K)
     bias_g = tl.zeros([1, BLOCK_C], tl.float32)
     bias_u = tl.zeros([1, BLOCK_C], tl.float32)
     if HAS_BIAS:
@@ -706,7 +741,7 @@ def _canon_swiglu_fwd_kernel(
                 K,
                 U,
                 HAS_BIAS,
-                RESIDUAL,
+                RESIDUAL and SILU,
                 SILU,
                 True,
             )
@@ -729,7 +764,7 @@ def _canon_swiglu_fwd_kernel(
                 K,
                 U,
                 HAS_BIAS,
-                RESIDUAL,
+                RESIDUAL and SILU,
                 SILU,
                 False,
             )
@@ -912,6 +947,8 @@ def _canon_bwd_kernel(
         cs = tl.load(cs_ptr + cols[None, :], mask=col_mask, other=0.0).to(tl.float32)
     taps = _taps(w_ptr, cols[None, :], sw_c, sw_k, col_mask, ones, K, False)
     taps_u = _taps(w_ptr, cols[None, :], sw_c, sw_k, col_mask, cs, K, SCALED)
+    if RESIDUAL and not SILU:  # dx and the column scale's gradient take the residual with the taps
+        taps = _with_residual(taps, ones, K)
     bias = tl.zeros([1, BLOCK_C], tl.float32)
     if HAS_BIAS:
         bias = tl.load(b_ptr + cols[None, :], mask=col_mask, other=0.0).to(tl.float32)
@@ -976,7 +1013,7 @@ def _canon_bwd_kernel(
                 K,
                 U,
                 HAS_BIAS,
-                RESIDUAL,
+                RESIDUAL and SILU,
                 SILU,
                 SCALED,
                 STORE_DX,
@@ -1010,7 +1047,7 @@ def _canon_bwd_kernel(
                 K,
                 U,
                 HAS_BIAS,
-                RESIDUAL,
+                RESIDUAL and SILU,
                 SILU,
                 SCALED,
                 STORE_DX,
@@ -1038,7 +1075,7 @@ def _canon_bwd_kernel(
                 positions[i],
                 K,
                 HAS_BIAS,
-                RESIDUAL,
+                RESIDUAL and SILU,
                 SILU,
                 STORE_DX,
                 COL_GRAD,
@@ -1088,14 +1125,15 @@ def _swiglu_backward_row(
     gate = pre_g
     up = pre_u
     if SILU:
-        gate = pre_g * tl.sigmoid(pre_g)
-        up = pre_u * tl.sigmoid(pre_u)
+        gate = pre_g * _sigmoid(pre_g)
+        up = pre_u * _sigmoid(pre_u)
     if RESIDUAL:
         gate += xg
         up += xu
-    sig = tl.sigmoid(gate)
-    d_up = dy * gate * sig
-    d_gate = dy * up * sig * (1.0 + gate * (1.0 - sig))
+    sig = _sigmoid(gate)
+    dy_sig = dy * sig
+    d_up = dy_sig * gate
+    d_gate = up * (dy_sig + (d_up - d_up * sig))  # dy * silu'(gate): sig + silu * (1 - sig)
     dz_g = d_gate
     dz_u = d_up
     if SILU:
@@ -1200,10 +1238,10 @@ def _canon_swiglu_bwd_kernel(
     H,
     split,
     sg_b,
-    sg_t,
+    sg_t: tl.constexpr,
     sg_c,
     su_b,
-    su_t,
+    su_t: tl.constexpr,
     su_c,
     spos_b,
     spos_t,
@@ -1211,10 +1249,10 @@ def _canon_swiglu_bwd_kernel(
     sh_t,
     sh_c,
     sdy_b,
-    sdy_t,
+    sdy_t: tl.constexpr,
     sdy_c,
     sdx_b,
-    sdx_t,
+    sdx_t: tl.constexpr,
     sdx_c,
     sw_c,
     sw_k,
@@ -1230,7 +1268,9 @@ def _canon_swiglu_bwd_kernel(
     U: tl.constexpr,
 ):
     """Gradients of gate and up (dg, du: same strides) and the weight/bias partial sums over the
-    program's CHUNK rows ([part, 2H, K], [part, 2H])."""
+    program's CHUNK rows ([part, 2H, K], [part, 2H]). The row strides are compile-time constants
+    (one compile per layout; a model's are fixed): fewer integer instructions a row
+    (``SWIGLU_BACKWARD_BLOCKS``)."""
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     col_mask = (cols < H)[None, :]
     batch = tl.program_id(2).to(tl.int64)
@@ -1247,6 +1287,9 @@ def _canon_swiglu_bwd_kernel(
     ones = tl.full([1, BLOCK_C], 1.0, tl.float32)
     taps_g = _taps(w_ptr, cols[None, :], sw_c, sw_k, col_mask, ones, K, False)
     taps_u = _taps(w_ptr + H * sw_c, cols[None, :], sw_c, sw_k, col_mask, ones, K, False)
+    if RESIDUAL and not SILU:
+        taps_g = _with_residual(taps_g, ones, K)
+        taps_u = _with_residual(taps_u, ones, K)
     bias_g = tl.zeros([1, BLOCK_C], tl.float32)
     bias_u = tl.zeros([1, BLOCK_C], tl.float32)
     if HAS_BIAS:
@@ -1296,7 +1339,7 @@ def _canon_swiglu_bwd_kernel(
     ahead_dy = _load_rows(dy, dy, starts, sdy_t, 0, ends, col_mask, U, False)
     ahead_last = _last_position(pos, starts, spos_t, ends, U, HAS_POS)
     unmasked = _copies(0, U)
-    for t0 in range(0, walked, U):
+    for t0 in tl.range(0, walked, U, loop_unroll_factor=2):
         rows_g, _ = ahead_g
         rows_u, _ = ahead_u
         rows_dy, _ = ahead_dy
@@ -1334,7 +1377,7 @@ def _canon_swiglu_bwd_kernel(
                 K,
                 U,
                 HAS_BIAS,
-                RESIDUAL,
+                RESIDUAL and SILU,
                 SILU,
                 HAS_HALO,
                 True,
@@ -1364,7 +1407,7 @@ def _canon_swiglu_bwd_kernel(
                 K,
                 U,
                 HAS_BIAS,
-                RESIDUAL,
+                RESIDUAL and SILU,
                 SILU,
                 HAS_HALO,
                 False,
@@ -1389,7 +1432,7 @@ def _canon_swiglu_bwd_kernel(
             positions[i],
             K,
             HAS_BIAS,
-            RESIDUAL,
+            RESIDUAL and SILU,
             SILU,
             False,
             HAS_POS,
@@ -1578,7 +1621,7 @@ def _conv_backward(
     the scales) unless ``input_grad`` is off (then, with the scales, the column scale's gradient
     instead), and the weight/bias gradients."""
     batch, seq_len, channels = x.shape
-    kernel, rows = weight.shape[1], _chunk_rows(batch, seq_len, channels)
+    kernel, rows = weight.shape[1], _chunk_rows(batch, seq_len, channels, BACKWARD_BLOCKS)
     parts = batch * _chunks(seq_len, split, rows)
     # Without the input's gradient, empty tensors stand for dx and the halo's (never written;
     # Inductor would copy larger stand-ins, as the kernel's stores to them count as a mutation of
@@ -1770,7 +1813,7 @@ def swiglu_backward(
     halo_shape = halo_gate.shape if halo_gate is not None else (0, 0, 0)
     d_halo_gate = torch.empty(halo_shape, dtype=gate.dtype, device=gate.device)
     d_halo_up = torch.empty(halo_shape, dtype=gate.dtype, device=gate.device)
-    rows = _chunk_rows(batch, seq_len, hidden)
+    rows = _chunk_rows(batch, seq_len, hidden, SWIGLU_BACKWARD_BLOCKS)
     partial_dw, partial_db = _partials(
         batch * _chunks(seq_len, split, rows), kernel, 2 * hidden, gate, bias is not None
     )
