@@ -10,12 +10,11 @@ folder): Llama 3.1 8B, 70B and 405B on the 500 W, 96 GB HBM2e H100
 its vanilla-TP columns) and 8B on H200 (``llama3-8b_h200_202506_trainy-whitefiber.md``). Each is the
 ``llama`` family at Llama 3.1's shape (``--model`` overrides of the Llama-8B recipe), with the run's
 batch, sequence, parallelism, activation checkpointing, compile and float8 from that file and
-TorchTitan's
-``llama3_8b.toml`` / ``llama3_70b.toml`` at the commit it names (sequence 8192, selective
-checkpointing per op). Memory is TorchTitan's logged max reserved, compared with the plan's
-reserved peak. Both sets ran torch before 2.9, whose SDPA runs FlashAttention-2 on Hopper (cuDNN
-first from 2.9: pytorch/pytorch#162073), so their attention is planned on the flash backend; and
-what TorchTitan compiled follows its version: the blocks alone in 2024-12, the blocks and the
+TorchTitan's ``llama3_8b.toml`` / ``llama3_70b.toml`` at the commit it names (sequence 8192,
+selective checkpointing per op). Memory is TorchTitan's logged max reserved, compared with the
+plan's reserved peak. Both sets ran torch before 2.9, whose SDPA runs FlashAttention-2 on Hopper
+(cuDNN first from 2.9: pytorch/pytorch#162073), so their attention is planned on the flash backend;
+and what TorchTitan compiled follows its version: the blocks alone in 2024-12, the blocks and the
 loss by 2025-06; and their looped pipeline schedule gathered each block's parameters as the block
 ran (torch before 2.10; the pinned torch gathers a whole stage's at once). Planning an 8B point
 takes under a minute on a 2-core machine, a 70B point two, and a 405B pipeline point about 11

@@ -5,13 +5,12 @@
   ``scripts/benchmarks/host_syncs.py`` (a dispatch mode that follows where each tensor would live on
   a GPU and counts the reads, value-sized ops and blocking copies that would wait for it) on the
   steps between the first and the last, which are logged. At d1a0ebf every step waited once: the
-  divergence guard read the step's reduced loss with
-  ``tolist()`` before the optimizer step; until 2026-11-29 TorchTitan's train step still copied each
-  batch and the token count to the device with ``.to(device)`` (and a pipeline stage without the
-  loss made its placeholder with ``torch.tensor(..., device=)``), each a wait on a GPU. With
-  ``[validation]`` on, a validation after step 2 waits once, where it reads its loss, and step 3
-  not at all (through torch's pipeline ``eval``, which sets the schedule up again, it waited 4 times
-  and step 3 8 times);
+  divergence guard read the step's reduced loss with ``tolist()`` before the optimizer step; until
+  2026-11-29 TorchTitan's train step still copied each batch and the token count to the device with
+  ``.to(device)`` (and a pipeline stage without the loss made its placeholder with
+  ``torch.tensor(..., device=)``), each a wait on a GPU. With ``[validation]`` on, a validation
+  after step 2 waits once, where it reads its loss, and step 3 not at all (through torch's pipeline
+  ``eval``, which sets the schedule up again, it waited 4 times and step 3 8 times);
 - context parallelism builds its ``ContextShards`` (every position's place, in Python) on the first
   step only, with and without document masking (whose documents change with every batch). At d1a0ebf
   every step built them;

@@ -1,16 +1,15 @@
 """GatedDeltaNetCanon for transformers 5.x: GDN2, the gated DeltaNet of PhysicsLM4 Part 4.2, with
 Canon layers. Tensor names follow the release (``model.embeddings``,
-``model.layers.{i}.attn.q_proj``,
-``attn.b_proj``, ``attn.a_proj``, ``attn.A_log``, ``attn.dt_bias``, ``attn.q_conv1d``,
-``attn.g_proj.0/1``,
-``attn.o_norm``, ``mlp.both_proj`` = [gate | up] with Canon-D, else
-``mlp.gate_proj``/``mlp.up_proj``,
-``mlp.canonD``, ``model.norm``, ``lm_head``).
+``model.layers.{i}.attn.q_proj``, ``attn.b_proj``, ``attn.a_proj``, ``attn.A_log``,
+``attn.dt_bias``, ``attn.q_conv1d``, ``attn.g_proj.0/1``, ``attn.o_norm``, ``mlp.both_proj`` = [gate
+| up] with Canon-D, else ``mlp.gate_proj``/``mlp.up_proj``, ``mlp.canonD``, ``model.norm``,
+``lm_head``).
 
     q, k, v = SiLU(conv_b(W x)) with b, else SiLU(W x);  q, k L2-normalised per head
     beta = sigmoid(b_proj(x));  log_decay = -exp(A_log) * softplus(a_proj(x) + dt_bias)   per head
     S_t = (I - beta_t k_t k_t^T) exp(log_decay_t) S_{t-1} + beta_t k_t v_t^T,  o_t = q_t S_t /
-    sqrt(head_dim) out = o_proj(RMSNorm_head(o) * w * SiLU(g_proj(x)))
+        sqrt(head_dim)
+    out = o_proj(RMSNorm_head(o) * w * SiLU(g_proj(x)))
 
 The recurrence runs by chunks in plain PyTorch (``chunk_gated_delta_rule``), from a cached state
 when decoding.

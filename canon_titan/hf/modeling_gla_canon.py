@@ -1,8 +1,8 @@
 """GLACanon for transformers 5.x: GLA5, the gated linear attention of PhysicsLM4 Part 4.2, with
 Canon layers. Tensor names follow the release (``model.embeddings``,
-``model.layers.{i}.attn.q_proj``,
-``attn.gk_proj.0/1``, ``attn.g_proj.0/1``, ``attn.q_conv1d``, ``attn.g_norm_swish_gate``,
-``mlp.gate_proj`` = [gate | up], ``mlp.canonD``, ``model.norm``, ``lm_head``).
+``model.layers.{i}.attn.q_proj``, ``attn.gk_proj.0/1``, ``attn.g_proj.0/1``, ``attn.q_conv1d``,
+``attn.g_norm_swish_gate``, ``mlp.gate_proj`` = [gate | up], ``mlp.canonD``, ``model.norm``,
+``lm_head``).
 
     q, k, v = SiLU(conv_b(W x)) with b, else SiLU(W x)
     log_gate = logsigmoid(gk_proj(x)) / 16                         per key channel

@@ -4,7 +4,8 @@
     S'  = exp(g_t) S_{t-1}
     u_t = beta_t (v_t - S'^T k_t)
     S_t = S' + k_t u_t^T                    i.e. S_t = (I - beta_t k_t k_t^T) exp(g_t) S_{t-1} +
-    beta_t k_t v_t^T o_t = scale * q_t S_t
+        beta_t k_t v_t^T
+    o_t = scale * q_t S_t
 
 q, k: [B, T, H, K]; v: [B, T, H, V]; g (log decay, <= 0) and beta: [B, T, H]; S: [B, H, K, V].
 The caller L2-normalises q and k.

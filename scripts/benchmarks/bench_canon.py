@@ -24,17 +24,20 @@
 
 Every case runs in its own process, so peak memory is that case's alone.
 
-  .venv/bin/python scripts/benchmarks/bench_canon.py --mode trainer                      # GPU: 1B,
-  8 x 4096, compile .venv/bin/python scripts/benchmarks/bench_canon.py --mode trainer --batch 2
-  # the second row .venv/bin/python scripts/benchmarks/bench_canon.py --mode bytes --seq-len 4096
-  # CPU, 1B block, about 2 min .venv/bin/python scripts/benchmarks/bench_canon.py --mode trainer
-  --canon-backend triton,torch   # both backends, one run .venv/bin/python
-  scripts/benchmarks/bench_canon.py --mode trainer --flavor debug --seq-len 256 --steps 6
-  --no-compile  # CPU .venv/bin/python scripts/benchmarks/bench_canon.py --mode saved --seq-len 256
-  # CPU, 1B block .venv/bin/python scripts/benchmarks/bench_canon.py --mode raw --flavor debug
-  --seq-len 512 .venv/bin/python scripts/benchmarks/bench_canon.py --mode traffic --flavor 8B
-  --batch 1   # any machine .venv/bin/python scripts/benchmarks/bench_canon.py --mode ops
-  # GPU: 1B widths, bs 2 x 4096
+  .venv/bin/python scripts/benchmarks/bench_canon.py --mode trainer  # GPU: 1B, 8 x 4096, compile
+  .venv/bin/python scripts/benchmarks/bench_canon.py --mode trainer --batch 2  # the second row
+  # CPU, 1B block, about 2 min
+  .venv/bin/python scripts/benchmarks/bench_canon.py --mode bytes --seq-len 4096
+  # both backends, one run
+  .venv/bin/python scripts/benchmarks/bench_canon.py --mode trainer --canon-backend triton,torch
+  # CPU
+  .venv/bin/python scripts/benchmarks/bench_canon.py --mode trainer --flavor debug --seq-len 256
+      --steps 6 --no-compile
+  .venv/bin/python scripts/benchmarks/bench_canon.py --mode saved --seq-len 256  # CPU, 1B block
+  .venv/bin/python scripts/benchmarks/bench_canon.py --mode raw --flavor debug --seq-len 512
+  # any machine
+  .venv/bin/python scripts/benchmarks/bench_canon.py --mode traffic --flavor 8B --batch 1
+  .venv/bin/python scripts/benchmarks/bench_canon.py --mode ops  # GPU: 1B widths, bs 2 x 4096
 """
 
 from __future__ import annotations

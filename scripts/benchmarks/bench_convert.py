@@ -1,9 +1,8 @@
 #!/usr/bin/env python
 """Time and peak RSS of converting a randomly initialised checkpoint DCP -> HF -> DCP on CPU.
 
-  .venv/bin/python scripts/benchmarks/bench_convert.py                       # LlamaCanon-1B (1.37B
-  params) .venv/bin/python scripts/benchmarks/bench_convert.py --config
-  train_configs/llama_canon_debug.toml
+  .venv/bin/python scripts/benchmarks/bench_convert.py  # LlamaCanon-1B (1.37B params)
+  .venv/bin/python scripts/benchmarks/bench_convert.py --config train_configs/llama_canon_debug.toml
 
 Each stage runs in its own process, so its peak RSS is its own. Disk needed: about 3x the model
 size in the chosen dtypes (the work folder is deleted afterwards unless --keep).

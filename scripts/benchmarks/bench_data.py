@@ -6,9 +6,9 @@ pre-tokenization command, and batches read from pre-tokenized shards (``pread``,
 ``TokenStore.slice``). The required rate is computed from the model's training FLOPs per token at
 40% MFU of an H100 (dense bf16 peak).
 
-  .venv/bin/python scripts/benchmarks/bench_data.py                                  # built-in
-  tokenizer .venv/bin/python scripts/benchmarks/bench_data.py --tokenizer-kind sentencepiece
-  --tokenizer /path/llama2/tokenizer.model
+  .venv/bin/python scripts/benchmarks/bench_data.py  # built-in tokenizer
+  .venv/bin/python scripts/benchmarks/bench_data.py --tokenizer-kind sentencepiece --tokenizer
+      /path/llama2/tokenizer.model
 """
 
 from __future__ import annotations

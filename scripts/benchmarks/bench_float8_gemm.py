@@ -18,7 +18,7 @@ milliseconds of the block's seven GEMMs in each way, and their TFLOP. On a CPU (
 shapes) it checks that the script runs; the figures mean nothing there.
 
     .venv/bin/python scripts/benchmarks/bench_float8_gemm.py [--tokens N] [--reps R] [--json OUT]
-    [--tiny]
+        [--tiny]
 """
 
 from __future__ import annotations

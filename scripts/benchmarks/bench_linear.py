@@ -21,7 +21,7 @@ Markdown tables (ready for docs/benchmarks/):
    and the first step's seconds (from the model's build: compile and kernel tuning). The kernels
    each run used are listed.
 4. host (``--tables host``, on a CPU): each custom op's host path in one layer, counted
-(``linear_host.py``).
+   (``linear_host.py``).
 5. documents (``--tables documents``, on a CPU): what keeping packed documents apart costs per
    layer. Bytes and kernels of one compiled block's own code at ``--documents-flavor`` (1B) and
    ``--documents-tokens`` tokens, as Inductor's scheduler counts them for a Hopper GPU
@@ -40,15 +40,15 @@ freed memory mapped (``--malloc keep``): with glibc's defaults every step page-f
 activations in again, which on a small VM made steps up to ~1.7x slower and very noisy. Progress
 goes to stderr, tables to stdout.
 
-  OMP_NUM_THREADS=2 .venv/bin/python scripts/benchmarks/bench_linear.py            # CPU default, ~5
-  min on 2 cores .venv/bin/python scripts/benchmarks/bench_linear.py --device cuda --dim 1024
-  --layers 8 --batch 8 --seq-len 2048 \\
+  # CPU default, ~5 min on 2 cores
+  OMP_NUM_THREADS=2 .venv/bin/python scripts/benchmarks/bench_linear.py
+  .venv/bin/python scripts/benchmarks/bench_linear.py --device cuda --dim 1024 --layers 8 --batch 8
+      --seq-len 2048 \\
       --scaling-dim 512 --scaling-seqs 2048,4096,8192,16384,32768      # on a GPU
   .venv/bin/python scripts/benchmarks/bench_linear.py --tables scaling --models gla5:bb,llama_canon
-  .venv/bin/python scripts/benchmarks/bench_linear.py --tables trainer
-  # on a GPU .venv/bin/python scripts/benchmarks/bench_linear.py --tables host
-  # any machine .venv/bin/python scripts/benchmarks/bench_linear.py --tables documents             #
-  on a CPU
+  .venv/bin/python scripts/benchmarks/bench_linear.py --tables trainer  # on a GPU
+  .venv/bin/python scripts/benchmarks/bench_linear.py --tables host  # any machine
+  .venv/bin/python scripts/benchmarks/bench_linear.py --tables documents             # on a CPU
 """
 
 from __future__ import annotations

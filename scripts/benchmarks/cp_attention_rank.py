@@ -21,19 +21,19 @@ efficiency on the GPU's peak).
 
     .venv/bin/python scripts/benchmarks/cp_attention_rank.py [--cp 1,2,4,8] [--seq-local 32768]
         [--heads 32] [--kv-heads 8] [--head-dim 128] [--rotate allgather|alltoall] [--reps 3]
-        [--json OUT] [--tiny]
+            [--json OUT]
+        [--tiny]
 
 Defaults are TorchTitan's table 2 (Llama 3.1 8B: 32 heads of 128, keys and values repeated to 32
 heads before SDPA as its Llama did, 32,768 tokens per rank at every CP degree). ``--kv-heads``
-(fewer than
-``--heads``) gives canon-titan's gather grouped-query K and V, as its models attend (SDPA's
-``enable_gqa``, on the lower-right causal path); the ring, whose flash calls take K and V with every
-head, gets them repeated. Before timing, each degree's first and last rank check canon-titan's
-gather against plain causal SDPA over the whole sequence (the rank's outputs and the gradients its
-queries send back; the gather's collective answered in this process with every rank's rows): the
-script stops with the difference if they disagree. On a CPU (``--tiny``: toy shapes, the CPU's flash
-kernel) it checks that the script runs and records each implementation's SDPA calls; the times mean
-nothing there.
+(fewer than ``--heads``) gives canon-titan's gather grouped-query K and V, as its models attend
+(SDPA's ``enable_gqa``, on the lower-right causal path); the ring, whose flash calls take K and V
+with every head, gets them repeated. Before timing, each degree's first and last rank check
+canon-titan's gather against plain causal SDPA over the whole sequence (the rank's outputs and the
+gradients its queries send back; the gather's collective answered in this process with every rank's
+rows): the script stops with the difference if they disagree. On a CPU (``--tiny``: toy shapes, the
+CPU's flash kernel) it checks that the script runs and records each implementation's SDPA calls; the
+times mean nothing there.
 """
 
 from __future__ import annotations

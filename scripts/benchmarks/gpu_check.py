@@ -6,10 +6,11 @@ within ``--budget`` seconds; a step that no longer fits is skipped and named. Af
 report is rewritten, so a run killed from outside keeps what it measured. Run it through
 ``scripts/gpu_check.sh OUTDIR``, which installs the offline kit first where needed.
 
-  env                 GPU, driver, torch/triton/fla/mamba-ssm versions, the kernel backends ``auto``
-  picks kernel_tests        the kernel tests on CUDA (five pytest shards side by side)             }
-  side by losses              bf16 loss curves, 100 steps: llama_canon triton vs torch, gla5 fla vs
-  } side
+  env                 GPU, driver, torch/triton/fla/mamba-ssm versions, the kernel backends
+      ``auto`` picks
+  kernel_tests        the kernel tests on CUDA (five pytest shards side by side)             } side
+      by
+  losses              bf16 loss curves, 100 steps: llama_canon triton vs torch, gla5 fla vs  } side
                       torch, mamba2 mamba_ssm vs torch (debug models, the trainer), each pair  }
                       as it ends                                                            }
   warm_tuning         two untimed steps of Mamba2-1B and GLA5-1B at 16,384 x 1, so that their }
@@ -18,30 +19,33 @@ report is rewritten, so a run killed from outside keeps what it measured. Run it
                       profiler's CUDA runtime calls, pinned vs pageable batches, and PP 2     }
                       (PP 2 x FSDP 2 on four GPUs) where two GPUs are lent
   canon_llama_b8      the trainer, one run each (TorchTitan's metrics; 1B, seq 4096, the recipes'
-  batch 8, canon_triton_b8       compile, a profiled step): Llama-1B, then LlamaCanon-1B on the
-  Triton Canon op: the
+      batch 8,
+  canon_triton_b8       compile, a profiled step): Llama-1B, then LlamaCanon-1B on the Triton Canon
+      op: the
                         Canon ratio of record
   canon_llama         the same at batch 2 (the base of the linear and float8 runs)
   canon_triton
   linear_*_16k        the linear models' figure of record: Llama, Mamba2, GLA5, GDN2 (Canon AbbCD)
-  at the
+      at the
                       recipes' 16,384 x 1, then Mamba2 with CUDA graphs, then the three with
                       document masking (against the same runs without); a case whose recurrence
                       ``auto`` runs on torch here is skipped, saying why
   linear_*_4k         Mamba2, GLA5, GDN2 at 4096 x 2, for information (against canon_llama)
   float8_tensorwise   LlamaCanon-1B (triton) with float8 training, each recipe (against
-  canon_triton) float8_rowwise
+      canon_triton)
+  float8_rowwise
   canon_bwd_blocks    the Canon backward kernels at each candidate block configuration (bench_canon
                       --mode bwd_blocks: the fixed blocks are chosen from it)
   float8_gemms        a Llama block's float8 GEMMs as torchao's recipes run them, against bf16, at
-  the
+      the
                       shapes of the planner's TP 8 calibration points and of LlamaCanon-1B
-                      (bench_float8_gemm)
+                          (bench_float8_gemm)
   ops                 the Canon ops against fla's causal_conv1d and the memory bound (bench_canon
-  --mode ops) cp_attention        one context-parallel rank's attention at TorchTitan's table 2
-  shapes, torch's ring and
+      --mode ops)
+  cp_attention        one context-parallel rank's attention at TorchTitan's table 2 shapes, torch's
+      ring and
                       canon-titan's gather, compute alone (cp_attention_rank: issue 42's CP 4 and 8
-                      points)
+                          points)
   canon_torch         LlamaCanon-1B on the torch Canon backend (the first baseline's configuration)
 Beside each trainer run, the planner's prediction (``canon-titan plan`` for that GPU), when time is
 left at the end; ``--replan OUTDIR`` adds them afterwards on any machine.

@@ -5,10 +5,10 @@ Markdown, or writes it into docs/benchmarks/planner.md between its markers (rows
 searched this time are kept), and the search of ``EXAMPLE`` (docs/planning.md's example) into
 docs/planning.md between its own.
 
-    .venv/bin/python scripts/benchmarks/plan_search_recipes.py [--docs] [--only PATTERN] [--budget-s
-    S] [--workers N] [--top K] .venv/bin/python scripts/benchmarks/plan_search_recipes.py --docs
-    --refigure [--only PATTERN] .venv/bin/python scripts/benchmarks/plan_search_recipes.py --docs
-    --example
+    .venv/bin/python scripts/benchmarks/plan_search_recipes.py [--docs] [--only PATTERN]
+        [--budget-s S] [--workers N] [--top K]
+    .venv/bin/python scripts/benchmarks/plan_search_recipes.py --docs --refigure [--only PATTERN]
+    .venv/bin/python scripts/benchmarks/plan_search_recipes.py --docs --example
 
 ``--refigure`` plans the figures of the table's rows (and of the example, when its recipe
 matches) again with their layouts as found, without a search (after a change to the planner's

@@ -4,7 +4,8 @@
     q, k L2-normalised per head (fla's use_qk_l2norm_in_kernel, eps 1e-6)
     beta = sigmoid(b_proj(x));  log_decay = -exp(A_log) * softplus(a_proj(x) + dt_bias)   per head
     S_t = (I - beta_t k_t k_t^T) exp(log_decay_t) S_{t-1} + beta_t k_t v_t^T,  o_t = q_t S_t /
-    sqrt(head_dim) out = o_proj(RMSNorm_head(o) * w * SiLU(g_proj(x)))   g_proj of rank 16
+        sqrt(head_dim)
+    out = o_proj(RMSNorm_head(o) * w * SiLU(g_proj(x)))   g_proj of rank 16
 
 Initialisation as GLA5 (N(0, 0.02) linears and short convolutions, split init of the low-rank
 factors), plus A = U(0, 16), A_log = log A, and dt_bias the inverse softplus of a log-uniform
