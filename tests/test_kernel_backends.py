@@ -339,6 +339,7 @@ def test_the_document_kernels_never_wait_for_the_device(monkeypatch):
     knows, fla's GLA state kernels would read it back from the device three times per layer and step
     (the forward, the backward's recomputation, the backward), which the count sees."""
     sys.path.insert(0, str(REPO / "scripts" / "benchmarks"))
+    from canon_titan.tools.host_memory import pinned
     from host_syncs import HostSyncs
 
     modules = {
@@ -357,7 +358,10 @@ def test_the_document_kernels_never_wait_for_the_device(monkeypatch):
     )
     ssd_args = [t.to(device) for t in ssd_inputs(2, 20, 1, 16, 8, 1, False).values()]
     positions = document_positions(lengths)
-    batch = {"positions": positions, **document_boundaries(positions)}
+    # in pinned memory, as the loaders send them (tools/host_memory: a stand-in on a CPU run)
+    batch = {
+        k: pinned(v) for k, v in {"positions": positions, **document_boundaries(positions)}.items()
+    }
 
     def gla_step(cu_seqlens, chunk_indices, positions):
         o, _, A = modules["gla"].gla_documents_forward(

@@ -1533,14 +1533,17 @@ if INTERPRETED:
 
     class _InterpretedLaunch:
         """``kernel[grid](*args)`` run by the interpreter, except on fake tensors (the op's
-        fake)."""
+        fake) and meta tensors (a planned step: shapes only, nothing to compute)."""
 
         def __init__(self, kernel):
             self.kernel = kernel
 
         def __getitem__(self, grid):
             def launch(*args, **kwargs):
-                if not any(isinstance(a, FakeTensor) for a in args):
+                if not any(
+                    isinstance(a, FakeTensor) or (isinstance(a, torch.Tensor) and a.is_meta)
+                    for a in args
+                ):
                     self.kernel[grid](*args, **kwargs)
 
             return launch
