@@ -50,6 +50,26 @@ def _gpu():
 # ------------------------------------------------------------------------------------- calls
 
 
+def _without_newer_arguments(function):
+    """An older commit's Canon entry point called by today's layer: the keyword arguments it does
+    not take (document positions, CP halos, added since) dropped when they have today's default."""
+    import inspect
+
+    from canon_titan.kernels import canon as today
+
+    taken = inspect.signature(function).parameters
+    defaults = inspect.signature(getattr(today, function.__name__)).parameters
+
+    def call(*args, **kwargs):
+        for name in [k for k in kwargs if k not in taken]:
+            if name not in defaults or kwargs[name] != defaults[name].default:
+                raise TypeError(f"{function.__qualname__} of that commit takes no {name}")
+            del kwargs[name]
+        return function(*args, **kwargs)
+
+    return call
+
+
 def model_calls(
     family: str, batch: int, seq_len: int, overrides: dict | None = None, canon_module=None
 ) -> list[tuple[str, list]]:
@@ -66,8 +86,8 @@ def model_calls(
     saved = canon_layer.canon_conv, canon_layer.canon_swiglu
     if canon_module is not None:
         canon_layer.canon_conv, canon_layer.canon_swiglu = (
-            canon_module.canon_conv,
-            canon_module.canon_swiglu,
+            _without_newer_arguments(canon_module.canon_conv),
+            _without_newer_arguments(canon_module.canon_swiglu),
         )
         namespace = canon_module.NAMESPACE
     try:
