@@ -494,14 +494,7 @@ def test_packed_documents_equal_each_document_alone_on_the_triton_kernels(family
             for name in OPS[FAMILY_OP[family]]
         )
     ):
-        try:
-            assert_packed_equals_alone(
-                model, tokens, MODEL_DOCUMENTS, 1e-4, reference, **boundaries
-            )
-        except (
-            NotImplementedError
-        ) as e:  # the Triton Canon op with positions: branch i83-canon-kernels
-            pytest.skip(str(e))
+        assert_packed_equals_alone(model, tokens, MODEL_DOCUMENTS, 1e-4, reference, **boundaries)
 
 
 # --- which backend runs where --------------------------------------------------------------------
