@@ -304,6 +304,37 @@ def test_a_purposeful_stop_stays_last_when_a_stopped_worker_failed_first(tmp_pat
     )
 
 
+# Both ranks refuse alike; rank 1 is still shutting down (its atexit work, the interpreter's
+# teardown) when rank 0 has exited, and torchrun stops it with SIGTERM.
+SLOW_REFUSER = """
+import atexit, os, time
+from canon_titan.components.exit_codes import report_exit, say_once, stop_before_training
+stop_before_training()
+say_once("dump folder x already holds a finished run")
+if os.environ["RANK"] == "0":
+    os._exit(report_exit(2))
+atexit.register(time.sleep, 600)
+raise SystemExit(report_exit(2))
+"""
+
+
+@pytest.mark.slow
+def test_a_refusing_rank_stopped_while_it_shuts_down_keeps_its_line_and_code(tmp_path):
+    """A rank that has said its refusal and reported exit 2 keeps both when torchrun's SIGTERM comes
+    during its shutdown: the job exits 2 with the refusal as its one line. At 223c57f the stop
+    handler wrote "SIGTERM before training started" over the rank's line and the wrapper printed
+    both (the README torchrun refusal test failed on it, reproducibly, from 4fa9bc2 on)."""
+    script = tmp_path / "refuse.py"
+    script.write_text(SLOW_REFUSER)
+    cmd = [sys.executable, "-m", "canon_titan.launch.torchrun", "--standalone"]
+    cmd += ["--nproc_per_node=2", "--log-dir", str(tmp_path / "logs"), str(script)]
+    code, out, err = finish(start((cmd, {})), timeout=120)
+    lines = [line for line in err.splitlines() if re.match(r"(\[rank\d+\]:)?canon-titan:", line)]
+    assert code == 2, err[-3000:]
+    assert lines == ["canon-titan: dump folder x already holds a finished run"], err[-3000:]
+    assert err.strip().splitlines()[-1] == lines[0] and "Traceback" not in err, err[-3000:]
+
+
 @pytest.mark.slow
 def test_sigint_reaches_a_run_started_in_the_background_of_a_script(tmp_path):
     """``canon-titan train ... &`` in a non-interactive script starts with SIGINT ignored (bash does

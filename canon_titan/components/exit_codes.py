@@ -46,6 +46,10 @@ def _python_side(signum, frame) -> None:
 
 
 _act: list[Callable[[int], None]] = []
+_reported: list[int] = []
+"""The code this process reported it exits with (``report_exit``), once it did."""
+_said: list[str] = []
+"""The line this process said (``say_once``), once it did."""
 _watching: list[threading.Thread] = []
 
 
@@ -106,6 +110,8 @@ def stop_before_training() -> None:
     that has gone."""
 
     def stop(signum):
+        if _reported:  # it was already ending with its own code and line (the agent stops the
+            exit_now(_reported[0])  # ranks still shutting down once one has exited): keep them
         say_once(
             f"{signal.Signals(signum).name} before training started: stopped, nothing to "
             "save; run the same "
@@ -125,6 +131,9 @@ def say_once(message: str) -> None:
     under the torchrun wrapper, handed to it (it prints its node's lines after torchrun ends, so the
     line is the last one on the console, whichever ranks' output torchrun shows); otherwise printed
     by the node's first rank."""
+    if _said:  # its first line is why it ends (a stop signal during its shutdown keeps it)
+        return
+    _said.append(message)
     folder = os.environ.get(OUTCOME_DIR_ENV)
     if folder:
         try:
@@ -167,6 +176,7 @@ def trained(folder: str | os.PathLike) -> bool:
 
 def report_exit(code: int) -> int:
     """Record this worker's exit code for the torchrun wrapper (when it asked), and return it."""
+    _reported[:] = [code]
     folder = os.environ.get(OUTCOME_DIR_ENV)
     if folder:
         try:
