@@ -62,8 +62,8 @@ def _other_blocks(monkeypatch):
 
 
 def test_weight_gradients_are_bitwise_equal_across_processes_and_runs(tmp_path, monkeypatch):
-    # Own Triton caches: each process autotunes the forward kernels afresh (cache_results would
-    # otherwise hand the second one the first one's choice).
+    # Own Triton caches: nothing one process compiled (or, with CANON_TITAN_FULL_AUTOTUNE=1 on a
+    # GPU, tuned) reaches the other.
     procs = [
         subprocess.Popen(
             [sys.executable, __file__, str(tmp_path / f"grads{i}.pt")],

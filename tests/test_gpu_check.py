@@ -171,6 +171,8 @@ def test_steps_run_in_the_order_of_their_value():
         names.index("linear_gdn2_4k")
         < names.index("float8_tensorwise")
         < names.index("canon_bwd_blocks")
+        < names.index("canon_fwd_blocks")
+        < names.index("ops")
     )
     # The CP rank's attention after the op microbenchmarks (issue 42's question, not the Canon
     # op's); not in --tiny, whose test would only repeat what its own test checks.
@@ -608,3 +610,35 @@ def test_the_float8_gemm_benchmark_computes_what_torchao_computes(forward):
         ("w3", 4096, 1792),
         ("w2", 1792, 4096),
     ]
+
+
+def test_the_forward_block_sweep_times_every_candidate_and_marks_the_fixed_one(tmp_path):
+    """``bench_canon.py --mode fwd_blocks`` (the lease's ``canon_fwd_blocks``), at toy size in the
+    interpreter: each swept call at each configuration of ``FORWARD_CONFIGS``, the fixed
+    ``FORWARD_BLOCKS`` marked once per call."""
+    from canon_titan.kernels import canon
+
+    out = tmp_path / "fwd.json"
+    proc = subprocess.run(
+        [sys.executable, "scripts/benchmarks/bench_canon.py", "--mode", "fwd_blocks"]
+        + ["--flavor", "debug", "--seq-len", "32", "--batch", "1", "--reps", "1"]
+        + ["--json", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = json.loads(out.read_text())["rows"]
+    candidates = {
+        f"{c.kwargs['CHUNK']}x{c.kwargs['BLOCK_C']}/{c.num_warps}w" for c in canon.FORWARD_CONFIGS
+    }
+    calls = ["A", "B v", "D", "b (Mamba2)"]
+    assert [r["call"] for r in rows] == [c for c in calls for _ in canon.FORWARD_CONFIGS]
+    for call in calls:
+        mine = [r for r in rows if r["call"] == call]
+        assert {r["config"] for r in mine} == candidates
+        (current,) = [r["config"] for r in mine if r["current"]]
+        blocks = canon.FORWARD_BLOCKS
+        assert current == f"{blocks['CHUNK']}x{blocks['BLOCK_C']}/{blocks['num_warps']}w"
+    assert "Canon forward kernels by block configuration" in proc.stdout

@@ -2,7 +2,8 @@
 the venv's Triton and by the GPU image's (3.6.0, which scripts/test.sh installs aside in
 .venv/triton36): every configuration a launch may use compiles, none spills registers, and
 Mamba2-3B's short convolution, whose input rows are 12568 elements apart (not a multiple of 16),
-loads like its twin with aligned rows (16-byte vector loads, not 2-byte scalar ones)."""
+loads like its twin with aligned rows (16-byte vector loads, not 2-byte scalar ones). Compiled with
+``CANON_TITAN_FULL_AUTOTUNE=1``: the forward kernels' every candidate, not only the fixed blocks."""
 
 import json
 import os
@@ -19,6 +20,7 @@ TRITON_36 = REPO / ".venv" / "triton36"
 @pytest.fixture(scope="module", params=["pinned", "3.6.0"])
 def compiled(request, tmp_path_factory) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["CANON_TITAN_FULL_AUTOTUNE"] = "1"
     if request.param == "3.6.0":
         if not (TRITON_36 / "triton" / "__init__.py").exists():
             pytest.skip(

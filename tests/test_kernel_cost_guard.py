@@ -3,8 +3,13 @@ layer at the recipe's 8 x 4096, compiled for sm_90 (no GPU) at the configuration
 executes ``FIGURES``' SASS instructions per element, and its issue-bound time (at 100% issue) stands
 in that ratio to its memory-bound time (at 80% of the H200's HBM). A kernel change that adds
 instructions fails here; one that removes them fails too, saying the figure to write: update
-``FIGURES`` from ``scripts/benchmarks/kernel_cost.py guard`` (which also picks each autotuned call's
-configuration) in the same change. docs/benchmarks/kernels.md has the table with its times."""
+``FIGURES`` from ``CANON_TITAN_FULL_AUTOTUNE=1 scripts/benchmarks/kernel_cost.py guard`` (which
+also picks each forward call's configuration among ``FORWARD_CONFIGS``) in the same change.
+docs/benchmarks/kernels.md has the table with its times.
+
+The forward kernels run with fixed blocks (``canon.FORWARD_BLOCKS``, not autotuned, so that
+every rank of a job runs the same); they are held here to be the candidate the instrument finds
+fastest."""
 
 import json
 import os
@@ -16,8 +21,8 @@ import pytest
 from conftest import REPO
 
 WALK = "BLOCK_C=128, CHUNK=64, STREAMS=1, U=4, 1 warps, 3 stages"
-"""The forward calls' configuration (of their autotuning candidates) that ``kernel_cost.py guard``
-picks."""
+"""The forward calls' configuration: ``FORWARD_BLOCKS``, the candidate of ``FORWARD_CONFIGS`` that
+``kernel_cost.py guard`` picks at every forward call."""
 FIGURES = {
     # call of the layer: (kernel, configuration, SASS instructions per element, issue / memory time)
     "canon_conv, 2048 ch, fused norm": ("_canon_fwd_kernel", WALK, 15.67, 0.463),
@@ -41,10 +46,12 @@ print(json.dumps(kernel_cost.guard_figures(json.loads(sys.argv[1]))))
 
 @pytest.fixture(scope="module")
 def counted() -> dict:
-    """Each call's figures, only its pinned configuration compiled (the real Triton, in a process of
-    its own; code compiled before taken from the kernel cost cache, kept by compile key)."""
+    """Each call's figures at the fastest of its configurations by the instrument (the real Triton
+    with the forward kernels autotuned, in a process of its own; code compiled before taken from
+    the kernel cost cache, kept by compile key)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    pinned = {variant: figures[1] for variant, figures in FIGURES.items()}
+    env["CANON_TITAN_FULL_AUTOTUNE"] = "1"
+    pinned = {variant: None for variant in FIGURES}
     proc = subprocess.run(
         [sys.executable, "-c", _COUNT, json.dumps(pinned)],
         cwd=REPO,
@@ -74,3 +81,64 @@ def test_a_canon_kernel_executes_no_more_instructions_than_its_figure(counted, v
     assert got_ratio == pytest.approx(ratio, rel=0.01), (
         f"{variant}: issue / memory time {got_ratio}, FIGURES has {ratio}"
     )
+
+
+@pytest.mark.parametrize("variant", [v for v in FIGURES if FIGURES[v][1]])
+def test_the_fixed_forward_blocks_are_the_fastest_candidate_by_the_instrument(counted, variant):
+    """Every forward call of the layer runs ``FORWARD_BLOCKS``; of ``FORWARD_CONFIGS``, the compiled
+    kernels' cost finds no faster one."""
+    from canon_titan.kernels.canon import FORWARD_BLOCKS
+
+    fixed = dict(FORWARD_BLOCKS)
+    warps = fixed.pop("num_warps")
+    label = ", ".join(f"{k}={v}" for k, v in fixed.items()) + f", {warps} warps, 3 stages"
+    assert label == WALK
+    assert counted[variant][1] == WALK, (
+        f"{variant}: the instrument's fastest forward configuration is {counted[variant][1]}, "
+        f"FORWARD_BLOCKS runs {WALK}"
+    )
+
+
+_LAUNCHED = """
+import json, os, sys, torch
+from canon_titan.kernels import aot, canon
+from triton.runtime.autotuner import Autotuner
+
+def launched():
+    x = torch.empty(2, 64, 256, device="meta")
+    w = torch.empty(256, 4, device="meta")
+    (launch,) = aot.record_launches(
+        lambda: canon.conv_forward(x, w, None, None, None, True, False)
+    )
+    kernel, _, kwargs = launch
+    keys = ("BLOCK_C", "CHUNK", "STREAMS", "U", "num_warps")
+    return type(kernel).__name__, {k: kwargs[k] for k in keys if k in kwargs}
+
+out = {"default": launched()}
+if not isinstance(canon._canon_fwd_kernel, Autotuner):
+    canon.FORWARD_BLOCKS = {**canon.FORWARD_BLOCKS, "BLOCK_C": 256, "num_warps": 2}
+    out["swept"] = launched()
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("autotune", ["", "1"])
+def test_a_forward_launch_passes_the_fixed_blocks_and_autotunes_only_when_asked(autotune):
+    """Without the interpreter (a GPU's path, on meta tensors): the forward kernel is launched bare
+    with ``FORWARD_BLOCKS`` (the same on every rank; Inductor has nothing to autotune), and a value
+    the block sweep sets reaches the launch; with ``CANON_TITAN_FULL_AUTOTUNE=1`` it is an autotuner
+    over ``FORWARD_CONFIGS`` and the launch passes no blocks."""
+    from canon_titan.kernels.canon import FORWARD_BLOCKS
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["CANON_TITAN_FULL_AUTOTUNE"] = autotune
+    proc = subprocess.run(
+        [sys.executable, "-c", _LAUNCHED], cwd=REPO, env=env, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    if autotune:
+        assert got == {"default": ["Autotuner", {}]}
+    else:
+        assert got["default"] == ["JITFunction", FORWARD_BLOCKS]
+        assert got["swept"] == ["JITFunction", {**FORWARD_BLOCKS, "BLOCK_C": 256, "num_warps": 2}]

@@ -14,7 +14,9 @@ them).
     python -m canon_titan.kernels.aot                 # the table for sm_90
     python -m canon_titan.kernels.aot --json out.json
 
-It runs the real Triton, so not under ``TRITON_INTERPRET=1``.
+It runs the real Triton, so not under ``TRITON_INTERPRET=1``. With ``CANON_TITAN_FULL_AUTOTUNE=1``
+it compiles every forward candidate of ``canon.FORWARD_CONFIGS`` (the forward kernels' blocks are
+otherwise fixed).
 """
 
 from __future__ import annotations

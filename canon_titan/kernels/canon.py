@@ -20,14 +20,18 @@ Backends:
   copies). The backward saves only the op's inputs and recomputes the convolution; the fused SwiGLU
   op saves gate and up (what SwiGLU alone saves), not the Canon outputs. With a fused norm and no
   SiLU, the input's gradient is torch ops that Inductor fuses with the norm's backward
-  (``_canon_conv_grad``). The forward kernels' blocks are autotuned, the backward kernels' fixed
-  (their weight gradients are then bitwise reproducible). Runs on CUDA, or on CPU tensors when
-  ``TRITON_INTERPRET=1`` is set before the import (Triton's interpreter: slow, for tests).
+  (``_canon_conv_grad``). Every kernel's blocks are fixed, not autotuned: each rank of a job runs
+  the same configuration and times none, and the weight gradients are bitwise reproducible
+  (``CANON_TITAN_FULL_AUTOTUNE=1`` autotunes the forward kernels instead). Runs on CUDA, or on CPU
+  tensors when ``TRITON_INTERPRET=1`` is set before the import (Triton's interpreter: slow, for
+  tests).
   ``python -m canon_titan.kernels.aot`` compiles the kernels for sm_90 without a GPU; their cost
   per element is in docs/benchmarks/kernels.md.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +39,7 @@ import triton
 import triton.language as tl
 
 from canon_titan.kernels.backends import INTERPRETED, runs_cuda_kernel
+from canon_titan.kernels.tuning import FULL_AUTOTUNE_ENV
 
 TRITON_KERNEL_SIZES = (2, 3, 4)
 """Kernel sizes the Triton kernels are built for (every size a config allows)."""
@@ -74,13 +79,25 @@ def _canon_torch(
 
 # ----------------------------------------------------------------------------- Triton blocks
 
+FORWARD_BLOCKS = {"BLOCK_C": 128, "CHUNK": 64, "STREAMS": 1, "U": 4, "num_warps": 1}
+"""The forward kernels' configuration: a program walks CHUNK rows of BLOCK_C channels, 4 channels a
+thread (8-byte loads; at 2 a thread the per-row work of a walk is shared by too few elements), one
+warp. Fixed, not autotuned: every rank of a job runs the same blocks and none times candidates at
+its first step (under torch.compile Inductor would autotune in each process, out of reach of
+``kernels/tuning.py``'s rank-0 choice, and at a thousand ranks some rank picks badly and the step
+runs at its pace). It is the candidate of ``FORWARD_CONFIGS`` the compiled kernels' cost
+(``plan/kernel_cost.py``, sm_90 SASS and bytes) finds fastest at each forward call of a
+LlamaCanon-1B layer at 8 x 4096 (``tests/test_kernel_cost_guard.py`` holds it there)."""
+
 FORWARD_CONFIGS = [
     triton.Config({"BLOCK_C": c, "CHUNK": t, "STREAMS": 1, "U": 4}, num_warps=w)
     for c, t, w in ((128, 64, 1), (128, 128, 1), (256, 64, 2), (256, 128, 2))
 ]
-"""The forward kernels' autotuning space: a program walks CHUNK rows of BLOCK_C channels, 4 channels
-a thread (8-byte loads; at 2 a thread the per-row work of a walk is shared by too few elements), 1
-or 2 warps (``python -m canon_titan.kernels.aot`` prints their registers)."""
+"""The forward kernels' autotuning space with ``CANON_TITAN_FULL_AUTOTUNE=1`` (set before the
+import; to compare on a new GPU): 1 or 2 warps (``python -m canon_titan.kernels.aot`` prints their
+registers)."""
+
+FORWARD_AUTOTUNED = not INTERPRETED and os.environ.get(FULL_AUTOTUNE_ENV) == "1"
 
 BACKWARD_BLOCKS = {"BLOCK_C": 128, "STREAMS": 1, "U": 8, "num_warps": 1}
 """The backward kernels' configuration, fixed (not autotuned): the weight gradient sums a chunk's
@@ -126,9 +143,9 @@ def _interpreter_blocks(channels: int, chunk: int, unroll: int) -> dict:
 
 
 def _forward_blocks(channels: str, *keys: str):
-    """Blocks of a forward kernel: autotuned on a GPU (a forward element's value does not depend on
-    them), with the timings kept on disk (Triton's cache) so that later runs skip the benchmark;
-    under the interpreter, whose autotuning would need a GPU, ``_interpreter_blocks``."""
+    """Blocks of a forward kernel: ``FORWARD_BLOCKS``, given at the launch (``_forward_launch``);
+    with ``FORWARD_AUTOTUNED``, autotuned (a forward element's value does not depend on them), the
+    timings kept on disk (Triton's cache); under the interpreter, ``_interpreter_blocks``."""
     if INTERPRETED:
         return triton.heuristics(
             {
@@ -136,7 +153,14 @@ def _forward_blocks(channels: str, *keys: str):
                 for name in ("BLOCK_C", "CHUNK", "STREAMS", "U")
             }
         )
-    return triton.autotune(configs=FORWARD_CONFIGS, key=[channels, *keys], cache_results=True)
+    if FORWARD_AUTOTUNED:
+        return triton.autotune(configs=FORWARD_CONFIGS, key=[channels, *keys], cache_results=True)
+    return lambda kernel: kernel
+
+
+def _forward_launch() -> dict:
+    """The blocks a forward launch passes: none where ``_forward_blocks`` decides them."""
+    return {} if INTERPRETED or FORWARD_AUTOTUNED else dict(FORWARD_BLOCKS)
 
 
 def _backward_blocks(channels: int, rows: int, blocks: dict) -> dict:
@@ -1602,6 +1626,7 @@ def conv_forward(
         HAS_POS=positions is not None,
         HAS_HALO=halo is not weight,
         X_ALIGNED=_rows_aligned(x),
+        **_forward_launch(),
     )
     return y
 
@@ -1790,6 +1815,7 @@ def swiglu_forward(
         SILU=activation,
         HAS_POS=positions is not None,
         HAS_HALO=halo_gate is not weight,
+        **_forward_launch(),
     )
     return y
 

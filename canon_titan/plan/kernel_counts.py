@@ -214,13 +214,19 @@ def _counting_code() -> tuple[str, ...]:
 
 def call_key(op: str, args: list) -> str:
     """A call's cache key: the op, its arguments, the modules that define the ops and the kernel
-    tuning rules, the counting code (this module's too), and the kernel packages' versions. (By
-    every op module's source: a ``triton_op``'s body is a wrapper of torch's, an interpreter run's
-    custom op's the function itself.)"""
+    tuning rules, the counting code (this module's too), the kernel packages' versions, and
+    whether the full autotuning search is on (``CANON_TITAN_FULL_AUTOTUNE``: it changes which
+    configurations a launch may run with). (By every op module's source: a ``triton_op``'s body is
+    a wrapper of torch's, an interpreter run's custom op's the function itself.)"""
+    from canon_titan.kernels.tuning import FULL_AUTOTUNE_ENV
+
     _definition(op)
     sources = [_file_digest(sys.modules[name].__file__) for name in (*KERNEL_MODULES, *TUNING)]
     sources += [_file_digest(__file__), *_counting_code()]
-    return _digest(op, args, sources, _version("flash-linear-attention"), _version("mamba-ssm"))
+    full = os.environ.get(FULL_AUTOTUNE_ENV) == "1"
+    return _digest(
+        op, args, sources, _version("flash-linear-attention"), _version("mamba-ssm"), full
+    )
 
 
 class Codes:

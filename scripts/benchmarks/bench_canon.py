@@ -21,6 +21,9 @@
                   Mamba2's short convolution at the flavor's widths against fla's causal_conv1d and
                   the memory bound, the first call's compile-and-autotune time, the autotuner's
                   choices. Without a GPU, tiny shapes in Triton's interpreter (a check of the code).
+  --mode bwd_blocks, --mode fwd_blocks
+                  the Canon backward (forward) kernels alone on a GPU at each candidate block
+                  configuration against their memory bound: the fixed blocks are chosen from it.
 
 Every case runs in its own process, so peak memory is that case's alone.
 
@@ -67,7 +70,7 @@ def parse_args(argv=None):
     )
     p.add_argument(
         "--mode",
-        choices=("trainer", "raw", "saved", "bytes", "traffic", "ops", "bwd_blocks"),
+        choices=("trainer", "raw", "saved", "bytes", "traffic", "ops", "bwd_blocks", "fwd_blocks"),
         default="trainer",
     )
     p.add_argument("--flavor", default="1B", help="flavor of both families (debug, 1B, 3B, 8B)")
@@ -605,6 +608,32 @@ def run_bwd_blocks(args) -> dict:
     return result
 
 
+def run_fwd_blocks(args) -> dict:
+    from canon_op_bench import forward_blocks, llama_canon_layer, mamba2_short_conv
+
+    layer = {call.name: call for call in llama_canon_layer(args.flavor)}
+    result = forward_blocks(
+        [layer["A"], layer["B v"], layer["D"], mamba2_short_conv(args.flavor)],
+        args.batch,
+        args.seq_len,
+        args.reps,
+    )
+    print(
+        f"Canon forward kernels by block configuration, {result['device']}, flavor "
+        f"{args.flavor} widths, batch "
+        f"{args.batch} x seq {args.seq_len} (* = the fixed configuration now)"
+    )
+    print(f"{'call':<11} {'channels':>8} {'config':>10} {'ms':>8} {'bound ms':>9}")
+    for r in result["rows"]:
+        bound = r["bound_ms"] if r["bound_ms"] is not None else float("nan")
+        print(
+            f"{r['call']:<11} {r['channels']:>8} "
+            f"{r['config']:>10}{'*' if r['current'] else ' '} {r['ms']:>8.3f} "
+            f"{bound:>9.3f}"
+        )
+    return result
+
+
 # ----------------------------------------------------------------------------- driver
 
 
@@ -673,6 +702,7 @@ def main(argv=None) -> int:
         "traffic": run_traffic,
         "ops": run_ops,
         "bwd_blocks": run_bwd_blocks,
+        "fwd_blocks": run_fwd_blocks,
     }[args.mode](args)
     if args.json:
         write_atomic(args.json, json.dumps(results, indent=2))

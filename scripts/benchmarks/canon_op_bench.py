@@ -9,6 +9,10 @@ allocates. Device-independent; runs anywhere.
 blocks are fixed, not autotuned, so that dw/db are bitwise reproducible: this picks the fixed ones),
 against the backward's memory bound.
 
+``fwd_blocks``: on a GPU, the forward kernels alone at each candidate configuration of
+``canon.FORWARD_CONFIGS`` (the forward's blocks are fixed, not autotuned, so that every rank runs
+the same: this checks the fixed ones against the others), against the forward's memory bound.
+
 ``ops``: on a GPU, forward+backward time of Canon calls (the Triton kernels, and fla's
 ``causal_conv1d`` on the same work) against the memory bound (``traffic``'s bytes over the bandwidth
 of a large device copy), the first call's compile-and-autotune time and the configurations the
@@ -399,6 +403,71 @@ def backward_blocks(
                 )
     finally:
         canon.BACKWARD_BLOCKS, canon.SWIGLU_BACKWARD_BLOCKS = chosen["conv"], chosen["swiglu"]
+    return {
+        "device": torch.cuda.get_device_name() if cuda else "cpu (Triton interpreter)",
+        "batch": batch,
+        "seq": seq,
+        "rows": rows,
+    }
+
+
+def _forward(call: Call, t: dict):
+    """The call's forward kernel as the models launch it (the op's body: eager, or on meta tensors
+    for ``aot.record_launches``)."""
+    if call.swiglu:
+        return lambda: canon.swiglu_forward(
+            t["x"], t["up"], t["weight"], t["bias"], call.residual, call.activation
+        )
+    return lambda: canon.conv_forward(
+        t["x"],
+        t["weight"],
+        t["bias"],
+        t.get("row_scale"),
+        t.get("col_scale"),
+        call.residual,
+        call.activation,
+    )
+
+
+def _blocks_label(blocks: dict) -> str:
+    return f"{blocks['CHUNK']}x{blocks['BLOCK_C']}/{blocks['num_warps']}w"
+
+
+def forward_blocks(calls: list[Call], batch: int, seq: int, reps: int) -> dict:
+    """Milliseconds of each call's forward kernel at each configuration of
+    ``canon.FORWARD_CONFIGS`` (set as ``canon.FORWARD_BLOCKS``, which the launches pass); the
+    memory bound is the launch's bytes over the copy bandwidth. In the interpreter the blocks are
+    its own (``canon._interpreter_blocks``): the rows check the code path only."""
+    cuda = torch.cuda.is_available()
+    device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    bandwidth = copy_bandwidth() if cuda else None
+    fixed = canon.FORWARD_BLOCKS
+    candidates = [{**c.kwargs, "num_warps": c.num_warps} for c in canon.FORWARD_CONFIGS]
+    rows = []
+    try:
+        for call in calls:
+            gen = torch.Generator().manual_seed(0)
+            t = inputs(call, batch, seq, device, dtype, gen)
+            bound = None
+            if cuda:
+                launches = aot.record_launches(_forward(call, inputs(call, batch, seq, "meta")))
+                bound = 1000 * _launch_bytes(launches) / bandwidth
+            for blocks in candidates:
+                canon.FORWARD_BLOCKS = blocks
+                step = _forward(call, t)
+                step()  # compiles
+                rows.append(
+                    {
+                        "call": call.name,
+                        "channels": call.channels,
+                        "config": _blocks_label(blocks),
+                        "ms": _time_ms(step, reps),
+                        "bound_ms": bound,
+                        "current": blocks == fixed,
+                    }
+                )
+    finally:
+        canon.FORWARD_BLOCKS = fixed
     return {
         "device": torch.cuda.get_device_name() if cuda else "cpu (Triton interpreter)",
         "batch": batch,

@@ -36,6 +36,8 @@ report is rewritten, so a run killed from outside keeps what it measured. Run it
   float8_rowwise
   canon_bwd_blocks    the Canon backward kernels at each candidate block configuration (bench_canon
                       --mode bwd_blocks: the fixed blocks are chosen from it)
+  canon_fwd_blocks    the same of the forward kernels (--mode fwd_blocks: the fixed FORWARD_BLOCKS
+                      against the other candidates of FORWARD_CONFIGS)
   float8_gemms        a Llama block's float8 GEMMs as torchao's recipes run them, against bf16, at
       the
                       shapes of the planner's TP 8 calibration points and of LlamaCanon-1B
@@ -329,13 +331,28 @@ def steps(tiny: bool, work: Path) -> list[Step]:
             str(work / "canon_bwd_blocks.json"),
         ],
     )
+    forward_blocks_step = Step(
+        "canon_fwd_blocks",
+        60,
+        [
+            py,
+            "scripts/benchmarks/bench_canon.py",
+            "--mode",
+            "fwd_blocks",
+            *(ops or ["--reps", "20"]),
+            "--json",
+            str(work / "canon_fwd_blocks.json"),
+        ],
+    )
     ordered = [Step("env", 60, [py, SCRIPT, "--env", str(work / "env.json")]), *correctness]
     # The op microbenchmarks (the Canon backward's block sweep first: it picks the fixed blocks)
     # after every trainer run but the torch-backend reference.
     return (
         ordered
         + [trainer[n] for n in trainer if n != "canon_torch"]
-        + [blocks_step, float8_gemms, ops_step]
+        + [blocks_step]
+        + ([] if tiny else [forward_blocks_step])  # its own test runs it at toy sizes
+        + [float8_gemms, ops_step]
         + ([] if tiny else [cp_step])  # its own test runs it at toy sizes
         + ([trainer["canon_torch"]] if "canon_torch" in trainer else [])
     )

@@ -265,10 +265,12 @@ def markdown(report: dict) -> str:
             lines += _trainer_table(
                 mine, everything, title, unmeasured if table == "linear" else None
             )
-    blocks = steps.get("canon_bwd_blocks", {}).get("data")
-    if blocks:
+    for step, kind in (("canon_bwd_blocks", "backward"), ("canon_fwd_blocks", "forward")):
+        blocks = steps.get(step, {}).get("data")
+        if not blocks:
+            continue
         lines += [
-            f"**Canon backward kernels by block configuration**, {blocks['device']}, batch "
+            f"**Canon {kind} kernels by block configuration**, {blocks['device']}, batch "
             f"{blocks['batch']} x "
             f"seq {blocks['seq']} (* = the fixed configuration of this checkout)",
             "",

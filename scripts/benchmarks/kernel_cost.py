@@ -2,15 +2,18 @@
 """A GPU's cost of each Triton kernel a training step launches, read from the compiled kernels on
 this CPU (``canon_titan/plan/kernel_cost.py``: SASS counted by ``canon_titan/kernels/sass.py``).
 
-canon       every Canon kernel of a LlamaCanon-1B layer at --batch x --seq-len (8 x 4096): SASS per
-element by class, registers, bytes, memory- against issue-bound time, per step inductor
-Inductor's kernels of a compiled LlamaCanon-1B block (generated for sm_90 here) linear      the
-recurrence and Canon kernels of GLA5/GDN2/Mamba2-1B at 16,384 x 1 first-step  every kernel
-configuration the linear models' first step compiles and times (after kernels/tuning.py's
-narrowing), each compiled for sm_90 here: the compile time leases      predicted against measured
-for every GPU lease that timed kernels, the kernels as they were then (git show of their commit)
-guard       the figures tests/test_kernel_cost_guard.py holds predict     what the next lease's
-block sweep of the Canon backward kernels should time
+canon       every Canon kernel of a LlamaCanon-1B layer at --batch x --seq-len (8 x 4096): SASS
+            per element by class, registers, bytes, memory- against issue-bound time, per step
+inductor    Inductor's kernels of a compiled LlamaCanon-1B block (generated for sm_90 here)
+linear      the recurrence and Canon kernels of GLA5/GDN2/Mamba2-1B at 16,384 x 1
+first-step  every kernel configuration the linear models' first step compiles and times (after
+            kernels/tuning.py's narrowing), each compiled for sm_90 here: the compile time
+leases      predicted against measured for every GPU lease that timed kernels, the kernels as they
+            were then (git show of their commit)
+guard       the figures tests/test_kernel_cost_guard.py holds (with CANON_TITAN_FULL_AUTOTUNE=1:
+            each forward call's fastest candidate too)
+predict     what the next lease's block sweeps of the Canon kernels (backward and forward) should
+            time
 
     .venv/bin/python scripts/benchmarks/kernel_cost.py canon
     .venv/bin/python scripts/benchmarks/kernel_cost.py leases --json out.json
@@ -547,8 +550,8 @@ def table_first_step(args) -> dict:
 
 def guard_figures(pinned: dict[str, str] | None = None) -> dict[str, list]:
     """Per Canon call of a LlamaCanon-1B layer at 8 x 4096 (``_variant``): its kernel, the
-    configuration it runs with (``pinned``'s, the only one compiled, where given; else the fastest
-    by the instrument, every candidate compiled), its SASS instructions per element and its
+    configuration it runs with (``pinned``'s, the only one compiled, where it names one; else the
+    fastest by the instrument, every candidate compiled), its SASS instructions per element and its
     issue-bound time at 100% over its memory-bound time. ``tests/test_kernel_cost_guard.py`` holds
     them."""
     gpu = _gpu()
@@ -563,8 +566,8 @@ def guard_figures(pinned: dict[str, str] | None = None) -> dict[str, list]:
             continue
         (launch,) = kernel_counts.launches(op, args)
         configs = launch.configs()
-        if pinned is not None:
-            wanted = pinned.get(variant)
+        wanted = (pinned or {}).get(variant)
+        if wanted is not None:
             chosen = [c for c in configs if c.label == wanted]
             if not chosen:
                 raise SystemExit(
@@ -745,41 +748,76 @@ def canon_ms(commit: str | None, family: str, batch: int, seq_len: int) -> float
 
 
 def table_predict(args) -> dict:
-    """What the next lease's block sweep (``bench_canon.py --mode bwd_blocks``) should time with
-    today's kernels: each call at each candidate configuration, predicted before the run."""
-    from canon_op_bench import BACKWARD_CANDIDATES
-    from canon_titan.kernels import canon
+    """What the next lease's block sweeps (``bench_canon.py --mode bwd_blocks`` and ``fwd_blocks``,
+    one call alone at 2 x 4096, 1B widths) should time with today's kernels: each call at each
+    candidate configuration, predicted before the run; * marks the fixed one."""
+    import canon_op_bench as bench
+    from canon_titan.kernels import canon, sass
 
     gpu = _gpu()
     given = kernel_cost.assumptions(gpu)
     codes = kernel_counts.Codes(kernel_counts.cache_folder())
-    saved = canon.BACKWARD_BLOCKS, canon.RECOMPUTING_BACKWARD_BLOCKS
+    batch, seq = 2, 4096
+    layer = {call.name: call for call in bench.llama_canon_layer("1B")}
+    mamba2 = bench.mamba2_short_conv("1B")
+    names = {"conv": "BACKWARD_BLOCKS", "swiglu": "SWIGLU_BACKWARD_BLOCKS"}
+    fixed = {name: getattr(canon, name) for name in ("FORWARD_BLOCKS", *names.values())}
+
+    def predicted(sweep: str, call, run, blocks: dict, current: bool) -> dict:
+        costs = [
+            kernel_cost.best(kernel_counts.launch_counts(launch, codes), gpu, given)
+            for launch in sass.record_launches(run)
+        ]
+        label = f"{blocks['BLOCK_C']}/{blocks['num_warps']}w U{blocks['U']}"
+        if sweep == "forward":
+            label = bench._blocks_label(blocks)
+        return {
+            "sweep": sweep,
+            "call": call.name,
+            "blocks": label + (" *" if current else ""),
+            "registers": max(c.count.registers for c in costs),
+            "memory_ms": 1e3 * sum(c.memory_s for c in costs),
+            "predicted_ms": 1e3 * sum(c.seconds for c in costs),
+        }
+
     rows = []
     try:
-        for call in ("Canon-A", "Canon-D", "Mamba2 b"):
-            for blocks in BACKWARD_CANDIDATES:
-                costs = [
-                    kernel_cost.best(kernel_counts.launch_counts(launch, codes), gpu, given)
-                    for launch in _swept_launches(canon, call, blocks)
-                ]
-                rows.append(
-                    {
-                        "call": call,
-                        "blocks": "{}x{}/{}w".format(*blocks),
-                        "registers": max(c.count.registers for c in costs),
-                        "memory_ms": 1e3 * sum(c.memory_s for c in costs),
-                        "predicted_ms": 1e3 * sum(c.seconds for c in costs),
-                    }
-                )
+        for call in (layer["A"], layer["D"], mamba2):
+            meta = bench.inputs(call, batch, seq, "meta")
+            dy = meta["x"].new_empty(batch, seq, call.channels)
+            name = names["swiglu" if call.swiglu else "conv"]
+            for block_c, unroll, warps in bench.BACKWARD_CANDIDATES:
+                blocks = {**fixed[name], "BLOCK_C": block_c, "U": unroll, "num_warps": warps}
+                setattr(canon, name, blocks)
+                run = bench._backward(call, meta, dy, bodies=True)
+                rows.append(predicted("backward", call, run, blocks, blocks == fixed[name]))
+            setattr(canon, name, fixed[name])
+        for call in (layer["A"], layer["B v"], layer["D"], mamba2):
+            meta = bench.inputs(call, batch, seq, "meta")
+            for config in canon.FORWARD_CONFIGS:
+                blocks = {**config.kwargs, "num_warps": config.num_warps}
+                canon.FORWARD_BLOCKS = blocks
+                run = bench._forward(call, meta)
+                current = blocks == fixed["FORWARD_BLOCKS"]
+                rows.append(predicted("forward", call, run, blocks, current))
     finally:
-        canon.BACKWARD_BLOCKS, canon.RECOMPUTING_BACKWARD_BLOCKS = saved
+        for name, blocks in fixed.items():
+            setattr(canon, name, blocks)
     print(
-        md("call (one, batch 2 x 4096)", "blocks", "registers", "memory-bound ms", "predicted ms")
+        md(
+            "sweep",
+            "call (one, batch 2 x 4096)",
+            "blocks",
+            "registers",
+            "memory-bound ms",
+            "predicted ms",
+        )
     )
-    print(md("---", "---", "---:", "---:", "---:"))
+    print(md("---", "---", "---", "---:", "---:", "---:"))
     for r in rows:
         print(
             md(
+                r["sweep"],
                 r["call"],
                 r["blocks"],
                 r["registers"],
