@@ -582,44 +582,17 @@ def run_ops(args) -> dict:
     return result
 
 
-def run_bwd_blocks(args) -> dict:
-    from canon_op_bench import backward_blocks, llama_canon_layer, mamba2_short_conv
+def _run_blocks(args, kind: str) -> dict:
+    """``--mode bwd_blocks`` / ``fwd_blocks``: the block sweep of the Canon ``kind`` kernels."""
+    import canon_op_bench as bench
 
-    layer = {call.name: call for call in llama_canon_layer(args.flavor)}
-    result = backward_blocks(
-        [layer["A"], layer["D"], mamba2_short_conv(args.flavor)],
-        args.batch,
-        args.seq_len,
-        args.reps,
-    )
+    layer = {call.name: call for call in bench.llama_canon_layer(args.flavor)}
+    names = ["A", "D"] if kind == "backward" else ["A", "B v", "D"]
+    sweep = bench.backward_blocks if kind == "backward" else bench.forward_blocks
+    calls = [layer[name] for name in names] + [bench.mamba2_short_conv(args.flavor)]
+    result = sweep(calls, args.batch, args.seq_len, args.reps)
     print(
-        f"Canon backward kernels by block configuration, {result['device']}, flavor "
-        f"{args.flavor} widths, batch "
-        f"{args.batch} x seq {args.seq_len} (* = the fixed configuration now)"
-    )
-    print(f"{'call':<11} {'channels':>8} {'config':>10} {'ms':>8} {'bound ms':>9}")
-    for r in result["rows"]:
-        bound = r["bound_ms"] if r["bound_ms"] is not None else float("nan")
-        print(
-            f"{r['call']:<11} {r['channels']:>8} "
-            f"{r['config']:>10}{'*' if r['current'] else ' '} {r['ms']:>8.3f} "
-            f"{bound:>9.3f}"
-        )
-    return result
-
-
-def run_fwd_blocks(args) -> dict:
-    from canon_op_bench import forward_blocks, llama_canon_layer, mamba2_short_conv
-
-    layer = {call.name: call for call in llama_canon_layer(args.flavor)}
-    result = forward_blocks(
-        [layer["A"], layer["B v"], layer["D"], mamba2_short_conv(args.flavor)],
-        args.batch,
-        args.seq_len,
-        args.reps,
-    )
-    print(
-        f"Canon forward kernels by block configuration, {result['device']}, flavor "
+        f"Canon {kind} kernels by block configuration, {result['device']}, flavor "
         f"{args.flavor} widths, batch "
         f"{args.batch} x seq {args.seq_len} (* = the fixed configuration now)"
     )
@@ -701,8 +674,8 @@ def main(argv=None) -> int:
         "bytes": run_bytes,
         "traffic": run_traffic,
         "ops": run_ops,
-        "bwd_blocks": run_bwd_blocks,
-        "fwd_blocks": run_fwd_blocks,
+        "bwd_blocks": lambda args: _run_blocks(args, "backward"),
+        "fwd_blocks": lambda args: _run_blocks(args, "forward"),
     }[args.mode](args)
     if args.json:
         write_atomic(args.json, json.dumps(results, indent=2))

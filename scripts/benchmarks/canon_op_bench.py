@@ -148,25 +148,8 @@ def traffic(call: Call, batch: int, seq: int) -> dict:
 
     def run():
         with host:
-            if call.swiglu:
-                y = canon.swiglu_forward(
-                    t["x"], t["up"], t["weight"], t["bias"], call.residual, call.activation
-                )
-                canon.swiglu_backward(
-                    y, t["x"], t["up"], t["weight"], t["bias"], call.residual, call.activation
-                )
-            else:
-                args = (
-                    t["x"],
-                    t["weight"],
-                    t["bias"],
-                    t.get("row_scale"),
-                    t.get("col_scale"),
-                    call.residual,
-                    call.activation,
-                )
-                y = canon.conv_forward(*args)
-                _backward(call, t, y, bodies=True)()
+            y = _forward(call, t)()
+            _backward(call, t, y, bodies=True)()
 
     launches = aot.record_launches(run)
     return {
@@ -347,16 +330,14 @@ def _backward(call: Call, t: dict, dy: torch.Tensor, bodies: bool = False):
         return lambda: weights(
             dy, t["x"], t["weight"], t["bias"], t["row_scale"], t["col_scale"], call.residual
         )
-    return lambda: conv(
-        dy,
-        t["x"],
-        t["weight"],
-        t["bias"],
-        t.get("row_scale"),
-        t.get("col_scale"),
-        call.residual,
-        call.activation,
-    )
+    return lambda: conv(dy, *_conv_args(call, t))
+
+
+def _conv_args(call: Call, t: dict) -> tuple:
+    """A convolution's arguments (after the gradient, in a backward): the input, weight, bias,
+    scales and flags."""
+    x, scales = t["x"], (t.get("row_scale"), t.get("col_scale"))
+    return x, t["weight"], t["bias"], *scales, call.residual, call.activation
 
 
 def backward_blocks(
@@ -418,15 +399,7 @@ def _forward(call: Call, t: dict):
         return lambda: canon.swiglu_forward(
             t["x"], t["up"], t["weight"], t["bias"], call.residual, call.activation
         )
-    return lambda: canon.conv_forward(
-        t["x"],
-        t["weight"],
-        t["bias"],
-        t.get("row_scale"),
-        t.get("col_scale"),
-        call.residual,
-        call.activation,
-    )
+    return lambda: canon.conv_forward(*_conv_args(call, t))
 
 
 def _blocks_label(blocks: dict) -> str:
