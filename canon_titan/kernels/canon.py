@@ -85,9 +85,9 @@ thread (8-byte loads; at 2 a thread the per-row work of a walk is shared by too 
 warp. Fixed, not autotuned: every rank of a job runs the same blocks and none times candidates at
 its first step (under torch.compile Inductor would autotune in each process, out of reach of
 ``kernels/tuning.py``'s rank-0 choice, and at a thousand ranks some rank picks badly and the step
-runs at its pace). It is the candidate of ``FORWARD_CONFIGS`` the compiled kernels' cost
-(``plan/kernel_cost.py``, sm_90 SASS and bytes) finds fastest at each forward call of a
-LlamaCanon-1B layer at 8 x 4096 (``tests/test_kernel_cost_guard.py`` holds it there)."""
+runs at its pace). Of ``FORWARD_CONFIGS``, the compiled kernels' cost (``plan/kernel_cost.py``,
+sm_90 SASS and bytes) finds none faster at any forward call of a LlamaCanon-1B layer at 8 x 4096
+(most tie: the kernels are memory-bound; ``tests/test_kernel_cost_guard.py`` holds it there)."""
 
 FORWARD_CONFIGS = [
     triton.Config({"BLOCK_C": c, "CHUNK": t, "STREAMS": 1, "U": 4}, num_warps=w)

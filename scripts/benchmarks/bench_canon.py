@@ -586,11 +586,8 @@ def _run_blocks(args, kind: str) -> dict:
     """``--mode bwd_blocks`` / ``fwd_blocks``: the block sweep of the Canon ``kind`` kernels."""
     import canon_op_bench as bench
 
-    layer = {call.name: call for call in bench.llama_canon_layer(args.flavor)}
-    names = ["A", "D"] if kind == "backward" else ["A", "B v", "D"]
     sweep = bench.backward_blocks if kind == "backward" else bench.forward_blocks
-    calls = [layer[name] for name in names] + [bench.mamba2_short_conv(args.flavor)]
-    result = sweep(calls, args.batch, args.seq_len, args.reps)
+    result = sweep(bench.swept_calls(kind, args.flavor), args.batch, args.seq_len, args.reps)
     print(
         f"Canon {kind} kernels by block configuration, {result['device']}, flavor "
         f"{args.flavor} widths, batch "

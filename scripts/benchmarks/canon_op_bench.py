@@ -376,7 +376,7 @@ def backward_blocks(
                         "call": call.name,
                         "channels": call.channels,
                         "kind": kind,
-                        "config": f"{block_c}/{warps}w U{unroll}",
+                        "config": backward_label(blocks),
                         "ms": _time_ms(step, reps),
                         "bound_ms": bound,
                         "current": blocks == chosen[kind],
@@ -402,8 +402,25 @@ def _forward(call: Call, t: dict):
     return lambda: canon.conv_forward(*_conv_args(call, t))
 
 
-def _blocks_label(blocks: dict) -> str:
+def forward_candidates() -> list[dict]:
+    """``canon.FORWARD_CONFIGS`` as values of ``canon.FORWARD_BLOCKS``."""
+    return [{**c.kwargs, "num_warps": c.num_warps} for c in canon.FORWARD_CONFIGS]
+
+
+def forward_label(blocks: dict) -> str:
     return f"{blocks['CHUNK']}x{blocks['BLOCK_C']}/{blocks['num_warps']}w"
+
+
+def backward_label(blocks: dict) -> str:
+    return f"{blocks['BLOCK_C']}/{blocks['num_warps']}w U{blocks['U']}"
+
+
+def swept_calls(kind: str, flavor: str) -> list[Call]:
+    """The calls a block sweep of the ``kind`` ("forward", "backward") kernels times: Canon-A and
+    Canon-D (and B-v's narrower forward) of a LlamaCanon layer, and Mamba2's short convolution."""
+    layer = {call.name: call for call in llama_canon_layer(flavor)}
+    names = ["A", "D"] if kind == "backward" else ["A", "B v", "D"]
+    return [layer[name] for name in names] + [mamba2_short_conv(flavor)]
 
 
 def forward_blocks(calls: list[Call], batch: int, seq: int, reps: int) -> dict:
@@ -415,7 +432,6 @@ def forward_blocks(calls: list[Call], batch: int, seq: int, reps: int) -> dict:
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     bandwidth = copy_bandwidth() if cuda else None
     fixed = canon.FORWARD_BLOCKS
-    candidates = [{**c.kwargs, "num_warps": c.num_warps} for c in canon.FORWARD_CONFIGS]
     rows = []
     try:
         for call in calls:
@@ -425,7 +441,7 @@ def forward_blocks(calls: list[Call], batch: int, seq: int, reps: int) -> dict:
             if cuda:
                 launches = aot.record_launches(_forward(call, inputs(call, batch, seq, "meta")))
                 bound = 1000 * _launch_bytes(launches) / bandwidth
-            for blocks in candidates:
+            for blocks in forward_candidates():
                 canon.FORWARD_BLOCKS = blocks
                 step = _forward(call, t)
                 step()  # compiles
@@ -433,7 +449,7 @@ def forward_blocks(calls: list[Call], batch: int, seq: int, reps: int) -> dict:
                     {
                         "call": call.name,
                         "channels": call.channels,
-                        "config": _blocks_label(blocks),
+                        "config": forward_label(blocks),
                         "ms": _time_ms(step, reps),
                         "bound_ms": bound,
                         "current": blocks == fixed,

@@ -758,8 +758,6 @@ def table_predict(args) -> dict:
     given = kernel_cost.assumptions(gpu)
     codes = kernel_counts.Codes(kernel_counts.cache_folder())
     batch, seq = 2, 4096
-    layer = {call.name: call for call in bench.llama_canon_layer("1B")}
-    mamba2 = bench.mamba2_short_conv("1B")
     names = {"conv": "BACKWARD_BLOCKS", "swiglu": "SWIGLU_BACKWARD_BLOCKS"}
     fixed = {name: getattr(canon, name) for name in ("FORWARD_BLOCKS", *names.values())}
 
@@ -768,9 +766,7 @@ def table_predict(args) -> dict:
             kernel_cost.best(kernel_counts.launch_counts(launch, codes), gpu, given)
             for launch in sass.record_launches(run)
         ]
-        label = f"{blocks['BLOCK_C']}/{blocks['num_warps']}w U{blocks['U']}"
-        if sweep == "forward":
-            label = bench._blocks_label(blocks)
+        label = bench.forward_label(blocks) if sweep == "forward" else bench.backward_label(blocks)
         return {
             "sweep": sweep,
             "call": call.name,
@@ -782,7 +778,7 @@ def table_predict(args) -> dict:
 
     rows = []
     try:
-        for call in (layer["A"], layer["D"], mamba2):
+        for call in bench.swept_calls("backward", "1B"):
             meta = bench.inputs(call, batch, seq, "meta")
             dy = meta["x"].new_empty(batch, seq, call.channels)
             name = names["swiglu" if call.swiglu else "conv"]
@@ -792,10 +788,9 @@ def table_predict(args) -> dict:
                 run = bench._backward(call, meta, dy, bodies=True)
                 rows.append(predicted("backward", call, run, blocks, blocks == fixed[name]))
             setattr(canon, name, fixed[name])
-        for call in (layer["A"], layer["B v"], layer["D"], mamba2):
+        for call in bench.swept_calls("forward", "1B"):
             meta = bench.inputs(call, batch, seq, "meta")
-            for config in canon.FORWARD_CONFIGS:
-                blocks = {**config.kwargs, "num_warps": config.num_warps}
+            for blocks in bench.forward_candidates():
                 canon.FORWARD_BLOCKS = blocks
                 run = bench._forward(call, meta)
                 current = blocks == fixed["FORWARD_BLOCKS"]
